@@ -1,0 +1,1 @@
+//! Cross-crate criterion benches live in benches/benches/.

@@ -1,0 +1,1 @@
+//! flashkda (under construction by its owner).

@@ -1,0 +1,1 @@
+//! moonep (under construction by its owner).
