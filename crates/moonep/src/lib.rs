@@ -1,1 +1,6 @@
-//! moonep (under construction by its owner).
+//! moonep: balanced expert-parallel dispatch/combine with dynamic redundant experts.
+//!
+//! - [`plan`]: the deterministic integer planner (spec §2), shared by the CPU reference and the
+//!   host side of the GPU implementation.
+
+pub mod plan;
