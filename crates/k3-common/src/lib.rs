@@ -7,9 +7,13 @@
 //!
 //! Invariant: without the `cuda` feature this crate pulls no CUDA crate (agentenv depends on it so).
 
+pub mod cpio;
+pub mod device;
 pub mod fsutil;
+pub mod kvm;
 pub mod report;
 pub mod telemetry;
 pub mod time;
+pub mod toolkit;
 
 pub use report::{Better, Figure, Plot, PlotKind, Report, Section, Series, Stats, Tier};

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Installs everything k3-stack needs on a fresh Debian 12 machine (apt, pip, Rust), then runs the given
+# command with the environment set, e.g.  ci/setup.sh cargo xtask test
+# Idempotent: a second run installs nothing and takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+
+# apt: QEMU + guest kernel + userland tools for agentenv, protoc, busybox for the KVM probe.
+APT_PKGS=(build-essential pkg-config curl ca-certificates git python3 python3-venv python3-pip
+  qemu-system-x86 qemu-utils busybox-static debootstrap e2fsprogs cpio xz-utils binutils
+  protobuf-compiler linux-image-amd64)
+missing=()
+for p in "${APT_PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "apt install ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Rust (the workspace needs 1.95 or newer).
+export PATH="$HOME/.cargo/bin:$PATH"
+if ! command -v cargo >/dev/null; then
+  log "installing Rust 1.95 with rustup"
+  curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain 1.95 -c clippy,rustfmt
+fi
+
+# Python tools in a venv (Debian's Python refuses system-wide pip installs): the e2b SDK for the
+# compatibility tests, pytest, maturin for the abi3 wheels.
+VENV="${K3_VENV:-$PWD/.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import e2b, pytest" 2>/dev/null || [ ! -x "$VENV/bin/maturin" ]; then
+  log "pip install e2b pytest maturin"
+  "$VENV/bin/pip" install -q "e2b==2.63.0" "pytest>=8" "maturin==1.16.0"
+fi
+export PATH="$VENV/bin:$PATH"
+
+# nvcc 13.0 from PyPI (no GPU needed): every kernel compiles in every run.
+CUDA_PIP_DIR="${K3_CUDA_PIP_DIR:-/opt/cuda13}"
+[ -w "$(dirname "$CUDA_PIP_DIR")" ] || CUDA_PIP_DIR="$HOME/.cache/k3-stack/cuda13"
+if [ ! -x "$CUDA_PIP_DIR/nvidia/cu13/bin/nvcc" ]; then
+  log "pip install cuda-toolkit 13.0.2 (nvcc) into $CUDA_PIP_DIR"
+  "$VENV/bin/pip" install -q --target "$CUDA_PIP_DIR" "cuda-toolkit[nvcc,crt,nvvm,cudart,cccl]==13.0.2"
+fi
+export K3_CUDA_PIP_DIR="$CUDA_PIP_DIR" CUDA_HOME="$CUDA_PIP_DIR/nvidia/cu13"
+export PATH="$CUDA_HOME/bin:$PATH"
+
+if [ $# -gt 0 ]; then
+  log "running: $*"
+  exec "$@"
+fi

@@ -1,0 +1,394 @@
+//! The session: one reader task and one writer task over the channel, and the stream table.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, ReadHalf, WriteHalf};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::frame::{self, Frame, HEADER_LEN, Kind, MAX_PAYLOAD};
+use crate::stream::{Delivery, MuxStream, StreamShared};
+use crate::{MAX_STREAMS, MuxError};
+
+/// How often the client repeats its HELLO until the server acknowledges it.
+const HELLO_RETRY: Duration = Duration::from_millis(100);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Client,
+    Server,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    Handshaking,
+    Ready,
+    Closed(String),
+}
+
+struct Table {
+    streams: HashMap<u32, Arc<StreamShared>>,
+    next_id: u32,
+    nonce: u64,
+}
+
+pub(crate) struct Inner {
+    role: Role,
+    tx: mpsc::UnboundedSender<Outgoing>,
+    table: Mutex<Table>,
+    phase: watch::Sender<Phase>,
+    accept_tx: Mutex<Option<mpsc::UnboundedSender<Arc<StreamShared>>>>,
+}
+
+/// Aborts the session tasks once the session and all its streams are dropped.
+pub(crate) struct TaskGuard {
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        for t in self.tasks.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            t.abort();
+        }
+    }
+}
+
+impl Inner {
+    fn table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a frame for the writer; false when the session is gone.
+    pub(crate) fn send_frame(&self, f: Frame) -> bool {
+        self.tx.send(Outgoing::Frame(f)).is_ok()
+    }
+
+    pub(crate) fn forget_stream(&self, id: u32, shared: &Arc<StreamShared>) {
+        let mut t = self.table();
+        if t.streams.get(&id).is_some_and(|s| Arc::ptr_eq(s, shared)) {
+            t.streams.remove(&id);
+        }
+    }
+
+    fn reset_all(&self, reason: &str) {
+        let old: Vec<_> = self.table().streams.drain().map(|(_, s)| s).collect();
+        for s in old {
+            s.reset(reason);
+        }
+    }
+
+    fn close(&self, reason: String) {
+        tracing::debug!(role = ?self.role, %reason, "mux session closed");
+        self.phase.send_replace(Phase::Closed(reason.clone()));
+        self.accept_tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.reset_all(&format!("mux session closed: {reason}"));
+    }
+}
+
+/// A multiplexed session over one byte channel. See the crate docs for the protocol.
+pub struct Session {
+    inner: Arc<Inner>,
+    guard: Arc<TaskGuard>,
+    accept_rx: tokio::sync::Mutex<Option<mpsc::UnboundedReceiver<Arc<StreamShared>>>>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("role", &self.inner.role).finish()
+    }
+}
+
+impl Session {
+    /// Starts the host side: sends a resync preamble and a HELLO with a fresh nonce (repeated
+    /// until the server echoes it), then lets [`Session::open`] open streams.
+    /// Must be called inside a tokio runtime.
+    pub fn client<IO>(io: IO) -> Session
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        Session::start(io, Role::Client)
+    }
+
+    /// Starts the guest side: skips bytes until a HELLO, acknowledges it, and hands every
+    /// stream the client opens to [`Session::accept`]. Must be called inside a tokio runtime.
+    pub fn server<IO>(io: IO) -> Session
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        Session::start(io, Role::Server)
+    }
+
+    fn start<IO>(io: IO, role: Role) -> Session
+    where
+        IO: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (rd, wr) = tokio::io::split(io);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (accept_tx, accept_rx) = mpsc::unbounded_channel();
+        let nonce = if role == Role::Client { rand::random::<u64>() } else { 0 };
+        let inner = Arc::new(Inner {
+            role,
+            tx,
+            table: Mutex::new(Table { streams: HashMap::new(), next_id: 1, nonce }),
+            phase: watch::channel(Phase::Handshaking).0,
+            accept_tx: Mutex::new((role == Role::Server).then_some(accept_tx)),
+        });
+        if role == Role::Client {
+            // Completes any frame a restored peer was half-way through reading; at a frame
+            // boundary the zero header is invalid and a server restarts its HELLO hunt.
+            let _ = inner.tx.send(Outgoing::Raw(vec![0u8; MAX_PAYLOAD + HEADER_LEN]));
+            inner.send_frame(Frame::hello(nonce));
+        }
+        let mut tasks = vec![
+            tokio::spawn(writer_task(wr, rx, inner.clone())),
+            tokio::spawn(reader_task(rd, inner.clone())),
+        ];
+        if role == Role::Client {
+            tasks.push(tokio::spawn(hello_retry_task(inner.clone(), nonce)));
+        }
+        Session {
+            inner,
+            guard: Arc::new(TaskGuard { tasks: Mutex::new(tasks) }),
+            accept_rx: tokio::sync::Mutex::new((role == Role::Server).then_some(accept_rx)),
+        }
+    }
+
+    /// Opens a new stream (client only). Waits for the handshake; fails once the session is closed.
+    pub async fn open(&self) -> Result<MuxStream, MuxError> {
+        if self.inner.role != Role::Client {
+            return Err(MuxError::Protocol("only the client side opens streams".into()));
+        }
+        self.ready().await?;
+        let shared = StreamShared::new();
+        let id = {
+            let mut t = self.inner.table();
+            let id = t.next_id;
+            t.next_id = t.next_id.wrapping_add(1).max(1);
+            t.streams.insert(id, shared.clone());
+            id
+        };
+        if !self.inner.send_frame(Frame::empty(id, Kind::Open)) {
+            return Err(MuxError::Closed("writer gone".into()));
+        }
+        Ok(MuxStream::new(id, shared, self.inner.clone(), self.guard.clone()))
+    }
+
+    /// Next stream opened by the client (server only); `None` once the session has ended.
+    pub async fn accept(&self) -> Option<MuxStream> {
+        let mut rx = self.accept_rx.lock().await;
+        let rx = rx.as_mut()?;
+        loop {
+            let shared = rx.recv().await?;
+            if shared.is_reset() {
+                continue; // dropped by a HELLO reset before anyone took it
+            }
+            let id = self
+                .inner
+                .table()
+                .streams
+                .iter()
+                .find(|(_, s)| Arc::ptr_eq(s, &shared))
+                .map(|(id, _)| *id);
+            let Some(id) = id else { continue };
+            return Some(MuxStream::new(id, shared, self.inner.clone(), self.guard.clone()));
+        }
+    }
+
+    /// Waits until the HELLO exchange is done.
+    pub async fn ready(&self) -> Result<(), MuxError> {
+        let mut rx = self.inner.phase.subscribe();
+        loop {
+            match &*rx.borrow_and_update() {
+                Phase::Ready => return Ok(()),
+                Phase::Closed(r) => return Err(MuxError::Closed(r.clone())),
+                Phase::Handshaking => {}
+            }
+            if rx.changed().await.is_err() {
+                return Err(MuxError::Closed("session dropped".into()));
+            }
+        }
+    }
+
+    /// Why the session ended, or `None` while it is alive.
+    pub fn close_reason(&self) -> Option<String> {
+        match &*self.inner.phase.borrow() {
+            Phase::Closed(r) => Some(r.clone()),
+            _ => None,
+        }
+    }
+
+    /// Waits until the session has ended and returns the reason.
+    pub async fn closed(&self) -> String {
+        let mut rx = self.inner.phase.subscribe();
+        loop {
+            if let Phase::Closed(r) = &*rx.borrow_and_update() {
+                return r.clone();
+            }
+            if rx.changed().await.is_err() {
+                return "session dropped".into();
+            }
+        }
+    }
+
+    /// The nonce of the current session (0 on a server before the first HELLO).
+    pub fn nonce(&self) -> u64 {
+        self.inner.table().nonce
+    }
+
+    /// Number of streams currently open.
+    pub fn stream_count(&self) -> usize {
+        self.inner.table().streams.len()
+    }
+}
+
+/// What the writer task puts on the channel.
+enum Outgoing {
+    Frame(Frame),
+    /// Raw bytes (the client's resync preamble), not a frame.
+    Raw(Vec<u8>),
+}
+
+async fn writer_task<W: AsyncWrite>(wr: WriteHalf<W>, mut rx: mpsc::UnboundedReceiver<Outgoing>, inner: Arc<Inner>) {
+    let mut wr = wr;
+    let mut buf = Vec::with_capacity(256 * 1024);
+    while let Some(f) = rx.recv().await {
+        buf.clear();
+        push_encoded(&f, &mut buf);
+        while buf.len() < 256 * 1024 {
+            match rx.try_recv() {
+                Ok(f) => push_encoded(&f, &mut buf),
+                Err(_) => break,
+            }
+        }
+        let res = async {
+            wr.write_all(&buf).await?;
+            wr.flush().await
+        }
+        .await;
+        if let Err(e) = res {
+            inner.close(format!("write failed: {e}"));
+            return;
+        }
+    }
+}
+
+fn push_encoded(o: &Outgoing, out: &mut Vec<u8>) {
+    match o {
+        Outgoing::Frame(f) => f.encode_into(out),
+        Outgoing::Raw(bytes) => out.extend_from_slice(bytes),
+    }
+}
+
+async fn hello_retry_task(inner: Arc<Inner>, nonce: u64) {
+    let mut rx = inner.phase.subscribe();
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(HELLO_RETRY) => {}
+            r = rx.changed() => if r.is_err() { return; },
+        }
+        if *rx.borrow() != Phase::Handshaking {
+            return;
+        }
+        inner.send_frame(Frame::hello(nonce));
+    }
+}
+
+async fn reader_task<R: AsyncRead>(rd: ReadHalf<R>, inner: Arc<Inner>) {
+    let mut rd = BufReader::with_capacity(128 * 1024, rd);
+    let reason = match read_loop(&mut rd, &inner).await {
+        Ok(()) => "peer closed the channel".to_string(),
+        Err(e) => e.to_string(),
+    };
+    inner.close(reason);
+}
+
+async fn read_loop<R: AsyncRead>(rd: &mut BufReader<ReadHalf<R>>, inner: &Arc<Inner>) -> Result<(), MuxError> {
+    // Both sides skip whatever precedes the first HELLO (a restored peer's half-sent frames).
+    let my_nonce = inner.table().nonce;
+    loop {
+        let Some(nonce) = frame::hunt_hello(rd).await? else { return Ok(()) };
+        match inner.role {
+            Role::Server => {
+                inner.table().nonce = nonce;
+                inner.send_frame(Frame::hello(nonce));
+                break;
+            }
+            Role::Client if nonce == my_nonce => break,
+            Role::Client => continue, // an ack for someone else's HELLO
+        }
+    }
+    inner.phase.send_replace(Phase::Ready);
+    while let Some(f) = frame::read_frame(rd).await? {
+        handle_frame(inner, f)?;
+    }
+    Ok(())
+}
+
+fn handle_frame(inner: &Arc<Inner>, f: Frame) -> Result<(), MuxError> {
+    let id = f.stream_id;
+    match f.kind {
+        Kind::Hello => {
+            let nonce = f.hello_nonce()?;
+            if inner.role == Role::Server {
+                let mut t = inner.table();
+                if t.nonce != nonce {
+                    t.nonce = nonce;
+                    drop(t);
+                    tracing::info!(nonce, "mux session reset by a new HELLO");
+                    inner.reset_all("mux session reset by the peer");
+                }
+                inner.send_frame(Frame::hello(nonce));
+            }
+            Ok(())
+        }
+        Kind::Open => {
+            if inner.role != Role::Server || id == 0 {
+                return Err(MuxError::Protocol(format!("unexpected OPEN of stream {id}")));
+            }
+            let shared = StreamShared::new();
+            let mut t = inner.table();
+            if t.streams.contains_key(&id) || t.streams.len() >= MAX_STREAMS {
+                drop(t);
+                inner.send_frame(Frame::empty(id, Kind::Rst));
+                return Ok(());
+            }
+            t.streams.insert(id, shared.clone());
+            drop(t);
+            let delivered = inner
+                .accept_tx
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .is_some_and(|tx| tx.send(shared.clone()).is_ok());
+            if !delivered {
+                inner.table().streams.remove(&id);
+                inner.send_frame(Frame::empty(id, Kind::Rst));
+            }
+            Ok(())
+        }
+        Kind::Data | Kind::Fin | Kind::Rst | Kind::Window => {
+            let Some(shared) = inner.table().streams.get(&id).cloned() else {
+                return Ok(()); // late frame for a stream already gone
+            };
+            match f.kind {
+                Kind::Data => {
+                    if let Delivery::Violation(why) = shared.push_data(f.payload) {
+                        tracing::warn!(stream = id, %why, "mux stream reset");
+                        shared.reset(&why);
+                        inner.table().streams.remove(&id);
+                        inner.send_frame(Frame::empty(id, Kind::Rst));
+                    }
+                }
+                Kind::Fin => shared.push_fin(),
+                Kind::Rst => {
+                    shared.reset("stream reset by the peer");
+                    inner.forget_stream(id, &shared);
+                }
+                _ => shared.add_credit(f.window_credit()?),
+            }
+            Ok(())
+        }
+    }
+}

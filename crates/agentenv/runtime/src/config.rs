@@ -1,0 +1,69 @@
+//! Runtime configuration and accelerator choice.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Which accelerator the caller asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Accel {
+    /// KVM when a probe guest really boots under it (verdict cached), TCG otherwise.
+    #[default]
+    Auto,
+    /// KVM, without probing (fails at boot where KVM cannot run the guest).
+    Kvm,
+    /// QEMU TCG software emulation.
+    Tcg,
+}
+
+/// The accelerator actually in use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AccelKind {
+    /// Hardware virtualisation through /dev/kvm.
+    Kvm,
+    /// QEMU TCG software emulation.
+    Tcg,
+}
+
+impl AccelKind {
+    /// Lowercase name, as in QEMU's `-accel` option.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AccelKind::Kvm => "kvm",
+            AccelKind::Tcg => "tcg",
+        }
+    }
+}
+
+/// Configuration of a [`crate::Runtime`].
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Folder for templates, sandboxes and their records (created if missing). Survives restarts.
+    pub state_dir: PathBuf,
+    /// Accelerator choice.
+    pub accel: Accel,
+    /// The `agentenv-guest` binary put into template rootfs images. `None`: env `AGENTENV_GUEST_BIN`,
+    /// else `target/{release,debug}/agentenv-guest` of the running executable's target folder.
+    pub guest_bin: Option<PathBuf>,
+    /// QEMU system emulator binary.
+    pub qemu_bin: PathBuf,
+    /// `qemu-img` binary (qcow2 overlays).
+    pub qemu_img_bin: PathBuf,
+    /// Folder for guest RAM files. `None`: `<state_dir>/` (persistent across host reboots);
+    /// a tmpfs folder such as /dev/shm makes create and pause cheaper but loses paused RAM on reboot.
+    pub ram_dir: Option<PathBuf>,
+}
+
+impl RuntimeConfig {
+    /// A configuration with defaults (Auto accel, QEMU from PATH) for `state_dir`.
+    pub fn new(state_dir: impl Into<PathBuf>) -> RuntimeConfig {
+        RuntimeConfig {
+            state_dir: state_dir.into(),
+            accel: Accel::Auto,
+            guest_bin: None,
+            qemu_bin: PathBuf::from("qemu-system-x86_64"),
+            qemu_img_bin: PathBuf::from("qemu-img"),
+            ram_dir: None,
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! One error enum per runtime operation.
+
+use std::path::PathBuf;
+
+use crate::agent::AgentError;
+use crate::kernel::KernelError;
+use crate::persist::PersistError;
+use crate::rootfs::RootfsError;
+use crate::vmm::VmmError;
+
+/// [`crate::Runtime::open`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The state folder could not be created or read.
+    #[error("state folder {path}: {source}")]
+    StateDir { path: PathBuf, source: std::io::Error },
+    /// The guest kernel could not be prepared.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A template record is unreadable.
+    #[error(transparent)]
+    Record(#[from] PersistError),
+}
+
+/// Building a template failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// The template id is empty or has characters other than `[A-Za-z0-9_.-]`.
+    #[error("invalid template id {0:?}")]
+    InvalidId(String),
+    /// The spec asks for an impossible machine.
+    #[error("invalid template spec: {0}")]
+    InvalidSpec(String),
+    /// The root filesystem could not be built.
+    #[error(transparent)]
+    Rootfs(#[from] RootfsError),
+    /// The template VM failed.
+    #[error("template VM: {0}")]
+    Vmm(#[from] VmmError),
+    /// The guest agent in the template VM did not come up.
+    #[error("template guest agent: {0}; console log: {log}")]
+    Agent { source: AgentError, log: String },
+    /// Writing the template record failed.
+    #[error(transparent)]
+    Record(#[from] PersistError),
+    /// File i/o.
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+}
+
+/// [`crate::Runtime::create`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CreateError {
+    /// No template with this id or alias.
+    #[error("unknown template {0:?}")]
+    UnknownTemplate(String),
+    /// The sandbox id is empty, too long, or has characters other than `[A-Za-z0-9_.-]`.
+    #[error("invalid sandbox id {0:?}")]
+    InvalidId(String),
+    /// A sandbox with this id exists.
+    #[error("sandbox {0} already exists")]
+    AlreadyExists(String),
+    /// Preparing the sandbox files failed.
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    /// The VM could not be restored.
+    #[error(transparent)]
+    Vmm(#[from] VmmError),
+    /// The guest agent did not answer.
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// `/init` with the env vars was refused.
+    #[error("guest agent refused /init: HTTP {0}")]
+    Init(u16),
+    /// The record could not be written.
+    #[error(transparent)]
+    Record(#[from] PersistError),
+}
+
+/// [`crate::Runtime::pause`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PauseError {
+    /// No sandbox with this id.
+    #[error("unknown sandbox {0}")]
+    NotFound(String),
+    /// The sandbox is already paused.
+    #[error("sandbox {0} is already paused")]
+    AlreadyPaused(String),
+    /// Stopping or saving the VM failed.
+    #[error(transparent)]
+    Vmm(#[from] VmmError),
+    /// Committing the snapshot failed.
+    #[error(transparent)]
+    Record(#[from] PersistError),
+    /// Renaming the device state into place failed.
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+}
+
+/// [`crate::Runtime::resume`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    /// No sandbox with this id.
+    #[error("unknown sandbox {0}")]
+    NotFound(String),
+    /// The sandbox is running.
+    #[error("sandbox {0} is not paused")]
+    NotPaused(String),
+    /// Restoring the VM failed.
+    #[error(transparent)]
+    Vmm(#[from] VmmError),
+    /// The guest agent did not answer after the restore.
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// The record could not be written.
+    #[error(transparent)]
+    Record(#[from] PersistError),
+}
+
+/// [`crate::Runtime::kill`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KillError {
+    /// No sandbox with this id.
+    #[error("unknown sandbox {0}")]
+    NotFound(String),
+    /// Killing the VMM failed.
+    #[error(transparent)]
+    Vmm(#[from] VmmError),
+    /// Removing the sandbox files failed.
+    #[error("remove {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+/// [`crate::Runtime::open_agent_stream`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// No sandbox with this id.
+    #[error("unknown sandbox {0}")]
+    NotFound(String),
+    /// The sandbox is paused.
+    #[error("sandbox {0} is paused")]
+    Paused(String),
+    /// The mux session failed (and one reconnect did not help).
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+}
+
+/// [`crate::Runtime::recover`] failed as a whole (single sandboxes that cannot be recovered are
+/// reported as removed instead).
+#[derive(Debug, thiserror::Error)]
+pub enum RecoverError {
+    /// The sandboxes folder could not be read.
+    #[error("read {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}

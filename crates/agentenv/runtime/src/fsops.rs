@@ -1,0 +1,100 @@
+//! File operations on VM images: sparse copies of RAM files, hard links, qcow2 overlays.
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+/// Copies only the data extents of `src` into a new `dst` of the same length (holes stay holes),
+/// with `SEEK_DATA`/`SEEK_HOLE` and `copy_file_range`.
+pub fn sparse_copy(src: &Path, dst: &Path) -> std::io::Result<u64> {
+    let from = std::fs::File::open(src)?;
+    let to = std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(dst)?;
+    let len = from.metadata()?.len();
+    to.set_len(len)?;
+    let (fi, fo) = (from.as_raw_fd(), to.as_raw_fd());
+    let mut pos: i64 = 0;
+    let mut copied = 0u64;
+    while (pos as u64) < len {
+        // SAFETY: plain lseek on an owned fd.
+        let data = unsafe { libc::lseek(fi, pos, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break; // no data after pos
+            }
+            return Err(e);
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fi, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let (mut off_in, mut off_out) = (data, data);
+        while off_in < hole {
+            let want = (hole - off_in) as usize;
+            // SAFETY: both fds are open; the offsets are owned locals.
+            let n = unsafe { libc::copy_file_range(fi, &mut off_in, fo, &mut off_out, want, 0) };
+            if n < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if n == 0 {
+                break;
+            }
+            copied += n as u64;
+        }
+        pos = hole;
+    }
+    Ok(copied)
+}
+
+/// Hard-links `src` to `dst`, or copies it sparsely where a link is impossible (another filesystem).
+pub fn link_or_copy(src: &Path, dst: &Path) -> std::io::Result<()> {
+    let _ = std::fs::remove_file(dst);
+    match std::fs::hard_link(src, dst) {
+        Ok(()) => Ok(()),
+        Err(_) => sparse_copy(src, dst).map(|_| ()),
+    }
+}
+
+/// Creates a qcow2 overlay `overlay` backed by the raw image `base` (`qemu-img create -f qcow2 -b -F raw`).
+pub async fn create_overlay(qemu_img: &Path, base: &Path, overlay: &Path) -> std::io::Result<()> {
+    let o = tokio::process::Command::new(qemu_img)
+        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+        .arg(base)
+        .arg(overlay)
+        .output()
+        .await?;
+    if !o.status.success() {
+        return Err(std::io::Error::other(format!(
+            "qemu-img create {}: {}",
+            overlay.display(),
+            String::from_utf8_lossy(&o.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Seek, SeekFrom, Write};
+
+    #[test]
+    fn sparse_copy_keeps_data_and_holes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (src, dst) = (dir.path().join("src"), dir.path().join("dst"));
+        let mut f = std::fs::File::create(&src).unwrap();
+        f.set_len(64 << 20).unwrap();
+        let mut expect = vec![0u8; 64 << 20];
+        for _ in 0..20 {
+            let off = rand::random_range(0..(64u64 << 20) - 10_000);
+            let chunk: Vec<u8> = (0..9000).map(|_| rand::random::<u8>()).collect();
+            f.seek(SeekFrom::Start(off)).unwrap();
+            f.write_all(&chunk).unwrap();
+            expect[off as usize..off as usize + chunk.len()].copy_from_slice(&chunk);
+        }
+        drop(f);
+        let copied = sparse_copy(&src, &dst).unwrap();
+        assert!(copied < 32 << 20, "copied {copied} bytes: holes were copied");
+        assert_eq!(std::fs::read(&dst).unwrap(), expect);
+    }
+}

@@ -1,0 +1,201 @@
+//! Persisted records: versioned serde structs written atomically, one file per template and sandbox.
+//!
+//! Layout under `state_dir`:
+//! - `templates/<id>/template.json` ([`TemplateRecord`]), `base.ext4`, `base.mem`, `base.state`
+//! - `sandboxes/<id>/sandbox.json` ([`SandboxRecord`]), `disk.qcow2`, `device.state` (while paused),
+//!   sockets and logs; RAM in `ram_dir/<id>.mem`
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::vmm::{DiskFormat, VmSpec};
+
+/// Format version of every record in this module.
+pub const RECORD_VERSION: u32 = 1;
+
+/// Errors reading or writing records.
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    /// File i/o.
+    #[error("{what} {path}: {source}")]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    /// Bad JSON.
+    #[error("record {path}: {source}")]
+    Json { path: PathBuf, source: serde_json::Error },
+    /// Written by a newer or older format.
+    #[error("record {path} has version {found}, expected {RECORD_VERSION}")]
+    Version { path: PathBuf, found: u32 },
+}
+
+/// Public facts about a template.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateInfo {
+    /// Template id (`base` for the default one).
+    pub id: String,
+    /// Other names the template answers to.
+    pub aliases: Vec<String>,
+    /// vCPUs of every sandbox created from it.
+    pub vcpus: u32,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Root disk size in MiB.
+    pub disk_mib: u64,
+    /// RFC 3339 build time.
+    pub built_at: String,
+    /// envd protocol version the guest agent implements (E2B `envdVersion`).
+    pub envd_version: String,
+}
+
+/// The VM shape shared by a template's base snapshot and every sandbox restored from it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MachineRecord {
+    /// Uncompressed kernel.
+    pub kernel: PathBuf,
+    /// Initramfs.
+    pub initrd: PathBuf,
+    /// Kernel command line.
+    pub cmdline: String,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+}
+
+impl MachineRecord {
+    /// A [`VmSpec`] with this shape and the given per-VM files.
+    pub fn spec(&self, dir: &Path, ram_file: &Path, disk: &Path, disk_format: DiskFormat) -> VmSpec {
+        VmSpec {
+            dir: dir.to_owned(),
+            kernel: self.kernel.clone(),
+            initrd: self.initrd.clone(),
+            cmdline: self.cmdline.clone(),
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib,
+            ram_file: ram_file.to_owned(),
+            disk: disk.to_owned(),
+            disk_format,
+        }
+    }
+}
+
+/// A built template with its ready-to-resume base snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateRecord {
+    /// [`RECORD_VERSION`].
+    pub version: u32,
+    /// Public facts.
+    pub info: TemplateInfo,
+    /// Machine shape of the base snapshot.
+    pub machine: MachineRecord,
+    /// Raw ext4 root disk (the backing file of every sandbox overlay; never written after the build).
+    pub base_disk: PathBuf,
+    /// Guest RAM at snapshot time.
+    pub base_ram: PathBuf,
+    /// Device state at snapshot time (x-ignore-shared migration stream).
+    pub base_state: PathBuf,
+}
+
+/// Where a sandbox's VM is in its lifecycle, as committed on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "phase", rename_all = "snake_case")]
+pub enum SandboxPhase {
+    /// A VMM is being started; a crash here leaves nothing worth keeping.
+    Starting,
+    /// The VMM process `pid` runs the guest.
+    Running {
+        /// VMM process id.
+        pid: u32,
+    },
+    /// Stopped; device state in `device.state`, RAM in the RAM file, no VMM process.
+    Paused,
+}
+
+/// One sandbox VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    /// [`RECORD_VERSION`].
+    pub version: u32,
+    /// Sandbox id.
+    pub id: String,
+    /// Template it was created from.
+    pub template_id: String,
+    /// Machine shape (copied from the template so a rebuilt template cannot change it).
+    pub machine: MachineRecord,
+    /// RAM file (shared mapping of guest RAM).
+    pub ram_file: PathBuf,
+    /// RFC 3339 creation time.
+    pub created_at: String,
+    /// Lifecycle phase.
+    pub phase: SandboxPhase,
+}
+
+/// Reads a record of type `T` from `path`, checking its version.
+pub fn read<T: for<'de> Deserialize<'de> + Versioned>(path: &Path) -> Result<T, PersistError> {
+    let bytes = std::fs::read(path).map_err(|e| PersistError::Io { what: "read", path: path.to_owned(), source: e })?;
+    let rec: T = serde_json::from_slice(&bytes).map_err(|e| PersistError::Json { path: path.to_owned(), source: e })?;
+    if rec.version() != RECORD_VERSION {
+        return Err(PersistError::Version { path: path.to_owned(), found: rec.version() });
+    }
+    Ok(rec)
+}
+
+/// Writes `rec` to `path` atomically (temp file, fsync, rename).
+pub fn write<T: Serialize>(path: &Path, rec: &T) -> Result<(), PersistError> {
+    let bytes = serde_json::to_vec_pretty(rec).map_err(|e| PersistError::Json { path: path.to_owned(), source: e })?;
+    k3_common::fsutil::write_atomic(path, &bytes).map_err(|e| PersistError::Io {
+        what: "write",
+        path: path.to_owned(),
+        source: e,
+    })
+}
+
+/// Records carrying a format version.
+pub trait Versioned {
+    /// The format version stored in the record.
+    fn version(&self) -> u32;
+}
+
+impl Versioned for TemplateRecord {
+    fn version(&self) -> u32 {
+        self.version
+    }
+}
+
+impl Versioned for SandboxRecord {
+    fn version(&self) -> u32 {
+        self.version
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sandbox_record_round_trips_and_rejects_other_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sandbox.json");
+        let pid = rand::random::<u32>();
+        let rec = SandboxRecord {
+            version: RECORD_VERSION,
+            id: format!("sbx-{}", rand::random::<u32>()),
+            template_id: "base".into(),
+            machine: MachineRecord {
+                kernel: "/k".into(),
+                initrd: "/i".into(),
+                cmdline: "console=ttyS0".into(),
+                vcpus: 1,
+                memory_mib: 256,
+            },
+            ram_file: "/r.mem".into(),
+            created_at: "2026-11-29T00:00:00Z".into(),
+            phase: SandboxPhase::Running { pid },
+        };
+        write(&path, &rec).unwrap();
+        assert_eq!(read::<SandboxRecord>(&path).unwrap(), rec);
+        let newer = SandboxRecord { version: RECORD_VERSION + 1, ..rec };
+        write(&path, &newer).unwrap();
+        assert!(matches!(read::<SandboxRecord>(&path), Err(PersistError::Version { .. })));
+    }
+}

@@ -1,0 +1,310 @@
+//! The QEMU `-M microvm` backend, driven over QMP.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::process::{Child, Command};
+use tokio::sync::Mutex;
+
+use crate::config::AccelKind;
+use crate::qmp::QmpClient;
+use crate::vmm::{BoxFuture, DiskFormat, Pausable, Snapshottable, VmInstance, VmSpec, Vmm, VmmError};
+
+/// Name of the virtio-serial port that carries the guest agent channel.
+pub const AGENT_PORT_NAME: &str = "agentenv.0";
+const QMP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// QEMU `-M microvm` with RAM in a shared memory-backend-file.
+pub struct QemuVmm {
+    bin: PathBuf,
+    accel: AccelKind,
+}
+
+impl QemuVmm {
+    /// A backend running `bin` with `accel`.
+    pub fn new(bin: PathBuf, accel: AccelKind) -> QemuVmm {
+        QemuVmm { bin, accel }
+    }
+
+    /// The full QEMU argument list for `spec`; `incoming` adds `-S -incoming defer` for a restore.
+    pub fn args(&self, spec: &VmSpec, incoming: bool) -> Vec<String> {
+        let s = |p: &Path| p.display().to_string();
+        let format = match spec.disk_format {
+            DiskFormat::Raw => "raw",
+            DiskFormat::Qcow2 => "qcow2",
+        };
+        let mut a: Vec<String> = vec![
+            "-M".into(),
+            "microvm,memory-backend=mem".into(),
+            "-accel".into(),
+            self.accel.as_str().into(),
+            "-m".into(),
+            format!("{}M", spec.memory_mib),
+            "-smp".into(),
+            spec.vcpus.to_string(),
+            "-nodefaults".into(),
+            "-no-user-config".into(),
+            "-display".into(),
+            "none".into(),
+            "-no-reboot".into(),
+            "-object".into(),
+            format!(
+                "memory-backend-file,id=mem,size={}M,mem-path={},share=on",
+                spec.memory_mib,
+                s(&spec.ram_file)
+            ),
+            "-kernel".into(),
+            s(&spec.kernel),
+            "-initrd".into(),
+            s(&spec.initrd),
+            "-append".into(),
+            spec.cmdline.clone(),
+            "-chardev".into(),
+            format!("file,id=con,path={},append=on", s(&spec.console_log())),
+            "-serial".into(),
+            "chardev:con".into(),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", s(&spec.qmp_socket())),
+            "-drive".into(),
+            format!("id=root,file={},format={format},if=none,cache=writeback", s(&spec.disk)),
+            "-device".into(),
+            "virtio-blk-device,drive=root".into(),
+            "-device".into(),
+            "virtio-serial-device".into(),
+            "-chardev".into(),
+            format!("socket,id=agent,path={},server=on,wait=off", s(&spec.agent_socket())),
+            "-device".into(),
+            format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
+        ];
+        if incoming {
+            a.extend(["-S".into(), "-incoming".into(), "defer".into()]);
+        }
+        a
+    }
+
+    async fn spawn(&self, spec: &VmSpec, incoming: bool) -> Result<QemuVm, VmmError> {
+        for sock in [spec.qmp_socket(), spec.agent_socket()] {
+            let len = sock.as_os_str().len();
+            if len > 107 {
+                return Err(VmmError::SocketPath { path: sock, len });
+            }
+            let _ = std::fs::remove_file(&sock);
+        }
+        let log_path = spec.dir.join("qemu.log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| VmmError::Io { what: "open", path: log_path.clone(), source: e })?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(self.args(spec, incoming))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .process_group(0)
+            .kill_on_drop(false);
+        let mut child =
+            cmd.spawn().map_err(|e| VmmError::Spawn { bin: self.bin.display().to_string(), source: e })?;
+        let pid = child.id().unwrap_or(0);
+        let qmp = tokio::select! {
+            r = QmpClient::connect(&spec.qmp_socket(), QMP_TIMEOUT) => r,
+            status = child.wait() => {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                return Err(VmmError::Exited { during: "startup", detail: format!("{status:?}: {log}") });
+            }
+        };
+        let qmp = match qmp {
+            Ok(q) => q,
+            Err(e) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                return Err(e.into());
+            }
+        };
+        Ok(QemuVm { spec: spec.clone(), pid, qmp: Mutex::new(qmp), child: Mutex::new(Some(child)) })
+    }
+}
+
+impl Vmm for QemuVmm {
+    fn accel(&self) -> AccelKind {
+        self.accel
+    }
+
+    fn boot<'a>(&'a self, spec: &'a VmSpec) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
+        Box::pin(async move {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .open(&spec.ram_file)
+                .map_err(|e| VmmError::Io { what: "create", path: spec.ram_file.clone(), source: e })?;
+            f.set_len(spec.memory_mib << 20)
+                .map_err(|e| VmmError::Io { what: "size", path: spec.ram_file.clone(), source: e })?;
+            let vm = self.spawn(spec, false).await?;
+            Ok(Box::new(vm) as Box<dyn VmInstance>)
+        })
+    }
+
+    fn restore<'a>(
+        &'a self,
+        spec: &'a VmSpec,
+        device_state: &'a Path,
+    ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
+        Box::pin(async move {
+            let state = std::fs::File::open(device_state)
+                .map_err(|e| VmmError::Io { what: "open", path: device_state.to_owned(), source: e })?;
+            let vm = self.spawn(spec, true).await?;
+            let r = async {
+                let mut q = vm.qmp.lock().await;
+                q.execute("migrate-set-capabilities", Some(ignore_shared_caps())).await?;
+                q.execute_with_fd("getfd", Some(json!({"fdname": "infd"})), state.as_raw_fd()).await?;
+                q.execute("migrate-incoming", Some(json!({"uri": "fd:infd"}))).await?;
+                loop {
+                    let st = q.run_state().await?;
+                    match st.as_str() {
+                        "inmigrate" => tokio::time::sleep(Duration::from_micros(300)).await,
+                        "paused" | "prelaunch" | "postmigrate" | "running" => break,
+                        other => {
+                            return Err(VmmError::Exited {
+                                during: "restore",
+                                detail: format!("run state {other} after loading {}", device_state.display()),
+                            });
+                        }
+                    }
+                }
+                q.execute("cont", None).await?;
+                Ok::<(), VmmError>(())
+            }
+            .await;
+            if let Err(e) = r {
+                let _ = vm.kill().await;
+                return Err(e);
+            }
+            Ok(Box::new(vm) as Box<dyn VmInstance>)
+        })
+    }
+
+    fn attach<'a>(&'a self, spec: &'a VmSpec, pid: u32) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
+        Box::pin(async move {
+            if !process_runs_vm(pid, spec) {
+                return Err(VmmError::NotRunning { pid });
+            }
+            let qmp = QmpClient::connect(&spec.qmp_socket(), Duration::from_secs(2)).await?;
+            Ok(Box::new(QemuVm { spec: spec.clone(), pid, qmp: Mutex::new(qmp), child: Mutex::new(None) })
+                as Box<dyn VmInstance>)
+        })
+    }
+}
+
+/// True when `pid` is alive (not a zombie) and its command line names this VM's QMP socket.
+pub fn process_runs_vm(pid: u32, spec: &VmSpec) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { return false };
+    let needle = spec.qmp_socket().display().to_string();
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    cmdline.contains(&needle) && !is_zombie(pid)
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .unwrap_or(true)
+}
+
+fn ignore_shared_caps() -> serde_json::Value {
+    json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})
+}
+
+/// One QEMU process with its QMP connection.
+struct QemuVm {
+    spec: VmSpec,
+    pid: u32,
+    qmp: Mutex<QmpClient>,
+    child: Mutex<Option<Child>>,
+}
+
+impl QemuVm {
+    async fn wait_exit(&self) {
+        let mut child = self.child.lock().await;
+        if let Some(c) = child.as_mut() {
+            let _ = c.wait().await;
+            *child = None;
+            return;
+        }
+        while std::path::Path::new(&format!("/proc/{}", self.pid)).exists() && !is_zombie(self.pid) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+}
+
+impl Pausable for QemuVm {
+    fn stop(&self) -> BoxFuture<'_, Result<(), VmmError>> {
+        Box::pin(async move {
+            self.qmp.lock().await.execute("stop", None).await?;
+            Ok(())
+        })
+    }
+
+    fn cont(&self) -> BoxFuture<'_, Result<(), VmmError>> {
+        Box::pin(async move {
+            self.qmp.lock().await.execute("cont", None).await?;
+            Ok(())
+        })
+    }
+}
+
+impl Snapshottable for QemuVm {
+    fn save_device_state<'a>(&'a self, path: &'a Path) -> BoxFuture<'a, Result<(), VmmError>> {
+        Box::pin(async move {
+            let io = |what, e| VmmError::Io { what, path: path.to_owned(), source: e };
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .truncate(true)
+                .open(path)
+                .map_err(|e| io("create", e))?;
+            let mut q = self.qmp.lock().await;
+            q.execute("migrate-set-capabilities", Some(ignore_shared_caps())).await?;
+            q.execute_with_fd("getfd", Some(json!({"fdname": "snapfd"})), file.as_raw_fd()).await?;
+            q.execute("migrate", Some(json!({"uri": "fd:snapfd"}))).await?;
+            q.wait_migration().await?;
+            drop(q);
+            file.sync_all().map_err(|e| io("fsync", e))?;
+            Ok(())
+        })
+    }
+}
+
+impl VmInstance for QemuVm {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    fn spec(&self) -> &VmSpec {
+        &self.spec
+    }
+
+    fn shutdown(&self) -> BoxFuture<'_, Result<(), VmmError>> {
+        Box::pin(async move {
+            let r = self.qmp.lock().await.execute("quit", None).await;
+            // QEMU may close the socket before answering; either way, wait for the process.
+            if let Err(e) = r {
+                tracing::debug!(pid = self.pid, error = %e, "quit answered with an error");
+            }
+            self.wait_exit().await;
+            Ok(())
+        })
+    }
+
+    fn kill(&self) -> BoxFuture<'_, Result<(), VmmError>> {
+        Box::pin(async move {
+            // SAFETY: plain syscall; the pid belongs to a QEMU process this runtime started or attached.
+            unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) };
+            self.wait_exit().await;
+            Ok(())
+        })
+    }
+}

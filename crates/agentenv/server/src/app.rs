@@ -1,0 +1,105 @@
+//! The axum application: shared state, route table, API-key check and plane dispatch.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+
+use crate::backend::VmBackend;
+use crate::dataplane::{self, Plane};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::routes;
+use crate::sandboxes::Sandboxes;
+use crate::store::SandboxStore;
+
+/// Default upper bound of one data-plane request body (file uploads).
+pub const DEFAULT_MAX_UPLOAD_BYTES: u64 = 1 << 30;
+/// Upper bound of control-plane JSON bodies.
+pub const MAX_JSON_BYTES: usize = 1 << 20;
+
+/// Shared state of every handler.
+#[derive(Clone)]
+pub struct AppState {
+    pub sandboxes: Arc<Sandboxes>,
+    pub metrics: Arc<Metrics>,
+    pub api_key: Arc<str>,
+    pub max_upload_bytes: u64,
+}
+
+/// What [`AppState::open`] needs.
+pub struct ServerConfig {
+    pub state_dir: PathBuf,
+    pub api_key: String,
+    pub max_upload_bytes: u64,
+}
+
+impl AppState {
+    /// Opens the store, reconciles it with the runtime and starts the timeout reaper.
+    pub async fn open(backend: Arc<dyn VmBackend>, cfg: ServerConfig) -> anyhow::Result<AppState> {
+        let metrics = Arc::new(Metrics::new());
+        let store = SandboxStore::open(&cfg.state_dir)?;
+        let sandboxes = Sandboxes::open(backend, store, metrics.clone()).await?;
+        sandboxes.spawn_reaper();
+        Ok(AppState { sandboxes, metrics, api_key: cfg.api_key.into(), max_upload_bytes: cfg.max_upload_bytes })
+    }
+}
+
+/// Control-plane route table (spec §0 lists which SDK uses which route).
+fn control_router() -> Router<AppState> {
+    Router::new()
+        .route("/v2/sandboxes", post(routes::create_v2).get(routes::list_v2))
+        .route("/sandboxes", post(routes::create_v1).get(routes::list_v1))
+        .route("/sandboxes/{id}", get(routes::get_sandbox).delete(routes::kill_sandbox))
+        .route("/sandboxes/{id}/timeout", post(routes::set_timeout))
+        .route("/sandboxes/{id}/pause", post(routes::pause))
+        .route("/v2/sandboxes/{id}/connect", post(routes::connect_v2))
+        .route("/sandboxes/{id}/connect", post(routes::connect_v1))
+        .route("/sandboxes/{id}/resume", post(routes::resume))
+        .route("/templates", get(routes::list_templates).post(routes::build_template))
+        .route("/v2/templates", get(routes::list_templates))
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
+        .route("/openapi.json", get(routes::openapi_json))
+        .fallback(routes::not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BYTES))
+}
+
+/// The whole server: data plane first (by `E2b-Sandbox-Id` + path, or access token), then
+/// the API-key check, then the control plane.
+pub fn app(state: AppState) -> Router {
+    control_router()
+        .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        .layer(middleware::from_fn_with_state(state.clone(), dispatch))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+async fn dispatch(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let method = req.method().to_string();
+    let plane = dataplane::classify(req.uri().path(), req.headers());
+    let data = plane != Plane::Control;
+    let resp = if data {
+        dataplane::serve(&state, plane, req).await.unwrap_or_else(IntoResponse::into_response)
+    } else {
+        next.run(req).await
+    };
+    state.metrics.count_request(data, &method, resp.status().as_u16());
+    resp
+}
+
+async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if req.uri().path() == "/health" {
+        return next.run(req).await;
+    }
+    let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
+    match key {
+        Some(k) if crate::keys::secret_eq(k, &state.api_key) => next.run(req).await,
+        Some(_) => ApiError::unauthorized("Invalid API key").into_response(),
+        None => ApiError::unauthorized("Missing X-API-KEY header").into_response(),
+    }
+}

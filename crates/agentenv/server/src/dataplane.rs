@@ -1,0 +1,196 @@
+//! Data plane on the API port (spec §1, §3): decides whether a request belongs to a sandbox's
+//! envd, checks its access token and forwards it as HTTP/1.1 over one agent stream.
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderMap, StatusCode, Uri, Version, header};
+use axum::response::Response;
+use hyper_util::rt::TokioIo;
+
+use crate::app::AppState;
+use crate::backend::BackendErrorKind;
+use crate::error::ApiError;
+use crate::model::SandboxState;
+use crate::store::SandboxRecord;
+
+/// The envd port inside every sandbox.
+pub const ENVD_PORT: &str = "49983";
+
+/// Paths served by envd.
+pub fn is_envd_path(path: &str) -> bool {
+    matches!(path, "/health" | "/files" | "/files/compose" | "/init" | "/envs" | "/metrics")
+        || path.starts_with("/process.Process/")
+        || path.starts_with("/filesystem.Filesystem/")
+}
+
+/// Where a request goes.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Plane {
+    Control,
+    /// Data plane for the sandbox with this id (from `E2b-Sandbox-Id`).
+    SandboxById(String),
+    /// Data plane for the sandbox owning this `X-Access-Token` (no id header).
+    SandboxByToken(String),
+}
+
+/// Routes by `E2b-Sandbox-Id` + path/port, never by the header alone; envd paths without the
+/// header but with an access token go by token.
+pub fn classify(path: &str, headers: &HeaderMap) -> Plane {
+    let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty());
+    let envd_path = is_envd_path(path);
+    if let Some(id) = get("e2b-sandbox-id") {
+        let user_port = get("e2b-sandbox-port").is_some_and(|p| p != ENVD_PORT);
+        if envd_path || user_port {
+            return Plane::SandboxById(id.to_string());
+        }
+        return Plane::Control;
+    }
+    if envd_path && let Some(token) = get("x-access-token") {
+        return Plane::SandboxByToken(token.to_string());
+    }
+    Plane::Control
+}
+
+const HOP_HEADERS: [&str; 7] =
+    ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"];
+
+/// Serves one data-plane request for `plane`.
+pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Response, ApiError> {
+    let rec = match &plane {
+        Plane::SandboxById(id) => {
+            let rec = state
+                .sandboxes
+                .get(id)
+                .ok_or_else(|| ApiError::bad_gateway(format!("The sandbox {id} was not found")))?;
+            let token = req.headers().get("x-access-token").and_then(|v| v.to_str().ok()).unwrap_or("");
+            if !crate::keys::secret_eq(token, &rec.access_token) {
+                return Err(ApiError::unauthorized("missing or wrong X-Access-Token for this sandbox"));
+            }
+            rec
+        }
+        Plane::SandboxByToken(token) => state
+            .sandboxes
+            .by_token(token)
+            .ok_or_else(|| ApiError::bad_gateway("The sandbox of this access token was not found"))?,
+        Plane::Control => unreachable!("control-plane requests never reach the proxy"),
+    };
+    let port = req.headers().get("e2b-sandbox-port").and_then(|v| v.to_str().ok()).unwrap_or(ENVD_PORT);
+    if port != ENVD_PORT {
+        return Err(ApiError::bad_gateway(format!(
+            "port {port} is not open in sandbox {}: sandboxes have no network device, only envd ({ENVD_PORT}) is reachable",
+            rec.sandbox_id
+        )));
+    }
+    let rec = ensure_running(state, rec).await?;
+    forward(state, &rec, req).await
+}
+
+async fn ensure_running(state: &AppState, rec: SandboxRecord) -> Result<SandboxRecord, ApiError> {
+    if rec.state == SandboxState::Running {
+        return Ok(rec);
+    }
+    if !rec.auto_resume {
+        return Err(ApiError::bad_gateway(format!(
+            "The sandbox {} was not found: it is paused (connect to resume it)",
+            rec.sandbox_id
+        )));
+    }
+    state.sandboxes.auto_resume(&rec.sandbox_id).await?;
+    state
+        .sandboxes
+        .get(&rec.sandbox_id)
+        .ok_or_else(|| ApiError::bad_gateway(format!("The sandbox {} was not found", rec.sandbox_id)))
+}
+
+fn too_large(limit: u64) -> ApiError {
+    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("upload exceeds the limit of {limit} bytes"))
+}
+
+async fn forward(state: &AppState, rec: &SandboxRecord, req: Request) -> Result<Response, ApiError> {
+    let (mut parts, body) = req.into_parts();
+    let limit = state.max_upload_bytes;
+    let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large(limit));
+    }
+    let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+    parts.uri = Uri::try_from(path_and_query).map_err(|e| ApiError::bad_request(format!("bad URI: {e}")))?;
+    parts.version = Version::HTTP_11;
+    for h in HOP_HEADERS {
+        parts.headers.remove(h);
+    }
+    parts.headers.insert(header::HOST, header::HeaderValue::from_static("localhost:49983"));
+    let body = Body::new(http_body_util::Limited::new(body, limit as usize));
+
+    let id = &rec.sandbox_id;
+    let stream = state.sandboxes.backend().open_agent_stream(id).await.map_err(|e| match e.kind {
+        BackendErrorKind::NotFound => ApiError::bad_gateway(format!("The sandbox {id} was not found")),
+        _ => ApiError::bad_gateway(format!("sandbox {id} is running but its port is not open: envd unreachable: {e}")),
+    })?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| ApiError::bad_gateway(format!("sandbox {id}: port is not open: HTTP handshake with envd failed: {e}")))?;
+    let sid = id.clone();
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(sandbox = %sid, error = %e, "envd connection ended");
+        }
+    });
+    let resp = sender.send_request(axum::http::Request::from_parts(parts, body)).await.map_err(|e| {
+        if error_chain_has_limit(&e) {
+            too_large(limit)
+        } else {
+            ApiError::bad_gateway(format!("sandbox {id}: envd request failed: {e}"))
+        }
+    })?;
+    Ok(resp.map(Body::new))
+}
+
+fn error_chain_has_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn routes_by_id_and_path_not_by_header_alone() {
+        let id = crate::keys::generate_sandbox_id();
+        let with_id = headers(&[("E2b-Sandbox-Id", &id), ("E2b-Sandbox-Port", "49983")]);
+        for p in ["/health", "/files", "/metrics", "/process.Process/Start", "/filesystem.Filesystem/Stat", "/envs"] {
+            assert_eq!(classify(p, &with_id), Plane::SandboxById(id.clone()), "{p}");
+        }
+        // SDK 2.7-2.26 send the id header on the control-plane connect call.
+        assert_eq!(classify(&format!("/sandboxes/{id}/connect"), &with_id), Plane::Control);
+        let user_port = headers(&[("E2b-Sandbox-Id", &id), ("E2b-Sandbox-Port", "8080")]);
+        assert_eq!(classify("/anything", &user_port), Plane::SandboxById(id.clone()));
+        assert_eq!(classify("/health", &HeaderMap::new()), Plane::Control);
+        assert_eq!(classify("/metrics", &HeaderMap::new()), Plane::Control);
+        assert_eq!(classify("/v2/sandboxes", &HeaderMap::new()), Plane::Control);
+    }
+
+    #[test]
+    fn token_fallback_only_on_envd_paths() {
+        let token = crate::keys::generate_access_token();
+        let h = headers(&[("X-Access-Token", &token)]);
+        assert_eq!(classify("/process.Process/List", &h), Plane::SandboxByToken(token.clone()));
+        assert_eq!(classify("/v2/sandboxes", &h), Plane::Control);
+    }
+}

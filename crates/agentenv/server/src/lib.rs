@@ -1,0 +1,21 @@
+//! agentenv API server: the E2B control plane and the sandbox data-plane proxy on one port.
+//!
+//! - [`app`]: route table, API-key check, plane dispatch.
+//! - [`routes`]: control-plane handlers; [`dataplane`]: envd routing and the HTTP/1.1 proxy.
+//! - [`sandboxes`]: lifecycle and timeouts; [`store`]: persisted records; [`keys`]: key and tokens.
+//! - [`backend`]: the runtime as the server sees it; [`runtime_backend`]: the real runtime.
+//!
+//! Invariant: only this crate knows HTTP and E2B JSON; the runtime knows neither.
+
+pub mod app;
+pub mod backend;
+pub mod dataplane;
+pub mod error;
+pub mod keys;
+pub mod metrics;
+pub mod model;
+pub mod openapi;
+pub mod routes;
+pub mod sandboxes;
+pub mod store;
+pub mod views;

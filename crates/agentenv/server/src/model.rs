@@ -1,0 +1,193 @@
+//! E2B control-plane JSON objects (spec `e2b-compat.md` §4.2). Only this crate knows this JSON.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// Every control-plane 4xx/5xx body: `{"code": <http status>, "message": "..."}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ErrorBody {
+    pub code: u16,
+    pub message: String,
+}
+
+/// Body of `POST /v2/sandboxes` and `POST /sandboxes`. Unknown fields are ignored.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NewSandbox {
+    /// Template id or alias.
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    /// Seconds until the sandbox is killed (or paused with `autoPause`); default 300.
+    #[serde(default)]
+    pub timeout: Option<u64>,
+    #[serde(default)]
+    pub metadata: Option<BTreeMap<String, String>>,
+    /// Environment of every process started in the sandbox.
+    #[serde(default)]
+    pub env_vars: Option<BTreeMap<String, String>>,
+    /// On timeout pause instead of kill.
+    #[serde(default)]
+    pub auto_pause: Option<bool>,
+    /// `{"enabled": true}`: data-plane traffic to a paused sandbox resumes it.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub auto_resume: Option<serde_json::Value>,
+    /// Accepted for old SDKs; an access token is always issued.
+    #[serde(default)]
+    pub secure: Option<bool>,
+    /// Accepted and ignored: sandboxes have no network device at all.
+    #[serde(default, rename = "allow_internet_access")]
+    pub allow_internet_access: Option<bool>,
+}
+
+/// Answer of create, connect and resume.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CreatedSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    pub envd_version: String,
+    pub envd_access_token: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+    pub domain: Option<String>,
+    pub traffic_access_token: Option<String>,
+}
+
+/// Visible sandbox state; transitional states are never shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    Running,
+    Paused,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+        }
+    }
+}
+
+/// One item of `GET /v2/sandboxes`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ListedSandbox {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "sandboxID")]
+    pub sandbox_id: String,
+    #[serde(rename = "clientID")]
+    pub client_id: String,
+    pub envd_version: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alias: Option<String>,
+    /// RFC 3339 UTC.
+    pub started_at: String,
+    /// RFC 3339 UTC.
+    pub end_at: String,
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u32,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u32,
+    pub state: SandboxState,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Answer of `GET /sandboxes/{id}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxDetail {
+    #[serde(flatten)]
+    pub listed: ListedSandbox,
+    pub envd_access_token: String,
+    pub domain: Option<String>,
+    pub allow_internet_access: bool,
+    pub lifecycle: Lifecycle,
+}
+
+/// What happens at `endAt` and on traffic to a paused sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Lifecycle {
+    pub auto_resume: bool,
+    /// `kill` or `pause`.
+    pub on_timeout: String,
+}
+
+/// Body of `POST /sandboxes/{id}/timeout`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct TimeoutRequest {
+    /// Seconds from now.
+    pub timeout: u64,
+}
+
+/// Body of the connect routes (may be absent or `{}`).
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct ConnectRequest {
+    #[serde(default)]
+    pub timeout: Option<u64>,
+}
+
+/// Body of `POST /sandboxes/{id}/pause` (may be absent or `{}`).
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PauseRequest {
+    /// `false` asks for a filesystem-only snapshot; memory is always kept here.
+    #[serde(default)]
+    pub memory: Option<bool>,
+}
+
+/// Body of the legacy `POST /sandboxes/{id}/resume`.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ResumeRequest {
+    #[serde(default)]
+    pub timeout: Option<u64>,
+    #[serde(default)]
+    pub auto_pause: Option<bool>,
+}
+
+/// One template as listed by `GET /templates`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateView {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub aliases: Vec<String>,
+    pub cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u32,
+    #[serde(rename = "diskSizeMB")]
+    pub disk_size_mb: u32,
+    pub envd_version: String,
+    /// RFC 3339 UTC.
+    pub built_at: String,
+}
+
+/// Body of `POST /templates`: build a template through the runtime.
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BuildTemplateRequest {
+    /// Template id (lowercase letters, digits and `-`).
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    /// Extra Debian packages to install into the rootfs.
+    #[serde(default)]
+    pub packages: Vec<String>,
+    #[serde(default)]
+    pub cpu_count: Option<u32>,
+    #[serde(default, rename = "memoryMB")]
+    pub memory_mb: Option<u32>,
+    #[serde(default, rename = "diskSizeMB")]
+    pub disk_size_mb: Option<u32>,
+}

@@ -1,0 +1,231 @@
+//! Control-plane handlers (spec §4). The route table is in [`crate::app::control_router`].
+
+use axum::Json;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+
+use crate::app::AppState;
+use crate::backend::TemplateBuild;
+use crate::error::{ApiError, E2bJson};
+use crate::model::{
+    BuildTemplateRequest, ConnectRequest, CreatedSandbox, ErrorBody, ListedSandbox, NewSandbox, PauseRequest,
+    ResumeRequest, SandboxDetail, SandboxState, TemplateView, TimeoutRequest,
+};
+use crate::sandboxes::ListFilter;
+use crate::views;
+
+type ApiResult<T> = Result<T, ApiError>;
+
+async fn create(state: AppState, headers: HeaderMap, req: NewSandbox) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
+    if req.template_id.is_empty() {
+        return Err(ApiError::bad_request("templateID is required"));
+    }
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .filter(|k| (1..=255).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+        .map(str::to_string);
+    let rec = state.sandboxes.create(req, key).await?;
+    Ok((StatusCode::CREATED, Json(views::created(&rec))))
+}
+
+/// Create a sandbox (SDK >= 2.51). Returns once envd in the sandbox answers.
+#[utoipa::path(post, path = "/v2/sandboxes", request_body = NewSandbox, tag = "sandboxes",
+    responses((status = 201, body = CreatedSandbox), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 404, description = "unknown template", body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn create_v2(State(s): State<AppState>, h: HeaderMap, E2bJson(req): E2bJson<NewSandbox>) -> ApiResult<impl IntoResponse> {
+    create(s, h, req).await
+}
+
+/// Create a sandbox (SDK < 2.51). Same as `POST /v2/sandboxes`.
+#[utoipa::path(post, path = "/sandboxes", request_body = NewSandbox, tag = "sandboxes",
+    responses((status = 201, body = CreatedSandbox), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn create_v1(State(s): State<AppState>, h: HeaderMap, E2bJson(req): E2bJson<NewSandbox>) -> ApiResult<impl IntoResponse> {
+    create(s, h, req).await
+}
+
+/// List sandboxes. Query: `state` (comma list), `metadata` (URL-encoded `k=v&..`), `limit`,
+/// `nextToken`, `order`, `startedAfter`, `template`. More pages: header `x-next-token`.
+#[utoipa::path(get, path = "/v2/sandboxes", tag = "sandboxes",
+    params(("state" = Option<String>, Query, description = "comma-joined running,paused"),
+        ("metadata" = Option<String>, Query, description = "URL-encoded k=v&k2=v2; all must match"),
+        ("limit" = Option<u32>, Query), ("nextToken" = Option<String>, Query),
+        ("order" = Option<String>, Query, description = "asc or desc by start time"),
+        ("startedAfter" = Option<String>, Query), ("template" = Option<String>, Query)),
+    responses((status = 200, body = Vec<ListedSandbox>, headers(("x-next-token" = String, description = "cursor of the next page"))),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn list_v2(State(s): State<AppState>, RawQuery(raw): RawQuery) -> ApiResult<Response> {
+    let q = views::parse_list_query(raw.as_deref())?;
+    let all = s.sandboxes.list(&q.filter);
+    let (page, next) = views::paginate(all, q.next_token.as_deref(), q.limit)?;
+    let items: Vec<ListedSandbox> = page.iter().map(views::listed).collect();
+    let mut resp = Json(items).into_response();
+    if let Some(next) = next.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        resp.headers_mut().insert("x-next-token", next);
+    }
+    Ok(resp)
+}
+
+/// Legacy list: running sandboxes only, `metadata` filter, no paging.
+#[utoipa::path(get, path = "/sandboxes", tag = "sandboxes",
+    params(("metadata" = Option<String>, Query, description = "URL-encoded k=v&k2=v2")),
+    responses((status = 200, body = Vec<ListedSandbox>), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn list_v1(State(s): State<AppState>, RawQuery(raw): RawQuery) -> ApiResult<Json<Vec<ListedSandbox>>> {
+    let q = views::parse_list_query(raw.as_deref())?;
+    let filter = ListFilter { states: Some(vec![SandboxState::Running]), metadata: q.filter.metadata, ..Default::default() };
+    Ok(Json(s.sandboxes.list(&filter).iter().map(views::listed).collect()))
+}
+
+/// Sandbox detail.
+#[utoipa::path(get, path = "/sandboxes/{sandboxID}", tag = "sandboxes",
+    params(("sandboxID" = String, Path)),
+    responses((status = 200, body = SandboxDetail), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn get_sandbox(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<SandboxDetail>> {
+    let rec = s.sandboxes.get(&id).ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    Ok(Json(views::detail(&rec)))
+}
+
+/// Kill a running or paused sandbox.
+#[utoipa::path(delete, path = "/sandboxes/{sandboxID}", tag = "sandboxes",
+    params(("sandboxID" = String, Path)),
+    responses((status = 204), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn kill_sandbox(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<StatusCode> {
+    s.sandboxes.kill(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Set `endAt = now + timeout` (may shorten). 409 for a paused sandbox.
+#[utoipa::path(post, path = "/sandboxes/{sandboxID}/timeout", tag = "sandboxes", request_body = TimeoutRequest,
+    params(("sandboxID" = String, Path)),
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn set_timeout(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> ApiResult<StatusCode> {
+    let req: TimeoutRequest =
+        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    s.sandboxes.set_timeout(&id, req.timeout).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Pause (memory, processes and files kept). Returns when the snapshot is complete.
+#[utoipa::path(post, path = "/sandboxes/{sandboxID}/pause", tag = "sandboxes", request_body = Option<PauseRequest>,
+    params(("sandboxID" = String, Path)),
+    responses((status = 204), (status = 404, body = ErrorBody), (status = 409, description = "already paused", body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn pause(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    E2bJson(_req): E2bJson<PauseRequest>,
+) -> ApiResult<StatusCode> {
+    s.sandboxes.pause(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn connect(s: AppState, id: String, req: ConnectRequest) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
+    let (rec, resumed) = s.sandboxes.connect(&id, req.timeout).await?;
+    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    Ok((status, Json(views::created(&rec))))
+}
+
+/// Connect (SDK >= 2.51): running → 200 and `endAt` only extends; paused → resumed, 201.
+#[utoipa::path(post, path = "/v2/sandboxes/{sandboxID}/connect", tag = "sandboxes", request_body = Option<ConnectRequest>,
+    params(("sandboxID" = String, Path)),
+    responses((status = 200, body = CreatedSandbox), (status = 201, body = CreatedSandbox), (status = 404, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn connect_v2(State(s): State<AppState>, Path(id): Path<String>, E2bJson(req): E2bJson<ConnectRequest>) -> ApiResult<impl IntoResponse> {
+    connect(s, id, req).await
+}
+
+/// Connect (SDK 2.7 – 2.50). Same as the `/v2` route.
+#[utoipa::path(post, path = "/sandboxes/{sandboxID}/connect", tag = "sandboxes", request_body = Option<ConnectRequest>,
+    params(("sandboxID" = String, Path)),
+    responses((status = 200, body = CreatedSandbox), (status = 201, body = CreatedSandbox), (status = 404, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn connect_v1(State(s): State<AppState>, Path(id): Path<String>, E2bJson(req): E2bJson<ConnectRequest>) -> ApiResult<impl IntoResponse> {
+    connect(s, id, req).await
+}
+
+/// Legacy resume (SDK <= 2.6): paused → 201; running → 409.
+#[utoipa::path(post, path = "/sandboxes/{sandboxID}/resume", tag = "sandboxes", request_body = Option<ResumeRequest>,
+    params(("sandboxID" = String, Path)),
+    responses((status = 201, body = CreatedSandbox), (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn resume(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    E2bJson(req): E2bJson<ResumeRequest>,
+) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
+    let rec = s.sandboxes.resume_legacy(&id, req.timeout, req.auto_pause).await?;
+    Ok((StatusCode::CREATED, Json(views::created(&rec))))
+}
+
+/// Templates this server can create sandboxes from.
+#[utoipa::path(get, path = "/templates", tag = "templates",
+    responses((status = 200, body = Vec<TemplateView>), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn list_templates(State(s): State<AppState>) -> Json<Vec<TemplateView>> {
+    Json(s.sandboxes.backend().templates().iter().map(views::template).collect())
+}
+
+/// Build a template through the runtime (minutes; returns when it is ready).
+#[utoipa::path(post, path = "/templates", tag = "templates", request_body = BuildTemplateRequest,
+    responses((status = 201, body = TemplateView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn build_template(
+    State(s): State<AppState>,
+    E2bJson(req): E2bJson<BuildTemplateRequest>,
+) -> ApiResult<(StatusCode, Json<TemplateView>)> {
+    let valid = !req.template_id.is_empty()
+        && req.template_id.len() <= 63
+        && req.template_id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !valid {
+        return Err(ApiError::bad_request("templateID must be 1-63 of [a-z0-9-]"));
+    }
+    let build = TemplateBuild {
+        id: req.template_id,
+        packages: req.packages,
+        vcpus: req.cpu_count,
+        memory_mib: req.memory_mb,
+        disk_mib: req.disk_size_mb,
+    };
+    let t = s.sandboxes.backend().build_template(build).await?;
+    Ok((StatusCode::CREATED, Json(views::template(&t))))
+}
+
+/// The server's own health check (no key needed; sandbox headers make `/health` data plane).
+#[utoipa::path(get, path = "/health", tag = "server", responses((status = 204)))]
+pub async fn health() -> StatusCode {
+    StatusCode::NO_CONTENT
+}
+
+/// Prometheus metrics of the server (with sandbox headers `/metrics` is the sandbox's envd).
+#[utoipa::path(get, path = "/metrics", tag = "server",
+    responses((status = 200, content_type = "application/openmetrics-text", body = String)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn metrics(State(s): State<AppState>) -> Response {
+    let (running, paused) = s.sandboxes.count_by_state();
+    let text = s.metrics.render(running, paused);
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
+}
+
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", tag = "server", responses((status = 200, body = Object)))]
+pub async fn openapi_json() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], crate::openapi::document_json()).into_response()
+}
+
+/// Answer for unknown control-plane routes.
+pub async fn not_found() -> ApiError {
+    ApiError::not_found("no such route")
+}

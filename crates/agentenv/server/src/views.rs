@@ -1,0 +1,224 @@
+//! Record → E2B JSON conversions and list-query parsing.
+
+use std::collections::BTreeMap;
+
+use crate::backend::TemplateFacts;
+use crate::error::ApiError;
+use crate::model::{CreatedSandbox, Lifecycle, ListedSandbox, SandboxDetail, SandboxState, TemplateView};
+use crate::sandboxes::{ListFilter, parse_rfc3339_ms, rfc3339_ms};
+use crate::store::SandboxRecord;
+
+/// `clientID` of every sandbox (legacy field; one node).
+pub const CLIENT_ID: &str = "local";
+/// Default page size of `GET /v2/sandboxes`.
+pub const DEFAULT_PAGE: usize = 100;
+
+pub fn created(rec: &SandboxRecord) -> CreatedSandbox {
+    CreatedSandbox {
+        template_id: rec.template_id.clone(),
+        sandbox_id: rec.sandbox_id.clone(),
+        client_id: CLIENT_ID.into(),
+        envd_version: rec.envd_version.clone(),
+        envd_access_token: rec.access_token.clone(),
+        alias: rec.alias.clone(),
+        domain: None,
+        traffic_access_token: None,
+    }
+}
+
+pub fn listed(rec: &SandboxRecord) -> ListedSandbox {
+    ListedSandbox {
+        template_id: rec.template_id.clone(),
+        sandbox_id: rec.sandbox_id.clone(),
+        client_id: CLIENT_ID.into(),
+        envd_version: rec.envd_version.clone(),
+        alias: rec.alias.clone(),
+        started_at: rfc3339_ms(rec.started_at_ms),
+        end_at: rfc3339_ms(rec.end_at_ms),
+        cpu_count: rec.cpu_count,
+        memory_mb: rec.memory_mb,
+        disk_size_mb: rec.disk_mb,
+        state: rec.state,
+        metadata: rec.metadata.clone(),
+    }
+}
+
+pub fn detail(rec: &SandboxRecord) -> SandboxDetail {
+    SandboxDetail {
+        listed: listed(rec),
+        envd_access_token: rec.access_token.clone(),
+        domain: None,
+        allow_internet_access: false,
+        lifecycle: Lifecycle {
+            auto_resume: rec.auto_resume,
+            on_timeout: if rec.auto_pause { "pause" } else { "kill" }.into(),
+        },
+    }
+}
+
+pub fn template(t: &TemplateFacts) -> TemplateView {
+    TemplateView {
+        template_id: t.id.clone(),
+        aliases: t.aliases.clone(),
+        cpu_count: t.vcpus,
+        memory_mb: t.memory_mib,
+        disk_size_mb: t.disk_mib,
+        envd_version: t.envd_version.clone(),
+        built_at: rfc3339_ms(t.built_at as i64 * 1000),
+    }
+}
+
+/// A parsed `GET /v2/sandboxes` query.
+#[derive(Debug, Default)]
+pub struct ListQuery {
+    pub filter: ListFilter,
+    pub limit: usize,
+    pub next_token: Option<String>,
+}
+
+/// Parses the list query; `metadata` is itself a URL-encoded `k=v&k2=v2` string (decoded twice).
+pub fn parse_list_query(raw: Option<&str>) -> Result<ListQuery, ApiError> {
+    let mut q = ListQuery { limit: DEFAULT_PAGE, ..Default::default() };
+    for (k, v) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+        match k.as_ref() {
+            "state" => {
+                let mut states = Vec::new();
+                for s in v.split(',').filter(|s| !s.is_empty()) {
+                    states.push(match s {
+                        "running" => SandboxState::Running,
+                        "paused" => SandboxState::Paused,
+                        other => return Err(ApiError::bad_request(format!("unknown state '{other}'"))),
+                    });
+                }
+                q.filter.states.get_or_insert_with(Vec::new).extend(states);
+            }
+            "metadata" => {
+                let pairs: BTreeMap<String, String> = form_urlencoded::parse(v.as_bytes()).into_owned().collect();
+                q.filter.metadata.extend(pairs);
+            }
+            "limit" => {
+                q.limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| ApiError::bad_request(format!("limit must be 1..=1000, got '{v}'")))?;
+            }
+            "nextToken" if !v.is_empty() => q.next_token = Some(v.into_owned()),
+            "order" => match v.as_ref() {
+                "asc" => q.filter.descending = false,
+                "desc" => q.filter.descending = true,
+                other => return Err(ApiError::bad_request(format!("order must be asc or desc, got '{other}'"))),
+            },
+            "startedAfter" => {
+                q.filter.started_after_ms = Some(
+                    parse_rfc3339_ms(&v)
+                        .ok_or_else(|| ApiError::bad_request(format!("startedAfter is not RFC 3339: '{v}'")))?,
+                );
+            }
+            "template" => q.filter.template = Some(v.into_owned()),
+            _ => {}
+        }
+    }
+    Ok(q)
+}
+
+/// Cursor of a record for `x-next-token`.
+pub fn page_token(rec: &SandboxRecord) -> String {
+    format!("{}_{}", rec.started_at_ms, rec.sandbox_id)
+}
+
+/// One page of `sorted` after `token`; returns the page and the next token.
+pub fn paginate(
+    sorted: Vec<SandboxRecord>,
+    token: Option<&str>,
+    limit: usize,
+) -> Result<(Vec<SandboxRecord>, Option<String>), ApiError> {
+    let start = match token {
+        None => 0,
+        Some(t) => {
+            let (ms, id) = t
+                .split_once('_')
+                .and_then(|(ms, id)| Some((ms.parse::<i64>().ok()?, id)))
+                .ok_or_else(|| ApiError::bad_request(format!("invalid nextToken '{t}'")))?;
+            match sorted.iter().position(|r| r.started_at_ms == ms && r.sandbox_id == id) {
+                Some(i) => i + 1,
+                // The cursor's sandbox is gone: continue after its position in the order.
+                None => sorted
+                    .iter()
+                    .position(|r| (r.started_at_ms, r.sandbox_id.as_str()) > (ms, id))
+                    .unwrap_or(sorted.len()),
+            }
+        }
+    };
+    let rest: Vec<SandboxRecord> = sorted.into_iter().skip(start).collect();
+    let more = rest.len() > limit;
+    let page: Vec<SandboxRecord> = rest.into_iter().take(limit).collect();
+    let next = if more { page.last().map(page_token) } else { None };
+    Ok((page, next))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::RECORD_VERSION;
+    use rand::Rng;
+
+    fn rec(i: usize) -> SandboxRecord {
+        SandboxRecord {
+            version: RECORD_VERSION,
+            sandbox_id: format!("sbx{i:04}"),
+            template_id: "base".into(),
+            alias: None,
+            metadata: BTreeMap::new(),
+            env_vars: BTreeMap::new(),
+            started_at_ms: 1000 + i as i64,
+            end_at_ms: 0,
+            state: SandboxState::Running,
+            auto_pause: false,
+            auto_resume: false,
+            access_token: String::new(),
+            cpu_count: 1,
+            memory_mb: 1,
+            disk_mb: 1,
+            envd_version: "0.5.7".into(),
+        }
+    }
+
+    #[test]
+    fn query_decodes_metadata_twice_and_states() {
+        let q = parse_list_query(Some("state=running%2Cpaused&metadata=user%3Dalice%26app%3Dx%2520y&limit=7&order=desc"))
+            .unwrap();
+        assert_eq!(q.filter.states, Some(vec![SandboxState::Running, SandboxState::Paused]));
+        assert_eq!(q.filter.metadata.get("user").map(String::as_str), Some("alice"));
+        assert_eq!(q.filter.metadata.get("app").map(String::as_str), Some("x y"));
+        assert_eq!(q.limit, 7);
+        assert!(q.filter.descending);
+        assert!(parse_list_query(Some("state=dead")).is_err());
+        assert!(parse_list_query(Some("limit=0")).is_err());
+        assert!(parse_list_query(Some("startedAfter=nope")).is_err());
+    }
+
+    #[test]
+    fn pages_cover_everything_once() {
+        let mut rng = rand::rng();
+        for _ in 0..20 {
+            let n = rng.random_range(0..40);
+            let limit = rng.random_range(1..10);
+            let all: Vec<SandboxRecord> = (0..n).map(rec).collect();
+            let mut seen = Vec::new();
+            let mut token: Option<String> = None;
+            loop {
+                let (page, next) = paginate(all.clone(), token.as_deref(), limit).unwrap();
+                assert!(page.len() <= limit);
+                seen.extend(page.into_iter().map(|r| r.sandbox_id));
+                match next {
+                    Some(t) => token = Some(t),
+                    None => break,
+                }
+            }
+            let want: Vec<String> = all.iter().map(|r| r.sandbox_id.clone()).collect();
+            assert_eq!(seen, want);
+        }
+        assert!(paginate(vec![rec(1)], Some("garbage"), 5).is_err());
+    }
+}

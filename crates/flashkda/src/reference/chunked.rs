@@ -1,0 +1,100 @@
+//! Float64 chunked form (spec §1.4): what the kernels compute, without rounding.
+
+use super::{HEAD_DIM, KdaOutput, KdaProblem, initial_state_f64, per_sequence_head, token_acts};
+
+const D: usize = HEAD_DIM;
+
+/// `(I + A)^{-1}` for a strictly lower-triangular `n x n` matrix `A` by forward substitution.
+pub(crate) fn unit_lower_inverse(a: &[Vec<f64>]) -> Vec<Vec<f64>> {
+    let n = a.len();
+    let mut x = vec![vec![0.0; n]; n];
+    for j in 0..n {
+        for i in 0..n {
+            let mut s = if i == j { 1.0 } else { 0.0 };
+            for m in 0..i {
+                s -= a[i][m] * x[m][j];
+            }
+            x[i][j] = s;
+        }
+    }
+    x
+}
+
+/// Float64 chunked form with chunk length `chunk` (the kernels use 16); agrees with
+/// [`super::recurrence_f64`] to rounding error.
+pub fn chunked_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
+    assert!(chunk > 0, "chunk length must be positive");
+    let scale = f64::from(p.scale);
+    let ln2 = std::f64::consts::LN_2;
+    per_sequence_head(p, |nseq, h, bos, len| {
+        let mut s = initial_state_f64(p, nseq, h); // [v][k]
+        let mut out = vec![0.0; len * D];
+        let mut c0 = 0;
+        while c0 < len {
+            let n = chunk.min(len - c0);
+            let acts: Vec<_> = (0..n).map(|i| token_acts(p, bos + c0 + i, h)).collect();
+            // G_i (log2 cumulative decay), per key channel
+            let mut g = vec![[0.0f64; D]; n];
+            let mut acc = [0.0f64; D];
+            for i in 0..n {
+                for c in 0..D {
+                    acc[c] += acts[i].gamma[c] / ln2;
+                }
+                g[i] = acc;
+            }
+            let gtot = acc;
+            let kd: Vec<[f64; D]> = (0..n).map(|i| std::array::from_fn(|c| acts[i].k[c] * g[i][c].exp2())).collect();
+            let qd: Vec<[f64; D]> =
+                (0..n).map(|i| std::array::from_fn(|c| scale * acts[i].q[c] * g[i][c].exp2())).collect();
+            let ki: Vec<[f64; D]> = (0..n).map(|i| std::array::from_fn(|c| acts[i].k[c] * (-g[i][c]).exp2())).collect();
+            let kr: Vec<[f64; D]> =
+                (0..n).map(|i| std::array::from_fn(|c| acts[i].k[c] * (gtot[c] - g[i][c]).exp2())).collect();
+            let dot = |x: &[f64; D], y: &[f64; D]| x.iter().zip(y).map(|(a, b)| a * b).sum::<f64>();
+            let a: Vec<Vec<f64>> = (0..n)
+                .map(|i| (0..n).map(|j| if j < i { acts[i].beta * dot(&kd[i], &ki[j]) } else { 0.0 }).collect())
+                .collect();
+            let m: Vec<Vec<f64>> =
+                (0..n).map(|i| (0..n).map(|j| if j <= i { dot(&qd[i], &ki[j]) } else { 0.0 }).collect()).collect();
+            let inv = unit_lower_inverse(&a);
+            // rhs_i[v] = beta_i (v_i[v] - (kd_i . S[v,:]))
+            let mut rhs = vec![[0.0f64; D]; n];
+            let mut o1 = vec![[0.0f64; D]; n];
+            for i in 0..n {
+                let vrow = &p.v[((bos + c0 + i) * p.heads + h) * D..][..D];
+                for (vi, srow) in s.chunks_exact(D).enumerate() {
+                    let srow: &[f64; D] = srow.try_into().unwrap();
+                    rhs[i][vi] = acts[i].beta * (f64::from(vrow[vi]) - dot(&kd[i], srow));
+                    o1[i][vi] = dot(&qd[i], srow);
+                }
+            }
+            let mut u = vec![[0.0f64; D]; n];
+            for i in 0..n {
+                for j in 0..=i {
+                    for vi in 0..D {
+                        u[i][vi] += inv[i][j] * rhs[j][vi];
+                    }
+                }
+            }
+            for i in 0..n {
+                for vi in 0..D {
+                    let mut o = o1[i][vi];
+                    for j in 0..=i {
+                        o += m[i][j] * u[j][vi];
+                    }
+                    out[(c0 + i) * D + vi] = o;
+                }
+            }
+            for (vi, srow) in s.chunks_exact_mut(D).enumerate() {
+                for c in 0..D {
+                    let mut x = srow[c] * gtot[c].exp2();
+                    for i in 0..n {
+                        x += u[i][vi] * kr[i][c];
+                    }
+                    srow[c] = x;
+                }
+            }
+            c0 += n;
+        }
+        (out, s)
+    })
+}

@@ -1,0 +1,235 @@
+//! CPU references for the KDA forward (spec `kda.md` §1): the float64 token recurrence (the
+//! definition, §1.3), the float64 chunked form (§1.4) and [`emulated`], which rounds where the
+//! sm_90a kernel rounds so GPU results compare at tight tolerances.
+//!
+//! All tensors are token-major like the device API: `q/k/v/g` are `[T, H, 128]` with the
+//! sequences packed back to back, `beta` is `[T, H]`, states are `[N, H, V=128, K=128]` with
+//! row = value channel.
+
+mod chunked;
+pub mod emulated;
+pub mod metrics;
+
+pub use chunked::chunked_f64;
+
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+
+/// Key and value head dimension (the only supported size).
+pub const HEAD_DIM: usize = 128;
+/// Chunk length of the kernels.
+pub const CHUNK: usize = 16;
+/// Epsilon inside the L2-norm square root.
+pub const NORM_EPS: f64 = 1e-6;
+
+/// One KDA forward problem on the host. Values are f32 holding bf16-representable numbers
+/// (inputs), so the float64 reference sees exactly what the kernel sees.
+#[derive(Debug, Clone)]
+pub struct KdaProblem {
+    pub heads: usize,
+    /// Length of every sequence, packed in order (`cu_seqlens` = prefix sums).
+    pub seq_lens: Vec<usize>,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub g: Vec<f32>,
+    /// Beta logits `[T, H]` (sigmoid applied inside).
+    pub beta: Vec<f32>,
+    /// `[H]`.
+    pub a_log: Vec<f32>,
+    /// `[H, 128]`.
+    pub dt_bias: Vec<f32>,
+    pub scale: f32,
+    /// In `[-5, 0)`.
+    pub lower_bound: f32,
+    /// `[N, H, 128, 128]`, absent means zeros.
+    pub initial_state: Option<Vec<f32>>,
+}
+
+/// Result of a reference forward.
+#[derive(Debug, Clone)]
+pub struct KdaOutput {
+    /// `[T, H, 128]`.
+    pub out: Vec<f64>,
+    /// `[N, H, 128, 128]`.
+    pub final_state: Vec<f64>,
+}
+
+fn bf16_round(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
+
+impl KdaProblem {
+    /// Fresh random inputs following the benchmark protocol (spec §4): bf16 `randn` q, k, v, g and
+    /// beta logits, `U(0,1)` A_log and dt_bias, scale `1/sqrt(128)`, lower bound -5, and (when
+    /// `with_state`) an initial state `0.1 * randn` rounded to bf16.
+    pub fn random(seq_lens: &[usize], heads: usize, with_state: bool, seed: u64) -> Self {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let t: usize = seq_lens.iter().sum();
+        let mut randn = |n: usize, mul: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    let x: f32 = StandardNormal.sample(&mut rng);
+                    bf16_round(mul * x)
+                })
+                .collect()
+        };
+        let q = randn(t * heads * HEAD_DIM, 1.0);
+        let k = randn(t * heads * HEAD_DIM, 1.0);
+        let v = randn(t * heads * HEAD_DIM, 1.0);
+        let g = randn(t * heads * HEAD_DIM, 1.0);
+        let beta = randn(t * heads, 1.0);
+        let initial_state =
+            with_state.then(|| randn(seq_lens.len() * heads * HEAD_DIM * HEAD_DIM, 0.1));
+        let a_log = (0..heads).map(|_| rng.random::<f32>()).collect();
+        let dt_bias = (0..heads * HEAD_DIM).map(|_| rng.random::<f32>()).collect();
+        KdaProblem {
+            heads,
+            seq_lens: seq_lens.to_vec(),
+            q,
+            k,
+            v,
+            g,
+            beta,
+            a_log,
+            dt_bias,
+            scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+            lower_bound: -5.0,
+            initial_state,
+        }
+    }
+
+    /// Total tokens.
+    pub fn tokens(&self) -> usize {
+        self.seq_lens.iter().sum()
+    }
+
+    /// `cu_seqlens` (prefix sums starting at 0).
+    pub fn cu_seqlens(&self) -> Vec<i64> {
+        let mut cu = vec![0i64];
+        for &l in &self.seq_lens {
+            cu.push(cu.last().unwrap() + l as i64);
+        }
+        cu
+    }
+
+    fn state_len(&self) -> usize {
+        self.seq_lens.len() * self.heads * HEAD_DIM * HEAD_DIM
+    }
+}
+
+/// Per-token activations of one (token, head) in float64: normalised q, k, decay `alpha`
+/// (per key channel) and sigmoid beta.
+pub(crate) struct TokenActs {
+    pub q: [f64; HEAD_DIM],
+    pub k: [f64; HEAD_DIM],
+    /// Log decay `gamma` (natural log), `alpha = exp(gamma)`.
+    pub gamma: [f64; HEAD_DIM],
+    pub beta: f64,
+}
+
+pub(crate) fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+pub(crate) fn token_acts(p: &KdaProblem, t: usize, h: usize) -> TokenActs {
+    let base = (t * p.heads + h) * HEAD_DIM;
+    let l2 = |x: &[f32]| -> [f64; HEAD_DIM] {
+        let ss: f64 = x.iter().map(|&a| f64::from(a) * f64::from(a)).sum();
+        let inv = 1.0 / (ss + NORM_EPS).sqrt();
+        std::array::from_fn(|c| f64::from(x[c]) * inv)
+    };
+    let a = f64::from(p.a_log[h]).exp();
+    let lb = f64::from(p.lower_bound);
+    TokenActs {
+        q: l2(&p.q[base..base + HEAD_DIM]),
+        k: l2(&p.k[base..base + HEAD_DIM]),
+        gamma: std::array::from_fn(|c| {
+            let x = f64::from(p.g[base + c]) + f64::from(p.dt_bias[h * HEAD_DIM + c]);
+            lb * sigmoid(a * x)
+        }),
+        beta: sigmoid(f64::from(p.beta[t * p.heads + h])),
+    }
+}
+
+/// Runs `f(seq, head) -> (out rows [len, 128], state [128*128])` for every (sequence, head) on
+/// all cores and assembles the token-major output.
+pub(crate) fn per_sequence_head<F>(p: &KdaProblem, f: F) -> KdaOutput
+where
+    F: Fn(usize, usize, usize, usize) -> (Vec<f64>, Vec<f64>) + Sync,
+{
+    let cu = p.cu_seqlens();
+    let tasks: Vec<(usize, usize)> =
+        (0..p.seq_lens.len()).flat_map(|n| (0..p.heads).map(move |h| (n, h))).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(tasks.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<Vec<(usize, Vec<f64>, Vec<f64>)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(n, h)) = tasks.get(i) else { break };
+                        let (o, st) = f(n, h, cu[n] as usize, p.seq_lens[n]);
+                        done.push((i, o, st));
+                    }
+                    done
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("reference worker panicked")).collect()
+    });
+    let t = p.tokens();
+    let mut out = vec![0.0; t * p.heads * HEAD_DIM];
+    let mut final_state = vec![0.0; p.state_len()];
+    let hd2 = HEAD_DIM * HEAD_DIM;
+    for (i, o, st) in results.into_iter().flatten() {
+        let (n, h) = tasks[i];
+        let bos = cu[n] as usize;
+        for (r, row) in o.chunks_exact(HEAD_DIM).enumerate() {
+            let dst = ((bos + r) * p.heads + h) * HEAD_DIM;
+            out[dst..dst + HEAD_DIM].copy_from_slice(row);
+        }
+        let sb = (n * p.heads + h) * hd2;
+        final_state[sb..sb + hd2].copy_from_slice(&st);
+    }
+    KdaOutput { out, final_state }
+}
+
+pub(crate) fn initial_state_f64(p: &KdaProblem, n: usize, h: usize) -> Vec<f64> {
+    let hd2 = HEAD_DIM * HEAD_DIM;
+    match &p.initial_state {
+        Some(s) => s[(n * p.heads + h) * hd2..][..hd2].iter().map(|&x| f64::from(x)).collect(),
+        None => vec![0.0; hd2],
+    }
+}
+
+/// The definition (spec §1.3): float64 token-by-token recurrence.
+pub fn recurrence_f64(p: &KdaProblem) -> KdaOutput {
+    let scale = f64::from(p.scale);
+    per_sequence_head(p, |n, h, bos, len| {
+        let mut s = initial_state_f64(p, n, h); // [v][k]
+        let mut out = vec![0.0; len * HEAD_DIM];
+        for t in 0..len {
+            let a = token_acts(p, bos + t, h);
+            let alpha: [f64; HEAD_DIM] = std::array::from_fn(|c| a.gamma[c].exp());
+            let vrow = &p.v[((bos + t) * p.heads + h) * HEAD_DIM..][..HEAD_DIM];
+            for (vi, row) in s.chunks_exact_mut(HEAD_DIM).enumerate() {
+                let mut pred = 0.0;
+                for c in 0..HEAD_DIM {
+                    row[c] *= alpha[c];
+                    pred += row[c] * a.k[c];
+                }
+                let u = a.beta * (f64::from(vrow[vi]) - pred);
+                let mut o = 0.0;
+                for c in 0..HEAD_DIM {
+                    row[c] += u * a.k[c];
+                    o += row[c] * a.q[c];
+                }
+                out[t * HEAD_DIM + vi] = scale * o;
+            }
+        }
+        (out, s)
+    })
+}

@@ -1,0 +1,241 @@
+//! Whether this machine can run microVMs under KVM, or only under QEMU's TCG emulator.
+//!
+//! Opening `/dev/kvm` is not enough: a PVM-only host (our dev and CI machines) opens it and creates VMs, but a
+//! standard guest kernel hangs there. So [`check`] boots a probe guest (the host's Debian kernel plus a busybox
+//! initramfs that prints a marker and powers off) under KVM, and under TCG as the fallback.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cpio::CpioWriter;
+
+const MARKER: &str = "K3-PROBE-OK";
+/// Kernel command line that boots fast under TCG (see notes/vm-feasibility.md).
+pub const FAST_BOOT_CMDLINE: &str = "console=ttyS0,115200 panic=-1 quiet edd=off i8042.noaux i8042.nomux \
+     i8042.nopnp i8042.dumbkbd noreplace-smp tsc=reliable tsc_early_khz=2596000 no_timer_check \
+     cryptomgr.notests rcupdate.rcu_expedited=1 mitigations=off random.trust_cpu=on audit=0 nowatchdog";
+
+/// Accelerator for QEMU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl Accel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// The verdict for the `kvm` tier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "verdict")]
+pub enum KvmVerdict {
+    /// A standard guest booted under KVM.
+    Kvm { boot_ms: u64 },
+    /// KVM cannot boot a standard guest; TCG can. `pvm` marks a PVM-only host.
+    TcgOnly { pvm: bool, reason: String, tcg_boot_ms: Option<u64> },
+    /// No guest could be booted at all (no QEMU, no kernel, ...).
+    None { reason: String },
+}
+
+impl KvmVerdict {
+    pub fn kvm_usable(&self) -> bool {
+        matches!(self, KvmVerdict::Kvm { .. })
+    }
+
+    /// The accelerator microVMs should use.
+    pub fn accel(&self) -> Option<Accel> {
+        match self {
+            KvmVerdict::Kvm { .. } => Some(Accel::Kvm),
+            KvmVerdict::TcgOnly { tcg_boot_ms: Some(_), .. } => Some(Accel::Tcg),
+            _ => None,
+        }
+    }
+}
+
+/// Errors of the individual probe steps.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("/dev/kvm: {0}")]
+    DevKvm(std::io::Error),
+    #[error("KVM_GET_API_VERSION returned {0}")]
+    ApiVersion(i32),
+    #[error("no guest kernel found (set K3_GUEST_KERNEL, or install linux-image-amd64)")]
+    NoKernel,
+    #[error("no static busybox at {0} (install busybox-static)")]
+    NoBusybox(PathBuf),
+    #[error("cannot start {qemu}: {source}")]
+    Spawn { qemu: String, source: std::io::Error },
+    #[error("the probe guest printed no marker within {0:?}")]
+    Timeout(Duration),
+    #[error("the probe guest exited without the marker: {0}")]
+    NoMarker(String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Opens `/dev/kvm` and returns the KVM API version (12 on every current kernel).
+pub fn open_dev_kvm() -> Result<i32, ProbeError> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").map_err(ProbeError::DevKvm)?;
+    const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
+    // SAFETY: ioctl without arguments on an open fd.
+    let v = unsafe { libc::ioctl(f.as_raw_fd(), KVM_GET_API_VERSION as _, 0) };
+    if v == 12 { Ok(v) } else { Err(ProbeError::ApiVersion(v)) }
+}
+
+/// True when the host kernel's KVM is the PVM flavour (module `kvm_pvm` loaded).
+pub fn is_pvm_host() -> bool {
+    Path::new("/sys/module/kvm_pvm").exists()
+}
+
+/// A guest kernel to boot: `$K3_GUEST_KERNEL`, else the newest `/boot/vmlinuz-*`.
+pub fn find_guest_kernel() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("K3_GUEST_KERNEL") {
+        return Some(PathBuf::from(p));
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/boot")
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("vmlinuz-")))
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+/// An initramfs whose `/init` prints the probe marker and powers the guest off.
+pub fn probe_initramfs(busybox: &Path) -> Result<Vec<u8>, ProbeError> {
+    let bb = std::fs::read(busybox).map_err(|_| ProbeError::NoBusybox(busybox.to_path_buf()))?;
+    let mut w = CpioWriter::new();
+    w.dir("bin").file("bin/busybox", 0o755, &bb).symlink("bin/sh", "busybox").file(
+        "init",
+        0o755,
+        format!("#!/bin/sh\n/bin/busybox echo {MARKER}\n/bin/busybox poweroff -f\n").as_bytes(),
+    );
+    Ok(w.finish())
+}
+
+/// Boots the probe guest with `accel` and returns the time until the marker appeared.
+pub fn boot_probe(accel: Accel, kernel: &Path, initrd: &Path, timeout: Duration) -> Result<Duration, ProbeError> {
+    let qemu = "qemu-system-x86_64";
+    let start = Instant::now();
+    let mut child = Command::new(qemu)
+        .args(["-accel", accel.as_str(), "-m", "128", "-nodefaults", "-no-user-config", "-display", "none"])
+        .args(["-no-reboot", "-serial", "stdio", "-kernel"])
+        .arg(kernel)
+        .arg("-initrd")
+        .arg(initrd)
+        .args(["-append", FAST_BOOT_CMDLINE])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| ProbeError::Spawn { qemu: qemu.into(), source })?;
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+            if String::from_utf8_lossy(&seen).contains(MARKER) {
+                let _ = tx.send(Ok(start.elapsed()));
+                return;
+            }
+        }
+        let tail = String::from_utf8_lossy(&seen[seen.len().saturating_sub(300)..]).into_owned();
+        let _ = tx.send(Err(tail));
+    });
+    let result = rx.recv_timeout(timeout);
+    let _ = child.kill();
+    let mut stderr = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut stderr);
+    }
+    let _ = child.wait();
+    match result {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(tail)) => Err(ProbeError::NoMarker(format!("{} {}", tail.trim(), stderr.trim()))),
+        Err(_) => Err(ProbeError::Timeout(timeout)),
+    }
+}
+
+/// Full check: open `/dev/kvm`, boot under KVM, fall back to a TCG boot. Takes up to `kvm_timeout` + ~5 s.
+pub fn check(kvm_timeout: Duration) -> KvmVerdict {
+    let kernel = match find_guest_kernel() {
+        Some(k) => k,
+        None => return KvmVerdict::None { reason: ProbeError::NoKernel.to_string() },
+    };
+    let dir = match tempfile_dir() {
+        Ok(d) => d,
+        Err(e) => return KvmVerdict::None { reason: e.to_string() },
+    };
+    let initrd = dir.join("probe.cpio");
+    let written = probe_initramfs(Path::new("/bin/busybox")).and_then(|b| Ok(std::fs::write(&initrd, b)?));
+    if let Err(e) = written {
+        return KvmVerdict::None { reason: e.to_string() };
+    }
+    let kvm_failure = match open_dev_kvm() {
+        Err(e) => e.to_string(),
+        Ok(_) => match boot_probe(Accel::Kvm, &kernel, &initrd, kvm_timeout) {
+            Ok(t) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return KvmVerdict::Kvm { boot_ms: t.as_millis() as u64 };
+            }
+            Err(e) => format!("/dev/kvm opens, but a standard guest kernel does not boot under KVM ({e})"),
+        },
+    };
+    let tcg = boot_probe(Accel::Tcg, &kernel, &initrd, Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(&dir);
+    match tcg {
+        Ok(t) => KvmVerdict::TcgOnly { pvm: is_pvm_host(), reason: kvm_failure, tcg_boot_ms: Some(t.as_millis() as u64) },
+        Err(e) => KvmVerdict::None { reason: format!("{kvm_failure}; TCG boot failed too: {e}") },
+    }
+}
+
+fn tempfile_dir() -> std::io::Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!("k3-kvm-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcg_boots_the_probe_guest_when_qemu_and_a_kernel_exist() {
+        let Some(kernel) = find_guest_kernel() else {
+            println!("skipped: no guest kernel (install linux-image-amd64)");
+            return;
+        };
+        if Command::new("qemu-system-x86_64").arg("--version").output().is_err() {
+            println!("skipped: qemu-system-x86_64 is not installed");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let initrd = dir.path().join("p.cpio");
+        std::fs::write(&initrd, probe_initramfs(Path::new("/bin/busybox")).unwrap()).unwrap();
+        let t = boot_probe(Accel::Tcg, &kernel, &initrd, Duration::from_secs(90)).unwrap();
+        println!("TCG probe boot: {t:?}");
+    }
+
+    #[test]
+    fn missing_busybox_is_a_typed_error() {
+        let err = probe_initramfs(Path::new("/nonexistent/busybox")).unwrap_err();
+        assert!(matches!(err, ProbeError::NoBusybox(_)), "{err}");
+    }
+}

@@ -1,0 +1,58 @@
+//! `cargo xtask tidy`: repository rules, also run as a test.
+
+use std::path::Path;
+
+use crate::util;
+
+const MAX_LINES: usize = 800;
+
+/// Returns every rule violation found under `root`.
+pub fn check(root: &Path) -> anyhow::Result<Vec<String>> {
+    let mut problems = Vec::new();
+    let arch = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap_or_default();
+    if arch.is_empty() {
+        problems.push("ARCHITECTURE.md is missing".into());
+    }
+    let mut folders = vec!["xtask".to_string(), "benches".into(), "ci".into(), ".ci".into(), "docs".into()];
+    for dir in ["crates", "crates/agentenv"] {
+        if let Ok(rd) = std::fs::read_dir(root.join(dir)) {
+            for e in rd.flatten().filter(|e| e.path().is_dir()) {
+                folders.push(format!("{dir}/{}", e.file_name().to_string_lossy()));
+            }
+        }
+    }
+    for f in folders.iter().filter(|f| root.join(f).is_dir()) {
+        if !arch.contains(&format!("`{f}`")) && !arch.contains(&format!("`{f}/`")) {
+            problems.push(format!("ARCHITECTURE.md does not map the folder `{f}`"));
+        }
+    }
+    for ext in [".rs", ".cu", ".cuh", ".py"] {
+        for file in util::files_with_suffix(root, ext) {
+            let rel = file.strip_prefix(root).unwrap_or(&file).display().to_string();
+            let Ok(text) = std::fs::read_to_string(&file) else { continue };
+            let lines = text.lines().count();
+            if lines > MAX_LINES {
+                problems.push(format!("{rel}: {lines} lines (limit {MAX_LINES})"));
+            }
+            if ext == ".rs" && !rel.ends_with("tidy.rs") {
+                for (i, l) in text.lines().enumerate() {
+                    let t = l.trim_start();
+                    if t.starts_with("#[ignore") || t.starts_with("#[should_panic") {
+                        problems.push(format!("{rel}:{}: ignored or should_panic test", i + 1));
+                    }
+                }
+            }
+        }
+    }
+    Ok(problems)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn repository_is_tidy() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        let problems = super::check(root).unwrap();
+        assert!(problems.is_empty(), "tidy problems:\n{}", problems.join("\n"));
+    }
+}
