@@ -33,7 +33,12 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("moonep.sm_90a.cubin");
     let built = find_nvcc().is_some_and(|nvcc| {
         let status = Command::new(&nvcc)
-            .args(["-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3", "-lineinfo"])
+            .args([
+                "-gencode=arch=compute_90a,code=sm_90a",
+                "-cubin",
+                "-O3",
+                "-lineinfo",
+            ])
             .arg("-o")
             .arg(&out)
             .arg("kernels/moonep.cu")
@@ -42,7 +47,10 @@ fn main() {
             Ok(s) if s.success() => true,
             Ok(s) => panic!("nvcc {} failed on kernels/moonep.cu: {s}", nvcc.display()),
             Err(e) => {
-                println!("cargo:warning=nvcc {} not runnable ({e}); GPU kernels disabled", nvcc.display());
+                println!(
+                    "cargo:warning=nvcc {} not runnable ({e}); GPU kernels disabled",
+                    nvcc.display()
+                );
                 false
             }
         }

@@ -619,10 +619,18 @@ extern "C" __global__ void moonep_zero_pad(Dims d, uint4* own_hidden, float* own
 // e_base[e] = Σ_{e'<e} tpe[me][e'] (permute-1 order = by expert = by destination rank);
 // src_major[p*epn+le] / exp_major[le*R+p] = start rows of chunk (p, le) in the received buffer
 // ([src][local expert]) and the expert-major buffer ([local expert][src]).
-extern "C" __global__ void moonep_base_layout(Dims d, const int* tpe, int* e_base, int* src_major,
-                                              int* exp_major) {
-  if (threadIdx.x != 0) return;
+extern "C" __global__ void moonep_base_layout(Dims d, const int* tpe, int* hist, long long nblk, int* e_base,
+                                              int* src_major, int* exp_major) {
   const int R = (int)d.R, E = (int)d.E, epn = (int)d.epn, me = (int)d.me;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int a = 0;
+    for (long long b = 0; b < nblk; ++b) {
+      int c = hist[b * E + e];
+      hist[b * E + e] = a;
+      a += c;
+    }
+  }
+  if (threadIdx.x != 0) return;
   int acc = 0;
   for (int e = 0; e < E; ++e) {
     e_base[e] = acc;

@@ -3,6 +3,11 @@
 //! - [`plan`]: the deterministic integer planner (spec §2), shared by the CPU reference and the
 //!   host side of the GPU implementation.
 //! - [`router`]: seeded workload generators (spec §6.2).
+//! - [`reference`]: the CPU reference cluster (R virtual ranks) and the dense MoE oracle.
+
+// Index loops mirror the spec's formulas (and the CUDA port) more plainly than iterator chains.
+#![allow(clippy::needless_range_loop)]
 
 pub mod plan;
+pub mod reference;
 pub mod router;

@@ -82,7 +82,7 @@ fn check_contract(cfg: &PlanConfig, tpe: &[u32]) -> Result<Vec<u32>, PlanError> 
                 tokens.push(s);
             }
             TokenMode::PerRank { .. } => {
-                if sum % k != 0 {
+                if !sum.is_multiple_of(k) {
                     return Err(PlanError::NotMultipleOfK {
                         rank,
                         sum,
@@ -226,8 +226,8 @@ fn stage_c(
     for g in 0..epn {
         counts[g] = alloc[(d * epn + g) * r_n + d];
     }
-    let mut b = 0;
-    for e in (0..e_n).filter(|&e| e / epn != d && alloc[e * r_n + d] > 0) {
+    let remote = (0..e_n).filter(|&e| e / epn != d && alloc[e * r_n + d] > 0);
+    for (b, e) in remote.enumerate() {
         if b == epn {
             return Err(PlanError::Internal {
                 what: format!("rank {d} would hold more than epn={epn} replicas"),
@@ -235,7 +235,6 @@ fn stage_c(
         }
         experts_to_copy[b] = e as i32;
         counts[epn + b] = alloc[e * r_n + d];
-        b += 1;
     }
     let mut cu_seqlens = vec![0u32; 2 * epn];
     let mut zero_fill = vec![(0u32, 0u32); 2 * epn];

@@ -40,9 +40,11 @@
 
 mod entries;
 mod global;
+mod verify;
 
 pub use entries::{pack_slot, plan_entries, unpack_slot};
 pub use global::plan_global;
+pub use verify::{InvariantViolation, verify_entries, verify_global};
 
 /// How many tokens each rank holds this call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -122,7 +124,7 @@ impl PlanConfig {
         if self.capacity_s == 0 {
             return bad("capacity S must be >= 1".into());
         }
-        if self.experts % self.ranks != 0 {
+        if !self.experts.is_multiple_of(self.ranks) {
             return bad(format!(
                 "E={} is not a multiple of R={}",
                 self.experts, self.ranks

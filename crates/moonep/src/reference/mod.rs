@@ -27,7 +27,12 @@ pub enum ReferenceError {
     #[error(transparent)]
     Plan(#[from] PlanError),
     #[error("rank {rank}: {what} has {got} elements, expected {expected}")]
-    Shape { rank: usize, what: &'static str, got: usize, expected: usize },
+    Shape {
+        rank: usize,
+        what: &'static str,
+        got: usize,
+        expected: usize,
+    },
 }
 
 /// A full plan: stages A–C once (identical on every rank) plus stage D of every rank.
@@ -48,7 +53,11 @@ impl ClusterPlan {
             .enumerate()
             .map(|(r, row)| plan_entries(cfg, &global, r, row))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(ClusterPlan { cfg: *cfg, global, dst })
+        Ok(ClusterPlan {
+            cfg: *cfg,
+            global,
+            dst,
+        })
     }
 
     /// `(rank, row)` of entry `i` of source rank `r`.
@@ -167,10 +176,20 @@ pub fn gather_slots(plan: &ClusterPlan, per_slot: &[Vec<f32>]) -> Vec<Vec<f32>> 
         .collect()
 }
 
-fn check_len(rank: usize, what: &'static str, got: usize, expected: usize) -> Result<(), ReferenceError> {
+fn check_len(
+    rank: usize,
+    what: &'static str,
+    got: usize,
+    expected: usize,
+) -> Result<(), ReferenceError> {
     if got == expected {
         Ok(())
     } else {
-        Err(ReferenceError::Shape { rank, what, got, expected })
+        Err(ReferenceError::Shape {
+            rank,
+            what,
+            got,
+            expected,
+        })
     }
 }

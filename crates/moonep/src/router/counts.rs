@@ -20,7 +20,13 @@ pub fn integerise(weights: &[f64], total: u64, cap: u64) -> Vec<u64> {
             use_zero = true;
             continue;
         }
-        let w = |e: usize| if use_zero && weights[e] <= 0.0 { 1.0 } else { weights[e] };
+        let w = |e: usize| {
+            if use_zero && weights[e] <= 0.0 {
+                1.0
+            } else {
+                weights[e]
+            }
+        };
         let sum: f64 = active.iter().map(|&e| w(e)).sum();
         let mut capped = false;
         for &e in &active {
@@ -48,7 +54,10 @@ pub fn integerise(weights: &[f64], total: u64, cap: u64) -> Vec<u64> {
             break;
         }
     }
-    let mut counts: Vec<u64> = frac.iter().map(|&f| (f.max(0.0).floor() as u64).min(cap)).collect();
+    let mut counts: Vec<u64> = frac
+        .iter()
+        .map(|&f| (f.max(0.0).floor() as u64).min(cap))
+        .collect();
     let mut short = total.saturating_sub(counts.iter().sum());
     let mut order: Vec<usize> = (0..n).collect();
     order.sort_by(|&a, &b| {
@@ -99,7 +108,11 @@ pub fn split_over_ranks(counts: &[u64], tokens: &[u32], top_k: usize) -> Vec<u32
             for rank in 0..r_n {
                 // Positions p in [start, start+c) with p mod R == rank.
                 let first = start + ((rank as u64 + r - start % r) % r);
-                let n = if first >= start + c { 0 } else { (start + c - 1 - first) / r + 1 };
+                let n = if first >= start + c {
+                    0
+                } else {
+                    (start + c - 1 - first) / r + 1
+                };
                 tpe[rank * e_n + e] = n as u32;
             }
             start += c;

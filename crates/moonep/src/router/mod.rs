@@ -88,7 +88,13 @@ impl Routing {
             }
         }
         let tokens = topk.iter().map(|row| (row.len() / top_k) as u32).collect();
-        Routing { ranks: topk.len(), experts, top_k, tokens, tpe }
+        Routing {
+            ranks: topk.len(),
+            experts,
+            top_k,
+            tokens,
+            tpe,
+        }
     }
 
     /// Global tokens per expert, `T_e`.
@@ -110,14 +116,21 @@ impl Routing {
     /// Home-group loads `G_h`.
     pub fn group_loads(&self) -> Vec<u64> {
         let epn = self.experts / self.ranks;
-        self.expert_tokens().chunks_exact(epn).map(|c| c.iter().sum()).collect()
+        self.expert_tokens()
+            .chunks_exact(epn)
+            .map(|c| c.iter().sum())
+            .collect()
     }
 
     /// Rank-level imbalance `max_h G_h / mean` (what sets a dropless baseline's time).
     pub fn rank_imbalance(&self) -> f64 {
         let g = self.group_loads();
         let mean = g.iter().sum::<u64>() as f64 / g.len() as f64;
-        if mean == 0.0 { 1.0 } else { *g.iter().max().unwrap_or(&0) as f64 / mean }
+        if mean == 0.0 {
+            1.0
+        } else {
+            *g.iter().max().unwrap_or(&0) as f64 / mean
+        }
     }
 
     /// Planner config for this routing: uniform when all `s_r` agree, else per-rank.
@@ -126,7 +139,9 @@ impl Routing {
         let mode = if uniform {
             TokenMode::Uniform { s: self.tokens[0] }
         } else {
-            TokenMode::PerRank { total_tokens: self.tokens.iter().map(|&s| u64::from(s)).sum() }
+            TokenMode::PerRank {
+                total_tokens: self.tokens.iter().map(|&s| u64::from(s)).sum(),
+            }
         };
         PlanConfig {
             ranks: self.ranks as u32,
@@ -153,8 +168,13 @@ impl Routing {
             }
         }
         let mut order: Vec<usize> = (0..s).collect();
-        order.shuffle(&mut StdRng::seed_from_u64(seed ^ (rank as u64).wrapping_mul(0x9E37)));
-        order.iter().flat_map(|&t| topk[t * k..(t + 1) * k].to_vec()).collect()
+        order.shuffle(&mut StdRng::seed_from_u64(
+            seed ^ (rank as u64).wrapping_mul(0x9E37),
+        ));
+        order
+            .iter()
+            .flat_map(|&t| topk[t * k..(t + 1) * k].to_vec())
+            .collect()
     }
 }
 
@@ -163,7 +183,9 @@ pub fn placement_map(placement: Placement, experts: usize, ranks: usize, seed: u
     let epn = experts / ranks;
     match placement {
         Placement::Clustered => (0..experts).collect(),
-        Placement::Spread => (0..experts).map(|j| (j % ranks) * epn + j / ranks).collect(),
+        Placement::Spread => (0..experts)
+            .map(|j| (j % ranks) * epn + j / ranks)
+            .collect(),
         Placement::Random => {
             let mut p: Vec<usize> = (0..experts).collect();
             p.shuffle(&mut StdRng::seed_from_u64(seed.wrapping_add(0x5EED)));
@@ -178,7 +200,9 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Routing, RouterError> {
     let (e_n, k) = (spec.experts, spec.top_k);
     let bad = |reason: String| Err(RouterError::Invalid { reason });
     if r_n == 0 || e_n == 0 || k == 0 || e_n % r_n != 0 {
-        return bad(format!("need R >= 1, K >= 1 and E % R == 0 (R={r_n}, E={e_n}, K={k})"));
+        return bad(format!(
+            "need R >= 1, K >= 1 and E % R == 0 (R={r_n}, E={e_n}, K={k})"
+        ));
     }
     if spec.tokens.contains(&0) {
         return bad("every rank needs s >= 1".into());
@@ -204,12 +228,12 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Routing, RouterError> {
         Skew::SingleHotExpert => {
             weighted((0..e_n).map(|j| if j == 0 { 1e12 } else { 1.0 }).collect())
         }
-        Skew::HotHomeGroup => {
-            weighted((0..e_n).map(|j| if j < epn { 1e6 } else { 1.0 }).collect())
-        }
-        Skew::HalfExpertsEmpty => {
-            weighted((0..e_n).map(|j| if j < e_n.div_ceil(2) { 1.0 } else { 0.0 }).collect())
-        }
+        Skew::HotHomeGroup => weighted((0..e_n).map(|j| if j < epn { 1e6 } else { 1.0 }).collect()),
+        Skew::HalfExpertsEmpty => weighted(
+            (0..e_n)
+                .map(|j| if j < e_n.div_ceil(2) { 1.0 } else { 0.0 })
+                .collect(),
+        ),
         Skew::IntraGroupSkew => intra_group_counts(spec, epn, cap),
         Skew::RankShare { share } => {
             if !(0.0..=1.0).contains(&share) {
@@ -220,7 +244,13 @@ pub fn generate(spec: &WorkloadSpec) -> Result<Routing, RouterError> {
         Skew::HotSourceRank => return Ok(hot_source_rank(spec)),
     };
     let tpe = split_over_ranks(&counts, &spec.tokens, k);
-    Ok(Routing { ranks: r_n, experts: e_n, top_k: k, tokens: spec.tokens.clone(), tpe })
+    Ok(Routing {
+        ranks: r_n,
+        experts: e_n,
+        top_k: k,
+        tokens: spec.tokens.clone(),
+        tpe,
+    })
 }
 
 /// Zipf counts with α bisected so that the integerised maxvio is closest to `target`.
@@ -253,7 +283,8 @@ fn zipf_counts(e_n: usize, total: u64, cap: u64, target: f64) -> Vec<u64> {
 /// Lognormal popularity `exp(N(0, σ))`, sorted hottest first.
 pub fn lognormal_weights(e_n: usize, sigma: f64, seed: u64) -> Vec<f64> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let normal = Normal::new(0.0, sigma.max(0.0)).unwrap_or_else(|_| Normal::new(0.0, 0.0).unwrap());
+    let normal =
+        Normal::new(0.0, sigma.max(0.0)).unwrap_or_else(|_| Normal::new(0.0, 0.0).unwrap());
     let mut w: Vec<f64> = (0..e_n).map(|_| normal.sample(&mut rng).exp()).collect();
     w.sort_by(|a, b| b.total_cmp(a));
     w
@@ -304,14 +335,24 @@ fn hot_source_rank(spec: &WorkloadSpec) -> Routing {
         };
         tpe.extend(row.into_iter().map(|x| x as u32));
     }
-    Routing { ranks: spec.tokens.len(), experts: e_n, top_k: k, tokens: spec.tokens.clone(), tpe }
+    Routing {
+        ranks: spec.tokens.len(),
+        experts: e_n,
+        top_k: k,
+        tokens: spec.tokens.clone(),
+        tpe,
+    }
 }
 
 /// Upstream-compatible sampler: logits `exp(N(0, σ))` shared by all ranks (placed by
 /// `placement`), each token picks K distinct experts by weighted sampling without replacement
 /// (Gumbel top-k). Returns the counts and every rank's flat `topk`.
 pub fn sample_lognormal(spec: &WorkloadSpec, sigma: f64) -> (Routing, Vec<Vec<u32>>) {
-    let (e_n, k, r_n) = (spec.experts, spec.top_k.min(spec.experts), spec.tokens.len());
+    let (e_n, k, r_n) = (
+        spec.experts,
+        spec.top_k.min(spec.experts),
+        spec.tokens.len(),
+    );
     let map = placement_map(spec.placement, e_n, r_n, spec.seed);
     let by_rank = lognormal_weights(e_n, sigma, spec.seed);
     let mut log_w = vec![0f64; e_n];
