@@ -18,15 +18,50 @@ struct BenchJob {
 }
 
 const JOBS: &[BenchJob] = &[
-    BenchJob { system: "flashkda", tier: Tier::Cpu, package: "flashkda", bin: "flashkda-bench" },
-    BenchJob { system: "moonep", tier: Tier::Cpu, package: "moonep", bin: "moonep-bench" },
-    BenchJob { system: "agentenv", tier: Tier::Cpu, package: "agentenv-server", bin: "agentenv-bench" },
-    BenchJob { system: "flashkda", tier: Tier::Sm90, package: "flashkda", bin: "flashkda-bench" },
-    BenchJob { system: "moonep", tier: Tier::Nvlink, package: "moonep", bin: "moonep-bench" },
-    BenchJob { system: "agentenv", tier: Tier::Kvm, package: "agentenv-server", bin: "agentenv-bench" },
+    BenchJob {
+        system: "flashkda",
+        tier: Tier::Cpu,
+        package: "flashkda",
+        bin: "flashkda-bench",
+    },
+    BenchJob {
+        system: "moonep",
+        tier: Tier::Cpu,
+        package: "moonep",
+        bin: "moonep-bench",
+    },
+    BenchJob {
+        system: "agentenv",
+        tier: Tier::Cpu,
+        package: "agentenv-server",
+        bin: "agentenv-bench",
+    },
+    BenchJob {
+        system: "flashkda",
+        tier: Tier::Sm90,
+        package: "flashkda",
+        bin: "flashkda-bench",
+    },
+    BenchJob {
+        system: "moonep",
+        tier: Tier::Nvlink,
+        package: "moonep",
+        bin: "moonep-bench",
+    },
+    BenchJob {
+        system: "agentenv",
+        tier: Tier::Kvm,
+        package: "agentenv-server",
+        bin: "agentenv-bench",
+    },
 ];
 
-pub fn run(tiers: &[Tier], systems: &[String], bin_dir: Option<&Path>, out: &Path) -> anyhow::Result<()> {
+pub fn run(
+    tiers: &[Tier],
+    systems: &[String],
+    bin_dir: Option<&Path>,
+    out: &Path,
+) -> anyhow::Result<()> {
     for s in systems {
         if !JOBS.iter().any(|j| j.system == s) {
             bail!("unknown system `{s}` (expected flashkda, moonep or agentenv)");
@@ -65,12 +100,28 @@ pub fn run(tiers: &[Tier], systems: &[String], bin_dir: Option<&Path>, out: &Pat
             Some(dir) => Command::new(dir.join(job.bin)),
             None => {
                 let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-                c.args(["run", "--quiet", "--release", "-p", job.package, "--bin", job.bin, "--"]);
+                c.args([
+                    "run",
+                    "--quiet",
+                    "--release",
+                    "-p",
+                    job.package,
+                    "--bin",
+                    job.bin,
+                    "--",
+                ]);
                 c
             }
         };
-        cmd.args(["--tier", job.tier.as_str(), "--out"]).arg(&part).env("K3_COMMIT", &commit);
-        let pb = util::spinner(format!("{} on {} (log: {})", job.system, job.tier, log.display()));
+        cmd.args(["--tier", job.tier.as_str(), "--out"])
+            .arg(&part)
+            .env("K3_COMMIT", &commit);
+        let pb = util::spinner(format!(
+            "{} on {} (log: {})",
+            job.system,
+            job.tier,
+            log.display()
+        ));
         let outcome = run_logged(&mut cmd, &log);
         pb.finish_and_clear();
         match outcome.and_then(|()| Report::read(&part).map_err(anyhow::Error::from)) {
@@ -98,7 +149,11 @@ pub fn run(tiers: &[Tier], systems: &[String], bin_dir: Option<&Path>, out: &Pat
     render::write_all(&report, out)?;
     println!("report: {}/report.{{json,md,html}}", out.display());
     if !failures.is_empty() {
-        bail!("{} benchmark job(s) failed:\n{}", failures.len(), failures.join("\n"));
+        bail!(
+            "{} benchmark job(s) failed:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
     Ok(())
 }
@@ -114,7 +169,11 @@ fn run_logged(cmd: &mut Command, log: &PathBuf) -> anyhow::Result<()> {
     if !status.success() {
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(15).collect();
-        bail!("{status}; last lines of {}:\n{}", log.display(), tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        bail!(
+            "{status}; last lines of {}:\n{}",
+            log.display(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
     }
     Ok(())
 }

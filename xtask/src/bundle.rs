@@ -63,7 +63,10 @@ pub fn build(out: &Path, wheels: bool) -> anyhow::Result<()> {
             .with_context(|| format!("building the {p} wheel (pip install maturin)"))?;
         }
         if let Ok(rd) = std::fs::read_dir(".whl") {
-            for e in rd.flatten().filter(|e| e.path().extension().is_some_and(|x| x == "whl")) {
+            for e in rd
+                .flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "whl"))
+            {
                 std::fs::copy(e.path(), wheel_dir.join(e.file_name()))?;
             }
         }
@@ -76,20 +79,34 @@ pub fn build(out: &Path, wheels: bool) -> anyhow::Result<()> {
     set_executable(&script)?;
     pb.inc(1);
     pb.finish_and_clear();
-    let size: u64 = util::files_with_suffix(out, "").iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
-    println!("device bundle: {} ({:.1} MiB); on the GPU machine run: {}/run.sh all", out.display(), size as f64 / 1048576.0, out.display());
+    let size: u64 = util::files_with_suffix(out, "")
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum();
+    println!(
+        "device bundle: {} ({:.1} MiB); on the GPU machine run: {}/run.sh all",
+        out.display(),
+        size as f64 / 1048576.0,
+        out.display()
+    );
     Ok(())
 }
 
 /// Runs a cargo build with `--message-format=json` and returns the executables it produced.
 fn cargo_executables(cmd: &mut Command) -> anyhow::Result<Vec<PathBuf>> {
-    let out = cmd.arg("--message-format=json-render-diagnostics").output().context("running cargo")?;
+    let out = cmd
+        .arg("--message-format=json-render-diagnostics")
+        .output()
+        .context("running cargo")?;
     if !out.status.success() {
         bail!("{cmd:?} failed:\n{}", String::from_utf8_lossy(&out.stderr));
     }
     let mut exes = Vec::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
         if v["reason"] == "compiler-artifact"
             && let Some(exe) = v["executable"].as_str()
         {
@@ -102,7 +119,10 @@ fn cargo_executables(cmd: &mut Command) -> anyhow::Result<Vec<PathBuf>> {
 fn copy_stripped(exe: &Path, dir: &Path) -> anyhow::Result<()> {
     let dst = dir.join(exe.file_name().context("executable name")?);
     std::fs::copy(exe, &dst).with_context(|| format!("copying {}", exe.display()))?;
-    let _ = Command::new("strip").arg("--strip-debug").arg(&dst).status();
+    let _ = Command::new("strip")
+        .arg("--strip-debug")
+        .arg(&dst)
+        .status();
     Ok(())
 }
 

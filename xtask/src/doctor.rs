@@ -31,7 +31,10 @@ pub struct Findings {
 
 impl Findings {
     pub fn status(&self, tier: Tier) -> &TierStatus {
-        self.tiers.iter().find(|t| t.tier == tier).expect("every tier is probed")
+        self.tiers
+            .iter()
+            .find(|t| t.tier == tier)
+            .expect("every tier is probed")
     }
 }
 
@@ -46,22 +49,42 @@ pub fn probe(recheck: bool) -> Findings {
     };
     let (sm90, nvlink) = match &cuda {
         CudaProbe::Unavailable { reason } => (
-            TierStatus { tier: Tier::Sm90, runs: false, detail: reason.clone() },
-            TierStatus { tier: Tier::Nvlink, runs: false, detail: reason.clone() },
+            TierStatus {
+                tier: Tier::Sm90,
+                runs: false,
+                detail: reason.clone(),
+            },
+            TierStatus {
+                tier: Tier::Nvlink,
+                runs: false,
+                detail: reason.clone(),
+            },
         ),
         CudaProbe::Available(inv) => {
             let sm90: Vec<String> = inv
                 .sm90_devices()
-                .map(|d| format!("GPU{} {} (sm_{}{})", d.ordinal, d.name, d.compute_capability.0, d.compute_capability.1))
+                .map(|d| {
+                    format!(
+                        "GPU{} {} (sm_{}{})",
+                        d.ordinal, d.name, d.compute_capability.0, d.compute_capability.1
+                    )
+                })
                 .collect();
             let sm90 = if sm90.is_empty() {
                 TierStatus {
                     tier: Tier::Sm90,
                     runs: false,
-                    detail: format!("{} CUDA device(s), none with compute capability >= 9.0", inv.devices.len()),
+                    detail: format!(
+                        "{} CUDA device(s), none with compute capability >= 9.0",
+                        inv.devices.len()
+                    ),
                 }
             } else {
-                TierStatus { tier: Tier::Sm90, runs: true, detail: format!("driver {}: {}", inv.driver_version, sm90.join(", ")) }
+                TierStatus {
+                    tier: Tier::Sm90,
+                    runs: true,
+                    detail: format!("driver {}: {}", inv.driver_version, sm90.join(", ")),
+                }
             };
             let nvlink = if inv.devices.len() < 2 {
                 TierStatus {
@@ -84,27 +107,47 @@ pub fn probe(recheck: bool) -> Findings {
                         )
                     })
                     .collect();
-                TierStatus { tier: Tier::Nvlink, runs: inv.all_pairs_peer_capable(), detail: pairs.join("; ") }
+                TierStatus {
+                    tier: Tier::Nvlink,
+                    runs: inv.all_pairs_peer_capable(),
+                    detail: pairs.join("; "),
+                }
             };
             (sm90, nvlink)
         }
     };
     let kvm_status = match &kvm {
-        KvmVerdict::Kvm { boot_ms } => {
-            TierStatus { tier: Tier::Kvm, runs: true, detail: format!("a standard guest booted under KVM in {boot_ms} ms") }
-        }
-        KvmVerdict::TcgOnly { pvm, reason, tcg_boot_ms } => TierStatus {
+        KvmVerdict::Kvm { boot_ms } => TierStatus {
+            tier: Tier::Kvm,
+            runs: true,
+            detail: format!("a standard guest booted under KVM in {boot_ms} ms"),
+        },
+        KvmVerdict::TcgOnly {
+            pvm,
+            reason,
+            tcg_boot_ms,
+        } => TierStatus {
             tier: Tier::Kvm,
             runs: false,
             detail: format!(
                 "{}: {reason}; TCG {}",
                 if *pvm { "PVM-only: TCG" } else { "TCG only" },
-                tcg_boot_ms.map_or("does not boot either".into(), |ms| format!("boots the probe guest in {ms} ms"))
+                tcg_boot_ms.map_or("does not boot either".into(), |ms| format!(
+                    "boots the probe guest in {ms} ms"
+                ))
             ),
         },
-        KvmVerdict::None { reason } => TierStatus { tier: Tier::Kvm, runs: false, detail: reason.clone() },
+        KvmVerdict::None { reason } => TierStatus {
+            tier: Tier::Kvm,
+            runs: false,
+            detail: reason.clone(),
+        },
     };
-    Findings { tiers: vec![cpu, sm90, nvlink, kvm_status], cuda, kvm }
+    Findings {
+        tiers: vec![cpu, sm90, nvlink, kvm_status],
+        cuda,
+        kvm,
+    }
 }
 
 #[derive(Serialize, Deserialize)]
@@ -116,9 +159,13 @@ struct CachedVerdict {
 fn kvm_verdict(recheck: bool) -> KvmVerdict {
     let key = format!(
         "{}|{}|{}",
-        std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim(),
         util::tool_version("qemu-system-x86_64", &["--version"]).unwrap_or_default(),
-        kvm::find_guest_kernel().map(|p| p.display().to_string()).unwrap_or_default(),
+        kvm::find_guest_kernel()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default(),
     );
     let path = k3_common::fsutil::cache_dir().join("kvm-verdict.json");
     if !recheck
@@ -132,7 +179,11 @@ fn kvm_verdict(recheck: bool) -> KvmVerdict {
     let verdict = kvm::check(Duration::from_secs(15));
     pb.finish_and_clear();
     if !matches!(verdict, KvmVerdict::None { .. }) {
-        let cached = serde_json::to_vec_pretty(&CachedVerdict { key, verdict: verdict.clone() }).expect("serializes");
+        let cached = serde_json::to_vec_pretty(&CachedVerdict {
+            key,
+            verdict: verdict.clone(),
+        })
+        .expect("serializes");
         let _ = k3_common::fsutil::write_atomic(&path, &cached);
     }
     verdict
@@ -145,9 +196,16 @@ pub fn run(json: bool, recheck: bool) -> anyhow::Result<()> {
         return Ok(());
     }
     let mut table = Table::new();
-    table.load_style(UTF8_FULL_CONDENSED).set_content_arrangement(ContentArrangement::Dynamic).set_header(vec!["tier", "runs here", "detail"]);
+    table
+        .load_style(UTF8_FULL_CONDENSED)
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_header(vec!["tier", "runs here", "detail"]);
     for t in &f.tiers {
-        table.add_row(vec![t.tier.to_string(), if t.runs { "yes".into() } else { "no".into() }, t.detail.clone()]);
+        table.add_row(vec![
+            t.tier.to_string(),
+            if t.runs { "yes".into() } else { "no".into() },
+            t.detail.clone(),
+        ]);
     }
     println!("{table}");
     if let CudaProbe::Available(inv) = &f.cuda {
@@ -174,7 +232,11 @@ fn cores() -> usize {
 fn cpu_model() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_else(|| "unknown CPU".into())
 }
 
@@ -196,7 +258,8 @@ pub fn machine(f: &Findings) -> Machine {
             versions.insert(name.to_string(), v);
         }
     }
-    if let Some(v) = util::tool_version("python3", &["-c", "import torch;print(torch.__version__)"]) {
+    if let Some(v) = util::tool_version("python3", &["-c", "import torch;print(torch.__version__)"])
+    {
         versions.insert("torch".into(), v);
     }
     let gpus = match &f.cuda {
@@ -204,7 +267,14 @@ pub fn machine(f: &Findings) -> Machine {
             versions.insert("cuda_driver_api".into(), inv.driver_version.to_string());
             inv.devices
                 .iter()
-                .map(|d| format!("{} ({} SMs, {:.0} GiB)", d.name, d.multiprocessors, d.memory_bytes as f64 / (1u64 << 30) as f64))
+                .map(|d| {
+                    format!(
+                        "{} ({} SMs, {:.0} GiB)",
+                        d.name,
+                        d.multiprocessors,
+                        d.memory_bytes as f64 / (1u64 << 30) as f64
+                    )
+                })
                 .collect()
         }
         CudaProbe::Unavailable { .. } => Vec::new(),
@@ -212,13 +282,22 @@ pub fn machine(f: &Findings) -> Machine {
     versions.insert("kvm".into(), f.status(Tier::Kvm).detail.clone());
     let mem_gib = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|s| s.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|k| k.parse::<f64>().ok()))
+        .and_then(|s| {
+            s.lines()
+                .next()
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|k| k.parse::<f64>().ok())
+        })
         .map_or(0.0, |kib| kib / (1024.0 * 1024.0));
     Machine {
         hostname: util::hostname(),
         os: std::fs::read_to_string("/etc/os-release")
             .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("PRETTY_NAME=")).map(|l| l[12..].trim_matches('"').to_string()))
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("PRETTY_NAME="))
+                    .map(|l| l[12..].trim_matches('"').to_string())
+            })
             .unwrap_or_else(|| "linux".into()),
         cpu: cpu_model(),
         cores: cores(),

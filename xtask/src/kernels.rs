@@ -16,7 +16,11 @@ pub fn build_all(out: &Path) -> anyhow::Result<Vec<PathBuf>> {
     )?;
     let sources: Vec<PathBuf> = util::files_with_suffix(Path::new("crates"), ".cu")
         .into_iter()
-        .filter(|p| p.parent().and_then(|d| d.file_name()).is_some_and(|n| n == "kernels"))
+        .filter(|p| {
+            p.parent()
+                .and_then(|d| d.file_name())
+                .is_some_and(|n| n == "kernels")
+        })
         .collect();
     if sources.is_empty() {
         bail!("no crates/*/kernels/*.cu found");
@@ -26,14 +30,25 @@ pub fn build_all(out: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut cubins = Vec::new();
     let mut failures = Vec::new();
     for src in &sources {
-        let krate = src.components().nth(1).map(|c| c.as_os_str().to_string_lossy().into_owned()).unwrap_or_default();
-        let stem = src.file_stem().unwrap_or_default().to_string_lossy().into_owned();
+        let krate = src
+            .components()
+            .nth(1)
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let stem = src
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
         let dir = out.join(&krate);
         std::fs::create_dir_all(&dir)?;
         let cubin = dir.join(format!("{stem}.sm_90a.cubin"));
         pb.set_message(format!("{krate}/{stem}.cu"));
         let mut cmd = Command::new(&nvcc.nvcc);
-        cmd.args(SM90A_FLAGS).arg("-cubin").arg("-I").arg(src.parent().expect("kernels dir"));
+        cmd.args(SM90A_FLAGS)
+            .arg("-cubin")
+            .arg("-I")
+            .arg(src.parent().expect("kernels dir"));
         if let Some(inc) = std::env::var_os("CUTLASS_INCLUDE") {
             cmd.arg("-I").arg(inc);
         }
@@ -46,10 +61,18 @@ pub fn build_all(out: &Path) -> anyhow::Result<Vec<PathBuf>> {
     }
     pb.finish_and_clear();
     for c in &cubins {
-        println!("built {} ({} bytes)", c.display(), std::fs::metadata(c).map_or(0, |m| m.len()));
+        println!(
+            "built {} ({} bytes)",
+            c.display(),
+            std::fs::metadata(c).map_or(0, |m| m.len())
+        );
     }
     if !failures.is_empty() {
-        bail!("{} kernel file(s) failed:\n{}", failures.len(), failures.join("\n"));
+        bail!(
+            "{} kernel file(s) failed:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
     Ok(cubins)
 }

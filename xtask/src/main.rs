@@ -15,7 +15,11 @@ use clap::{Parser, Subcommand};
 use k3_common::Tier;
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "Build, check and benchmark k3-stack", version)]
+#[command(
+    name = "cargo xtask",
+    about = "Build, check and benchmark k3-stack",
+    version
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -98,9 +102,18 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Cmd::Doctor { json, recheck } => doctor::run(json, recheck),
         Cmd::BuildKernels { out } => kernels::build_all(&out).map(|_| ()),
-        Cmd::Bench { tiers, systems, bin_dir, out } => bench::run(&tiers, &systems, bin_dir.as_deref(), &out),
-        Cmd::Report { command: ReportCmd::Merge { inputs, out } } => render::merge(&inputs, &out),
-        Cmd::Report { command: ReportCmd::Render { input, out } } => {
+        Cmd::Bench {
+            tiers,
+            systems,
+            bin_dir,
+            out,
+        } => bench::run(&tiers, &systems, bin_dir.as_deref(), &out),
+        Cmd::Report {
+            command: ReportCmd::Merge { inputs, out },
+        } => render::merge(&inputs, &out),
+        Cmd::Report {
+            command: ReportCmd::Render { input, out },
+        } => {
             let report = k3_common::Report::read(&input)?;
             render::write_all(&report, &out)
         }

@@ -50,7 +50,11 @@ fn fmt_value(v: f64) -> String {
 }
 
 fn params(f: &Figure) -> String {
-    f.params.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" ")
+    f.params
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn baselines(f: &Figure) -> String {
@@ -71,7 +75,9 @@ fn baselines(f: &Figure) -> String {
 }
 
 fn spread(f: &Figure) -> String {
-    f.stats.as_ref().map_or(String::new(), |s| format!("{}–{} (n={})", fmt_value(s.p10), fmt_value(s.p90), s.n))
+    f.stats.as_ref().map_or(String::new(), |s| {
+        format!("{}–{} (n={})", fmt_value(s.p10), fmt_value(s.p90), s.n)
+    })
 }
 
 fn section_table(s: &Section, out: &mut String) {
@@ -93,8 +99,14 @@ fn section_table(s: &Section, out: &mut String) {
 /// The report as Markdown.
 pub fn markdown(r: &Report) -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "# k3-stack benchmark report\n\ncommit `{}`, created {}\n", r.commit, r.created);
-    out.push_str("## Machines\n\n| host | OS | CPU | cores | memory | GPUs |\n|---|---|---|---|---|---|\n");
+    let _ = writeln!(
+        out,
+        "# k3-stack benchmark report\n\ncommit `{}`, created {}\n",
+        r.commit, r.created
+    );
+    out.push_str(
+        "## Machines\n\n| host | OS | CPU | cores | memory | GPUs |\n|---|---|---|---|---|---|\n",
+    );
     for m in &r.machines {
         let _ = writeln!(
             out,
@@ -104,15 +116,27 @@ pub fn markdown(r: &Report) -> String {
             m.cpu,
             m.cores,
             m.mem_gib,
-            if m.gpus.is_empty() { "none".into() } else { m.gpus.join(", ") }
+            if m.gpus.is_empty() {
+                "none".into()
+            } else {
+                m.gpus.join(", ")
+            }
         );
     }
     for m in &r.machines {
-        let v: Vec<String> = m.versions.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        let v: Vec<String> = m
+            .versions
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect();
         let _ = writeln!(out, "\n{}: {}", m.hostname, v.join("; "));
     }
     for s in &r.sections {
-        let _ = writeln!(out, "\n## {} — {} (tier {}, {})\n", s.system, s.title, s.tier, s.machine);
+        let _ = writeln!(
+            out,
+            "\n## {} — {} (tier {}, {})\n",
+            s.system, s.title, s.tier, s.machine
+        );
         section_table(s, &mut out);
         for n in &s.notes {
             let _ = writeln!(out, "\n- {n}");
@@ -121,14 +145,23 @@ pub fn markdown(r: &Report) -> String {
     if !r.skipped.is_empty() {
         out.push_str("\n## Skipped\n\n| tier | what | machine | reason |\n|---|---|---|---|\n");
         for s in &r.skipped {
-            let _ = writeln!(out, "| {} | {} | {} | {} |", s.tier, s.what, s.machine, s.reason.replace('\n', " "));
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} |",
+                s.tier,
+                s.what,
+                s.machine,
+                s.reason.replace('\n', " ")
+            );
         }
     }
     out
 }
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
 
 /// The report as a self-contained HTML page with SVG plots.
@@ -140,10 +173,19 @@ pub fn html(r: &Report) -> String {
          table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;font-size:90%}\
          th{background:#f3f3f3}.plot{margin:1em 0}</style></head><body>",
     );
-    let _ = write!(out, "<h1>k3-stack benchmark report</h1><p>commit <code>{}</code>, created {}</p>", esc(&r.commit), esc(&r.created));
+    let _ = write!(
+        out,
+        "<h1>k3-stack benchmark report</h1><p>commit <code>{}</code>, created {}</p>",
+        esc(&r.commit),
+        esc(&r.created)
+    );
     out.push_str("<h2>Machines</h2><table><tr><th>host</th><th>OS</th><th>CPU</th><th>cores</th><th>GPUs</th><th>versions</th></tr>");
     for m in &r.machines {
-        let v: Vec<String> = m.versions.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+        let v: Vec<String> = m
+            .versions
+            .iter()
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect();
         let _ = write!(
             out,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
@@ -157,14 +199,26 @@ pub fn html(r: &Report) -> String {
     }
     out.push_str("</table>");
     for s in &r.sections {
-        let _ = write!(out, "<h2>{} — {} <small>(tier {}, {})</small></h2>", esc(&s.system), esc(&s.title), s.tier, esc(&s.machine));
+        let _ = write!(
+            out,
+            "<h2>{} — {} <small>(tier {}, {})</small></h2>",
+            esc(&s.system),
+            esc(&s.title),
+            s.tier,
+            esc(&s.machine)
+        );
         for p in &s.plots {
             match plot_svg(p) {
                 Ok(svg) => {
                     let _ = write!(out, "<div class=\"plot\">{svg}</div>");
                 }
                 Err(e) => {
-                    let _ = write!(out, "<p>plot {} failed: {}</p>", esc(&p.title), esc(&e.to_string()));
+                    let _ = write!(
+                        out,
+                        "<p>plot {} failed: {}</p>",
+                        esc(&p.title),
+                        esc(&e.to_string())
+                    );
                 }
             }
         }
@@ -178,7 +232,9 @@ pub fn html(r: &Report) -> String {
                 fmt_value(f.value),
                 esc(&f.unit),
                 spread(f),
-                esc(&baselines(f)).replace("&lt;br&gt;", "<br>").replace("**", "")
+                esc(&baselines(f))
+                    .replace("&lt;br&gt;", "<br>")
+                    .replace("**", "")
             );
         }
         out.push_str("</table><ul>");
@@ -190,11 +246,22 @@ pub fn html(r: &Report) -> String {
     if !r.skipped.is_empty() {
         out.push_str("<h2>Skipped</h2><table><tr><th>tier</th><th>what</th><th>machine</th><th>reason</th></tr>");
         for s in &r.skipped {
-            let _ = write!(out, "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", s.tier, esc(&s.what), esc(&s.machine), esc(&s.reason));
+            let _ = write!(
+                out,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                s.tier,
+                esc(&s.what),
+                esc(&s.machine),
+                esc(&s.reason)
+            );
         }
         out.push_str("</table>");
     }
-    let _ = write!(out, "<details><summary>Markdown</summary><pre>{}</pre></details></body></html>", esc(&md));
+    let _ = write!(
+        out,
+        "<details><summary>Markdown</summary><pre>{}</pre></details></body></html>",
+        esc(&md)
+    );
     out
 }
 
@@ -213,7 +280,12 @@ pub fn plot_svg(p: &Plot) -> anyhow::Result<String> {
     {
         let root = SVGBackend::with_string(&mut svg, (900, 420)).into_drawing_area();
         root.fill(&WHITE)?;
-        let ymax = p.series.iter().flat_map(|s| s.points.iter().map(|(_, y)| *y)).filter(|y| y.is_finite()).fold(0.0f64, f64::max);
+        let ymax = p
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|(_, y)| *y))
+            .filter(|y| y.is_finite())
+            .fold(0.0f64, f64::max);
         let ymax = if ymax > 0.0 { ymax * 1.1 } else { 1.0 };
         match p.kind {
             PlotKind::Bars => {
@@ -240,7 +312,11 @@ pub fn plot_svg(p: &Plot) -> anyhow::Result<String> {
                     .x_labels(n)
                     .x_label_formatter(&|x| {
                         let i = x.floor() as usize;
-                        if (x - x.floor() - 0.5).abs() < 0.26 { lbl.get(i).cloned().unwrap_or_default() } else { String::new() }
+                        if (x - x.floor() - 0.5).abs() < 0.26 {
+                            lbl.get(i).cloned().unwrap_or_default()
+                        } else {
+                            String::new()
+                        }
                     })
                     .x_desc(&p.x_label)
                     .y_desc(&p.y_label)
@@ -251,11 +327,23 @@ pub fn plot_svg(p: &Plot) -> anyhow::Result<String> {
                     let rects = s.points.iter().filter_map(|(x, y)| {
                         let i = labels.iter().position(|l| l == x)?;
                         let x0 = i as f64 + 0.1 + si as f64 * width;
-                        Some(Rectangle::new([(x0, 0.0), (x0 + width * 0.95, *y)], color.filled()))
+                        Some(Rectangle::new(
+                            [(x0, 0.0), (x0 + width * 0.95, *y)],
+                            color.filled(),
+                        ))
                     });
-                    chart.draw_series(rects)?.label(&s.name).legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+                    chart
+                        .draw_series(rects)?
+                        .label(&s.name)
+                        .legend(move |(x, y)| {
+                            Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
+                        });
                 }
-                chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+                chart
+                    .configure_series_labels()
+                    .border_style(BLACK)
+                    .background_style(WHITE.mix(0.8))
+                    .draw()?;
             }
             PlotKind::Lines | PlotKind::Cdf => {
                 let series: Vec<(String, Vec<(f64, f64)>)> = p
@@ -266,17 +354,29 @@ pub fn plot_svg(p: &Plot) -> anyhow::Result<String> {
                             let mut ys: Vec<f64> = s.points.iter().map(|(_, y)| *y).collect();
                             ys.sort_by(f64::total_cmp);
                             let n = ys.len().max(1) as f64;
-                            ys.into_iter().enumerate().map(|(i, y)| (y, (i + 1) as f64 / n)).collect()
+                            ys.into_iter()
+                                .enumerate()
+                                .map(|(i, y)| (y, (i + 1) as f64 / n))
+                                .collect()
                         } else {
-                            s.points.iter().filter_map(|(x, y)| x.parse::<f64>().ok().map(|x| (x, *y))).collect()
+                            s.points
+                                .iter()
+                                .filter_map(|(x, y)| x.parse::<f64>().ok().map(|x| (x, *y)))
+                                .collect()
                         };
                         pts.sort_by(|a, b| a.0.total_cmp(&b.0));
                         (s.name.clone(), pts)
                     })
                     .collect();
                 let xs = series.iter().flat_map(|(_, p)| p.iter().map(|(x, _)| *x));
-                let (xmin, xmax) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
-                let (xmin, xmax) = if xmin.is_finite() && xmax > xmin { (xmin, xmax) } else { (0.0, 1.0) };
+                let (xmin, xmax) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+                    (a.min(x), b.max(x))
+                });
+                let (xmin, xmax) = if xmin.is_finite() && xmax > xmin {
+                    (xmin, xmax)
+                } else {
+                    (0.0, 1.0)
+                };
                 let ytop = if p.kind == PlotKind::Cdf { 1.0 } else { ymax };
                 let mut chart = ChartBuilder::on(&root)
                     .caption(&p.title, ("sans-serif", 20))
@@ -284,16 +384,29 @@ pub fn plot_svg(p: &Plot) -> anyhow::Result<String> {
                     .x_label_area_size(40)
                     .y_label_area_size(60)
                     .build_cartesian_2d(xmin..xmax, 0f64..ytop)?;
-                chart.configure_mesh().x_desc(&p.x_label).y_desc(&p.y_label).draw()?;
+                chart
+                    .configure_mesh()
+                    .x_desc(&p.x_label)
+                    .y_desc(&p.y_label)
+                    .draw()?;
                 for (si, (name, pts)) in series.into_iter().enumerate() {
                     let color = PALETTE[si % PALETTE.len()];
                     chart
                         .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
                         .label(name)
-                        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color.stroke_width(2)));
-                    chart.draw_series(pts.into_iter().map(|(x, y)| Circle::new((x, y), 3, color.filled())))?;
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 15, y)], color.stroke_width(2))
+                        });
+                    chart.draw_series(
+                        pts.into_iter()
+                            .map(|(x, y)| Circle::new((x, y), 3, color.filled())),
+                    )?;
                 }
-                chart.configure_series_labels().border_style(BLACK).background_style(WHITE.mix(0.8)).draw()?;
+                chart
+                    .configure_series_labels()
+                    .border_style(BLACK)
+                    .background_style(WHITE.mix(0.8))
+                    .draw()?;
             }
         }
         root.present()?;
@@ -314,7 +427,11 @@ mod tests {
             tier: Tier::Sm90,
             title: "KDA forward".into(),
             machine: "gpu".into(),
-            figures: vec![Figure::timing("fwd", &[1.0, 1.2, 0.9], "ms").param("H", 96).baseline("fla", 2.6, true)],
+            figures: vec![
+                Figure::timing("fwd", &[1.0, 1.2, 0.9], "ms")
+                    .param("H", 96)
+                    .baseline("fla", 2.6, true),
+            ],
             plots: vec![
                 Plot {
                     title: "time per shape".into(),
@@ -322,8 +439,14 @@ mod tests {
                     x_label: "shape".into(),
                     y_label: "ms".into(),
                     series: vec![
-                        Series { name: "ours".into(), points: vec![("H96".into(), 1.0), ("H64".into(), 0.7)] },
-                        Series { name: "fla".into(), points: vec![("H96".into(), 2.6), ("H64".into(), 1.7)] },
+                        Series {
+                            name: "ours".into(),
+                            points: vec![("H96".into(), 1.0), ("H64".into(), 0.7)],
+                        },
+                        Series {
+                            name: "fla".into(),
+                            points: vec![("H96".into(), 2.6), ("H64".into(), 1.7)],
+                        },
                     ],
                 },
                 Plot {
@@ -331,26 +454,42 @@ mod tests {
                     kind: PlotKind::Lines,
                     x_label: "skew %".into(),
                     y_label: "ms".into(),
-                    series: vec![Series { name: "d".into(), points: vec![("50".into(), 0.5), ("90".into(), 0.6)] }],
+                    series: vec![Series {
+                        name: "d".into(),
+                        points: vec![("50".into(), 0.5), ("90".into(), 0.6)],
+                    }],
                 },
                 Plot {
                     title: "latency".into(),
                     kind: PlotKind::Cdf,
                     x_label: "ms".into(),
                     y_label: "fraction".into(),
-                    series: vec![Series { name: "create".into(), points: vec![("".into(), 40.0), ("".into(), 60.0)] }],
+                    series: vec![Series {
+                        name: "create".into(),
+                        points: vec![("".into(), 40.0), ("".into(), 60.0)],
+                    }],
                 },
             ],
             notes: vec!["cmd <x>".into()],
         });
-        r.skipped.push(Skipped { tier: Tier::Kvm, machine: "dev".into(), what: "agentenv".into(), reason: "PVM-only: TCG".into() });
+        r.skipped.push(Skipped {
+            tier: Tier::Kvm,
+            machine: "dev".into(),
+            what: "agentenv".into(),
+            reason: "PVM-only: TCG".into(),
+        });
         r
     }
 
     #[test]
     fn markdown_has_ratio_and_skip() {
         let md = markdown(&sample());
-        assert!(md.contains("| fwd | H=96 | 1.000 ms | 0.9000–1.200 (n=3) | fla: 2.600 ms → **2.60x** |"), "{md}");
+        assert!(
+            md.contains(
+                "| fwd | H=96 | 1.000 ms | 0.9000–1.200 (n=3) | fla: 2.600 ms → **2.60x** |"
+            ),
+            "{md}"
+        );
         assert!(md.contains("| kvm | agentenv | dev | PVM-only: TCG |"));
     }
 

@@ -23,21 +23,55 @@ fn steps() -> Vec<Step> {
     let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
     let mut steps = vec![
         Step::Cmd("format", s(&[&c, "fmt", "--all", "--", "--check"]), vec![]),
-        Step::Cmd("clippy", s(&[&c, "clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]), vec![]),
+        Step::Cmd(
+            "clippy",
+            s(&[
+                &c,
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]),
+            vec![],
+        ),
         Step::Kernels,
-        Step::Cmd("tests", s(&[&c, "test", "--workspace"]), vec![("K3_REQUIRE_KERNELS", "1".into())]),
+        Step::Cmd(
+            "tests",
+            s(&[&c, "test", "--workspace"]),
+            vec![("K3_REQUIRE_KERNELS", "1".into())],
+        ),
     ];
     if Path::new("crates/moonep/src/bin/moonep-sim.rs").is_file() {
         steps.push(Step::Cmd(
             "simulator (quick)",
-            s(&[&c, "run", "--release", "-p", "moonep", "--bin", "moonep-sim", "--", "--quick", "--out", "target/k3-sim"]),
+            s(&[
+                &c,
+                "run",
+                "--release",
+                "-p",
+                "moonep",
+                "--bin",
+                "moonep-sim",
+                "--",
+                "--quick",
+                "--out",
+                "target/k3-sim",
+            ]),
             vec![],
         ));
     }
     if Path::new("crates/agentenv/server/tests/python").is_dir() {
         steps.push(Step::Cmd(
             "e2b SDK tests",
-            s(&["python3", "-m", "pytest", "-q", "crates/agentenv/server/tests/python"]),
+            s(&[
+                "python3",
+                "-m",
+                "pytest",
+                "-q",
+                "crates/agentenv/server/tests/python",
+            ]),
             vec![],
         ));
     }
@@ -51,20 +85,38 @@ pub fn run() -> anyhow::Result<()> {
         let (name, ok) = match step {
             Step::Kernels => {
                 println!("\n=== kernels (sm_90a)");
-                ("kernels (sm_90a)", kernels::build_all(Path::new("target/k3-kernels")).map_err(|e| eprintln!("{e:#}")).is_ok())
+                (
+                    "kernels (sm_90a)",
+                    kernels::build_all(Path::new("target/k3-kernels"))
+                        .map_err(|e| eprintln!("{e:#}"))
+                        .is_ok(),
+                )
             }
             Step::Cmd(name, argv, env) => {
                 println!("\n=== {name}: {}", argv.join(" "));
-                let ok = Command::new(&argv[0]).args(&argv[1..]).envs(env).status().is_ok_and(|s| s.success());
+                let ok = Command::new(&argv[0])
+                    .args(&argv[1..])
+                    .envs(env)
+                    .status()
+                    .is_ok_and(|s| s.success());
                 (name, ok)
             }
         };
-        println!("=== {name}: {} in {:.0?}", if ok { "ok" } else { "FAILED" }, start.elapsed());
+        println!(
+            "=== {name}: {} in {:.0?}",
+            if ok { "ok" } else { "FAILED" },
+            start.elapsed()
+        );
         results.push((name, ok, start.elapsed()));
     }
     println!("\nsummary:");
     for (name, ok, t) in &results {
-        println!("  {:<22} {:<6} {:>8.1?}", name, if *ok { "ok" } else { "FAILED" }, t);
+        println!(
+            "  {:<22} {:<6} {:>8.1?}",
+            name,
+            if *ok { "ok" } else { "FAILED" },
+            t
+        );
     }
     let failed: Vec<_> = results.iter().filter(|r| !r.1).map(|r| r.0).collect();
     if !failed.is_empty() {

@@ -13,7 +13,13 @@ pub fn check(root: &Path) -> anyhow::Result<Vec<String>> {
     if arch.is_empty() {
         problems.push("ARCHITECTURE.md is missing".into());
     }
-    let mut folders = vec!["xtask".to_string(), "benches".into(), "ci".into(), ".ci".into(), "docs".into()];
+    let mut folders = vec![
+        "xtask".to_string(),
+        "benches".into(),
+        "ci".into(),
+        ".ci".into(),
+        "docs".into(),
+    ];
     for dir in ["crates", "crates/agentenv"] {
         if let Ok(rd) = std::fs::read_dir(root.join(dir)) {
             for e in rd.flatten().filter(|e| e.path().is_dir()) {
@@ -28,8 +34,14 @@ pub fn check(root: &Path) -> anyhow::Result<Vec<String>> {
     }
     for ext in [".rs", ".cu", ".cuh", ".py"] {
         for file in util::files_with_suffix(root, ext) {
-            let rel = file.strip_prefix(root).unwrap_or(&file).display().to_string();
-            let Ok(text) = std::fs::read_to_string(&file) else { continue };
+            let rel = file
+                .strip_prefix(root)
+                .unwrap_or(&file)
+                .display()
+                .to_string();
+            let Ok(text) = std::fs::read_to_string(&file) else {
+                continue;
+            };
             let lines = text.lines().count();
             if lines > MAX_LINES {
                 problems.push(format!("{rel}: {lines} lines (limit {MAX_LINES})"));
@@ -51,8 +63,14 @@ pub fn check(root: &Path) -> anyhow::Result<Vec<String>> {
 mod tests {
     #[test]
     fn repository_is_tidy() {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .unwrap();
         let problems = super::check(root).unwrap();
-        assert!(problems.is_empty(), "tidy problems:\n{}", problems.join("\n"));
+        assert!(
+            problems.is_empty(),
+            "tidy problems:\n{}",
+            problems.join("\n")
+        );
     }
 }

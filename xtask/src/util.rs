@@ -37,7 +37,8 @@ pub fn git_commit() -> String {
     };
     match out(&["rev-parse", "--short=12", "HEAD"]) {
         Some(c) => {
-            let dirty = out(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            let dirty = out(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
             if dirty { format!("{c}-dirty") } else { c }
         }
         None => "unknown".into(),
@@ -47,15 +48,23 @@ pub fn git_commit() -> String {
 /// First line of `cmd --version`-like output, if the program runs.
 pub fn tool_version(program: &str, args: &[&str]) -> Option<String> {
     let o = Command::new(program).args(args).output().ok()?;
-    let text = if o.stdout.is_empty() { o.stderr } else { o.stdout };
-    String::from_utf8_lossy(&text).lines().find(|l| !l.trim().is_empty()).map(|l| l.trim().to_string())
+    let text = if o.stdout.is_empty() {
+        o.stderr
+    } else {
+        o.stdout
+    };
+    String::from_utf8_lossy(&text)
+        .lines()
+        .find(|l| !l.trim().is_empty())
+        .map(|l| l.trim().to_string())
 }
 
 /// A spinner with a message and elapsed time, for long steps.
 pub fn spinner(msg: impl Into<String>) -> ProgressBar {
     let pb = ProgressBar::new_spinner();
     pb.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}").expect("valid template"),
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+            .expect("valid template"),
     );
     pb.set_message(msg.into());
     pb.enable_steady_tick(Duration::from_millis(120));
@@ -66,7 +75,8 @@ pub fn spinner(msg: impl Into<String>) -> ProgressBar {
 pub fn bar(n: u64, msg: impl Into<String>) -> ProgressBar {
     let pb = ProgressBar::new(n);
     pb.set_style(
-        ProgressStyle::with_template("[{elapsed_precise}] {bar:30} {pos}/{len} {msg}").expect("valid template"),
+        ProgressStyle::with_template("[{elapsed_precise}] {bar:30} {pos}/{len} {msg}")
+            .expect("valid template"),
     );
     pb.set_message(msg.into());
     pb
@@ -78,14 +88,19 @@ pub fn run_checked(cmd: &mut Command) -> anyhow::Result<()> {
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         let tail: Vec<&str> = err.lines().rev().take(20).collect();
-        bail!("{cmd:?} failed ({}):\n{}", out.status, tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        bail!(
+            "{cmd:?} failed ({}):\n{}",
+            out.status,
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
     }
     Ok(())
 }
 
 /// Hostname of this machine.
 pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map_or_else(|_| "unknown".into(), |s| s.trim().to_string())
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map_or_else(|_| "unknown".into(), |s| s.trim().to_string())
 }
 
 /// Files below `dir` (recursively) whose name ends with `suffix`, sorted.
@@ -93,7 +108,9 @@ pub fn files_with_suffix(dir: &Path, suffix: &str) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
         for e in rd.flatten() {
             let p = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
@@ -113,5 +130,9 @@ pub fn files_with_suffix(dir: &Path, suffix: &str) -> Vec<PathBuf> {
 /// Last non-empty line of `cmd --version`-like output (nvcc prints its release last).
 pub fn tool_version_last(program: &str, args: &[&str]) -> Option<String> {
     let o = Command::new(program).args(args).output().ok()?;
-    String::from_utf8_lossy(&o.stdout).lines().rev().find(|l| !l.trim().is_empty()).map(|l| l.trim().to_string())
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .map(|l| l.trim().to_string())
 }

@@ -9,7 +9,10 @@ pub struct CpioWriter {
 
 impl CpioWriter {
     pub fn new() -> Self {
-        CpioWriter { buf: Vec::new(), ino: 1 }
+        CpioWriter {
+            buf: Vec::new(),
+            ino: 1,
+        }
     }
 
     fn entry(&mut self, name: &str, mode: u32, data: &[u8]) {
@@ -40,7 +43,7 @@ impl CpioWriter {
     }
 
     fn pad4(&mut self) {
-        while self.buf.len() % 4 != 0 {
+        while !self.buf.len().is_multiple_of(4) {
             self.buf.push(0);
         }
     }
@@ -66,7 +69,7 @@ impl CpioWriter {
     /// Appends the trailer and returns the archive bytes.
     pub fn finish(mut self) -> Vec<u8> {
         self.entry("TRAILER!!!", 0, &[]);
-        while self.buf.len() % 512 != 0 {
+        while !self.buf.len().is_multiple_of(512) {
             self.buf.push(0);
         }
         self.buf
@@ -85,7 +88,9 @@ mod tests {
         };
         assert!(out.status.success());
         let mut w = CpioWriter::new();
-        w.dir("bin").file("bin/hello", 0o755, b"#!/bin/sh\necho hi\n").symlink("bin/sh", "hello");
+        w.dir("bin")
+            .file("bin/hello", 0o755, b"#!/bin/sh\necho hi\n")
+            .symlink("bin/sh", "hello");
         let bytes = w.finish();
         assert_eq!(bytes.len() % 512, 0);
         let dir = tempfile::tempdir().unwrap();
@@ -97,7 +102,15 @@ mod tests {
             .status()
             .unwrap();
         assert!(st.success());
-        assert_eq!(std::fs::read(dir.path().join("bin/hello")).unwrap(), b"#!/bin/sh\necho hi\n");
-        assert_eq!(std::fs::read_link(dir.path().join("bin/sh")).unwrap().to_str(), Some("hello"));
+        assert_eq!(
+            std::fs::read(dir.path().join("bin/hello")).unwrap(),
+            b"#!/bin/sh\necho hi\n"
+        );
+        assert_eq!(
+            std::fs::read_link(dir.path().join("bin/sh"))
+                .unwrap()
+                .to_str(),
+            Some("hello")
+        );
     }
 }

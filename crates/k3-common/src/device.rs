@@ -94,12 +94,16 @@ pub fn probe_cuda() -> CudaProbe {
         match std::panic::catch_unwind(cuda::probe) {
             Ok(Ok(inv)) => CudaProbe::Available(inv),
             Ok(Err(reason)) => CudaProbe::Unavailable { reason },
-            Err(_) => CudaProbe::Unavailable { reason: "the CUDA driver library panicked while loading".into() },
+            Err(_) => CudaProbe::Unavailable {
+                reason: "the CUDA driver library panicked while loading".into(),
+            },
         }
     }
     #[cfg(not(feature = "cuda"))]
     {
-        CudaProbe::Unavailable { reason: "k3-common was built without the `cuda` feature".into() }
+        CudaProbe::Unavailable {
+            reason: "k3-common was built without the `cuda` feature".into(),
+        }
     }
 }
 
@@ -107,25 +111,37 @@ pub fn probe_cuda() -> CudaProbe {
 mod cuda {
     use std::ffi::{CStr, c_char, c_int};
 
-    use cudarc::driver::sys::{self, CUdevice_attribute as A, CUdevice_P2PAttribute as P, CUresult};
+    use cudarc::driver::sys::{
+        self, CUdevice_P2PAttribute as P, CUdevice_attribute as A, CUresult,
+    };
 
     use super::{CudaInventory, GpuInfo, LinkKind, PeerLink};
 
     fn check(r: CUresult, what: &str) -> Result<(), String> {
-        if r == CUresult::CUDA_SUCCESS { Ok(()) } else { Err(format!("{what} failed: {r:?}")) }
+        if r == CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(format!("{what} failed: {r:?}"))
+        }
     }
 
     fn attr(dev: sys::CUdevice, a: A) -> Result<i32, String> {
         let mut v: c_int = 0;
         // SAFETY: out-pointer to a live local; the driver library is loaded (checked in `probe`).
-        check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) }, "cuDeviceGetAttribute")?;
+        check(
+            unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) },
+            "cuDeviceGetAttribute",
+        )?;
         Ok(v)
     }
 
     pub(super) fn probe() -> Result<CudaInventory, String> {
         // SAFETY: only asks whether the shared library can be loaded.
         if !unsafe { sys::is_culib_present() } {
-            return Err("no CUDA driver: libcuda.so could not be loaded (no NVIDIA driver on this machine)".into());
+            return Err(
+                "no CUDA driver: libcuda.so could not be loaded (no NVIDIA driver on this machine)"
+                    .into(),
+            );
         }
         // SAFETY: plain driver calls with out-pointers to locals.
         unsafe {
@@ -140,11 +156,17 @@ mod cuda {
                 let mut dev: sys::CUdevice = 0;
                 check(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
                 let mut name = [0 as c_char; 256];
-                check(sys::cuDeviceGetName(name.as_mut_ptr(), 256, dev), "cuDeviceGetName")?;
+                check(
+                    sys::cuDeviceGetName(name.as_mut_ptr(), 256, dev),
+                    "cuDeviceGetName",
+                )?;
                 let mut mem: usize = 0;
                 check(sys::cuDeviceTotalMem_v2(&mut mem, dev), "cuDeviceTotalMem")?;
                 let mut bus = [0 as c_char; 64];
-                check(sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 64, dev), "cuDeviceGetPCIBusId")?;
+                check(
+                    sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), 64, dev),
+                    "cuDeviceGetPCIBusId",
+                )?;
                 devices.push(GpuInfo {
                     ordinal: ordinal as usize,
                     name: CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned(),
@@ -166,7 +188,10 @@ mod cuda {
                         continue;
                     }
                     let mut can: c_int = 0;
-                    check(sys::cuDeviceCanAccessPeer(&mut can, a, b), "cuDeviceCanAccessPeer")?;
+                    check(
+                        sys::cuDeviceCanAccessPeer(&mut can, a, b),
+                        "cuDeviceCanAccessPeer",
+                    )?;
                     let mut atomics: c_int = 0;
                     let _ = sys::cuDeviceGetP2PAttribute(
                         &mut atomics,
@@ -187,7 +212,11 @@ mod cuda {
                     });
                 }
             }
-            Ok(CudaInventory { driver_version: version, devices, peers })
+            Ok(CudaInventory {
+                driver_version: version,
+                devices,
+                peers,
+            })
         }
     }
 }
@@ -280,8 +309,15 @@ mod tests {
     fn probe_never_panics_and_explains() {
         match probe_cuda() {
             CudaProbe::Available(inv) => {
-                println!("CUDA driver {}: {} device(s)", inv.driver_version, inv.devices.len());
-                assert_eq!(inv.peers.len(), inv.devices.len() * inv.devices.len().saturating_sub(1));
+                println!(
+                    "CUDA driver {}: {} device(s)",
+                    inv.driver_version,
+                    inv.devices.len()
+                );
+                assert_eq!(
+                    inv.peers.len(),
+                    inv.devices.len() * inv.devices.len().saturating_sub(1)
+                );
             }
             CudaProbe::Unavailable { reason } => {
                 println!("skipped GPU inventory: {reason}");

@@ -43,7 +43,11 @@ pub enum KvmVerdict {
     /// A standard guest booted under KVM.
     Kvm { boot_ms: u64 },
     /// KVM cannot boot a standard guest; TCG can. `pvm` marks a PVM-only host.
-    TcgOnly { pvm: bool, reason: String, tcg_boot_ms: Option<u64> },
+    TcgOnly {
+        pvm: bool,
+        reason: String,
+        tcg_boot_ms: Option<u64>,
+    },
     /// No guest could be booted at all (no QEMU, no kernel, ...).
     None { reason: String },
 }
@@ -57,7 +61,10 @@ impl KvmVerdict {
     pub fn accel(&self) -> Option<Accel> {
         match self {
             KvmVerdict::Kvm { .. } => Some(Accel::Kvm),
-            KvmVerdict::TcgOnly { tcg_boot_ms: Some(_), .. } => Some(Accel::Tcg),
+            KvmVerdict::TcgOnly {
+                tcg_boot_ms: Some(_),
+                ..
+            } => Some(Accel::Tcg),
             _ => None,
         }
     }
@@ -75,7 +82,10 @@ pub enum ProbeError {
     #[error("no static busybox at {0} (install busybox-static)")]
     NoBusybox(PathBuf),
     #[error("cannot start {qemu}: {source}")]
-    Spawn { qemu: String, source: std::io::Error },
+    Spawn {
+        qemu: String,
+        source: std::io::Error,
+    },
     #[error("the probe guest printed no marker within {0:?}")]
     Timeout(Duration),
     #[error("the probe guest exited without the marker: {0}")]
@@ -87,11 +97,19 @@ pub enum ProbeError {
 /// Opens `/dev/kvm` and returns the KVM API version (12 on every current kernel).
 pub fn open_dev_kvm() -> Result<i32, ProbeError> {
     use std::os::fd::AsRawFd;
-    let f = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").map_err(ProbeError::DevKvm)?;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .map_err(ProbeError::DevKvm)?;
     const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
     // SAFETY: ioctl without arguments on an open fd.
     let v = unsafe { libc::ioctl(f.as_raw_fd(), KVM_GET_API_VERSION as _, 0) };
-    if v == 12 { Ok(v) } else { Err(ProbeError::ApiVersion(v)) }
+    if v == 12 {
+        Ok(v)
+    } else {
+        Err(ProbeError::ApiVersion(v))
+    }
 }
 
 /// True when the host kernel's KVM is the PVM flavour (module `kvm_pvm` loaded).
@@ -107,7 +125,11 @@ pub fn find_guest_kernel() -> Option<PathBuf> {
     let mut found: Vec<PathBuf> = std::fs::read_dir("/boot")
         .ok()?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("vmlinuz-")))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("vmlinuz-"))
+        })
         .collect();
     found.sort();
     found.pop()
@@ -117,20 +139,37 @@ pub fn find_guest_kernel() -> Option<PathBuf> {
 pub fn probe_initramfs(busybox: &Path) -> Result<Vec<u8>, ProbeError> {
     let bb = std::fs::read(busybox).map_err(|_| ProbeError::NoBusybox(busybox.to_path_buf()))?;
     let mut w = CpioWriter::new();
-    w.dir("bin").file("bin/busybox", 0o755, &bb).symlink("bin/sh", "busybox").file(
-        "init",
-        0o755,
-        format!("#!/bin/sh\n/bin/busybox echo {MARKER}\n/bin/busybox poweroff -f\n").as_bytes(),
-    );
+    w.dir("bin")
+        .file("bin/busybox", 0o755, &bb)
+        .symlink("bin/sh", "busybox")
+        .file(
+            "init",
+            0o755,
+            format!("#!/bin/sh\n/bin/busybox echo {MARKER}\n/bin/busybox poweroff -f\n").as_bytes(),
+        );
     Ok(w.finish())
 }
 
 /// Boots the probe guest with `accel` and returns the time until the marker appeared.
-pub fn boot_probe(accel: Accel, kernel: &Path, initrd: &Path, timeout: Duration) -> Result<Duration, ProbeError> {
+pub fn boot_probe(
+    accel: Accel,
+    kernel: &Path,
+    initrd: &Path,
+    timeout: Duration,
+) -> Result<Duration, ProbeError> {
     let qemu = "qemu-system-x86_64";
     let start = Instant::now();
     let mut child = Command::new(qemu)
-        .args(["-accel", accel.as_str(), "-m", "128", "-nodefaults", "-no-user-config", "-display", "none"])
+        .args([
+            "-accel",
+            accel.as_str(),
+            "-m",
+            "128",
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+        ])
         .args(["-no-reboot", "-serial", "stdio", "-kernel"])
         .arg(kernel)
         .arg("-initrd")
@@ -140,7 +179,10 @@ pub fn boot_probe(accel: Accel, kernel: &Path, initrd: &Path, timeout: Duration)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|source| ProbeError::Spawn { qemu: qemu.into(), source })?;
+        .map_err(|source| ProbeError::Spawn {
+            qemu: qemu.into(),
+            source,
+        })?;
     let mut stdout = child.stdout.take().expect("piped stdout");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -168,7 +210,11 @@ pub fn boot_probe(accel: Accel, kernel: &Path, initrd: &Path, timeout: Duration)
     let _ = child.wait();
     match result {
         Ok(Ok(t)) => Ok(t),
-        Ok(Err(tail)) => Err(ProbeError::NoMarker(format!("{} {}", tail.trim(), stderr.trim()))),
+        Ok(Err(tail)) => Err(ProbeError::NoMarker(format!(
+            "{} {}",
+            tail.trim(),
+            stderr.trim()
+        ))),
         Err(_) => Err(ProbeError::Timeout(timeout)),
     }
 }
@@ -177,32 +223,53 @@ pub fn boot_probe(accel: Accel, kernel: &Path, initrd: &Path, timeout: Duration)
 pub fn check(kvm_timeout: Duration) -> KvmVerdict {
     let kernel = match find_guest_kernel() {
         Some(k) => k,
-        None => return KvmVerdict::None { reason: ProbeError::NoKernel.to_string() },
+        None => {
+            return KvmVerdict::None {
+                reason: ProbeError::NoKernel.to_string(),
+            };
+        }
     };
     let dir = match tempfile_dir() {
         Ok(d) => d,
-        Err(e) => return KvmVerdict::None { reason: e.to_string() },
+        Err(e) => {
+            return KvmVerdict::None {
+                reason: e.to_string(),
+            };
+        }
     };
     let initrd = dir.join("probe.cpio");
-    let written = probe_initramfs(Path::new("/bin/busybox")).and_then(|b| Ok(std::fs::write(&initrd, b)?));
+    let written =
+        probe_initramfs(Path::new("/bin/busybox")).and_then(|b| Ok(std::fs::write(&initrd, b)?));
     if let Err(e) = written {
-        return KvmVerdict::None { reason: e.to_string() };
+        return KvmVerdict::None {
+            reason: e.to_string(),
+        };
     }
     let kvm_failure = match open_dev_kvm() {
         Err(e) => e.to_string(),
         Ok(_) => match boot_probe(Accel::Kvm, &kernel, &initrd, kvm_timeout) {
             Ok(t) => {
                 let _ = std::fs::remove_dir_all(&dir);
-                return KvmVerdict::Kvm { boot_ms: t.as_millis() as u64 };
+                return KvmVerdict::Kvm {
+                    boot_ms: t.as_millis() as u64,
+                };
             }
-            Err(e) => format!("/dev/kvm opens, but a standard guest kernel does not boot under KVM ({e})"),
+            Err(e) => {
+                format!("/dev/kvm opens, but a standard guest kernel does not boot under KVM ({e})")
+            }
         },
     };
     let tcg = boot_probe(Accel::Tcg, &kernel, &initrd, Duration::from_secs(60));
     let _ = std::fs::remove_dir_all(&dir);
     match tcg {
-        Ok(t) => KvmVerdict::TcgOnly { pvm: is_pvm_host(), reason: kvm_failure, tcg_boot_ms: Some(t.as_millis() as u64) },
-        Err(e) => KvmVerdict::None { reason: format!("{kvm_failure}; TCG boot failed too: {e}") },
+        Ok(t) => KvmVerdict::TcgOnly {
+            pvm: is_pvm_host(),
+            reason: kvm_failure,
+            tcg_boot_ms: Some(t.as_millis() as u64),
+        },
+        Err(e) => KvmVerdict::None {
+            reason: format!("{kvm_failure}; TCG boot failed too: {e}"),
+        },
     }
 }
 
@@ -222,7 +289,11 @@ mod tests {
             println!("skipped: no guest kernel (install linux-image-amd64)");
             return;
         };
-        if Command::new("qemu-system-x86_64").arg("--version").output().is_err() {
+        if Command::new("qemu-system-x86_64")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
             println!("skipped: qemu-system-x86_64 is not installed");
             return;
         }

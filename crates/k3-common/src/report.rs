@@ -133,7 +133,12 @@ pub struct Figure {
 }
 
 impl Figure {
-    pub fn new(name: impl Into<String>, value: f64, unit: impl Into<String>, better: Better) -> Self {
+    pub fn new(
+        name: impl Into<String>,
+        value: f64,
+        unit: impl Into<String>,
+        better: Better,
+    ) -> Self {
         Figure {
             name: name.into(),
             params: BTreeMap::new(),
@@ -149,7 +154,10 @@ impl Figure {
     pub fn timing(name: impl Into<String>, samples: &[f64], unit: impl Into<String>) -> Self {
         let stats = Stats::from_samples(samples);
         let value = stats.as_ref().map_or(f64::NAN, |s| s.median);
-        Figure { stats, ..Figure::new(name, value, unit, Better::Lower) }
+        Figure {
+            stats,
+            ..Figure::new(name, value, unit, Better::Lower)
+        }
     }
 
     pub fn param(mut self, key: impl Into<String>, value: impl ToString) -> Self {
@@ -158,7 +166,11 @@ impl Figure {
     }
 
     pub fn baseline(mut self, name: impl Into<String>, value: f64, same_run: bool) -> Self {
-        self.baselines.push(Baseline { name: name.into(), value, same_run });
+        self.baselines.push(Baseline {
+            name: name.into(),
+            value,
+            same_run,
+        });
         self
     }
 
@@ -262,13 +274,26 @@ pub struct Report {
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
     #[error("reading report {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("writing report {path}: {source}")]
-    Write { path: String, source: std::io::Error },
+    Write {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("report {path} is not valid JSON: {source}")]
-    Parse { path: String, source: serde_json::Error },
+    Parse {
+        path: String,
+        source: serde_json::Error,
+    },
     #[error("report {path} has schema {found}, this build reads schema {expected}")]
-    Schema { path: String, found: u32, expected: u32 },
+    Schema {
+        path: String,
+        found: u32,
+        expected: u32,
+    },
 }
 
 impl Report {
@@ -285,12 +310,20 @@ impl Report {
 
     pub fn read(path: &Path) -> Result<Report, ReportError> {
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| ReportError::Read { path: p.clone(), source })?;
-        let report: Report =
-            serde_json::from_str(&text).map_err(|source| ReportError::Parse { path: p.clone(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ReportError::Read {
+            path: p.clone(),
+            source,
+        })?;
+        let report: Report = serde_json::from_str(&text).map_err(|source| ReportError::Parse {
+            path: p.clone(),
+            source,
+        })?;
         if report.schema != REPORT_SCHEMA {
-            return Err(ReportError::Schema { path: p, found: report.schema, expected: REPORT_SCHEMA });
+            return Err(ReportError::Schema {
+                path: p,
+                found: report.schema,
+                expected: REPORT_SCHEMA,
+            });
         }
         Ok(report)
     }
@@ -316,9 +349,13 @@ impl Report {
         }
         self.sections.extend(other.sections);
         self.skipped.extend(other.skipped);
-        let ran: Vec<(Tier, String)> =
-            self.sections.iter().map(|s| (s.tier, s.system.clone())).collect();
-        self.skipped.retain(|s| !ran.iter().any(|(t, sys)| *t == s.tier && *sys == s.what));
+        let ran: Vec<(Tier, String)> = self
+            .sections
+            .iter()
+            .map(|s| (s.tier, s.system.clone()))
+            .collect();
+        self.skipped
+            .retain(|s| !ran.iter().any(|(t, sys)| *t == s.tier && *sys == s.what));
     }
 }
 
@@ -382,7 +419,10 @@ mod tests {
         });
         a.merge(b);
         assert_eq!(a.sections.len(), 1);
-        assert!(a.skipped.is_empty(), "the GPU machine's section replaces the dev machine's skip");
+        assert!(
+            a.skipped.is_empty(),
+            "the GPU machine's section replaces the dev machine's skip"
+        );
         assert_eq!(a.commit, "abc");
     }
 
@@ -395,6 +435,9 @@ mod tests {
         let mut r = Report::new("x");
         r.schema = 99;
         std::fs::write(&p, serde_json::to_string(&r).unwrap()).unwrap();
-        assert!(matches!(Report::read(&p), Err(ReportError::Schema { found: 99, .. })));
+        assert!(matches!(
+            Report::read(&p),
+            Err(ReportError::Schema { found: 99, .. })
+        ));
     }
 }

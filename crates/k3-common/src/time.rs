@@ -4,7 +4,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Current UTC time as RFC 3339, e.g. `2026-11-29T21:04:05Z`.
 pub fn now_rfc3339() -> String {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     rfc3339_from_unix(secs)
 }
 
@@ -34,7 +36,13 @@ mod tests {
     #[test]
     fn known_dates() {
         assert_eq!(super::rfc3339_from_unix(0), "1970-01-01T00:00:00Z");
-        assert_eq!(super::rfc3339_from_unix(951_782_400), "2000-02-29T00:00:00Z");
-        assert_eq!(super::rfc3339_from_unix(1_795_986_245), "2026-11-29T21:04:05Z");
+        assert_eq!(
+            super::rfc3339_from_unix(951_782_400),
+            "2000-02-29T00:00:00Z"
+        );
+        assert_eq!(
+            super::rfc3339_from_unix(1_795_986_245),
+            "2026-11-29T21:04:05Z"
+        );
     }
 }

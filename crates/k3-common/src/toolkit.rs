@@ -14,7 +14,10 @@ pub struct Nvcc {
 pub fn find_nvcc() -> Option<Nvcc> {
     let from_bin = |nvcc: PathBuf| {
         let home = nvcc.parent()?.parent()?.to_path_buf();
-        nvcc.is_file().then_some(Nvcc { nvcc, cuda_home: home })
+        nvcc.is_file().then_some(Nvcc {
+            nvcc,
+            cuda_home: home,
+        })
     };
     if let Some(p) = std::env::var_os("NVCC").map(PathBuf::from)
         && let Some(n) = from_bin(p)
@@ -37,9 +40,16 @@ pub fn find_nvcc() -> Option<Nvcc> {
     if let Some(d) = std::env::var_os("K3_CUDA_PIP_DIR") {
         pip_dirs.insert(0, PathBuf::from(d));
     }
-    pip_dirs.into_iter().find_map(|d| from_bin(Path::new(&d).join("nvidia/cu13/bin/nvcc")))
+    pip_dirs
+        .into_iter()
+        .find_map(|d| from_bin(Path::new(&d).join("nvidia/cu13/bin/nvcc")))
 }
 
 /// The nvcc flags every sm_90a kernel is built with (`-arch=sm_90a` would also run a compute_90 pass that
 /// rejects wgmma, so name the real target explicitly).
-pub const SM90A_FLAGS: &[&str] = &["-gencode=arch=compute_90a,code=sm_90a", "-O3", "-lineinfo", "-std=c++17"];
+pub const SM90A_FLAGS: &[&str] = &[
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-O3",
+    "-lineinfo",
+    "-std=c++17",
+];
