@@ -200,6 +200,15 @@ impl Device {
         check(unsafe { sys::cuMemsetD32Async(ptr, value, n, self.stream) }, "cuMemsetD32Async")
     }
 
+    /// Stream-ordered device-to-device copy.
+    pub fn copy_d2d(&self, dst: u64, src: u64, bytes: usize) -> Result<(), GpuError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: caller passes ranges of at least `bytes` on this device.
+        check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) }, "cuMemcpyDtoDAsync")
+    }
+
     /// Creates a timing event.
     pub fn event(&self) -> Result<Event, GpuError> {
         let mut ev = std::ptr::null_mut();

@@ -5,9 +5,11 @@
 //! consumer reading past `cu_seqlens` sees NaN. The GPU tests compare their output to this
 //! module exactly.
 
+mod data;
 mod experts;
 mod oracle;
 
+pub use data::{dyadic_router_weights, dyadic_tokens, random_router_weights, random_tokens};
 pub use experts::{
     ExpertBank, ReplicaPools, expert_backward_on_slots, expert_forward_on_slots, prefetch,
     reduce_grad,
@@ -134,6 +136,34 @@ impl VirtualCluster {
         }
         Ok(())
     }
+}
+
+/// The whole distributed forward on a fresh poisoned cluster: dispatch, weight prefetch, expert
+/// compute in place on every rank's slot layout, combine. Returns the cluster (slot outputs) and
+/// `out[r]` (`[s_r*H]`).
+pub fn moe_forward(
+    plan: &ClusterPlan,
+    bank: &ExpertBank,
+    x: &[Vec<bf16>],
+    w: &[Vec<f32>],
+) -> Result<(VirtualCluster, Vec<Vec<bf16>>), ReferenceError> {
+    let (r_n, h) = (plan.global.ranks, bank.hidden);
+    let mut cluster = VirtualCluster::new(r_n, plan.global.shard_slots as usize, h);
+    cluster.dispatch(plan, x, Some(w))?;
+    let mut pools = ReplicaPools::filled(r_n, plan.global.experts_per_rank, h, POISON);
+    prefetch(plan, bank, &mut pools);
+    for d in 0..r_n {
+        expert_forward_on_slots(
+            plan,
+            bank,
+            &pools,
+            d,
+            &mut cluster.shards[d],
+            &cluster.wts[d],
+        );
+    }
+    let out = combine(plan, &cluster.shards, h);
+    Ok((cluster, out))
 }
 
 /// Combine: `out[r][t] = Σ_k y[d(i)][loff(i)]`, accumulated in f32 in ascending k and rounded to

@@ -1,0 +1,464 @@
+//! Rank-side GPU correctness checks, run by `moonep-gpu-rank selftest` under `moonep-launch`
+//! (and through it by `tests/gpu_ep.rs`). Every case compares the device against the CPU planner
+//! ([`crate::plan`]) and a plain-loop reference of §3 on fresh seeded data, with poisoned outputs.
+
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use super::baseline::Baseline;
+use super::driver::read_ptr;
+use super::ep::{EpBuffer, EpConfig, Transport, plan_config};
+use super::rank::Rank;
+use super::{GpuError, status};
+use crate::plan::{GlobalPlan, plan_entries, plan_global, unpack_slot};
+
+/// bf16 poison (a NaN) left in rows nobody may write.
+pub const POISON_BF16: u16 = 0x7fc1;
+/// f32 poison bits.
+pub const POISON_F32: u32 = 0x7fc0_0001;
+
+/// Routing shapes exercised by the tests and the benchmark.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Routing {
+    /// K distinct uniform experts per token.
+    Random,
+    /// Every entry to expert 0 (repeats inside a token).
+    OneExpert,
+    /// Only even experts are used (half the experts empty).
+    HalfEmpty,
+    /// A share `f` of the entries goes to home group 0 (rank-level skew), distinct per token.
+    Clustered(f64),
+    /// Uniform with repeats allowed inside a token.
+    Duplicates,
+}
+
+/// Per-rank `topk` (flat `[s*K]`) for `routing`; identical on every rank for the same seed.
+pub fn make_topk(routing: Routing, ranks: usize, experts: usize, k: usize, s: usize, seed: u64) -> Vec<Vec<i32>> {
+    let epn = experts / ranks;
+    (0..ranks)
+        .map(|r| {
+            let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(7919).wrapping_add(r as u64));
+            let mut out = Vec::with_capacity(s * k);
+            let n0_total = match routing {
+                Routing::Clustered(f) => ((s * k) as f64 * f).round() as usize,
+                _ => 0,
+            };
+            for t in 0..s {
+                match routing {
+                    Routing::Random => out.extend(distinct(&mut rng, 0, experts, k)),
+                    Routing::OneExpert => out.extend(std::iter::repeat_n(0, k)),
+                    Routing::HalfEmpty => {
+                        out.extend(distinct(&mut rng, 0, experts.div_ceil(2), k).into_iter().map(|e| 2 * e))
+                    }
+                    Routing::Duplicates => out.extend((0..k).map(|_| rng.random_range(0..experts as i32))),
+                    Routing::Clustered(_) => {
+                        // Token t gets n0 entries in group 0 so that the total is exact.
+                        let n0 = (n0_total * (t + 1)) / s - (n0_total * t) / s;
+                        let n0 = n0.min(epn).min(k);
+                        let rest = k - n0;
+                        let mut v = distinct(&mut rng, 0, epn, n0);
+                        if experts > epn {
+                            v.extend(distinct(&mut rng, epn, experts, rest));
+                        } else {
+                            v.extend(distinct(&mut rng, 0, epn, rest));
+                        }
+                        v.shuffle(&mut rng);
+                        out.extend(v);
+                    }
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+fn distinct(rng: &mut StdRng, lo: usize, hi: usize, k: usize) -> Vec<i32> {
+    let n = hi - lo;
+    if k <= n {
+        rand::seq::index::sample(rng, n, k).into_iter().map(|x| (lo + x) as i32).collect()
+    } else {
+        (0..k).map(|_| (lo + rng.random_range(0..n)) as i32).collect()
+    }
+}
+
+/// `tpe[e]` of one rank's `topk`.
+pub fn tpe_of(topk: &[i32], experts: usize) -> Vec<i32> {
+    let mut t = vec![0i32; experts];
+    for &e in topk {
+        t[e as usize] += 1;
+    }
+    t
+}
+
+/// Seeded bf16 rows `[rows, h]` (as bits).
+pub fn random_bf16(rows: usize, h: usize, seed: u64) -> Vec<u16> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..rows * h).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)).to_bits()).collect()
+}
+
+fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(0.0f32..1.0)).collect()
+}
+
+/// One dispatch/combine case.
+#[derive(Debug, Clone, Copy)]
+pub struct Case {
+    pub name: &'static str,
+    pub experts: usize,
+    pub k: usize,
+    pub cap: usize,
+    pub s: usize,
+    pub h: usize,
+    pub p: usize,
+    pub routing: Routing,
+    pub dedup: bool,
+    pub fallback: bool,
+}
+
+fn mismatch<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{what}: length {} vs {}", got.len(), want.len()));
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(i) => Err(format!("{what}[{i}]: gpu {:?} vs cpu {:?} ({} differ)", got[i], want[i], got.iter().zip(want).filter(|(a, b)| a != b).count())),
+    }
+}
+
+/// Compares the device plan with the CPU planner (every array, bit for bit).
+fn check_plan(buf: &EpBuffer, rank: &Rank, gp: &GlobalPlan, dst_cpu: &[i64]) -> Result<(), String> {
+    let dp = buf.read_plan(&rank.dev).map_err(|e| e.to_string())?;
+    let me = rank.env.rank;
+    let lay = &gp.layouts[me];
+    mismatch("alloc", &dp.alloc, &gp.alloc.iter().map(|&x| x as i32).collect::<Vec<_>>())?;
+    mismatch("alloc_cum", &dp.alloc_cum, &gp.alloc_cum.iter().map(|&x| x as i32).collect::<Vec<_>>())?;
+    let etc: Vec<i32> = gp.layouts.iter().flat_map(|l| l.experts_to_copy.iter().copied()).collect();
+    mismatch("experts_to_copy", &dp.experts_to_copy, &etc)?;
+    mismatch("counts", &dp.counts, &lay.counts.iter().map(|&x| x as i32).collect::<Vec<_>>())?;
+    mismatch("cu_seqlens", &dp.cu_seqlens, &lay.cu_seqlens.iter().map(|&x| x as i32).collect::<Vec<_>>())?;
+    let zf: Vec<i32> = lay.zero_fill.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
+    mismatch("zero_fill", &dp.zero_fill, &zf)?;
+    mismatch("dst", &dp.dst, dst_cpu)
+}
+
+/// Runs one case on every rank; `Err` carries the first difference.
+pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
+    let (me, r) = (rank.env.rank, rank.env.world);
+    let mut cfg = EpConfig::new(c.experts, c.k, c.cap, c.h);
+    cfg.padding = c.p;
+    cfg.dedup = c.dedup;
+    cfg.force_fallback = c.fallback;
+    cfg.num_blocks = 8;
+    let e = |x: GpuError| x.to_string();
+    let mut buf = EpBuffer::new(rank, cfg).map_err(e)?;
+    if c.fallback != (buf.transport == Transport::NcclFallback) {
+        return Err(format!("transport {:?} but fallback={}", buf.transport, c.fallback));
+    }
+    let topk = make_topk(c.routing, r, c.experts, c.k, c.s, seed);
+    let tpe_all: Vec<u32> = topk.iter().flat_map(|t| tpe_of(t, c.experts)).map(|x| x as u32).collect();
+    let pc = plan_config(&cfg, r, c.s, None);
+    let gp = plan_global(&pc, &tpe_all).map_err(|x| x.to_string())?;
+    let dsts: Vec<Vec<i64>> = (0..r)
+        .map(|src| plan_entries(&pc, &gp, src, &topk[src].iter().map(|&x| x as u32).collect::<Vec<_>>()))
+        .collect::<Result<_, _>>()
+        .map_err(|x| x.to_string())?;
+    let xs: Vec<Vec<u16>> = (0..r).map(|src| random_bf16(c.s, c.h, seed ^ (0x1000 + src as u64))).collect();
+    let ws: Vec<Vec<f32>> = (0..r).map(|src| random_f32(c.s * c.k, seed ^ (0x2000 + src as u64))).collect();
+    let dev = &rank.dev;
+    let nvs = buf.shard_slots();
+    let x_d = dev.upload(&xs[me]).map_err(e)?;
+    let w_d = dev.upload(&ws[me]).map_err(e)?;
+    let topk_d = dev.upload(&topk[me]).map_err(e)?;
+    let tpe_d = dev.upload(&tpe_of(&topk[me], c.experts)).map_err(e)?;
+    // Poison the shard and weights.
+    dev.memset_u32(buf.hidden.ptr(), u32::from(POISON_BF16) * 0x10001, nvs * c.h / 2).map_err(e)?;
+    dev.memset_u32(buf.wts.ptr(), POISON_F32, nvs).map_err(e)?;
+    dev.sync().map_err(e)?;
+    rank.store.barrier().map_err(|x| x.to_string())?;
+    buf.dispatch(rank, x_d.ptr, w_d.ptr, topk_d.ptr, tpe_d.ptr, c.s, None).map_err(e)?;
+    buf.check(&rank.dev).map_err(e)?;
+    check_plan(&buf, rank, &gp, &dsts[me])?;
+    // Expected shard of this rank.
+    let nvs_s = buf.step_slots();
+    let mut want_h = vec![POISON_BF16; nvs_s * c.h];
+    let mut want_w = vec![POISON_F32; nvs_s];
+    for src in 0..r {
+        for (i, &slot) in dsts[src].iter().enumerate() {
+            let (d, loff) = unpack_slot(slot, nvs as u64);
+            if d == me {
+                let t = i / c.k;
+                let l = loff as usize;
+                want_h[l * c.h..(l + 1) * c.h].copy_from_slice(&xs[src][t * c.h..(t + 1) * c.h]);
+                want_w[l] = ws[src][i].to_bits();
+            }
+        }
+    }
+    for &(start, len) in &gp.layouts[me].zero_fill {
+        for row in start as usize..(start + len) as usize {
+            want_h[row * c.h..(row + 1) * c.h].fill(0);
+            want_w[row] = 0;
+        }
+    }
+    let got_h: Vec<u16> = read_ptr(buf.hidden.ptr(), nvs_s * c.h).map_err(e)?;
+    let got_w: Vec<u32> = read_ptr(buf.wts.ptr(), nvs_s).map_err(e)?;
+    mismatch("shard rows", &got_h, &want_h)?;
+    mismatch("slot weights", &got_w, &want_w)?;
+    // Combine: fresh expert outputs y in every rank's used rows.
+    let used: Vec<usize> = gp.layouts.iter().map(|l| l.used_rows() as usize).collect();
+    let ys: Vec<Vec<u16>> = (0..r).map(|d| random_bf16(used[d], c.h, seed ^ (0x3000 + d as u64))).collect();
+    if used[me] > 0 {
+        crate::gpu::driver::write_ptr(buf.hidden.ptr(), &ys[me]).map_err(e)?;
+    }
+    let out_d = dev.alloc(c.s * c.h * 2).map_err(e)?;
+    let wout_d = dev.alloc(c.s * c.k * 4).map_err(e)?;
+    dev.memset_u32(out_d.ptr, u32::from(POISON_BF16) * 0x10001, c.s * c.h / 2).map_err(e)?;
+    dev.memset_u32(wout_d.ptr, POISON_F32, c.s * c.k).map_err(e)?;
+    dev.sync().map_err(e)?;
+    rank.store.barrier().map_err(|x| x.to_string())?;
+    buf.combine(rank, out_d.ptr, wout_d.ptr).map_err(e)?;
+    buf.check(&rank.dev).map_err(e)?;
+    let mut want_out = vec![0u16; c.s * c.h];
+    for t in 0..c.s {
+        for j in 0..c.h {
+            let mut acc = 0f32;
+            for k in 0..c.k {
+                let (d, loff) = unpack_slot(dsts[me][t * c.k + k], nvs as u64);
+                acc += bf16::from_bits(ys[d][loff as usize * c.h + j]).to_f32();
+            }
+            want_out[t * c.h + j] = bf16::from_f32(acc).to_bits();
+        }
+    }
+    let got_out: Vec<u16> = read_ptr(out_d.ptr, c.s * c.h).map_err(e)?;
+    mismatch("combine out", &got_out, &want_out)?;
+    let got_wout: Vec<f32> = read_ptr(wout_d.ptr, c.s * c.k).map_err(e)?;
+    mismatch("combine weight gather", &got_wout, &ws[me])?;
+    rank.store.barrier().map_err(|x| x.to_string())?;
+    Ok(())
+}
+
+/// Baseline: expert-major rows after dispatch and the K-sum after combine (identity experts).
+pub fn run_baseline_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
+    let (me, r) = (rank.env.rank, rank.env.world);
+    let e = |x: GpuError| x.to_string();
+    let mut cfg = EpConfig::new(c.experts, c.k, c.cap, c.h);
+    cfg.num_blocks = 8;
+    let mut base = Baseline::new(rank, cfg).map_err(e)?;
+    let topk = make_topk(c.routing, r, c.experts, c.k, c.s, seed);
+    let xs: Vec<Vec<u16>> = (0..r).map(|src| random_bf16(c.s, c.h, seed ^ (0x1000 + src as u64))).collect();
+    let dev = &rank.dev;
+    let x_d = dev.upload(&xs[me]).map_err(e)?;
+    let topk_d = dev.upload(&topk[me]).map_err(e)?;
+    let tpe_d = dev.upload(&tpe_of(&topk[me], c.experts)).map_err(e)?;
+    base.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, c.s).map_err(e)?;
+    rank.dev.sync().map_err(e)?;
+    let epn = c.experts / r;
+    let mut want = Vec::new();
+    for le in 0..epn {
+        for (src, tk) in topk.iter().enumerate() {
+            for (i, &x) in tk.iter().enumerate() {
+                if x as usize == me * epn + le {
+                    let t = i / c.k;
+                    want.extend_from_slice(&xs[src][t * c.h..(t + 1) * c.h]);
+                }
+            }
+        }
+    }
+    let got: Vec<u16> = read_ptr(base.perm.ptr, want.len()).map_err(e)?;
+    mismatch("baseline expert-major rows", &got, &want)?;
+    let out_d = rank.dev.alloc(c.s * c.h * 2).map_err(e)?;
+    rank.dev.memset_u32(out_d.ptr, u32::from(POISON_BF16) * 0x10001, c.s * c.h / 2).map_err(e)?;
+    base.combine(rank, out_d.ptr).map_err(e)?;
+    rank.dev.sync().map_err(e)?;
+    let want_out: Vec<u16> = (0..c.s * c.h)
+        .map(|idx| {
+            let (t, j) = (idx / c.h, idx % c.h);
+            let v = bf16::from_bits(xs[me][t * c.h + j]).to_f32();
+            let mut acc = 0f32;
+            for _ in 0..c.k {
+                acc += v;
+            }
+            bf16::from_f32(acc).to_bits()
+        })
+        .collect();
+    let got_out: Vec<u16> = read_ptr(out_d.ptr, c.s * c.h).map_err(e)?;
+    mismatch("baseline combine out", &got_out, &want_out)?;
+    rank.store.barrier().map_err(|x| x.to_string())?;
+    Ok(())
+}
+
+fn expert_pattern(expert: usize, bytes: usize) -> Vec<u32> {
+    (0..bytes / 4).map(|j| (expert as u32).wrapping_mul(0x9e37_79b9) ^ (j as u32).wrapping_mul(0x85eb_ca6b)).collect()
+}
+
+/// Prefetch: after a skewed dispatch, every prefetch slot holds its expert's weights; unused
+/// slots keep their poison.
+pub fn run_prefetch_case(rank: &mut Rank, seed: u64) -> Result<(), String> {
+    let (me, r) = (rank.env.rank, rank.env.world);
+    let e = |x: GpuError| x.to_string();
+    let (experts, k, s, h, wb) = (16usize, 4usize, 64usize, 64usize, 4096usize);
+    let mut cfg = EpConfig::new(experts, k, s, h);
+    cfg.expert_bytes = wb;
+    cfg.num_blocks = 8;
+    let mut buf = EpBuffer::new(rank, cfg).map_err(e)?;
+    if buf.transport != Transport::Nvlink {
+        return Err("prefetch needs peer access".into());
+    }
+    let topk = make_topk(Routing::Clustered(0.9), r, experts, k, s, seed);
+    let epn = experts / r;
+    let dev = &rank.dev;
+    let local: Vec<u32> = (0..epn).flat_map(|le| expert_pattern(me * epn + le, wb)).collect();
+    let local_d = dev.upload(&local).map_err(e)?;
+    let x_d = dev.upload(&random_bf16(s, h, seed)).map_err(e)?;
+    let topk_d = dev.upload(&topk[me]).map_err(e)?;
+    let tpe_d = dev.upload(&tpe_of(&topk[me], experts)).map_err(e)?;
+    let pool = buf.pool.as_ref().ok_or("no pool")?.ptr();
+    dev.memset_u32(pool, 0xabab_abab, epn * wb / 4).map_err(e)?;
+    dev.sync().map_err(e)?;
+    rank.store.barrier().map_err(|x| x.to_string())?;
+    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, s, None).map_err(e)?;
+    buf.prefetch(&rank.dev, local_d.ptr).map_err(e)?;
+    buf.check(&rank.dev).map_err(e)?;
+    let etc = buf.read_plan(&rank.dev).map_err(e)?.experts_to_copy;
+    let got: Vec<u32> = read_ptr(pool, epn * wb / 4).map_err(e)?;
+    let mut replicas = 0;
+    for b in 0..epn {
+        let x = etc[me * epn + b];
+        let want = if x >= 0 { expert_pattern(x as usize, wb) } else { vec![0xabab_abab; wb / 4] };
+        replicas += usize::from(x >= 0);
+        mismatch(&format!("prefetch slot {b} (expert {x})"), &got[b * wb / 4..(b + 1) * wb / 4], &want)?;
+    }
+    let total: usize = rank
+        .store
+        .all_gather(&[replicas as u8])
+        .map_err(|x| x.to_string())?
+        .iter()
+        .map(|v| v[0] as usize)
+        .sum();
+    if total == 0 {
+        return Err("skewed routing produced no replica; prefetch untested".into());
+    }
+    Ok(())
+}
+
+/// Error paths: a barrier with an absent peer times out into the status word; a contract
+/// violation and a bad expert id are reported on every rank without a hang; then it recovers.
+pub fn run_error_cases(rank: &mut Rank, seed: u64) -> Result<(), String> {
+    let (me, r) = (rank.env.rank, rank.env.world);
+    let e = |x: GpuError| x.to_string();
+    let (experts, k, s, h) = (8usize, 2usize, 32usize, 64usize);
+    let mut cfg = EpConfig::new(experts, k, s, h);
+    cfg.num_blocks = 4;
+    cfg.barrier_timeout_ns = 2_000_000_000;
+    let mut buf = EpBuffer::new(rank, cfg).map_err(e)?;
+    let expect_code = |res: Result<(), GpuError>, code: u32, what: &str| match res {
+        Err(GpuError::DeviceStatus { code: c, .. }) if c == code => Ok(()),
+        other => Err(format!("{what}: expected status {} ({}), got {other:?}", code, status::describe(code))),
+    };
+    // 1. Lone barrier on rank 0.
+    if me == 0 {
+        buf.barrier_with_timeout(&rank.dev, 50_000_000).map_err(e)?;
+        expect_code(buf.check(&rank.dev), status::BARRIER_TIMEOUT, "lone barrier")?;
+    }
+    buf.reset_control(rank).map_err(e)?;
+    let topk = make_topk(Routing::Random, r, experts, k, s, seed);
+    let dev = &rank.dev;
+    let x_d = dev.upload(&random_bf16(s, h, seed)).map_err(e)?;
+    // 2. Contract violation on the last rank's tpe: every rank sees it after the all-gather.
+    let mut tpe = tpe_of(&topk[me], experts);
+    if me == r - 1 {
+        tpe[0] += 1;
+    }
+    let tpe_bad = dev.upload(&tpe).map_err(e)?;
+    let topk_d = dev.upload(&topk[me]).map_err(e)?;
+    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_bad.ptr, s, None).map_err(e)?;
+    expect_code(buf.check(&rank.dev), status::CONTRACT, "contract violation")?;
+    buf.reset_control(rank).map_err(e)?;
+    // 3. Expert id out of range on rank 0 only: rank 0 reports it, the others time out.
+    let mut bad = topk[me].clone();
+    if me == 0 {
+        bad[0] = experts as i32;
+    }
+    let dev = &rank.dev;
+    let bad_d = dev.upload(&bad).map_err(e)?;
+    let tpe_d = dev.upload(&tpe_of(&topk[me], experts)).map_err(e)?;
+    buf.dispatch(rank, x_d.ptr, 0, bad_d.ptr, tpe_d.ptr, s, None).map_err(e)?;
+    let code = if me == 0 { status::EXPERT_RANGE } else { status::BARRIER_TIMEOUT };
+    let res = buf.check(&rank.dev);
+    if buf.transport == Transport::Nvlink {
+        expect_code(res, code, "bad expert id")?;
+    }
+    buf.reset_control(rank).map_err(e)?;
+    // 4. Recovery: a valid call succeeds.
+    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, s, None).map_err(e)?;
+    buf.check(&rank.dev).map_err(e)?;
+    rank.store.barrier().map_err(|x| x.to_string())?;
+    Ok(())
+}
+
+/// The case list: random and extreme routings, dedup on/off, P in {1, 8, 128}, the fallback.
+pub fn cases(world: usize) -> Vec<Case> {
+    let e = 8 * world;
+    let c = |name, experts, k, cap, s, h, p, routing, dedup, fallback| Case { name, experts, k, cap, s, h, p, routing, dedup, fallback };
+    vec![
+        c("random", e, 4, 256, 200, 256, 8, Routing::Random, false, false),
+        c("random dedup", e, 4, 256, 200, 256, 8, Routing::Random, true, false),
+        c("random P=128 H=7168", e, 8, 128, 128, 7168, 128, Routing::Random, true, false),
+        c("all tokens to one expert", e, 4, 64, 64, 128, 8, Routing::OneExpert, true, false),
+        c("half experts empty", e, 3, 64, 50, 128, 1, Routing::HalfEmpty, true, false),
+        c("s=1", e, 4, 64, 1, 128, 8, Routing::Random, true, false),
+        c("s=1 K=1 P=1", e, 1, 16, 1, 64, 1, Routing::Random, false, false),
+        c("clustered 90%", e, 6, 256, 256, 256, 16, Routing::Clustered(0.9), true, false),
+        c("clustered 95% no dedup", e, 6, 256, 256, 256, 16, Routing::Clustered(0.95), false, false),
+        c("duplicates in a token", e, 5, 128, 100, 128, 8, Routing::Duplicates, true, false),
+        c("epn=1", world, 1, 64, 64, 64, 4, Routing::Random, true, false),
+        c("fallback random", e, 4, 256, 200, 256, 8, Routing::Random, false, true),
+        c("fallback clustered 90%", e, 6, 128, 100, 128, 16, Routing::Clustered(0.9), false, true),
+        c("fallback s=1", e, 2, 16, 1, 64, 8, Routing::Random, false, true),
+    ]
+}
+
+/// Runs every check; prints one line per check on rank 0; returns the number of failures.
+pub fn run_all(rank: &mut Rank) -> Result<usize, GpuError> {
+    let world = rank.env.world;
+    let mut failures = 0;
+    let mut report = |rank: &mut Rank, name: String, res: Result<(), String>| -> Result<(), GpuError> {
+        let mine = match &res {
+            Ok(()) => String::new(),
+            Err(m) => m.clone(),
+        };
+        let all = rank.store.all_gather(mine.as_bytes())?;
+        let bad: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| !m.is_empty())
+            .map(|(r, m)| format!("rank {r}: {}", String::from_utf8_lossy(m)))
+            .collect();
+        if !bad.is_empty() {
+            failures += 1;
+        }
+        if rank.env.rank == 0 {
+            if bad.is_empty() {
+                println!("PASS {name}");
+            } else {
+                println!("FAIL {name}: {}", bad.join("; "));
+            }
+        }
+        Ok(())
+    };
+    for (i, c) in cases(world).iter().enumerate() {
+        let res = run_case(rank, c, 1000 + i as u64);
+        report(rank, format!("dispatch/combine {} (E={} K={} s={} H={} P={} dedup={})", c.name, c.experts, c.k, c.s, c.h, c.p, c.dedup), res)?;
+    }
+    for (i, c) in cases(world).iter().filter(|c| !c.fallback).take(6).enumerate() {
+        let res = run_baseline_case(rank, c, 2000 + i as u64);
+        report(rank, format!("baseline {}", c.name), res)?;
+    }
+    let res = run_prefetch_case(rank, 3000);
+    report(rank, "prefetch replicas".into(), res)?;
+    let res = run_error_cases(rank, 4000);
+    report(rank, "barrier timeout / contract / bad id reported, then recovery".into(), res)?;
+    Ok(failures)
+}
