@@ -1,1 +1,444 @@
-fn main() {}
+//! `aenv`: command-line client for an agentenv server (E2B-compatible API).
+
+mod client;
+mod process;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use comfy_table::Table;
+use hyper::Method;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Value, json};
+
+use client::ApiClient;
+
+#[derive(Parser)]
+#[command(name = "aenv", version, about = "Manage agentenv sandboxes")]
+struct Cli {
+    /// Server URL.
+    #[arg(
+        long,
+        global = true,
+        env = "E2B_API_URL",
+        default_value = "http://127.0.0.1:3000"
+    )]
+    url: String,
+    /// API key (default: read from the local server's state folder).
+    #[arg(long, global = true, env = "E2B_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Print JSON instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Templates.
+    #[command(subcommand)]
+    Template(TemplateCmd),
+    /// Create a sandbox and open an interactive shell in it (unless --detach).
+    Start {
+        #[arg(long, short, default_value = "base")]
+        template: String,
+        /// Lifetime in seconds.
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
+        /// Environment variable KEY=VALUE (repeatable).
+        #[arg(long = "env", short, value_parser = parse_kv)]
+        envs: Vec<(String, String)>,
+        /// Metadata KEY=VALUE (repeatable).
+        #[arg(long = "metadata", short, value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+        /// Only create; print the id.
+        #[arg(long, short)]
+        detach: bool,
+        /// Kill the sandbox when the shell exits.
+        #[arg(long)]
+        rm: bool,
+    },
+    /// Open an interactive shell in a running sandbox.
+    Shell {
+        id: String,
+        #[arg(long, short)]
+        user: Option<String>,
+    },
+    /// Run a command (bash -l -c) and exit with its status.
+    Exec {
+        id: String,
+        #[arg(long, short)]
+        user: Option<String>,
+        /// The command; several words are joined with spaces.
+        #[arg(required = true, trailing_var_arg = true)]
+        command: Vec<String>,
+    },
+    /// List sandboxes.
+    Ls {
+        /// Only this state: running or paused.
+        #[arg(long)]
+        state: Option<String>,
+        /// Metadata filter KEY=VALUE (repeatable; all must match).
+        #[arg(long = "metadata", short, value_parser = parse_kv)]
+        metadata: Vec<(String, String)>,
+    },
+    /// Pause sandboxes (memory and processes kept).
+    Pause { ids: Vec<String> },
+    /// Resume paused sandboxes.
+    Resume {
+        ids: Vec<String>,
+        /// New lifetime in seconds.
+        #[arg(long)]
+        timeout: Option<u64>,
+    },
+    /// Set a sandbox's remaining lifetime.
+    Timeout { id: String, seconds: u64 },
+    /// Kill sandboxes.
+    Rm { ids: Vec<String> },
+}
+
+#[derive(Subcommand)]
+enum TemplateCmd {
+    /// List templates.
+    List,
+    /// Build a template (Debian bookworm minbase + guest agent, booted once into a base snapshot).
+    Build {
+        id: String,
+        #[arg(long = "alias")]
+        aliases: Vec<String>,
+        #[arg(long)]
+        cpus: Option<u32>,
+        #[arg(long)]
+        memory_mb: Option<u32>,
+        #[arg(long)]
+        disk_mb: Option<u32>,
+    },
+}
+
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("expected KEY=VALUE, got '{s}'"))
+}
+
+fn default_key() -> anyhow::Result<String> {
+    let state = std::env::var_os("AGENTENV_STATE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home =
+                std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
+            std::env::var_os("XDG_STATE_HOME")
+                .map_or_else(|| home.join(".local/state"), PathBuf::from)
+                .join("agentenv")
+        });
+    let path = state.join("server/api_key");
+    let key = std::fs::read_to_string(&path).with_context(|| {
+        format!(
+            "no --api-key / E2B_API_KEY and cannot read {}",
+            path.display()
+        )
+    })?;
+    Ok(key.trim().to_string())
+}
+
+fn spinner(msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
+    );
+    pb.set_message(msg.to_string());
+    pb.enable_steady_tick(Duration::from_millis(100));
+    pb
+}
+
+fn s(v: &Value, k: &str) -> String {
+    match &v[k] {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+fn print_table(headers: &[&str], rows: Vec<Vec<String>>) {
+    let mut t = Table::new();
+    t.set_header(headers.to_vec());
+    for r in rows {
+        t.add_row(r);
+    }
+    println!("{t}");
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let key = match cli.api_key.clone() {
+        Some(k) => k,
+        None => default_key()?,
+    };
+    let api = ApiClient::new(&cli.url, &key);
+    let code = run(&cli, &api).await?;
+    std::process::exit(code);
+}
+
+async fn run(cli: &Cli, api: &ApiClient) -> anyhow::Result<i32> {
+    match &cli.command {
+        Command::Template(TemplateCmd::List) => {
+            let (_, list) = api.call(Method::GET, "/templates", None).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                let rows = list.as_array().into_iter().flatten().map(|t| {
+                    let aliases = t["aliases"]
+                        .as_array()
+                        .map(|a| {
+                            a.iter()
+                                .filter_map(Value::as_str)
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        })
+                        .unwrap_or_default();
+                    vec![
+                        s(t, "templateID"),
+                        aliases,
+                        s(t, "cpuCount"),
+                        s(t, "memoryMB"),
+                        s(t, "diskSizeMB"),
+                        s(t, "builtAt"),
+                    ]
+                });
+                print_table(
+                    &[
+                        "TEMPLATE",
+                        "ALIASES",
+                        "CPUS",
+                        "MEMORY MB",
+                        "DISK MB",
+                        "BUILT",
+                    ],
+                    rows.collect(),
+                );
+            }
+        }
+        Command::Template(TemplateCmd::Build {
+            id,
+            aliases,
+            cpus,
+            memory_mb,
+            disk_mb,
+        }) => {
+            let pb = spinner(&format!("building template {id}"));
+            let body = json!({"templateID": id, "aliases": aliases, "cpuCount": cpus, "memoryMB": memory_mb, "diskSizeMB": disk_mb});
+            let res = api.call(Method::POST, "/templates", Some(body)).await;
+            pb.finish_and_clear();
+            let (_, t) = res?;
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&t)?)
+            } else {
+                println!("built template {}", s(&t, "templateID"))
+            }
+        }
+        Command::Start {
+            template,
+            timeout,
+            envs,
+            metadata,
+            detach,
+            rm,
+        } => {
+            let body = json!({
+                "templateID": template, "timeout": timeout,
+                "envVars": envs.iter().cloned().collect::<BTreeMap<_, _>>(),
+                "metadata": metadata.iter().cloned().collect::<BTreeMap<_, _>>(),
+            });
+            let pb = spinner(&format!("creating sandbox from {template}"));
+            let res = api.call(Method::POST, "/v2/sandboxes", Some(body)).await;
+            pb.finish_and_clear();
+            let (_, created) = res?;
+            let id = s(&created, "sandboxID");
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&created)?);
+            } else {
+                eprintln!("sandbox {id} ({})", s(&created, "templateID"));
+            }
+            if *detach {
+                if !cli.json {
+                    println!("{id}");
+                }
+                return Ok(0);
+            }
+            let target = client::SandboxTarget {
+                id: id.clone(),
+                access_token: s(&created, "envdAccessToken"),
+            };
+            let code = process::shell(api, &target, None).await?;
+            if *rm {
+                api.call(Method::DELETE, &format!("/sandboxes/{id}"), None)
+                    .await?;
+            }
+            return Ok(code);
+        }
+        Command::Shell { id, user } => {
+            let target = api.target(id).await?;
+            return process::shell(api, &target, user.as_deref()).await;
+        }
+        Command::Exec { id, user, command } => {
+            let target = api.target(id).await?;
+            let out =
+                process::exec(api, &target, &command.join(" "), user.as_deref(), !cli.json).await?;
+            if cli.json {
+                let v = json!({"exitCode": out.exit_code, "stdout": String::from_utf8_lossy(&out.stdout), "stderr": String::from_utf8_lossy(&out.stderr)});
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            }
+            return Ok(out.exit_code);
+        }
+        Command::Ls { state, metadata } => {
+            let mut query = form_query(state.as_deref(), metadata);
+            let mut all = Vec::new();
+            loop {
+                let (items, next) = api.list_page(&query).await?;
+                all.extend(items);
+                match next {
+                    Some(t) => {
+                        query = format!("{}&nextToken={t}", form_query(state.as_deref(), metadata))
+                    }
+                    None => break,
+                }
+            }
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&all)?);
+            } else {
+                let rows = all.iter().map(|x| {
+                    let md = x["metadata"]
+                        .as_object()
+                        .map(|m| {
+                            m.iter()
+                                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        })
+                        .unwrap_or_default();
+                    vec![
+                        s(x, "sandboxID"),
+                        s(x, "templateID"),
+                        s(x, "state"),
+                        s(x, "startedAt"),
+                        s(x, "endAt"),
+                        md,
+                    ]
+                });
+                print_table(
+                    &[
+                        "SANDBOX", "TEMPLATE", "STATE", "STARTED", "ENDS", "METADATA",
+                    ],
+                    rows.collect(),
+                );
+            }
+        }
+        Command::Pause { ids } => {
+            for id in ids {
+                let pb = spinner(&format!("pausing {id}"));
+                let r = api
+                    .call(Method::POST, &format!("/sandboxes/{id}/pause"), None)
+                    .await;
+                pb.finish_and_clear();
+                r?;
+                println!("paused {id}");
+            }
+        }
+        Command::Resume { ids, timeout } => {
+            for id in ids {
+                let body = match timeout {
+                    Some(t) => json!({"timeout": t}),
+                    None => json!({}),
+                };
+                let pb = spinner(&format!("resuming {id}"));
+                let r = api
+                    .call(
+                        Method::POST,
+                        &format!("/v2/sandboxes/{id}/connect"),
+                        Some(body),
+                    )
+                    .await;
+                pb.finish_and_clear();
+                let (status, _) = r?;
+                println!(
+                    "{} {id}",
+                    if status.as_u16() == 201 {
+                        "resumed"
+                    } else {
+                        "already running:"
+                    }
+                );
+            }
+        }
+        Command::Timeout { id, seconds } => {
+            api.call(
+                Method::POST,
+                &format!("/sandboxes/{id}/timeout"),
+                Some(json!({"timeout": seconds})),
+            )
+            .await?;
+            println!("{id} ends in {seconds} s");
+        }
+        Command::Rm { ids } => {
+            if ids.is_empty() {
+                bail!("name at least one sandbox");
+            }
+            for id in ids {
+                api.call(Method::DELETE, &format!("/sandboxes/{id}"), None)
+                    .await?;
+                println!("killed {id}");
+            }
+        }
+    }
+    Ok(0)
+}
+
+fn form_query(state: Option<&str>, metadata: &[(String, String)]) -> String {
+    let mut q = String::new();
+    if let Some(st) = state {
+        q.push_str(&format!("state={st}&"));
+    }
+    if !metadata.is_empty() {
+        let inner: Vec<String> = metadata
+            .iter()
+            .map(|(k, v)| format!("{}={}", pct(k), pct(v)))
+            .collect();
+        q.push_str(&format!("metadata={}&", pct(&inner.join("&"))));
+    }
+    q.push_str("limit=100");
+    q
+}
+
+/// Percent-encodes everything but unreserved characters.
+fn pct(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+impl ApiClient {
+    async fn list_page(&self, query: &str) -> anyhow::Result<(Vec<Value>, Option<String>)> {
+        let (items, next) = self
+            .call_with_header(
+                Method::GET,
+                &format!("/v2/sandboxes?{query}"),
+                "x-next-token",
+            )
+            .await?;
+        Ok((
+            items.as_array().cloned().unwrap_or_default(),
+            next.map(|t| pct(&t)),
+        ))
+    }
+}
