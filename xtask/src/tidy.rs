@@ -56,7 +56,55 @@ pub fn check(root: &Path) -> anyhow::Result<Vec<String>> {
             }
         }
     }
+    problems.extend(cuda_free(root, "agentenv-"));
     Ok(problems)
+}
+
+/// Packages whose name starts with `prefix` must not reach a CUDA crate (feature-resolved, via `cargo tree`).
+fn cuda_free(root: &Path, prefix: &str) -> Vec<String> {
+    let Ok(lock) = std::fs::read_to_string(root.join("Cargo.lock")) else {
+        return vec![];
+    };
+    let mut problems = Vec::new();
+    let packages: Vec<&str> = lock
+        .lines()
+        .filter_map(|l| l.strip_prefix("name = \"")?.strip_suffix('"'))
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    for pkg in packages {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let out = std::process::Command::new(cargo)
+            .args([
+                "tree",
+                "-e",
+                "normal,build",
+                "--prefix",
+                "none",
+                "-f",
+                "{p}",
+                "-p",
+                pkg,
+            ])
+            .current_dir(root)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => {
+                let text = String::from_utf8_lossy(&o.stdout);
+                if let Some(l) = text
+                    .lines()
+                    .find(|l| l.starts_with("cudarc") || l.starts_with("cuda-"))
+                {
+                    problems.push(format!("{pkg} depends on the CUDA crate {l}"));
+                }
+            }
+            Ok(o) => problems.push(format!(
+                "cargo tree -p {pkg} failed: {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            )),
+            Err(e) => problems.push(format!("cargo tree: {e}")),
+        }
+    }
+    problems
 }
 
 #[cfg(test)]
