@@ -75,7 +75,7 @@ fn main() {
         Ok(nvcc) => {
             println!("cargo:rustc-cfg=flashkda_kernels");
             println!("cargo:rustc-env=FLASHKDA_KERNELS_BUILT=1");
-            rs.push_str(&format!("/// nvcc used to build the cubins.\npub const NVCC: &str = {:?};\n", nvcc.display().to_string()));
+            println!("cargo:rustc-env=FLASHKDA_NVCC={}", nvcc.display());
             rs.push_str("/// (kernel file stem, sm_90a cubin).\npub static CUBINS: &[(&str, &[u8])] = &[\n");
             for (stem, path) in &entries {
                 rs.push_str(&format!("    ({stem:?}, include_bytes!({:?})),\n", path.display().to_string()));
@@ -88,6 +88,7 @@ fn main() {
             }
             println!("cargo:warning=flashkda: CUDA kernels not built: {why}");
             println!("cargo:rustc-env=FLASHKDA_KERNELS_BUILT=0");
+            println!("cargo:rustc-env=FLASHKDA_NVCC=");
             rs.push_str(&format!("/// Why the kernels were not built.\npub const NOT_BUILT: &str = {why:?};\n"));
             rs.push_str("pub static CUBINS: &[(&str, &[u8])] = &[];\n");
         }

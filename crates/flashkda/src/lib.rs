@@ -1,1 +1,27 @@
-//! flashkda (under construction by its owner).
+//! flashkda: Kimi Delta Attention (KDA) chunked-prefill forward on Hopper (spec `kda.md`).
+//!
+//! - [`reference`]: float64 token recurrence (the definition), float64 chunked form, and the
+//!   kernel-rounding emulation; used by CI and by the GPU accuracy tests.
+//! - [`validate`]: typed device-tensor views and the one validation of a call.
+//! - [`launch`]: the sm_90a kernels (compiled from `kernels/*.cu` by build.rs), launched with
+//!   cudarc on the caller's stream.
+//! - `python` (feature `python`): the `flashkda` Python module for torch tensors.
+//!
+//! Invariant: only [`launch`] launches kernels; the crate builds and its CPU tests run without
+//! CUDA (cudarc loads the driver dynamically, and without nvcc the GPU entry points return
+//! [`FlashKdaError::KernelsNotBuilt`]).
+
+pub mod error;
+pub mod harness;
+pub mod launch;
+#[cfg(feature = "python")]
+mod python;
+pub mod reference;
+pub mod validate;
+
+pub use error::FlashKdaError;
+pub use launch::{FwdOptions, KdaKernels, ValueSplit, fwd, kernels_built};
+pub use validate::{DType, Device, FwdArgs, FwdPlan, StateDType, TensorView, validate};
+
+/// "1" when build.rs compiled the kernels, "0" otherwise (CI asserts "1" with K3_REQUIRE_KERNELS=1).
+pub const KERNELS_BUILT_ENV: &str = env!("FLASHKDA_KERNELS_BUILT");

@@ -1,0 +1,128 @@
+//! The kernels' arithmetic on the CPU: fp32 math with bf16 rounding at the same points as
+//! `kernels/kda_fwd.cu`, so a GPU result can be compared at ~1e-3 instead of the ~5e-3 that
+//! separates any bf16 implementation from float64.
+//!
+//! Rounding points (compare spec §1.6, which lists the public FlashKDA's): q̂, k̂ stay fp32;
+//! `kd, qd, ki, kr` are rounded to bf16 once each (`kr` from `2^{Gtot-G}` directly); `A` and its
+//! inverse are fp32 (inverse by forward substitution), `INV` and `M` rounded to bf16; the state
+//! is **fp32** (rounded to bf16 only as a matmul operand); `Vb = bf16((v - S kd) b)`,
+//! `U = bf16(INV Vb)`, `out = bf16(S qd + M U)`, `S = S E + Uᵀ kr` in fp32.
+
+use super::{CHUNK, HEAD_DIM, KdaOutput, KdaProblem, per_sequence_head};
+
+const D: usize = HEAD_DIM;
+
+fn bf(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
+
+fn sigmoid32(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Dot product accumulated in f64 and rounded to f32 (the MMA accumulates in fp32; the order
+/// differs anyway, so the closer-to-exact sum is the better model).
+fn dot32(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>() as f32
+}
+
+/// Kernel-rounding forward; `final_state` is the fp32 state the kernel holds on chip.
+pub fn emulated(p: &KdaProblem) -> KdaOutput {
+    let lb2 = p.lower_bound * std::f32::consts::LOG2_E;
+    per_sequence_head(p, |nseq, h, bos, len| {
+        let hd2 = D * D;
+        let mut s: Vec<f32> = match &p.initial_state {
+            Some(st) => st[(nseq * p.heads + h) * hd2..][..hd2].to_vec(),
+            None => vec![0.0; hd2],
+        };
+        let exp_a = p.a_log[h].exp();
+        let dtb = &p.dt_bias[h * D..][..D];
+        let mut out = vec![0.0f64; len * D];
+        let mut c0 = 0;
+        while c0 < len {
+            let n = CHUNK.min(len - c0);
+            let row = |x: &[f32], i: usize| -> Vec<f32> { x[((bos + c0 + i) * p.heads + h) * D..][..D].to_vec() };
+            let rn = |x: &[f32]| 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
+            let mut kd = vec![vec![0.0f32; D]; n];
+            let mut qd = vec![vec![0.0f32; D]; n];
+            let mut ki = vec![vec![0.0f32; D]; n];
+            let mut kr = vec![vec![0.0f32; D]; n];
+            let mut e = vec![0.0f32; D];
+            let b: Vec<f32> = (0..n).map(|i| sigmoid32(p.beta[(bos + c0 + i) * p.heads + h])).collect();
+            let qs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.q, i)).collect();
+            let ks: Vec<Vec<f32>> = (0..n).map(|i| row(&p.k, i)).collect();
+            let gs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.g, i)).collect();
+            let rnq: Vec<f32> = qs.iter().map(|x| rn(x)).collect();
+            let rnk: Vec<f32> = ks.iter().map(|x| rn(x)).collect();
+            for c in 0..D {
+                let mut acc = 0.0f32;
+                let mut gcum = [0.0f32; CHUNK];
+                for i in 0..n {
+                    acc += lb2 * sigmoid32(exp_a * (gs[i][c] + dtb[c]));
+                    gcum[i] = acc;
+                }
+                e[c] = acc.exp2();
+                for i in 0..n {
+                    let kn = ks[i][c] * rnk[i];
+                    let qn = qs[i][c] * rnq[i] * p.scale;
+                    let ex = gcum[i].exp2();
+                    kd[i][c] = bf(kn * ex);
+                    qd[i][c] = bf(qn * ex);
+                    ki[i][c] = bf(kn * (-gcum[i]).exp2());
+                    kr[i][c] = bf(kn * (acc - gcum[i]).exp2());
+                }
+            }
+            // A (fp32, scaled by b), its inverse (fp32 forward substitution), M (bf16)
+            let mut inv = vec![vec![0.0f32; n]; n];
+            {
+                let a: Vec<Vec<f32>> = (0..n)
+                    .map(|i| (0..n).map(|j| if j < i { dot32(&kd[i], &ki[j]) * b[i] } else { 0.0 }).collect())
+                    .collect();
+                for j in 0..n {
+                    let mut x = vec![0.0f32; n];
+                    for i in 0..n {
+                        let mut acc = if i == j { 1.0f32 } else { 0.0 };
+                        for m in 0..i {
+                            acc = (-a[i][m]).mul_add(x[m], acc);
+                        }
+                        x[i] = acc;
+                    }
+                    for i in 0..n {
+                        inv[i][j] = bf(x[i]);
+                    }
+                }
+            }
+            let m: Vec<Vec<f32>> =
+                (0..n).map(|i| (0..n).map(|j| if j <= i { bf(dot32(&qd[i], &ki[j])) } else { 0.0 }).collect()).collect();
+            // state-dependent chain, per value row
+            let sb: Vec<f32> = s.iter().map(|&x| bf(x)).collect();
+            let mut u = vec![vec![0.0f32; D]; n]; // [token][v]
+            for vi in 0..D {
+                let srow = &sb[vi * D..][..D];
+                let vb: Vec<f32> = (0..n)
+                    .map(|i| {
+                        let w = dot32(srow, &kd[i]);
+                        bf((p.v[((bos + c0 + i) * p.heads + h) * D + vi] - w) * b[i])
+                    })
+                    .collect();
+                for i in 0..n {
+                    u[i][vi] = bf(dot32(&inv[i][..n], &vb));
+                }
+                for i in 0..n {
+                    let o1 = dot32(srow, &qd[i]);
+                    let ucol: Vec<f32> = (0..n).map(|j| u[j][vi]).collect();
+                    let o = f64::from(o1) + f64::from(dot32(&m[i], &ucol));
+                    out[(c0 + i) * D + vi] = f64::from(bf(o as f32));
+                }
+            }
+            for vi in 0..D {
+                for c in 0..D {
+                    let acc: f64 = (0..n).map(|i| f64::from(u[i][vi]) * f64::from(kr[i][c])).sum();
+                    s[vi * D + c] = (f64::from(s[vi * D + c] * e[c]) + acc) as f32;
+                }
+            }
+            c0 += n;
+        }
+        (out, s.iter().map(|&x| f64::from(x)).collect())
+    })
+}

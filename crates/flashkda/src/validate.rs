@@ -1,0 +1,234 @@
+//! Typed views of device tensors and the one [`validate`] that turns a [`FwdArgs`] into a
+//! [`FwdPlan`] or a [`FlashKdaError`] (spec §2).
+
+use crate::error::FlashKdaError;
+use crate::reference::HEAD_DIM;
+
+/// Element type of a device tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    BF16,
+    F32,
+    I64,
+    /// Anything else (named for the error message).
+    Other(&'static str),
+}
+
+impl DType {
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float32",
+            DType::I64 => "int64",
+            DType::Other(s) => s,
+        }
+    }
+
+    pub fn size(self) -> u64 {
+        match self {
+            DType::BF16 => 2,
+            DType::F32 => 4,
+            DType::I64 => 8,
+            DType::Other(_) => 1,
+        }
+    }
+}
+
+/// Where a tensor lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Device {
+    Cuda(usize),
+    /// Any non-CUDA device, by name (e.g. "cpu").
+    Other(String),
+}
+
+/// A borrowed device tensor: raw pointer, shape and strides in elements. Building one is safe;
+/// the launch trusts the pointer to address `shape` elements on `device`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorView {
+    pub ptr: u64,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub strides: Vec<isize>,
+    pub device: Device,
+}
+
+impl TensorView {
+    /// A contiguous row-major view.
+    pub fn contiguous(ptr: u64, dtype: DType, shape: &[usize], ordinal: usize) -> Self {
+        let mut strides = vec![1isize; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * shape[i + 1] as isize;
+        }
+        TensorView { ptr, dtype, shape: shape.to_vec(), strides, device: Device::Cuda(ordinal) }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Arguments of one forward call (spec §2): `[B, T, H, 128]` bf16 q, k, v, g, out; `[B, T, H]`
+/// bf16 beta logits; fp32 `A_log [H]`, `dt_bias [H, 128]`; optional `[N, H, 128, 128]` states
+/// (bf16 or fp32, row = value channel) and int64 `cu_seqlens [N + 1]` (then `B == 1`).
+#[derive(Debug, Clone)]
+pub struct FwdArgs {
+    pub q: TensorView,
+    pub k: TensorView,
+    pub v: TensorView,
+    pub g: TensorView,
+    pub beta: TensorView,
+    pub out: TensorView,
+    pub a_log: TensorView,
+    pub dt_bias: TensorView,
+    pub initial_state: Option<TensorView>,
+    pub final_state: Option<TensorView>,
+    pub cu_seqlens: Option<TensorView>,
+    pub scale: f32,
+    pub lower_bound: f32,
+}
+
+/// State dtype of a call with state I/O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateDType {
+    BF16,
+    F32,
+}
+
+/// What [`validate`] found: the problem's sizes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FwdPlan {
+    pub batch: usize,
+    /// Tokens per batch row (the packed total with `cu_seqlens`).
+    pub seq_len: usize,
+    pub heads: usize,
+    /// Sequences: `B` without `cu_seqlens`, `len(cu_seqlens) - 1` with it.
+    pub num_seqs: usize,
+    pub varlen: bool,
+    pub state: Option<StateDType>,
+    pub ordinal: usize,
+}
+
+fn check_dtype(name: &'static str, t: &TensorView, want: DType) -> Result<(), FlashKdaError> {
+    if t.dtype != want {
+        return Err(FlashKdaError::DType { tensor: name, expected: want.name(), found: t.dtype.name().into() });
+    }
+    Ok(())
+}
+
+fn check_layout(name: &'static str, t: &TensorView, shape: &[usize], ordinal: usize, align: u64) -> Result<(), FlashKdaError> {
+    if t.shape != shape {
+        let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+        return Err(FlashKdaError::Shape { tensor: name, expected: format!("[{}]", dims.join(", ")), found: t.shape.clone() });
+    }
+    if t.strides.len() != t.shape.len() {
+        return Err(FlashKdaError::NotContiguous { tensor: name, shape: t.shape.clone(), strides: t.strides.clone() });
+    }
+    let mut expect = 1isize;
+    for i in (0..t.shape.len()).rev() {
+        if t.shape[i] > 1 && t.strides[i] != expect {
+            return Err(FlashKdaError::NotContiguous { tensor: name, shape: t.shape.clone(), strides: t.strides.clone() });
+        }
+        expect *= t.shape[i] as isize;
+    }
+    match &t.device {
+        Device::Cuda(o) if *o == ordinal => {}
+        Device::Cuda(o) => return Err(FlashKdaError::Device { tensor: name, expected: ordinal, found: format!("cuda:{o}") }),
+        Device::Other(s) => return Err(FlashKdaError::Device { tensor: name, expected: ordinal, found: s.clone() }),
+    }
+    if t.numel() > 0 {
+        if t.ptr == 0 {
+            return Err(FlashKdaError::NullPointer { tensor: name });
+        }
+        if t.ptr % align != 0 {
+            return Err(FlashKdaError::Misaligned { tensor: name, ptr: t.ptr, align });
+        }
+    }
+    Ok(())
+}
+
+/// Checks every shape, dtype, layout, device and scalar of `args`. Does not read device memory
+/// (the contents of `cu_seqlens` are checked by the launcher).
+pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
+    let ordinal = match &args.q.device {
+        Device::Cuda(o) => *o,
+        Device::Other(s) => return Err(FlashKdaError::Device { tensor: "q", expected: 0, found: s.clone() }),
+    };
+    for (name, t) in [("q", &args.q), ("k", &args.k), ("v", &args.v), ("g", &args.g), ("beta", &args.beta), ("out", &args.out)] {
+        check_dtype(name, t, DType::BF16)?;
+    }
+    check_dtype("A_log", &args.a_log, DType::F32)?;
+    check_dtype("dt_bias", &args.dt_bias, DType::F32)?;
+    let s = &args.q.shape;
+    if s.len() != 4 || s[3] != HEAD_DIM {
+        return Err(FlashKdaError::Shape { tensor: "q", expected: format!("[B, T, H, {HEAD_DIM}]"), found: s.clone() });
+    }
+    let (batch, seq_len, heads) = (s[0], s[1], s[2]);
+    if heads == 0 {
+        return Err(FlashKdaError::Shape { tensor: "q", expected: "H >= 1".into(), found: s.clone() });
+    }
+    let act = [batch, seq_len, heads, HEAD_DIM];
+    for (name, t) in [("q", &args.q), ("k", &args.k), ("v", &args.v), ("g", &args.g), ("out", &args.out)] {
+        check_layout(name, t, &act, ordinal, 16)?;
+    }
+    check_layout("beta", &args.beta, &[batch, seq_len, heads], ordinal, 2)?;
+    check_layout("A_log", &args.a_log, &[heads], ordinal, 4)?;
+    check_layout("dt_bias", &args.dt_bias, &[heads, HEAD_DIM], ordinal, 4)?;
+    if !(-5.0..0.0).contains(&args.lower_bound) {
+        return Err(FlashKdaError::LowerBound(args.lower_bound));
+    }
+    if !args.scale.is_finite() {
+        return Err(FlashKdaError::Scale(args.scale));
+    }
+    let num_seqs = match &args.cu_seqlens {
+        None => batch,
+        Some(cu) => {
+            if batch != 1 {
+                return Err(FlashKdaError::VarlenBatch(batch));
+            }
+            check_dtype("cu_seqlens", cu, DType::I64)?;
+            if cu.shape.len() != 1 || cu.shape[0] < 2 {
+                return Err(FlashKdaError::Shape { tensor: "cu_seqlens", expected: "[N + 1] with N >= 1".into(), found: cu.shape.clone() });
+            }
+            check_layout("cu_seqlens", cu, &cu.shape.clone(), ordinal, 8)?;
+            cu.shape[0] - 1
+        }
+    };
+    let state_dtype = |name: &'static str, t: &TensorView| -> Result<StateDType, FlashKdaError> {
+        let d = match t.dtype {
+            DType::BF16 => StateDType::BF16,
+            DType::F32 => StateDType::F32,
+            other => return Err(FlashKdaError::DType { tensor: name, expected: "bfloat16 or float32", found: other.name().into() }),
+        };
+        check_layout(name, t, &[num_seqs, heads, HEAD_DIM, HEAD_DIM], ordinal, 8)?;
+        Ok(d)
+    };
+    let h0 = args.initial_state.as_ref().map(|t| state_dtype("initial_state", t)).transpose()?;
+    let ht = args.final_state.as_ref().map(|t| state_dtype("final_state", t)).transpose()?;
+    let state = match (h0, ht) {
+        (Some(a), Some(b)) if a != b => {
+            let n = |d: StateDType| if d == StateDType::BF16 { "bfloat16" } else { "float32" };
+            return Err(FlashKdaError::StateDTypeMismatch { initial: n(a), final_: n(b) });
+        }
+        (a, b) => a.or(b),
+    };
+    let blocks = num_seqs as u64 * heads as u64 * 4;
+    if blocks > i32::MAX as u64 || (batch * seq_len) as u64 > (i64::MAX as u64) / (heads as u64 * 256) {
+        return Err(FlashKdaError::TooLarge(format!("{num_seqs} sequences x {heads} heads")));
+    }
+    Ok(FwdPlan { batch, seq_len, heads, num_seqs, varlen: args.cu_seqlens.is_some(), state, ordinal })
+}
+
+/// Checks `cu_seqlens` contents read back to the host: starts at 0, non-decreasing, ends at `total`.
+pub fn check_cu_seqlens(cu: &[i64], total: usize) -> Result<(), FlashKdaError> {
+    if cu.first() != Some(&0) {
+        return Err(FlashKdaError::CuSeqlens(format!("must start at 0, starts at {:?}", cu.first())));
+    }
+    if let Some(w) = cu.windows(2).position(|w| w[1] < w[0]) {
+        return Err(FlashKdaError::CuSeqlens(format!("decreases at index {}: {} -> {}", w, cu[w], cu[w + 1])));
+    }
+    if *cu.last().unwrap() != total as i64 {
+        return Err(FlashKdaError::CuSeqlens(format!("ends at {}, expected T = {total}", cu.last().unwrap())));
+    }
+    Ok(())
+}
