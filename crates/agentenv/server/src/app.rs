@@ -45,22 +45,36 @@ impl AppState {
         let store = SandboxStore::open(&cfg.state_dir)?;
         let sandboxes = Sandboxes::open(backend, store, metrics.clone()).await?;
         sandboxes.spawn_reaper();
-        Ok(AppState { sandboxes, metrics, api_key: cfg.api_key.into(), max_upload_bytes: cfg.max_upload_bytes })
+        Ok(AppState {
+            sandboxes,
+            metrics,
+            api_key: cfg.api_key.into(),
+            max_upload_bytes: cfg.max_upload_bytes,
+        })
     }
 }
 
 /// Control-plane route table (spec §0 lists which SDK uses which route).
 fn control_router() -> Router<AppState> {
     Router::new()
-        .route("/v2/sandboxes", post(routes::create_v2).get(routes::list_v2))
+        .route(
+            "/v2/sandboxes",
+            post(routes::create_v2).get(routes::list_v2),
+        )
         .route("/sandboxes", post(routes::create_v1).get(routes::list_v1))
-        .route("/sandboxes/{id}", get(routes::get_sandbox).delete(routes::kill_sandbox))
+        .route(
+            "/sandboxes/{id}",
+            get(routes::get_sandbox).delete(routes::kill_sandbox),
+        )
         .route("/sandboxes/{id}/timeout", post(routes::set_timeout))
         .route("/sandboxes/{id}/pause", post(routes::pause))
         .route("/v2/sandboxes/{id}/connect", post(routes::connect_v2))
         .route("/sandboxes/{id}/connect", post(routes::connect_v1))
         .route("/sandboxes/{id}/resume", post(routes::resume))
-        .route("/templates", get(routes::list_templates).post(routes::build_template))
+        .route(
+            "/templates",
+            get(routes::list_templates).post(routes::build_template),
+        )
         .route("/v2/templates", get(routes::list_templates))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
@@ -73,7 +87,10 @@ fn control_router() -> Router<AppState> {
 /// the API-key check, then the control plane.
 pub fn app(state: AppState) -> Router {
     control_router()
-        .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), dispatch))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)
@@ -84,11 +101,15 @@ async fn dispatch(State(state): State<AppState>, req: Request, next: Next) -> Re
     let plane = dataplane::classify(req.uri().path(), req.headers());
     let data = plane != Plane::Control;
     let resp = if data {
-        dataplane::serve(&state, plane, req).await.unwrap_or_else(IntoResponse::into_response)
+        dataplane::serve(&state, plane, req)
+            .await
+            .unwrap_or_else(IntoResponse::into_response)
     } else {
         next.run(req).await
     };
-    state.metrics.count_request(data, &method, resp.status().as_u16());
+    state
+        .metrics
+        .count_request(data, &method, resp.status().as_u16());
     resp
 }
 

@@ -34,8 +34,8 @@ pub struct TemplateFacts {
     pub vcpus: u32,
     pub memory_mib: u32,
     pub disk_mib: u32,
-    /// Unix seconds.
-    pub built_at: u64,
+    /// RFC 3339 UTC.
+    pub built_at: String,
     pub envd_version: String,
 }
 
@@ -43,7 +43,7 @@ pub struct TemplateFacts {
 #[derive(Debug, Clone)]
 pub struct TemplateBuild {
     pub id: String,
-    pub packages: Vec<String>,
+    pub aliases: Vec<String>,
     pub vcpus: Option<u32>,
     pub memory_mib: Option<u32>,
     pub disk_mib: Option<u32>,
@@ -68,7 +68,10 @@ pub struct BackendError {
 
 impl BackendError {
     pub fn new(kind: BackendErrorKind, message: impl Into<String>) -> Self {
-        BackendError { kind, message: message.into() }
+        BackendError {
+            kind,
+            message: message.into(),
+        }
     }
 }
 
@@ -77,7 +80,10 @@ pub trait VmBackend: Send + Sync + 'static {
     /// "KVM" or "TCG".
     fn accel_name(&self) -> String;
     fn templates(&self) -> Vec<TemplateFacts>;
-    fn build_template(&self, build: TemplateBuild) -> BoxFuture<'_, Result<TemplateFacts, BackendError>>;
+    fn build_template(
+        &self,
+        build: TemplateBuild,
+    ) -> BoxFuture<'_, Result<TemplateFacts, BackendError>>;
     /// Returns once envd in the guest answers.
     fn create<'a>(
         &'a self,
@@ -88,7 +94,10 @@ pub trait VmBackend: Send + Sync + 'static {
     fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
     fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
     fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
-    fn open_agent_stream<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<AgentStream, BackendError>>;
+    fn open_agent_stream<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<AgentStream, BackendError>>;
     /// After a restart: the VMs that still exist, with their state.
     fn recover(&self) -> BoxFuture<'_, Result<Vec<(String, VmRunState)>, BackendError>>;
     fn vm_state(&self, id: &str) -> Option<VmRunState>;

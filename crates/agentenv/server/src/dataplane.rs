@@ -18,8 +18,10 @@ pub const ENVD_PORT: &str = "49983";
 
 /// Paths served by envd.
 pub fn is_envd_path(path: &str) -> bool {
-    matches!(path, "/health" | "/files" | "/files/compose" | "/init" | "/envs" | "/metrics")
-        || path.starts_with("/process.Process/")
+    matches!(
+        path,
+        "/health" | "/files" | "/files/compose" | "/init" | "/envs" | "/metrics"
+    ) || path.starts_with("/process.Process/")
         || path.starts_with("/filesystem.Filesystem/")
 }
 
@@ -36,7 +38,12 @@ pub enum Plane {
 /// Routes by `E2b-Sandbox-Id` + path/port, never by the header alone; envd paths without the
 /// header but with an access token go by token.
 pub fn classify(path: &str, headers: &HeaderMap) -> Plane {
-    let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).filter(|v| !v.is_empty());
+    let get = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+    };
     let envd_path = is_envd_path(path);
     if let Some(id) = get("e2b-sandbox-id") {
         let user_port = get("e2b-sandbox-port").is_some_and(|p| p != ENVD_PORT);
@@ -51,8 +58,15 @@ pub fn classify(path: &str, headers: &HeaderMap) -> Plane {
     Plane::Control
 }
 
-const HOP_HEADERS: [&str; 7] =
-    ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"];
+const HOP_HEADERS: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+    "trailer",
+];
 
 /// Serves one data-plane request for `plane`.
 pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Response, ApiError> {
@@ -62,19 +76,28 @@ pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Respo
                 .sandboxes
                 .get(id)
                 .ok_or_else(|| ApiError::bad_gateway(format!("The sandbox {id} was not found")))?;
-            let token = req.headers().get("x-access-token").and_then(|v| v.to_str().ok()).unwrap_or("");
+            let token = req
+                .headers()
+                .get("x-access-token")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("");
             if !crate::keys::secret_eq(token, &rec.access_token) {
-                return Err(ApiError::unauthorized("missing or wrong X-Access-Token for this sandbox"));
+                return Err(ApiError::unauthorized(
+                    "missing or wrong X-Access-Token for this sandbox",
+                ));
             }
             rec
         }
-        Plane::SandboxByToken(token) => state
-            .sandboxes
-            .by_token(token)
-            .ok_or_else(|| ApiError::bad_gateway("The sandbox of this access token was not found"))?,
+        Plane::SandboxByToken(token) => state.sandboxes.by_token(token).ok_or_else(|| {
+            ApiError::bad_gateway("The sandbox of this access token was not found")
+        })?,
         Plane::Control => unreachable!("control-plane requests never reach the proxy"),
     };
-    let port = req.headers().get("e2b-sandbox-port").and_then(|v| v.to_str().ok()).unwrap_or(ENVD_PORT);
+    let port = req
+        .headers()
+        .get("e2b-sandbox-port")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(ENVD_PORT);
     if port != ENVD_PORT {
         return Err(ApiError::bad_gateway(format!(
             "port {port} is not open in sandbox {}: sandboxes have no network device, only envd ({ENVD_PORT}) is reachable",
@@ -96,53 +119,86 @@ async fn ensure_running(state: &AppState, rec: SandboxRecord) -> Result<SandboxR
         )));
     }
     state.sandboxes.auto_resume(&rec.sandbox_id).await?;
-    state
-        .sandboxes
-        .get(&rec.sandbox_id)
-        .ok_or_else(|| ApiError::bad_gateway(format!("The sandbox {} was not found", rec.sandbox_id)))
+    state.sandboxes.get(&rec.sandbox_id).ok_or_else(|| {
+        ApiError::bad_gateway(format!("The sandbox {} was not found", rec.sandbox_id))
+    })
 }
 
 fn too_large(limit: u64) -> ApiError {
-    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("upload exceeds the limit of {limit} bytes"))
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("upload exceeds the limit of {limit} bytes"),
+    )
 }
 
-async fn forward(state: &AppState, rec: &SandboxRecord, req: Request) -> Result<Response, ApiError> {
+async fn forward(
+    state: &AppState,
+    rec: &SandboxRecord,
+    req: Request,
+) -> Result<Response, ApiError> {
     let (mut parts, body) = req.into_parts();
     let limit = state.max_upload_bytes;
-    let declared = parts.headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit) {
         return Err(too_large(limit));
     }
-    let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
-    parts.uri = Uri::try_from(path_and_query).map_err(|e| ApiError::bad_request(format!("bad URI: {e}")))?;
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    parts.uri = Uri::try_from(path_and_query)
+        .map_err(|e| ApiError::bad_request(format!("bad URI: {e}")))?;
     parts.version = Version::HTTP_11;
     for h in HOP_HEADERS {
         parts.headers.remove(h);
     }
-    parts.headers.insert(header::HOST, header::HeaderValue::from_static("localhost:49983"));
+    parts.headers.insert(
+        header::HOST,
+        header::HeaderValue::from_static("localhost:49983"),
+    );
     let body = Body::new(http_body_util::Limited::new(body, limit as usize));
 
     let id = &rec.sandbox_id;
-    let stream = state.sandboxes.backend().open_agent_stream(id).await.map_err(|e| match e.kind {
-        BackendErrorKind::NotFound => ApiError::bad_gateway(format!("The sandbox {id} was not found")),
-        _ => ApiError::bad_gateway(format!("sandbox {id} is running but its port is not open: envd unreachable: {e}")),
-    })?;
+    let stream = state
+        .sandboxes
+        .backend()
+        .open_agent_stream(id)
+        .await
+        .map_err(|e| match e.kind {
+            BackendErrorKind::NotFound => {
+                ApiError::bad_gateway(format!("The sandbox {id} was not found"))
+            }
+            _ => ApiError::bad_gateway(format!(
+                "sandbox {id} is running but its port is not open: envd unreachable: {e}"
+            )),
+        })?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
-        .map_err(|e| ApiError::bad_gateway(format!("sandbox {id}: port is not open: HTTP handshake with envd failed: {e}")))?;
+        .map_err(|e| {
+            ApiError::bad_gateway(format!(
+                "sandbox {id}: port is not open: HTTP handshake with envd failed: {e}"
+            ))
+        })?;
     let sid = id.clone();
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(sandbox = %sid, error = %e, "envd connection ended");
         }
     });
-    let resp = sender.send_request(axum::http::Request::from_parts(parts, body)).await.map_err(|e| {
-        if error_chain_has_limit(&e) {
-            too_large(limit)
-        } else {
-            ApiError::bad_gateway(format!("sandbox {id}: envd request failed: {e}"))
-        }
-    })?;
+    let resp = sender
+        .send_request(axum::http::Request::from_parts(parts, body))
+        .await
+        .map_err(|e| {
+            if error_chain_has_limit(&e) {
+                too_large(limit)
+            } else {
+                ApiError::bad_gateway(format!("sandbox {id}: envd request failed: {e}"))
+            }
+        })?;
     Ok(resp.map(Body::new))
 }
 
@@ -174,13 +230,26 @@ mod tests {
     fn routes_by_id_and_path_not_by_header_alone() {
         let id = crate::keys::generate_sandbox_id();
         let with_id = headers(&[("E2b-Sandbox-Id", &id), ("E2b-Sandbox-Port", "49983")]);
-        for p in ["/health", "/files", "/metrics", "/process.Process/Start", "/filesystem.Filesystem/Stat", "/envs"] {
+        for p in [
+            "/health",
+            "/files",
+            "/metrics",
+            "/process.Process/Start",
+            "/filesystem.Filesystem/Stat",
+            "/envs",
+        ] {
             assert_eq!(classify(p, &with_id), Plane::SandboxById(id.clone()), "{p}");
         }
         // SDK 2.7-2.26 send the id header on the control-plane connect call.
-        assert_eq!(classify(&format!("/sandboxes/{id}/connect"), &with_id), Plane::Control);
+        assert_eq!(
+            classify(&format!("/sandboxes/{id}/connect"), &with_id),
+            Plane::Control
+        );
         let user_port = headers(&[("E2b-Sandbox-Id", &id), ("E2b-Sandbox-Port", "8080")]);
-        assert_eq!(classify("/anything", &user_port), Plane::SandboxById(id.clone()));
+        assert_eq!(
+            classify("/anything", &user_port),
+            Plane::SandboxById(id.clone())
+        );
         assert_eq!(classify("/health", &HeaderMap::new()), Plane::Control);
         assert_eq!(classify("/metrics", &HeaderMap::new()), Plane::Control);
         assert_eq!(classify("/v2/sandboxes", &HeaderMap::new()), Plane::Control);
@@ -190,7 +259,10 @@ mod tests {
     fn token_fallback_only_on_envd_paths() {
         let token = crate::keys::generate_access_token();
         let h = headers(&[("X-Access-Token", &token)]);
-        assert_eq!(classify("/process.Process/List", &h), Plane::SandboxByToken(token.clone()));
+        assert_eq!(
+            classify("/process.Process/List", &h),
+            Plane::SandboxByToken(token.clone())
+        );
         assert_eq!(classify("/v2/sandboxes", &h), Plane::Control);
     }
 }

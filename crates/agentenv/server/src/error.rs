@@ -19,7 +19,10 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into() }
+        ApiError {
+            status,
+            message: message.into(),
+        }
     }
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
@@ -59,10 +62,16 @@ impl From<BackendError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = ErrorBody { code: self.status.as_u16(), message: self.message };
+        let body = ErrorBody {
+            code: self.status.as_u16(),
+            message: self.message,
+        };
         let mut resp = (self.status, axum::Json(body)).into_response();
-        if self.status == StatusCode::TOO_MANY_REQUESTS || self.status == StatusCode::SERVICE_UNAVAILABLE {
-            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        if self.status == StatusCode::TOO_MANY_REQUESTS
+            || self.status == StatusCode::SERVICE_UNAVAILABLE
+        {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         resp
     }

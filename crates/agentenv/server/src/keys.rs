@@ -10,9 +10,15 @@ use rand::Rng;
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
     #[error("reading API key {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("writing API key {path}: {source}")]
-    Write { path: PathBuf, source: std::io::Error },
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("API key file {path} does not hold a key of the form e2b_<40 hex>")]
     Malformed { path: PathBuf },
     #[error("API key file {path} has mode {mode:o}; it must not be readable by group or others")]
@@ -35,7 +41,9 @@ pub fn generate_access_token() -> String {
 pub fn generate_sandbox_id() -> String {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::rng();
-    (0..20).map(|_| char::from(ALPHABET[rng.random_range(0..ALPHABET.len())])).collect()
+    (0..20)
+        .map(|_| char::from(ALPHABET[rng.random_range(0..ALPHABET.len())]))
+        .collect()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -44,8 +52,11 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Whether `key` has the E2B key shape.
 pub fn is_api_key(key: &str) -> bool {
-    key.strip_prefix("e2b_")
-        .is_some_and(|h| h.len() == 40 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    key.strip_prefix("e2b_").is_some_and(|h| {
+        h.len() == 40
+            && h.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
 }
 
 /// Loads `<state>/server/api_key`, or creates it (mode 0600). Returns the key and whether it is new.
@@ -55,7 +66,10 @@ pub fn load_or_create_api_key(state_dir: &Path) -> Result<(String, bool), KeyErr
     match std::fs::read_to_string(&path) {
         Ok(text) => {
             let mode = std::fs::metadata(&path)
-                .map_err(|source| KeyError::Read { path: path.clone(), source })?
+                .map_err(|source| KeyError::Read {
+                    path: path.clone(),
+                    source,
+                })?
                 .permissions()
                 .mode()
                 & 0o777;
@@ -69,15 +83,23 @@ pub fn load_or_create_api_key(state_dir: &Path) -> Result<(String, bool), KeyErr
             Ok((key, false))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::create_dir_all(&dir).map_err(|source| KeyError::Write { path: dir.clone(), source })?;
+            std::fs::create_dir_all(&dir).map_err(|source| KeyError::Write {
+                path: dir.clone(),
+                source,
+            })?;
             let key = generate_api_key();
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
                 .mode(0o600)
                 .open(&path)
-                .map_err(|source| KeyError::Write { path: path.clone(), source })?;
-            writeln!(f, "{key}").and_then(|()| f.sync_all()).map_err(|source| KeyError::Write { path, source })?;
+                .map_err(|source| KeyError::Write {
+                    path: path.clone(),
+                    source,
+                })?;
+            writeln!(f, "{key}")
+                .and_then(|()| f.sync_all())
+                .map_err(|source| KeyError::Write { path, source })?;
             Ok((key, true))
         }
         Err(source) => Err(KeyError::Read { path, source }),
@@ -86,7 +108,11 @@ pub fn load_or_create_api_key(state_dir: &Path) -> Result<(String, bool), KeyErr
 
 /// Constant-time string comparison for secrets.
 pub fn secret_eq(a: &str, b: &str) -> bool {
-    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
 }
 
 #[cfg(test)]
@@ -98,7 +124,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (k1, new1) = load_or_create_api_key(dir.path()).unwrap();
         assert!(new1 && is_api_key(&k1), "{k1}");
-        let mode = std::fs::metadata(dir.path().join("server/api_key")).unwrap().permissions().mode();
+        let mode = std::fs::metadata(dir.path().join("server/api_key"))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         let (k2, new2) = load_or_create_api_key(dir.path()).unwrap();
         assert_eq!((k2.as_str(), new2), (k1.as_str(), false));
@@ -111,17 +140,26 @@ mod tests {
         load_or_create_api_key(dir.path()).unwrap();
         let p = dir.path().join("server/api_key");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
-        assert!(matches!(load_or_create_api_key(dir.path()), Err(KeyError::Permissions { .. })));
+        assert!(matches!(
+            load_or_create_api_key(dir.path()),
+            Err(KeyError::Permissions { .. })
+        ));
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         std::fs::write(&p, "e2b_XYZ").unwrap();
-        assert!(matches!(load_or_create_api_key(dir.path()), Err(KeyError::Malformed { .. })));
+        assert!(matches!(
+            load_or_create_api_key(dir.path()),
+            Err(KeyError::Malformed { .. })
+        ));
     }
 
     #[test]
     fn ids_tokens_and_comparison() {
         let id = generate_sandbox_id();
         assert_eq!(id.len(), 20);
-        assert!(id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()));
+        assert!(
+            id.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        );
         let t = generate_access_token();
         assert_eq!(t.len(), 32);
         assert!(secret_eq(&t, &t.clone()));

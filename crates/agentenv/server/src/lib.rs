@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod model;
 pub mod openapi;
 pub mod routes;
+pub mod runtime_backend;
 pub mod sandboxes;
 pub mod store;
 pub mod views;

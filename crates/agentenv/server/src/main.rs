@@ -1,1 +1,156 @@
-fn main() {}
+//! `agentenv`: the E2B-compatible sandbox API server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+
+use agentenv_server::app::{self, AppState, DEFAULT_MAX_UPLOAD_BYTES, ServerConfig};
+use agentenv_server::{keys, openapi, runtime_backend};
+
+#[derive(Parser)]
+#[command(
+    name = "agentenv",
+    version,
+    about = "E2B-compatible sandbox API server (control and data plane on one port)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the server (the default).
+    Serve(ServeArgs),
+    /// Print the OpenAPI document.
+    Openapi,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum AccelArg {
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+#[derive(clap::Args, Clone)]
+struct ServeArgs {
+    /// Address to listen on (loopback by default; the API key is the only protection).
+    #[arg(long, env = "AGENTENV_LISTEN", default_value = "127.0.0.1:3000")]
+    listen: SocketAddr,
+    /// State folder (API key, sandbox records, runtime templates and VMs).
+    #[arg(long, env = "AGENTENV_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// Accelerator: auto uses KVM only where a probe guest boots, else TCG.
+    #[arg(long, value_enum, default_value = "auto")]
+    accel: AccelArg,
+    /// The agentenv-guest binary for template builds.
+    #[arg(long, env = "AGENTENV_GUEST_BIN")]
+    guest_bin: Option<PathBuf>,
+    /// Largest accepted data-plane request body (file upload) in bytes.
+    #[arg(long, default_value_t = DEFAULT_MAX_UPLOAD_BYTES)]
+    max_upload_bytes: u64,
+    /// Folder for guest RAM files (e.g. /dev/shm: faster, lost on reboot).
+    #[arg(long, env = "AGENTENV_RAM_DIR")]
+    ram_dir: Option<PathBuf>,
+    /// Log as JSON lines.
+    #[arg(long)]
+    log_json: bool,
+}
+
+fn default_state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_STATE_HOME") {
+        return PathBuf::from(d).join("agentenv");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
+    home.join(".local/state/agentenv")
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Openapi) => {
+            println!("{}", openapi::document_json());
+            Ok(())
+        }
+        Some(Command::Serve(args)) => serve(args).await,
+        None => serve(cli.serve).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let format = if args.log_json {
+        k3_common::telemetry::LogFormat::Json
+    } else {
+        k3_common::telemetry::LogFormat::Text
+    };
+    k3_common::telemetry::init_with("info", format);
+    let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating {}", state_dir.display()))?;
+    let (api_key, fresh) = keys::load_or_create_api_key(&state_dir)?;
+    let key_path = state_dir.join("server/api_key");
+    if fresh {
+        println!(
+            "New API key (shown once; stored with mode 0600 in {}):\n  {api_key}",
+            key_path.display()
+        );
+    } else {
+        println!("API key: stored in {}", key_path.display());
+    }
+
+    let mut cfg = agentenv_runtime::RuntimeConfig::new(state_dir.join("runtime"));
+    cfg.accel = match args.accel {
+        AccelArg::Auto => agentenv_runtime::Accel::Auto,
+        AccelArg::Kvm => agentenv_runtime::Accel::Kvm,
+        AccelArg::Tcg => agentenv_runtime::Accel::Tcg,
+    };
+    cfg.guest_bin = args.guest_bin;
+    cfg.ram_dir = args.ram_dir;
+    let runtime = runtime_backend::open_with_default_template(cfg).await?;
+    tracing::info!(
+        accel = runtime_backend::accel_label(&runtime),
+        "runtime ready"
+    );
+
+    let backend: Arc<dyn agentenv_server::backend::VmBackend> = Arc::new(runtime);
+    let state = AppState::open(
+        backend,
+        ServerConfig {
+            state_dir: state_dir.clone(),
+            api_key,
+            max_upload_bytes: args.max_upload_bytes,
+        },
+    )
+    .await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    println!(
+        "agentenv listening on http://{addr}  (E2B_API_URL = E2B_SANDBOX_URL = http://{addr})"
+    );
+    tracing::info!(%addr, "listening");
+    // No graceful drain: open Connect streams would hold it forever; VMs outlive the server anyway.
+    tokio::select! {
+        res = axum::serve(listener, app::app(state)) => res?,
+        () = shutdown() => {}
+    }
+    Ok(())
+}
+
+async fn shutdown() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down; sandboxes keep running and are recovered on the next start");
+}

@@ -45,33 +45,59 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("agentenv");
         let requests = Family::<RequestLabels, Counter>::default();
-        registry.register("http_requests", "HTTP requests by plane, method and status", requests.clone());
+        registry.register(
+            "http_requests",
+            "HTTP requests by plane, method and status",
+            requests.clone(),
+        );
         let ops = Family::<OpLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.001, 2.0, 16))
         });
-        registry.register("sandbox_op_seconds", "Runtime lifecycle operation latency", ops.clone());
+        registry.register(
+            "sandbox_op_seconds",
+            "Runtime lifecycle operation latency",
+            ops.clone(),
+        );
         let sandboxes = Family::<StateLabels, Gauge<i64, AtomicI64>>::default();
         registry.register("sandboxes", "Sandboxes by state", sandboxes.clone());
-        Metrics { registry, requests, ops, sandboxes }
+        Metrics {
+            registry,
+            requests,
+            ops,
+            sandboxes,
+        }
     }
 
     /// Counts one answered request; `data_plane` says whether it was proxied to a sandbox.
     pub fn count_request(&self, data_plane: bool, method: &str, status: u16) {
         let plane = if data_plane { "data" } else { "control" };
-        self.requests.get_or_create(&RequestLabels { plane, method: method.to_string(), status }).inc();
+        self.requests
+            .get_or_create(&RequestLabels {
+                plane,
+                method: method.to_string(),
+                status,
+            })
+            .inc();
     }
 
     /// Records the latency of a lifecycle operation (`create`, `pause`, `resume`, `kill`).
     pub fn observe_op(&self, op: &'static str, d: Duration) {
-        self.ops.get_or_create(&OpLabels { op }).observe(d.as_secs_f64());
+        self.ops
+            .get_or_create(&OpLabels { op })
+            .observe(d.as_secs_f64());
     }
 
     /// Prometheus text exposition, with the sandbox gauges set to `(running, paused)`.
     pub fn render(&self, running: usize, paused: usize) -> String {
-        self.sandboxes.get_or_create(&StateLabels { state: "running" }).set(running as i64);
-        self.sandboxes.get_or_create(&StateLabels { state: "paused" }).set(paused as i64);
+        self.sandboxes
+            .get_or_create(&StateLabels { state: "running" })
+            .set(running as i64);
+        self.sandboxes
+            .get_or_create(&StateLabels { state: "paused" })
+            .set(paused as i64);
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String");
         out
     }
 }
@@ -91,7 +117,9 @@ mod tests {
         m.observe_op("create", Duration::from_millis(120));
         let text = m.render(3, 2);
         assert!(text.contains(&format!("agentenv_http_requests_total{{plane=\"control\",method=\"GET\",status=\"200\"}} {n}")), "{text}");
-        assert!(text.contains("agentenv_http_requests_total{plane=\"data\",method=\"POST\",status=\"502\"} 1"));
+        assert!(text.contains(
+            "agentenv_http_requests_total{plane=\"data\",method=\"POST\",status=\"502\"} 1"
+        ));
         assert!(text.contains("agentenv_sandboxes{state=\"running\"} 3"));
         assert!(text.contains("agentenv_sandbox_op_seconds_count{op=\"create\"} 1"));
         assert!(text.trim_end().ends_with("# EOF"));

@@ -175,15 +175,15 @@ pub struct TemplateView {
 }
 
 /// Body of `POST /templates`: build a template through the runtime.
-#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct BuildTemplateRequest {
     /// Template id (lowercase letters, digits and `-`).
     #[serde(rename = "templateID")]
     pub template_id: String,
-    /// Extra Debian packages to install into the rootfs.
+    /// Other names of the template.
     #[serde(default)]
-    pub packages: Vec<String>,
+    pub aliases: Vec<String>,
     #[serde(default)]
     pub cpu_count: Option<u32>,
     #[serde(default, rename = "memoryMB")]

@@ -10,7 +10,10 @@ struct ApiKeyScheme;
 impl utoipa::Modify for ApiKeyScheme {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         let components = openapi.components.get_or_insert_with(Default::default);
-        components.add_security_scheme("ApiKeyAuth", SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("X-API-KEY"))));
+        components.add_security_scheme(
+            "ApiKeyAuth",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("X-API-KEY"))),
+        );
     }
 }
 

@@ -9,22 +9,30 @@ use crate::app::AppState;
 use crate::backend::TemplateBuild;
 use crate::error::{ApiError, E2bJson};
 use crate::model::{
-    BuildTemplateRequest, ConnectRequest, CreatedSandbox, ErrorBody, ListedSandbox, NewSandbox, PauseRequest,
-    ResumeRequest, SandboxDetail, SandboxState, TemplateView, TimeoutRequest,
+    BuildTemplateRequest, ConnectRequest, CreatedSandbox, ErrorBody, ListedSandbox, NewSandbox,
+    PauseRequest, ResumeRequest, SandboxDetail, SandboxState, TemplateView, TimeoutRequest,
 };
 use crate::sandboxes::ListFilter;
 use crate::views;
 
 type ApiResult<T> = Result<T, ApiError>;
 
-async fn create(state: AppState, headers: HeaderMap, req: NewSandbox) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
+async fn create(
+    state: AppState,
+    headers: HeaderMap,
+    req: NewSandbox,
+) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
     if req.template_id.is_empty() {
         return Err(ApiError::bad_request("templateID is required"));
     }
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
-        .filter(|k| (1..=255).contains(&k.len()) && k.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+        .filter(|k| {
+            (1..=255).contains(&k.len())
+                && k.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        })
         .map(str::to_string);
     let rec = state.sandboxes.create(req, key).await?;
     Ok((StatusCode::CREATED, Json(views::created(&rec))))
@@ -35,7 +43,11 @@ async fn create(state: AppState, headers: HeaderMap, req: NewSandbox) -> ApiResu
     responses((status = 201, body = CreatedSandbox), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
         (status = 404, description = "unknown template", body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn create_v2(State(s): State<AppState>, h: HeaderMap, E2bJson(req): E2bJson<NewSandbox>) -> ApiResult<impl IntoResponse> {
+pub async fn create_v2(
+    State(s): State<AppState>,
+    h: HeaderMap,
+    E2bJson(req): E2bJson<NewSandbox>,
+) -> ApiResult<impl IntoResponse> {
     create(s, h, req).await
 }
 
@@ -44,7 +56,11 @@ pub async fn create_v2(State(s): State<AppState>, h: HeaderMap, E2bJson(req): E2
     responses((status = 201, body = CreatedSandbox), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
         (status = 404, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn create_v1(State(s): State<AppState>, h: HeaderMap, E2bJson(req): E2bJson<NewSandbox>) -> ApiResult<impl IntoResponse> {
+pub async fn create_v1(
+    State(s): State<AppState>,
+    h: HeaderMap,
+    E2bJson(req): E2bJson<NewSandbox>,
+) -> ApiResult<impl IntoResponse> {
     create(s, h, req).await
 }
 
@@ -76,10 +92,23 @@ pub async fn list_v2(State(s): State<AppState>, RawQuery(raw): RawQuery) -> ApiR
     params(("metadata" = Option<String>, Query, description = "URL-encoded k=v&k2=v2")),
     responses((status = 200, body = Vec<ListedSandbox>), (status = 401, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn list_v1(State(s): State<AppState>, RawQuery(raw): RawQuery) -> ApiResult<Json<Vec<ListedSandbox>>> {
+pub async fn list_v1(
+    State(s): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Json<Vec<ListedSandbox>>> {
     let q = views::parse_list_query(raw.as_deref())?;
-    let filter = ListFilter { states: Some(vec![SandboxState::Running]), metadata: q.filter.metadata, ..Default::default() };
-    Ok(Json(s.sandboxes.list(&filter).iter().map(views::listed).collect()))
+    let filter = ListFilter {
+        states: Some(vec![SandboxState::Running]),
+        metadata: q.filter.metadata,
+        ..Default::default()
+    };
+    Ok(Json(
+        s.sandboxes
+            .list(&filter)
+            .iter()
+            .map(views::listed)
+            .collect(),
+    ))
 }
 
 /// Sandbox detail.
@@ -87,8 +116,14 @@ pub async fn list_v1(State(s): State<AppState>, RawQuery(raw): RawQuery) -> ApiR
     params(("sandboxID" = String, Path)),
     responses((status = 200, body = SandboxDetail), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn get_sandbox(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<SandboxDetail>> {
-    let rec = s.sandboxes.get(&id).ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+pub async fn get_sandbox(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<SandboxDetail>> {
+    let rec = s
+        .sandboxes
+        .get(&id)
+        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
     Ok(Json(views::detail(&rec)))
 }
 
@@ -97,7 +132,10 @@ pub async fn get_sandbox(State(s): State<AppState>, Path(id): Path<String>) -> A
     params(("sandboxID" = String, Path)),
     responses((status = 204), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn kill_sandbox(State(s): State<AppState>, Path(id): Path<String>) -> ApiResult<StatusCode> {
+pub async fn kill_sandbox(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
     s.sandboxes.kill(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -112,8 +150,8 @@ pub async fn set_timeout(
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> ApiResult<StatusCode> {
-    let req: TimeoutRequest =
-        serde_json::from_slice(&body).map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    let req: TimeoutRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
     s.sandboxes.set_timeout(&id, req.timeout).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -132,9 +170,17 @@ pub async fn pause(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn connect(s: AppState, id: String, req: ConnectRequest) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
+async fn connect(
+    s: AppState,
+    id: String,
+    req: ConnectRequest,
+) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
     let (rec, resumed) = s.sandboxes.connect(&id, req.timeout).await?;
-    let status = if resumed { StatusCode::CREATED } else { StatusCode::OK };
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
     Ok((status, Json(views::created(&rec))))
 }
 
@@ -143,7 +189,11 @@ async fn connect(s: AppState, id: String, req: ConnectRequest) -> ApiResult<(Sta
     params(("sandboxID" = String, Path)),
     responses((status = 200, body = CreatedSandbox), (status = 201, body = CreatedSandbox), (status = 404, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn connect_v2(State(s): State<AppState>, Path(id): Path<String>, E2bJson(req): E2bJson<ConnectRequest>) -> ApiResult<impl IntoResponse> {
+pub async fn connect_v2(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    E2bJson(req): E2bJson<ConnectRequest>,
+) -> ApiResult<impl IntoResponse> {
     connect(s, id, req).await
 }
 
@@ -152,7 +202,11 @@ pub async fn connect_v2(State(s): State<AppState>, Path(id): Path<String>, E2bJs
     params(("sandboxID" = String, Path)),
     responses((status = 200, body = CreatedSandbox), (status = 201, body = CreatedSandbox), (status = 404, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn connect_v1(State(s): State<AppState>, Path(id): Path<String>, E2bJson(req): E2bJson<ConnectRequest>) -> ApiResult<impl IntoResponse> {
+pub async fn connect_v1(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    E2bJson(req): E2bJson<ConnectRequest>,
+) -> ApiResult<impl IntoResponse> {
     connect(s, id, req).await
 }
 
@@ -166,7 +220,10 @@ pub async fn resume(
     Path(id): Path<String>,
     E2bJson(req): E2bJson<ResumeRequest>,
 ) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
-    let rec = s.sandboxes.resume_legacy(&id, req.timeout, req.auto_pause).await?;
+    let rec = s
+        .sandboxes
+        .resume_legacy(&id, req.timeout, req.auto_pause)
+        .await?;
     Ok((StatusCode::CREATED, Json(views::created(&rec))))
 }
 
@@ -175,7 +232,14 @@ pub async fn resume(
     responses((status = 200, body = Vec<TemplateView>), (status = 401, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
 pub async fn list_templates(State(s): State<AppState>) -> Json<Vec<TemplateView>> {
-    Json(s.sandboxes.backend().templates().iter().map(views::template).collect())
+    Json(
+        s.sandboxes
+            .backend()
+            .templates()
+            .iter()
+            .map(views::template)
+            .collect(),
+    )
 }
 
 /// Build a template through the runtime (minutes; returns when it is ready).
@@ -188,13 +252,18 @@ pub async fn build_template(
 ) -> ApiResult<(StatusCode, Json<TemplateView>)> {
     let valid = !req.template_id.is_empty()
         && req.template_id.len() <= 63
-        && req.template_id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        && req
+            .template_id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
     if !valid {
-        return Err(ApiError::bad_request("templateID must be 1-63 of [a-z0-9-]"));
+        return Err(ApiError::bad_request(
+            "templateID must be 1-63 of [a-z0-9-]",
+        ));
     }
     let build = TemplateBuild {
         id: req.template_id,
-        packages: req.packages,
+        aliases: req.aliases,
         vcpus: req.cpu_count,
         memory_mib: req.memory_mb,
         disk_mib: req.disk_size_mb,
@@ -216,13 +285,24 @@ pub async fn health() -> StatusCode {
 pub async fn metrics(State(s): State<AppState>) -> Response {
     let (running, paused) = s.sandboxes.count_by_state();
     let text = s.metrics.render(running, paused);
-    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
 /// This document.
 #[utoipa::path(get, path = "/openapi.json", tag = "server", responses((status = 200, body = Object)))]
 pub async fn openapi_json() -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], crate::openapi::document_json()).into_response()
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        crate::openapi::document_json(),
+    )
+        .into_response()
 }
 
 /// Answer for unknown control-plane routes.

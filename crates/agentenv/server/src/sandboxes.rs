@@ -95,7 +95,10 @@ impl Sandboxes {
                 }
             }
         }
-        for (id, _) in recovered.iter().filter(|(id, _)| !records.contains_key(*id)) {
+        for (id, _) in recovered
+            .iter()
+            .filter(|(id, _)| !records.contains_key(*id))
+        {
             tracing::warn!(sandbox = %id, "runtime VM without a server record; killing it");
             if let Err(e) = backend.kill(id).await {
                 tracing::warn!(sandbox = %id, error = %e, "kill of orphan VM failed");
@@ -116,7 +119,12 @@ impl Sandboxes {
     }
 
     fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.op_locks.lock().expect("op lock map").entry(id.to_string()).or_default().clone()
+        self.op_locks
+            .lock()
+            .expect("op lock map")
+            .entry(id.to_string())
+            .or_default()
+            .clone()
     }
 
     /// A copy of one record.
@@ -137,13 +145,19 @@ impl Sandboxes {
     /// Counts per state, for `/metrics`.
     pub fn count_by_state(&self) -> (usize, usize) {
         let recs = self.records.lock().expect("records");
-        let running = recs.values().filter(|r| r.state == SandboxState::Running).count();
+        let running = recs
+            .values()
+            .filter(|r| r.state == SandboxState::Running)
+            .count();
         (running, recs.len() - running)
     }
 
     fn put(&self, rec: SandboxRecord) -> Result<(), ApiError> {
         self.store.save(&rec).map_err(internal)?;
-        self.records.lock().expect("records").insert(rec.sandbox_id.clone(), rec);
+        self.records
+            .lock()
+            .expect("records")
+            .insert(rec.sandbox_id.clone(), rec);
         Ok(())
     }
 
@@ -154,7 +168,11 @@ impl Sandboxes {
     }
 
     /// Creates a sandbox; returns only once envd in it answers.
-    pub async fn create(&self, req: NewSandbox, idempotency_key: Option<String>) -> Result<SandboxRecord, ApiError> {
+    pub async fn create(
+        &self,
+        req: NewSandbox,
+        idempotency_key: Option<String>,
+    ) -> Result<SandboxRecord, ApiError> {
         if let Some(key) = &idempotency_key {
             let mut map = self.idempotency.lock().expect("idempotency");
             map.retain(|_, (t, _)| t.elapsed() < IDEMPOTENCY_WINDOW);
@@ -168,7 +186,9 @@ impl Sandboxes {
             .templates()
             .into_iter()
             .find(|t| t.id == req.template_id || t.aliases.iter().any(|a| *a == req.template_id))
-            .ok_or_else(|| ApiError::not_found(format!("template '{}' not found", req.template_id)))?;
+            .ok_or_else(|| {
+                ApiError::not_found(format!("template '{}' not found", req.template_id))
+            })?;
         let id = keys::generate_sandbox_id();
         let env_vars = req.env_vars.unwrap_or_default();
         let lock = self.op_lock(&id);
@@ -177,10 +197,11 @@ impl Sandboxes {
         self.backend.create(&id, &tpl.id, env_vars.clone()).await?;
         self.metrics.observe_op("create", t0.elapsed());
         let now = now_ms();
-        let auto_resume = req
-            .auto_resume
-            .as_ref()
-            .is_some_and(|v| v.get("enabled").and_then(|e| e.as_bool()).unwrap_or(v.as_bool() == Some(true)));
+        let auto_resume = req.auto_resume.as_ref().is_some_and(|v| {
+            v.get("enabled")
+                .and_then(|e| e.as_bool())
+                .unwrap_or(v.as_bool() == Some(true))
+        });
         let rec = SandboxRecord {
             version: RECORD_VERSION,
             sandbox_id: id.clone(),
@@ -204,7 +225,10 @@ impl Sandboxes {
             return Err(e);
         }
         if let Some(key) = idempotency_key {
-            self.idempotency.lock().expect("idempotency").insert(key, (Instant::now(), id.clone()));
+            self.idempotency
+                .lock()
+                .expect("idempotency")
+                .insert(key, (Instant::now(), id.clone()));
         }
         tracing::info!(sandbox = %id, template = %tpl.id, "created sandbox");
         Ok(rec)
@@ -221,11 +245,17 @@ impl Sandboxes {
             .filter(|r| f.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
             .filter(|r| f.started_after_ms.is_none_or(|t| r.started_at_ms > t))
             .filter(|r| {
-                f.template.as_ref().is_none_or(|t| r.template_id == *t || r.alias.as_ref() == Some(t))
+                f.template
+                    .as_ref()
+                    .is_none_or(|t| r.template_id == *t || r.alias.as_ref() == Some(t))
             })
             .cloned()
             .collect();
-        out.sort_by(|a, b| a.started_at_ms.cmp(&b.started_at_ms).then(a.sandbox_id.cmp(&b.sandbox_id)));
+        out.sort_by(|a, b| {
+            a.started_at_ms
+                .cmp(&b.started_at_ms)
+                .then(a.sandbox_id.cmp(&b.sandbox_id))
+        });
         if f.descending {
             out.reverse();
         }
@@ -257,7 +287,9 @@ impl Sandboxes {
         let timeout = checked_timeout(Some(timeout_s))?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        let mut rec = self.get(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
+        let mut rec = self
+            .get(id)
+            .ok_or_else(|| ApiError::sandbox_not_found(id))?;
         if rec.state == SandboxState::Paused {
             return Err(ApiError::conflict(format!("sandbox {id} is paused")));
         }
@@ -269,9 +301,13 @@ impl Sandboxes {
     pub async fn pause(&self, id: &str) -> Result<(), ApiError> {
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        let mut rec = self.get(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
+        let mut rec = self
+            .get(id)
+            .ok_or_else(|| ApiError::sandbox_not_found(id))?;
         if rec.state == SandboxState::Paused {
-            return Err(ApiError::conflict(format!("sandbox {id} is already paused")));
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is already paused"
+            )));
         }
         let t0 = Instant::now();
         self.backend.pause(id).await?;
@@ -284,11 +320,17 @@ impl Sandboxes {
 
     /// Connect: running → extend `endAt` (200); paused → resume (201).
     /// Returns the record and whether it was resumed.
-    pub async fn connect(&self, id: &str, timeout_s: Option<u64>) -> Result<(SandboxRecord, bool), ApiError> {
+    pub async fn connect(
+        &self,
+        id: &str,
+        timeout_s: Option<u64>,
+    ) -> Result<(SandboxRecord, bool), ApiError> {
         let timeout = checked_timeout(timeout_s)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        let mut rec = self.get(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
+        let mut rec = self
+            .get(id)
+            .ok_or_else(|| ApiError::sandbox_not_found(id))?;
         let until = now_ms() + (timeout * 1000) as i64;
         let resumed = rec.state == SandboxState::Paused;
         if resumed {
@@ -306,11 +348,20 @@ impl Sandboxes {
     }
 
     /// Legacy resume: paused → resumed; running → 409.
-    pub async fn resume_legacy(&self, id: &str, timeout_s: Option<u64>, auto_pause: Option<bool>) -> Result<SandboxRecord, ApiError> {
+    pub async fn resume_legacy(
+        &self,
+        id: &str,
+        timeout_s: Option<u64>,
+        auto_pause: Option<bool>,
+    ) -> Result<SandboxRecord, ApiError> {
         {
-            let rec = self.get(id).ok_or_else(|| ApiError::sandbox_not_found(id))?;
+            let rec = self
+                .get(id)
+                .ok_or_else(|| ApiError::sandbox_not_found(id))?;
             if rec.state == SandboxState::Running {
-                return Err(ApiError::conflict(format!("sandbox {id} is already running")));
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id} is already running"
+                )));
             }
         }
         let (mut rec, _) = self.connect(id, timeout_s).await?;
@@ -339,10 +390,17 @@ impl Sandboxes {
             .collect();
         for rec in due {
             let id = rec.sandbox_id;
-            let res = if rec.auto_pause { self.pause(&id).await } else { self.kill(&id).await };
+            let res = if rec.auto_pause {
+                self.pause(&id).await
+            } else {
+                self.kill(&id).await
+            };
             match res {
-                Ok(()) => tracing::info!(sandbox = %id, auto_pause = rec.auto_pause, "sandbox timed out"),
-                Err(e) if e.status == StatusCode::NOT_FOUND || e.status == StatusCode::CONFLICT => {}
+                Ok(()) => {
+                    tracing::info!(sandbox = %id, auto_pause = rec.auto_pause, "sandbox timed out")
+                }
+                Err(e) if e.status == StatusCode::NOT_FOUND || e.status == StatusCode::CONFLICT => {
+                }
                 Err(e) => tracing::error!(sandbox = %id, error = %e, "timing out sandbox failed"),
             }
         }
@@ -365,14 +423,19 @@ impl Sandboxes {
 fn checked_timeout(t: Option<u64>) -> Result<u64, ApiError> {
     let t = t.unwrap_or(DEFAULT_TIMEOUT_S);
     if t > MAX_TIMEOUT_S {
-        return Err(ApiError::bad_request(format!("timeout {t} s exceeds the maximum of {MAX_TIMEOUT_S} s")));
+        return Err(ApiError::bad_request(format!(
+            "timeout {t} s exceeds the maximum of {MAX_TIMEOUT_S} s"
+        )));
     }
     Ok(t)
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
     tracing::error!(error = %e, "state store failure");
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("state store failure: {e}"))
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        format!("state store failure: {e}"),
+    )
 }
 
 #[cfg(test)]
@@ -396,6 +459,9 @@ mod tests {
     fn timeouts_default_and_bound() {
         assert_eq!(checked_timeout(None).unwrap(), DEFAULT_TIMEOUT_S);
         assert_eq!(checked_timeout(Some(0)).unwrap(), 0);
-        assert_eq!(checked_timeout(Some(MAX_TIMEOUT_S + 1)).unwrap_err().status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            checked_timeout(Some(MAX_TIMEOUT_S + 1)).unwrap_err().status,
+            StatusCode::BAD_REQUEST
+        );
     }
 }

@@ -39,15 +39,30 @@ pub struct SandboxRecord {
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("creating state directory {path}: {source}")]
-    CreateDir { path: PathBuf, source: std::io::Error },
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("reading {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("writing {path}: {source}")]
-    Write { path: PathBuf, source: std::io::Error },
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("removing {path}: {source}")]
-    Remove { path: PathBuf, source: std::io::Error },
+    Remove {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path} is not a sandbox record: {source}")]
-    Parse { path: PathBuf, source: serde_json::Error },
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
     #[error("{path} has record version {found}, this build reads {RECORD_VERSION}")]
     Version { path: PathBuf, found: u32 },
 }
@@ -62,7 +77,10 @@ impl SandboxStore {
     /// Opens (creating) `<state_dir>/server/sandboxes`.
     pub fn open(state_dir: &Path) -> Result<Self, StoreError> {
         let dir = state_dir.join("server").join("sandboxes");
-        std::fs::create_dir_all(&dir).map_err(|source| StoreError::CreateDir { path: dir.clone(), source })?;
+        std::fs::create_dir_all(&dir).map_err(|source| StoreError::CreateDir {
+            path: dir.clone(),
+            source,
+        })?;
         Ok(SandboxStore { dir })
     }
 
@@ -73,7 +91,8 @@ impl SandboxStore {
     pub fn save(&self, rec: &SandboxRecord) -> Result<(), StoreError> {
         let path = self.path(&rec.sandbox_id);
         let text = serde_json::to_vec_pretty(rec).expect("record serializes");
-        k3_common::fsutil::write_atomic(&path, &text).map_err(|source| StoreError::Write { path, source })
+        k3_common::fsutil::write_atomic(&path, &text)
+            .map_err(|source| StoreError::Write { path, source })
     }
 
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
@@ -87,24 +106,42 @@ impl SandboxStore {
 
     /// Every stored record (temp files from interrupted writes are skipped).
     pub fn load_all(&self) -> Result<Vec<SandboxRecord>, StoreError> {
-        let entries =
-            std::fs::read_dir(&self.dir).map_err(|source| StoreError::Read { path: self.dir.clone(), source })?;
+        let entries = std::fs::read_dir(&self.dir).map_err(|source| StoreError::Read {
+            path: self.dir.clone(),
+            source,
+        })?;
         let mut out = Vec::new();
         for entry in entries {
-            let entry = entry.map_err(|source| StoreError::Read { path: self.dir.clone(), source })?;
+            let entry = entry.map_err(|source| StoreError::Read {
+                path: self.dir.clone(),
+                source,
+            })?;
             let path = entry.path();
             if path.extension().and_then(|e| e.to_str()) != Some("json") {
                 continue;
             }
-            let text = std::fs::read(&path).map_err(|source| StoreError::Read { path: path.clone(), source })?;
+            let text = std::fs::read(&path).map_err(|source| StoreError::Read {
+                path: path.clone(),
+                source,
+            })?;
             let rec: SandboxRecord =
-                serde_json::from_slice(&text).map_err(|source| StoreError::Parse { path: path.clone(), source })?;
+                serde_json::from_slice(&text).map_err(|source| StoreError::Parse {
+                    path: path.clone(),
+                    source,
+                })?;
             if rec.version != RECORD_VERSION {
-                return Err(StoreError::Version { path, found: rec.version });
+                return Err(StoreError::Version {
+                    path,
+                    found: rec.version,
+                });
             }
             out.push(rec);
         }
-        out.sort_by(|a, b| a.started_at_ms.cmp(&b.started_at_ms).then(a.sandbox_id.cmp(&b.sandbox_id)));
+        out.sort_by(|a, b| {
+            a.started_at_ms
+                .cmp(&b.started_at_ms)
+                .then(a.sandbox_id.cmp(&b.sandbox_id))
+        });
         Ok(out)
     }
 }
@@ -115,7 +152,9 @@ mod tests {
     use rand::Rng;
 
     fn random_record(rng: &mut impl Rng) -> SandboxRecord {
-        let id: String = (0..20).map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)])).collect();
+        let id: String = (0..20)
+            .map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[rng.random_range(0..36)]))
+            .collect();
         let mut metadata = BTreeMap::new();
         for i in 0..rng.random_range(0..4) {
             metadata.insert(format!("k{i}"), format!("v{}", rng.random::<u32>()));
@@ -129,7 +168,11 @@ mod tests {
             env_vars: BTreeMap::from([("X".to_string(), rng.random::<u64>().to_string())]),
             started_at_ms: rng.random_range(0..1 << 40),
             end_at_ms: rng.random_range(0..1 << 41),
-            state: if rng.random() { SandboxState::Running } else { SandboxState::Paused },
+            state: if rng.random() {
+                SandboxState::Running
+            } else {
+                SandboxState::Paused
+            },
             auto_pause: rng.random(),
             auto_resume: rng.random(),
             access_token: format!("{:032x}", rng.random::<u128>()),
@@ -151,7 +194,11 @@ mod tests {
         }
         std::fs::write(dir.path().join("server/sandboxes/x.json.tmp"), b"garbage").unwrap();
         let reopened = SandboxStore::open(dir.path()).unwrap();
-        recs.sort_by(|a, b| a.started_at_ms.cmp(&b.started_at_ms).then(a.sandbox_id.cmp(&b.sandbox_id)));
+        recs.sort_by(|a, b| {
+            a.started_at_ms
+                .cmp(&b.started_at_ms)
+                .then(a.sandbox_id.cmp(&b.sandbox_id))
+        });
         assert_eq!(reopened.load_all().unwrap(), recs);
         reopened.remove(&recs[0].sandbox_id).unwrap();
         reopened.remove(&recs[0].sandbox_id).unwrap();

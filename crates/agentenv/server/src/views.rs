@@ -4,7 +4,9 @@ use std::collections::BTreeMap;
 
 use crate::backend::TemplateFacts;
 use crate::error::ApiError;
-use crate::model::{CreatedSandbox, Lifecycle, ListedSandbox, SandboxDetail, SandboxState, TemplateView};
+use crate::model::{
+    CreatedSandbox, Lifecycle, ListedSandbox, SandboxDetail, SandboxState, TemplateView,
+};
 use crate::sandboxes::{ListFilter, parse_rfc3339_ms, rfc3339_ms};
 use crate::store::SandboxRecord;
 
@@ -64,7 +66,7 @@ pub fn template(t: &TemplateFacts) -> TemplateView {
         memory_mb: t.memory_mib,
         disk_size_mb: t.disk_mib,
         envd_version: t.envd_version.clone(),
-        built_at: rfc3339_ms(t.built_at as i64 * 1000),
+        built_at: t.built_at.clone(),
     }
 }
 
@@ -78,7 +80,10 @@ pub struct ListQuery {
 
 /// Parses the list query; `metadata` is itself a URL-encoded `k=v&k2=v2` string (decoded twice).
 pub fn parse_list_query(raw: Option<&str>) -> Result<ListQuery, ApiError> {
-    let mut q = ListQuery { limit: DEFAULT_PAGE, ..Default::default() };
+    let mut q = ListQuery {
+        limit: DEFAULT_PAGE,
+        ..Default::default()
+    };
     for (k, v) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
         match k.as_ref() {
             "state" => {
@@ -87,13 +92,16 @@ pub fn parse_list_query(raw: Option<&str>) -> Result<ListQuery, ApiError> {
                     states.push(match s {
                         "running" => SandboxState::Running,
                         "paused" => SandboxState::Paused,
-                        other => return Err(ApiError::bad_request(format!("unknown state '{other}'"))),
+                        other => {
+                            return Err(ApiError::bad_request(format!("unknown state '{other}'")));
+                        }
                     });
                 }
                 q.filter.states.get_or_insert_with(Vec::new).extend(states);
             }
             "metadata" => {
-                let pairs: BTreeMap<String, String> = form_urlencoded::parse(v.as_bytes()).into_owned().collect();
+                let pairs: BTreeMap<String, String> =
+                    form_urlencoded::parse(v.as_bytes()).into_owned().collect();
                 q.filter.metadata.extend(pairs);
             }
             "limit" => {
@@ -101,19 +109,24 @@ pub fn parse_list_query(raw: Option<&str>) -> Result<ListQuery, ApiError> {
                     .parse::<usize>()
                     .ok()
                     .filter(|n| (1..=1000).contains(n))
-                    .ok_or_else(|| ApiError::bad_request(format!("limit must be 1..=1000, got '{v}'")))?;
+                    .ok_or_else(|| {
+                        ApiError::bad_request(format!("limit must be 1..=1000, got '{v}'"))
+                    })?;
             }
             "nextToken" if !v.is_empty() => q.next_token = Some(v.into_owned()),
             "order" => match v.as_ref() {
                 "asc" => q.filter.descending = false,
                 "desc" => q.filter.descending = true,
-                other => return Err(ApiError::bad_request(format!("order must be asc or desc, got '{other}'"))),
+                other => {
+                    return Err(ApiError::bad_request(format!(
+                        "order must be asc or desc, got '{other}'"
+                    )));
+                }
             },
             "startedAfter" => {
-                q.filter.started_after_ms = Some(
-                    parse_rfc3339_ms(&v)
-                        .ok_or_else(|| ApiError::bad_request(format!("startedAfter is not RFC 3339: '{v}'")))?,
-                );
+                q.filter.started_after_ms = Some(parse_rfc3339_ms(&v).ok_or_else(|| {
+                    ApiError::bad_request(format!("startedAfter is not RFC 3339: '{v}'"))
+                })?);
             }
             "template" => q.filter.template = Some(v.into_owned()),
             _ => {}
@@ -140,7 +153,10 @@ pub fn paginate(
                 .split_once('_')
                 .and_then(|(ms, id)| Some((ms.parse::<i64>().ok()?, id)))
                 .ok_or_else(|| ApiError::bad_request(format!("invalid nextToken '{t}'")))?;
-            match sorted.iter().position(|r| r.started_at_ms == ms && r.sandbox_id == id) {
+            match sorted
+                .iter()
+                .position(|r| r.started_at_ms == ms && r.sandbox_id == id)
+            {
                 Some(i) => i + 1,
                 // The cursor's sandbox is gone: continue after its position in the order.
                 None => sorted
@@ -153,7 +169,11 @@ pub fn paginate(
     let rest: Vec<SandboxRecord> = sorted.into_iter().skip(start).collect();
     let more = rest.len() > limit;
     let page: Vec<SandboxRecord> = rest.into_iter().take(limit).collect();
-    let next = if more { page.last().map(page_token) } else { None };
+    let next = if more {
+        page.last().map(page_token)
+    } else {
+        None
+    };
     Ok((page, next))
 }
 
@@ -186,11 +206,22 @@ mod tests {
 
     #[test]
     fn query_decodes_metadata_twice_and_states() {
-        let q = parse_list_query(Some("state=running%2Cpaused&metadata=user%3Dalice%26app%3Dx%2520y&limit=7&order=desc"))
-            .unwrap();
-        assert_eq!(q.filter.states, Some(vec![SandboxState::Running, SandboxState::Paused]));
-        assert_eq!(q.filter.metadata.get("user").map(String::as_str), Some("alice"));
-        assert_eq!(q.filter.metadata.get("app").map(String::as_str), Some("x y"));
+        let q = parse_list_query(Some(
+            "state=running%2Cpaused&metadata=user%3Dalice%26app%3Dx%2520y&limit=7&order=desc",
+        ))
+        .unwrap();
+        assert_eq!(
+            q.filter.states,
+            Some(vec![SandboxState::Running, SandboxState::Paused])
+        );
+        assert_eq!(
+            q.filter.metadata.get("user").map(String::as_str),
+            Some("alice")
+        );
+        assert_eq!(
+            q.filter.metadata.get("app").map(String::as_str),
+            Some("x y")
+        );
         assert_eq!(q.limit, 7);
         assert!(q.filter.descending);
         assert!(parse_list_query(Some("state=dead")).is_err());
