@@ -4,6 +4,7 @@
 //!   host side of the GPU implementation.
 //! - [`router`]: seeded workload generators (spec §6.2).
 //! - [`reference`]: the CPU reference cluster (R virtual ranks) and the dense MoE oracle.
+//! - [`sim`]: the cluster-scale load simulator behind `moonep-sim` and the bench's cpu tier.
 
 // Index loops mirror the spec's formulas (and the CUDA port) more plainly than iterator chains.
 #![allow(clippy::needless_range_loop)]
@@ -11,3 +12,4 @@
 pub mod plan;
 pub mod reference;
 pub mod router;
+pub mod sim;
