@@ -61,7 +61,11 @@ pub struct Frame {
 impl Frame {
     /// A frame with an empty payload.
     pub fn empty(stream_id: u32, kind: Kind) -> Frame {
-        Frame { stream_id, kind, payload: Vec::new() }
+        Frame {
+            stream_id,
+            kind,
+            payload: Vec::new(),
+        }
     }
 
     /// A HELLO frame carrying `nonce`.
@@ -69,12 +73,20 @@ impl Frame {
         let mut payload = Vec::with_capacity(HELLO_PAYLOAD_LEN);
         payload.extend_from_slice(&HELLO_MAGIC);
         payload.extend_from_slice(&nonce.to_be_bytes());
-        Frame { stream_id: 0, kind: Kind::Hello, payload }
+        Frame {
+            stream_id: 0,
+            kind: Kind::Hello,
+            payload,
+        }
     }
 
     /// A WINDOW frame granting `credit` bytes.
     pub fn window(stream_id: u32, credit: u32) -> Frame {
-        Frame { stream_id, kind: Kind::Window, payload: credit.to_be_bytes().to_vec() }
+        Frame {
+            stream_id,
+            kind: Kind::Window,
+            payload: credit.to_be_bytes().to_vec(),
+        }
     }
 
     /// Appends the encoded frame to `out`.
@@ -101,11 +113,9 @@ impl Frame {
 
     /// The credit of a well-formed WINDOW payload.
     pub fn window_credit(&self) -> Result<u32, MuxError> {
-        let bytes: [u8; 4] = self
-            .payload
-            .as_slice()
-            .try_into()
-            .map_err(|_| MuxError::Protocol(format!("WINDOW payload of {} bytes", self.payload.len())))?;
+        let bytes: [u8; 4] = self.payload.as_slice().try_into().map_err(|_| {
+            MuxError::Protocol(format!("WINDOW payload of {} bytes", self.payload.len()))
+        })?;
         Ok(u32::from_be_bytes(bytes))
     }
 }
@@ -129,16 +139,23 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Frame>
     r.read_exact(&mut payload)
         .await
         .map_err(|e| MuxError::Protocol(format!("EOF inside a {len}-byte payload: {e}")))?;
-    Ok(Some(Frame { stream_id, kind, payload }))
+    Ok(Some(Frame {
+        stream_id,
+        kind,
+        payload,
+    }))
 }
 
 /// Validates a header: known kind, length within [`MAX_PAYLOAD`].
 pub fn parse_header(h: &[u8; HEADER_LEN]) -> Result<(u32, Kind, usize), MuxError> {
     let stream_id = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
-    let kind = Kind::from_u8(h[4]).ok_or_else(|| MuxError::Protocol(format!("unknown frame kind {}", h[4])))?;
+    let kind = Kind::from_u8(h[4])
+        .ok_or_else(|| MuxError::Protocol(format!("unknown frame kind {}", h[4])))?;
     let len = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) as usize;
     if len > MAX_PAYLOAD {
-        return Err(MuxError::Protocol(format!("frame of {len} bytes exceeds the {MAX_PAYLOAD}-byte cap")));
+        return Err(MuxError::Protocol(format!(
+            "frame of {len} bytes exceeds the {MAX_PAYLOAD}-byte cap"
+        )));
     }
     Ok((stream_id, kind, len))
 }
@@ -184,7 +201,11 @@ mod tests {
         for i in 0..50u32 {
             let len = rand::random_range(0..MAX_PAYLOAD);
             let payload: Vec<u8> = (0..len).map(|_| rand::random()).collect();
-            let f = Frame { stream_id: i, kind: Kind::Data, payload };
+            let f = Frame {
+                stream_id: i,
+                kind: Kind::Data,
+                payload,
+            };
             f.encode_into(&mut buf);
             frames.push(f);
         }
@@ -201,10 +222,16 @@ mod tests {
         h[4] = Kind::Data as u8;
         h[5..9].copy_from_slice(&u32::MAX.to_be_bytes());
         let mut r = &h[..];
-        assert!(matches!(read_frame(&mut r).await, Err(MuxError::Protocol(_))));
+        assert!(matches!(
+            read_frame(&mut r).await,
+            Err(MuxError::Protocol(_))
+        ));
         let z = [0u8; HEADER_LEN];
         let mut r = &z[..];
-        assert!(matches!(read_frame(&mut r).await, Err(MuxError::Protocol(_))));
+        assert!(matches!(
+            read_frame(&mut r).await,
+            Err(MuxError::Protocol(_))
+        ));
     }
 
     #[tokio::test]
@@ -215,6 +242,9 @@ mod tests {
         Frame::empty(1, Kind::Open).encode_into(&mut buf);
         let mut r = buf.as_slice();
         assert_eq!(hunt_hello(&mut r).await.unwrap(), Some(nonce));
-        assert_eq!(read_frame(&mut r).await.unwrap().unwrap(), Frame::empty(1, Kind::Open));
+        assert_eq!(
+            read_frame(&mut r).await.unwrap().unwrap(),
+            Frame::empty(1, Kind::Open)
+        );
     }
 }

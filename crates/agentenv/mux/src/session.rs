@@ -49,7 +49,12 @@ pub(crate) struct TaskGuard {
 
 impl Drop for TaskGuard {
     fn drop(&mut self) {
-        for t in self.tasks.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
             t.abort();
         }
     }
@@ -82,7 +87,10 @@ impl Inner {
     fn close(&self, reason: String) {
         tracing::debug!(role = ?self.role, %reason, "mux session closed");
         self.phase.send_replace(Phase::Closed(reason.clone()));
-        self.accept_tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.accept_tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         self.reset_all(&format!("mux session closed: {reason}"));
     }
 }
@@ -96,7 +104,9 @@ pub struct Session {
 
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("role", &self.inner.role).finish()
+        f.debug_struct("Session")
+            .field("role", &self.inner.role)
+            .finish()
     }
 }
 
@@ -127,18 +137,28 @@ impl Session {
         let (rd, wr) = tokio::io::split(io);
         let (tx, rx) = mpsc::unbounded_channel();
         let (accept_tx, accept_rx) = mpsc::unbounded_channel();
-        let nonce = if role == Role::Client { rand::random::<u64>() } else { 0 };
+        let nonce = if role == Role::Client {
+            rand::random::<u64>()
+        } else {
+            0
+        };
         let inner = Arc::new(Inner {
             role,
             tx,
-            table: Mutex::new(Table { streams: HashMap::new(), next_id: 1, nonce }),
+            table: Mutex::new(Table {
+                streams: HashMap::new(),
+                next_id: 1,
+                nonce,
+            }),
             phase: watch::channel(Phase::Handshaking).0,
             accept_tx: Mutex::new((role == Role::Server).then_some(accept_tx)),
         });
         if role == Role::Client {
             // Completes any frame a restored peer was half-way through reading; at a frame
             // boundary the zero header is invalid and a server restarts its HELLO hunt.
-            let _ = inner.tx.send(Outgoing::Raw(vec![0u8; MAX_PAYLOAD + HEADER_LEN]));
+            let _ = inner
+                .tx
+                .send(Outgoing::Raw(vec![0u8; MAX_PAYLOAD + HEADER_LEN]));
             inner.send_frame(Frame::hello(nonce));
         }
         let mut tasks = vec![
@@ -150,7 +170,9 @@ impl Session {
         }
         Session {
             inner,
-            guard: Arc::new(TaskGuard { tasks: Mutex::new(tasks) }),
+            guard: Arc::new(TaskGuard {
+                tasks: Mutex::new(tasks),
+            }),
             accept_rx: tokio::sync::Mutex::new((role == Role::Server).then_some(accept_rx)),
         }
     }
@@ -158,7 +180,9 @@ impl Session {
     /// Opens a new stream (client only). Waits for the handshake; fails once the session is closed.
     pub async fn open(&self) -> Result<MuxStream, MuxError> {
         if self.inner.role != Role::Client {
-            return Err(MuxError::Protocol("only the client side opens streams".into()));
+            return Err(MuxError::Protocol(
+                "only the client side opens streams".into(),
+            ));
         }
         self.ready().await?;
         let shared = StreamShared::new();
@@ -172,7 +196,12 @@ impl Session {
         if !self.inner.send_frame(Frame::empty(id, Kind::Open)) {
             return Err(MuxError::Closed("writer gone".into()));
         }
-        Ok(MuxStream::new(id, shared, self.inner.clone(), self.guard.clone()))
+        Ok(MuxStream::new(
+            id,
+            shared,
+            self.inner.clone(),
+            self.guard.clone(),
+        ))
     }
 
     /// Next stream opened by the client (server only); `None` once the session has ended.
@@ -192,7 +221,12 @@ impl Session {
                 .find(|(_, s)| Arc::ptr_eq(s, &shared))
                 .map(|(id, _)| *id);
             let Some(id) = id else { continue };
-            return Some(MuxStream::new(id, shared, self.inner.clone(), self.guard.clone()));
+            return Some(MuxStream::new(
+                id,
+                shared,
+                self.inner.clone(),
+                self.guard.clone(),
+            ));
         }
     }
 
@@ -250,7 +284,11 @@ enum Outgoing {
     Raw(Vec<u8>),
 }
 
-async fn writer_task<W: AsyncWrite>(wr: WriteHalf<W>, mut rx: mpsc::UnboundedReceiver<Outgoing>, inner: Arc<Inner>) {
+async fn writer_task<W: AsyncWrite>(
+    wr: WriteHalf<W>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+    inner: Arc<Inner>,
+) {
     let mut wr = wr;
     let mut buf = Vec::with_capacity(256 * 1024);
     while let Some(f) = rx.recv().await {
@@ -304,11 +342,16 @@ async fn reader_task<R: AsyncRead>(rd: ReadHalf<R>, inner: Arc<Inner>) {
     inner.close(reason);
 }
 
-async fn read_loop<R: AsyncRead>(rd: &mut BufReader<ReadHalf<R>>, inner: &Arc<Inner>) -> Result<(), MuxError> {
+async fn read_loop<R: AsyncRead>(
+    rd: &mut BufReader<ReadHalf<R>>,
+    inner: &Arc<Inner>,
+) -> Result<(), MuxError> {
     // Both sides skip whatever precedes the first HELLO (a restored peer's half-sent frames).
     let my_nonce = inner.table().nonce;
     loop {
-        let Some(nonce) = frame::hunt_hello(rd).await? else { return Ok(()) };
+        let Some(nonce) = frame::hunt_hello(rd).await? else {
+            return Ok(());
+        };
         match inner.role {
             Role::Server => {
                 inner.table().nonce = nonce;
@@ -345,7 +388,9 @@ fn handle_frame(inner: &Arc<Inner>, f: Frame) -> Result<(), MuxError> {
         }
         Kind::Open => {
             if inner.role != Role::Server || id == 0 {
-                return Err(MuxError::Protocol(format!("unexpected OPEN of stream {id}")));
+                return Err(MuxError::Protocol(format!(
+                    "unexpected OPEN of stream {id}"
+                )));
             }
             let shared = StreamShared::new();
             let mut t = inner.table();

@@ -73,7 +73,10 @@ impl StreamShared {
         }
         let len = data.len() as u32;
         if len > s.recv_window_left {
-            return Delivery::Violation(format!("DATA of {len} bytes overruns window of {}", s.recv_window_left));
+            return Delivery::Violation(format!(
+                "DATA of {len} bytes overruns window of {}",
+                s.recv_window_left
+            ));
         }
         s.recv_window_left -= len;
         if !data.is_empty() {
@@ -133,26 +136,39 @@ impl std::fmt::Debug for MuxStream {
 }
 
 impl MuxStream {
-    pub(crate) fn new(id: u32, shared: Arc<StreamShared>, inner: Arc<Inner>, guard: Arc<TaskGuard>) -> MuxStream {
-        MuxStream { id, shared, inner, _guard: guard }
+    pub(crate) fn new(
+        id: u32,
+        shared: Arc<StreamShared>,
+        inner: Arc<Inner>,
+        guard: Arc<TaskGuard>,
+    ) -> MuxStream {
+        MuxStream {
+            id,
+            shared,
+            inner,
+            _guard: guard,
+        }
     }
 
     /// The stream id on the wire.
     pub fn id(&self) -> u32 {
         self.id
     }
-
-    pub(crate) fn shared(&self) -> &Arc<StreamShared> {
-        &self.shared
-    }
 }
 
 impl AsyncRead for MuxStream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let mut s = this.shared.lock();
         if let Some(reason) = &s.reset {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionReset, reason.clone())));
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                reason.clone(),
+            )));
         }
         let mut copied = 0usize;
         while buf.remaining() > 0 {
@@ -188,14 +204,24 @@ impl AsyncRead for MuxStream {
 }
 
 impl AsyncWrite for MuxStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let mut s = this.shared.lock();
         if let Some(reason) = &s.reset {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionReset, reason.clone())));
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                reason.clone(),
+            )));
         }
         if s.fin_sent {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "write after shutdown")));
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "write after shutdown",
+            )));
         }
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
@@ -207,9 +233,16 @@ impl AsyncWrite for MuxStream {
         let n = buf.len().min(s.send_credit as usize).min(MAX_DATA_CHUNK);
         s.send_credit -= n as u32;
         drop(s);
-        let frame = Frame { stream_id: this.id, kind: Kind::Data, payload: buf[..n].to_vec() };
+        let frame = Frame {
+            stream_id: this.id,
+            kind: Kind::Data,
+            payload: buf[..n].to_vec(),
+        };
         if !this.inner.send_frame(frame) {
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::BrokenPipe, "mux session closed")));
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "mux session closed",
+            )));
         }
         Poll::Ready(Ok(n))
     }

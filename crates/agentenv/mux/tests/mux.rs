@@ -85,7 +85,10 @@ async fn slow_reader_does_not_block_other_streams() {
     let mut got = Vec::new();
     live_srv.read_to_end(&mut got).await.unwrap();
     assert_eq!(got, msg);
-    assert!(!writer.is_finished(), "writer must be blocked on flow-control credit");
+    assert!(
+        !writer.is_finished(),
+        "writer must be blocked on flow-control credit"
+    );
     // Reading stream 1 releases credit and the writer completes.
     let mut held = _held;
     let mut buf = vec![0u8; INITIAL_WINDOW as usize * 2];
@@ -194,7 +197,10 @@ async fn client_sees_garbage_as_error() {
     let (client_io, mut raw): (DuplexStream, DuplexStream) = tokio::io::duplex(256 * 1024);
     let client = Session::client(client_io);
     // Read the client's preamble + HELLO, answer with the HELLO ack, then garbage.
-    let nonce = agentenv_mux::frame::hunt_hello(&mut raw).await.unwrap().unwrap();
+    let nonce = agentenv_mux::frame::hunt_hello(&mut raw)
+        .await
+        .unwrap()
+        .unwrap();
     let mut out = Vec::new();
     Frame::hello(nonce).encode_into(&mut out);
     out.extend_from_slice(&oversized_header());
@@ -212,14 +218,26 @@ async fn window_overrun_resets_only_that_stream() {
     Frame::hello(1).encode_into(&mut out);
     Frame::empty(1, Kind::Open).encode_into(&mut out);
     Frame::empty(3, Kind::Open).encode_into(&mut out);
-    for _ in 0..(INITIAL_WINDOW as usize / MAX_PAYLOAD + 1) {
-        Frame { stream_id: 1, kind: Kind::Data, payload: vec![1u8; MAX_PAYLOAD] }.encode_into(&mut out);
-    }
-    Frame { stream_id: 3, kind: Kind::Data, payload: b"ok".to_vec() }.encode_into(&mut out);
-    Frame::empty(3, Kind::Fin).encode_into(&mut out);
     raw.write_all(&out).await.unwrap();
     let mut s1 = srv.accept().await.unwrap();
     let mut s3 = srv.accept().await.unwrap();
+    let mut out = Vec::new();
+    for _ in 0..(INITIAL_WINDOW as usize / MAX_PAYLOAD + 1) {
+        Frame {
+            stream_id: 1,
+            kind: Kind::Data,
+            payload: vec![1u8; MAX_PAYLOAD],
+        }
+        .encode_into(&mut out);
+    }
+    Frame {
+        stream_id: 3,
+        kind: Kind::Data,
+        payload: b"ok".to_vec(),
+    }
+    .encode_into(&mut out);
+    Frame::empty(3, Kind::Fin).encode_into(&mut out);
+    raw.write_all(&out).await.unwrap();
     let mut got = Vec::new();
     s3.read_to_end(&mut got).await.unwrap();
     assert_eq!(got, b"ok");
@@ -235,7 +253,12 @@ async fn server_skips_a_dirty_channel_before_hello() {
     let mut out = random_bytes(5000);
     Frame::hello(42).encode_into(&mut out);
     Frame::empty(5, Kind::Open).encode_into(&mut out);
-    Frame { stream_id: 5, kind: Kind::Data, payload: b"hi".to_vec() }.encode_into(&mut out);
+    Frame {
+        stream_id: 5,
+        kind: Kind::Data,
+        payload: b"hi".to_vec(),
+    }
+    .encode_into(&mut out);
     raw.write_all(&out).await.unwrap();
     let mut s = srv.accept().await.unwrap();
     let mut buf = [0u8; 2];
