@@ -4,11 +4,11 @@
 //! probs) → permute-2 (`[src][local expert]` → `[local expert][src]`); combine reverses it and
 //! sums the K copies in f32 (ascending k, one bf16 rounding), like moonep's combine.
 
+use super::GpuError;
 use super::driver::{Args, DevBuf, read_ptr};
+use super::ep::{Dims, EpConfig};
 use super::nccl::{self, Dtype};
 use super::rank::Rank;
-use super::GpuError;
-use super::ep::{Dims, EpConfig};
 
 const HIST_BLOCK: usize = 256;
 
@@ -64,7 +64,21 @@ impl Baseline {
             perm: dev.alloc(max_recv * row)?,
             perm_w: dev.alloc(max_recv * 4)?,
             tpe_host: vec![0; r * e],
-            dims: Dims { r: r as i64, me: me as i64, e: e as i64, epn: epn as i64, k: cfg.top_k as i64, s: 1, p: 1, t: r as i64, nvs: 1, nvs_s: 1, h: cfg.hidden as i64, cap_s: cfg.capacity_s as i64, uniform: 1 },
+            dims: Dims {
+                r: r as i64,
+                me: me as i64,
+                e: e as i64,
+                epn: epn as i64,
+                k: cfg.top_k as i64,
+                s: 1,
+                p: 1,
+                t: r as i64,
+                nvs: 1,
+                nvs_s: 1,
+                h: cfg.hidden as i64,
+                cap_s: cfg.capacity_s as i64,
+                uniform: 1,
+            },
         })
     }
 
@@ -72,31 +86,72 @@ impl Baseline {
     pub fn received_rows(&self) -> usize {
         let (r, e) = (self.ranks, self.cfg.experts);
         let epn = e / r;
-        (0..r).map(|p| (0..epn).map(|le| self.tpe_host[p * e + self.me * epn + le] as usize).sum::<usize>()).sum()
+        (0..r)
+            .map(|p| {
+                (0..epn)
+                    .map(|le| self.tpe_host[p * e + self.me * epn + le] as usize)
+                    .sum::<usize>()
+            })
+            .sum()
     }
 
     fn splits(&self) -> (Vec<usize>, Vec<usize>) {
         let (r, e) = (self.ranks, self.cfg.experts);
         let epn = e / r;
         let t = &self.tpe_host;
-        let send = (0..r).map(|p| (0..epn).map(|le| t[self.me * e + p * epn + le] as usize).sum()).collect();
-        let recv = (0..r).map(|p| (0..epn).map(|le| t[p * e + self.me * epn + le] as usize).sum()).collect();
+        let send = (0..r)
+            .map(|p| {
+                (0..epn)
+                    .map(|le| t[self.me * e + p * epn + le] as usize)
+                    .sum()
+            })
+            .collect();
+        let recv = (0..r)
+            .map(|p| {
+                (0..epn)
+                    .map(|le| t[p * e + self.me * epn + le] as usize)
+                    .sum()
+            })
+            .collect();
         (send, recv)
     }
 
     /// Dispatch: `x` bf16 `[s,H]`, `w` f32 `[s,K]` (0 = none), `topk` i32 `[s*K]`, `tpe` i32 `[E]`.
     /// Result in [`Baseline::perm`] (expert-major).
-    pub fn dispatch(&mut self, rank: &Rank, x: u64, w: u64, topk: u64, tpe: u64, s: usize) -> Result<(), GpuError> {
+    pub fn dispatch(
+        &mut self,
+        rank: &Rank,
+        x: u64,
+        w: u64,
+        topk: u64,
+        tpe: u64,
+        s: usize,
+    ) -> Result<(), GpuError> {
         let dev = &rank.dev;
         let (r, e) = (self.ranks, self.cfg.experts);
         self.dims.s = s as i64;
         let d = self.dims;
         let n = s * self.cfg.top_k;
         let nblk = n.div_ceil(HIST_BLOCK);
-        rank.comm.all_gather(tpe, self.tpe_all.ptr, e, Dtype::I32, dev.stream)?;
-        let args = Args::new().arg(topk).arg(n as i64).arg(e as i64).arg(self.ord.ptr).arg(self.hist.ptr).arg(self.status.ptr);
+        rank.comm
+            .all_gather(tpe, self.tpe_all.ptr, e, Dtype::I32, dev.stream)?;
+        let args = Args::new()
+            .arg(topk)
+            .arg(n as i64)
+            .arg(e as i64)
+            .arg(self.ord.ptr)
+            .arg(self.hist.ptr)
+            .arg(self.status.ptr);
         // SAFETY: matches moonep_plan_hist.
-        unsafe { dev.launch("moonep_plan_hist", nblk as u32, HIST_BLOCK as u32, (HIST_BLOCK / 32 * e * 4) as u32, args)? };
+        unsafe {
+            dev.launch(
+                "moonep_plan_hist",
+                nblk as u32,
+                HIST_BLOCK as u32,
+                (HIST_BLOCK / 32 * e * 4) as u32,
+                args,
+            )?
+        };
         let args = Args::new()
             .arg(d)
             .arg(self.tpe_all.ptr)
@@ -124,7 +179,13 @@ impl Baseline {
         // SAFETY: matches moonep_base_permute1.
         unsafe { dev.launch("moonep_base_permute1", self.cfg.num_blocks, 512, 0, args)? };
         let (sends, recvs) = self.splits();
-        self.exchange(rank, (self.send.ptr, self.send_w.ptr), &sends, (self.recv.ptr, self.recv_w.ptr), &recvs)?;
+        self.exchange(
+            rank,
+            (self.send.ptr, self.send_w.ptr),
+            &sends,
+            (self.recv.ptr, self.recv_w.ptr),
+            &recvs,
+        )?;
         let rows = self.received_rows();
         let args = Args::new()
             .arg(d)
@@ -159,23 +220,49 @@ impl Baseline {
         unsafe { dev.launch("moonep_base_permute2", self.cfg.num_blocks, 512, 0, args)? };
         let (sends, recvs) = self.splits();
         self.exchange_rows(rank, self.recv.ptr, &recvs, self.send.ptr, &sends)?;
-        let args = Args::new().arg(d).arg(self.send.ptr).arg(self.pos_of.ptr).arg(out);
+        let args = Args::new()
+            .arg(d)
+            .arg(self.send.ptr)
+            .arg(self.pos_of.ptr)
+            .arg(out);
         // SAFETY: matches moonep_base_unpermute1.
         unsafe { dev.launch("moonep_base_unpermute1", self.cfg.num_blocks, 512, 0, args) }
     }
 
-    fn exchange(&self, rank: &Rank, from: (u64, u64), sends: &[usize], to: (u64, u64), recvs: &[usize]) -> Result<(), GpuError> {
+    fn exchange(
+        &self,
+        rank: &Rank,
+        from: (u64, u64),
+        sends: &[usize],
+        to: (u64, u64),
+        recvs: &[usize],
+    ) -> Result<(), GpuError> {
         self.exchange_rows(rank, from.0, sends, to.0, recvs)?;
         self.exchange_bytes(rank, from.1, sends, to.1, recvs, 4)
     }
 
-    fn exchange_rows(&self, rank: &Rank, from: u64, sends: &[usize], to: u64, recvs: &[usize]) -> Result<(), GpuError> {
+    fn exchange_rows(
+        &self,
+        rank: &Rank,
+        from: u64,
+        sends: &[usize],
+        to: u64,
+        recvs: &[usize],
+    ) -> Result<(), GpuError> {
         self.exchange_bytes(rank, from, sends, to, recvs, self.cfg.hidden * 2)
     }
 
     /// All-to-all-v of `unit`-byte items: chunk `p` of `from` (offsets by `sends`) goes to rank
     /// `p`, landing in chunk `me` of its `to` (offsets by its `recvs`).
-    fn exchange_bytes(&self, rank: &Rank, from: u64, sends: &[usize], to: u64, recvs: &[usize], unit: usize) -> Result<(), GpuError> {
+    fn exchange_bytes(
+        &self,
+        rank: &Rank,
+        from: u64,
+        sends: &[usize],
+        to: u64,
+        recvs: &[usize],
+        unit: usize,
+    ) -> Result<(), GpuError> {
         let dev = &rank.dev;
         let (mut so, mut ro) = (0usize, 0usize);
         nccl::group_start()?;
@@ -184,8 +271,10 @@ impl Baseline {
             if p == self.me {
                 dev.copy_d2d(b, a, sends[p] * unit)?;
             } else {
-                rank.comm.send(a, sends[p] * unit, Dtype::U8, p, dev.stream)?;
-                rank.comm.recv(b, recvs[p] * unit, Dtype::U8, p, dev.stream)?;
+                rank.comm
+                    .send(a, sends[p] * unit, Dtype::U8, p, dev.stream)?;
+                rank.comm
+                    .recv(b, recvs[p] * unit, Dtype::U8, p, dev.stream)?;
             }
             so += sends[p];
             ro += recvs[p];

@@ -25,7 +25,11 @@ pub fn check(r: sys::CUresult, what: &'static str) -> Result<(), GpuError> {
     // SAFETY: cuGetErrorString writes a static string pointer or leaves it null.
     let name = unsafe {
         sys::cuGetErrorString(r, &mut p);
-        if p.is_null() { format!("{r:?}") } else { format!("{r:?}: {}", CStr::from_ptr(p).to_string_lossy()) }
+        if p.is_null() {
+            format!("{r:?}")
+        } else {
+            format!("{r:?}: {}", CStr::from_ptr(p).to_string_lossy())
+        }
     };
     Err(GpuError::Cuda { what, code: name })
 }
@@ -52,7 +56,10 @@ pub fn can_access_peer(a: usize, b: usize) -> Result<bool, GpuError> {
         let (mut da, mut db, mut ok) = (0, 0, 0);
         check(sys::cuDeviceGet(&mut da, a as i32), "cuDeviceGet")?;
         check(sys::cuDeviceGet(&mut db, b as i32), "cuDeviceGet")?;
-        check(sys::cuDeviceCanAccessPeer(&mut ok, da, db), "cuDeviceCanAccessPeer")?;
+        check(
+            sys::cuDeviceCanAccessPeer(&mut ok, da, db),
+            "cuDeviceCanAccessPeer",
+        )?;
         Ok(ok != 0)
     }
 }
@@ -85,18 +92,42 @@ impl Device {
             let mut dev = 0;
             check(sys::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
             let mut ctx = std::ptr::null_mut();
-            check(sys::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
             check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
             let mut stream = std::ptr::null_mut();
-            check(sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32), "cuStreamCreate")?;
+            check(
+                sys::cuStreamCreate(
+                    &mut stream,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                ),
+                "cuStreamCreate",
+            )?;
             let mut module = std::ptr::null_mut();
-            check(sys::cuModuleLoadData(&mut module, CUBIN.as_ptr() as *const c_void), "cuModuleLoadData")?;
+            check(
+                sys::cuModuleLoadData(&mut module, CUBIN.as_ptr() as *const c_void),
+                "cuModuleLoadData",
+            )?;
             let mut sms = 0;
             check(
-                sys::cuDeviceGetAttribute(&mut sms, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+                sys::cuDeviceGetAttribute(
+                    &mut sms,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                    dev,
+                ),
                 "cuDeviceGetAttribute",
             )?;
-            Ok(Device { ordinal, dev, ctx, stream, module, funcs: Default::default(), num_sms: sms as u32 })
+            Ok(Device {
+                ordinal,
+                dev,
+                ctx,
+                stream,
+                module,
+                funcs: Default::default(),
+                num_sms: sms as u32,
+            })
         }
     }
 
@@ -114,7 +145,10 @@ impl Device {
         let cname = std::ffi::CString::new(name).expect("kernel name");
         let mut f = std::ptr::null_mut();
         // SAFETY: module is loaded; cname is a valid C string.
-        check(unsafe { sys::cuModuleGetFunction(&mut f, self.module, cname.as_ptr()) }, "cuModuleGetFunction")?;
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut f, self.module, cname.as_ptr()) },
+            "cuModuleGetFunction",
+        )?;
         map.insert(name, f as usize);
         Ok(f)
     }
@@ -170,14 +204,20 @@ impl Device {
     /// Waits for all work on this device's stream.
     pub fn sync(&self) -> Result<(), GpuError> {
         // SAFETY: stream is valid.
-        check(unsafe { sys::cuStreamSynchronize(self.stream) }, "cuStreamSynchronize")
+        check(
+            unsafe { sys::cuStreamSynchronize(self.stream) },
+            "cuStreamSynchronize",
+        )
     }
 
     /// Allocates `bytes` with `cuMemAlloc` (IPC-capable).
     pub fn alloc(&self, bytes: usize) -> Result<DevBuf, GpuError> {
         let mut ptr = 0;
         // SAFETY: valid out-pointer; size at least 1.
-        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(16)) }, "cuMemAlloc")?;
+        check(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(16)) },
+            "cuMemAlloc",
+        )?;
         Ok(DevBuf { ptr, bytes })
     }
 
@@ -191,13 +231,19 @@ impl Device {
     /// Stream-ordered byte fill.
     pub fn memset_u8(&self, ptr: u64, value: u8, bytes: usize) -> Result<(), GpuError> {
         // SAFETY: caller passes a pointer into an allocation of at least `bytes`.
-        check(unsafe { sys::cuMemsetD8Async(ptr, value, bytes, self.stream) }, "cuMemsetD8Async")
+        check(
+            unsafe { sys::cuMemsetD8Async(ptr, value, bytes, self.stream) },
+            "cuMemsetD8Async",
+        )
     }
 
     /// Stream-ordered 32-bit fill of `n` words.
     pub fn memset_u32(&self, ptr: u64, value: u32, n: usize) -> Result<(), GpuError> {
         // SAFETY: caller passes a pointer into an allocation of at least `4n` bytes.
-        check(unsafe { sys::cuMemsetD32Async(ptr, value, n, self.stream) }, "cuMemsetD32Async")
+        check(
+            unsafe { sys::cuMemsetD32Async(ptr, value, n, self.stream) },
+            "cuMemsetD32Async",
+        )
     }
 
     /// Stream-ordered device-to-device copy.
@@ -206,21 +252,30 @@ impl Device {
             return Ok(());
         }
         // SAFETY: caller passes ranges of at least `bytes` on this device.
-        check(unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) }, "cuMemcpyDtoDAsync")
+        check(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) },
+            "cuMemcpyDtoDAsync",
+        )
     }
 
     /// Creates a timing event.
     pub fn event(&self) -> Result<Event, GpuError> {
         let mut ev = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
-        check(unsafe { sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) }, "cuEventCreate")?;
+        check(
+            unsafe { sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) },
+            "cuEventCreate",
+        )?;
         Ok(Event(ev))
     }
 
     /// Records `ev` on this device's stream.
     pub fn record(&self, ev: &Event) -> Result<(), GpuError> {
         // SAFETY: event and stream are valid.
-        check(unsafe { sys::cuEventRecord(ev.0, self.stream) }, "cuEventRecord")
+        check(
+            unsafe { sys::cuEventRecord(ev.0, self.stream) },
+            "cuEventRecord",
+        )
     }
 }
 
@@ -232,7 +287,10 @@ impl Event {
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32, GpuError> {
         let mut ms = 0f32;
         // SAFETY: both events are valid.
-        check(unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.0, end.0) }, "cuEventElapsedTime")?;
+        check(
+            unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.0, end.0) },
+            "cuEventElapsedTime",
+        )?;
         Ok(ms)
     }
 }
@@ -257,10 +315,16 @@ impl DevBuf {
     pub fn write<T: Copy>(&self, data: &[T]) -> Result<(), GpuError> {
         let n = std::mem::size_of_val(data);
         if n > self.bytes {
-            return Err(GpuError::Invalid(format!("upload of {n} bytes into {} bytes", self.bytes)));
+            return Err(GpuError::Invalid(format!(
+                "upload of {n} bytes into {} bytes",
+                self.bytes
+            )));
         }
         // SAFETY: sizes checked; host slice valid for n bytes.
-        check(unsafe { sys::cuMemcpyHtoD_v2(self.ptr, data.as_ptr() as *const c_void, n) }, "cuMemcpyHtoD")
+        check(
+            unsafe { sys::cuMemcpyHtoD_v2(self.ptr, data.as_ptr() as *const c_void, n) },
+            "cuMemcpyHtoD",
+        )
     }
 
     /// Synchronous download of `n` elements from the start of the buffer.
@@ -274,7 +338,13 @@ pub fn read_ptr<T: Copy + Default>(ptr: u64, n: usize) -> Result<Vec<T>, GpuErro
     let mut v = vec![T::default(); n];
     // SAFETY: host vector sized for n elements; caller vouches for the device range.
     check(
-        unsafe { sys::cuMemcpyDtoH_v2(v.as_mut_ptr() as *mut c_void, ptr, std::mem::size_of_val(v.as_slice())) },
+        unsafe {
+            sys::cuMemcpyDtoH_v2(
+                v.as_mut_ptr() as *mut c_void,
+                ptr,
+                std::mem::size_of_val(v.as_slice()),
+            )
+        },
         "cuMemcpyDtoH",
     )?;
     Ok(v)
@@ -284,7 +354,13 @@ pub fn read_ptr<T: Copy + Default>(ptr: u64, n: usize) -> Result<Vec<T>, GpuErro
 pub fn write_ptr<T: Copy>(ptr: u64, data: &[T]) -> Result<(), GpuError> {
     // SAFETY: caller vouches for the device range.
     check(
-        unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr() as *const c_void, std::mem::size_of_val(data)) },
+        unsafe {
+            sys::cuMemcpyHtoD_v2(
+                ptr,
+                data.as_ptr() as *const c_void,
+                std::mem::size_of_val(data),
+            )
+        },
         "cuMemcpyHtoD",
     )
 }

@@ -146,7 +146,12 @@ impl EpBuffer {
     /// Collective constructor. Checks peer access and picks the transport.
     pub fn new(rank: &mut Rank, cfg: EpConfig) -> Result<EpBuffer, GpuError> {
         let (me, r) = (rank.env.rank, rank.env.world);
-        if r > MAX_R || cfg.experts % r != 0 || cfg.hidden % 8 != 0 || cfg.top_k == 0 || cfg.top_k > 32 {
+        if r > MAX_R
+            || cfg.experts % r != 0
+            || cfg.hidden % 8 != 0
+            || cfg.top_k == 0
+            || cfg.top_k > 32
+        {
             return Err(GpuError::Invalid(format!(
                 "need R <= {MAX_R}, E % R == 0, H % 8 == 0, 1 <= K <= 32 (R={r}, E={}, H={}, K={})",
                 cfg.experts, cfg.hidden, cfg.top_k
@@ -156,7 +161,11 @@ impl EpBuffer {
         pc.validate()?;
         let nvs = pc.shard_slots() as usize;
         let peer = peer_access_all(&rank.dev, &mut rank.store)?;
-        let transport = if peer && !cfg.force_fallback { Transport::Nvlink } else { Transport::NcclFallback };
+        let transport = if peer && !cfg.force_fallback {
+            Transport::Nvlink
+        } else {
+            Transport::NcclFallback
+        };
         let map = transport == Transport::Nvlink;
         let dev = &rank.dev;
         let st = &mut rank.store;
@@ -165,7 +174,11 @@ impl EpBuffer {
         let dup = SymmBuf::new(dev, st, me, nvs * 4, map)?;
         let ctrl = SymmBuf::new(dev, st, me, ctrl_words(r) * 8, map)?;
         let epn = cfg.experts / r;
-        let pool = if cfg.expert_bytes > 0 { Some(SymmBuf::new(dev, st, me, epn * cfg.expert_bytes, map)?) } else { None };
+        let pool = if cfg.expert_bytes > 0 {
+            Some(SymmBuf::new(dev, st, me, epn * cfg.expert_bytes, map)?)
+        } else {
+            None
+        };
         dev.memset_u32(dup.ptr(), u32::MAX, nvs)?;
         dev.memset_u8(ctrl.ptr(), 0, ctrl_words(r) * 8)?;
         let n = cfg.capacity_s * cfg.top_k;
@@ -252,7 +265,15 @@ impl EpBuffer {
             .arg(self.ranks as i64)
             .arg(self.cfg.barrier_timeout_ns);
         // SAFETY: argument list matches moonep_barrier; ctrl chunks hold R+2 words on every rank.
-        unsafe { dev.launch("moonep_barrier", 1, 32 * self.ranks.div_ceil(32) as u32, 0, args) }
+        unsafe {
+            dev.launch(
+                "moonep_barrier",
+                1,
+                32 * self.ranks.div_ceil(32) as u32,
+                0,
+                args,
+            )
+        }
     }
 
     /// Barrier with an explicit timeout (tests use it to provoke a timeout).
@@ -264,7 +285,15 @@ impl EpBuffer {
             .arg(self.ranks as i64)
             .arg(timeout_ns);
         // SAFETY: as in `barrier`.
-        unsafe { dev.launch("moonep_barrier", 1, 32 * self.ranks.div_ceil(32) as u32, 0, args) }
+        unsafe {
+            dev.launch(
+                "moonep_barrier",
+                1,
+                32 * self.ranks.div_ceil(32) as u32,
+                0,
+                args,
+            )
+        }
     }
 
     fn status_ptr(&self) -> u64 {
@@ -276,7 +305,10 @@ impl EpBuffer {
         dev.sync()?;
         let st: Vec<u32> = read_ptr(self.status_ptr(), 1)?;
         if st[0] != status::OK {
-            return Err(GpuError::DeviceStatus { rank: self.me, code: st[0] });
+            return Err(GpuError::DeviceStatus {
+                rank: self.me,
+                code: st[0],
+            });
         }
         Ok(())
     }
@@ -285,8 +317,10 @@ impl EpBuffer {
     pub fn reset_control(&self, rank: &mut Rank) -> Result<(), GpuError> {
         rank.dev.sync()?;
         rank.store.barrier()?;
-        rank.dev.memset_u8(self.ctrl.ptr(), 0, ctrl_words(self.ranks) * 8)?;
-        rank.dev.memset_u32(self.dup.ptr(), u32::MAX, self.shard_slots())?;
+        rank.dev
+            .memset_u8(self.ctrl.ptr(), 0, ctrl_words(self.ranks) * 8)?;
+        rank.dev
+            .memset_u32(self.dup.ptr(), u32::MAX, self.shard_slots())?;
         rank.dev.sync()?;
         rank.store.barrier()?;
         Ok(())
@@ -294,21 +328,46 @@ impl EpBuffer {
 
     /// Plans this call: all-gathers `tpe` (device `i32[E]`) over NCCL and runs the planning
     /// kernels on `topk` (device `i32[s*K]`). `total_tokens` is `Some(T)` in per-rank mode.
-    pub fn plan(&mut self, rank: &Rank, topk: u64, tpe: u64, s: usize, total_tokens: Option<u64>) -> Result<(), GpuError> {
+    pub fn plan(
+        &mut self,
+        rank: &Rank,
+        topk: u64,
+        tpe: u64,
+        s: usize,
+        total_tokens: Option<u64>,
+    ) -> Result<(), GpuError> {
         if s == 0 || s > self.cfg.capacity_s {
-            return Err(GpuError::Invalid(format!("s={s} outside 1..={}", self.cfg.capacity_s)));
+            return Err(GpuError::Invalid(format!(
+                "s={s} outside 1..={}",
+                self.cfg.capacity_s
+            )));
         }
         let dev = &rank.dev;
         self.dims = dims_of(&self.cfg, self.ranks, self.me, s, total_tokens);
         let d = self.dims;
         let e = self.cfg.experts;
-        rank.comm.all_gather(tpe, self.tpe_all.ptr, e, Dtype::I32, dev.stream)?;
+        rank.comm
+            .all_gather(tpe, self.tpe_all.ptr, e, Dtype::I32, dev.stream)?;
         let n = s * self.cfg.top_k;
         let nblk = n.div_ceil(HIST_BLOCK);
         let st = self.status_ptr();
-        let args = Args::new().arg(topk).arg(n as i64).arg(e as i64).arg(self.ord.ptr).arg(self.hist.ptr).arg(st);
+        let args = Args::new()
+            .arg(topk)
+            .arg(n as i64)
+            .arg(e as i64)
+            .arg(self.ord.ptr)
+            .arg(self.hist.ptr)
+            .arg(st);
         // SAFETY: matches moonep_plan_hist; ord/hist sized for S*K entries and ceil(S*K/256)*E.
-        unsafe { dev.launch("moonep_plan_hist", nblk as u32, HIST_BLOCK as u32, (HIST_BLOCK / 32 * e * 4) as u32, args)? };
+        unsafe {
+            dev.launch(
+                "moonep_plan_hist",
+                nblk as u32,
+                HIST_BLOCK as u32,
+                (HIST_BLOCK / 32 * e * 4) as u32,
+                args,
+            )?
+        };
         let smem = (MAX_R + MAX_R * MAX_R + 2 * e) * 8;
         let args = Args::new()
             .arg(d)
@@ -343,7 +402,16 @@ impl EpBuffer {
 
     /// Plans and dispatches: every entry's row of `x` (device bf16 `[s,H]`) lands in its final
     /// slot; `w` (device f32 `[s,K]`, 0 = none → 1.0) goes to the per-slot weights.
-    pub fn dispatch(&mut self, rank: &Rank, x: u64, w: u64, topk: u64, tpe: u64, s: usize, total_tokens: Option<u64>) -> Result<(), GpuError> {
+    pub fn dispatch(
+        &mut self,
+        rank: &Rank,
+        x: u64,
+        w: u64,
+        topk: u64,
+        tpe: u64,
+        s: usize,
+        total_tokens: Option<u64>,
+    ) -> Result<(), GpuError> {
         self.plan(rank, topk, tpe, s, total_tokens)?;
         match self.transport {
             Transport::Nvlink => self.dispatch_nvlink(&rank.dev, x, w),
@@ -373,7 +441,12 @@ impl EpBuffer {
         unsafe { dev.launch("moonep_dispatch", g, b, 0, args)? };
         self.barrier(dev)?;
         if self.cfg.dedup {
-            let args = Args::new().arg(self.dims).arg(self.hidden.ptr()).arg(self.dup.ptr()).arg(self.cu.ptr).arg(self.status_ptr());
+            let args = Args::new()
+                .arg(self.dims)
+                .arg(self.hidden.ptr())
+                .arg(self.dup.ptr())
+                .arg(self.cu.ptr)
+                .arg(self.status_ptr());
             // SAFETY: matches moonep_replicate; own shard and dup array of NvS rows.
             unsafe { dev.launch("moonep_replicate", dev.num_sms * 2, 512, 0, args)? };
         }
@@ -383,14 +456,22 @@ impl EpBuffer {
     fn dispatch_fallback(&mut self, rank: &Rank, x: u64, w: u64) -> Result<(), GpuError> {
         let dev = &rank.dev;
         let (r, me) = (self.ranks, self.me);
-        let fb = self.fb.as_mut().ok_or_else(|| GpuError::Invalid("fallback buffers missing".into()))?;
+        let fb = self
+            .fb
+            .as_mut()
+            .ok_or_else(|| GpuError::Invalid("fallback buffers missing".into()))?;
         let st = self.ctrl.ptr() + (r as u64 + 1) * 8;
         dev.memset_u32(fb.cnt.ptr, 0, r)?;
         dev.memset_u32(fb.fill.ptr, 0, r)?;
-        let args = Args::new().arg(self.dims).arg(self.dst.ptr).arg(fb.cnt.ptr).arg(st);
+        let args = Args::new()
+            .arg(self.dims)
+            .arg(self.dst.ptr)
+            .arg(fb.cnt.ptr)
+            .arg(st);
         // SAFETY: matches moonep_fb_count.
         unsafe { dev.launch("moonep_fb_count", 64, 256, 0, args)? };
-        rank.comm.all_gather(fb.cnt.ptr, fb.cnt_all.ptr, r, Dtype::I32, dev.stream)?;
+        rank.comm
+            .all_gather(fb.cnt.ptr, fb.cnt_all.ptr, r, Dtype::I32, dev.stream)?;
         dev.sync()?;
         fb.counts = read_ptr(fb.cnt_all.ptr, r * r)?;
         let (g, b) = (self.cfg.num_blocks, 512);
@@ -409,7 +490,12 @@ impl EpBuffer {
             .arg(st);
         // SAFETY: matches moonep_fb_pack; staging sized for S*K rows.
         unsafe { dev.launch("moonep_fb_pack", g, b, 0, args)? };
-        let args = Args::new().arg(self.dims).arg(self.hidden.ptr()).arg(self.wts.ptr()).arg(self.zfill.ptr).arg(st);
+        let args = Args::new()
+            .arg(self.dims)
+            .arg(self.hidden.ptr())
+            .arg(self.wts.ptr())
+            .arg(self.zfill.ptr)
+            .arg(st);
         // SAFETY: matches moonep_zero_pad.
         unsafe { dev.launch("moonep_zero_pad", g, b, 0, args)? };
         let row = self.cfg.hidden * 2;
@@ -421,10 +507,34 @@ impl EpBuffer {
                 continue;
             }
             let (ns, nr) = (c[me * r + p] as usize, c[p * r + me] as usize);
-            rank.comm.send(fb.stage_send.ptr + (sb * row) as u64, ns * row, Dtype::U8, p, dev.stream)?;
-            rank.comm.send(fb.meta_send.ptr + (sb * 8) as u64, ns * 8, Dtype::U8, p, dev.stream)?;
-            rank.comm.recv(fb.stage_recv.ptr + (rb * row) as u64, nr * row, Dtype::U8, p, dev.stream)?;
-            rank.comm.recv(fb.meta_recv.ptr + (rb * 8) as u64, nr * 8, Dtype::U8, p, dev.stream)?;
+            rank.comm.send(
+                fb.stage_send.ptr + (sb * row) as u64,
+                ns * row,
+                Dtype::U8,
+                p,
+                dev.stream,
+            )?;
+            rank.comm.send(
+                fb.meta_send.ptr + (sb * 8) as u64,
+                ns * 8,
+                Dtype::U8,
+                p,
+                dev.stream,
+            )?;
+            rank.comm.recv(
+                fb.stage_recv.ptr + (rb * row) as u64,
+                nr * row,
+                Dtype::U8,
+                p,
+                dev.stream,
+            )?;
+            rank.comm.recv(
+                fb.meta_recv.ptr + (rb * 8) as u64,
+                nr * 8,
+                Dtype::U8,
+                p,
+                dev.stream,
+            )?;
             sb += ns;
             rb += nr;
         }
@@ -473,9 +583,15 @@ impl EpBuffer {
         let dev = &rank.dev;
         let (r, me) = (self.ranks, self.me);
         let st = self.status_ptr();
-        let fb = self.fb.as_ref().ok_or_else(|| GpuError::Invalid("fallback buffers missing".into()))?;
+        let fb = self
+            .fb
+            .as_ref()
+            .ok_or_else(|| GpuError::Invalid("fallback buffers missing".into()))?;
         let c = &fb.counts;
-        let nrecv: usize = (0..r).filter(|&p| p != me).map(|p| c[p * r + me] as usize).sum();
+        let nrecv: usize = (0..r)
+            .filter(|&p| p != me)
+            .map(|p| c[p * r + me] as usize)
+            .sum();
         let args = Args::new()
             .arg(self.dims)
             .arg(fb.meta_recv.ptr)
@@ -495,10 +611,34 @@ impl EpBuffer {
                 continue;
             }
             let (back_n, mine_n) = (c[p * r + me] as usize, c[me * r + p] as usize);
-            rank.comm.send(fb.stage_recv.ptr + (rb * row) as u64, back_n * row, Dtype::U8, p, dev.stream)?;
-            rank.comm.send(fb.recv_w.ptr + (rb * 4) as u64, back_n * 4, Dtype::U8, p, dev.stream)?;
-            rank.comm.recv(fb.back.ptr + (sb * row) as u64, mine_n * row, Dtype::U8, p, dev.stream)?;
-            rank.comm.recv(fb.back_w.ptr + (sb * 4) as u64, mine_n * 4, Dtype::U8, p, dev.stream)?;
+            rank.comm.send(
+                fb.stage_recv.ptr + (rb * row) as u64,
+                back_n * row,
+                Dtype::U8,
+                p,
+                dev.stream,
+            )?;
+            rank.comm.send(
+                fb.recv_w.ptr + (rb * 4) as u64,
+                back_n * 4,
+                Dtype::U8,
+                p,
+                dev.stream,
+            )?;
+            rank.comm.recv(
+                fb.back.ptr + (sb * row) as u64,
+                mine_n * row,
+                Dtype::U8,
+                p,
+                dev.stream,
+            )?;
+            rank.comm.recv(
+                fb.back_w.ptr + (sb * 4) as u64,
+                mine_n * 4,
+                Dtype::U8,
+                p,
+                dev.stream,
+            )?;
             rb += back_n;
             sb += mine_n;
         }
@@ -509,9 +649,14 @@ impl EpBuffer {
     /// Prefetch: the home rank of every replicated expert pushes its weights (`local_weights`:
     /// device `[epn][expert_bytes]`) into prefetch slot `b` of every rank holding it.
     pub fn prefetch(&self, dev: &Device, local_weights: u64) -> Result<(), GpuError> {
-        let pool = self.pool.as_ref().ok_or_else(|| GpuError::Invalid("EpConfig::expert_bytes is 0".into()))?;
+        let pool = self
+            .pool
+            .as_ref()
+            .ok_or_else(|| GpuError::Invalid("EpConfig::expert_bytes is 0".into()))?;
         if self.transport != Transport::Nvlink || self.cfg.expert_bytes % 16 != 0 {
-            return Err(GpuError::Invalid("prefetch needs peer access and expert_bytes % 16 == 0".into()));
+            return Err(GpuError::Invalid(
+                "prefetch needs peer access and expert_bytes % 16 == 0".into(),
+            ));
         }
         self.barrier(dev)?;
         let epn = self.cfg.experts / self.ranks;
@@ -523,7 +668,15 @@ impl EpBuffer {
             .arg(self.cfg.expert_bytes as i64)
             .arg(self.status_ptr());
         // SAFETY: matches moonep_prefetch; pool chunks hold epn experts on every rank.
-        unsafe { dev.launch("moonep_prefetch", (self.ranks * epn).min(1024) as u32, 512, 0, args)? };
+        unsafe {
+            dev.launch(
+                "moonep_prefetch",
+                (self.ranks * epn).min(1024) as u32,
+                512,
+                0,
+                args,
+            )?
+        };
         self.barrier(dev)
     }
 
@@ -546,7 +699,12 @@ impl EpBuffer {
 }
 
 /// The CPU planner's config for this buffer and call.
-pub fn plan_config(cfg: &EpConfig, ranks: usize, s: usize, total_tokens: Option<u64>) -> PlanConfig {
+pub fn plan_config(
+    cfg: &EpConfig,
+    ranks: usize,
+    s: usize,
+    total_tokens: Option<u64>,
+) -> PlanConfig {
     PlanConfig {
         ranks: ranks as u32,
         experts: cfg.experts as u32,

@@ -9,7 +9,11 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
     #[error("cannot spawn rank {rank} ({program}): {source}")]
-    Spawn { rank: usize, program: String, source: std::io::Error },
+    Spawn {
+        rank: usize,
+        program: String,
+        source: std::io::Error,
+    },
     #[error("rank {rank} failed with {status}; the other ranks were killed")]
     RankFailed { rank: usize, status: ExitStatus },
     #[error("cannot pick a free port: {0}")]
@@ -42,14 +46,20 @@ pub fn launch(n: usize, program: &Path, args: &[String], port: u16) -> Result<()
             Ok(c) => children.push(Some(c)),
             Err(source) => {
                 kill_all(&mut children);
-                return Err(LaunchError::Spawn { rank, program: program.display().to_string(), source });
+                return Err(LaunchError::Spawn {
+                    rank,
+                    program: program.display().to_string(),
+                    source,
+                });
             }
         }
     }
     let mut left = n;
     while left > 0 {
         for rank in 0..n {
-            let Some(child) = children[rank].as_mut() else { continue };
+            let Some(child) = children[rank].as_mut() else {
+                continue;
+            };
             match child.try_wait() {
                 Ok(Some(status)) => {
                     children[rank] = None;
@@ -93,7 +103,10 @@ mod tests {
         for r in 0..3 {
             let line = std::fs::read_to_string(dir.path().join(format!("r{r}"))).unwrap();
             let f: Vec<&str> = line.split_whitespace().collect();
-            assert_eq!(&f[..3], &[r.to_string().as_str(), "3", r.to_string().as_str()]);
+            assert_eq!(
+                &f[..3],
+                &[r.to_string().as_str(), "3", r.to_string().as_str()]
+            );
             assert!(f[3].parse::<u16>().unwrap() > 0);
         }
     }
@@ -103,7 +116,13 @@ mod tests {
         let start = std::time::Instant::now();
         let script = "if [ \"$RANK\" = 1 ]; then exit 3; else sleep 30; fi".to_string();
         let err = launch(3, Path::new("/bin/sh"), &["-c".into(), script], 0).unwrap_err();
-        assert!(matches!(err, LaunchError::RankFailed { rank: 1, .. }), "{err}");
-        assert!(start.elapsed() < Duration::from_secs(20), "survivors were not killed");
+        assert!(
+            matches!(err, LaunchError::RankFailed { rank: 1, .. }),
+            "{err}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "survivors were not killed"
+        );
     }
 }

@@ -53,7 +53,9 @@ pub mod status {
 /// Errors of the GPU path.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    #[error("moonep was built without nvcc: no GPU kernels embedded (set CUDA_HOME or NVCC and rebuild)")]
+    #[error(
+        "moonep was built without nvcc: no GPU kernels embedded (set CUDA_HOME or NVCC and rebuild)"
+    )]
     NoKernels,
     #[error("CUDA driver library not found (libcuda.so)")]
     NoDriver,
@@ -74,5 +76,8 @@ pub enum GpuError {
     #[error("planner: {0}")]
     Plan(#[from] crate::plan::PlanError),
     #[error("io: {what}: {source}")]
-    Io { what: String, source: std::io::Error },
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
 }

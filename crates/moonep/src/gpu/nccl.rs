@@ -5,7 +5,10 @@ use cudarc::nccl::{result, sys};
 use super::GpuError;
 
 fn check<T>(r: Result<T, result::NcclError>, what: &'static str) -> Result<T, GpuError> {
-    r.map_err(|e| GpuError::Nccl { what, code: format!("{e:?}") })
+    r.map_err(|e| GpuError::Nccl {
+        what,
+        code: format!("{e:?}"),
+    })
 }
 
 /// A new NCCL unique id (128 bytes) to hand to every rank.
@@ -52,35 +55,94 @@ impl Comm {
         if !unsafe { sys::is_culib_present() } {
             return Err(GpuError::NoNccl);
         }
-        let uid = sys::ncclUniqueId { internal: id.map(|b| b as std::ffi::c_char) };
+        let uid = sys::ncclUniqueId {
+            internal: id.map(|b| b as std::ffi::c_char),
+        };
         let mut comm = std::ptr::null_mut();
         // SAFETY: valid out-pointer; id shared by all ranks.
-        check(unsafe { result::comm_init_rank(&mut comm, world as i32, uid, rank as i32) }, "ncclCommInitRank")?;
+        check(
+            unsafe { result::comm_init_rank(&mut comm, world as i32, uid, rank as i32) },
+            "ncclCommInitRank",
+        )?;
         Ok(Comm { comm, rank, world })
     }
 
     /// `ncclAllGather` of `count` elements per rank on `stream`.
-    pub fn all_gather(&self, send: u64, recv: u64, count: usize, dt: Dtype, stream: cudarc::driver::sys::CUstream) -> Result<(), GpuError> {
+    pub fn all_gather(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dt: Dtype,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), GpuError> {
         // SAFETY: caller passes device ranges of count and world*count elements.
         check(
-            unsafe { result::all_gather(send as *const _, recv as *mut _, count, dt.raw(), self.comm, stream as _) },
+            unsafe {
+                result::all_gather(
+                    send as *const _,
+                    recv as *mut _,
+                    count,
+                    dt.raw(),
+                    self.comm,
+                    stream as _,
+                )
+            },
             "ncclAllGather",
         )
         .map(|_| ())
     }
 
     /// `ncclSend` (use inside [`group_start`]/[`group_end`]).
-    pub fn send(&self, buf: u64, count: usize, dt: Dtype, peer: usize, stream: cudarc::driver::sys::CUstream) -> Result<(), GpuError> {
+    pub fn send(
+        &self,
+        buf: u64,
+        count: usize,
+        dt: Dtype,
+        peer: usize,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), GpuError> {
         // SAFETY: caller passes a device range of count elements.
-        check(unsafe { result::send(buf as *const _, count, dt.raw(), peer as i32, self.comm, stream as _) }, "ncclSend")
-            .map(|_| ())
+        check(
+            unsafe {
+                result::send(
+                    buf as *const _,
+                    count,
+                    dt.raw(),
+                    peer as i32,
+                    self.comm,
+                    stream as _,
+                )
+            },
+            "ncclSend",
+        )
+        .map(|_| ())
     }
 
     /// `ncclRecv` (use inside [`group_start`]/[`group_end`]).
-    pub fn recv(&self, buf: u64, count: usize, dt: Dtype, peer: usize, stream: cudarc::driver::sys::CUstream) -> Result<(), GpuError> {
+    pub fn recv(
+        &self,
+        buf: u64,
+        count: usize,
+        dt: Dtype,
+        peer: usize,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), GpuError> {
         // SAFETY: caller passes a device range of count elements.
-        check(unsafe { result::recv(buf as *mut _, count, dt.raw(), peer as i32, self.comm, stream as _) }, "ncclRecv")
-            .map(|_| ())
+        check(
+            unsafe {
+                result::recv(
+                    buf as *mut _,
+                    count,
+                    dt.raw(),
+                    peer as i32,
+                    self.comm,
+                    stream as _,
+                )
+            },
+            "ncclRecv",
+        )
+        .map(|_| ())
     }
 }
 

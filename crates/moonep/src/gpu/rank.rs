@@ -3,10 +3,10 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use super::GpuError;
 use super::driver::Device;
 use super::nccl::{self, Comm};
 use super::store::{StoreClient, StoreServer};
-use super::GpuError;
 
 /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_PORT` as set by `moonep-launch` (or torchrun).
 #[derive(Debug, Clone, Copy)]
@@ -26,9 +26,16 @@ impl RankEnv {
                 .parse()
                 .map_err(|_| GpuError::Env(format!("{k} is not a number")))
         }
-        let env = RankEnv { rank: var("RANK")?, world: var("WORLD_SIZE")?, local_rank: var("LOCAL_RANK")?, port: var("MASTER_PORT")? };
+        let env = RankEnv {
+            rank: var("RANK")?,
+            world: var("WORLD_SIZE")?,
+            local_rank: var("LOCAL_RANK")?,
+            port: var("MASTER_PORT")?,
+        };
         if std::env::var("NCCL_NVLS_ENABLE").as_deref() != Ok("0") {
-            return Err(GpuError::Env("NCCL_NVLS_ENABLE must be 0 (NVLink multicast is forbidden)".into()));
+            return Err(GpuError::Env(
+                "NCCL_NVLS_ENABLE must be 0 (NVLink multicast is forbidden)".into(),
+            ));
         }
         Ok(env)
     }
@@ -47,13 +54,29 @@ impl Rank {
     /// Opens `LOCAL_RANK`'s device, starts/joins the store, exchanges the NCCL id, inits NCCL.
     pub fn init(env: RankEnv) -> Result<Rank, GpuError> {
         let dev = Device::open(env.local_rank)?;
-        let server = if env.rank == 0 { Some(StoreServer::start(env.port)?) } else { None };
+        let server = if env.rank == 0 {
+            Some(StoreServer::start(env.port)?)
+        } else {
+            None
+        };
         let addr = SocketAddr::from(([127, 0, 0, 1], env.port));
         let mut store = StoreClient::connect(addr, env.rank, env.world, Duration::from_secs(60))?;
-        let id = if env.rank == 0 { nccl::unique_id()?.to_vec() } else { Vec::new() };
+        let id = if env.rank == 0 {
+            nccl::unique_id()?.to_vec()
+        } else {
+            Vec::new()
+        };
         let id = store.broadcast0(&id)?;
-        let id: [u8; 128] = id.try_into().map_err(|_| GpuError::Env("NCCL id is not 128 bytes".into()))?;
+        let id: [u8; 128] = id
+            .try_into()
+            .map_err(|_| GpuError::Env("NCCL id is not 128 bytes".into()))?;
         let comm = Comm::init(&id, env.rank, env.world)?;
-        Ok(Rank { env, dev, store, comm, _server: server })
+        Ok(Rank {
+            env,
+            dev,
+            store,
+            comm,
+            _server: server,
+        })
     }
 }

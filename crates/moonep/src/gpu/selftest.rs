@@ -35,7 +35,14 @@ pub enum Routing {
 }
 
 /// Per-rank `topk` (flat `[s*K]`) for `routing`; identical on every rank for the same seed.
-pub fn make_topk(routing: Routing, ranks: usize, experts: usize, k: usize, s: usize, seed: u64) -> Vec<Vec<i32>> {
+pub fn make_topk(
+    routing: Routing,
+    ranks: usize,
+    experts: usize,
+    k: usize,
+    s: usize,
+    seed: u64,
+) -> Vec<Vec<i32>> {
     let epn = experts / ranks;
     (0..ranks)
         .map(|r| {
@@ -49,10 +56,14 @@ pub fn make_topk(routing: Routing, ranks: usize, experts: usize, k: usize, s: us
                 match routing {
                     Routing::Random => out.extend(distinct(&mut rng, 0, experts, k)),
                     Routing::OneExpert => out.extend(std::iter::repeat_n(0, k)),
-                    Routing::HalfEmpty => {
-                        out.extend(distinct(&mut rng, 0, experts.div_ceil(2), k).into_iter().map(|e| 2 * e))
+                    Routing::HalfEmpty => out.extend(
+                        distinct(&mut rng, 0, experts.div_ceil(2), k)
+                            .into_iter()
+                            .map(|e| 2 * e),
+                    ),
+                    Routing::Duplicates => {
+                        out.extend((0..k).map(|_| rng.random_range(0..experts as i32)))
                     }
-                    Routing::Duplicates => out.extend((0..k).map(|_| rng.random_range(0..experts as i32))),
                     Routing::Clustered(_) => {
                         // Token t gets n0 entries in group 0 so that the total is exact.
                         let n0 = (n0_total * (t + 1)) / s - (n0_total * t) / s;
@@ -77,9 +88,14 @@ pub fn make_topk(routing: Routing, ranks: usize, experts: usize, k: usize, s: us
 fn distinct(rng: &mut StdRng, lo: usize, hi: usize, k: usize) -> Vec<i32> {
     let n = hi - lo;
     if k <= n {
-        rand::seq::index::sample(rng, n, k).into_iter().map(|x| (lo + x) as i32).collect()
+        rand::seq::index::sample(rng, n, k)
+            .into_iter()
+            .map(|x| (lo + x) as i32)
+            .collect()
     } else {
-        (0..k).map(|_| (lo + rng.random_range(0..n)) as i32).collect()
+        (0..k)
+            .map(|_| (lo + rng.random_range(0..n)) as i32)
+            .collect()
     }
 }
 
@@ -95,7 +111,9 @@ pub fn tpe_of(topk: &[i32], experts: usize) -> Vec<i32> {
 /// Seeded bf16 rows `[rows, h]` (as bits).
 pub fn random_bf16(rows: usize, h: usize, seed: u64) -> Vec<u16> {
     let mut rng = StdRng::seed_from_u64(seed);
-    (0..rows * h).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)).to_bits()).collect()
+    (0..rows * h)
+        .map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0)).to_bits())
+        .collect()
 }
 
 fn random_f32(n: usize, seed: u64) -> Vec<f32> {
@@ -118,13 +136,22 @@ pub struct Case {
     pub fallback: bool,
 }
 
-fn mismatch<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) -> Result<(), String> {
+fn mismatch<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    got: &[T],
+    want: &[T],
+) -> Result<(), String> {
     if got.len() != want.len() {
         return Err(format!("{what}: length {} vs {}", got.len(), want.len()));
     }
     match got.iter().zip(want).position(|(a, b)| a != b) {
         None => Ok(()),
-        Some(i) => Err(format!("{what}[{i}]: gpu {:?} vs cpu {:?} ({} differ)", got[i], want[i], got.iter().zip(want).filter(|(a, b)| a != b).count())),
+        Some(i) => Err(format!(
+            "{what}[{i}]: gpu {:?} vs cpu {:?} ({} differ)",
+            got[i],
+            want[i],
+            got.iter().zip(want).filter(|(a, b)| a != b).count()
+        )),
     }
 }
 
@@ -133,13 +160,37 @@ fn check_plan(buf: &EpBuffer, rank: &Rank, gp: &GlobalPlan, dst_cpu: &[i64]) -> 
     let dp = buf.read_plan(&rank.dev).map_err(|e| e.to_string())?;
     let me = rank.env.rank;
     let lay = &gp.layouts[me];
-    mismatch("alloc", &dp.alloc, &gp.alloc.iter().map(|&x| x as i32).collect::<Vec<_>>())?;
-    mismatch("alloc_cum", &dp.alloc_cum, &gp.alloc_cum.iter().map(|&x| x as i32).collect::<Vec<_>>())?;
-    let etc: Vec<i32> = gp.layouts.iter().flat_map(|l| l.experts_to_copy.iter().copied()).collect();
+    mismatch(
+        "alloc",
+        &dp.alloc,
+        &gp.alloc.iter().map(|&x| x as i32).collect::<Vec<_>>(),
+    )?;
+    mismatch(
+        "alloc_cum",
+        &dp.alloc_cum,
+        &gp.alloc_cum.iter().map(|&x| x as i32).collect::<Vec<_>>(),
+    )?;
+    let etc: Vec<i32> = gp
+        .layouts
+        .iter()
+        .flat_map(|l| l.experts_to_copy.iter().copied())
+        .collect();
     mismatch("experts_to_copy", &dp.experts_to_copy, &etc)?;
-    mismatch("counts", &dp.counts, &lay.counts.iter().map(|&x| x as i32).collect::<Vec<_>>())?;
-    mismatch("cu_seqlens", &dp.cu_seqlens, &lay.cu_seqlens.iter().map(|&x| x as i32).collect::<Vec<_>>())?;
-    let zf: Vec<i32> = lay.zero_fill.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
+    mismatch(
+        "counts",
+        &dp.counts,
+        &lay.counts.iter().map(|&x| x as i32).collect::<Vec<_>>(),
+    )?;
+    mismatch(
+        "cu_seqlens",
+        &dp.cu_seqlens,
+        &lay.cu_seqlens.iter().map(|&x| x as i32).collect::<Vec<_>>(),
+    )?;
+    let zf: Vec<i32> = lay
+        .zero_fill
+        .iter()
+        .flat_map(|&(a, b)| [a as i32, b as i32])
+        .collect();
     mismatch("zero_fill", &dp.zero_fill, &zf)?;
     mismatch("dst", &dp.dst, dst_cpu)
 }
@@ -155,18 +206,36 @@ pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
     let e = |x: GpuError| x.to_string();
     let mut buf = EpBuffer::new(rank, cfg).map_err(e)?;
     if c.fallback != (buf.transport == Transport::NcclFallback) {
-        return Err(format!("transport {:?} but fallback={}", buf.transport, c.fallback));
+        return Err(format!(
+            "transport {:?} but fallback={}",
+            buf.transport, c.fallback
+        ));
     }
     let topk = make_topk(c.routing, r, c.experts, c.k, c.s, seed);
-    let tpe_all: Vec<u32> = topk.iter().flat_map(|t| tpe_of(t, c.experts)).map(|x| x as u32).collect();
+    let tpe_all: Vec<u32> = topk
+        .iter()
+        .flat_map(|t| tpe_of(t, c.experts))
+        .map(|x| x as u32)
+        .collect();
     let pc = plan_config(&cfg, r, c.s, None);
     let gp = plan_global(&pc, &tpe_all).map_err(|x| x.to_string())?;
     let dsts: Vec<Vec<i64>> = (0..r)
-        .map(|src| plan_entries(&pc, &gp, src, &topk[src].iter().map(|&x| x as u32).collect::<Vec<_>>()))
+        .map(|src| {
+            plan_entries(
+                &pc,
+                &gp,
+                src,
+                &topk[src].iter().map(|&x| x as u32).collect::<Vec<_>>(),
+            )
+        })
         .collect::<Result<_, _>>()
         .map_err(|x| x.to_string())?;
-    let xs: Vec<Vec<u16>> = (0..r).map(|src| random_bf16(c.s, c.h, seed ^ (0x1000 + src as u64))).collect();
-    let ws: Vec<Vec<f32>> = (0..r).map(|src| random_f32(c.s * c.k, seed ^ (0x2000 + src as u64))).collect();
+    let xs: Vec<Vec<u16>> = (0..r)
+        .map(|src| random_bf16(c.s, c.h, seed ^ (0x1000 + src as u64)))
+        .collect();
+    let ws: Vec<Vec<f32>> = (0..r)
+        .map(|src| random_f32(c.s * c.k, seed ^ (0x2000 + src as u64)))
+        .collect();
     let dev = &rank.dev;
     let nvs = buf.shard_slots();
     let x_d = dev.upload(&xs[me]).map_err(e)?;
@@ -174,11 +243,17 @@ pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
     let topk_d = dev.upload(&topk[me]).map_err(e)?;
     let tpe_d = dev.upload(&tpe_of(&topk[me], c.experts)).map_err(e)?;
     // Poison the shard and weights.
-    dev.memset_u32(buf.hidden.ptr(), u32::from(POISON_BF16) * 0x10001, nvs * c.h / 2).map_err(e)?;
+    dev.memset_u32(
+        buf.hidden.ptr(),
+        u32::from(POISON_BF16) * 0x10001,
+        nvs * c.h / 2,
+    )
+    .map_err(e)?;
     dev.memset_u32(buf.wts.ptr(), POISON_F32, nvs).map_err(e)?;
     dev.sync().map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
-    buf.dispatch(rank, x_d.ptr, w_d.ptr, topk_d.ptr, tpe_d.ptr, c.s, None).map_err(e)?;
+    buf.dispatch(rank, x_d.ptr, w_d.ptr, topk_d.ptr, tpe_d.ptr, c.s, None)
+        .map_err(e)?;
     buf.check(&rank.dev).map_err(e)?;
     check_plan(&buf, rank, &gp, &dsts[me])?;
     // Expected shard of this rank.
@@ -208,14 +283,18 @@ pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
     mismatch("slot weights", &got_w, &want_w)?;
     // Combine: fresh expert outputs y in every rank's used rows.
     let used: Vec<usize> = gp.layouts.iter().map(|l| l.used_rows() as usize).collect();
-    let ys: Vec<Vec<u16>> = (0..r).map(|d| random_bf16(used[d], c.h, seed ^ (0x3000 + d as u64))).collect();
+    let ys: Vec<Vec<u16>> = (0..r)
+        .map(|d| random_bf16(used[d], c.h, seed ^ (0x3000 + d as u64)))
+        .collect();
     if used[me] > 0 {
         crate::gpu::driver::write_ptr(buf.hidden.ptr(), &ys[me]).map_err(e)?;
     }
     let out_d = dev.alloc(c.s * c.h * 2).map_err(e)?;
     let wout_d = dev.alloc(c.s * c.k * 4).map_err(e)?;
-    dev.memset_u32(out_d.ptr, u32::from(POISON_BF16) * 0x10001, c.s * c.h / 2).map_err(e)?;
-    dev.memset_u32(wout_d.ptr, POISON_F32, c.s * c.k).map_err(e)?;
+    dev.memset_u32(out_d.ptr, u32::from(POISON_BF16) * 0x10001, c.s * c.h / 2)
+        .map_err(e)?;
+    dev.memset_u32(wout_d.ptr, POISON_F32, c.s * c.k)
+        .map_err(e)?;
     dev.sync().map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
     buf.combine(rank, out_d.ptr, wout_d.ptr).map_err(e)?;
@@ -247,12 +326,15 @@ pub fn run_baseline_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), Str
     cfg.num_blocks = 8;
     let mut base = Baseline::new(rank, cfg).map_err(e)?;
     let topk = make_topk(c.routing, r, c.experts, c.k, c.s, seed);
-    let xs: Vec<Vec<u16>> = (0..r).map(|src| random_bf16(c.s, c.h, seed ^ (0x1000 + src as u64))).collect();
+    let xs: Vec<Vec<u16>> = (0..r)
+        .map(|src| random_bf16(c.s, c.h, seed ^ (0x1000 + src as u64)))
+        .collect();
     let dev = &rank.dev;
     let x_d = dev.upload(&xs[me]).map_err(e)?;
     let topk_d = dev.upload(&topk[me]).map_err(e)?;
     let tpe_d = dev.upload(&tpe_of(&topk[me], c.experts)).map_err(e)?;
-    base.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, c.s).map_err(e)?;
+    base.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, c.s)
+        .map_err(e)?;
     rank.dev.sync().map_err(e)?;
     let epn = c.experts / r;
     let mut want = Vec::new();
@@ -269,7 +351,9 @@ pub fn run_baseline_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), Str
     let got: Vec<u16> = read_ptr(base.perm.ptr, want.len()).map_err(e)?;
     mismatch("baseline expert-major rows", &got, &want)?;
     let out_d = rank.dev.alloc(c.s * c.h * 2).map_err(e)?;
-    rank.dev.memset_u32(out_d.ptr, u32::from(POISON_BF16) * 0x10001, c.s * c.h / 2).map_err(e)?;
+    rank.dev
+        .memset_u32(out_d.ptr, u32::from(POISON_BF16) * 0x10001, c.s * c.h / 2)
+        .map_err(e)?;
     base.combine(rank, out_d.ptr).map_err(e)?;
     rank.dev.sync().map_err(e)?;
     let want_out: Vec<u16> = (0..c.s * c.h)
@@ -290,7 +374,9 @@ pub fn run_baseline_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), Str
 }
 
 fn expert_pattern(expert: usize, bytes: usize) -> Vec<u32> {
-    (0..bytes / 4).map(|j| (expert as u32).wrapping_mul(0x9e37_79b9) ^ (j as u32).wrapping_mul(0x85eb_ca6b)).collect()
+    (0..bytes / 4)
+        .map(|j| (expert as u32).wrapping_mul(0x9e37_79b9) ^ (j as u32).wrapping_mul(0x85eb_ca6b))
+        .collect()
 }
 
 /// Prefetch: after a skewed dispatch, every prefetch slot holds its expert's weights; unused
@@ -309,7 +395,9 @@ pub fn run_prefetch_case(rank: &mut Rank, seed: u64) -> Result<(), String> {
     let topk = make_topk(Routing::Clustered(0.9), r, experts, k, s, seed);
     let epn = experts / r;
     let dev = &rank.dev;
-    let local: Vec<u32> = (0..epn).flat_map(|le| expert_pattern(me * epn + le, wb)).collect();
+    let local: Vec<u32> = (0..epn)
+        .flat_map(|le| expert_pattern(me * epn + le, wb))
+        .collect();
     let local_d = dev.upload(&local).map_err(e)?;
     let x_d = dev.upload(&random_bf16(s, h, seed)).map_err(e)?;
     let topk_d = dev.upload(&topk[me]).map_err(e)?;
@@ -318,7 +406,8 @@ pub fn run_prefetch_case(rank: &mut Rank, seed: u64) -> Result<(), String> {
     dev.memset_u32(pool, 0xabab_abab, epn * wb / 4).map_err(e)?;
     dev.sync().map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
-    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, s, None).map_err(e)?;
+    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, s, None)
+        .map_err(e)?;
     buf.prefetch(&rank.dev, local_d.ptr).map_err(e)?;
     buf.check(&rank.dev).map_err(e)?;
     let etc = buf.read_plan(&rank.dev).map_err(e)?.experts_to_copy;
@@ -326,9 +415,17 @@ pub fn run_prefetch_case(rank: &mut Rank, seed: u64) -> Result<(), String> {
     let mut replicas = 0;
     for b in 0..epn {
         let x = etc[me * epn + b];
-        let want = if x >= 0 { expert_pattern(x as usize, wb) } else { vec![0xabab_abab; wb / 4] };
+        let want = if x >= 0 {
+            expert_pattern(x as usize, wb)
+        } else {
+            vec![0xabab_abab; wb / 4]
+        };
         replicas += usize::from(x >= 0);
-        mismatch(&format!("prefetch slot {b} (expert {x})"), &got[b * wb / 4..(b + 1) * wb / 4], &want)?;
+        mismatch(
+            &format!("prefetch slot {b} (expert {x})"),
+            &got[b * wb / 4..(b + 1) * wb / 4],
+            &want,
+        )?;
     }
     let total: usize = rank
         .store
@@ -355,12 +452,20 @@ pub fn run_error_cases(rank: &mut Rank, seed: u64) -> Result<(), String> {
     let mut buf = EpBuffer::new(rank, cfg).map_err(e)?;
     let expect_code = |res: Result<(), GpuError>, code: u32, what: &str| match res {
         Err(GpuError::DeviceStatus { code: c, .. }) if c == code => Ok(()),
-        other => Err(format!("{what}: expected status {} ({}), got {other:?}", code, status::describe(code))),
+        other => Err(format!(
+            "{what}: expected status {} ({}), got {other:?}",
+            code,
+            status::describe(code)
+        )),
     };
     // 1. Lone barrier on rank 0.
     if me == 0 {
         buf.barrier_with_timeout(&rank.dev, 50_000_000).map_err(e)?;
-        expect_code(buf.check(&rank.dev), status::BARRIER_TIMEOUT, "lone barrier")?;
+        expect_code(
+            buf.check(&rank.dev),
+            status::BARRIER_TIMEOUT,
+            "lone barrier",
+        )?;
     }
     buf.reset_control(rank).map_err(e)?;
     let topk = make_topk(Routing::Random, r, experts, k, s, seed);
@@ -373,7 +478,8 @@ pub fn run_error_cases(rank: &mut Rank, seed: u64) -> Result<(), String> {
     }
     let tpe_bad = dev.upload(&tpe).map_err(e)?;
     let topk_d = dev.upload(&topk[me]).map_err(e)?;
-    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_bad.ptr, s, None).map_err(e)?;
+    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_bad.ptr, s, None)
+        .map_err(e)?;
     expect_code(buf.check(&rank.dev), status::CONTRACT, "contract violation")?;
     buf.reset_control(rank).map_err(e)?;
     // 3. Expert id out of range on rank 0 only: rank 0 reports it, the others time out.
@@ -384,15 +490,21 @@ pub fn run_error_cases(rank: &mut Rank, seed: u64) -> Result<(), String> {
     let dev = &rank.dev;
     let bad_d = dev.upload(&bad).map_err(e)?;
     let tpe_d = dev.upload(&tpe_of(&topk[me], experts)).map_err(e)?;
-    buf.dispatch(rank, x_d.ptr, 0, bad_d.ptr, tpe_d.ptr, s, None).map_err(e)?;
-    let code = if me == 0 { status::EXPERT_RANGE } else { status::BARRIER_TIMEOUT };
+    buf.dispatch(rank, x_d.ptr, 0, bad_d.ptr, tpe_d.ptr, s, None)
+        .map_err(e)?;
+    let code = if me == 0 {
+        status::EXPERT_RANGE
+    } else {
+        status::BARRIER_TIMEOUT
+    };
     let res = buf.check(&rank.dev);
     if buf.transport == Transport::Nvlink {
         expect_code(res, code, "bad expert id")?;
     }
     buf.reset_control(rank).map_err(e)?;
     // 4. Recovery: a valid call succeeds.
-    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, s, None).map_err(e)?;
+    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, s, None)
+        .map_err(e)?;
     buf.check(&rank.dev).map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
     Ok(())
@@ -401,22 +513,176 @@ pub fn run_error_cases(rank: &mut Rank, seed: u64) -> Result<(), String> {
 /// The case list: random and extreme routings, dedup on/off, P in {1, 8, 128}, the fallback.
 pub fn cases(world: usize) -> Vec<Case> {
     let e = 8 * world;
-    let c = |name, experts, k, cap, s, h, p, routing, dedup, fallback| Case { name, experts, k, cap, s, h, p, routing, dedup, fallback };
+    let c = |name, experts, k, cap, s, h, p, routing, dedup, fallback| Case {
+        name,
+        experts,
+        k,
+        cap,
+        s,
+        h,
+        p,
+        routing,
+        dedup,
+        fallback,
+    };
     vec![
-        c("random", e, 4, 256, 200, 256, 8, Routing::Random, false, false),
-        c("random dedup", e, 4, 256, 200, 256, 8, Routing::Random, true, false),
-        c("random P=128 H=7168", e, 8, 128, 128, 7168, 128, Routing::Random, true, false),
-        c("all tokens to one expert", e, 4, 64, 64, 128, 8, Routing::OneExpert, true, false),
-        c("half experts empty", e, 3, 64, 50, 128, 1, Routing::HalfEmpty, true, false),
+        c(
+            "random",
+            e,
+            4,
+            256,
+            200,
+            256,
+            8,
+            Routing::Random,
+            false,
+            false,
+        ),
+        c(
+            "random dedup",
+            e,
+            4,
+            256,
+            200,
+            256,
+            8,
+            Routing::Random,
+            true,
+            false,
+        ),
+        c(
+            "random P=128 H=7168",
+            e,
+            8,
+            128,
+            128,
+            7168,
+            128,
+            Routing::Random,
+            true,
+            false,
+        ),
+        c(
+            "all tokens to one expert",
+            e,
+            4,
+            64,
+            64,
+            128,
+            8,
+            Routing::OneExpert,
+            true,
+            false,
+        ),
+        c(
+            "half experts empty",
+            e,
+            3,
+            64,
+            50,
+            128,
+            1,
+            Routing::HalfEmpty,
+            true,
+            false,
+        ),
         c("s=1", e, 4, 64, 1, 128, 8, Routing::Random, true, false),
-        c("s=1 K=1 P=1", e, 1, 16, 1, 64, 1, Routing::Random, false, false),
-        c("clustered 90%", e, 6, 256, 256, 256, 16, Routing::Clustered(0.9), true, false),
-        c("clustered 95% no dedup", e, 6, 256, 256, 256, 16, Routing::Clustered(0.95), false, false),
-        c("duplicates in a token", e, 5, 128, 100, 128, 8, Routing::Duplicates, true, false),
-        c("epn=1", world, 1, 64, 64, 64, 4, Routing::Random, true, false),
-        c("fallback random", e, 4, 256, 200, 256, 8, Routing::Random, false, true),
-        c("fallback clustered 90%", e, 6, 128, 100, 128, 16, Routing::Clustered(0.9), false, true),
-        c("fallback s=1", e, 2, 16, 1, 64, 8, Routing::Random, false, true),
+        c(
+            "s=1 K=1 P=1",
+            e,
+            1,
+            16,
+            1,
+            64,
+            1,
+            Routing::Random,
+            false,
+            false,
+        ),
+        c(
+            "clustered 90%",
+            e,
+            6,
+            256,
+            256,
+            256,
+            16,
+            Routing::Clustered(0.9),
+            true,
+            false,
+        ),
+        c(
+            "clustered 95% no dedup",
+            e,
+            6,
+            256,
+            256,
+            256,
+            16,
+            Routing::Clustered(0.95),
+            false,
+            false,
+        ),
+        c(
+            "duplicates in a token",
+            e,
+            5,
+            128,
+            100,
+            128,
+            8,
+            Routing::Duplicates,
+            true,
+            false,
+        ),
+        c(
+            "epn=1",
+            world,
+            1,
+            64,
+            64,
+            64,
+            4,
+            Routing::Random,
+            true,
+            false,
+        ),
+        c(
+            "fallback random",
+            e,
+            4,
+            256,
+            200,
+            256,
+            8,
+            Routing::Random,
+            false,
+            true,
+        ),
+        c(
+            "fallback clustered 90%",
+            e,
+            6,
+            128,
+            100,
+            128,
+            16,
+            Routing::Clustered(0.9),
+            false,
+            true,
+        ),
+        c(
+            "fallback s=1",
+            e,
+            2,
+            16,
+            1,
+            64,
+            8,
+            Routing::Random,
+            false,
+            true,
+        ),
     ]
 }
 
@@ -424,41 +690,58 @@ pub fn cases(world: usize) -> Vec<Case> {
 pub fn run_all(rank: &mut Rank) -> Result<usize, GpuError> {
     let world = rank.env.world;
     let mut failures = 0;
-    let mut report = |rank: &mut Rank, name: String, res: Result<(), String>| -> Result<(), GpuError> {
-        let mine = match &res {
-            Ok(()) => String::new(),
-            Err(m) => m.clone(),
-        };
-        let all = rank.store.all_gather(mine.as_bytes())?;
-        let bad: Vec<String> = all
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| !m.is_empty())
-            .map(|(r, m)| format!("rank {r}: {}", String::from_utf8_lossy(m)))
-            .collect();
-        if !bad.is_empty() {
-            failures += 1;
-        }
-        if rank.env.rank == 0 {
-            if bad.is_empty() {
-                println!("PASS {name}");
-            } else {
-                println!("FAIL {name}: {}", bad.join("; "));
+    let mut report =
+        |rank: &mut Rank, name: String, res: Result<(), String>| -> Result<(), GpuError> {
+            let mine = match &res {
+                Ok(()) => String::new(),
+                Err(m) => m.clone(),
+            };
+            let all = rank.store.all_gather(mine.as_bytes())?;
+            let bad: Vec<String> = all
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| !m.is_empty())
+                .map(|(r, m)| format!("rank {r}: {}", String::from_utf8_lossy(m)))
+                .collect();
+            if !bad.is_empty() {
+                failures += 1;
             }
-        }
-        Ok(())
-    };
+            if rank.env.rank == 0 {
+                if bad.is_empty() {
+                    println!("PASS {name}");
+                } else {
+                    println!("FAIL {name}: {}", bad.join("; "));
+                }
+            }
+            Ok(())
+        };
     for (i, c) in cases(world).iter().enumerate() {
         let res = run_case(rank, c, 1000 + i as u64);
-        report(rank, format!("dispatch/combine {} (E={} K={} s={} H={} P={} dedup={})", c.name, c.experts, c.k, c.s, c.h, c.p, c.dedup), res)?;
+        report(
+            rank,
+            format!(
+                "dispatch/combine {} (E={} K={} s={} H={} P={} dedup={})",
+                c.name, c.experts, c.k, c.s, c.h, c.p, c.dedup
+            ),
+            res,
+        )?;
     }
-    for (i, c) in cases(world).iter().filter(|c| !c.fallback).take(6).enumerate() {
+    for (i, c) in cases(world)
+        .iter()
+        .filter(|c| !c.fallback)
+        .take(6)
+        .enumerate()
+    {
         let res = run_baseline_case(rank, c, 2000 + i as u64);
         report(rank, format!("baseline {}", c.name), res)?;
     }
     let res = run_prefetch_case(rank, 3000);
     report(rank, "prefetch replicas".into(), res)?;
     let res = run_error_cases(rank, 4000);
-    report(rank, "barrier timeout / contract / bad id reported, then recovery".into(), res)?;
+    report(
+        rank,
+        "barrier timeout / contract / bad id reported, then recovery".into(),
+        res,
+    )?;
     Ok(failures)
 }

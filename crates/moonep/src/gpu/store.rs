@@ -18,9 +18,16 @@ const OP_GET: u8 = 2;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("cannot bind the store on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("cannot reach the store at {addr} within {secs} s: {source}")]
-    Connect { addr: SocketAddr, secs: u64, source: std::io::Error },
+    Connect {
+        addr: SocketAddr,
+        secs: u64,
+        source: std::io::Error,
+    },
     #[error("store i/o on key `{key}`: {source}")]
     Io { key: String, source: std::io::Error },
     #[error("timed out after {secs} s waiting for key `{key}`")]
@@ -38,8 +45,11 @@ impl StoreServer {
     /// Binds `127.0.0.1:port` (0 = any free port) and serves on background threads.
     pub fn start(port: u16) -> Result<StoreServer, StoreError> {
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let listener = TcpListener::bind(addr).map_err(|source| StoreError::Bind { addr, source })?;
-        let addr = listener.local_addr().map_err(|source| StoreError::Bind { addr, source })?;
+        let listener =
+            TcpListener::bind(addr).map_err(|source| StoreError::Bind { addr, source })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| StoreError::Bind { addr, source })?;
         let map: Map = Arc::new((Mutex::new(HashMap::new()), Condvar::new()));
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
@@ -71,8 +81,12 @@ fn serve_conn(mut conn: TcpStream, map: Map) {
         if conn.read_exact(&mut op).is_err() {
             return;
         }
-        let Ok(key) = read_frame(&mut conn) else { return };
-        let Ok(value) = read_frame(&mut conn) else { return };
+        let Ok(key) = read_frame(&mut conn) else {
+            return;
+        };
+        let Ok(value) = read_frame(&mut conn) else {
+            return;
+        };
         let key = String::from_utf8_lossy(&key).into_owned();
         let (lock, cv) = &*map;
         let reply = match op[0] {
@@ -82,7 +96,9 @@ fn serve_conn(mut conn: TcpStream, map: Map) {
                 (0u8, Vec::new())
             }
             _ => {
-                let timeout = Duration::from_millis(u64::from_le_bytes(value[..8].try_into().unwrap_or([0; 8])));
+                let timeout = Duration::from_millis(u64::from_le_bytes(
+                    value[..8].try_into().unwrap_or([0; 8]),
+                ));
                 let deadline = Instant::now() + timeout;
                 let mut m = lock.lock().expect("store map");
                 loop {
@@ -114,16 +130,31 @@ pub struct StoreClient {
 
 impl StoreClient {
     /// Connects to `addr`, retrying for up to `wait`.
-    pub fn connect(addr: SocketAddr, rank: usize, world: usize, wait: Duration) -> Result<StoreClient, StoreError> {
+    pub fn connect(
+        addr: SocketAddr,
+        rank: usize,
+        world: usize,
+        wait: Duration,
+    ) -> Result<StoreClient, StoreError> {
         let start = Instant::now();
         loop {
             match TcpStream::connect(addr) {
                 Ok(conn) => {
                     let _ = conn.set_nodelay(true);
-                    return Ok(StoreClient { conn, rank, world, seq: 0, timeout: Duration::from_secs(300) });
+                    return Ok(StoreClient {
+                        conn,
+                        rank,
+                        world,
+                        seq: 0,
+                        timeout: Duration::from_secs(300),
+                    });
                 }
                 Err(source) if start.elapsed() >= wait => {
-                    return Err(StoreError::Connect { addr, secs: wait.as_secs(), source });
+                    return Err(StoreError::Connect {
+                        addr,
+                        secs: wait.as_secs(),
+                        source,
+                    });
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
@@ -131,7 +162,10 @@ impl StoreClient {
     }
 
     fn request(&mut self, op: u8, key: &str, value: &[u8]) -> Result<(u8, Vec<u8>), StoreError> {
-        let io = |source| StoreError::Io { key: key.to_string(), source };
+        let io = |source| StoreError::Io {
+            key: key.to_string(),
+            source,
+        };
         self.conn.write_all(&[op]).map_err(io)?;
         write_frame(&mut self.conn, key.as_bytes()).map_err(io)?;
         write_frame(&mut self.conn, value).map_err(io)?;
@@ -151,7 +185,10 @@ impl StoreClient {
         let ms = self.timeout.as_millis() as u64;
         match self.request(OP_GET, key, &ms.to_le_bytes())? {
             (0, v) => Ok(v),
-            _ => Err(StoreError::Timeout { key: key.to_string(), secs: self.timeout.as_secs() }),
+            _ => Err(StoreError::Timeout {
+                key: key.to_string(),
+                secs: self.timeout.as_secs(),
+            }),
         }
     }
 
@@ -160,7 +197,9 @@ impl StoreClient {
         self.seq += 1;
         let seq = self.seq;
         self.set(&format!("ag/{seq}/{}", self.rank), mine)?;
-        (0..self.world).map(|r| self.get(&format!("ag/{seq}/{r}"))).collect()
+        (0..self.world)
+            .map(|r| self.get(&format!("ag/{seq}/{r}")))
+            .collect()
     }
 
     /// Host barrier over all ranks.
@@ -191,7 +230,8 @@ mod tests {
             .map(|rank| {
                 let addr = server.addr;
                 std::thread::spawn(move || {
-                    let mut c = StoreClient::connect(addr, rank, world, Duration::from_secs(5)).unwrap();
+                    let mut c =
+                        StoreClient::connect(addr, rank, world, Duration::from_secs(5)).unwrap();
                     let got = c.all_gather(&[rank as u8; 3]).unwrap();
                     c.barrier().unwrap();
                     let b = c.broadcast0(if rank == 0 { b"id-0" } else { b"" }).unwrap();
@@ -201,7 +241,10 @@ mod tests {
             .collect();
         for h in handles {
             let (got, b) = h.join().unwrap();
-            assert_eq!(got, (0..world).map(|r| vec![r as u8; 3]).collect::<Vec<_>>());
+            assert_eq!(
+                got,
+                (0..world).map(|r| vec![r as u8; 3]).collect::<Vec<_>>()
+            );
             assert_eq!(b, b"id-0");
         }
     }

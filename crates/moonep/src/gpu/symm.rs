@@ -5,16 +5,20 @@
 
 use cudarc::driver::sys;
 
+use super::GpuError;
 use super::driver::{DevBuf, Device, can_access_peer, check};
 use super::store::StoreClient;
-use super::GpuError;
 
 /// True when this rank's device can access every peer's device (ordinals all-gathered).
 pub fn peer_access_all(dev: &Device, store: &mut StoreClient) -> Result<bool, GpuError> {
     let ords = store.all_gather(&(dev.ordinal as u32).to_le_bytes())?;
     let mut ok = true;
     for o in ords {
-        let o = u32::from_le_bytes(o[..4].try_into().map_err(|_| GpuError::Env("bad ordinal".into()))?) as usize;
+        let o = u32::from_le_bytes(
+            o[..4]
+                .try_into()
+                .map_err(|_| GpuError::Env("bad ordinal".into()))?,
+        ) as usize;
         if o != dev.ordinal {
             ok &= can_access_peer(dev.ordinal, o)?;
         }
@@ -37,7 +41,13 @@ pub struct SymmBuf {
 impl SymmBuf {
     /// Collective: allocates `bytes` on every rank and maps all chunks when `map_peers`
     /// (without it only the own chunk is in the table, for the NCCL fallback).
-    pub fn new(dev: &Device, store: &mut StoreClient, me: usize, bytes: usize, map_peers: bool) -> Result<SymmBuf, GpuError> {
+    pub fn new(
+        dev: &Device,
+        store: &mut StoreClient,
+        me: usize,
+        bytes: usize,
+        map_peers: bool,
+    ) -> Result<SymmBuf, GpuError> {
         let local = dev.alloc(bytes)?;
         let world = store.all_gather(&[])?.len();
         let mut peers = vec![0u64; world];
@@ -46,7 +56,10 @@ impl SymmBuf {
         if map_peers {
             let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
             // SAFETY: local.ptr is a cuMemAlloc base pointer; valid out-pointer.
-            check(unsafe { sys::cuIpcGetMemHandle(&mut h, local.ptr) }, "cuIpcGetMemHandle")?;
+            check(
+                unsafe { sys::cuIpcGetMemHandle(&mut h, local.ptr) },
+                "cuIpcGetMemHandle",
+            )?;
             let mine: Vec<u8> = h.reserved.iter().map(|&c| c as u8).collect();
             let all = store.all_gather(&mine)?;
             for (r, blob) in all.iter().enumerate() {
@@ -61,7 +74,11 @@ impl SymmBuf {
                 // SAFETY: handle exported by a peer process for a live allocation.
                 check(
                     unsafe {
-                        sys::cuIpcOpenMemHandle_v2(&mut p, ph, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32)
+                        sys::cuIpcOpenMemHandle_v2(
+                            &mut p,
+                            ph,
+                            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                        )
                     },
                     "cuIpcOpenMemHandle",
                 )?;
@@ -70,7 +87,12 @@ impl SymmBuf {
             }
         }
         let table = dev.upload(&peers)?;
-        Ok(SymmBuf { local, peers, table, opened })
+        Ok(SymmBuf {
+            local,
+            peers,
+            table,
+            opened,
+        })
     }
 
     /// Local chunk base pointer.
