@@ -44,7 +44,13 @@ fn main() {
                 let stem = src.file_stem().unwrap().to_string_lossy().to_string();
                 let cubin = out_dir.join(format!("{stem}.sm_90a.cubin"));
                 let out = Command::new(&nvcc)
-                    .args(["-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-O3", "-lineinfo", "-std=c++17"])
+                    .args([
+                        "-gencode=arch=compute_90a,code=sm_90a",
+                        "-cubin",
+                        "-O3",
+                        "-lineinfo",
+                        "-std=c++17",
+                    ])
                     .arg("-o")
                     .arg(&cubin)
                     .arg(src)
@@ -76,9 +82,14 @@ fn main() {
             println!("cargo:rustc-cfg=flashkda_kernels");
             println!("cargo:rustc-env=FLASHKDA_KERNELS_BUILT=1");
             println!("cargo:rustc-env=FLASHKDA_NVCC={}", nvcc.display());
-            rs.push_str("/// (kernel file stem, sm_90a cubin).\npub static CUBINS: &[(&str, &[u8])] = &[\n");
+            rs.push_str(
+                "/// (kernel file stem, sm_90a cubin).\npub static CUBINS: &[(&str, &[u8])] = &[\n",
+            );
             for (stem, path) in &entries {
-                rs.push_str(&format!("    ({stem:?}, include_bytes!({:?})),\n", path.display().to_string()));
+                rs.push_str(&format!(
+                    "    ({stem:?}, include_bytes!({:?})),\n",
+                    path.display().to_string()
+                ));
             }
             rs.push_str("];\n");
         }
@@ -89,7 +100,9 @@ fn main() {
             println!("cargo:warning=flashkda: CUDA kernels not built: {why}");
             println!("cargo:rustc-env=FLASHKDA_KERNELS_BUILT=0");
             println!("cargo:rustc-env=FLASHKDA_NVCC=");
-            rs.push_str(&format!("/// Why the kernels were not built.\npub const NOT_BUILT: &str = {why:?};\n"));
+            rs.push_str(&format!(
+                "/// Why the kernels were not built.\npub const NOT_BUILT: &str = {why:?};\n"
+            ));
             rs.push_str("pub static CUBINS: &[(&str, &[u8])] = &[];\n");
         }
     }

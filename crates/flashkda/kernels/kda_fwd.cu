@@ -300,6 +300,7 @@ __device__ __forceinline__ void kda_fwd_body(const KdaParams& p) {
 #pragma unroll
           for (int i = 0; i < CH; ++i) sm.inv[i][jc] = __float2bfloat16_rn(x[i]);
         }
+        __syncwarp();
       } else {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)

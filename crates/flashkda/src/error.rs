@@ -4,15 +4,37 @@
 #[derive(Debug, thiserror::Error)]
 pub enum FlashKdaError {
     #[error("{tensor}: expected dtype {expected}, got {found}")]
-    DType { tensor: &'static str, expected: &'static str, found: String },
+    DType {
+        tensor: &'static str,
+        expected: &'static str,
+        found: String,
+    },
     #[error("{tensor}: expected shape {expected}, got {found:?}")]
-    Shape { tensor: &'static str, expected: String, found: Vec<usize> },
-    #[error("{tensor}: must be contiguous row-major; shape {shape:?} has strides {strides:?} (elements)")]
-    NotContiguous { tensor: &'static str, shape: Vec<usize>, strides: Vec<isize> },
+    Shape {
+        tensor: &'static str,
+        expected: String,
+        found: Vec<usize>,
+    },
+    #[error(
+        "{tensor}: must be contiguous row-major; shape {shape:?} has strides {strides:?} (elements)"
+    )]
+    NotContiguous {
+        tensor: &'static str,
+        shape: Vec<usize>,
+        strides: Vec<isize>,
+    },
     #[error("{tensor}: data pointer {ptr:#x} is not {align}-byte aligned")]
-    Misaligned { tensor: &'static str, ptr: u64, align: u64 },
+    Misaligned {
+        tensor: &'static str,
+        ptr: u64,
+        align: u64,
+    },
     #[error("{tensor}: is on {found}, expected cuda:{expected}")]
-    Device { tensor: &'static str, expected: usize, found: String },
+    Device {
+        tensor: &'static str,
+        expected: usize,
+        found: String,
+    },
     #[error("{tensor}: null data pointer for a non-empty tensor")]
     NullPointer { tensor: &'static str },
     #[error("lower_bound {0} is outside [-5, 0)")]
@@ -22,7 +44,10 @@ pub enum FlashKdaError {
     #[error("cu_seqlens given with batch {0}: pack the sequences into batch 1")]
     VarlenBatch(usize),
     #[error("initial_state is {initial}, final_state is {final_}: state dtypes must match")]
-    StateDTypeMismatch { initial: &'static str, final_: &'static str },
+    StateDTypeMismatch {
+        initial: &'static str,
+        final_: &'static str,
+    },
     #[error("cu_seqlens {0}")]
     CuSeqlens(String),
     #[error("problem too large: {0}")]
@@ -32,16 +57,32 @@ pub enum FlashKdaError {
          \"cuda-toolkit[nvcc,crt,nvvm,cudart,cccl]==13.0.2\"`), set CUDA_HOME=/opt/cuda13/nvidia/cu13 and rebuild"
     )]
     KernelsNotBuilt(&'static str),
-    #[error("cuda:{ordinal} has compute capability {major}.{minor}; the flashkda kernels need sm_90 (Hopper)")]
-    Arch { ordinal: usize, major: i32, minor: i32 },
+    #[error(
+        "no CUDA driver: libcuda could not be loaded (no NVIDIA GPU or driver on this machine)"
+    )]
+    NoDriver,
+    #[error(
+        "cuda:{ordinal} has compute capability {major}.{minor}; the flashkda kernels need sm_90 (Hopper)"
+    )]
+    Arch {
+        ordinal: usize,
+        major: i32,
+        minor: i32,
+    },
     #[error("CUDA driver error during {what}: {source}")]
-    Driver { what: &'static str, source: cudarc::driver::DriverError },
+    Driver {
+        what: &'static str,
+        source: cudarc::driver::DriverError,
+    },
 }
 
 impl FlashKdaError {
     /// Errors caused by the caller's arguments (as opposed to the machine or the build).
     pub fn is_invalid_argument(&self) -> bool {
-        !matches!(self, Self::KernelsNotBuilt(_) | Self::Arch { .. } | Self::Driver { .. })
+        !matches!(
+            self,
+            Self::KernelsNotBuilt(_) | Self::NoDriver | Self::Arch { .. } | Self::Driver { .. }
+        )
     }
 }
 

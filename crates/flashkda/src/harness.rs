@@ -18,9 +18,17 @@ pub struct StateIo {
 }
 
 impl StateIo {
-    pub const NONE: StateIo = StateIo { initial: false, final_: false, fp32: false };
+    pub const NONE: StateIo = StateIo {
+        initial: false,
+        final_: false,
+        fp32: false,
+    };
     pub fn both(fp32: bool) -> Self {
-        StateIo { initial: true, final_: true, fp32 }
+        StateIo {
+            initial: true,
+            final_: true,
+            fp32,
+        }
     }
     pub fn label(&self) -> String {
         let d = if self.fp32 { "fp32" } else { "bf16" };
@@ -65,27 +73,40 @@ pub struct DeviceProblem {
 }
 
 fn bits(x: &[f32]) -> Vec<u16> {
-    x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()
+    x.iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
 }
 
 impl DeviceProblem {
     /// Uploads `p`. With `batched`, the sequences (all of equal length) become batch rows and
     /// no `cu_seqlens` is passed; otherwise batch is 1 and `cu_seqlens` is passed when there is
     /// more than one sequence.
-    pub fn upload(stream: &Arc<CudaStream>, p: &KdaProblem, state: StateIo, batched: bool) -> Result<Self, FlashKdaError> {
+    pub fn upload(
+        stream: &Arc<CudaStream>,
+        p: &KdaProblem,
+        state: StateIo,
+        batched: bool,
+    ) -> Result<Self, FlashKdaError> {
         let t = p.tokens();
         let n = p.seq_lens.len();
         let s = stream;
         let (batch, seq_len, varlen) = if batched {
-            assert!(p.seq_lens.iter().all(|&l| l == p.seq_lens[0]), "batched needs equal lengths");
+            assert!(
+                p.seq_lens.iter().all(|&l| l == p.seq_lens[0]),
+                "batched needs equal lengths"
+            );
             (n, p.seq_lens[0], false)
         } else {
             (1, t, n > 1)
         };
         let up16 = |x: &[f32]| s.clone_htod(&bits(x)).during("upload");
         let act = t * p.heads * HEAD_DIM;
-        let mut out = s.clone_htod(&vec![NAN_BF16; act + CANARY_LEN]).during("upload")?;
-        s.memcpy_htod(&[CANARY_BF16; CANARY_LEN], &mut out.slice_mut(act..)).during("upload")?;
+        let mut out = s
+            .clone_htod(&vec![NAN_BF16; act + CANARY_LEN])
+            .during("upload")?;
+        s.memcpy_htod(&[CANARY_BF16; CANARY_LEN], &mut out.slice_mut(act..))
+            .during("upload")?;
         let st_len = n * p.heads * HEAD_DIM * HEAD_DIM;
         let h0_src: Vec<f32> = p.initial_state.clone().unwrap_or_else(|| vec![0.0; st_len]);
         let (mut h0_bf16, mut h0_f32, mut ht_bf16, mut ht_f32) = (None, None, None, None);
@@ -127,7 +148,11 @@ impl DeviceProblem {
             h0_f32,
             ht_bf16,
             ht_f32,
-            cu: if varlen { Some(s.clone_htod(&p.cu_seqlens()).during("upload")?) } else { None },
+            cu: if varlen {
+                Some(s.clone_htod(&p.cu_seqlens()).during("upload")?)
+            } else {
+                None
+            },
             scale: p.scale,
             lower_bound: p.lower_bound,
         })
@@ -143,7 +168,9 @@ impl DeviceProblem {
         let act = [self.batch, self.seq_len, self.heads, HEAD_DIM];
         let st = [self.num_seqs, self.heads, HEAD_DIM, HEAD_DIM];
         let state = |b: &Option<CudaSlice<u16>>, f: &Option<CudaSlice<f32>>| {
-            b.as_ref().map(|x| self.view(x, DType::BF16, &st)).or_else(|| f.as_ref().map(|x| self.view(x, DType::F32, &st)))
+            b.as_ref()
+                .map(|x| self.view(x, DType::BF16, &st))
+                .or_else(|| f.as_ref().map(|x| self.view(x, DType::F32, &st)))
         };
         FwdArgs {
             q: self.view(&self.q, DType::BF16, &act),
@@ -156,7 +183,10 @@ impl DeviceProblem {
             dt_bias: self.view(&self.dt_bias, DType::F32, &[self.heads, HEAD_DIM]),
             initial_state: state(&self.h0_bf16, &self.h0_f32),
             final_state: state(&self.ht_bf16, &self.ht_f32),
-            cu_seqlens: self.cu.as_ref().map(|c| self.view(c, DType::I64, &[self.num_seqs + 1])),
+            cu_seqlens: self
+                .cu
+                .as_ref()
+                .map(|c| self.view(c, DType::I64, &[self.num_seqs + 1])),
             scale: self.scale,
             lower_bound: self.lower_bound,
         }
@@ -166,14 +196,17 @@ impl DeviceProblem {
     pub fn poison(&mut self) -> Result<(), FlashKdaError> {
         let s = self.stream.clone();
         let act = self.out.len() - CANARY_LEN;
-        s.memcpy_htod(&vec![NAN_BF16; act], &mut self.out.slice_mut(..act)).during("poison")?;
+        s.memcpy_htod(&vec![NAN_BF16; act], &mut self.out.slice_mut(..act))
+            .during("poison")?;
         if let Some(h) = self.ht_bf16.as_mut() {
             let n = h.len() - CANARY_LEN;
-            s.memcpy_htod(&vec![NAN_BF16; n], &mut h.slice_mut(..n)).during("poison")?;
+            s.memcpy_htod(&vec![NAN_BF16; n], &mut h.slice_mut(..n))
+                .during("poison")?;
         }
         if let Some(h) = self.ht_f32.as_mut() {
             let n = h.len() - CANARY_LEN;
-            s.memcpy_htod(&vec![f32::NAN; n], &mut h.slice_mut(..n)).during("poison")?;
+            s.memcpy_htod(&vec![f32::NAN; n], &mut h.slice_mut(..n))
+                .during("poison")?;
         }
         Ok(())
     }
@@ -186,7 +219,10 @@ impl DeviceProblem {
         if o[act..].iter().any(|&b| b != CANARY_BF16) {
             return Err("canary after `out` overwritten".into());
         }
-        let out = o[..act].iter().map(|&b| f64::from(half::bf16::from_bits(b).to_f32())).collect();
+        let out = o[..act]
+            .iter()
+            .map(|&b| f64::from(half::bf16::from_bits(b).to_f32()))
+            .collect();
         let mut st = Vec::new();
         if let Some(h) = &self.ht_bf16 {
             let x = s.clone_dtoh(h).map_err(|e| e.to_string())?;
@@ -194,7 +230,10 @@ impl DeviceProblem {
             if x[n..].iter().any(|&b| b != CANARY_BF16) {
                 return Err("canary after `final_state` overwritten".into());
             }
-            st = x[..n].iter().map(|&b| f64::from(half::bf16::from_bits(b).to_f32())).collect();
+            st = x[..n]
+                .iter()
+                .map(|&b| f64::from(half::bf16::from_bits(b).to_f32()))
+                .collect();
         }
         if let Some(h) = &self.ht_f32 {
             let x = s.clone_dtoh(h).map_err(|e| e.to_string())?;

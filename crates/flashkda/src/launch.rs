@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use crate::error::{DriverContext, FlashKdaError};
 use crate::validate::{FwdArgs, FwdPlan, StateDType, check_cu_seqlens, validate};
@@ -25,6 +27,16 @@ fn not_built_reason() -> &'static str {
 #[cfg(not(flashkda_kernels))]
 fn not_built_reason() -> &'static str {
     built::NOT_BUILT
+}
+
+/// The primary context of CUDA device `ordinal` (shared with torch and other libraries), or
+/// [`FlashKdaError::NoDriver`] where no driver is installed (instead of cudarc's panic).
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, FlashKdaError> {
+    // SAFETY: only probes whether libcuda can be dlopened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(FlashKdaError::NoDriver);
+    }
+    CudaContext::new(ordinal).during("opening the CUDA device")
 }
 
 /// Mirror of `struct KdaParams` in `kernels/kda_fwd.cu` (passed by value).
@@ -77,7 +89,10 @@ pub struct FwdOptions {
 
 impl Default for FwdOptions {
     fn default() -> Self {
-        FwdOptions { value_split: ValueSplit::Auto, check_cu_seqlens: true }
+        FwdOptions {
+            value_split: ValueSplit::Auto,
+            check_cu_seqlens: true,
+        }
     }
 }
 
@@ -96,18 +111,36 @@ impl KdaKernels {
         let Some((_, cubin)) = built::CUBINS.iter().find(|(stem, _)| *stem == "kda_fwd") else {
             return Err(FlashKdaError::KernelsNotBuilt(not_built_reason()));
         };
-        let (major, minor) = ctx.compute_capability().during("reading compute capability")?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .during("reading compute capability")?;
         if (major, minor) != (9, 0) {
-            return Err(FlashKdaError::Arch { ordinal: ctx.ordinal(), major, minor });
+            return Err(FlashKdaError::Arch {
+                ordinal: ctx.ordinal(),
+                major,
+                minor,
+            });
         }
-        let module =
-            ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec())).during("loading the kda_fwd cubin")?;
-        let two_warps = module.load_function("kda_fwd_w2").during("loading kda_fwd_w2")?;
-        let four_warps = module.load_function("kda_fwd_w4").during("loading kda_fwd_w4")?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()))
+            .during("loading the kda_fwd cubin")?;
+        let two_warps = module
+            .load_function("kda_fwd_w2")
+            .during("loading kda_fwd_w2")?;
+        let four_warps = module
+            .load_function("kda_fwd_w4")
+            .during("loading kda_fwd_w4")?;
         let sm_count = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
             .during("reading the SM count")? as usize;
-        Ok(KdaKernels { ctx: ctx.clone(), two_warps, four_warps, sm_count })
+        Ok(KdaKernels {
+            ctx: ctx.clone(),
+            two_warps,
+            four_warps,
+            sm_count,
+        })
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -116,13 +149,22 @@ impl KdaKernels {
 
     /// The split `Auto` picks for `chains` = sequences x heads.
     pub fn auto_split(&self, chains: usize) -> ValueSplit {
-        if chains * 2 < 2 * self.sm_count { ValueSplit::Four } else { ValueSplit::Two }
+        if chains * 2 < 2 * self.sm_count {
+            ValueSplit::Four
+        } else {
+            ValueSplit::Two
+        }
     }
 }
 
 /// Validates `args`, checks `cu_seqlens` (unless disabled) and enqueues the forward on `stream`.
 /// Device pointers in `args` must stay valid until the stream has run the kernel.
-pub fn fwd(kernels: &KdaKernels, stream: &CudaStream, args: &FwdArgs, opts: &FwdOptions) -> Result<FwdPlan, FlashKdaError> {
+pub fn fwd(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+    args: &FwdArgs,
+    opts: &FwdOptions,
+) -> Result<FwdPlan, FlashKdaError> {
     let plan = validate(args)?;
     if plan.ordinal != kernels.ctx.ordinal() {
         return Err(FlashKdaError::Device {
@@ -173,7 +215,11 @@ pub fn fwd(kernels: &KdaKernels, stream: &CudaStream, args: &FwdArgs, opts: &Fwd
         scale: args.scale,
         lower_bound: args.lower_bound,
     };
-    let cfg = LaunchConfig { grid_dim: (chains as u32 * slices, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (chains as u32 * slices, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let mut launch = stream.launch_builder(func);
     launch.arg(&params);
     // SAFETY: the kernel reads/writes only the validated tensors described by `params`.

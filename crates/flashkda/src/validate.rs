@@ -60,7 +60,13 @@ impl TensorView {
         for i in (0..shape.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * shape[i + 1] as isize;
         }
-        TensorView { ptr, dtype, shape: shape.to_vec(), strides, device: Device::Cuda(ordinal) }
+        TensorView {
+            ptr,
+            dtype,
+            shape: shape.to_vec(),
+            strides,
+            device: Device::Cuda(ordinal),
+        }
     }
 
     pub fn numel(&self) -> usize {
@@ -111,37 +117,75 @@ pub struct FwdPlan {
 
 fn check_dtype(name: &'static str, t: &TensorView, want: DType) -> Result<(), FlashKdaError> {
     if t.dtype != want {
-        return Err(FlashKdaError::DType { tensor: name, expected: want.name(), found: t.dtype.name().into() });
+        return Err(FlashKdaError::DType {
+            tensor: name,
+            expected: want.name(),
+            found: t.dtype.name().into(),
+        });
     }
     Ok(())
 }
 
-fn check_layout(name: &'static str, t: &TensorView, shape: &[usize], ordinal: usize, align: u64) -> Result<(), FlashKdaError> {
+fn check_layout(
+    name: &'static str,
+    t: &TensorView,
+    shape: &[usize],
+    ordinal: usize,
+    align: u64,
+) -> Result<(), FlashKdaError> {
     if t.shape != shape {
         let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-        return Err(FlashKdaError::Shape { tensor: name, expected: format!("[{}]", dims.join(", ")), found: t.shape.clone() });
+        return Err(FlashKdaError::Shape {
+            tensor: name,
+            expected: format!("[{}]", dims.join(", ")),
+            found: t.shape.clone(),
+        });
     }
     if t.strides.len() != t.shape.len() {
-        return Err(FlashKdaError::NotContiguous { tensor: name, shape: t.shape.clone(), strides: t.strides.clone() });
+        return Err(FlashKdaError::NotContiguous {
+            tensor: name,
+            shape: t.shape.clone(),
+            strides: t.strides.clone(),
+        });
     }
     let mut expect = 1isize;
     for i in (0..t.shape.len()).rev() {
         if t.shape[i] > 1 && t.strides[i] != expect {
-            return Err(FlashKdaError::NotContiguous { tensor: name, shape: t.shape.clone(), strides: t.strides.clone() });
+            return Err(FlashKdaError::NotContiguous {
+                tensor: name,
+                shape: t.shape.clone(),
+                strides: t.strides.clone(),
+            });
         }
         expect *= t.shape[i] as isize;
     }
     match &t.device {
         Device::Cuda(o) if *o == ordinal => {}
-        Device::Cuda(o) => return Err(FlashKdaError::Device { tensor: name, expected: ordinal, found: format!("cuda:{o}") }),
-        Device::Other(s) => return Err(FlashKdaError::Device { tensor: name, expected: ordinal, found: s.clone() }),
+        Device::Cuda(o) => {
+            return Err(FlashKdaError::Device {
+                tensor: name,
+                expected: ordinal,
+                found: format!("cuda:{o}"),
+            });
+        }
+        Device::Other(s) => {
+            return Err(FlashKdaError::Device {
+                tensor: name,
+                expected: ordinal,
+                found: s.clone(),
+            });
+        }
     }
     if t.numel() > 0 {
         if t.ptr == 0 {
             return Err(FlashKdaError::NullPointer { tensor: name });
         }
-        if t.ptr % align != 0 {
-            return Err(FlashKdaError::Misaligned { tensor: name, ptr: t.ptr, align });
+        if !t.ptr.is_multiple_of(align) {
+            return Err(FlashKdaError::Misaligned {
+                tensor: name,
+                ptr: t.ptr,
+                align,
+            });
         }
     }
     Ok(())
@@ -152,23 +196,50 @@ fn check_layout(name: &'static str, t: &TensorView, shape: &[usize], ordinal: us
 pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
     let ordinal = match &args.q.device {
         Device::Cuda(o) => *o,
-        Device::Other(s) => return Err(FlashKdaError::Device { tensor: "q", expected: 0, found: s.clone() }),
+        Device::Other(s) => {
+            return Err(FlashKdaError::Device {
+                tensor: "q",
+                expected: 0,
+                found: s.clone(),
+            });
+        }
     };
-    for (name, t) in [("q", &args.q), ("k", &args.k), ("v", &args.v), ("g", &args.g), ("beta", &args.beta), ("out", &args.out)] {
+    for (name, t) in [
+        ("q", &args.q),
+        ("k", &args.k),
+        ("v", &args.v),
+        ("g", &args.g),
+        ("beta", &args.beta),
+        ("out", &args.out),
+    ] {
         check_dtype(name, t, DType::BF16)?;
     }
     check_dtype("A_log", &args.a_log, DType::F32)?;
     check_dtype("dt_bias", &args.dt_bias, DType::F32)?;
     let s = &args.q.shape;
     if s.len() != 4 || s[3] != HEAD_DIM {
-        return Err(FlashKdaError::Shape { tensor: "q", expected: format!("[B, T, H, {HEAD_DIM}]"), found: s.clone() });
+        return Err(FlashKdaError::Shape {
+            tensor: "q",
+            expected: format!("[B, T, H, {HEAD_DIM}]"),
+            found: s.clone(),
+        });
     }
     let (batch, seq_len, heads) = (s[0], s[1], s[2]);
     if heads == 0 {
-        return Err(FlashKdaError::Shape { tensor: "q", expected: "H >= 1".into(), found: s.clone() });
+        return Err(FlashKdaError::Shape {
+            tensor: "q",
+            expected: "H >= 1".into(),
+            found: s.clone(),
+        });
     }
     let act = [batch, seq_len, heads, HEAD_DIM];
-    for (name, t) in [("q", &args.q), ("k", &args.k), ("v", &args.v), ("g", &args.g), ("out", &args.out)] {
+    for (name, t) in [
+        ("q", &args.q),
+        ("k", &args.k),
+        ("v", &args.v),
+        ("g", &args.g),
+        ("out", &args.out),
+    ] {
         check_layout(name, t, &act, ordinal, 16)?;
     }
     check_layout("beta", &args.beta, &[batch, seq_len, heads], ordinal, 2)?;
@@ -188,7 +259,11 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
             }
             check_dtype("cu_seqlens", cu, DType::I64)?;
             if cu.shape.len() != 1 || cu.shape[0] < 2 {
-                return Err(FlashKdaError::Shape { tensor: "cu_seqlens", expected: "[N + 1] with N >= 1".into(), found: cu.shape.clone() });
+                return Err(FlashKdaError::Shape {
+                    tensor: "cu_seqlens",
+                    expected: "[N + 1] with N >= 1".into(),
+                    found: cu.shape.clone(),
+                });
             }
             check_layout("cu_seqlens", cu, &cu.shape.clone(), ordinal, 8)?;
             cu.shape[0] - 1
@@ -198,37 +273,83 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
         let d = match t.dtype {
             DType::BF16 => StateDType::BF16,
             DType::F32 => StateDType::F32,
-            other => return Err(FlashKdaError::DType { tensor: name, expected: "bfloat16 or float32", found: other.name().into() }),
+            other => {
+                return Err(FlashKdaError::DType {
+                    tensor: name,
+                    expected: "bfloat16 or float32",
+                    found: other.name().into(),
+                });
+            }
         };
         check_layout(name, t, &[num_seqs, heads, HEAD_DIM, HEAD_DIM], ordinal, 8)?;
         Ok(d)
     };
-    let h0 = args.initial_state.as_ref().map(|t| state_dtype("initial_state", t)).transpose()?;
-    let ht = args.final_state.as_ref().map(|t| state_dtype("final_state", t)).transpose()?;
+    let h0 = args
+        .initial_state
+        .as_ref()
+        .map(|t| state_dtype("initial_state", t))
+        .transpose()?;
+    let ht = args
+        .final_state
+        .as_ref()
+        .map(|t| state_dtype("final_state", t))
+        .transpose()?;
     let state = match (h0, ht) {
         (Some(a), Some(b)) if a != b => {
-            let n = |d: StateDType| if d == StateDType::BF16 { "bfloat16" } else { "float32" };
-            return Err(FlashKdaError::StateDTypeMismatch { initial: n(a), final_: n(b) });
+            let n = |d: StateDType| {
+                if d == StateDType::BF16 {
+                    "bfloat16"
+                } else {
+                    "float32"
+                }
+            };
+            return Err(FlashKdaError::StateDTypeMismatch {
+                initial: n(a),
+                final_: n(b),
+            });
         }
         (a, b) => a.or(b),
     };
     let blocks = num_seqs as u64 * heads as u64 * 4;
-    if blocks > i32::MAX as u64 || (batch * seq_len) as u64 > (i64::MAX as u64) / (heads as u64 * 256) {
-        return Err(FlashKdaError::TooLarge(format!("{num_seqs} sequences x {heads} heads")));
+    if blocks > i32::MAX as u64
+        || (batch * seq_len) as u64 > (i64::MAX as u64) / (heads as u64 * 256)
+    {
+        return Err(FlashKdaError::TooLarge(format!(
+            "{num_seqs} sequences x {heads} heads"
+        )));
     }
-    Ok(FwdPlan { batch, seq_len, heads, num_seqs, varlen: args.cu_seqlens.is_some(), state, ordinal })
+    Ok(FwdPlan {
+        batch,
+        seq_len,
+        heads,
+        num_seqs,
+        varlen: args.cu_seqlens.is_some(),
+        state,
+        ordinal,
+    })
 }
 
 /// Checks `cu_seqlens` contents read back to the host: starts at 0, non-decreasing, ends at `total`.
 pub fn check_cu_seqlens(cu: &[i64], total: usize) -> Result<(), FlashKdaError> {
     if cu.first() != Some(&0) {
-        return Err(FlashKdaError::CuSeqlens(format!("must start at 0, starts at {:?}", cu.first())));
+        return Err(FlashKdaError::CuSeqlens(format!(
+            "must start at 0, starts at {:?}",
+            cu.first()
+        )));
     }
     if let Some(w) = cu.windows(2).position(|w| w[1] < w[0]) {
-        return Err(FlashKdaError::CuSeqlens(format!("decreases at index {}: {} -> {}", w, cu[w], cu[w + 1])));
+        return Err(FlashKdaError::CuSeqlens(format!(
+            "decreases at index {}: {} -> {}",
+            w,
+            cu[w],
+            cu[w + 1]
+        )));
     }
     if *cu.last().unwrap() != total as i64 {
-        return Err(FlashKdaError::CuSeqlens(format!("ends at {}, expected T = {total}", cu.last().unwrap())));
+        return Err(FlashKdaError::CuSeqlens(format!(
+            "ends at {}, expected T = {total}",
+            cu.last().unwrap()
+        )));
     }
     Ok(())
 }

@@ -5,7 +5,10 @@ use flashkda::reference::metrics::{max_abs_diff, rel_frobenius};
 use flashkda::reference::{HEAD_DIM, KdaProblem, chunked_f64, recurrence_f64};
 
 fn seed() -> u64 {
-    let s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
     println!("seed {s}");
     s
 }
@@ -16,9 +19,15 @@ fn chunked_form_matches_recurrence_varlen_with_state() {
     let r = recurrence_f64(&p);
     for chunk in [16, 5, 64] {
         let c = chunked_f64(&p, chunk);
-        let (eo, es) = (rel_frobenius(&c.out, &r.out), rel_frobenius(&c.final_state, &r.final_state));
+        let (eo, es) = (
+            rel_frobenius(&c.out, &r.out),
+            rel_frobenius(&c.final_state, &r.final_state),
+        );
         println!("chunk {chunk}: out {eo:e} state {es:e}");
-        assert!(eo < 1e-12 && es < 1e-12, "chunk {chunk}: out {eo:e} state {es:e}");
+        assert!(
+            eo < 1e-12 && es < 1e-12,
+            "chunk {chunk}: out {eo:e} state {es:e}"
+        );
     }
 }
 
@@ -46,7 +55,11 @@ fn single_token_output_is_scaled_beta_value() {
     let beta = 1.0 / (1.0 + (-f64::from(p.beta[0])).exp());
     for c in 0..HEAD_DIM {
         let want = f64::from(p.scale) * beta * f64::from(p.v[c]) * nrm2;
-        assert!((r.out[c] - want).abs() < 1e-12, "channel {c}: {} vs {want}", r.out[c]);
+        assert!(
+            (r.out[c] - want).abs() < 1e-12,
+            "channel {c}: {} vs {want}",
+            r.out[c]
+        );
     }
 }
 
@@ -58,7 +71,10 @@ fn zero_length_sequence_passes_state_through() {
         let h0 = p.initial_state.as_ref().unwrap();
         for h in 0..2 {
             let at = (2 + h) * hd2; // sequence 1, head h
-            let same = out.final_state[at..at + hd2].iter().zip(&h0[at..at + hd2]).all(|(a, b)| *a == f64::from(*b));
+            let same = out.final_state[at..at + hd2]
+                .iter()
+                .zip(&h0[at..at + hd2])
+                .all(|(a, b)| *a == f64::from(*b));
             assert!(same, "head {h}: zero-length sequence changed its state");
         }
     }
@@ -68,20 +84,40 @@ fn zero_length_sequence_passes_state_through() {
 fn emulated_rounding_stays_within_bf16_error_of_float64() {
     let p = KdaProblem::random(&[100, 37], 3, true, seed());
     let (r, e) = (recurrence_f64(&p), emulated(&p));
-    let (eo, es) = (rel_frobenius(&e.out, &r.out), rel_frobenius(&e.final_state, &r.final_state));
-    println!("emulated vs f64: out {eo:e} state {es:e} max|d| {:e}", max_abs_diff(&e.out, &r.out));
-    assert!(eo > 1e-5, "the emulation must actually round (out rel {eo:e})");
+    let (eo, es) = (
+        rel_frobenius(&e.out, &r.out),
+        rel_frobenius(&e.final_state, &r.final_state),
+    );
+    println!(
+        "emulated vs f64: out {eo:e} state {es:e} max|d| {:e}",
+        max_abs_diff(&e.out, &r.out)
+    );
+    assert!(
+        eo > 1e-5,
+        "the emulation must actually round (out rel {eo:e})"
+    );
     assert!(eo < 6e-3 && es < 6e-3, "out {eo:e} state {es:e}");
 }
 
 #[test]
 fn kernels_compiled_when_required() {
     let required = std::env::var("K3_REQUIRE_KERNELS").is_ok_and(|v| v == "1");
-    println!("kernels built: {} ({})", flashkda::kernels_built(), flashkda::KERNELS_BUILT_ENV);
+    println!(
+        "kernels built: {} ({})",
+        flashkda::kernels_built(),
+        flashkda::KERNELS_BUILT_ENV
+    );
     if required {
-        assert_eq!(flashkda::KERNELS_BUILT_ENV, "1", "K3_REQUIRE_KERNELS=1 but the sm_90a kernels were not compiled");
+        assert_eq!(
+            flashkda::KERNELS_BUILT_ENV,
+            "1",
+            "K3_REQUIRE_KERNELS=1 but the sm_90a kernels were not compiled"
+        );
         assert!(flashkda::kernels_built());
     } else {
-        assert_eq!(flashkda::kernels_built(), flashkda::KERNELS_BUILT_ENV == "1");
+        assert_eq!(
+            flashkda::kernels_built(),
+            flashkda::KERNELS_BUILT_ENV == "1"
+        );
     }
 }

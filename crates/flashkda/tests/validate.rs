@@ -29,7 +29,10 @@ fn args(b: usize, tt: usize, h: usize) -> FwdArgs {
 #[test]
 fn accepts_fixed_and_varlen() {
     let p = validate(&args(2, 64, 4)).unwrap();
-    assert_eq!((p.batch, p.seq_len, p.heads, p.num_seqs, p.varlen), (2, 64, 4, 2, false));
+    assert_eq!(
+        (p.batch, p.seq_len, p.heads, p.num_seqs, p.varlen),
+        (2, 64, 4, 2, false)
+    );
     let mut a = args(1, 64, 4);
     a.cu_seqlens = Some(t(DType::I64, &[4], 0x9000));
     a.initial_state = Some(t(DType::F32, &[3, 4, 128, 128], 0xa000));
@@ -41,32 +44,53 @@ fn accepts_fixed_and_varlen() {
 fn rejects_bad_arguments_with_typed_errors() {
     let mut a = args(1, 8, 2);
     a.k.dtype = DType::F32;
-    assert!(matches!(validate(&a), Err(FlashKdaError::DType { tensor: "k", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::DType { tensor: "k", .. })
+    ));
 
     let mut a = args(1, 8, 2);
     a.q = t(DType::BF16, &[1, 8, 2, 64], 0x1000);
-    assert!(matches!(validate(&a), Err(FlashKdaError::Shape { tensor: "q", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::Shape { tensor: "q", .. })
+    ));
 
     let mut a = args(1, 8, 2);
     a.v.strides = vec![8 * 2 * 128, 128, 8 * 128, 1]; // [B, H, T, D] memory viewed as [B, T, H, D]
-    assert!(matches!(validate(&a), Err(FlashKdaError::NotContiguous { tensor: "v", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::NotContiguous { tensor: "v", .. })
+    ));
 
     let mut a = args(1, 8, 2);
     a.g.ptr = 0x4002;
-    assert!(matches!(validate(&a), Err(FlashKdaError::Misaligned { tensor: "g", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::Misaligned { tensor: "g", .. })
+    ));
 
     let mut a = args(1, 8, 2);
     a.out.device = Device::Other("cpu".into());
-    assert!(matches!(validate(&a), Err(FlashKdaError::Device { tensor: "out", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::Device { tensor: "out", .. })
+    ));
 
     let mut a = args(1, 8, 2);
     a.beta.device = Device::Cuda(1);
-    assert!(matches!(validate(&a), Err(FlashKdaError::Device { tensor: "beta", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::Device { tensor: "beta", .. })
+    ));
 
     for lb in [-6.0, 0.0, 0.5, f32::NAN] {
         let mut a = args(1, 8, 2);
         a.lower_bound = lb;
-        assert!(matches!(validate(&a), Err(FlashKdaError::LowerBound(_))), "lower_bound {lb}");
+        assert!(
+            matches!(validate(&a), Err(FlashKdaError::LowerBound(_))),
+            "lower_bound {lb}"
+        );
     }
 
     let mut a = args(2, 8, 2);
@@ -75,30 +99,63 @@ fn rejects_bad_arguments_with_typed_errors() {
 
     let mut a = args(1, 8, 2);
     a.cu_seqlens = Some(t(DType::BF16, &[3], 0x9000));
-    assert!(matches!(validate(&a), Err(FlashKdaError::DType { tensor: "cu_seqlens", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::DType {
+            tensor: "cu_seqlens",
+            ..
+        })
+    ));
 
     let mut a = args(1, 8, 2);
     a.initial_state = Some(t(DType::BF16, &[1, 2, 128, 128], 0xa000));
     a.final_state = Some(t(DType::F32, &[1, 2, 128, 128], 0xb000));
-    assert!(matches!(validate(&a), Err(FlashKdaError::StateDTypeMismatch { .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::StateDTypeMismatch { .. })
+    ));
 
     let mut a = args(1, 8, 2);
     a.final_state = Some(t(DType::F32, &[2, 2, 128, 128], 0xb000));
-    assert!(matches!(validate(&a), Err(FlashKdaError::Shape { tensor: "final_state", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::Shape {
+            tensor: "final_state",
+            ..
+        })
+    ));
 
     let mut a = args(1, 8, 2);
     a.dt_bias = t(DType::F32, &[2], 0x8000);
-    assert!(matches!(validate(&a), Err(FlashKdaError::Shape { tensor: "dt_bias", .. })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::Shape {
+            tensor: "dt_bias",
+            ..
+        })
+    ));
 
     let mut a = args(1, 8, 2);
     a.k.ptr = 0;
-    assert!(matches!(validate(&a), Err(FlashKdaError::NullPointer { tensor: "k" })));
+    assert!(matches!(
+        validate(&a),
+        Err(FlashKdaError::NullPointer { tensor: "k" })
+    ));
 }
 
 #[test]
 fn cu_seqlens_contents() {
     assert!(check_cu_seqlens(&[0, 3, 3, 10], 10).is_ok());
-    assert!(matches!(check_cu_seqlens(&[1, 3, 10], 10), Err(FlashKdaError::CuSeqlens(_))));
-    assert!(matches!(check_cu_seqlens(&[0, 5, 3, 10], 10), Err(FlashKdaError::CuSeqlens(_))));
-    assert!(matches!(check_cu_seqlens(&[0, 3, 9], 10), Err(FlashKdaError::CuSeqlens(_))));
+    assert!(matches!(
+        check_cu_seqlens(&[1, 3, 10], 10),
+        Err(FlashKdaError::CuSeqlens(_))
+    ));
+    assert!(matches!(
+        check_cu_seqlens(&[0, 5, 3, 10], 10),
+        Err(FlashKdaError::CuSeqlens(_))
+    ));
+    assert!(matches!(
+        check_cu_seqlens(&[0, 3, 9], 10),
+        Err(FlashKdaError::CuSeqlens(_))
+    ));
 }

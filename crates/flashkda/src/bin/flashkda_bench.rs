@@ -1,1 +1,429 @@
-fn main() {}
+//! `flashkda-bench --tier <cpu|sm90|nvlink|kvm> --out report.json`
+//!
+//! - cpu: reference timings (float64 recurrence vs chunked vs kernel-rounding emulation).
+//! - sm90: our kernel on the six anchor shapes (T = 8192, H in {96, 64}, fixed / varlen6 /
+//!   1024x8), CUDA-event timed, then fla's Triton `chunk_kda` timed in the same run by spawning
+//!   `python3 crates/flashkda/python/bench_fla.py` (which also times the wheel and checks the fla
+//!   backend hookup); anchor figures of the public FlashKDA are quoted as baselines.
+//! - nvlink, kvm: flashkda has no figures there (a `skipped` entry).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use cudarc::driver::{CudaStream, sys};
+use flashkda::harness::{DeviceProblem, StateIo};
+use flashkda::reference::emulated::emulated;
+use flashkda::reference::{KdaProblem, chunked_f64, recurrence_f64};
+use flashkda::{FwdOptions, KdaKernels, ValueSplit, fwd, open_device};
+use k3_common::Figure;
+use k3_common::report::{Machine, Plot, PlotKind, Report, Section, Series, Skipped, Tier};
+
+#[derive(Parser, Debug)]
+#[command(about = "flashkda benchmarks (writes a k3 report)")]
+struct Args {
+    #[arg(long)]
+    tier: Tier,
+    #[arg(long)]
+    out: PathBuf,
+    /// fla timing script (spawned for the same-run baseline).
+    #[arg(long, default_value = "crates/flashkda/python/bench_fla.py")]
+    fla_script: PathBuf,
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// Skip the fla baseline.
+    #[arg(long)]
+    no_fla: bool,
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    #[arg(long, default_value_t = 40)]
+    iters: usize,
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Heads to run on the sm90 tier.
+    #[arg(long, default_value = "96,64", value_delimiter = ',')]
+    heads: Vec<usize>,
+}
+
+const CASES: [(&str, &[usize]); 3] = [
+    ("fixed", &[8192]),
+    ("varlen6", &[1300, 547, 2048, 963, 271, 3063]),
+    ("1024x8", &[1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024]),
+];
+
+/// (H, case) -> (fla chunk_kda, public FlashKDA best state variant), ms, from shared/anchors.md.
+fn anchor(h: usize, case: &str) -> Option<(f64, f64)> {
+    Some(match (h, case) {
+        (96, "fixed") => (2.632, 1.405),
+        (96, "varlen6") => (2.657, 1.362),
+        (96, "1024x8") => (2.628, 1.168),
+        (64, "fixed") => (1.741, 1.187),
+        (64, "varlen6") => (1.802, 0.987),
+        (64, "1024x8") => (1.799, 0.790),
+        _ => return None,
+    })
+}
+
+fn read_first(path: &str, key: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.lines().find(|l| l.starts_with(key)).map(|l| {
+        l.split_once(if key.ends_with('=') { '=' } else { ':' })
+            .map_or("", |x| x.1)
+            .trim()
+            .trim_matches('"')
+            .to_string()
+    })
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+fn machine(gpus: Vec<String>, versions: BTreeMap<String, String>) -> Machine {
+    let mem_kib: f64 = read_first("/proc/meminfo", "MemTotal")
+        .and_then(|s| s.trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0.0);
+    Machine {
+        hostname: hostname(),
+        os: read_first("/etc/os-release", "PRETTY_NAME=").unwrap_or_default(),
+        cpu: read_first("/proc/cpuinfo", "model name").unwrap_or_default(),
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        mem_gib: mem_kib / 1048576.0,
+        gpus,
+        versions,
+    }
+}
+
+fn median(x: &[f64]) -> f64 {
+    k3_common::Stats::from_samples(x).map_or(f64::NAN, |s| s.median)
+}
+
+fn run_cpu(report: &mut Report) {
+    let p = KdaProblem::random(&[512], 4, true, 1);
+    let mut figures = Vec::new();
+    let mut time = |name: &str, f: &dyn Fn()| {
+        let samples: Vec<f64> = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        figures.push(
+            Figure::timing(name, &samples, "ms")
+                .param("H", 4)
+                .param("T", 512),
+        );
+    };
+    time("reference recurrence f64", &|| drop(recurrence_f64(&p)));
+    time("reference chunked f64 (C=16)", &|| {
+        drop(chunked_f64(&p, 16))
+    });
+    time("reference kernel-rounding emulation", &|| {
+        drop(emulated(&p))
+    });
+    report.sections.push(Section {
+        system: "flashkda".into(),
+        tier: Tier::Cpu,
+        title: "KDA CPU references".into(),
+        machine: hostname(),
+        figures,
+        plots: vec![],
+        notes: vec![
+            "command: flashkda-bench --tier cpu; one sequence of 512 tokens, 4 heads, state in+out; median of 3 runs, all cores".into(),
+        ],
+    });
+}
+
+/// Times `fwd` with CUDA events: warm-up, then `repeats` blocks of `iters` calls.
+fn time_fwd(
+    a: &Args,
+    kernels: &KdaKernels,
+    stream: &Arc<CudaStream>,
+    dev: &DeviceProblem,
+    opts: &FwdOptions,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let args = dev.args();
+    for _ in 0..a.warmup {
+        fwd(kernels, stream, &args, opts)?;
+    }
+    stream.synchronize()?;
+    let ctx = kernels.context();
+    let (mut all, mut blocks) = (Vec::new(), Vec::new());
+    for _ in 0..a.repeats {
+        let mut evs = Vec::with_capacity(a.iters);
+        for _ in 0..a.iters {
+            let s = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            let e = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            s.record(stream)?;
+            fwd(kernels, stream, &args, opts)?;
+            e.record(stream)?;
+            evs.push((s, e));
+        }
+        stream.synchronize()?;
+        let ms: Vec<f64> = evs
+            .iter()
+            .map(|(s, e)| s.elapsed_ms(e).map(f64::from))
+            .collect::<Result<_, _>>()?;
+        blocks.push(median(&ms));
+        all.extend(ms);
+    }
+    Ok((all, blocks))
+}
+
+fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
+    let ctx = match open_device(0) {
+        Ok(c) => c,
+        Err(e) => {
+            report.skipped.push(Skipped {
+                tier: Tier::Sm90,
+                machine: hostname(),
+                what: "flashkda".into(),
+                reason: e.to_string(),
+            });
+            return Ok(());
+        }
+    };
+    let kernels = match KdaKernels::load(&ctx) {
+        Ok(k) => k,
+        Err(e) => {
+            report.skipped.push(Skipped {
+                tier: Tier::Sm90,
+                machine: hostname(),
+                what: "flashkda".into(),
+                reason: e.to_string(),
+            });
+            return Ok(());
+        }
+    };
+    let gpu = ctx.name().unwrap_or_default();
+    let stream = ctx.new_stream()?;
+    let mut figures = Vec::new();
+    let mut lines = Vec::new();
+    for &h in &a.heads {
+        for (case, lens) in CASES {
+            let p = KdaProblem::random(lens, h, true, 0x6b64 + h as u64);
+            let variants: [(&str, StateIo, ValueSplit); 5] = [
+                ("fp32 state", StateIo::both(true), ValueSplit::Auto),
+                ("bf16 state", StateIo::both(false), ValueSplit::Auto),
+                ("no state", StateIo::NONE, ValueSplit::Auto),
+                ("fp32 state, 2 slices", StateIo::both(true), ValueSplit::Two),
+                (
+                    "fp32 state, 4 slices",
+                    StateIo::both(true),
+                    ValueSplit::Four,
+                ),
+            ];
+            for (label, state, split) in variants {
+                let dev = DeviceProblem::upload(&stream, &p, state, false)?;
+                let opts = FwdOptions {
+                    value_split: split,
+                    ..Default::default()
+                };
+                let (samples, blocks) = time_fwd(a, &kernels, &stream, &dev, &opts)?;
+                let m = median(&samples);
+                let spread = blocks.iter().cloned().fold(f64::MIN, f64::max)
+                    / blocks.iter().cloned().fold(f64::MAX, f64::min)
+                    - 1.0;
+                tracing::info!(h, case, label, median_ms = m, ?blocks, "timed");
+                lines.push(format!("H={h} {case} flashkda [{label}]: median {m:.4} ms, block medians {blocks:.4?} (spread {:.1} %)", spread * 100.0));
+                let mut f =
+                    Figure::timing(format!("kda fwd H={h} {case} [{label}]"), &samples, "ms")
+                        .param("H", h)
+                        .param("case", case)
+                        .param("state", label)
+                        .param("chains", lens.len() * h);
+                if let (true, Some((fla, fk))) = (label == "fp32 state", anchor(h, case)) {
+                    f = f
+                        .baseline(
+                            "public FlashKDA (anchor 2026-11-29, best state variant)",
+                            fk,
+                            false,
+                        )
+                        .baseline("fla chunk_kda (anchor 2026-11-29)", fla, false);
+                }
+                figures.push(f);
+            }
+        }
+    }
+    let mut versions = BTreeMap::new();
+    let mut notes = vec![
+        format!(
+            "command: flashkda-bench --tier sm90 --out {} (warm-up {}, {} blocks x {} calls, CUDA events around each public call incl. the cu_seqlens check)",
+            a.out.display(),
+            a.warmup,
+            a.repeats,
+            a.iters
+        ),
+        format!(
+            "GPU: {gpu}; inputs per spec kda.md §4 (bf16 randn, A_log/dt_bias U(0,1), lower_bound -5, state 0.1 randn); headline = fp32 state in+out (what fla is timed with)"
+        ),
+    ];
+    notes.extend(lines);
+    // fla in the same run
+    let mut fla: BTreeMap<(usize, String), f64> = BTreeMap::new();
+    if !a.no_fla {
+        let json = std::env::temp_dir().join(format!("flashkda_fla_{}.json", std::process::id()));
+        let heads: Vec<String> = a.heads.iter().map(|h| h.to_string()).collect();
+        let status = std::process::Command::new(&a.python)
+            .arg(&a.fla_script)
+            .args(["--out".as_ref(), json.as_os_str()])
+            .args(["--heads", &heads.join(","), "--flashkda"])
+            .args([
+                "--warmup",
+                &a.warmup.to_string(),
+                "--iters",
+                &a.iters.to_string(),
+                "--repeats",
+                &a.repeats.to_string(),
+            ])
+            .status();
+        match status
+            .map_err(anyhow::Error::from)
+            .and_then(|_| Ok(std::fs::read_to_string(&json)?))
+        {
+            Ok(text) => {
+                let v: serde_json::Value =
+                    serde_json::from_str(&text).context("parsing bench_fla.py output")?;
+                if let Some(env) = v["env"].as_object() {
+                    for (k, x) in env {
+                        versions.insert(k.clone(), x.as_str().unwrap_or_default().to_string());
+                    }
+                }
+                for row in v["rows"].as_array().cloned().unwrap_or_default() {
+                    let h = row["H"].as_u64().unwrap_or(0) as usize;
+                    let case = row["case"].as_str().unwrap_or("").to_string();
+                    let samples = |key: &str| -> Vec<f64> {
+                        row[key]["samples_ms"]
+                            .as_array()
+                            .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+                            .unwrap_or_default()
+                    };
+                    let fs = samples("fla");
+                    if !fs.is_empty() {
+                        fla.insert((h, case.clone()), median(&fs));
+                        notes.push(format!("H={h} {case} fla chunk_kda (same run): median {:.4} ms, block medians {:?}, first call {:.1} s", median(&fs), row["fla"]["block_medians_ms"], row["fla_first_call_s"].as_f64().unwrap_or(0.0)));
+                    } else {
+                        notes.push(format!("H={h} {case} fla failed: {}", row["fla_error"]));
+                    }
+                    let ws = samples("flashkda_wheel");
+                    if !ws.is_empty() {
+                        figures.push(
+                            Figure::timing(
+                                format!("kda fwd H={h} {case} [python wheel, fp32 state]"),
+                                &ws,
+                                "ms",
+                            )
+                            .param("H", h)
+                            .param("case", case.as_str()),
+                        );
+                        notes.push(format!(
+                            "H={h} {case} flashkda via wheel vs fla output: {}",
+                            row["flashkda_vs_fla"]
+                        ));
+                    }
+                }
+                notes.push(format!("fla backend hookup check: {}", v["hookup"]));
+            }
+            Err(e) => notes.push(format!("fla baseline not measured: {e:#}")),
+        }
+    }
+    let mut series = vec![
+        Series {
+            name: "flashkda (fp32 state)".into(),
+            points: vec![],
+        },
+        Series {
+            name: "fla chunk_kda, same run".into(),
+            points: vec![],
+        },
+        Series {
+            name: "public FlashKDA (anchor)".into(),
+            points: vec![],
+        },
+    ];
+    for f in figures.iter_mut() {
+        let (Some(h), Some(case)) = (
+            f.params.get("H").and_then(|x| x.parse::<usize>().ok()),
+            f.params.get("case").cloned(),
+        ) else {
+            continue;
+        };
+        if f.params.get("state").map(String::as_str) != Some("fp32 state") {
+            continue;
+        }
+        let x = format!("H={h} {case}");
+        series[0].points.push((x.clone(), f.value));
+        if let Some(&m) = fla.get(&(h, case.clone())) {
+            *f = f
+                .clone()
+                .baseline("fla chunk_kda (Triton), same run", m, true);
+            series[1].points.push((x.clone(), m));
+            notes.push(format!(
+                "{x}: {:.2}x faster than fla chunk_kda (same run)",
+                m / f.value
+            ));
+        }
+        if let Some((_, fk)) = anchor(h, &case) {
+            series[2].points.push((x.clone(), fk));
+            notes.push(format!(
+                "{x}: {:.2}x vs public FlashKDA anchor {fk} ms",
+                fk / f.value
+            ));
+        }
+    }
+    report.machines.push(machine(vec![gpu], versions));
+    report.sections.push(Section {
+        system: "flashkda".into(),
+        tier: Tier::Sm90,
+        title: "KDA chunked-prefill forward, T = 8192, K = V = 128".into(),
+        machine: hostname(),
+        figures,
+        plots: vec![Plot {
+            title: "KDA forward time per shape".into(),
+            kind: PlotKind::Bars,
+            x_label: "shape".into(),
+            y_label: "ms (lower is better)".into(),
+            series,
+        }],
+        notes,
+    });
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    k3_common::telemetry::init("info");
+    let a = Args::parse();
+    let mut report = Report::new(std::env::var("K3_COMMIT").unwrap_or_else(|_| "unknown".into()));
+    match a.tier {
+        Tier::Cpu => {
+            report.machines.push(machine(vec![], BTreeMap::new()));
+            run_cpu(&mut report);
+        }
+        Tier::Sm90 => run_sm90(&a, &mut report)?,
+        t => report.skipped.push(Skipped {
+            tier: t,
+            machine: hostname(),
+            what: "flashkda".into(),
+            reason: format!("flashkda has no {t} benchmarks"),
+        }),
+    }
+    report.write(&a.out)?;
+    for s in &report.sections {
+        for f in &s.figures {
+            println!("{} = {:.4} {}", f.name, f.value, f.unit);
+        }
+        for n in &s.notes {
+            println!("note: {n}");
+        }
+    }
+    for s in &report.skipped {
+        println!("skipped {}: {}", s.tier, s.reason);
+    }
+    Ok(())
+}

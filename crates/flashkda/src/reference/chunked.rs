@@ -43,18 +43,39 @@ pub fn chunked_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
                 g[i] = acc;
             }
             let gtot = acc;
-            let kd: Vec<[f64; D]> = (0..n).map(|i| std::array::from_fn(|c| acts[i].k[c] * g[i][c].exp2())).collect();
-            let qd: Vec<[f64; D]> =
-                (0..n).map(|i| std::array::from_fn(|c| scale * acts[i].q[c] * g[i][c].exp2())).collect();
-            let ki: Vec<[f64; D]> = (0..n).map(|i| std::array::from_fn(|c| acts[i].k[c] * (-g[i][c]).exp2())).collect();
-            let kr: Vec<[f64; D]> =
-                (0..n).map(|i| std::array::from_fn(|c| acts[i].k[c] * (gtot[c] - g[i][c]).exp2())).collect();
+            let kd: Vec<[f64; D]> = (0..n)
+                .map(|i| std::array::from_fn(|c| acts[i].k[c] * g[i][c].exp2()))
+                .collect();
+            let qd: Vec<[f64; D]> = (0..n)
+                .map(|i| std::array::from_fn(|c| scale * acts[i].q[c] * g[i][c].exp2()))
+                .collect();
+            let ki: Vec<[f64; D]> = (0..n)
+                .map(|i| std::array::from_fn(|c| acts[i].k[c] * (-g[i][c]).exp2()))
+                .collect();
+            let kr: Vec<[f64; D]> = (0..n)
+                .map(|i| std::array::from_fn(|c| acts[i].k[c] * (gtot[c] - g[i][c]).exp2()))
+                .collect();
             let dot = |x: &[f64; D], y: &[f64; D]| x.iter().zip(y).map(|(a, b)| a * b).sum::<f64>();
             let a: Vec<Vec<f64>> = (0..n)
-                .map(|i| (0..n).map(|j| if j < i { acts[i].beta * dot(&kd[i], &ki[j]) } else { 0.0 }).collect())
+                .map(|i| {
+                    (0..n)
+                        .map(|j| {
+                            if j < i {
+                                acts[i].beta * dot(&kd[i], &ki[j])
+                            } else {
+                                0.0
+                            }
+                        })
+                        .collect()
+                })
                 .collect();
-            let m: Vec<Vec<f64>> =
-                (0..n).map(|i| (0..n).map(|j| if j <= i { dot(&qd[i], &ki[j]) } else { 0.0 }).collect()).collect();
+            let m: Vec<Vec<f64>> = (0..n)
+                .map(|i| {
+                    (0..n)
+                        .map(|j| if j <= i { dot(&qd[i], &ki[j]) } else { 0.0 })
+                        .collect()
+                })
+                .collect();
             let inv = unit_lower_inverse(&a);
             // rhs_i[v] = beta_i (v_i[v] - (kd_i . S[v,:]))
             let mut rhs = vec![[0.0f64; D]; n];

@@ -23,7 +23,10 @@ fn sigmoid32(x: f32) -> f32 {
 /// Dot product accumulated in f64 and rounded to f32 (the MMA accumulates in fp32; the order
 /// differs anyway, so the closer-to-exact sum is the better model).
 fn dot32(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>() as f32
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| f64::from(*x) * f64::from(*y))
+        .sum::<f64>() as f32
 }
 
 /// Kernel-rounding forward; `final_state` is the fp32 state the kernel holds on chip.
@@ -41,14 +44,18 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
         let mut c0 = 0;
         while c0 < len {
             let n = CHUNK.min(len - c0);
-            let row = |x: &[f32], i: usize| -> Vec<f32> { x[((bos + c0 + i) * p.heads + h) * D..][..D].to_vec() };
+            let row = |x: &[f32], i: usize| -> Vec<f32> {
+                x[((bos + c0 + i) * p.heads + h) * D..][..D].to_vec()
+            };
             let rn = |x: &[f32]| 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
             let mut kd = vec![vec![0.0f32; D]; n];
             let mut qd = vec![vec![0.0f32; D]; n];
             let mut ki = vec![vec![0.0f32; D]; n];
             let mut kr = vec![vec![0.0f32; D]; n];
             let mut e = vec![0.0f32; D];
-            let b: Vec<f32> = (0..n).map(|i| sigmoid32(p.beta[(bos + c0 + i) * p.heads + h])).collect();
+            let b: Vec<f32> = (0..n)
+                .map(|i| sigmoid32(p.beta[(bos + c0 + i) * p.heads + h]))
+                .collect();
             let qs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.q, i)).collect();
             let ks: Vec<Vec<f32>> = (0..n).map(|i| row(&p.k, i)).collect();
             let gs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.g, i)).collect();
@@ -76,7 +83,17 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
             let mut inv = vec![vec![0.0f32; n]; n];
             {
                 let a: Vec<Vec<f32>> = (0..n)
-                    .map(|i| (0..n).map(|j| if j < i { dot32(&kd[i], &ki[j]) * b[i] } else { 0.0 }).collect())
+                    .map(|i| {
+                        (0..n)
+                            .map(|j| {
+                                if j < i {
+                                    dot32(&kd[i], &ki[j]) * b[i]
+                                } else {
+                                    0.0
+                                }
+                            })
+                            .collect()
+                    })
                     .collect();
                 for j in 0..n {
                     let mut x = vec![0.0f32; n];
@@ -92,8 +109,19 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
                     }
                 }
             }
-            let m: Vec<Vec<f32>> =
-                (0..n).map(|i| (0..n).map(|j| if j <= i { bf(dot32(&qd[i], &ki[j])) } else { 0.0 }).collect()).collect();
+            let m: Vec<Vec<f32>> = (0..n)
+                .map(|i| {
+                    (0..n)
+                        .map(|j| {
+                            if j <= i {
+                                bf(dot32(&qd[i], &ki[j]))
+                            } else {
+                                0.0
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
             // state-dependent chain, per value row
             let sb: Vec<f32> = s.iter().map(|&x| bf(x)).collect();
             let mut u = vec![vec![0.0f32; D]; n]; // [token][v]
@@ -117,7 +145,9 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
             }
             for vi in 0..D {
                 for c in 0..D {
-                    let acc: f64 = (0..n).map(|i| f64::from(u[i][vi]) * f64::from(kr[i][c])).sum();
+                    let acc: f64 = (0..n)
+                        .map(|i| f64::from(u[i][vi]) * f64::from(kr[i][c]))
+                        .sum();
                     s[vi * D + c] = (f64::from(s[vi * D + c] * e[c]) + acc) as f32;
                 }
             }

@@ -11,11 +11,21 @@ pub fn rel_frobenius(x: &[f64], r: &[f64]) -> f64 {
         num += (a - b) * (a - b);
         den += b * b;
     }
-    if den == 0.0 { if num == 0.0 { 0.0 } else { f64::NAN } } else { (num / den).sqrt() }
+    if den == 0.0 {
+        if num == 0.0 { 0.0 } else { f64::NAN }
+    } else {
+        (num / den).sqrt()
+    }
 }
 
 /// Largest absolute difference (NaN if any element of `x` is non-finite).
 pub fn max_abs_diff(x: &[f64], r: &[f64]) -> f64 {
     assert_eq!(x.len(), r.len(), "max_abs_diff: length mismatch");
-    x.iter().zip(r).fold(0.0f64, |m, (a, b)| if a.is_finite() { m.max((a - b).abs()) } else { f64::NAN })
+    x.iter().zip(r).fold(0.0f64, |m, (a, b)| {
+        if a.is_finite() {
+            m.max((a - b).abs())
+        } else {
+            f64::NAN
+        }
+    })
 }

@@ -6,6 +6,9 @@
 //! sequences packed back to back, `beta` is `[T, H]`, states are `[N, H, V=128, K=128]` with
 //! row = value channel.
 
+// Index loops mirror the math (and the kernel) more readably than iterator chains.
+#![allow(clippy::needless_range_loop)]
+
 mod chunked;
 pub mod emulated;
 pub mod metrics;
@@ -46,6 +49,38 @@ pub struct KdaProblem {
     pub initial_state: Option<Vec<f32>>,
 }
 
+/// `n` values `bf16(mul * N(0,1))`, generated in parallel chunks (deterministic for a seed).
+fn randn_bf16(n: usize, mul: f32, seed: u64, stream: u64) -> Vec<f32> {
+    const CHUNK_ELEMS: usize = 1 << 18;
+    let mut out = vec![0.0f32; n];
+    let chunks: Vec<(usize, &mut [f32])> = out.chunks_mut(CHUNK_ELEMS).enumerate().collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(chunks.len().max(1));
+    let work = std::sync::Mutex::new(chunks);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                loop {
+                    let Some((i, chunk)) = work.lock().unwrap_or_else(|p| p.into_inner()).pop()
+                    else {
+                        break;
+                    };
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(
+                        seed ^ stream.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                            ^ (i as u64).wrapping_mul(0xd1b5_4a32_d192_ed03),
+                    );
+                    for x in chunk.iter_mut() {
+                        let z: f32 = StandardNormal.sample(&mut rng);
+                        *x = bf16_round(mul * z);
+                    }
+                }
+            });
+        }
+    });
+    out
+}
+
 /// Result of a reference forward.
 #[derive(Debug, Clone)]
 pub struct KdaOutput {
@@ -64,23 +99,16 @@ impl KdaProblem {
     /// beta logits, `U(0,1)` A_log and dt_bias, scale `1/sqrt(128)`, lower bound -5, and (when
     /// `with_state`) an initial state `0.1 * randn` rounded to bf16.
     pub fn random(seq_lens: &[usize], heads: usize, with_state: bool, seed: u64) -> Self {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let t: usize = seq_lens.iter().sum();
-        let mut randn = |n: usize, mul: f32| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    let x: f32 = StandardNormal.sample(&mut rng);
-                    bf16_round(mul * x)
-                })
-                .collect()
-        };
-        let q = randn(t * heads * HEAD_DIM, 1.0);
-        let k = randn(t * heads * HEAD_DIM, 1.0);
-        let v = randn(t * heads * HEAD_DIM, 1.0);
-        let g = randn(t * heads * HEAD_DIM, 1.0);
-        let beta = randn(t * heads, 1.0);
-        let initial_state =
-            with_state.then(|| randn(seq_lens.len() * heads * HEAD_DIM * HEAD_DIM, 0.1));
+        let act = t * heads * HEAD_DIM;
+        let q = randn_bf16(act, 1.0, seed, 1);
+        let k = randn_bf16(act, 1.0, seed, 2);
+        let v = randn_bf16(act, 1.0, seed, 3);
+        let g = randn_bf16(act, 1.0, seed, 4);
+        let beta = randn_bf16(t * heads, 1.0, seed, 5);
+        let initial_state = with_state
+            .then(|| randn_bf16(seq_lens.len() * heads * HEAD_DIM * HEAD_DIM, 0.1, seed, 6));
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
         let a_log = (0..heads).map(|_| rng.random::<f32>()).collect();
         let dt_bias = (0..heads * HEAD_DIM).map(|_| rng.random::<f32>()).collect();
         KdaProblem {
@@ -159,11 +187,15 @@ where
     F: Fn(usize, usize, usize, usize) -> (Vec<f64>, Vec<f64>) + Sync,
 {
     let cu = p.cu_seqlens();
-    let tasks: Vec<(usize, usize)> =
-        (0..p.seq_lens.len()).flat_map(|n| (0..p.heads).map(move |h| (n, h))).collect();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(tasks.len().max(1));
+    let tasks: Vec<(usize, usize)> = (0..p.seq_lens.len())
+        .flat_map(|n| (0..p.heads).map(move |h| (n, h)))
+        .collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(tasks.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<Vec<(usize, Vec<f64>, Vec<f64>)>> = std::thread::scope(|s| {
+    type Done = Vec<(usize, Vec<f64>, Vec<f64>)>;
+    let results: Vec<Done> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..threads)
             .map(|_| {
                 s.spawn(|| {
@@ -178,7 +210,10 @@ where
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("reference worker panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("reference worker panicked"))
+            .collect()
     });
     let t = p.tokens();
     let mut out = vec![0.0; t * p.heads * HEAD_DIM];
@@ -200,7 +235,10 @@ where
 pub(crate) fn initial_state_f64(p: &KdaProblem, n: usize, h: usize) -> Vec<f64> {
     let hd2 = HEAD_DIM * HEAD_DIM;
     match &p.initial_state {
-        Some(s) => s[(n * p.heads + h) * hd2..][..hd2].iter().map(|&x| f64::from(x)).collect(),
+        Some(s) => s[(n * p.heads + h) * hd2..][..hd2]
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect(),
         None => vec![0.0; hd2],
     }
 }

@@ -1,0 +1,184 @@
+//! The `flashkda._flashkda` Python module: `fwd` on torch CUDA tensors by duck typing
+//! (`data_ptr()`, `shape`, `stride()`, `dtype`, `device`), launched on torch's current stream.
+//! No libtorch link; every bad argument raises ValueError/TypeError, driver trouble RuntimeError.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::error::FlashKdaError;
+use crate::launch::{FwdOptions, KdaKernels, ValueSplit, fwd as launch_fwd, open_device};
+use crate::validate::{DType, Device, FwdArgs, TensorView};
+
+fn to_py(e: FlashKdaError) -> PyErr {
+    match e {
+        FlashKdaError::DType { .. } => PyTypeError::new_err(e.to_string()),
+        e if e.is_invalid_argument() => PyValueError::new_err(e.to_string()),
+        e => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn kernels_for(ordinal: usize) -> Result<Arc<KdaKernels>, FlashKdaError> {
+    static LOADED: OnceLock<Mutex<HashMap<usize, Arc<KdaKernels>>>> = OnceLock::new();
+    let map = LOADED.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(k) = map.get(&ordinal) {
+        return Ok(k.clone());
+    }
+    let k = Arc::new(KdaKernels::load(&open_device(ordinal)?)?);
+    map.insert(ordinal, k.clone());
+    Ok(k)
+}
+
+fn dtype_of(name: &str) -> DType {
+    match name {
+        "torch.bfloat16" => DType::BF16,
+        "torch.float32" => DType::F32,
+        "torch.int64" => DType::I64,
+        "torch.float16" => DType::Other("float16"),
+        "torch.float64" => DType::Other("float64"),
+        "torch.int32" => DType::Other("int32"),
+        _ => DType::Other("an unsupported dtype"),
+    }
+}
+
+fn view(name: &str, t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
+    let attr = |what: &str, e: PyErr| {
+        PyTypeError::new_err(format!("{name}: expected a torch tensor ({what}: {e})"))
+    };
+    let ptr: u64 = t
+        .call_method0("data_ptr")
+        .and_then(|p| p.extract())
+        .map_err(|e| attr("data_ptr()", e))?;
+    let shape: Vec<usize> = t
+        .getattr("shape")
+        .and_then(|s| s.extract())
+        .map_err(|e| attr("shape", e))?;
+    let strides: Vec<isize> = t
+        .call_method0("stride")
+        .and_then(|s| s.extract())
+        .map_err(|e| attr("stride()", e))?;
+    let dtype: String = t
+        .getattr("dtype")
+        .and_then(|d| d.str())
+        .map(|s| s.to_string())
+        .map_err(|e| attr("dtype", e))?;
+    let dev = t.getattr("device").map_err(|e| attr("device", e))?;
+    let kind: String = dev
+        .getattr("type")
+        .and_then(|k| k.extract())
+        .map_err(|e| attr("device.type", e))?;
+    let device = if kind == "cuda" {
+        let idx: Option<usize> = dev
+            .getattr("index")
+            .and_then(|i| i.extract())
+            .map_err(|e| attr("device.index", e))?;
+        Device::Cuda(idx.unwrap_or(0))
+    } else {
+        Device::Other(kind)
+    };
+    Ok(TensorView {
+        ptr,
+        dtype: dtype_of(&dtype),
+        shape,
+        strides,
+        device,
+    })
+}
+
+fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorView>> {
+    match t {
+        Some(t) if !t.is_none() => view(name, t).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// KDA chunked-prefill forward; writes `out` (and `final_state` when given) on torch's current
+/// stream of the tensors' device. Shapes: q, k, v, g, out `[B, T, H, 128]` bf16; beta `[B, T, H]`
+/// bf16 logits; A_log `[H]`, dt_bias `[H, 128]` fp32; states `[N, H, 128, 128]` (row = value
+/// channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
+/// host copy of cu_seqlens (for CUDA-graph capture); `value_split` is None, 2 or 4.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None))]
+#[allow(non_snake_case, clippy::too_many_arguments)]
+fn fwd(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    g: &Bound<'_, PyAny>,
+    beta: &Bound<'_, PyAny>,
+    scale: f32,
+    out: &Bound<'_, PyAny>,
+    A_log: &Bound<'_, PyAny>,
+    dt_bias: &Bound<'_, PyAny>,
+    lower_bound: f32,
+    initial_state: Option<&Bound<'_, PyAny>>,
+    final_state: Option<&Bound<'_, PyAny>>,
+    cu_seqlens: Option<&Bound<'_, PyAny>>,
+    check_cu_seqlens: bool,
+    value_split: Option<u32>,
+) -> PyResult<()> {
+    let args = FwdArgs {
+        q: view("q", q)?,
+        k: view("k", k)?,
+        v: view("v", v)?,
+        g: view("g", g)?,
+        beta: view("beta", beta)?,
+        out: view("out", out)?,
+        a_log: view("A_log", A_log)?,
+        dt_bias: view("dt_bias", dt_bias)?,
+        initial_state: opt_view("initial_state", initial_state)?,
+        final_state: opt_view("final_state", final_state)?,
+        cu_seqlens: opt_view("cu_seqlens", cu_seqlens)?,
+        scale,
+        lower_bound,
+    };
+    let plan = crate::validate::validate(&args).map_err(to_py)?;
+    let split = match value_split {
+        None => ValueSplit::Auto,
+        Some(2) => ValueSplit::Two,
+        Some(4) => ValueSplit::Four,
+        Some(x) => {
+            return Err(PyValueError::new_err(format!(
+                "value_split must be None, 2 or 4, got {x}"
+            )));
+        }
+    };
+    let kernels = kernels_for(plan.ordinal).map_err(to_py)?;
+    let torch = py.import("torch")?;
+    let stream_ptr: usize = torch
+        .getattr("cuda")?
+        .call_method1("current_stream", (plan.ordinal,))?
+        .getattr("cuda_stream")?
+        .extract()?;
+    // SAFETY: torch owns the stream and keeps it alive for this call; it belongs to the device's
+    // primary context, which `kernels` was loaded into.
+    let stream = unsafe {
+        kernels
+            .context()
+            .wrap_borrowed_stream(stream_ptr as cudarc::driver::sys::CUstream)
+    };
+    let opts = FwdOptions {
+        value_split: split,
+        check_cu_seqlens,
+    };
+    launch_fwd(&kernels, &stream, &args, &opts).map_err(to_py)?;
+    Ok(())
+}
+
+/// Whether this build embeds the sm_90a kernels.
+#[pyfunction]
+fn kernels_built() -> bool {
+    crate::launch::kernels_built()
+}
+
+#[pymodule]
+fn _flashkda(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels_built, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,340 @@
+//! GPU accuracy tests: the sm_90a kernel against the float64 recurrence (and the kernel-rounding
+//! emulation) on fresh random inputs with NaN-poisoned outputs and canaries. Skipped, with the
+//! reason printed, where no Hopper GPU is. Run with `--test-threads=1` (each case uses all cores
+//! for the reference). `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use flashkda::harness::{DeviceProblem, StateIo};
+use flashkda::reference::emulated::emulated;
+use flashkda::reference::metrics::rel_frobenius;
+use flashkda::reference::{KdaOutput, KdaProblem, recurrence_f64};
+use flashkda::{FlashKdaError, FwdOptions, KdaKernels, ValueSplit, fwd, open_device};
+
+/// Acceptance bar: relative Frobenius error against float64.
+const BAR_F64: f64 = 6e-3;
+/// Against the emulation of the kernel's own rounding.
+const BAR_EMULATED: f64 = 3e-3;
+
+fn gpu() -> Option<(KdaKernels, Arc<CudaStream>)> {
+    let ctx = match open_device(0) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("SKIPPED: no CUDA device ({e})");
+            return None;
+        }
+    };
+    match KdaKernels::load(&ctx) {
+        Ok(k) => {
+            let stream = ctx.new_stream().expect("stream");
+            Some((k, stream))
+        }
+        Err(FlashKdaError::Arch { major, minor, .. }) => {
+            println!("SKIPPED: GPU is sm_{major}{minor}, kernels need sm_90");
+            None
+        }
+        Err(e) => panic!("a CUDA device is present but the kernels cannot be loaded: {e}"),
+    }
+}
+
+fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+fn log_line(line: &str) {
+    println!("{line}");
+    if let Ok(path) = std::env::var("FLASHKDA_GPU_LOG") {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .expect("log file");
+        writeln!(f, "{line}").expect("write log");
+    }
+}
+
+struct Case<'a> {
+    name: &'a str,
+    seq_lens: Vec<usize>,
+    heads: usize,
+    state: StateIo,
+    batched: bool,
+    emulate: bool,
+    split: ValueSplit,
+}
+
+/// Runs one case; returns the GPU output for further checks.
+fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) -> (Vec<f64>, Vec<f64>) {
+    let (kernels, stream) = gpu;
+    let s = seed();
+    let mut p = KdaProblem::random(&c.seq_lens, c.heads, c.state.initial, s);
+    if !c.state.initial {
+        p.initial_state = None;
+    }
+    let mut dev = DeviceProblem::upload(stream, &p, c.state, c.batched).expect("upload");
+    dev.poison().expect("poison");
+    let opts = FwdOptions {
+        value_split: c.split,
+        ..Default::default()
+    };
+    fwd(kernels, stream, &dev.args(), &opts)
+        .unwrap_or_else(|e| panic!("{}: fwd failed: {e}", c.name));
+    stream
+        .synchronize()
+        .unwrap_or_else(|e| panic!("{}: kernel failed: {e}", c.name));
+    let (out, st) = dev.read().unwrap_or_else(|e| panic!("{}: {e}", c.name));
+    let nan_out = out.iter().filter(|x| !x.is_finite()).count();
+    let nan_st = st.iter().filter(|x| !x.is_finite()).count();
+    let reference: KdaOutput = recurrence_f64(&p);
+    let eo = rel_frobenius(&out, &reference.out);
+    let es = if c.state.final_ {
+        rel_frobenius(&st, &reference.final_state)
+    } else {
+        0.0
+    };
+    let (mut emo, mut ems) = (f64::NAN, f64::NAN);
+    if c.emulate {
+        let e = emulated(&p);
+        emo = rel_frobenius(&out, &e.out);
+        ems = if c.state.final_ {
+            // the emulation keeps the fp32 state; round it like the output dtype before comparing
+            let rounded: Vec<f64> = if c.state.fp32 {
+                e.final_state.clone()
+            } else {
+                e.final_state
+                    .iter()
+                    .map(|&x| f64::from(half::bf16::from_f64(x).to_f32()))
+                    .collect()
+            };
+            rel_frobenius(&st, &rounded)
+        } else {
+            0.0
+        };
+    }
+    log_line(&format!(
+        "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"seed\":{s},\
+         \"rel_out_f64\":{eo:e},\"rel_state_f64\":{es:e},\"rel_out_emulated\":{emo:e},\"rel_state_emulated\":{ems:e},\
+         \"nonfinite_out\":{nan_out},\"nonfinite_state\":{nan_st}}}",
+        c.name,
+        if c.seq_lens.len() > 8 {
+            format!("{} seqs, {} tokens", c.seq_lens.len(), p.tokens())
+        } else {
+            format!("{:?}", c.seq_lens)
+        },
+        c.heads,
+        c.state.label(),
+        c.batched,
+        c.split
+    ));
+    assert_eq!(
+        nan_out, 0,
+        "{}: {nan_out} output elements not written (still NaN) or non-finite",
+        c.name
+    );
+    assert_eq!(
+        nan_st, 0,
+        "{}: {nan_st} state elements not written or non-finite",
+        c.name
+    );
+    assert!(
+        eo <= BAR_F64,
+        "{}: out rel error {eo:e} > {BAR_F64:e}",
+        c.name
+    );
+    assert!(
+        es <= BAR_F64,
+        "{}: final_state rel error {es:e} > {BAR_F64:e}",
+        c.name
+    );
+    if c.emulate {
+        assert!(
+            emo <= BAR_EMULATED && ems <= BAR_EMULATED,
+            "{}: vs emulation out {emo:e} state {ems:e}",
+            c.name
+        );
+    }
+    (out, st)
+}
+
+fn case(name: &str, seq_lens: Vec<usize>, heads: usize, state: StateIo) -> Case<'_> {
+    Case {
+        name,
+        seq_lens,
+        heads,
+        state,
+        batched: false,
+        emulate: true,
+        split: ValueSplit::Auto,
+    }
+}
+
+#[test]
+fn edge_cases_match_float64() {
+    let Some(g) = gpu() else { return };
+    let fp32 = StateIo::both(true);
+    let bf16 = StateIo::both(false);
+    for t in [1, 15, 16, 17, 37, 1000] {
+        check(&g, &case("fixed", vec![t], 4, fp32));
+    }
+    check(&g, &case("fixed-no-state", vec![97], 4, StateIo::NONE));
+    check(
+        &g,
+        &case(
+            "zero-initial-state-out-only",
+            vec![200],
+            4,
+            StateIo {
+                initial: false,
+                final_: true,
+                fp32: true,
+            },
+        ),
+    );
+    check(
+        &g,
+        &case(
+            "initial-only",
+            vec![200],
+            4,
+            StateIo {
+                initial: true,
+                final_: false,
+                fp32: false,
+            },
+        ),
+    );
+    check(&g, &case("bf16-state", vec![300], 4, bf16));
+    check(&g, &case("H=1", vec![37], 1, fp32));
+    check(&g, &case("varlen-16", vec![16], 2, fp32));
+    check(&g, &case("varlen-16x2", vec![16, 16], 2, fp32));
+    check(&g, &case("varlen-4-8-12", vec![4, 8, 12], 2, bf16));
+    check(&g, &case("varlen-17-33-65", vec![17, 33, 65], 4, fp32));
+    check(&g, &case("varlen-with-empty", vec![5, 0, 20], 2, fp32));
+    let mut rng_lens: Vec<usize> = (0..64)
+        .map(|i| {
+            1 + (seed() as usize)
+                .wrapping_mul(2654435761)
+                .wrapping_add(i * 7919)
+                % 300
+        })
+        .collect();
+    rng_lens[0] = 1;
+    check(&g, &case("many-short", rng_lens, 4, fp32));
+    check(
+        &g,
+        &Case {
+            batched: true,
+            ..case("batched-B3", vec![100, 100, 100], 4, bf16)
+        },
+    );
+    check(
+        &g,
+        &Case {
+            split: ValueSplit::Two,
+            ..case("split-two", vec![100, 37], 4, fp32)
+        },
+    );
+    check(
+        &g,
+        &Case {
+            split: ValueSplit::Four,
+            ..case("split-four", vec![100, 37], 4, fp32)
+        },
+    );
+    check(
+        &g,
+        &Case {
+            emulate: false,
+            ..case(
+                "long-65537-zero-state",
+                vec![65537],
+                1,
+                StateIo {
+                    initial: false,
+                    final_: true,
+                    fp32: true,
+                },
+            )
+        },
+    );
+    check(
+        &g,
+        &Case {
+            emulate: false,
+            ..case("long-65537-state", vec![65537], 1, fp32)
+        },
+    );
+}
+
+#[test]
+fn anchor_shapes_match_float64() {
+    let Some(g) = gpu() else { return };
+    let varlen6 = vec![1300, 547, 2048, 963, 271, 3063];
+    for h in [96, 64] {
+        for (name, lens, state) in [
+            ("anchor-fixed", vec![8192], StateIo::both(true)),
+            ("anchor-varlen6", varlen6.clone(), StateIo::both(false)),
+            ("anchor-1024x8", vec![1024; 8], StateIo::both(true)),
+        ] {
+            check(
+                &g,
+                &Case {
+                    emulate: false,
+                    ..case(name, lens, h, state)
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn deterministic_and_rejects_bad_cu_seqlens() {
+    let Some(g) = gpu() else { return };
+    let (kernels, stream) = &g;
+    let p = KdaProblem::random(&[300, 45], 8, true, seed());
+    let mut dev = DeviceProblem::upload(stream, &p, StateIo::both(true), false).unwrap();
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        dev.poison().unwrap();
+        fwd(kernels, stream, &dev.args(), &FwdOptions::default()).unwrap();
+        stream.synchronize().unwrap();
+        runs.push(dev.read().unwrap());
+    }
+    assert!(
+        runs[0]
+            .0
+            .iter()
+            .zip(&runs[1].0)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "out differs between runs"
+    );
+    assert!(
+        runs[0]
+            .1
+            .iter()
+            .zip(&runs[1].1)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "state differs between runs"
+    );
+    // a cu_seqlens that ends short of T is rejected before launch
+    let short = KdaProblem {
+        seq_lens: vec![300, 40],
+        ..p.clone()
+    };
+    let dev_short = DeviceProblem::upload(stream, &short, StateIo::NONE, false).unwrap();
+    let mut args = dev_short.args();
+    args.q = dev.args().q; // q, k, v, g, out, beta keep T = 345 tokens from `dev`
+    args.k = dev.args().k;
+    args.v = dev.args().v;
+    args.g = dev.args().g;
+    args.beta = dev.args().beta;
+    args.out = dev.args().out;
+    let err = fwd(kernels, stream, &args, &FwdOptions::default()).unwrap_err();
+    println!("bad cu_seqlens rejected: {err}");
+    assert!(matches!(err, FlashKdaError::CuSeqlens(_)), "{err}");
+}
