@@ -141,7 +141,7 @@ fn check_case(c: &Case) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 384, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
 
     #[test]
     fn plan_invariants_hold(c in case()) {

@@ -122,7 +122,7 @@ fn assert_poison_and_padding(plan: &ClusterPlan, cluster: &VirtualCluster) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// Distributed forward (dispatch, prefetch, experts on slots, combine) equals the dense
     /// oracle bit for bit; every expert is a different random matrix, so a misrouted token or a

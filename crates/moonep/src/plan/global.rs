@@ -22,13 +22,11 @@ pub fn plan_global(cfg: &PlanConfig, tpe: &[u32]) -> Result<GlobalPlan, PlanErro
     let quota: Vec<u64> = (0..r_n).map(|d| cfg.quota(d)).collect();
     let mut expert_tokens = vec![0u64; e_n];
     let mut src_offset = vec![0u32; r_n * e_n];
-    for e in 0..e_n {
-        let mut acc = 0u64;
-        for r in 0..r_n {
-            src_offset[r * e_n + e] = acc as u32;
-            acc += u64::from(tpe[r * e_n + e]);
+    for r in 0..r_n {
+        for e in 0..e_n {
+            src_offset[r * e_n + e] = expert_tokens[e] as u32;
+            expert_tokens[e] += u64::from(tpe[r * e_n + e]);
         }
-        expert_tokens[e] = acc;
     }
 
     let rounds = stage_a(&expert_tokens, &quota, epn);
@@ -41,9 +39,14 @@ pub fn plan_global(cfg: &PlanConfig, tpe: &[u32]) -> Result<GlobalPlan, PlanErro
             alloc_cum[e * r_n + d] = acc;
         }
     }
+    // Remote experts on d can only come from the single donor that filled d in stage A.
+    let mut donor_of = vec![None; r_n];
+    for t in &rounds {
+        donor_of[t.receiver as usize] = Some(t.donor as usize);
+    }
     let layouts = (0..r_n)
-        .map(|d| stage_c(&alloc, d, r_n, e_n, epn, cfg.padding))
-        .collect::<Result<Vec<_>, _>>()?;
+        .map(|d| stage_c(&alloc, d, donor_of[d], r_n, epn, cfg.padding))
+        .collect();
 
     Ok(GlobalPlan {
         ranks: r_n,
@@ -212,27 +215,24 @@ fn stage_b(
     Ok(alloc)
 }
 
-/// Stage C: layout of rank `d` (home groups, then remote experts in ascending id).
+/// Stage C: layout of rank `d` (home groups, then remote experts in ascending id; they all
+/// belong to `donor`, the rank that filled `d` in stage A).
 fn stage_c(
     alloc: &[u32],
     d: usize,
+    donor: Option<usize>,
     r_n: usize,
-    e_n: usize,
     epn: usize,
     padding: u32,
-) -> Result<RankLayout, PlanError> {
+) -> RankLayout {
     let mut experts_to_copy = vec![-1i32; epn];
     let mut counts = vec![0u32; 2 * epn];
     for g in 0..epn {
         counts[g] = alloc[(d * epn + g) * r_n + d];
     }
-    let remote = (0..e_n).filter(|&e| e / epn != d && alloc[e * r_n + d] > 0);
+    let donor_experts = donor.map_or(0..0, |h| h * epn..(h + 1) * epn);
+    let remote = donor_experts.filter(|&e| alloc[e * r_n + d] > 0);
     for (b, e) in remote.enumerate() {
-        if b == epn {
-            return Err(PlanError::Internal {
-                what: format!("rank {d} would hold more than epn={epn} replicas"),
-            });
-        }
         experts_to_copy[b] = e as i32;
         counts[epn + b] = alloc[e * r_n + d];
     }
@@ -245,10 +245,10 @@ fn stage_c(
         end += padded;
         cu_seqlens[g] = end;
     }
-    Ok(RankLayout {
+    RankLayout {
         experts_to_copy,
         counts,
         cu_seqlens,
         zero_fill,
-    })
+    }
 }
