@@ -18,7 +18,7 @@ use cudarc::driver::{CudaStream, sys};
 use flashkda::harness::{DeviceProblem, StateIo};
 use flashkda::reference::emulated::emulated;
 use flashkda::reference::{KdaProblem, chunked_f64, recurrence_f64};
-use flashkda::{FwdOptions, KdaKernels, ValueSplit, fwd, open_device};
+use flashkda::{FwdArgs, FwdOptions, KdaKernels, ValueSplit, fwd, open_device};
 use k3_common::Figure;
 use k3_common::report::{Machine, Plot, PlotKind, Report, Section, Series, Skipped, Tier};
 
@@ -145,12 +145,11 @@ fn time_fwd(
     a: &Args,
     kernels: &KdaKernels,
     stream: &Arc<CudaStream>,
-    dev: &DeviceProblem,
+    args: &FwdArgs,
     opts: &FwdOptions,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let args = dev.args();
     for _ in 0..a.warmup {
-        fwd(kernels, stream, &args, opts)?;
+        fwd(kernels, stream, args, opts)?;
     }
     stream.synchronize()?;
     let ctx = kernels.context();
@@ -161,7 +160,7 @@ fn time_fwd(
             let s = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             let e = ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
             s.record(stream)?;
-            fwd(kernels, stream, &args, opts)?;
+            fwd(kernels, stream, args, opts)?;
             e.record(stream)?;
             evs.push((s, e));
         }
@@ -219,13 +218,23 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
                     ValueSplit::Four,
                 ),
             ];
+            let dev_f32 = DeviceProblem::upload(&stream, &p, StateIo::both(true), false)?;
+            let dev_bf16 = DeviceProblem::upload(&stream, &p, StateIo::both(false), false)?;
             for (label, state, split) in variants {
-                let dev = DeviceProblem::upload(&stream, &p, state, false)?;
+                let mut args = if state.fp32 || !state.initial {
+                    dev_f32.args()
+                } else {
+                    dev_bf16.args()
+                };
+                if !state.initial {
+                    args.initial_state = None;
+                    args.final_state = None;
+                }
                 let opts = FwdOptions {
                     value_split: split,
                     ..Default::default()
                 };
-                let (samples, blocks) = time_fwd(a, &kernels, &stream, &dev, &opts)?;
+                let (samples, blocks) = time_fwd(a, &kernels, &stream, &args, &opts)?;
                 let m = median(&samples);
                 let spread = blocks.iter().cloned().fold(f64::MIN, f64::max)
                     / blocks.iter().cloned().fold(f64::MAX, f64::min)
