@@ -1,0 +1,111 @@
+//! agentenv guest agent: serves the E2B envd protocol (spec `e2b-compat.md` §5–6) on any
+//! byte stream: mux streams from the host inside the VM, or a unix/TCP socket on the host.
+//!
+//! Modules: [`envd`] (wire JSON + Connect framing, the only module that knows field names),
+//! [`http`] (routing, auth, plain endpoints), [`rpc`] (Connect methods), [`process`],
+//! [`fs`], [`watch`], [`files`] (`/files`), [`users`], [`init`] (PID 1).
+
+pub mod envd;
+pub mod files;
+pub mod fs;
+pub mod http;
+pub mod init;
+pub mod port;
+pub mod process;
+pub mod rpc;
+pub mod users;
+pub mod watch;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+use tokio::io::{AsyncRead, AsyncWrite};
+
+/// Static settings of an agent.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// User for requests that name none (`user` in the VM; the current user in `serve`).
+    pub default_user: String,
+    /// Require this `X-Access-Token` (can also be set through `/init`).
+    pub access_token: Option<String>,
+    /// Largest accepted `/files` upload, per file, in bytes.
+    pub max_upload_bytes: u64,
+    /// Let `/init` set the system clock (only as PID 1 in a VM).
+    pub set_clock: bool,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            default_user: users::current().name,
+            access_token: None,
+            max_upload_bytes: 4 << 30,
+            set_clock: false,
+        }
+    }
+}
+
+/// Mutable settings changed by `/init`.
+#[derive(Debug, Clone, Default)]
+pub struct Settings {
+    /// Sandbox-wide environment for every process.
+    pub env_vars: HashMap<String, String>,
+    /// Required `X-Access-Token`, if any.
+    pub access_token: Option<String>,
+    /// Default user name.
+    pub default_user: String,
+    /// Default working directory for processes.
+    pub default_workdir: Option<PathBuf>,
+}
+
+/// Shared state of one agent: settings, the process table, watchers.
+pub struct Agent {
+    config: AgentConfig,
+    settings: RwLock<Settings>,
+    procs: Arc<process::ProcessTable>,
+    watchers: watch::Watchers,
+}
+
+impl Agent {
+    /// A new agent.
+    pub fn new(config: AgentConfig) -> Arc<Agent> {
+        let settings = Settings {
+            env_vars: HashMap::new(),
+            access_token: config.access_token.clone(),
+            default_user: config.default_user.clone(),
+            default_workdir: None,
+        };
+        Arc::new(Agent {
+            config,
+            settings: RwLock::new(settings),
+            procs: Arc::default(),
+            watchers: watch::Watchers::default(),
+        })
+    }
+
+    /// A snapshot of the current settings.
+    pub fn settings(&self) -> Settings {
+        self.settings.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn update_settings(&self, f: impl FnOnce(&mut Settings)) {
+        f(&mut self.settings.write().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Serves HTTP/1.1 on one connection until the peer closes it.
+    pub async fn serve_connection<IO>(self: &Arc<Self>, io: IO) -> Result<(), hyper::Error>
+    where
+        IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let agent = self.clone();
+        let svc = hyper::service::service_fn(move |req| {
+            let agent = agent.clone();
+            async move { Ok::<_, std::convert::Infallible>(http::handle(agent, req).await) }
+        });
+        hyper::server::conn::http1::Builder::new()
+            .keep_alive(true)
+            .serve_connection(hyper_util::rt::TokioIo::new(io), svc)
+            .await
+    }
+}

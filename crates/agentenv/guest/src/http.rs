@@ -1,0 +1,300 @@
+//! HTTP routing, access-token and user checks, and the plain endpoints
+//! (`/health`, `/init`, `/envs`, `/metrics`).
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use base64::Engine;
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, Incoming};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::Agent;
+use crate::envd::{Code, RpcError};
+use crate::users::{self, User};
+
+/// Response body of every route.
+pub type Body = BoxBody<Bytes, std::io::Error>;
+
+/// Largest unary request body (JSON) accepted.
+pub const MAX_JSON_BODY: usize = 8 << 20;
+
+/// A body fed from a channel: every chunk is flushed as soon as it is sent.
+pub struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// A streaming body and the sender that feeds it.
+pub fn channel_body() -> (mpsc::Sender<Bytes>, Body) {
+    let (tx, rx) = mpsc::channel(64);
+    (tx, ChannelBody { rx }.boxed())
+}
+
+/// A complete body.
+pub fn full(b: impl Into<Bytes>) -> Body {
+    Full::new(b.into()).map_err(|e: Infallible| match e {}).boxed()
+}
+
+/// `status` + JSON body.
+pub fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(full(serde_json::to_vec(v).unwrap_or_default()))
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+/// Plain-endpoint error: `{"code": <int>, "message": "..."}`.
+pub fn http_error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
+    json_response(status, &json!({"code": status.as_u16(), "message": message.into()}))
+}
+
+/// Unary Connect error response.
+pub fn rpc_error(e: &RpcError) -> Response<Body> {
+    let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, &e.to_json())
+}
+
+/// Reads a whole request body, failing with `resource_exhausted` above `max` bytes.
+pub async fn read_body(body: Incoming, max: usize) -> Result<Bytes, RpcError> {
+    let limited = http_body_util::Limited::new(body, max);
+    limited
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .map_err(|e| RpcError::new(Code::ResourceExhausted, format!("reading request body: {e}")))
+}
+
+/// Query parameters (percent-decoded).
+pub fn query_params(uri: &http::Uri) -> HashMap<String, String> {
+    let mut out = HashMap::new();
+    for pair in uri.query().unwrap_or("").split('&').filter(|s| !s.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        out.insert(percent_decode(k), percent_decode(v));
+    }
+    out
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = b.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok()).and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (b[i], hex) {
+            (b'+', _) => out.push(b' '),
+            (b'%', Some(v)) => {
+                out.push(v);
+                i += 2;
+            }
+            (c, _) => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The user a request acts as: `Authorization: Basic base64(user:)`, else `username`, else
+/// the default user.
+pub fn request_user(agent: &Agent, headers: &HeaderMap, username: Option<&str>) -> Result<User, RpcError> {
+    let from_header = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic ").or_else(|| v.strip_prefix("basic ")))
+        .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64.trim()).ok())
+        .map(|raw| {
+            let s = String::from_utf8_lossy(&raw).into_owned();
+            s.split_once(':').map(|(u, _)| u.to_string()).unwrap_or(s)
+        })
+        .filter(|u| !u.is_empty());
+    let name = from_header
+        .or_else(|| username.filter(|u| !u.is_empty()).map(str::to_string))
+        .unwrap_or_else(|| agent.settings().default_user);
+    users::lookup(&name).ok_or_else(|| RpcError::new(Code::Unauthenticated, format!("user '{name}' does not exist")))
+}
+
+/// Routes one request.
+pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    if path == "/health" {
+        return Response::builder()
+            .status(StatusCode::NO_CONTENT)
+            .body(full(Bytes::new()))
+            .unwrap_or_else(|_| Response::new(full(Bytes::new())));
+    }
+    if let Some(token) = agent.settings().access_token {
+        let given = req.headers().get("x-access-token").and_then(|v| v.to_str().ok());
+        if given != Some(token.as_str()) {
+            return if path.starts_with("/process.") || path.starts_with("/filesystem.") {
+                rpc_error(&RpcError::new(Code::Unauthenticated, "missing or wrong X-Access-Token"))
+            } else {
+                http_error(StatusCode::UNAUTHORIZED, "missing or wrong X-Access-Token")
+            };
+        }
+    }
+    match (method, path.as_str()) {
+        (Method::GET, "/files") => crate::files::download(&agent, req).await,
+        (Method::POST, "/files") => crate::files::upload(&agent, req).await,
+        (Method::POST, "/init") => init(&agent, req).await,
+        (Method::GET, "/envs") => json_response(StatusCode::OK, &json!(agent.settings().env_vars)),
+        (Method::GET, "/metrics") => json_response(StatusCode::OK, &metrics().await),
+        (Method::POST, p) if p.starts_with("/process.Process/") || p.starts_with("/filesystem.Filesystem/") => {
+            crate::rpc::dispatch(agent, req).await
+        }
+        (_, p) => http_error(StatusCode::NOT_FOUND, format!("no route for {p}")),
+    }
+}
+
+/// `/init` body (orchestrator → agent).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+struct InitRequest {
+    #[serde(alias = "env_vars")]
+    env_vars: Option<HashMap<String, String>>,
+    #[serde(alias = "access_token")]
+    access_token: Option<String>,
+    #[serde(alias = "default_user")]
+    default_user: Option<String>,
+    #[serde(alias = "default_workdir")]
+    default_workdir: Option<String>,
+    /// Unix time in seconds (float) or RFC 3339 is not parsed; seconds only.
+    timestamp: Option<Value>,
+}
+
+async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
+    let body = match read_body(req.into_body(), MAX_JSON_BODY).await {
+        Ok(b) => b,
+        Err(e) => return http_error(StatusCode::PAYLOAD_TOO_LARGE, e.message),
+    };
+    let r: InitRequest = match crate::envd::parse(&body) {
+        Ok(r) => r,
+        Err(e) => return http_error(StatusCode::BAD_REQUEST, e.message),
+    };
+    if let Some(u) = &r.default_user
+        && users::lookup(u).is_none()
+    {
+        return http_error(StatusCode::BAD_REQUEST, format!("user '{u}' does not exist"));
+    }
+    if agent.config.set_clock
+        && let Some(secs) = r.timestamp.as_ref().and_then(Value::as_f64)
+    {
+        set_clock(secs);
+    }
+    agent.update_settings(|s| {
+        if let Some(env) = r.env_vars {
+            s.env_vars.extend(env);
+        }
+        if let Some(t) = r.access_token.filter(|t| !t.is_empty()) {
+            s.access_token = Some(t);
+        }
+        if let Some(u) = r.default_user {
+            s.default_user = u;
+        }
+        if let Some(w) = r.default_workdir.filter(|w| !w.is_empty()) {
+            s.default_workdir = Some(w.into());
+        }
+    });
+    Response::builder()
+        .status(StatusCode::NO_CONTENT)
+        .body(full(Bytes::new()))
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+fn set_clock(secs: f64) {
+    let ts = libc::timespec { tv_sec: secs.trunc() as libc::time_t, tv_nsec: (secs.fract() * 1e9) as libc::c_long };
+    // SAFETY: clock_settime reads a valid timespec.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "setting the clock failed");
+    }
+}
+
+/// envd-style metrics: cpu, memory and root-disk usage.
+async fn metrics() -> Value {
+    let cpu1 = cpu_times();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let cpu2 = cpu_times();
+    let pct = match (cpu1, cpu2) {
+        (Some((b1, i1)), Some((b2, i2))) if b2 > b1 => {
+            100.0 * (1.0 - (i2.saturating_sub(i1)) as f64 / (b2 - b1) as f64)
+        }
+        _ => 0.0,
+    };
+    let mem = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let kib = |key: &str| -> u64 {
+        mem.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let (total, avail) = (kib("MemTotal:") * 1024, kib("MemAvailable:") * 1024);
+    let (disk_total, disk_used) = disk_usage("/");
+    let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    json!({
+        "ts": ts,
+        "cpu_count": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "cpu_used_pct": (pct * 100.0).round() / 100.0,
+        "mem_total": total,
+        "mem_used": total.saturating_sub(avail),
+        "mem_total_mib": total >> 20,
+        "mem_used_mib": total.saturating_sub(avail) >> 20,
+        "disk_total": disk_total,
+        "disk_used": disk_used,
+    })
+}
+
+/// (busy+idle, idle) jiffies from /proc/stat.
+fn cpu_times() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let v: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+    Some((v.iter().sum(), idle))
+}
+
+fn disk_usage(path: &str) -> (u64, u64) {
+    let Ok(c) = std::ffi::CString::new(path) else { return (0, 0) };
+    // SAFETY: statvfs writes into a zeroed struct we own.
+    unsafe {
+        let mut s: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut s) != 0 {
+            return (0, 0);
+        }
+        let total = s.f_blocks * s.f_frsize;
+        let free = s.f_bfree * s.f_frsize;
+        (total, total.saturating_sub(free))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_decoding() {
+        let uri: http::Uri = "/files?path=%2Fhome%2Fa%20b.txt&username=root&x".parse().unwrap();
+        let q = query_params(&uri);
+        assert_eq!(q["path"], "/home/a b.txt");
+        assert_eq!(q["username"], "root");
+        assert_eq!(q["x"], "");
+        assert_eq!(percent_decode("100%"), "100%");
+        assert_eq!(percent_decode("%zz"), "%zz");
+    }
+}
