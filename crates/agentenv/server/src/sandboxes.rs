@@ -185,7 +185,7 @@ impl Sandboxes {
             .backend
             .templates()
             .into_iter()
-            .find(|t| t.id == req.template_id || t.aliases.iter().any(|a| *a == req.template_id))
+            .find(|t| t.id == req.template_id || t.aliases.contains(&req.template_id))
             .ok_or_else(|| {
                 ApiError::not_found(format!("template '{}' not found", req.template_id))
             })?;

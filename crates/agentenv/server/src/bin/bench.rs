@@ -1,1 +1,333 @@
-fn main() {}
+//! `agentenv-bench --tier <cpu|kvm> --out report.json`: sandbox lifecycle latency through the
+//! E2B HTTP API of an in-process server on loopback (real runtime, real guests).
+//! Tier cpu forces TCG; tier kvm runs only where a probe guest boots under KVM.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use k3_common::report::{Figure, Plot, PlotKind, Report, Section, Series, Skipped, Tier};
+use serde_json::{Value, json};
+
+use agentenv_server::app::{self, AppState, ServerConfig};
+use agentenv_server::backend::VmBackend;
+use agentenv_server::{keys, runtime_backend};
+
+#[derive(Parser)]
+#[command(
+    name = "agentenv-bench",
+    about = "agentenv sandbox lifecycle latency through the E2B API"
+)]
+struct Args {
+    #[arg(long)]
+    tier: Tier,
+    #[arg(long)]
+    out: PathBuf,
+    /// Sandboxes created (each is paused, resumed and killed once).
+    #[arg(long, default_value_t = 12)]
+    iterations: usize,
+    /// Command round trips per sandbox.
+    #[arg(long, default_value_t = 5)]
+    commands: usize,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+struct Http {
+    base: String,
+    key: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Http {
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+    ) -> anyhow::Result<(u16, Bytes)> {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base))
+            .header("X-API-KEY", &self.key);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let resp = self
+            .client
+            .request(b.body(Full::new(Bytes::from(body)))?)
+            .await?;
+        let status = resp.status().as_u16();
+        Ok((status, resp.into_body().collect().await?.to_bytes()))
+    }
+
+    async fn json(
+        &self,
+        method: Method,
+        path: &str,
+        body: Value,
+        want: u16,
+    ) -> anyhow::Result<Value> {
+        let (status, bytes) = self
+            .send(
+                method,
+                path,
+                &[("Content-Type", "application/json")],
+                serde_json::to_vec(&body)?,
+            )
+            .await?;
+        if status != want {
+            bail!("{path}: HTTP {status}: {}", String::from_utf8_lossy(&bytes));
+        }
+        Ok(serde_json::from_slice(&bytes).unwrap_or(Value::Null))
+    }
+
+    /// One `commands.run("true")`-style Start stream through the data plane, to its end.
+    async fn command(&self, id: &str, token: &str) -> anyhow::Result<()> {
+        let msg = serde_json::to_vec(
+            &json!({"process": {"cmd": "/bin/bash", "args": ["-c", "true"]}, "stdin": false}),
+        )?;
+        let mut body = vec![0u8];
+        body.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+        body.extend_from_slice(&msg);
+        let headers = [
+            ("E2b-Sandbox-Id", id),
+            ("E2b-Sandbox-Port", "49983"),
+            ("X-Access-Token", token),
+            ("Content-Type", "application/connect+json"),
+            ("Connect-Protocol-Version", "1"),
+        ];
+        let (status, bytes) = self
+            .send(Method::POST, "/process.Process/Start", &headers, body)
+            .await?;
+        if status != 200 || !String::from_utf8_lossy(&bytes).contains("\"end\"") {
+            bail!(
+                "command: HTTP {status}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
+        }
+        Ok(())
+    }
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn cdf(name: &str, samples: &[f64]) -> Series {
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len() as f64;
+    Series {
+        name: name.into(),
+        points: s
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (format!("{v:.3}"), (i + 1) as f64 / n))
+            .collect(),
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    k3_common::telemetry::init("warn");
+    let args = Args::parse();
+    let commit = std::env::var("K3_COMMIT").unwrap_or_else(|_| "unknown".into());
+    let mut report = Report::new(commit);
+    let machine = hostname();
+    let accel = match args.tier {
+        Tier::Cpu => agentenv_runtime::Accel::Tcg,
+        Tier::Kvm => agentenv_runtime::Accel::Auto,
+        other => {
+            report.skipped.push(Skipped {
+                tier: other,
+                machine,
+                what: "agentenv".into(),
+                reason: "agentenv has only the cpu (TCG) and kvm tiers".into(),
+            });
+            report.write(&args.out)?;
+            return Ok(());
+        }
+    };
+    let state = tempfile::Builder::new()
+        .prefix("agentenv-bench-")
+        .tempdir()?;
+    let mut cfg = agentenv_runtime::RuntimeConfig::new(state.path().join("runtime"));
+    cfg.accel = accel;
+    let rt = runtime_backend::open_with_default_template(cfg)
+        .await
+        .context("runtime with the default template")?;
+    let accel_name = runtime_backend::accel_label(&rt);
+    if args.tier == Tier::Kvm && rt.accel() != agentenv_runtime::AccelKind::Kvm {
+        report.skipped.push(Skipped {
+            tier: Tier::Kvm,
+            machine,
+            what: "agentenv".into(),
+            reason: "no probe guest boots under /dev/kvm here (e.g. a PVM-only host); the runtime falls back to TCG".into(),
+        });
+        report.write(&args.out)?;
+        println!("kvm tier skipped: probe guest does not boot under KVM");
+        return Ok(());
+    }
+    let backend: Arc<dyn VmBackend> = Arc::new(rt);
+    let (api_key, _) = keys::load_or_create_api_key(state.path())?;
+    let app_state = AppState::open(
+        backend.clone(),
+        ServerConfig {
+            state_dir: state.path().to_path_buf(),
+            api_key: api_key.clone(),
+            max_upload_bytes: 1 << 30,
+        },
+    )
+    .await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let server = tokio::spawn(axum::serve(listener, app::app(app_state)).into_future());
+    let http = Http {
+        base: format!("http://{addr}"),
+        key: api_key,
+        client: Client::builder(TokioExecutor::new()).build_http(),
+    };
+
+    let (mut create, mut command, mut pause, mut resume, mut kill) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    for _ in 0..args.iterations {
+        let t = Instant::now();
+        let c = http
+            .json(
+                Method::POST,
+                "/v2/sandboxes",
+                json!({"templateID": "base"}),
+                201,
+            )
+            .await?;
+        create.push(ms(t));
+        let id = c["sandboxID"].as_str().context("sandboxID")?.to_string();
+        let token = c["envdAccessToken"]
+            .as_str()
+            .context("envdAccessToken")?
+            .to_string();
+        for _ in 0..args.commands {
+            let t = Instant::now();
+            http.command(&id, &token).await?;
+            command.push(ms(t));
+        }
+        let t = Instant::now();
+        http.send(Method::POST, &format!("/sandboxes/{id}/pause"), &[], vec![])
+            .await?;
+        pause.push(ms(t));
+        let t = Instant::now();
+        http.json(
+            Method::POST,
+            &format!("/v2/sandboxes/{id}/connect"),
+            json!({}),
+            201,
+        )
+        .await?;
+        resume.push(ms(t));
+        http.command(&id, &token).await?;
+        let t = Instant::now();
+        http.send(Method::DELETE, &format!("/sandboxes/{id}"), &[], vec![])
+            .await?;
+        kill.push(ms(t));
+    }
+    // Same-run baseline: the runtime's own create (no HTTP, no records).
+    let mut direct = vec![];
+    for i in 0..args.iterations.min(5) {
+        let id = format!("benchdirect{i}");
+        let t = Instant::now();
+        backend.create(&id, "base", BTreeMap::new()).await?;
+        direct.push(ms(t));
+        backend.kill(&id).await?;
+    }
+    server.abort();
+
+    let direct_med = k3_common::Stats::from_samples(&direct).map_or(f64::NAN, |s| s.median);
+    let anchor = |f: Figure, name: &str, v: f64| f.baseline(name, v, false);
+    let figures = vec![
+        anchor(
+            Figure::timing(
+                "create (POST /v2/sandboxes until envd answers)",
+                &create,
+                "ms",
+            )
+            .baseline("runtime.create without HTTP, same run", direct_med, true),
+            "target on this TCG box",
+            150.0,
+        ),
+        Figure::timing(
+            "command round trip (process.Process/Start `true` via proxy)",
+            &command,
+            "ms",
+        ),
+        anchor(
+            anchor(
+                Figure::timing("pause (POST /sandboxes/{id}/pause)", &pause, "ms"),
+                "target on this TCG box",
+                100.0,
+            ),
+            "public AgentENV claim (Firecracker on KVM)",
+            100.0,
+        ),
+        anchor(
+            Figure::timing(
+                "resume (POST /v2/sandboxes/{id}/connect, paused)",
+                &resume,
+                "ms",
+            ),
+            "public AgentENV claim: resume from snapshot (Firecracker on KVM)",
+            50.0,
+        ),
+        Figure::timing("kill (DELETE /sandboxes/{id})", &kill, "ms"),
+    ];
+    let figures: Vec<Figure> = figures
+        .into_iter()
+        .map(|f| f.param("accel", accel_name).param("n", args.iterations))
+        .collect();
+    let plot = Plot {
+        title: format!("agentenv lifecycle latency CDF ({accel_name})"),
+        kind: PlotKind::Cdf,
+        x_label: "latency (ms)".into(),
+        y_label: "fraction".into(),
+        series: vec![
+            cdf("create", &create),
+            cdf("command", &command),
+            cdf("pause", &pause),
+            cdf("resume", &resume),
+            cdf("kill", &kill),
+        ],
+    };
+    let cmd: Vec<String> = std::env::args().collect();
+    report.sections.push(Section {
+        system: "agentenv".into(),
+        tier: args.tier,
+        title: format!("Sandbox lifecycle through the E2B API ({accel_name})"),
+        machine,
+        figures,
+        plots: vec![plot],
+        notes: vec![
+            format!("command: {}", cmd.join(" ")),
+            format!("backend: QEMU -M microvm, accelerator {accel_name}; create restores the template's base snapshot"),
+            "client: HTTP/1.1 on loopback to an in-process agentenv server; one sandbox at a time".into(),
+            format!("{} sandboxes, {} command round trips each; medians quoted, stats hold p99", args.iterations, args.commands),
+            "caveat: 2-core dev box shared with other builds; TCG is software emulation".into(),
+        ],
+    });
+    report.write(&args.out)?;
+    println!("wrote {}", args.out.display());
+    Ok(())
+}

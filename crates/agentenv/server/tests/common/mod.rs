@@ -1,0 +1,240 @@
+//! Test harness: a real agentenv server (real runtime, real TCG/KVM guests) on a loopback port.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use agentenv_server::app::{self, AppState, ServerConfig};
+use agentenv_server::{keys, runtime_backend};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+/// Builds `agentenv-guest` into this target folder unless `AGENTENV_GUEST_BIN` names one.
+pub fn ensure_guest_binary() {
+    if std::env::var_os("AGENTENV_GUEST_BIN").is_some() {
+        return;
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = std::process::Command::new(cargo)
+        .args(["build", "-p", "agentenv-guest", "--bin", "agentenv-guest"])
+        .status()
+        .expect("running cargo build -p agentenv-guest");
+    assert!(status.success(), "building agentenv-guest failed");
+}
+
+/// A running server and its handles.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub api_key: String,
+    pub state: AppState,
+    task: tokio::task::JoinHandle<()>,
+    pub accel: String,
+}
+
+impl TestServer {
+    /// Starts the server on `state_dir` (building the default template on first use).
+    pub async fn start(state_dir: &Path) -> TestServer {
+        let (api_key, _) = keys::load_or_create_api_key(state_dir).unwrap();
+        let mut cfg = agentenv_runtime::RuntimeConfig::new(state_dir.join("runtime"));
+        cfg.accel = match std::env::var("AGENTENV_ACCEL").as_deref() {
+            Ok("tcg") => agentenv_runtime::Accel::Tcg,
+            Ok("kvm") => agentenv_runtime::Accel::Kvm,
+            _ => agentenv_runtime::Accel::Auto,
+        };
+        let rt = runtime_backend::open_with_default_template(cfg)
+            .await
+            .expect("runtime with default template");
+        let accel = runtime_backend::accel_label(&rt).to_string();
+        let backend: Arc<dyn agentenv_server::backend::VmBackend> = Arc::new(rt);
+        let state = AppState::open(
+            backend,
+            ServerConfig {
+                state_dir: state_dir.to_path_buf(),
+                api_key: api_key.clone(),
+                max_upload_bytes: 1 << 20,
+            },
+        )
+        .await
+        .expect("server state");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let router = app::app(state.clone());
+        let task = tokio::spawn(async move {
+            axum::serve(listener, router).await.unwrap();
+        });
+        TestServer {
+            addr,
+            api_key,
+            state,
+            task,
+            accel,
+        }
+    }
+
+    /// Stops serving (VMs keep running, as after a process exit).
+    pub fn stop(self) {
+        self.task.abort();
+    }
+
+    pub fn client(&self) -> Api {
+        Api {
+            base: format!("http://{}", self.addr),
+            key: self.api_key.clone(),
+            http: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+}
+
+/// A fresh state folder under /tmp (kept small: RAM files live in the runtime's folder).
+pub fn state_dir() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("agentenv-test-")
+        .tempdir()
+        .unwrap()
+}
+
+/// Minimal HTTP client for the tests.
+#[derive(Clone)]
+pub struct Api {
+    pub base: String,
+    pub key: String,
+    http: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// A response: status, headers and body.
+pub struct Resp {
+    pub status: StatusCode,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Resp {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+impl Api {
+    pub async fn raw(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+    ) -> Resp {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base));
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let resp = self
+            .http
+            .request(b.body(Full::new(Bytes::from(body))).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        Resp {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    /// Control-plane call with the API key.
+    pub async fn call(&self, method: Method, path: &str, body: Option<Value>) -> Resp {
+        let bytes = body
+            .map(|v| serde_json::to_vec(&v).unwrap())
+            .unwrap_or_default();
+        let key = self.key.clone();
+        self.raw(
+            method,
+            path,
+            &[("X-API-KEY", &key), ("Content-Type", "application/json")],
+            bytes,
+        )
+        .await
+    }
+
+    /// Runs `bash -l -c cmd` in the sandbox through the data plane (Connect `Start` stream);
+    /// returns (stdout, exit code).
+    pub async fn run(&self, id: &str, token: &str, cmd: &str) -> Result<(String, i64), String> {
+        let msg = serde_json::json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd]}, "stdin": false});
+        let json = serde_json::to_vec(&msg).unwrap();
+        let mut body = vec![0u8];
+        body.extend_from_slice(&(json.len() as u32).to_be_bytes());
+        body.extend_from_slice(&json);
+        let headers = [
+            ("E2b-Sandbox-Id", id),
+            ("E2b-Sandbox-Port", "49983"),
+            ("X-Access-Token", token),
+            ("Content-Type", "application/connect+json"),
+            ("Connect-Protocol-Version", "1"),
+        ];
+        let r = self
+            .raw(Method::POST, "/process.Process/Start", &headers, body)
+            .await;
+        if r.status != StatusCode::OK {
+            return Err(format!(
+                "{}: {}",
+                r.status,
+                String::from_utf8_lossy(&r.body)
+            ));
+        }
+        let mut out = Vec::new();
+        let mut code = None;
+        let mut rest = &r.body[..];
+        while rest.len() >= 5 {
+            let flag = rest[0];
+            let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+            let v: Value = serde_json::from_slice(&rest[5..5 + len]).unwrap();
+            rest = &rest[5 + len..];
+            if flag & 2 != 0 {
+                if v.get("error").is_some() {
+                    return Err(v.to_string());
+                }
+                break;
+            }
+            let ev = &v["event"];
+            if let Some(s) = ev["data"]["stdout"].as_str() {
+                out.extend(b64_decode(s));
+            }
+            if let Some(end) = ev.get("end") {
+                code = Some(end["exitCode"].as_i64().unwrap_or(0));
+            }
+        }
+        Ok((String::from_utf8(out).unwrap(), code.ok_or("no end event")?))
+    }
+}
+
+/// Standard base64 decoding (padded), enough for envd output.
+pub fn b64_decode(s: &str) -> Vec<u8> {
+    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = Vec::new();
+    let mut acc = 0u32;
+    let mut bits = 0;
+    for c in s.bytes().filter(|c| *c != b'=') {
+        let v = A.iter().position(|x| *x == c).expect("base64 character") as u32;
+        acc = (acc << 6) | v;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    out
+}
+
+pub fn path_of(dir: &tempfile::TempDir) -> PathBuf {
+    dir.path().to_path_buf()
+}

@@ -1,0 +1,170 @@
+"""Spec e2b-compat.md §7 flows through the stock `e2b` SDK against a real agentenv server."""
+
+import secrets
+import time
+from datetime import datetime, timezone
+
+import pytest
+from e2b import (
+    CommandExitException,
+    NotFoundException,
+    Sandbox,
+    SandboxQuery,
+    SandboxState,
+)
+
+
+def test_create_and_echo(server):
+    token = secrets.token_hex(8)
+    sbx = Sandbox.create("base", timeout=300, envs={"TOKEN": token}, metadata={"suite": "flows", "t": token})
+    try:
+        r = sbx.commands.run("echo hello")
+        assert r.stdout == "hello\n" and r.exit_code == 0
+        r = sbx.commands.run("echo $TOKEN")
+        assert r.stdout.strip() == token
+        info = sbx.get_info()
+        assert info.sandbox_id == sbx.sandbox_id
+        assert info.metadata == {"suite": "flows", "t": token}
+        assert info.state == SandboxState.RUNNING
+        assert sbx.is_running()
+    finally:
+        assert sbx.kill() is True
+
+
+def test_exit_codes_env_cwd_user(sandbox):
+    with pytest.raises(CommandExitException) as exc:
+        sandbox.commands.run("echo oops >&2; exit 3")
+    assert exc.value.exit_code == 3
+    assert "oops" in exc.value.stderr
+    val = secrets.token_hex(6)
+    assert sandbox.commands.run("echo $V", envs={"V": val}).stdout.strip() == val
+    assert sandbox.commands.run("pwd", cwd="/tmp").stdout.strip() == "/tmp"
+    assert sandbox.commands.run("whoami", user="root").stdout.strip() == "root"
+    assert sandbox.commands.run("whoami").stdout.strip() == "user"
+
+
+def test_background_list_kill_connect_stdin(sandbox):
+    h = sandbox.commands.run("sleep 600", background=True)
+    pids = [p.pid for p in sandbox.commands.list()]
+    assert h.pid in pids
+    assert sandbox.commands.kill(h.pid) is True
+    with pytest.raises(CommandExitException):
+        h.wait()
+    assert h.pid not in [p.pid for p in sandbox.commands.list()]
+    assert sandbox.commands.kill(h.pid) is False
+
+    word = secrets.token_hex(4)
+    cat = sandbox.commands.run("head -c 8 > /tmp/stdin.txt; cat /tmp/stdin.txt", background=True, stdin=True)
+    attached = sandbox.commands.connect(cat.pid)
+    sandbox.commands.send_stdin(cat.pid, word)
+    result = attached.wait()
+    assert result.stdout == word
+    cat.wait()
+
+
+def test_files(sandbox):
+    name = f"/home/user/dir-{secrets.token_hex(4)}"
+    text = secrets.token_hex(64)
+    blob = secrets.token_bytes(300_000)
+    assert sandbox.files.make_dir(name) is True
+    assert sandbox.files.make_dir(name) is False
+    sandbox.files.write(f"{name}/a.txt", text)
+    sandbox.files.write(f"{name}/b.bin", blob)
+    assert sandbox.files.read(f"{name}/a.txt") == text
+    assert bytes(sandbox.files.read(f"{name}/b.bin", format="bytes")) == blob
+    names = sorted(e.name for e in sandbox.files.list(name))
+    assert names == ["a.txt", "b.bin"]
+    assert sandbox.files.exists(f"{name}/a.txt")
+    assert sandbox.files.get_info(f"{name}/b.bin").size == len(blob)
+    sandbox.files.rename(f"{name}/a.txt", f"{name}/c.txt")
+    assert not sandbox.files.exists(f"{name}/a.txt")
+    assert sandbox.files.read(f"{name}/c.txt") == text
+    sandbox.files.remove(name)
+    assert not sandbox.files.exists(name)
+
+
+def test_pause_resume_keeps_files_and_processes(server):
+    sbx = Sandbox.create("base", timeout=600)
+    try:
+        content = secrets.token_hex(16)
+        sbx.files.write("/tmp/keep.txt", content)
+        h = sbx.commands.run("sleep 900", background=True)
+        assert sbx.pause() is True
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+        assert sbx.pause() is False
+        assert not sbx.is_running()
+
+        resumed = Sandbox.connect(sbx.sandbox_id)
+        assert resumed.sandbox_id == sbx.sandbox_id
+        assert resumed.get_info().state == SandboxState.RUNNING
+        assert resumed.files.read("/tmp/keep.txt") == content
+        assert h.pid in [p.pid for p in resumed.commands.list()]
+        # The old object still works (same access token across pause/resume).
+        assert sbx.files.read("/tmp/keep.txt") == content
+        assert sbx.commands.run("echo again").stdout == "again\n"
+        # Connecting a running sandbox is fine too.
+        assert Sandbox.connect(sbx.sandbox_id).is_running()
+    finally:
+        sbx.kill()
+
+
+def test_set_timeout_moves_end_at(sandbox):
+    before = sandbox.get_info().end_at
+    sandbox.set_timeout(30)
+    shortened = sandbox.get_info().end_at
+    assert shortened < before
+    sandbox.set_timeout(1200)
+    extended = sandbox.get_info().end_at
+    assert extended > before
+    assert (extended - datetime.now(timezone.utc)).total_seconds() > 1000
+
+
+def test_timeout_kills(server):
+    sbx = Sandbox.create("base", timeout=2)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            Sandbox.get_info(sbx.sandbox_id)
+        except NotFoundException:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("sandbox with timeout=2 still exists after 60 s")
+    assert Sandbox.kill(sbx.sandbox_id) is False
+
+
+def test_list_filters_and_paging(server):
+    tag = secrets.token_hex(6)
+    boxes = [Sandbox.create("base", timeout=300, metadata={"tag": tag, "i": str(i)}) for i in range(3)]
+    try:
+        boxes[2].pause()
+        seen = []
+        pager = Sandbox.list(query=SandboxQuery(metadata={"tag": tag}), limit=2)
+        pages = 0
+        while pager.has_next:
+            seen.extend(i.sandbox_id for i in pager.next_items())
+            pages += 1
+        assert sorted(seen) == sorted(b.sandbox_id for b in boxes)
+        assert pages == 2
+        running = Sandbox.list(query=SandboxQuery(metadata={"tag": tag}, state=[SandboxState.RUNNING])).next_items()
+        assert sorted(i.sandbox_id for i in running) == sorted(b.sandbox_id for b in boxes[:2])
+        paused = Sandbox.list(query=SandboxQuery(metadata={"tag": tag, "i": "2"}, state=[SandboxState.PAUSED])).next_items()
+        assert [i.sandbox_id for i in paused] == [boxes[2].sandbox_id]
+    finally:
+        for b in boxes:
+            b.kill()
+
+
+def test_kill_removes_everywhere(server):
+    sbx = Sandbox.create("base", timeout=300, metadata={"kill": "me"})
+    sid = sbx.sandbox_id
+    assert sbx.kill() is True
+    listed = Sandbox.list(query=SandboxQuery(metadata={"kill": "me"})).next_items()
+    assert sid not in [i.sandbox_id for i in listed]
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(sid)
+    assert Sandbox.kill(sid) is False
+    assert not sbx.is_running()
+    with pytest.raises(Exception) as exc:
+        sbx.commands.run("echo unreachable")
+    assert "not found" in str(exc.value).lower() or "not running" in str(exc.value).lower()
