@@ -147,6 +147,11 @@ fn all_workloads(maxvios: &[f64]) -> Vec<Workload> {
             placement: Placement::Clustered,
         });
     }
+    // Share of copies to rank 0's experts (the EP=2 anchor table of anchors.md).
+    w.extend([0.5, 0.6, 0.75, 0.9].map(|share| Workload {
+        skew: Skew::RankShare { share },
+        placement: Placement::Clustered,
+    }));
     w
 }
 
