@@ -9,6 +9,7 @@
 // Index loops mirror the spec's formulas (and the CUDA port) more plainly than iterator chains.
 #![allow(clippy::needless_range_loop)]
 
+pub mod gpu;
 pub mod plan;
 pub mod reference;
 pub mod router;
