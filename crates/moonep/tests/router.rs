@@ -1,6 +1,8 @@
 //! Workload generators: contracts (row sums, distinct experts per token) and skew targets.
 
-use moonep::router::{Placement, Routing, Skew, WorkloadSpec, generate, sample_lognormal};
+use moonep::router::{
+    Placement, Routing, Skew, WorkloadSpec, generate, sample_lognormal, sample_lognormal_for_maxvio,
+};
 use proptest::prelude::*;
 
 fn spec(
@@ -141,5 +143,19 @@ fn lognormal_sampler_skew_grows_with_sigma() {
             t.dedup();
             assert_eq!(t.len(), 4, "sampling without replacement");
         }
+    }
+}
+
+#[test]
+fn lognormal_sigma_is_bisected_to_the_target() {
+    let s = spec(4, 16, 4, 128, Skew::Uniform, Placement::Random, 11);
+    for target in [0.5, 1.0, 2.0] {
+        let (r, topk, sigma) = sample_lognormal_for_maxvio(&s, target);
+        assert!(
+            (r.maxvio() - target).abs() < 0.15,
+            "target {target}: maxvio {} (sigma {sigma})",
+            r.maxvio()
+        );
+        assert_eq!(Routing::from_topk(64, 4, &topk), r);
     }
 }

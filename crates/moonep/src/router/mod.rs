@@ -382,3 +382,27 @@ pub fn sample_lognormal(spec: &WorkloadSpec, sigma: f64) -> (Routing, Vec<Vec<u3
         .collect();
     (Routing::from_topk(e_n, spec.top_k, &topk), topk)
 }
+
+/// [`sample_lognormal`] with σ bisected on a log scale (fixed seeds) so that the sampled maxvio
+/// is closest to `target`. Returns the routing, every rank's `topk` and the σ used.
+pub fn sample_lognormal_for_maxvio(
+    spec: &WorkloadSpec,
+    target: f64,
+) -> (Routing, Vec<Vec<u32>>, f64) {
+    let (mut lo, mut hi) = (1e-3f64.ln(), 4f64.ln());
+    let mut best = (f64::INFINITY, 1e-3);
+    for _ in 0..24 {
+        let mid = 0.5 * (lo + hi);
+        let v = sample_lognormal(spec, mid.exp()).0.maxvio();
+        if (v - target).abs() < best.0 {
+            best = ((v - target).abs(), mid.exp());
+        }
+        if v < target {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let (routing, topk) = sample_lognormal(spec, best.1);
+    (routing, topk, best.1)
+}
