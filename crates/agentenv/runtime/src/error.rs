@@ -38,7 +38,7 @@ pub enum TemplateError {
     #[error("template VM: {0}")]
     Vmm(#[from] VmmError),
     /// The guest agent in the template VM did not come up.
-    #[error("template guest agent: {0}; console log: {log}")]
+    #[error("template guest agent: {source}; console log: {log}")]
     Agent { source: AgentError, log: String },
     /// Writing the template record failed.
     #[error(transparent)]

@@ -46,7 +46,7 @@ pub enum KernelError {
     Io { what: &'static str, path: PathBuf, source: std::io::Error },
 }
 
-fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> KernelError + '_ {
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> KernelError + 'a {
     move |source| KernelError::Io { what, path: path.to_owned(), source }
 }
 

@@ -109,8 +109,9 @@ impl QemuVmm {
         let mut child =
             cmd.spawn().map_err(|e| VmmError::Spawn { bin: self.bin.display().to_string(), source: e })?;
         let pid = child.id().unwrap_or(0);
+        let qmp_path = spec.qmp_socket();
         let qmp = tokio::select! {
-            r = QmpClient::connect(&spec.qmp_socket(), QMP_TIMEOUT) => r,
+            r = QmpClient::connect(&qmp_path, QMP_TIMEOUT) => r,
             status = child.wait() => {
                 let log = std::fs::read_to_string(&log_path).unwrap_or_default();
                 return Err(VmmError::Exited { during: "startup", detail: format!("{status:?}: {log}") });

@@ -24,7 +24,7 @@ pub enum RootfsError {
     Io { what: &'static str, path: PathBuf, source: std::io::Error },
 }
 
-fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> RootfsError + '_ {
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RootfsError + 'a {
     move |source| RootfsError::Io { what, path: path.to_owned(), source }
 }
 

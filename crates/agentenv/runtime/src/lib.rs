@@ -1,0 +1,208 @@
+//! agentenv sandbox runtime: microVMs for agent sandboxes.
+//!
+//! - [`vmm`]: the VMM traits ([`vmm::Vmm`], [`vmm::Pausable`], [`vmm::Snapshottable`]); [`qemu`] implements them
+//!   with QEMU `-M microvm` over QMP ([`qmp`]), KVM where a probe guest boots ([`accel`]), TCG otherwise.
+//! - [`kernel`], [`rootfs`], [`template`]: Debian kernel + initramfs, debootstrap userland + guest agent as ext4,
+//!   booted once into a ready-to-resume base snapshot (RAM file + device state).
+//! - [`Runtime`]: sandbox lifecycle. `create` restores the base snapshot (no cold boot): the RAM file is copied
+//!   sparsely and mapped shared, the disk is a qcow2 overlay. `pause` stops the VM and saves only the device
+//!   state (RAM is already in the sandbox's file), then QEMU exits; `resume` restores it.
+//! - [`persist`]: versioned records written atomically; [`Runtime::recover`] reconciles them after a restart.
+//! - [`agent`]: the host side of the `agentenv.0` virtio-serial port (mux client, fresh HELLO after restores).
+//!
+//! Invariant: this crate knows no HTTP routes or E2B JSON beyond the envd `/health` and `/init` probes.
+
+pub mod accel;
+pub mod agent;
+pub mod bench;
+pub mod config;
+pub mod cpio;
+pub mod error;
+pub mod fsops;
+pub mod kernel;
+pub mod persist;
+pub mod qemu;
+pub mod qmp;
+mod recover;
+pub mod rootfs;
+mod sandbox;
+pub mod template;
+pub mod vmm;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+
+pub use config::{Accel, AccelKind, RuntimeConfig};
+pub use error::{ConnectError, CreateError, KillError, OpenError, PauseError, RecoverError, ResumeError, TemplateError};
+pub use persist::TemplateInfo;
+pub use template::{BuildProgress, BuildStep, TemplateSpec};
+
+use crate::kernel::GuestKernel;
+use crate::persist::TemplateRecord;
+use crate::vmm::Vmm;
+
+/// Visible state of a sandbox VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VmState {
+    /// The guest runs and its agent answers.
+    Running,
+    /// Stopped with memory and processes kept on disk; no VMM process.
+    Paused,
+}
+
+/// What [`Runtime::create`] asks for.
+#[derive(Debug, Clone, Default)]
+pub struct CreateSpec {
+    /// Sandbox id chosen by the caller (`[A-Za-z0-9_.-]`, at most 64 characters).
+    pub sandbox_id: String,
+    /// Template id or alias.
+    pub template_id: String,
+    /// Environment variables for every process (sent to envd `POST /init`).
+    pub env_vars: BTreeMap<String, String>,
+}
+
+/// A created sandbox VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxVm {
+    /// Sandbox id.
+    pub id: String,
+    /// Template id (resolved from an alias).
+    pub template_id: String,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// envd version of the template.
+    pub envd_version: String,
+}
+
+/// The outcome of [`Runtime::recover`] for one sandbox record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveredVm {
+    /// Sandbox id.
+    pub id: String,
+    /// Template id.
+    pub template_id: String,
+    /// `Some` when kept (re-attached running, or paused); `None` when it was dead or half-created and removed.
+    pub state: Option<VmState>,
+    /// What happened, for logs.
+    pub detail: String,
+}
+
+/// The sandbox runtime. Cheap to clone; all clones share the same VMs.
+#[derive(Clone)]
+pub struct Runtime {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) cfg: RuntimeConfig,
+    pub(crate) vmm: Arc<dyn Vmm>,
+    pub(crate) kernel: GuestKernel,
+    /// `cache_dir()/agentenv`.
+    pub(crate) cache: PathBuf,
+    pub(crate) templates: RwLock<BTreeMap<String, TemplateRecord>>,
+    pub(crate) sandboxes: Mutex<HashMap<String, Arc<sandbox::Slot>>>,
+}
+
+impl Runtime {
+    /// Opens the runtime on `cfg.state_dir`: prepares the guest kernel (cached), picks the accelerator
+    /// (probing KVM once for [`Accel::Auto`]) and loads template records. Call [`Runtime::recover`] next to
+    /// pick up sandboxes from a previous process.
+    pub async fn open(cfg: RuntimeConfig) -> Result<Runtime, OpenError> {
+        let state_err = |path: &PathBuf| {
+            let path = path.clone();
+            move |source| OpenError::StateDir { path, source }
+        };
+        for sub in ["templates", "sandboxes"] {
+            let p = cfg.state_dir.join(sub);
+            std::fs::create_dir_all(&p).map_err(state_err(&p))?;
+        }
+        if let Some(r) = &cfg.ram_dir {
+            std::fs::create_dir_all(r).map_err(state_err(r))?;
+        }
+        let cache = k3_common::fsutil::cache_dir().join("agentenv");
+        let c = cache.clone();
+        let kernel = tokio::task::spawn_blocking(move || kernel::prepare(&c))
+            .await
+            .map_err(|e| OpenError::StateDir { path: cache.clone(), source: std::io::Error::other(e.to_string()) })??;
+        let accel = accel::choose(&cfg, &kernel, &cache).await;
+        let vmm: Arc<dyn Vmm> = Arc::new(qemu::QemuVmm::new(cfg.qemu_bin.clone(), accel));
+        let mut templates = BTreeMap::new();
+        let tdir = cfg.state_dir.join("templates");
+        for e in std::fs::read_dir(&tdir).map_err(state_err(&tdir))?.flatten() {
+            let rec_path = e.path().join("template.json");
+            if rec_path.exists() {
+                let rec: TemplateRecord = persist::read(&rec_path)?;
+                templates.insert(rec.info.id.clone(), rec);
+            }
+        }
+        tracing::info!(state_dir = %cfg.state_dir.display(), accel = accel.as_str(), templates = templates.len(), "agentenv runtime open");
+        Ok(Runtime {
+            inner: Arc::new(Inner {
+                cfg,
+                vmm,
+                kernel,
+                cache,
+                templates: RwLock::new(templates),
+                sandboxes: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The accelerator in use (for reports).
+    pub fn accel(&self) -> AccelKind {
+        self.inner.vmm.accel()
+    }
+
+    /// All installed templates, by id.
+    pub fn templates(&self) -> Vec<TemplateInfo> {
+        self.inner.templates.read().unwrap_or_else(|e| e.into_inner()).values().map(|t| t.info.clone()).collect()
+    }
+
+    /// Builds the template described by `spec` (reusing a cached build with identical inputs) and installs it,
+    /// replacing an older template with the same id for future creates.
+    pub async fn build_template(
+        &self,
+        spec: TemplateSpec,
+        progress: &(dyn Fn(BuildProgress) + Send + Sync),
+    ) -> Result<TemplateInfo, TemplateError> {
+        let rec = template::build(&self.inner, spec, progress).await?;
+        let info = rec.info.clone();
+        self.inner.templates.write().unwrap_or_else(|e| e.into_inner()).insert(info.id.clone(), rec);
+        Ok(info)
+    }
+
+    /// Returns the default template `base`, building it first if it is not installed.
+    pub async fn ensure_default_template(
+        &self,
+        progress: &(dyn Fn(BuildProgress) + Send + Sync),
+    ) -> Result<TemplateInfo, TemplateError> {
+        if let Some(t) = self.inner.templates.read().unwrap_or_else(|e| e.into_inner()).get("base") {
+            return Ok(t.info.clone());
+        }
+        self.build_template(TemplateSpec::base(), progress).await
+    }
+
+    /// Current state of a sandbox, or `None` if unknown.
+    pub fn vm_state(&self, id: &str) -> Option<VmState> {
+        let slot = self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned()?;
+        Some(slot.visible_state())
+    }
+
+    pub(crate) fn template_record(&self, id_or_alias: &str) -> Option<TemplateRecord> {
+        let t = self.inner.templates.read().unwrap_or_else(|e| e.into_inner());
+        t.get(id_or_alias)
+            .or_else(|| t.values().find(|r| r.info.aliases.iter().any(|a| a == id_or_alias)))
+            .cloned()
+    }
+}
+
+/// True for ids of 1..=64 characters from `[A-Za-z0-9_.-]` that do not start with a dot.
+pub(crate) fn valid_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && !id.starts_with('.')
+        && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}

@@ -1,0 +1,121 @@
+//! Reconciling persisted sandbox records with reality after a server restart.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::agent;
+use crate::error::RecoverError;
+use crate::persist::{self, SandboxPhase, SandboxRecord};
+use crate::sandbox::{Live, Slot};
+use crate::{RecoveredVm, Runtime, VmState};
+
+impl Runtime {
+    /// Picks up sandboxes left by a previous process: running VMs whose QEMU survived are re-attached
+    /// (QMP + a fresh agent session), paused ones are kept, half-created or dead ones are removed, and
+    /// any QEMU process of this state folder that no record keeps is killed (no orphans).
+    /// Sandboxes this process already knows are left alone.
+    pub async fn recover(&self) -> Result<Vec<RecoveredVm>, RecoverError> {
+        let dir = self.inner.cfg.state_dir.join("sandboxes");
+        let entries = std::fs::read_dir(&dir).map_err(|e| RecoverError::Io { path: dir.clone(), source: e })?;
+        let mut out = Vec::new();
+        let mut keep_pids = Vec::new();
+        for e in entries.flatten() {
+            let id = e.file_name().to_string_lossy().into_owned();
+            if let Some(slot) = self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned() {
+                if let Ok(live) = slot.live.try_lock() {
+                    if let Some(vm) = &live.vm {
+                        keep_pids.push(vm.pid());
+                    }
+                }
+                continue;
+            }
+            let (state, detail, pid) = self.recover_one(&id).await;
+            keep_pids.extend(pid);
+            let template_id = persist::read::<SandboxRecord>(&self.inner.record_path(&id))
+                .map(|r| r.template_id)
+                .unwrap_or_default();
+            if state.is_none() {
+                self.remove_files(&id);
+            }
+            tracing::info!(sandbox = %id, ?state, %detail, "recovered");
+            out.push(RecoveredVm { id, template_id, state, detail });
+        }
+        for (pid, id) in vm_processes_under(&dir) {
+            let slot = self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned();
+            // A busy slot belongs to an operation of this process (for example a create in flight).
+            let busy = slot.is_some_and(|s| s.live.try_lock().is_err());
+            if !busy && !keep_pids.contains(&pid) {
+                tracing::warn!(pid, "killing orphan QEMU of this state folder");
+                // SAFETY: plain syscall on a pid whose command line names our sandboxes folder.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            }
+        }
+        Ok(out)
+    }
+
+    async fn recover_one(&self, id: &str) -> (Option<VmState>, String, Option<u32>) {
+        let rec: SandboxRecord = match persist::read(&self.inner.record_path(id)) {
+            Ok(r) => r,
+            Err(e) => return (None, format!("unreadable record: {e}"), None),
+        };
+        let spec = self.inner.spec_of(&rec);
+        match rec.phase {
+            SandboxPhase::Starting => (None, "was being created when the previous process stopped".into(), None),
+            SandboxPhase::Paused => {
+                if !self.inner.device_state_path(id).exists() || !rec.ram_file.exists() {
+                    return (None, "paused but its snapshot files are missing".into(), None);
+                }
+                let live = Live { record: rec, vm: None, agent: None, exiting: None, gone: false };
+                self.insert(id, Slot::new(live, VmState::Paused));
+                (Some(VmState::Paused), "paused snapshot kept".into(), None)
+            }
+            SandboxPhase::Running { pid } => {
+                let vm = match self.inner.vmm.attach(&spec, pid).await {
+                    Ok(vm) => vm,
+                    Err(e) => return (None, format!("VMM gone ({e}); its memory is lost"), None),
+                };
+                let link = agent::connect_healthy(&spec.agent_socket(), Duration::from_secs(3), Duration::from_secs(30)).await;
+                let detail = match &link {
+                    Ok(_) => "re-attached".to_owned(),
+                    Err(e) => format!("re-attached; agent not answering yet: {e}"),
+                };
+                let live = Live { record: rec, vm: Some(vm), agent: link.ok(), exiting: None, gone: false };
+                self.insert(id, Slot::new(live, VmState::Running));
+                (Some(VmState::Running), detail, Some(pid))
+            }
+        }
+    }
+
+    fn insert(&self, id: &str, slot: std::sync::Arc<Slot>) {
+        self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_owned(), slot);
+    }
+
+    fn remove_files(&self, id: &str) {
+        if let Ok(rec) = persist::read::<SandboxRecord>(&self.inner.record_path(id)) {
+            let _ = std::fs::remove_file(&rec.ram_file);
+        }
+        let _ = std::fs::remove_file(self.inner.ram_file(id));
+        let _ = std::fs::remove_dir_all(self.inner.sandbox_dir(id));
+    }
+}
+
+/// Live QEMU processes whose command line names a sandbox folder under `dir`: (pid, sandbox id).
+fn vm_processes_under(dir: &Path) -> Vec<(u32, String)> {
+    let needle = format!("{}/", dir.display());
+    let me = std::process::id();
+    let Ok(rd) = std::fs::read_dir("/proc") else { return Vec::new() };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me)
+        .filter_map(|pid| {
+            let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let c = String::from_utf8_lossy(&c);
+            if !c.contains("qemu-system") {
+                return None;
+            }
+            let at = c.find(&needle)? + needle.len();
+            let id: String = c[at..].chars().take_while(|ch| *ch != '/').collect();
+            Some((pid, id))
+        })
+        .collect()
+}

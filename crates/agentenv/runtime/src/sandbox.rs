@@ -1,0 +1,289 @@
+//! Sandbox lifecycle: create (restore from the template's base snapshot), pause, resume, kill, agent streams.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentenv_mux::MuxStream;
+use tokio::task::JoinHandle;
+
+use crate::agent::{self, AgentLink};
+use crate::error::{ConnectError, CreateError, KillError, PauseError, ResumeError};
+use crate::fsops;
+use crate::persist::{self, RECORD_VERSION, SandboxPhase, SandboxRecord};
+use crate::vmm::{DiskFormat, VmInstance, VmSpec};
+use crate::{CreateSpec, Inner, Runtime, SandboxVm, VmState, valid_id};
+
+/// How long one `/health` attempt may take before the runtime reconnects with a fresh session.
+const HEALTH_ATTEMPT: Duration = Duration::from_secs(3);
+/// How long the agent may take to answer after a restore.
+const HEALTH_DEADLINE: Duration = Duration::from_secs(60);
+
+/// One sandbox: its record and live handles, behind a lock that serialises its operations.
+pub(crate) struct Slot {
+    pub(crate) live: tokio::sync::Mutex<Live>,
+    state: std::sync::Mutex<VmState>,
+}
+
+pub(crate) struct Live {
+    pub(crate) record: SandboxRecord,
+    pub(crate) vm: Option<Box<dyn VmInstance>>,
+    pub(crate) agent: Option<AgentLink>,
+    /// A VMM that is exiting after a pause; a resume waits for it.
+    pub(crate) exiting: Option<JoinHandle<()>>,
+    /// Set once killed, so operations queued behind the kill fail as unknown.
+    pub(crate) gone: bool,
+}
+
+impl Slot {
+    pub(crate) fn new(live: Live, state: VmState) -> Arc<Slot> {
+        Arc::new(Slot { live: tokio::sync::Mutex::new(live), state: std::sync::Mutex::new(state) })
+    }
+    pub(crate) fn visible_state(&self) -> VmState {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    fn set_state(&self, s: VmState) {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = s;
+    }
+}
+
+impl Inner {
+    pub(crate) fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.cfg.state_dir.join("sandboxes").join(id)
+    }
+    pub(crate) fn ram_file(&self, id: &str) -> PathBuf {
+        match &self.cfg.ram_dir {
+            Some(d) => d.join(format!("{id}.mem")),
+            None => self.sandbox_dir(id).join("ram.mem"),
+        }
+    }
+    pub(crate) fn spec_of(&self, rec: &SandboxRecord) -> VmSpec {
+        let dir = self.sandbox_dir(&rec.id);
+        rec.machine.spec(&dir, &rec.ram_file, &dir.join("disk.qcow2"), DiskFormat::Qcow2)
+    }
+    pub(crate) fn record_path(&self, id: &str) -> PathBuf {
+        self.sandbox_dir(id).join("sandbox.json")
+    }
+    pub(crate) fn device_state_path(&self, id: &str) -> PathBuf {
+        self.sandbox_dir(id).join("device.state")
+    }
+}
+
+impl Runtime {
+    /// Creates a sandbox by restoring the template's base snapshot (no cold boot) and returns once the
+    /// guest agent answers `/health` (and accepted `/init` when `env_vars` is not empty).
+    pub async fn create(&self, spec: CreateSpec) -> Result<SandboxVm, CreateError> {
+        let inner = &self.inner;
+        if !valid_id(&spec.sandbox_id) {
+            return Err(CreateError::InvalidId(spec.sandbox_id));
+        }
+        let tpl =
+            self.template_record(&spec.template_id).ok_or_else(|| CreateError::UnknownTemplate(spec.template_id.clone()))?;
+        let id = spec.sandbox_id.clone();
+        let record = SandboxRecord {
+            version: RECORD_VERSION,
+            id: id.clone(),
+            template_id: tpl.info.id.clone(),
+            machine: tpl.machine.clone(),
+            ram_file: inner.ram_file(&id),
+            created_at: k3_common::time::now_rfc3339(),
+            phase: SandboxPhase::Starting,
+        };
+        let slot = Slot::new(Live { record: record.clone(), vm: None, agent: None, exiting: None, gone: false }, VmState::Running);
+        {
+            let mut map = inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+            if map.contains_key(&id) || inner.sandbox_dir(&id).exists() {
+                return Err(CreateError::AlreadyExists(id));
+            }
+            map.insert(id.clone(), slot.clone());
+        }
+        let mut live = slot.live.lock().await;
+        match self.create_locked(&mut live, &tpl, &spec).await {
+            Ok(vm) => Ok(vm),
+            Err(e) => {
+                if let Some(vm) = live.vm.take() {
+                    let _ = vm.kill().await;
+                }
+                live.gone = true;
+                inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                let _ = std::fs::remove_dir_all(inner.sandbox_dir(&id));
+                let _ = std::fs::remove_file(inner.ram_file(&id));
+                Err(e)
+            }
+        }
+    }
+
+    async fn create_locked(
+        &self,
+        live: &mut Live,
+        tpl: &persist::TemplateRecord,
+        spec: &CreateSpec,
+    ) -> Result<SandboxVm, CreateError> {
+        let inner = &self.inner;
+        let id = &spec.sandbox_id;
+        let dir = inner.sandbox_dir(id);
+        let io = |what, path: &PathBuf| {
+            let path = path.clone();
+            move |source| CreateError::Io { what, path, source }
+        };
+        std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+        persist::write(&inner.record_path(id), &live.record)?;
+        let vm_spec = inner.spec_of(&live.record);
+        let (base_ram, ram) = (tpl.base_ram.clone(), live.record.ram_file.clone());
+        let copy = tokio::task::spawn_blocking(move || fsops::sparse_copy(&base_ram, &ram));
+        let overlay = fsops::create_overlay(&inner.cfg.qemu_img_bin, &tpl.base_disk, &vm_spec.disk);
+        let (copied, overlaid) = tokio::join!(copy, overlay);
+        overlaid.map_err(io("overlay", &vm_spec.disk))?;
+        copied
+            .map_err(|e| std::io::Error::other(e.to_string()))
+            .and_then(|r| r)
+            .map_err(io("copy RAM to", &live.record.ram_file))?;
+        let vm = inner.vmm.restore(&vm_spec, &tpl.base_state).await?;
+        live.record.phase = SandboxPhase::Running { pid: vm.pid() };
+        live.vm = Some(vm);
+        persist::write(&inner.record_path(id), &live.record)?;
+        let link = agent::connect_healthy(&vm_spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
+        if !spec.env_vars.is_empty() {
+            let body = serde_json::json!({ "envVars": spec.env_vars }).to_string();
+            let status = agent::request(&link, "POST", "/init", Some(&body)).await?;
+            if !(200..300).contains(&status) {
+                return Err(CreateError::Init(status));
+            }
+        }
+        live.agent = Some(link);
+        tracing::debug!(sandbox = %id, template = %tpl.info.id, "sandbox created");
+        Ok(SandboxVm {
+            id: id.clone(),
+            template_id: tpl.info.id.clone(),
+            vcpus: tpl.machine.vcpus,
+            memory_mib: tpl.machine.memory_mib,
+            envd_version: tpl.info.envd_version.clone(),
+        })
+    }
+
+    fn slot(&self, id: &str) -> Option<Arc<Slot>> {
+        self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
+    }
+
+    /// Pauses a running sandbox: stop, save the device state (RAM is already in its file), commit the
+    /// record, let QEMU exit. Memory, processes and files survive, also across a server restart.
+    pub async fn pause(&self, id: &str) -> Result<(), PauseError> {
+        let slot = self.slot(id).ok_or_else(|| PauseError::NotFound(id.into()))?;
+        let mut live = slot.live.lock().await;
+        if live.gone {
+            return Err(PauseError::NotFound(id.into()));
+        }
+        let Some(vm) = live.vm.take() else { return Err(PauseError::AlreadyPaused(id.into())) };
+        let r = async {
+            vm.stop().await?;
+            live.agent = None;
+            let state = self.inner.device_state_path(id);
+            let tmp = state.with_extension("state.tmp");
+            vm.save_device_state(&tmp).await?;
+            std::fs::rename(&tmp, &state).map_err(|e| PauseError::Io { what: "rename", path: state.clone(), source: e })?;
+            live.record.phase = SandboxPhase::Paused;
+            persist::write(&self.inner.record_path(id), &live.record)?;
+            Ok::<(), PauseError>(())
+        }
+        .await;
+        match r {
+            Ok(()) => {
+                slot.set_state(VmState::Paused);
+                live.exiting = Some(tokio::spawn(async move {
+                    if let Err(e) = vm.shutdown().await {
+                        tracing::warn!(error = %e, "VMM did not exit cleanly after pause");
+                    }
+                }));
+                Ok(())
+            }
+            Err(e) => {
+                // Not committed: keep the VM running as it was.
+                let _ = vm.cont().await;
+                live.vm = Some(vm);
+                Err(e)
+            }
+        }
+    }
+
+    /// Resumes a paused sandbox from its device state and RAM file; returns when the agent answers.
+    pub async fn resume(&self, id: &str) -> Result<(), ResumeError> {
+        let slot = self.slot(id).ok_or_else(|| ResumeError::NotFound(id.into()))?;
+        let mut live = slot.live.lock().await;
+        if live.gone {
+            return Err(ResumeError::NotFound(id.into()));
+        }
+        if live.vm.is_some() {
+            return Err(ResumeError::NotPaused(id.into()));
+        }
+        if let Some(h) = live.exiting.take() {
+            let _ = h.await;
+        }
+        let spec = self.inner.spec_of(&live.record);
+        let vm = self.inner.vmm.restore(&spec, &self.inner.device_state_path(id)).await?;
+        live.record.phase = SandboxPhase::Running { pid: vm.pid() };
+        live.vm = Some(vm);
+        let committed = persist::write(&self.inner.record_path(id), &live.record);
+        if let Err(e) = committed {
+            if let Some(vm) = live.vm.take() {
+                let _ = vm.kill().await;
+            }
+            live.record.phase = SandboxPhase::Paused;
+            return Err(e.into());
+        }
+        slot.set_state(VmState::Running);
+        let _ = std::fs::remove_file(self.inner.device_state_path(id));
+        match agent::connect_healthy(&spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await {
+            Ok(link) => {
+                live.agent = Some(link);
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Kills a sandbox (running or paused) and removes its files.
+    pub async fn kill(&self, id: &str) -> Result<(), KillError> {
+        let slot = self.slot(id).ok_or_else(|| KillError::NotFound(id.into()))?;
+        let mut live = slot.live.lock().await;
+        if live.gone {
+            return Err(KillError::NotFound(id.into()));
+        }
+        live.gone = true;
+        live.agent = None;
+        if let Some(vm) = live.vm.take() {
+            vm.kill().await?;
+        }
+        if let Some(h) = live.exiting.take() {
+            let _ = h.await;
+        }
+        self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        let dir = self.inner.sandbox_dir(id);
+        // The record goes first, so a crash mid-removal leaves no record pointing at half-removed files.
+        let _ = std::fs::remove_file(self.inner.record_path(id));
+        let _ = std::fs::remove_file(&live.record.ram_file);
+        std::fs::remove_dir_all(&dir).map_err(|e| KillError::Io { path: dir, source: e })
+    }
+
+    /// Opens one stream to envd in the guest (carry one HTTP/1.1 connection on it). Reconnects the mux
+    /// session once if the previous one has ended.
+    pub async fn open_agent_stream(&self, id: &str) -> Result<MuxStream, ConnectError> {
+        let slot = self.slot(id).ok_or_else(|| ConnectError::NotFound(id.into()))?;
+        let mut live = slot.live.lock().await;
+        if live.gone {
+            return Err(ConnectError::NotFound(id.into()));
+        }
+        if live.vm.is_none() {
+            return Err(ConnectError::Paused(id.into()));
+        }
+        if let Some(link) = live.agent.as_ref().filter(|l| l.is_alive()) {
+            if let Ok(s) = link.open().await {
+                return Ok(s);
+            }
+        }
+        let spec = self.inner.spec_of(&live.record);
+        let link = agent::connect_healthy(&spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
+        let s = link.open().await.map_err(agent::AgentError::from)?;
+        live.agent = Some(link);
+        Ok(s)
+    }
+}

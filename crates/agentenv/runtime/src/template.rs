@@ -1,0 +1,246 @@
+//! Templates: rootfs image + one cold boot + a ready-to-resume base snapshot (RAM file + device state).
+//!
+//! Built artefacts are cached under `cache_dir()/agentenv/templates/<key>/`, keyed by every input (guest
+//! agent binary, kernel, machine shape, accelerator), so tests and restarts reuse them; each runtime then
+//! hard-links them into `state_dir/templates/<id>/<key>/`. Base files are never written after the build,
+//! so sandbox overlays and RAM copies stay valid.
+
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::agent;
+use crate::error::TemplateError;
+use crate::fsops;
+use crate::persist::{self, MachineRecord, RECORD_VERSION, TemplateInfo, TemplateRecord};
+use crate::rootfs;
+use crate::vmm::DiskFormat;
+use crate::{Inner, valid_id};
+
+/// envd protocol version reported for templates built here (E2B compat spec section 6.7).
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// What to build.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateSpec {
+    /// Template id (`[A-Za-z0-9_.-]`, at most 64 characters).
+    pub id: String,
+    /// Other names.
+    pub aliases: Vec<String>,
+    /// vCPUs per sandbox.
+    pub vcpus: u32,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Root disk size in MiB (sparse).
+    pub disk_mib: u64,
+}
+
+impl TemplateSpec {
+    /// The default template: id `base`, 1 vCPU, 256 MiB RAM, 1 GiB disk, Debian bookworm minbase.
+    pub fn base() -> TemplateSpec {
+        TemplateSpec { id: "base".into(), aliases: vec![], vcpus: 1, memory_mib: 256, disk_mib: 1024 }
+    }
+}
+
+/// Steps of a template build, reported through the progress callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildStep {
+    /// A cached build with the same inputs is reused.
+    Cached,
+    /// debootstrap (cached after the first run).
+    Userland,
+    /// mkfs.ext4 of the root image.
+    Image,
+    /// Cold boot of the template VM until the guest agent answers.
+    Boot,
+    /// Saving the base snapshot.
+    Snapshot,
+    /// Installed and ready.
+    Done,
+}
+
+/// One progress report.
+#[derive(Debug, Clone)]
+pub struct BuildProgress {
+    /// Current step.
+    pub step: BuildStep,
+    /// Human-readable detail.
+    pub detail: String,
+}
+
+/// Builds (or reuses from the cache) the template and installs it into the state folder.
+pub(crate) async fn build(
+    inner: &Inner,
+    spec: TemplateSpec,
+    progress: &(dyn Fn(BuildProgress) + Send + Sync),
+) -> Result<TemplateRecord, TemplateError> {
+    if !valid_id(&spec.id) || spec.aliases.iter().any(|a| !valid_id(a)) {
+        return Err(TemplateError::InvalidId(spec.id));
+    }
+    if spec.vcpus == 0 || spec.vcpus > 64 || spec.memory_mib < 128 || spec.disk_mib < 512 {
+        return Err(TemplateError::InvalidSpec(format!(
+            "vcpus {} (1..=64), memory {} MiB (>= 128), disk {} MiB (>= 512)",
+            spec.vcpus, spec.memory_mib, spec.disk_mib
+        )));
+    }
+    let say = |step, detail: String| progress(BuildProgress { step, detail });
+    let guest_bin = rootfs::find_guest_binary(inner.cfg.guest_bin.as_deref())?;
+    let machine = MachineRecord {
+        kernel: inner.kernel.vmlinux.clone(),
+        initrd: inner.kernel.initrd.clone(),
+        cmdline: crate::kernel::cmdline(),
+        vcpus: spec.vcpus,
+        memory_mib: spec.memory_mib,
+    };
+    let key = build_key(inner, &spec, &machine, &guest_bin)?;
+    let cached = inner.cache.join("templates").join(&key);
+    let lock_path = inner.cache.join("templates").join(format!("{key}.lock"));
+    let lock = tokio::task::spawn_blocking(move || BuildLock::take(&lock_path))
+        .await
+        .map_err(|e| TemplateError::Io { what: "lock", path: PathBuf::new(), source: std::io::Error::other(e.to_string()) })??;
+    if cached.join("complete").exists() {
+        say(BuildStep::Cached, format!("reusing {}", cached.display()));
+    } else {
+        build_into_cache(inner, &spec, &machine, &guest_bin, &cached, &say).await?;
+    }
+    drop(lock);
+
+    let dir = inner.cfg.state_dir.join("templates").join(&spec.id).join(&key);
+    std::fs::create_dir_all(&dir).map_err(|e| TemplateError::Io { what: "create", path: dir.clone(), source: e })?;
+    for f in ["base.ext4", "base.mem", "base.state"] {
+        let (src, dst) = (cached.join(f), dir.join(f));
+        fsops::link_or_copy(&src, &dst).map_err(|e| TemplateError::Io { what: "install", path: dst, source: e })?;
+    }
+    let record = TemplateRecord {
+        version: RECORD_VERSION,
+        info: TemplateInfo {
+            id: spec.id.clone(),
+            aliases: spec.aliases.clone(),
+            vcpus: spec.vcpus,
+            memory_mib: spec.memory_mib,
+            disk_mib: spec.disk_mib,
+            built_at: k3_common::time::now_rfc3339(),
+            envd_version: ENVD_VERSION.into(),
+        },
+        machine,
+        base_disk: dir.join("base.ext4"),
+        base_ram: dir.join("base.mem"),
+        base_state: dir.join("base.state"),
+    };
+    persist::write(&inner.cfg.state_dir.join("templates").join(&spec.id).join("template.json"), &record)?;
+    say(BuildStep::Done, format!("template {} ready", spec.id));
+    Ok(record)
+}
+
+async fn build_into_cache(
+    inner: &Inner,
+    spec: &TemplateSpec,
+    machine: &MachineRecord,
+    guest_bin: &Path,
+    cached: &Path,
+    say: &(dyn Fn(BuildStep, String) + Send + Sync),
+) -> Result<(), TemplateError> {
+    let partial = cached.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&partial);
+    let vm_dir = partial.join("vm");
+    std::fs::create_dir_all(&vm_dir).map_err(|e| TemplateError::Io { what: "create", path: vm_dir.clone(), source: e })?;
+
+    say(BuildStep::Userland, "debootstrap --variant=minbase bookworm (cached after the first run)".into());
+    let cache = inner.cache.clone();
+    let gb = guest_bin.to_owned();
+    let tree = blocking(move || {
+        let tree = rootfs::debootstrap(&cache)?;
+        rootfs::customize(&tree, &gb)?;
+        Ok(tree)
+    })
+    .await?;
+    say(BuildStep::Image, format!("mkfs.ext4 -d {} ({} MiB)", tree.display(), spec.disk_mib));
+    let disk = partial.join("base.ext4");
+    let (d, size) = (disk.clone(), spec.disk_mib);
+    blocking(move || rootfs::make_ext4(&tree, &d, size)).await?;
+
+    say(BuildStep::Boot, format!("cold boot under {}", inner.vmm.accel().as_str()));
+    let ram = partial.join("base.mem");
+    let vm_spec = machine.spec(&vm_dir, &ram, &disk, DiskFormat::Raw);
+    let vm = inner.vmm.boot(&vm_spec).await?;
+    let link = match agent::connect_healthy(&vm_spec.agent_socket(), Duration::from_secs(5), Duration::from_secs(120)).await
+    {
+        Ok(l) => l,
+        Err(source) => {
+            let _ = vm.kill().await;
+            let log = std::fs::read_to_string(vm_spec.console_log()).unwrap_or_default();
+            return Err(TemplateError::Agent { source, log: tail(&log, 3000) });
+        }
+    };
+    say(BuildStep::Snapshot, "stop + device state (x-ignore-shared)".into());
+    drop(link);
+    let r = async {
+        vm.stop().await?;
+        vm.save_device_state(&partial.join("base.state")).await?;
+        vm.shutdown().await
+    }
+    .await;
+    if let Err(e) = r {
+        let _ = vm.kill().await;
+        return Err(e.into());
+    }
+    std::fs::write(partial.join("complete"), b"").map_err(|e| TemplateError::Io {
+        what: "write",
+        path: partial.join("complete"),
+        source: e,
+    })?;
+    let _ = std::fs::remove_dir_all(cached);
+    std::fs::rename(&partial, cached).map_err(|e| TemplateError::Io { what: "rename", path: cached.to_owned(), source: e })
+}
+
+fn build_key(inner: &Inner, spec: &TemplateSpec, machine: &MachineRecord, guest_bin: &Path) -> Result<String, TemplateError> {
+    let bin = std::fs::read(guest_bin).map_err(|e| TemplateError::Io { what: "read", path: guest_bin.to_owned(), source: e })?;
+    let initrd = std::fs::read(&machine.initrd).unwrap_or_default();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (RECORD_VERSION, &bin, &initrd, &inner.kernel.release, machine, spec.disk_mib).hash(&mut h);
+    (inner.vmm.accel().as_str(), inner.cfg.qemu_bin.as_os_str()).hash(&mut h);
+    Ok(format!("{:016x}", h.finish()))
+}
+
+impl Hash for MachineRecord {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        (&self.kernel, &self.initrd, &self.cmdline, self.vcpus, self.memory_mib).hash(state);
+    }
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let start = s.len().saturating_sub(n);
+    let start = (start..s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(s.len());
+    s[start..].to_owned()
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, rootfs::RootfsError> + Send + 'static,
+) -> Result<T, TemplateError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(r) => r.map_err(TemplateError::from),
+        Err(e) => Err(TemplateError::Io { what: "join", path: PathBuf::new(), source: std::io::Error::other(e.to_string()) }),
+    }
+}
+
+/// An exclusive `flock` on a file, so concurrent builds (tests, several runtimes) do not race.
+struct BuildLock {
+    _file: std::fs::File,
+}
+
+impl BuildLock {
+    fn take(path: &Path) -> Result<BuildLock, TemplateError> {
+        let err = |e| TemplateError::Io { what: "lock", path: path.to_owned(), source: e };
+        if let Some(d) = path.parent() {
+            std::fs::create_dir_all(d).map_err(err)?;
+        }
+        let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).map_err(err)?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on an owned, open fd. Blocking here is brief relative to a build, and only
+        // happens while another build of the cache is running.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(err(std::io::Error::last_os_error()));
+        }
+        Ok(BuildLock { _file: f })
+    }
+}
