@@ -95,7 +95,7 @@ impl SweepSpec {
         ];
         SweepSpec {
             shapes,
-            workloads: all_workloads(&[0.0, 1.0, 4.0]),
+            workloads: all_workloads(&[0.0, 1.0, 2.0, 4.0]),
             policies: all_policies(),
             hardware: HardwareModel::default(),
             seed: 1,
