@@ -93,7 +93,10 @@ pub struct RpcError {
 impl RpcError {
     /// Builds an error.
     pub fn new(code: Code, message: impl Into<String>) -> RpcError {
-        RpcError { code, message: message.into() }
+        RpcError {
+            code,
+            message: message.into(),
+        }
     }
 
     /// `{"code": "...", "message": "..."}`.
@@ -108,7 +111,9 @@ impl RpcError {
             K::NotFound => Code::NotFound,
             K::AlreadyExists => Code::AlreadyExists,
             K::PermissionDenied => Code::PermissionDenied,
-            K::InvalidInput | K::NotADirectory | K::IsADirectory | K::DirectoryNotEmpty => Code::InvalidArgument,
+            K::InvalidInput | K::NotADirectory | K::IsADirectory | K::DirectoryNotEmpty => {
+                Code::InvalidArgument
+            }
             K::StorageFull => Code::ResourceExhausted,
             _ => Code::Internal,
         };
@@ -145,14 +150,20 @@ pub fn take_envelope(buf: &mut Vec<u8>, max: usize) -> Result<Option<(u8, Vec<u8
     }
     let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
     if len > max {
-        return Err(RpcError::new(Code::ResourceExhausted, format!("message of {len} bytes over {max}")));
+        return Err(RpcError::new(
+            Code::ResourceExhausted,
+            format!("message of {len} bytes over {max}"),
+        ));
     }
     if buf.len() < 5 + len {
         return Ok(None);
     }
     let flags = buf[0];
     if flags & 0x01 != 0 {
-        return Err(RpcError::new(Code::Unimplemented, "compressed messages are not supported"));
+        return Err(RpcError::new(
+            Code::Unimplemented,
+            "compressed messages are not supported",
+        ));
     }
     let msg = buf[5..5 + len].to_vec();
     buf.drain(..5 + len);
@@ -161,13 +172,21 @@ pub fn take_envelope(buf: &mut Vec<u8>, max: usize) -> Result<Option<(u8, Vec<u8
 
 /// Parses a request message, mapping JSON errors to `invalid_argument`.
 pub fn parse<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, RpcError> {
-    let bytes = if bytes.iter().all(u8::is_ascii_whitespace) { b"{}".as_slice() } else { bytes };
-    serde_json::from_slice(bytes).map_err(|e| RpcError::new(Code::InvalidArgument, format!("bad request JSON: {e}")))
+    let bytes = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        bytes
+    };
+    serde_json::from_slice(bytes)
+        .map_err(|e| RpcError::new(Code::InvalidArgument, format!("bad request JSON: {e}")))
 }
 
 fn de_u32<'de, D: Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
     match Value::deserialize(d)? {
-        Value::Number(n) => n.as_u64().and_then(|v| u32::try_from(v).ok()).ok_or_else(|| de::Error::custom("not a uint32")),
+        Value::Number(n) => n
+            .as_u64()
+            .and_then(|v| u32::try_from(v).ok())
+            .ok_or_else(|| de::Error::custom("not a uint32")),
         Value::String(s) => s.parse().map_err(de::Error::custom),
         Value::Null => Ok(0),
         _ => Err(de::Error::custom("expected a uint32")),
@@ -187,7 +206,10 @@ pub fn decode_bytes(s: &str) -> Result<Vec<u8>, RpcError> {
             return Ok(v);
         }
     }
-    Err(RpcError::new(Code::InvalidArgument, "invalid base64 in bytes field"))
+    Err(RpcError::new(
+        Code::InvalidArgument,
+        "invalid base64 in bytes field",
+    ))
 }
 
 /// Encodes `bytes` as standard padded base64.
@@ -329,7 +351,10 @@ impl SendSignalRequest {
         };
         match n {
             9 | 15 => Ok(n),
-            _ => Err(RpcError::new(Code::InvalidArgument, format!("unsupported signal {}", self.signal))),
+            _ => Err(RpcError::new(
+                Code::InvalidArgument,
+                format!("unsupported signal {}", self.signal),
+            )),
         }
     }
 }
@@ -446,10 +471,10 @@ pub struct WatchRequest {
     /// Watch subdirectories too.
     pub recursive: bool,
     /// Attach an `entry` to each event.
-    #[serde(alias = "include_entry")]
+    #[serde(rename = "includeEntry", alias = "include_entry")]
     pub include_entry: bool,
     /// Accepted and ignored.
-    #[serde(alias = "allow_network_mounts")]
+    #[serde(rename = "allowNetworkMounts", alias = "allow_network_mounts")]
     pub allow_network_mounts: bool,
 }
 
@@ -458,7 +483,7 @@ pub struct WatchRequest {
 #[serde(default)]
 pub struct WatcherIdRequest {
     /// The id CreateWatcher returned.
-    #[serde(alias = "watcher_id")]
+    #[serde(rename = "watcherId", alias = "watcher_id")]
     pub watcher_id: String,
 }
 
@@ -549,4 +574,67 @@ pub fn fs_event(name: &str, ty: EventType, entry: Option<&EntryInfo>) -> Value {
         v["entry"] = json!(e);
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_camel_and_snake_case() {
+        let a: WatchRequest =
+            parse(br#"{"path":"/x","includeEntry":true,"allowNetworkMounts":true}"#).unwrap();
+        let b: WatchRequest =
+            parse(br#"{"path":"/x","include_entry":true,"allow_network_mounts":true}"#).unwrap();
+        assert!(
+            a.include_entry && a.allow_network_mounts && b.include_entry && b.allow_network_mounts
+        );
+        let w: WatcherIdRequest = parse(br#"{"watcher_id":"abc"}"#).unwrap();
+        assert_eq!(w.watcher_id, "abc");
+        let s: SelectorRequest = parse(br#"{"process":{"pid":"42"}}"#).unwrap();
+        assert_eq!(s.process.pid, Some(42));
+        assert!(parse::<SelectorRequest>(b"").unwrap().process.pid.is_none());
+    }
+
+    #[test]
+    fn bytes_accept_every_base64_flavour() {
+        let data: Vec<u8> = (0..64).map(|_| rand::random()).collect();
+        use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+        assert_eq!(decode_bytes(&STANDARD.encode(&data)).unwrap(), data);
+        assert_eq!(decode_bytes(&URL_SAFE_NO_PAD.encode(&data)).unwrap(), data);
+        assert!(decode_bytes("***").is_err());
+    }
+
+    #[test]
+    fn signals_by_name_or_number() {
+        let r: SendSignalRequest =
+            parse(br#"{"process":{"pid":1},"signal":"SIGNAL_SIGTERM"}"#).unwrap();
+        assert_eq!(r.signal_number().unwrap(), 15);
+        let r: SendSignalRequest = parse(br#"{"process":{"pid":1},"signal":9}"#).unwrap();
+        assert_eq!(r.signal_number().unwrap(), 9);
+        let r: SendSignalRequest =
+            parse(br#"{"process":{"pid":1},"signal":"SIGNAL_UNSPECIFIED"}"#).unwrap();
+        assert_eq!(r.signal_number().unwrap_err().code, Code::InvalidArgument);
+    }
+
+    #[test]
+    fn envelopes_round_trip() {
+        let mut buf = Vec::new();
+        buf.extend_from_slice(&envelope(0, &json!({"a": 1})));
+        buf.extend_from_slice(&end_stream(None));
+        assert_eq!(
+            take_envelope(&mut buf, 1024).unwrap(),
+            Some((0, br#"{"a":1}"#.to_vec()))
+        );
+        assert_eq!(
+            take_envelope(&mut buf, 1024).unwrap(),
+            Some((FLAG_END_STREAM, b"{}".to_vec()))
+        );
+        assert_eq!(take_envelope(&mut buf, 1024).unwrap(), None);
+        let mut big = vec![0u8, 0xff, 0xff, 0xff, 0xff];
+        assert_eq!(
+            take_envelope(&mut big, 1024).unwrap_err().code,
+            Code::ResourceExhausted
+        );
+    }
 }

@@ -28,7 +28,9 @@ impl UploadError {
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => StatusCode::INSUFFICIENT_STORAGE,
             _ => match e.kind() {
                 std::io::ErrorKind::PermissionDenied => StatusCode::FORBIDDEN,
-                std::io::ErrorKind::NotADirectory | std::io::ErrorKind::IsADirectory => StatusCode::BAD_REQUEST,
+                std::io::ErrorKind::NotADirectory | std::io::ErrorKind::IsADirectory => {
+                    StatusCode::BAD_REQUEST
+                }
                 _ => StatusCode::INTERNAL_SERVER_ERROR,
             },
         };
@@ -36,12 +38,18 @@ impl UploadError {
     }
 }
 
-fn resolve_user_and_path(agent: &Agent, req: &Request<Incoming>) -> Result<(User, Option<PathBuf>), Response<Body>> {
+fn resolve_user_and_path(
+    agent: &Agent,
+    req: &Request<Incoming>,
+) -> Result<(User, Option<PathBuf>), Box<Response<Body>>> {
     let q = query_params(req.uri());
     let user = request_user(agent, req.headers(), q.get("username").map(String::as_str))
-        .map_err(|e| http_error(StatusCode::UNAUTHORIZED, e.message))?;
+        .map_err(|e| Box::new(http_error(StatusCode::UNAUTHORIZED, e.message)))?;
     let path = match q.get("path").filter(|p| !p.is_empty()) {
-        Some(p) => Some(fs::resolve(&user, p).map_err(|e| http_error(StatusCode::BAD_REQUEST, e.message))?),
+        Some(p) => Some(
+            fs::resolve(&user, p)
+                .map_err(|e| Box::new(http_error(StatusCode::BAD_REQUEST, e.message)))?,
+        ),
         None => None,
     };
     Ok((user, path))
@@ -51,22 +59,40 @@ fn resolve_user_and_path(agent: &Agent, req: &Request<Incoming>) -> Result<(User
 pub async fn download(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
     let (_user, path) = match resolve_user_and_path(agent, &req) {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
-    let Some(path) = path else { return http_error(StatusCode::BAD_REQUEST, "missing path") };
+    let Some(path) = path else {
+        return http_error(StatusCode::BAD_REQUEST, "missing path");
+    };
     let meta = match tokio::fs::metadata(&path).await {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return http_error(StatusCode::NOT_FOUND, format!("path '{}' does not exist", path.display()));
+            return http_error(
+                StatusCode::NOT_FOUND,
+                format!("path '{}' does not exist", path.display()),
+            );
         }
-        Err(e) => return http_error(StatusCode::INTERNAL_SERVER_ERROR, format!("stat '{}': {e}", path.display())),
+        Err(e) => {
+            return http_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("stat '{}': {e}", path.display()),
+            );
+        }
     };
     if meta.is_dir() {
-        return http_error(StatusCode::BAD_REQUEST, format!("path '{}' is a directory", path.display()));
+        return http_error(
+            StatusCode::BAD_REQUEST,
+            format!("path '{}' is a directory", path.display()),
+        );
     }
     let mut file = match tokio::fs::File::open(&path).await {
         Ok(f) => f,
-        Err(e) => return http_error(StatusCode::FORBIDDEN, format!("open '{}': {e}", path.display())),
+        Err(e) => {
+            return http_error(
+                StatusCode::FORBIDDEN,
+                format!("open '{}': {e}", path.display()),
+            );
+        }
     };
     let (tx, body) = channel_body();
     tokio::spawn(async move {
@@ -77,12 +103,18 @@ pub async fn download(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
             }
         }
     });
-    let name = path.file_name().map(|n| n.to_string_lossy().replace('"', "")).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().replace('"', ""))
+        .unwrap_or_default();
     Response::builder()
         .status(StatusCode::OK)
         .header(http::header::CONTENT_TYPE, "application/octet-stream")
         .header(http::header::CONTENT_LENGTH, meta.len())
-        .header(http::header::CONTENT_DISPOSITION, format!("attachment; filename=\"{name}\""))
+        .header(
+            http::header::CONTENT_DISPOSITION,
+            format!("attachment; filename=\"{name}\""),
+        )
         .body(body)
         .unwrap_or_else(|_| http_error(StatusCode::INTERNAL_SERVER_ERROR, "building response"))
 }
@@ -91,7 +123,7 @@ pub async fn download(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
 pub async fn upload(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
     let (user, path) = match resolve_user_and_path(agent, &req) {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let limit = agent.config.max_upload_bytes;
     let ctype = header(&req, http::header::CONTENT_TYPE);
@@ -100,7 +132,9 @@ pub async fn upload(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         upload_multipart(&user, path, &ctype, req.into_body(), limit).await
     } else {
         match path {
-            Some(p) => upload_raw(&user, &p, req.into_body(), gzip, limit).await.map(|e| vec![e]),
+            Some(p) => upload_raw(&user, &p, req.into_body(), gzip, limit)
+                .await
+                .map(|e| vec![e]),
             None => Err(UploadError(StatusCode::BAD_REQUEST, "missing path".into())),
         }
     };
@@ -112,7 +146,11 @@ pub async fn upload(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
 }
 
 fn header(req: &Request<Incoming>, name: http::header::HeaderName) -> String {
-    req.headers().get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string()
+    req.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
 }
 
 async fn upload_multipart(
@@ -122,12 +160,17 @@ async fn upload_multipart(
     body: Incoming,
     limit: u64,
 ) -> Result<Vec<Value>, UploadError> {
-    let boundary = multer::parse_boundary(ctype).map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))?;
+    let boundary = multer::parse_boundary(ctype)
+        .map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))?;
     let stream = body.into_data_stream();
     let mut mp = multer::Multipart::new(stream, boundary);
     let mut written = Vec::new();
     let mut n_parts = 0usize;
-    while let Some(field) = mp.next_field().await.map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))? {
+    while let Some(field) = mp
+        .next_field()
+        .await
+        .map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))?
+    {
         n_parts += 1;
         // One part with ?path=: path wins. Several parts: each filename is its destination.
         let dest = match (&path, field.file_name()) {
@@ -135,11 +178,20 @@ async fn upload_multipart(
             (_, Some(f)) if !f.is_empty() => {
                 fs::resolve(user, f).map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.message))?
             }
-            _ => return Err(UploadError(StatusCode::BAD_REQUEST, "file part without a destination".into())),
+            _ => {
+                return Err(UploadError(
+                    StatusCode::BAD_REQUEST,
+                    "file part without a destination".into(),
+                ));
+            }
         };
         let mut sink = Sink::create(user, &dest, limit)?;
         let mut field = field;
-        while let Some(chunk) = field.chunk().await.map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))? {
+        while let Some(chunk) = field
+            .chunk()
+            .await
+            .map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))?
+        {
             sink.write(&chunk)?;
         }
         written.push(sink.finish()?);
@@ -147,22 +199,35 @@ async fn upload_multipart(
     Ok(written)
 }
 
-async fn upload_raw(user: &User, dest: &Path, body: Incoming, gzip: bool, limit: u64) -> Result<Value, UploadError> {
+async fn upload_raw(
+    user: &User,
+    dest: &Path,
+    body: Incoming,
+    gzip: bool,
+    limit: u64,
+) -> Result<Value, UploadError> {
     let mut stream = body.into_data_stream();
     let mut sink = Sink::create(user, dest, limit)?;
     let mut gz = gzip.then(|| flate2::write::GzDecoder::new(Vec::new()));
-    while let Some(chunk) = stream.try_next().await.map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))? {
+    while let Some(chunk) = stream
+        .try_next()
+        .await
+        .map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))?
+    {
         match gz.as_mut() {
             None => sink.write(&chunk)?,
             Some(d) => {
-                d.write_all(&chunk).map_err(|e| UploadError(StatusCode::BAD_REQUEST, format!("gzip: {e}")))?;
+                d.write_all(&chunk)
+                    .map_err(|e| UploadError(StatusCode::BAD_REQUEST, format!("gzip: {e}")))?;
                 let out = std::mem::take(d.get_mut());
                 sink.write(&out)?;
             }
         }
     }
     if let Some(d) = gz {
-        let out = d.finish().map_err(|e| UploadError(StatusCode::BAD_REQUEST, format!("gzip: {e}")))?;
+        let out = d
+            .finish()
+            .map_err(|e| UploadError(StatusCode::BAD_REQUEST, format!("gzip: {e}")))?;
         sink.write(&out)?;
     }
     sink.finish()
@@ -179,14 +244,22 @@ struct Sink {
 impl Sink {
     fn create(user: &User, path: &Path, limit: u64) -> Result<Sink, UploadError> {
         if path.is_dir() {
-            return Err(UploadError(StatusCode::BAD_REQUEST, format!("path '{}' is a directory", path.display())));
+            return Err(UploadError(
+                StatusCode::BAD_REQUEST,
+                format!("path '{}' is a directory", path.display()),
+            ));
         }
         if let Some(parent) = path.parent() {
             fs::create_dirs_owned(parent, user).map_err(|e| UploadError::io(e, parent))?;
         }
         let file = std::fs::File::create(path).map_err(|e| UploadError::io(e, path))?;
         fs::chown_to(path, user).map_err(|e| UploadError::io(e, path))?;
-        Ok(Sink { file, path: path.to_path_buf(), written: 0, limit })
+        Ok(Sink {
+            file,
+            path: path.to_path_buf(),
+            written: 0,
+            limit,
+        })
     }
 
     fn write(&mut self, data: &[u8]) -> Result<(), UploadError> {
@@ -195,14 +268,24 @@ impl Sink {
             let _ = std::fs::remove_file(&self.path);
             return Err(UploadError(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!("upload to '{}' exceeds the {}-byte limit", self.path.display(), self.limit),
+                format!(
+                    "upload to '{}' exceeds the {}-byte limit",
+                    self.path.display(),
+                    self.limit
+                ),
             ));
         }
-        self.file.write_all(data).map_err(|e| UploadError::io(e, &self.path))
+        self.file
+            .write_all(data)
+            .map_err(|e| UploadError::io(e, &self.path))
     }
 
     fn finish(self) -> Result<Value, UploadError> {
-        let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let name = self
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
         Ok(json!({"name": name, "type": "file", "path": self.path.display().to_string()}))
     }
 }

@@ -16,10 +16,17 @@ const GO_MODE_SYMLINK: u32 = 1 << 27;
 /// folded lexically. Empty → home. Rejects NUL bytes.
 pub fn resolve(user: &User, path: &str) -> Result<PathBuf, RpcError> {
     if path.contains('\0') {
-        return Err(RpcError::new(Code::InvalidArgument, "path contains a NUL byte"));
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            "path contains a NUL byte",
+        ));
     }
     let p = Path::new(path);
-    let joined = if p.is_absolute() { p.to_path_buf() } else { user.home.join(p) };
+    let joined = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        user.home.join(p)
+    };
     let mut out = PathBuf::from("/");
     for c in joined.components() {
         match c {
@@ -39,8 +46,15 @@ pub fn entry_info(path: &Path) -> std::io::Result<EntryInfo> {
     let is_symlink = lmeta.file_type().is_symlink();
     let (meta, symlink_target) = if is_symlink {
         let target = std::fs::read_link(path).ok().map(|t| {
-            let abs = if t.is_absolute() { t } else { path.parent().unwrap_or(Path::new("/")).join(t) };
-            std::fs::canonicalize(&abs).unwrap_or(abs).display().to_string()
+            let abs = if t.is_absolute() {
+                t
+            } else {
+                path.parent().unwrap_or(Path::new("/")).join(t)
+            };
+            std::fs::canonicalize(&abs)
+                .unwrap_or(abs)
+                .display()
+                .to_string()
         });
         (std::fs::metadata(path).ok(), target)
     } else {
@@ -60,7 +74,10 @@ pub fn entry_info(path: &Path) -> std::io::Result<EntryInfo> {
         mode |= GO_MODE_SYMLINK;
     }
     Ok(EntryInfo {
-        name: path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "/".into()),
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "/".into()),
         file_type: file_type.name(),
         path: path.display().to_string(),
         size: m.len().to_string(),
@@ -101,7 +118,10 @@ pub fn stat(path: &Path) -> Result<EntryInfo, RpcError> {
 pub fn list_dir(path: &Path, depth: u32) -> Result<Vec<EntryInfo>, RpcError> {
     let meta = std::fs::metadata(path).map_err(|e| io_err(e, "list", path))?;
     if !meta.is_dir() {
-        return Err(RpcError::new(Code::InvalidArgument, format!("'{}' is not a directory", path.display())));
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("'{}' is not a directory", path.display()),
+        ));
     }
     let mut out = Vec::new();
     walk(path, depth.max(1), &mut out).map_err(|e| io_err(e, "list", path))?;
@@ -109,7 +129,10 @@ pub fn list_dir(path: &Path, depth: u32) -> Result<Vec<EntryInfo>, RpcError> {
 }
 
 fn walk(dir: &Path, depth: u32, out: &mut Vec<EntryInfo>) -> std::io::Result<()> {
-    let mut names: Vec<_> = std::fs::read_dir(dir)?.filter_map(Result::ok).map(|e| e.path()).collect();
+    let mut names: Vec<_> = std::fs::read_dir(dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .collect();
     names.sort();
     for p in names {
         let Ok(info) = entry_info(&p) else { continue }; // vanished while listing
@@ -126,7 +149,10 @@ fn walk(dir: &Path, depth: u32, out: &mut Vec<EntryInfo>) -> std::io::Result<()>
 /// MakeDir with parents; `already_exists` if the path exists. New dirs belong to `user`.
 pub fn make_dir(path: &Path, user: &User) -> Result<EntryInfo, RpcError> {
     if std::fs::symlink_metadata(path).is_ok() {
-        return Err(RpcError::new(Code::AlreadyExists, format!("'{}' already exists", path.display())));
+        return Err(RpcError::new(
+            Code::AlreadyExists,
+            format!("'{}' already exists", path.display()),
+        ));
     }
     create_dirs_owned(path, user).map_err(|e| io_err(e, "mkdir", path))?;
     stat(path)
@@ -172,7 +198,11 @@ pub fn move_entry(src: &Path, dst: &Path, user: &User) -> Result<EntryInfo, RpcE
 /// Remove a file, link or directory tree.
 pub fn remove(path: &Path) -> Result<(), RpcError> {
     let meta = std::fs::symlink_metadata(path).map_err(|e| io_err(e, "remove", path))?;
-    let r = if meta.is_dir() { std::fs::remove_dir_all(path) } else { std::fs::remove_file(path) };
+    let r = if meta.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
     r.map_err(|e| io_err(e, "remove", path))
 }
 
@@ -182,7 +212,13 @@ mod tests {
 
     #[test]
     fn resolve_folds_relative_paths() {
-        let u = User { name: "u".into(), uid: 1, gid: 1, home: "/home/u".into(), shell: String::new() };
+        let u = User {
+            name: "u".into(),
+            uid: 1,
+            gid: 1,
+            home: "/home/u".into(),
+            shell: String::new(),
+        };
         assert_eq!(resolve(&u, "a/../b").unwrap(), PathBuf::from("/home/u/b"));
         assert_eq!(resolve(&u, "/x/./y/..").unwrap(), PathBuf::from("/x"));
         assert_eq!(resolve(&u, "").unwrap(), PathBuf::from("/home/u"));

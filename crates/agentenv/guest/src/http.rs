@@ -36,7 +36,10 @@ impl http_body::Body for ChannelBody {
     type Data = Bytes;
     type Error = std::io::Error;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         self.rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b))))
     }
 }
@@ -49,7 +52,9 @@ pub fn channel_body() -> (mpsc::Sender<Bytes>, Body) {
 
 /// A complete body.
 pub fn full(b: impl Into<Bytes>) -> Body {
-    Full::new(b.into()).map_err(|e: Infallible| match e {}).boxed()
+    Full::new(b.into())
+        .map_err(|e: Infallible| match e {})
+        .boxed()
 }
 
 /// `status` + JSON body.
@@ -63,29 +68,39 @@ pub fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
 
 /// Plain-endpoint error: `{"code": <int>, "message": "..."}`.
 pub fn http_error(status: StatusCode, message: impl Into<String>) -> Response<Body> {
-    json_response(status, &json!({"code": status.as_u16(), "message": message.into()}))
+    json_response(
+        status,
+        &json!({"code": status.as_u16(), "message": message.into()}),
+    )
 }
 
 /// Unary Connect error response.
 pub fn rpc_error(e: &RpcError) -> Response<Body> {
-    let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let status =
+        StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     json_response(status, &e.to_json())
 }
 
 /// Reads a whole request body, failing with `resource_exhausted` above `max` bytes.
 pub async fn read_body(body: Incoming, max: usize) -> Result<Bytes, RpcError> {
     let limited = http_body_util::Limited::new(body, max);
-    limited
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .map_err(|e| RpcError::new(Code::ResourceExhausted, format!("reading request body: {e}")))
+    limited.collect().await.map(|c| c.to_bytes()).map_err(|e| {
+        RpcError::new(
+            Code::ResourceExhausted,
+            format!("reading request body: {e}"),
+        )
+    })
 }
 
 /// Query parameters (percent-decoded).
 pub fn query_params(uri: &http::Uri) -> HashMap<String, String> {
     let mut out = HashMap::new();
-    for pair in uri.query().unwrap_or("").split('&').filter(|s| !s.is_empty()) {
+    for pair in uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|s| !s.is_empty())
+    {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         out.insert(percent_decode(k), percent_decode(v));
     }
@@ -97,7 +112,10 @@ fn percent_decode(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        let hex = b.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok()).and_then(|h| u8::from_str_radix(h, 16).ok());
+        let hex = b
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
         match (b[i], hex) {
             (b'+', _) => out.push(b' '),
             (b'%', Some(v)) => {
@@ -113,12 +131,23 @@ fn percent_decode(s: &str) -> String {
 
 /// The user a request acts as: `Authorization: Basic base64(user:)`, else `username`, else
 /// the default user.
-pub fn request_user(agent: &Agent, headers: &HeaderMap, username: Option<&str>) -> Result<User, RpcError> {
+pub fn request_user(
+    agent: &Agent,
+    headers: &HeaderMap,
+    username: Option<&str>,
+) -> Result<User, RpcError> {
     let from_header = headers
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Basic ").or_else(|| v.strip_prefix("basic ")))
-        .and_then(|b64| base64::engine::general_purpose::STANDARD.decode(b64.trim()).ok())
+        .and_then(|v| {
+            v.strip_prefix("Basic ")
+                .or_else(|| v.strip_prefix("basic "))
+        })
+        .and_then(|b64| {
+            base64::engine::general_purpose::STANDARD
+                .decode(b64.trim())
+                .ok()
+        })
         .map(|raw| {
             let s = String::from_utf8_lossy(&raw).into_owned();
             s.split_once(':').map(|(u, _)| u.to_string()).unwrap_or(s)
@@ -127,7 +156,12 @@ pub fn request_user(agent: &Agent, headers: &HeaderMap, username: Option<&str>) 
     let name = from_header
         .or_else(|| username.filter(|u| !u.is_empty()).map(str::to_string))
         .unwrap_or_else(|| agent.settings().default_user);
-    users::lookup(&name).ok_or_else(|| RpcError::new(Code::Unauthenticated, format!("user '{name}' does not exist")))
+    users::lookup(&name).ok_or_else(|| {
+        RpcError::new(
+            Code::Unauthenticated,
+            format!("user '{name}' does not exist"),
+        )
+    })
 }
 
 /// Routes one request.
@@ -141,10 +175,16 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
             .unwrap_or_else(|_| Response::new(full(Bytes::new())));
     }
     if let Some(token) = agent.settings().access_token {
-        let given = req.headers().get("x-access-token").and_then(|v| v.to_str().ok());
+        let given = req
+            .headers()
+            .get("x-access-token")
+            .and_then(|v| v.to_str().ok());
         if given != Some(token.as_str()) {
             return if path.starts_with("/process.") || path.starts_with("/filesystem.") {
-                rpc_error(&RpcError::new(Code::Unauthenticated, "missing or wrong X-Access-Token"))
+                rpc_error(&RpcError::new(
+                    Code::Unauthenticated,
+                    "missing or wrong X-Access-Token",
+                ))
             } else {
                 http_error(StatusCode::UNAUTHORIZED, "missing or wrong X-Access-Token")
             };
@@ -156,7 +196,9 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         (Method::POST, "/init") => init(&agent, req).await,
         (Method::GET, "/envs") => json_response(StatusCode::OK, &json!(agent.settings().env_vars)),
         (Method::GET, "/metrics") => json_response(StatusCode::OK, &metrics().await),
-        (Method::POST, p) if p.starts_with("/process.Process/") || p.starts_with("/filesystem.Filesystem/") => {
+        (Method::POST, p)
+            if p.starts_with("/process.Process/") || p.starts_with("/filesystem.Filesystem/") =>
+        {
             crate::rpc::dispatch(agent, req).await
         }
         (_, p) => http_error(StatusCode::NOT_FOUND, format!("no route for {p}")),
@@ -191,7 +233,10 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
     if let Some(u) = &r.default_user
         && users::lookup(u).is_none()
     {
-        return http_error(StatusCode::BAD_REQUEST, format!("user '{u}' does not exist"));
+        return http_error(
+            StatusCode::BAD_REQUEST,
+            format!("user '{u}' does not exist"),
+        );
     }
     if agent.config.set_clock
         && let Some(secs) = r.timestamp.as_ref().and_then(Value::as_f64)
@@ -219,7 +264,10 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
 }
 
 fn set_clock(secs: f64) {
-    let ts = libc::timespec { tv_sec: secs.trunc() as libc::time_t, tv_nsec: (secs.fract() * 1e9) as libc::c_long };
+    let ts = libc::timespec {
+        tv_sec: secs.trunc() as libc::time_t,
+        tv_nsec: (secs.fract() * 1e9) as libc::c_long,
+    };
     // SAFETY: clock_settime reads a valid timespec.
     if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
         tracing::warn!(error = %std::io::Error::last_os_error(), "setting the clock failed");
@@ -247,7 +295,9 @@ async fn metrics() -> Value {
     };
     let (total, avail) = (kib("MemTotal:") * 1024, kib("MemAvailable:") * 1024);
     let (disk_total, disk_used) = disk_usage("/");
-    let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let ts = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     json!({
         "ts": ts,
         "cpu_count": std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -264,13 +314,21 @@ async fn metrics() -> Value {
 /// (busy+idle, idle) jiffies from /proc/stat.
 fn cpu_times() -> Option<(u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let v: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let v: Vec<u64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
     let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
     Some((v.iter().sum(), idle))
 }
 
 fn disk_usage(path: &str) -> (u64, u64) {
-    let Ok(c) = std::ffi::CString::new(path) else { return (0, 0) };
+    let Ok(c) = std::ffi::CString::new(path) else {
+        return (0, 0);
+    };
     // SAFETY: statvfs writes into a zeroed struct we own.
     unsafe {
         let mut s: libc::statvfs = std::mem::zeroed();
@@ -289,7 +347,9 @@ mod tests {
 
     #[test]
     fn query_decoding() {
-        let uri: http::Uri = "/files?path=%2Fhome%2Fa%20b.txt&username=root&x".parse().unwrap();
+        let uri: http::Uri = "/files?path=%2Fhome%2Fa%20b.txt&username=root&x"
+            .parse()
+            .unwrap();
         let q = query_params(&uri);
         assert_eq!(q["path"], "/home/a b.txt");
         assert_eq!(q["username"], "root");

@@ -15,20 +15,56 @@ pub const PORT_NAME: &str = "agentenv.0";
 /// Mounts proc, sys, devtmpfs, devpts, /dev/shm, /tmp and /run; already-mounted ones are kept.
 pub fn mount_pseudo_filesystems() {
     let mounts: [(&str, &str, &str, libc::c_ulong, &str); 7] = [
-        ("proc", "/proc", "proc", libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, ""),
-        ("sysfs", "/sys", "sysfs", libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC, ""),
+        (
+            "proc",
+            "/proc",
+            "proc",
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            "",
+        ),
+        (
+            "sysfs",
+            "/sys",
+            "sysfs",
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            "",
+        ),
         ("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755"),
-        ("devpts", "/dev/pts", "devpts", libc::MS_NOSUID | libc::MS_NOEXEC, "gid=5,mode=620,ptmxmode=666"),
-        ("tmpfs", "/dev/shm", "tmpfs", libc::MS_NOSUID | libc::MS_NODEV, "mode=1777"),
-        ("tmpfs", "/tmp", "tmpfs", libc::MS_NOSUID | libc::MS_NODEV, "mode=1777"),
-        ("tmpfs", "/run", "tmpfs", libc::MS_NOSUID | libc::MS_NODEV, "mode=0755"),
+        (
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            "gid=5,mode=620,ptmxmode=666",
+        ),
+        (
+            "tmpfs",
+            "/dev/shm",
+            "tmpfs",
+            libc::MS_NOSUID | libc::MS_NODEV,
+            "mode=1777",
+        ),
+        (
+            "tmpfs",
+            "/tmp",
+            "tmpfs",
+            libc::MS_NOSUID | libc::MS_NODEV,
+            "mode=1777",
+        ),
+        (
+            "tmpfs",
+            "/run",
+            "tmpfs",
+            libc::MS_NOSUID | libc::MS_NODEV,
+            "mode=0755",
+        ),
     ];
     for (src, target, fstype, flags, data) in mounts {
         let _ = std::fs::create_dir_all(target);
-        if let Err(e) = mount(src, target, fstype, flags, data) {
-            if e.raw_os_error() != Some(libc::EBUSY) {
-                eprintln!("agentenv-guest init: mount {target}: {e}");
-            }
+        if let Err(e) = mount(src, target, fstype, flags, data)
+            && e.raw_os_error() != Some(libc::EBUSY)
+        {
+            eprintln!("agentenv-guest init: mount {target}: {e}");
         }
     }
     // /dev/ptmx must point at the devpts instance for openpty.
@@ -37,11 +73,27 @@ pub fn mount_pseudo_filesystems() {
     }
 }
 
-fn mount(src: &str, target: &str, fstype: &str, flags: libc::c_ulong, data: &str) -> std::io::Result<()> {
-    let c = |s: &str| CString::new(s).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput));
+fn mount(
+    src: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> std::io::Result<()> {
+    let c = |s: &str| {
+        CString::new(s).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
     let (src, target, fstype, data) = (c(src)?, c(target)?, c(fstype)?, c(data)?);
     // SAFETY: all pointers are valid NUL-terminated strings for the duration of the call.
-    let rc = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), fstype.as_ptr(), flags, data.as_ptr().cast()) };
+    let rc = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    };
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -63,7 +115,10 @@ pub fn supervise(agent_cmd: &[String]) -> ! {
     let mut child: Option<u32> = None;
     loop {
         if child.is_none() {
-            match std::process::Command::new(&agent_cmd[0]).args(&agent_cmd[1..]).spawn() {
+            match std::process::Command::new(&agent_cmd[0])
+                .args(&agent_cmd[1..])
+                .spawn()
+            {
                 Ok(c) => child = Some(c.id()),
                 Err(e) => {
                     eprintln!("agentenv-guest init: starting the agent failed: {e}");
@@ -109,7 +164,11 @@ pub fn find_port(name: &str) -> Option<PathBuf> {
 /// EOF or a protocol error the port is re-opened and a fresh session waits for a HELLO.
 pub async fn serve_port(agent: Arc<Agent>, port: &str) -> ! {
     loop {
-        let path = if port.starts_with('/') { Some(PathBuf::from(port)) } else { find_port(port) };
+        let path = if port.starts_with('/') {
+            Some(PathBuf::from(port))
+        } else {
+            find_port(port)
+        };
         let Some(path) = path else {
             tracing::warn!(port, "virtio port not found; retrying");
             tokio::time::sleep(Duration::from_millis(200)).await;

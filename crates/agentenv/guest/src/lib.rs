@@ -86,7 +86,10 @@ impl Agent {
 
     /// A snapshot of the current settings.
     pub fn settings(&self) -> Settings {
-        self.settings.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.settings
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn update_settings(&self, f: impl FnOnce(&mut Settings)) {

@@ -8,7 +8,11 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "agentenv-guest", version, about = "agentenv guest agent (E2B envd protocol)")]
+#[command(
+    name = "agentenv-guest",
+    version,
+    about = "agentenv guest agent (E2B envd protocol)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -70,13 +74,22 @@ fn agent_config(a: &AgentArgs, vm_default_user: bool, set_clock: bool) -> AgentC
             agentenv_guest::users::current().name
         }
     });
-    AgentConfig { default_user, access_token: a.access_token.clone(), max_upload_bytes: a.max_upload_bytes, set_clock }
+    AgentConfig {
+        default_user,
+        access_token: a.access_token.clone(),
+        max_upload_bytes: a.max_upload_bytes,
+        set_clock,
+    }
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Init { hostname, port, agent } => {
+        Cmd::Init {
+            hostname,
+            port,
+            agent,
+        } => {
             // SAFETY: getpid has no preconditions.
             if unsafe { libc::getpid() } != 1 {
                 bail!("`init` must run as PID 1");
@@ -86,19 +99,38 @@ fn main() -> anyhow::Result<()> {
                 eprintln!("agentenv-guest init: sethostname: {e}");
             }
             // SAFETY: setting a variable before any other thread exists.
-            unsafe { std::env::set_var("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin") };
-            let exe = std::env::current_exe().map_or_else(|_| "/proc/self/exe".into(), |p| p.display().to_string());
-            let mut cmd = vec![exe, "agent".into(), "--port".into(), port, "--set-clock".into()];
+            unsafe {
+                std::env::set_var(
+                    "PATH",
+                    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                )
+            };
+            let exe = std::env::current_exe()
+                .map_or_else(|_| "/proc/self/exe".into(), |p| p.display().to_string());
+            let mut cmd = vec![
+                exe,
+                "agent".into(),
+                "--port".into(),
+                port,
+                "--set-clock".into(),
+            ];
             if let Some(u) = agent.default_user {
                 cmd.extend(["--default-user".into(), u]);
             }
             if let Some(t) = agent.access_token {
                 cmd.extend(["--access-token".into(), t]);
             }
-            cmd.extend(["--max-upload-bytes".into(), agent.max_upload_bytes.to_string()]);
+            cmd.extend([
+                "--max-upload-bytes".into(),
+                agent.max_upload_bytes.to_string(),
+            ]);
             init::supervise(&cmd)
         }
-        Cmd::Agent { port, set_clock, agent } => {
+        Cmd::Agent {
+            port,
+            set_clock,
+            agent,
+        } => {
             k3_common::telemetry::init("info");
             let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
             let cfg = agent_config(&agent, true, set_clock);
@@ -128,7 +160,9 @@ async fn serve(agent: Arc<Agent>, listen: &str) -> anyhow::Result<()> {
             tokio::spawn(async move { a.serve_connection(s).await });
         }
     } else if let Some(addr) = listen.strip_prefix("tcp:") {
-        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
         tracing::info!(addr = %l.local_addr()?, "serving envd over HTTP/1.1");
         loop {
             let (s, _) = l.accept().await?;

@@ -30,17 +30,27 @@ impl PortIo {
 }
 
 fn check(n: isize) -> io::Result<usize> {
-    if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
 }
 
 impl AsyncRead for PortIo {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         loop {
             let mut guard = ready!(self.fd.poll_read_ready(cx))?;
             let unfilled = buf.initialize_unfilled();
             let res = guard.try_io(|fd| {
                 // SAFETY: reads at most `unfilled.len()` bytes into a valid, initialized buffer.
-                check(unsafe { libc::read(fd.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len()) })
+                check(unsafe {
+                    libc::read(fd.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len())
+                })
             });
             match res {
                 Ok(Ok(n)) => {
@@ -55,11 +65,17 @@ impl AsyncRead for PortIo {
 }
 
 impl AsyncWrite for PortIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
         loop {
             let mut guard = ready!(self.fd.poll_write_ready(cx))?;
             // SAFETY: writes at most `data.len()` bytes from a valid buffer.
-            let res = guard.try_io(|fd| check(unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) }));
+            let res = guard.try_io(|fd| {
+                check(unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) })
+            });
             match res {
                 Ok(r) => return Poll::Ready(r),
                 Err(_would_block) => continue,

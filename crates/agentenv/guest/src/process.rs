@@ -59,7 +59,12 @@ pub struct Proc {
 
 impl Proc {
     fn emit(&self, ev: ProcEvent) {
-        if let Some(list) = self.watchers.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        if let Some(list) = self
+            .watchers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
             list.retain(|tx| tx.send(ev.clone()).is_ok());
         }
     }
@@ -76,7 +81,10 @@ impl Proc {
     pub async fn write_input(&self, data: Vec<u8>) -> Result<(), RpcError> {
         let mut guard = self.input.lock().await;
         match guard.as_mut() {
-            None => Err(RpcError::new(Code::FailedPrecondition, format!("stdin of process {} is closed", self.pid))),
+            None => Err(RpcError::new(
+                Code::FailedPrecondition,
+                format!("stdin of process {} is closed", self.pid),
+            )),
             Some(Input::Pipe(p)) => p
                 .write_all(&data)
                 .await
@@ -105,9 +113,13 @@ impl Proc {
     /// Resizes the PTY.
     pub fn resize(&self, size: PtySize) -> Result<(), RpcError> {
         let Some(master) = &self.pty_master else {
-            return Err(RpcError::new(Code::FailedPrecondition, format!("process {} has no pty", self.pid)));
+            return Err(RpcError::new(
+                Code::FailedPrecondition,
+                format!("process {} has no pty", self.pid),
+            ));
         };
-        set_winsize(master.as_raw_fd(), size).map_err(|e| RpcError::new(Code::Internal, format!("resize: {e}")))
+        set_winsize(master.as_raw_fd(), size)
+            .map_err(|e| RpcError::new(Code::Internal, format!("resize: {e}")))
     }
 
     /// Sends `sig` to the process group (so `bash -c` children get it too).
@@ -121,7 +133,10 @@ impl Proc {
         if unsafe { libc::kill(self.pid as i32, sig) } == 0 {
             return Ok(());
         }
-        Err(RpcError::new(Code::NotFound, format!("process {} is not running", self.pid)))
+        Err(RpcError::new(
+            Code::NotFound,
+            format!("process {} is not running", self.pid),
+        ))
     }
 }
 
@@ -168,29 +183,58 @@ impl ProcessTable {
         let t = self.lock();
         let found = match (&sel.pid, &sel.tag) {
             (Some(pid), _) => t.get(pid).cloned(),
-            (None, Some(tag)) => t.values().find(|p| p.tag.as_deref() == Some(tag.as_str())).cloned(),
-            (None, None) => return Err(RpcError::new(Code::InvalidArgument, "process selector is empty")),
+            (None, Some(tag)) => t
+                .values()
+                .find(|p| p.tag.as_deref() == Some(tag.as_str()))
+                .cloned(),
+            (None, None) => {
+                return Err(RpcError::new(
+                    Code::InvalidArgument,
+                    "process selector is empty",
+                ));
+            }
         };
-        found.ok_or_else(|| RpcError::new(Code::NotFound, format!("process {} not found", describe(sel))))
+        found.ok_or_else(|| {
+            RpcError::new(
+                Code::NotFound,
+                format!("process {} not found", describe(sel)),
+            )
+        })
     }
 
     /// Starts a process; returns it with a watcher subscribed before any output is read.
-    pub fn spawn(self: &Arc<Self>, spec: SpawnSpec) -> Result<(Arc<Proc>, mpsc::UnboundedReceiver<ProcEvent>), RpcError> {
+    pub fn spawn(
+        self: &Arc<Self>,
+        spec: SpawnSpec,
+    ) -> Result<(Arc<Proc>, mpsc::UnboundedReceiver<ProcEvent>), RpcError> {
         let cwd = resolve_cwd(&spec)?;
         let mut cmd = tokio::process::Command::new(&spec.config.cmd);
-        cmd.args(&spec.config.args).current_dir(&cwd).env_clear().envs(build_env(&spec)).kill_on_drop(false);
+        cmd.args(&spec.config.args)
+            .current_dir(&cwd)
+            .env_clear()
+            .envs(build_env(&spec))
+            .kill_on_drop(false);
         let pty = match spec.pty {
-            Some(size) => Some(open_pty(size).map_err(|e| RpcError::new(Code::Internal, format!("openpty: {e}")))?),
+            Some(size) => Some(
+                open_pty(size)
+                    .map_err(|e| RpcError::new(Code::Internal, format!("openpty: {e}")))?,
+            ),
             None => None,
         };
         if let Some((_, slave)) = &pty {
             let io = |f: &OwnedFd| f.try_clone().map(Stdio::from);
             let err = |e: std::io::Error| RpcError::new(Code::Internal, format!("pty fd: {e}"));
-            cmd.stdin(io(slave).map_err(err)?).stdout(io(slave).map_err(err)?).stderr(io(slave).map_err(err)?);
+            cmd.stdin(io(slave).map_err(err)?)
+                .stdout(io(slave).map_err(err)?)
+                .stderr(io(slave).map_err(err)?);
         } else {
-            cmd.stdin(if spec.stdin { Stdio::piped() } else { Stdio::null() })
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         }
         let switch_user = current_uid() == 0 && spec.user.uid != 0;
         if current_uid() != 0 && current_uid() != spec.user.uid {
@@ -199,7 +243,12 @@ impl ProcessTable {
                 format!("agent is not root and cannot run as {}", spec.user.name),
             ));
         }
-        let (uid, gid, groups, with_tty) = (spec.user.uid, spec.user.gid, users::group_list(&spec.user), pty.is_some());
+        let (uid, gid, groups, with_tty) = (
+            spec.user.uid,
+            spec.user.gid,
+            users::group_list(&spec.user),
+            pty.is_some(),
+        );
         // SAFETY: the closure only makes async-signal-safe syscalls (setsid, ioctl, setgroups, setgid, setuid).
         unsafe {
             cmd.pre_exec(move || {
@@ -209,30 +258,41 @@ impl ProcessTable {
                 if with_tty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if switch_user {
-                    if libc::setgroups(groups.len(), groups.as_ptr()) < 0
+                if switch_user
+                    && (libc::setgroups(groups.len(), groups.as_ptr()) < 0
                         || libc::setgid(gid) < 0
-                        || libc::setuid(uid) < 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
+                        || libc::setuid(uid) < 0)
+                {
+                    return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
             });
         }
         let mut procs = self.lock();
         let mut child = cmd.spawn().map_err(|e| {
-            let code = if e.kind() == std::io::ErrorKind::NotFound { Code::NotFound } else { Code::Internal };
+            let code = if e.kind() == std::io::ErrorKind::NotFound {
+                Code::NotFound
+            } else {
+                Code::Internal
+            };
             RpcError::new(code, format!("starting {}: {e}", spec.config.cmd))
         })?;
         drop(cmd); // closes our copies of the PTY slave
-        let pid = child.id().ok_or_else(|| RpcError::new(Code::Internal, "child has no pid"))?;
+        let pid = child
+            .id()
+            .ok_or_else(|| RpcError::new(Code::Internal, "child has no pid"))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let (input, pty_master, readers) = match pty {
             Some((master, _slave)) => {
                 let master = Arc::new(File::from(master));
-                let reader = master.try_clone().map_err(|e| RpcError::new(Code::Internal, e.to_string()))?;
-                (Some(Input::Pty(master.clone())), Some(master), Readers::Pty(reader))
+                let reader = master
+                    .try_clone()
+                    .map_err(|e| RpcError::new(Code::Internal, e.to_string()))?;
+                (
+                    Some(Input::Pty(master.clone())),
+                    Some(master),
+                    Readers::Pty(reader),
+                )
             }
             None => (
                 child.stdin.take().map(Input::Pipe),
@@ -278,7 +338,11 @@ impl ProcessTable {
                 Err(e) => (-1, false, format!("wait failed: {e}")),
             };
             tracing::debug!(pid, %status, "process ended");
-            p.emit(ProcEvent::End { exit_code, exited, status });
+            p.emit(ProcEvent::End {
+                exit_code,
+                exited,
+                status,
+            });
             p.watchers.lock().unwrap_or_else(|e| e.into_inner()).take();
         });
         Ok((proc, rx))
@@ -286,7 +350,10 @@ impl ProcessTable {
 }
 
 enum Readers {
-    Pipes(Option<tokio::process::ChildStdout>, Option<tokio::process::ChildStderr>),
+    Pipes(
+        Option<tokio::process::ChildStdout>,
+        Option<tokio::process::ChildStderr>,
+    ),
     Pty(File),
 }
 
@@ -310,7 +377,10 @@ impl Readers {
                     if n == 0 {
                         break;
                     }
-                    p.emit(ProcEvent::Data(Stream::Pty, bytes::Bytes::copy_from_slice(&buf[..n])));
+                    p.emit(ProcEvent::Data(
+                        Stream::Pty,
+                        bytes::Bytes::copy_from_slice(&buf[..n]),
+                    ));
                 }
             })],
         }
@@ -323,7 +393,10 @@ async fn pump<R: tokio::io::AsyncRead + Unpin>(mut r: R, stream: Stream, p: Arc<
         if n == 0 {
             break;
         }
-        p.emit(ProcEvent::Data(stream, bytes::Bytes::copy_from_slice(&buf[..n])));
+        p.emit(ProcEvent::Data(
+            stream,
+            bytes::Bytes::copy_from_slice(&buf[..n]),
+        ));
     }
 }
 
@@ -355,7 +428,11 @@ fn resolve_cwd(spec: &SpawnSpec) -> Result<PathBuf, RpcError> {
     let cwd = match &spec.config.cwd {
         Some(c) if !c.is_empty() => {
             let p = Path::new(c);
-            if p.is_absolute() { p.to_path_buf() } else { home.join(p) }
+            if p.is_absolute() {
+                p.to_path_buf()
+            } else {
+                home.join(p)
+            }
         }
         _ => match &spec.default_cwd {
             Some(d) => d.clone(),
@@ -364,7 +441,10 @@ fn resolve_cwd(spec: &SpawnSpec) -> Result<PathBuf, RpcError> {
         },
     };
     if !cwd.is_dir() {
-        return Err(RpcError::new(Code::InvalidArgument, format!("cwd '{}' does not exist", cwd.display())));
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("cwd '{}' does not exist", cwd.display()),
+        ));
     }
     Ok(cwd)
 }
@@ -372,7 +452,10 @@ fn resolve_cwd(spec: &SpawnSpec) -> Result<PathBuf, RpcError> {
 fn build_env(spec: &SpawnSpec) -> HashMap<String, String> {
     let u = &spec.user;
     let mut env: HashMap<String, String> = [
-        ("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"),
+        (
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        ),
         ("LANG", "C.UTF-8"),
     ]
     .into_iter()
@@ -381,7 +464,14 @@ fn build_env(spec: &SpawnSpec) -> HashMap<String, String> {
     env.insert("HOME".into(), u.home.display().to_string());
     env.insert("USER".into(), u.name.clone());
     env.insert("LOGNAME".into(), u.name.clone());
-    env.insert("SHELL".into(), if u.shell.is_empty() { "/bin/sh".into() } else { u.shell.clone() });
+    env.insert(
+        "SHELL".into(),
+        if u.shell.is_empty() {
+            "/bin/sh".into()
+        } else {
+            u.shell.clone()
+        },
+    );
     if spec.pty.is_some() {
         env.insert("TERM".into(), "xterm-256color".into());
     }
@@ -400,7 +490,15 @@ fn open_pty(size: PtySize) -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut slave = -1;
     let ws = winsize(size);
     // SAFETY: openpty writes two fds; name/termios pointers may be null; `ws` outlives the call.
-    let rc = unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), &ws) };
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &ws,
+        )
+    };
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }

@@ -12,7 +12,9 @@ use tokio::sync::mpsc;
 
 use crate::Agent;
 use crate::envd::{self, Code, RpcError};
-use crate::http::{Body, MAX_JSON_BODY, channel_body, full, json_response, read_body, request_user, rpc_error};
+use crate::http::{
+    Body, MAX_JSON_BODY, channel_body, full, json_response, read_body, request_user, rpc_error,
+};
 use crate::process::{ProcEvent, SpawnSpec};
 use crate::users::User;
 use crate::{fs, watch};
@@ -24,7 +26,11 @@ const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(90);
 pub async fn dispatch(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let method = path.rsplit('/').next().unwrap_or("").to_string();
-    let service = if path.starts_with("/process.") { Service::Process } else { Service::Filesystem };
+    let service = if path.starts_with("/process.") {
+        Service::Process
+    } else {
+        Service::Filesystem
+    };
     let user = match request_user(&agent, req.headers(), None) {
         Ok(u) => u,
         Err(e) => return rpc_error(&e),
@@ -104,7 +110,13 @@ fn stream_response() -> (mpsc::Sender<Bytes>, Response<Body>) {
     (tx, resp)
 }
 
-fn start(agent: &Agent, user: &User, msg: &[u8], h: &HeaderMap, ka: Duration) -> Result<Response<Body>, RpcError> {
+fn start(
+    agent: &Agent,
+    user: &User,
+    msg: &[u8],
+    h: &HeaderMap,
+    ka: Duration,
+) -> Result<Response<Body>, RpcError> {
     let req: envd::StartRequest = envd::parse(msg)?;
     if req.process.cmd.is_empty() {
         return Err(RpcError::new(Code::InvalidArgument, "process.cmd is empty"));
@@ -143,7 +155,12 @@ async fn send(tx: &mpsc::Sender<Bytes>, v: &Value) -> bool {
 
 /// Forwards process events as Connect envelopes; stops quietly when the client goes away
 /// (the process keeps running).
-async fn pump_process(pid: u32, mut rx: mpsc::UnboundedReceiver<ProcEvent>, tx: mpsc::Sender<Bytes>, ka: Duration) {
+async fn pump_process(
+    pid: u32,
+    mut rx: mpsc::UnboundedReceiver<ProcEvent>,
+    tx: mpsc::Sender<Bytes>,
+    ka: Duration,
+) {
     if !send(&tx, &envd::start_event(pid)).await {
         return;
     }
@@ -181,9 +198,10 @@ async fn pump_process(pid: u32, mut rx: mpsc::UnboundedReceiver<ProcEvent>, tx: 
 fn watch_dir(user: &User, msg: &[u8], ka: Duration) -> Result<Response<Body>, RpcError> {
     let req: envd::WatchRequest = envd::parse(msg)?;
     let dir = fs::resolve(user, &req.path)?;
-    let mut w = watch::watch_dir(&dir, req.recursive, req.include_entry)?;
+    let w = watch::watch_dir(&dir, req.recursive, req.include_entry)?;
     let (tx, resp) = stream_response();
     tokio::spawn(async move {
+        let mut w = w; // move the whole watch (not just `rx`) so inotify stays registered
         if !send(&tx, &json!({"start": {}})).await {
             return;
         }
@@ -219,15 +237,17 @@ async fn stream_input(agent: &Agent, mut body: Incoming) -> Response<Body> {
                 if let Some(start) = m.start {
                     target = Some(agent.procs.find(&start.process)?);
                 } else if let Some(data) = m.data {
-                    let p = target
-                        .as_ref()
-                        .ok_or_else(|| RpcError::new(Code::FailedPrecondition, "data before start"))?;
+                    let p = target.as_ref().ok_or_else(|| {
+                        RpcError::new(Code::FailedPrecondition, "data before start")
+                    })?;
                     p.write_input(data.input.bytes()?).await?;
                 }
             }
             match body.frame().await {
                 None => return Ok(()),
-                Some(Err(e)) => return Err(RpcError::new(Code::Canceled, format!("request body: {e}"))),
+                Some(Err(e)) => {
+                    return Err(RpcError::new(Code::Canceled, format!("request body: {e}")));
+                }
                 Some(Ok(f)) => {
                     if let Ok(d) = f.into_data() {
                         buf.extend_from_slice(&d);
@@ -265,7 +285,11 @@ async fn unary_process(agent: &Agent, method: &str, body: &[u8]) -> Result<Value
         }
         "SendInput" => {
             let r: envd::SendInputRequest = envd::parse(body)?;
-            agent.procs.find(&r.process)?.write_input(r.input.bytes()?).await?;
+            agent
+                .procs
+                .find(&r.process)?
+                .write_input(r.input.bytes()?)
+                .await?;
             Ok(json!({}))
         }
         "SendSignal" => {
@@ -287,7 +311,10 @@ async fn unary_process(agent: &Agent, method: &str, body: &[u8]) -> Result<Value
             }
             Ok(json!({}))
         }
-        other => Err(RpcError::new(Code::Unimplemented, format!("process.Process/{other} is not implemented"))),
+        other => Err(RpcError::new(
+            Code::Unimplemented,
+            format!("process.Process/{other} is not implemented"),
+        )),
     }
 }
 
@@ -307,7 +334,10 @@ fn unary_fs(agent: &Agent, user: &User, method: &str, body: &[u8]) -> Result<Val
         }
         "Move" => {
             let r: envd::MoveRequest = envd::parse(body)?;
-            let (src, dst) = (fs::resolve(user, &r.source)?, fs::resolve(user, &r.destination)?);
+            let (src, dst) = (
+                fs::resolve(user, &r.source)?,
+                fs::resolve(user, &r.destination)?,
+            );
             Ok(json!({"entry": fs::move_entry(&src, &dst, user)?}))
         }
         "Remove" => {
@@ -317,7 +347,11 @@ fn unary_fs(agent: &Agent, user: &User, method: &str, body: &[u8]) -> Result<Val
         }
         "CreateWatcher" => {
             let r: envd::WatchRequest = envd::parse(body)?;
-            let id = agent.watchers.create(&fs::resolve(user, &r.path)?, r.recursive, r.include_entry)?;
+            let id = agent.watchers.create(
+                &fs::resolve(user, &r.path)?,
+                r.recursive,
+                r.include_entry,
+            )?;
             Ok(json!({"watcherId": id}))
         }
         "GetWatcherEvents" => {
@@ -329,6 +363,9 @@ fn unary_fs(agent: &Agent, user: &User, method: &str, body: &[u8]) -> Result<Val
             agent.watchers.remove(&r.watcher_id)?;
             Ok(json!({}))
         }
-        other => Err(RpcError::new(Code::Unimplemented, format!("filesystem.Filesystem/{other} is not implemented"))),
+        other => Err(RpcError::new(
+            Code::Unimplemented,
+            format!("filesystem.Filesystem/{other} is not implemented"),
+        )),
     }
 }

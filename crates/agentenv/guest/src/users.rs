@@ -26,7 +26,13 @@ pub fn lookup(name: &str) -> Option<User> {
     unsafe {
         let mut pw: libc::passwd = std::mem::zeroed();
         let mut out: *mut libc::passwd = std::ptr::null_mut();
-        let rc = libc::getpwnam_r(cname.as_ptr(), &mut pw, buf.as_mut_ptr().cast(), buf.len(), &mut out);
+        let rc = libc::getpwnam_r(
+            cname.as_ptr(),
+            &mut pw,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut out,
+        );
         if rc != 0 || out.is_null() {
             return None;
         }
@@ -80,20 +86,25 @@ pub fn current() -> User {
         uid,
         // SAFETY: getegid has no preconditions.
         gid: unsafe { libc::getegid() },
-        home: std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/")),
+        home: std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/")),
         shell: "/bin/sh".into(),
     })
 }
 
 /// Supplementary group ids of `user` (for setgroups before exec).
 pub fn group_list(user: &User) -> Vec<u32> {
-    let Ok(cname) = CString::new(user.name.as_str()) else { return vec![user.gid] };
+    let Ok(cname) = CString::new(user.name.as_str()) else {
+        return vec![user.gid];
+    };
     let mut n: libc::c_int = 64;
     loop {
         let mut groups = vec![0 as libc::gid_t; n as usize];
         let before = n;
         // SAFETY: `groups` has room for `n` entries; getgrouplist updates `n`.
-        let rc = unsafe { libc::getgrouplist(cname.as_ptr(), user.gid, groups.as_mut_ptr(), &mut n) };
+        let rc =
+            unsafe { libc::getgrouplist(cname.as_ptr(), user.gid, groups.as_mut_ptr(), &mut n) };
         if rc >= 0 {
             groups.truncate(n as usize);
             return groups;

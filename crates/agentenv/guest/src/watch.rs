@@ -25,26 +25,45 @@ pub struct DirWatch {
 
 /// Starts watching `dir`.
 pub fn watch_dir(dir: &Path, recursive: bool, include_entry: bool) -> Result<DirWatch, RpcError> {
-    let meta = std::fs::metadata(dir).map_err(|e| RpcError::from_io(&e, &format!("watch '{}'", dir.display())))?;
+    let meta = std::fs::metadata(dir)
+        .map_err(|e| RpcError::from_io(&e, &format!("watch '{}'", dir.display())))?;
     if !meta.is_dir() {
-        return Err(RpcError::new(Code::InvalidArgument, format!("'{}' is not a directory", dir.display())));
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("'{}' is not a directory", dir.display()),
+        ));
     }
     let (tx, rx) = mpsc::unbounded_channel();
     let root: PathBuf = dir.to_path_buf();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         let Ok(ev) = res else { return };
         for (path, ty) in classify(&ev) {
-            let name = path.strip_prefix(&root).unwrap_or(&path).display().to_string();
-            let entry = if include_entry { fs::entry_info(&path).ok() } else { None };
+            let name = path
+                .strip_prefix(&root)
+                .unwrap_or(&path)
+                .display()
+                .to_string();
+            let entry = if include_entry {
+                fs::entry_info(&path).ok()
+            } else {
+                None
+            };
             let _ = tx.send(envd::fs_event(&name, ty, entry.as_ref()));
         }
     })
     .map_err(|e| RpcError::new(Code::Internal, format!("inotify: {e}")))?;
-    let mode = if recursive { RecursiveMode::Recursive } else { RecursiveMode::NonRecursive };
+    let mode = if recursive {
+        RecursiveMode::Recursive
+    } else {
+        RecursiveMode::NonRecursive
+    };
     watcher
         .watch(dir, mode)
         .map_err(|e| RpcError::new(Code::Internal, format!("watch '{}': {e}", dir.display())))?;
-    Ok(DirWatch { _watcher: watcher, rx })
+    Ok(DirWatch {
+        _watcher: watcher,
+        rx,
+    })
 }
 
 /// Maps a notify event to envd event types (fsnotify semantics: a rename reports RENAME for
@@ -89,12 +108,17 @@ impl Watchers {
     }
 
     /// CreateWatcher: returns the new watcher id.
-    pub fn create(&self, dir: &Path, recursive: bool, include_entry: bool) -> Result<String, RpcError> {
-        let mut w = watch_dir(dir, recursive, include_entry)?;
+    pub fn create(
+        &self,
+        dir: &Path,
+        recursive: bool,
+        include_entry: bool,
+    ) -> Result<String, RpcError> {
+        let w = watch_dir(dir, recursive, include_entry)?;
         let events = Arc::new(Mutex::new(Vec::new()));
         let sink = events.clone();
         let task = tokio::spawn(async move {
-            let _keep = &w._watcher;
+            let mut w = w; // owns the inotify watch for the task's life
             while let Some(ev) = w.rx.recv().await {
                 let mut v = sink.lock().unwrap_or_else(|e| e.into_inner());
                 if v.len() < MAX_BUFFERED_EVENTS {
@@ -110,13 +134,20 @@ impl Watchers {
     /// GetWatcherEvents: events since the previous call.
     pub fn take_events(&self, id: &str) -> Result<Vec<Value>, RpcError> {
         let map = self.lock();
-        let w = map.get(id).ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher '{id}' not found")))?;
-        Ok(std::mem::take(&mut *w.events.lock().unwrap_or_else(|e| e.into_inner())))
+        let w = map
+            .get(id)
+            .ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher '{id}' not found")))?;
+        Ok(std::mem::take(
+            &mut *w.events.lock().unwrap_or_else(|e| e.into_inner()),
+        ))
     }
 
     /// RemoveWatcher.
     pub fn remove(&self, id: &str) -> Result<(), RpcError> {
-        let w = self.lock().remove(id).ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher '{id}' not found")))?;
+        let w = self
+            .lock()
+            .remove(id)
+            .ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher '{id}' not found")))?;
         w.task.abort();
         Ok(())
     }

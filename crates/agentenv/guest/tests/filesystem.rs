@@ -1,0 +1,225 @@
+//! filesystem.Filesystem over HTTP against the real `agentenv-guest serve`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Guest, token};
+use http::StatusCode;
+use serde_json::{Value, json};
+
+#[tokio::test]
+async fn stat_list_mkdir_move_remove() {
+    let g = Guest::start(&[]).await;
+    let root = g.dir.path().join(token());
+    let content = common::random_bytes(rand::random_range(1..5000));
+    let nested = root.join("a/b");
+    let (st, v) = g
+        .unary("/filesystem.Filesystem/MakeDir", json!({"path": nested}))
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["entry"]["type"], "FILE_TYPE_DIRECTORY");
+    assert_eq!(v["entry"]["path"], nested.display().to_string());
+    let (st, v) = g
+        .unary("/filesystem.Filesystem/MakeDir", json!({"path": nested}))
+        .await;
+    assert_eq!(st, StatusCode::CONFLICT);
+    assert_eq!(v["code"], "already_exists");
+
+    let file = root.join("a/f.bin");
+    std::fs::write(&file, &content).unwrap();
+    std::os::unix::fs::symlink(&file, root.join("link")).unwrap();
+    let (st, v) = g
+        .unary("/filesystem.Filesystem/Stat", json!({"path": file}))
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    let e = &v["entry"];
+    assert_eq!(e["name"], "f.bin");
+    assert_eq!(e["type"], "FILE_TYPE_FILE");
+    assert_eq!(e["size"], content.len().to_string());
+    assert_eq!(e["permissions"].as_str().unwrap().len(), 10);
+    assert!(e["modifiedTime"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(e["owner"], k3_owner());
+
+    let (_, v) = g
+        .unary(
+            "/filesystem.Filesystem/Stat",
+            json!({"path": root.join("link")}),
+        )
+        .await;
+    assert_eq!(v["entry"]["isSymlink"], true);
+    assert_eq!(
+        v["entry"]["symlinkTarget"],
+        std::fs::canonicalize(&file).unwrap().display().to_string()
+    );
+
+    let (_, v) = g
+        .unary(
+            "/filesystem.Filesystem/ListDir",
+            json!({"path": root, "depth": 1}),
+        )
+        .await;
+    assert_eq!(names(&v), vec!["a", "link"]);
+    let (_, v) = g
+        .unary(
+            "/filesystem.Filesystem/ListDir",
+            json!({"path": root, "depth": 3}),
+        )
+        .await;
+    assert_eq!(names(&v), vec!["a", "b", "f.bin", "link"]);
+    let (st, v) = g
+        .unary("/filesystem.Filesystem/ListDir", json!({"path": file}))
+        .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert_eq!(v["code"], "invalid_argument");
+
+    let dest = root.join("moved/g.bin");
+    let (st, v) = g
+        .unary(
+            "/filesystem.Filesystem/Move",
+            json!({"source": file, "destination": dest}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["entry"]["path"], dest.display().to_string());
+    assert_eq!(std::fs::read(&dest).unwrap(), content);
+    assert!(!file.exists());
+
+    let (st, _) = g
+        .unary("/filesystem.Filesystem/Remove", json!({"path": root}))
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(!root.exists());
+    let (st, v) = g
+        .unary("/filesystem.Filesystem/Stat", json!({"path": root}))
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    assert_eq!(v["code"], "not_found");
+    let (st, _) = g
+        .unary("/filesystem.Filesystem/Remove", json!({"path": root}))
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+}
+
+fn k3_owner() -> String {
+    // SAFETY: geteuid has no preconditions.
+    agentenv_guest::users::user_name(unsafe { libc::geteuid() })
+}
+
+fn names(v: &Value) -> Vec<String> {
+    let mut n: Vec<String> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["name"].as_str().unwrap().to_string())
+        .collect();
+    n.sort();
+    n
+}
+
+#[tokio::test]
+async fn relative_paths_resolve_to_home() {
+    let g = Guest::start(&[]).await;
+    let (st, v) = g
+        .unary("/filesystem.Filesystem/Stat", json!({"path": ""}))
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    let home = agentenv_guest::users::current().home;
+    assert_eq!(v["entry"]["path"], home.display().to_string());
+    assert_eq!(v["entry"]["type"], "FILE_TYPE_DIRECTORY");
+}
+
+#[tokio::test]
+async fn watch_dir_streams_events() {
+    let g = Guest::start(&[]).await;
+    let dir = g.dir.path().join(token());
+    std::fs::create_dir(&dir).unwrap();
+    let mut s = g
+        .stream(
+            "/filesystem.Filesystem/WatchDir",
+            json!({"path": dir, "includeEntry": true}),
+            &[],
+        )
+        .await;
+    assert_eq!(s.message().await, json!({"start": {}}));
+    let name = format!("{}.txt", token());
+    std::fs::write(dir.join(&name), b"x").unwrap();
+    std::fs::remove_file(dir.join(&name)).unwrap();
+    let mut seen = Vec::new();
+    while !seen.contains(&"EVENT_TYPE_REMOVE".to_string()) {
+        let m = s.message().await;
+        let ev = &m["filesystem"];
+        assert_eq!(ev["name"], name.as_str());
+        if ev["type"] == "EVENT_TYPE_CREATE" {
+            assert_eq!(ev["entry"]["name"], name.as_str());
+        }
+        seen.push(ev["type"].as_str().unwrap().to_string());
+    }
+    assert_eq!(seen.first().map(String::as_str), Some("EVENT_TYPE_CREATE"));
+    assert!(seen.contains(&"EVENT_TYPE_WRITE".to_string()), "{seen:?}");
+
+    let resp = g
+        .stream_raw(
+            "/filesystem.Filesystem/WatchDir",
+            json!({"path": dir.join("missing")}),
+            &[],
+        )
+        .await;
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn polled_watcher_collects_events() {
+    let g = Guest::start(&[]).await;
+    let dir = g.dir.path().join(token());
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    let (st, v) = g
+        .unary(
+            "/filesystem.Filesystem/CreateWatcher",
+            json!({"path": dir, "recursive": true}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    let id = v["watcherId"].as_str().unwrap().to_string();
+    let name = format!("sub/{}", token());
+    std::fs::write(dir.join(&name), b"y").unwrap();
+    let mut events = Vec::new();
+    for _ in 0..200 {
+        let (st, v) = g
+            .unary(
+                "/filesystem.Filesystem/GetWatcherEvents",
+                json!({"watcherId": id}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK);
+        events.extend(v["events"].as_array().cloned().unwrap_or_default());
+        if events
+            .iter()
+            .any(|e| e["name"] == name.as_str() && e["type"] == "EVENT_TYPE_CREATE")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        events
+            .iter()
+            .any(|e| e["name"] == name.as_str() && e["type"] == "EVENT_TYPE_CREATE"),
+        "{events:?}"
+    );
+    let (st, _) = g
+        .unary(
+            "/filesystem.Filesystem/RemoveWatcher",
+            json!({"watcher_id": id}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
+    let (st, v) = g
+        .unary(
+            "/filesystem.Filesystem/GetWatcherEvents",
+            json!({"watcherId": id}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    assert_eq!(v["code"], "not_found");
+}
