@@ -182,6 +182,11 @@ pub fn chown_to(path: &Path, user: &User) -> std::io::Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         return Ok(());
     }
+    // Skip no-op chowns: they would show up as CHMOD events in watches.
+    let m = std::fs::symlink_metadata(path)?;
+    if m.uid() == user.uid && m.gid() == user.gid {
+        return Ok(());
+    }
     std::os::unix::fs::lchown(path, Some(user.uid), Some(user.gid))
 }
 

@@ -100,6 +100,38 @@ fn mount(
     Ok(())
 }
 
+/// Name, uid/gid and home of the sandbox's default account.
+pub const DEFAULT_USER: (&str, u32, &str) = ("user", 1000, "/home/user");
+
+/// Creates the default account (`user`, uid/gid 1000, home `/home/user`, bash) when the
+/// rootfs lacks it, and its home directory.
+pub fn ensure_default_user() -> std::io::Result<()> {
+    use std::io::Write;
+    let (name, id, home) = DEFAULT_USER;
+    if crate::users::lookup(name).is_none() {
+        let append = |file: &str, line: String| -> std::io::Result<()> {
+            if !Path::new(file).exists() {
+                return Ok(());
+            }
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(file)?
+                .write_all(line.as_bytes())
+        };
+        append(
+            "/etc/passwd",
+            format!("{name}:x:{id}:{id}::{home}:/bin/bash\n"),
+        )?;
+        append("/etc/group", format!("{name}:x:{id}:\n"))?;
+        append("/etc/shadow", format!("{name}:*:19000:0:99999:7:::\n"))?;
+    }
+    if !Path::new(home).exists() {
+        std::fs::create_dir_all(home)?;
+        std::os::unix::fs::chown(home, Some(id), Some(id))?;
+    }
+    Ok(())
+}
+
 /// Sets the hostname.
 pub fn set_hostname(name: &str) -> std::io::Result<()> {
     // SAFETY: sethostname reads `len` bytes from a valid pointer.

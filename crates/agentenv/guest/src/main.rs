@@ -98,6 +98,14 @@ fn main() -> anyhow::Result<()> {
             if let Err(e) = init::set_hostname(&hostname) {
                 eprintln!("agentenv-guest init: sethostname: {e}");
             }
+            if agent
+                .default_user
+                .as_deref()
+                .is_none_or(|u| u == init::DEFAULT_USER.0)
+                && let Err(e) = init::ensure_default_user()
+            {
+                eprintln!("agentenv-guest init: creating the default user: {e}");
+            }
             // SAFETY: setting a variable before any other thread exists.
             unsafe {
                 std::env::set_var(

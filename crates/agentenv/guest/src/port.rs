@@ -23,8 +23,21 @@ impl PortIo {
             .write(true)
             .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | libc::O_CLOEXEC)
             .open(path)?;
+        PortIo::from_fd(OwnedFd::from(f))
+    }
+
+    /// Wraps an already open descriptor (e.g. a PTY master in tests); makes it non-blocking.
+    pub fn from_fd(fd: OwnedFd) -> io::Result<PortIo> {
+        // SAFETY: fcntl on a descriptor we own.
+        unsafe {
+            let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+            if flags < 0 || libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) < 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+        }
         // SAFETY: the OwnedFd is open and owned by the AsyncFd for its whole life.
-        let fd = unsafe { AsyncFd::register(OwnedFd::from(f)) }.map_err(io::Error::from)?;
+        let fd = unsafe { AsyncFd::register(fd) }.map_err(io::Error::from)?;
         Ok(PortIo { fd })
     }
 }

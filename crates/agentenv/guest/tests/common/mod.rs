@@ -142,7 +142,7 @@ impl Guest {
     }
 }
 
-async fn send_on<IO>(io: IO, req: Request<Full<Bytes>>) -> http::Response<Incoming>
+pub async fn send_on<IO>(io: IO, req: Request<Full<Bytes>>) -> http::Response<Incoming>
 where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -170,6 +170,13 @@ pub struct EnvelopeReader {
 }
 
 impl EnvelopeReader {
+    pub fn new(body: Incoming) -> EnvelopeReader {
+        EnvelopeReader {
+            body,
+            buf: Vec::new(),
+        }
+    }
+
     /// Next envelope `(flags, json)`; `None` at the end of the body.
     pub async fn next(&mut self) -> Option<(u8, Value)> {
         loop {
