@@ -144,18 +144,22 @@ async fn watch_dir_streams_events() {
     assert_eq!(s.message().await, json!({"start": {}}));
     let name = format!("{}.txt", token());
     std::fs::write(dir.join(&name), b"x").unwrap();
+    // The entry is attached while the file exists.
+    let m = s.message().await;
+    assert_eq!(m["filesystem"]["name"], name.as_str());
+    assert_eq!(m["filesystem"]["type"], "EVENT_TYPE_CREATE");
+    assert_eq!(
+        m["filesystem"]["entry"]["path"],
+        dir.join(&name).display().to_string()
+    );
     std::fs::remove_file(dir.join(&name)).unwrap();
     let mut seen = Vec::new();
     while !seen.contains(&"EVENT_TYPE_REMOVE".to_string()) {
         let m = s.message().await;
         let ev = &m["filesystem"];
         assert_eq!(ev["name"], name.as_str());
-        if ev["type"] == "EVENT_TYPE_CREATE" {
-            assert_eq!(ev["entry"]["name"], name.as_str());
-        }
         seen.push(ev["type"].as_str().unwrap().to_string());
     }
-    assert_eq!(seen.first().map(String::as_str), Some("EVENT_TYPE_CREATE"));
     assert!(seen.contains(&"EVENT_TYPE_WRITE".to_string()), "{seen:?}");
 
     let resp = g
