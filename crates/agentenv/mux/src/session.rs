@@ -14,6 +14,8 @@ use crate::{MAX_STREAMS, MuxError};
 
 /// How often the client repeats its HELLO until the server acknowledges it.
 const HELLO_RETRY: Duration = Duration::from_millis(100);
+/// Nonce of the HELLO a server sends when it starts: "any session you had with me is gone".
+const RESTART_NONCE: u64 = 0;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role {
@@ -153,6 +155,10 @@ impl Session {
             phase: watch::channel(Phase::Handshaking).0,
             accept_tx: Mutex::new((role == Role::Server).then_some(accept_tx)),
         });
+        if role == Role::Server {
+            // Tells a client that still holds an older session that this side started afresh.
+            inner.send_frame(Frame::hello(RESTART_NONCE));
+        }
         if role == Role::Client {
             // Completes any frame a restored peer was half-way through reading; at a frame
             // boundary the zero header is invalid and a server restarts its HELLO hunt.
@@ -383,6 +389,10 @@ fn handle_frame(inner: &Arc<Inner>, f: Frame) -> Result<(), MuxError> {
                     inner.reset_all("mux session reset by the peer");
                 }
                 inner.send_frame(Frame::hello(nonce));
+            } else if nonce != inner.table().nonce {
+                return Err(MuxError::Protocol(
+                    "the server restarted its session".into(),
+                ));
             }
             Ok(())
         }

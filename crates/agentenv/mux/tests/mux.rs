@@ -266,3 +266,25 @@ async fn server_skips_a_dirty_channel_before_hello() {
     assert_eq!(&buf, b"hi");
     assert_eq!(srv.nonce(), 42);
 }
+
+#[tokio::test]
+async fn client_learns_that_the_server_restarted() {
+    let (client_io, mut raw) = tokio::io::duplex(256 * 1024);
+    let client = Session::client(client_io);
+    let nonce = agentenv_mux::frame::hunt_hello(&mut raw)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut out = Vec::new();
+    Frame::hello(0).encode_into(&mut out); // a stale restart notice before the ack is ignored
+    Frame::hello(nonce).encode_into(&mut out);
+    raw.write_all(&out).await.unwrap();
+    let s = client.open().await.unwrap();
+    // A fresh server session announces itself; the client's old streams are gone.
+    let mut out = Vec::new();
+    Frame::hello(0).encode_into(&mut out);
+    raw.write_all(&out).await.unwrap();
+    assert!(client.closed().await.contains("restarted"));
+    let mut s = s;
+    assert!(s.read(&mut [0u8; 1]).await.is_err());
+}
