@@ -217,7 +217,7 @@ struct InitRequest {
     default_user: Option<String>,
     #[serde(alias = "default_workdir")]
     default_workdir: Option<String>,
-    /// Unix time in seconds (float) or RFC 3339 is not parsed; seconds only.
+    /// Host wall-clock time: Unix seconds (number) or RFC 3339 UTC string.
     timestamp: Option<Value>,
 }
 
@@ -239,7 +239,7 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         );
     }
     if agent.config.set_clock
-        && let Some(secs) = r.timestamp.as_ref().and_then(Value::as_f64)
+        && let Some(secs) = r.timestamp.as_ref().and_then(timestamp_secs)
     {
         set_clock(secs);
     }
@@ -261,6 +261,34 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         .status(StatusCode::NO_CONTENT)
         .body(full(Bytes::new()))
         .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+/// Unix seconds from a number or an RFC 3339 UTC string (`2026-01-02T03:04:05.123Z`).
+fn timestamp_secs(v: &Value) -> Option<f64> {
+    if let Some(n) = v.as_f64() {
+        return Some(n);
+    }
+    let s = v.as_str()?.trim();
+    let s = s.strip_suffix('Z').or_else(|| s.strip_suffix("+00:00"))?;
+    let (date, time) = s.split_once(['T', ' '])?;
+    let mut d = date.splitn(3, '-').map(|x| x.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
+    let mut t = hms.splitn(3, ':').map(|x| x.parse::<i64>().ok());
+    let (hh, mm, ss) = (t.next()??, t.next()??, t.next()??);
+    let frac: f64 = if frac.is_empty() {
+        0.0
+    } else {
+        format!("0.{frac}").parse().ok()?
+    };
+    // days_from_civil (Howard Hinnant).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some((days * 86_400 + hh * 3600 + mm * 60 + ss) as f64 + frac)
 }
 
 fn set_clock(secs: f64) {
@@ -344,6 +372,25 @@ fn disk_usage(path: &str) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timestamps_parse() {
+        for secs in [
+            0u64,
+            951_782_400,
+            1_767_323_045,
+            rand::random_range(0..4_000_000_000),
+        ] {
+            let text = k3_common::time::rfc3339_from_unix(secs);
+            assert_eq!(timestamp_secs(&json!(text)), Some(secs as f64), "{text}");
+        }
+        assert_eq!(
+            timestamp_secs(&json!("2026-01-02T03:04:05.5Z")),
+            Some(1_767_323_045.5)
+        );
+        assert_eq!(timestamp_secs(&json!(12.5)), Some(12.5));
+        assert_eq!(timestamp_secs(&json!("yesterday")), None);
+    }
 
     #[test]
     fn query_decoding() {
