@@ -124,12 +124,28 @@ __device__ void warp_argmax(const long long* v, int n, long long& best, int& bid
   bidx = bi;
 }
 
+// hist[b][e] -> exclusive prefix over b (independent loads in chunks of 16); returns the total.
+__device__ int block_prefix(int* hist, long long nblk, long long E, int e) {
+  int acc = 0;
+  for (long long b0 = 0; b0 < nblk; b0 += 16) {
+    int v[16];
+#pragma unroll
+    for (int u = 0; u < 16; ++u) v[u] = (b0 + u < nblk) ? hist[(b0 + u) * E + e] : 0;
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      if (b0 + u < nblk) hist[(b0 + u) * E + e] = acc;
+      acc += v[u];
+    }
+  }
+  return acc;
+}
+
 // Planning stages A–C plus the block prefix of stage D. One block of 1024 threads.
 // Outputs (all device, this rank): alloc[E*R], alloc_cum[E*R], src_off[E] (= Σ_{r'<me} tpe[r'][e]),
 // grp_start[R*E] (start row of e's group on d, -1 when absent), etc[R*epn], counts/cu/zero_fill for me,
 // hist turned into exclusive prefix over blocks per expert.
 // Shared memory: tpe-independent scratch sized by the host (see gpu::plan).
-extern "C" __global__ void moonep_plan_global(Dims d, const int* tpe, int* hist, long long nblk, int* alloc,
+extern "C" __global__ void __launch_bounds__(1024) moonep_plan_global(Dims d, const int* tpe, int* hist, long long nblk, int* alloc,
                                               int* alloc_cum, int* src_off, int* grp_start, int* etc,
                                               int* counts, int* cu, int* zfill, unsigned* status) {
   extern __shared__ long long sm[];
@@ -203,28 +219,37 @@ extern "C" __global__ void moonep_plan_global(Dims d, const int* tpe, int* hist,
     if (tid == 0) set_status(status, ST_PLANNER_STUCK);
     return;
   }
-  // Stage B: warp per donor.
+  // Stage B: warp per donor. q lives in registers (lane d holds q[d], R <= 32); each lane keeps
+  // the best (largest, then lowest index) of its strided rem entries, and only the lane owning the
+  // changed expert recomputes it, so a step costs two warp reductions.
   for (int h = warp; h < R; h += nwarp) {
-    long long* q = z + h * MAX_R;
+    long long* remh = rem + (long long)h * epn;
+    unsigned qv = lane < R ? (unsigned)z[h * MAX_R + lane] : 0u;
+    unsigned lb = 0;
+    int li = 0x7fffffff;
+    for (int x = lane; x < epn; x += 32)
+      if ((unsigned)remh[x] > lb || li == 0x7fffffff) { lb = (unsigned)remh[x]; li = x; }
     for (;;) {
-      long long qb;
-      int dd;
-      warp_argmax(q, R, qb, dd);
-      if (qb <= 0) break;
-      long long rb;
-      int le;
-      warp_argmax(rem + (long long)h * epn, epn, rb, le);
-      if (rb <= 0) {
+      unsigned qmax = __reduce_max_sync(0xffffffffu, qv);
+      if (qmax == 0) break;
+      int dd = __ffs(__ballot_sync(0xffffffffu, lane < R && qv == qmax)) - 1;
+      unsigned rmax = __reduce_max_sync(0xffffffffu, li == 0x7fffffff ? 0u : lb);
+      if (rmax == 0) {
         if (lane == 0) atomicOr(&bad, 1);
         break;
       }
-      long long take = rb < qb ? rb : qb;
-      if (lane == 0) {
-        long long e = (long long)h * epn + le;
-        alloc[e * R + h] -= (int)take;
-        alloc[e * R + dd] += (int)take;
-        rem[e] -= take;
-        q[dd] -= take;
+      int le = (int)__reduce_min_sync(0xffffffffu, (li != 0x7fffffff && lb == rmax) ? (unsigned)li : 0x7fffffffu);
+      unsigned take = rmax < qmax ? rmax : qmax;
+      // Each (e, dd) pair is hit at most once (a step exhausts the expert or the quota), and
+      // alloc[e][h] always equals rem[e]: plain store here, home column written after the loop.
+      if (lane == 0) alloc[((long long)h * epn + le) * R + dd] = (int)take;
+      if (lane == dd) qv -= take;
+      if (lane == le % 32) {
+        remh[le] -= take;
+        lb = 0;
+        li = 0x7fffffff;
+        for (int x = lane; x < epn; x += 32)
+          if ((unsigned)remh[x] > lb || li == 0x7fffffff) { lb = (unsigned)remh[x]; li = x; }
       }
       __syncwarp();
     }
@@ -234,6 +259,8 @@ extern "C" __global__ void moonep_plan_global(Dims d, const int* tpe, int* hist,
     if (tid == 0) set_status(status, ST_PLANNER_STUCK);
     return;
   }
+  for (int e = tid; e < E; e += nt) alloc[(long long)e * R + e / epn] = (int)rem[e];
+  __syncthreads();
   // alloc_cum.
   for (int e = tid; e < E; e += nt) {
     int acc = 0;
@@ -315,13 +342,7 @@ extern "C" __global__ void moonep_plan_global(Dims d, const int* tpe, int* hist,
   }
   // Stage D prefix: hist[b][e] -> exclusive prefix over blocks; total must equal tpe[me][e].
   for (int e = tid; e < E; e += nt) {
-    int acc = 0;
-    for (long long b = 0; b < nblk; ++b) {
-      int c = hist[b * E + e];
-      hist[b * E + e] = acc;
-      acc += c;
-    }
-    if (acc != tpe[d.me * E + e]) atomicOr(&bad, 4);
+    if (block_prefix(hist, nblk, E, e) != tpe[d.me * E + e]) atomicOr(&bad, 4);
   }
   __syncthreads();
   if (bad && tid == 0) set_status(status, ST_HISTOGRAM);
@@ -346,6 +367,23 @@ extern "C" __global__ void moonep_plan_dst(Dims d, const int* topk, long long n,
   int before = r == 0 ? 0 : cum[r - 1];
   long long loff = (long long)grp_start[(long long)r * E + e] + (g - before);
   dst[i] = (long long)r * d.NvS + loff;
+}
+
+// Zeroes the padding rows listed in zfill (2*epn groups, each < P rows): the flat index
+// q = g*(P-1) + r spreads every (group, row) pair over all warps.
+__device__ void zero_padding(const Dims& d, uint4* own, float* own_w, const int* zfill, long long gw,
+                             long long nwarps, int lane) {
+  const long long hv = d.H / 8, pm = d.P > 1 ? d.P - 1 : 1;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (long long q = gw; q < 2 * d.epn * pm; q += nwarps) {
+    long long g = q / pm, r = q % pm;
+    long long len = zfill[2 * g + 1];
+    if (r >= len) continue;
+    long long row = zfill[2 * g] + r;
+    uint4* p = own + row * hv;
+    for (long long c = lane; c < hv; c += 32) p[c] = zero;
+    if (lane == 0) own_w[row] = 0.0f;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -404,15 +442,7 @@ extern "C" __global__ void __launch_bounds__(512) moonep_dispatch(
   // Padding rows of this rank: zero hidden and weights.
   uint4* own = reinterpret_cast<uint4*>(peer_hidden[d.me]);
   float* own_w = reinterpret_cast<float*>(peer_wts[d.me]);
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (long long g = 0; g < 2 * d.epn; ++g) {
-    long long start = zfill[2 * g], len = zfill[2 * g + 1];
-    for (long long r = gw; r < len; r += nwarps) {
-      uint4* row = own + (start + r) * hv;
-      for (long long c = lane; c < hv; c += 32) row[c] = zero;
-      if (lane == 0) own_w[start + r] = 0.0f;
-    }
-  }
+  zero_padding(d, own, own_w, zfill, gw, nwarps, lane);
   __threadfence_system();
 }
 
@@ -604,14 +634,7 @@ extern "C" __global__ void moonep_zero_pad(Dims d, uint4* own_hidden, float* own
   const int lane = threadIdx.x % 32;
   const long long gw = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const long long nwarps = (long long)gridDim.x * blockDim.x / 32;
-  const long long hv = d.H / 8;
-  for (long long g = 0; g < 2 * d.epn; ++g) {
-    long long start = zfill[2 * g], len = zfill[2 * g + 1];
-    for (long long r = gw; r < len; r += nwarps) {
-      for (long long c = lane; c < hv; c += 32) own_hidden[(start + r) * hv + c] = make_uint4(0, 0, 0, 0);
-      if (lane == 0) own_wts[start + r] = 0.0f;
-    }
-  }
+  zero_padding(d, own_hidden, own_wts, zfill, gw, nwarps, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -619,17 +642,10 @@ extern "C" __global__ void moonep_zero_pad(Dims d, uint4* own_hidden, float* own
 // e_base[e] = Σ_{e'<e} tpe[me][e'] (permute-1 order = by expert = by destination rank);
 // src_major[p*epn+le] / exp_major[le*R+p] = start rows of chunk (p, le) in the received buffer
 // ([src][local expert]) and the expert-major buffer ([local expert][src]).
-extern "C" __global__ void moonep_base_layout(Dims d, const int* tpe, int* hist, long long nblk, int* e_base,
+extern "C" __global__ void __launch_bounds__(1024) moonep_base_layout(Dims d, const int* tpe, int* hist, long long nblk, int* e_base,
                                               int* src_major, int* exp_major) {
   const int R = (int)d.R, E = (int)d.E, epn = (int)d.epn, me = (int)d.me;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int a = 0;
-    for (long long b = 0; b < nblk; ++b) {
-      int c = hist[b * E + e];
-      hist[b * E + e] = a;
-      a += c;
-    }
-  }
+  for (int e = threadIdx.x; e < E; e += blockDim.x) block_prefix(hist, nblk, E, e);
   if (threadIdx.x != 0) return;
   int acc = 0;
   for (int e = 0; e < E; ++e) {

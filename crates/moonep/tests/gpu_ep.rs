@@ -15,7 +15,10 @@ fn bin_dir() -> PathBuf {
         return built.parent().expect("bin dir").to_path_buf();
     }
     let exe = std::env::current_exe().expect("test exe");
-    exe.parent().and_then(|p| p.parent()).expect("target dir").to_path_buf()
+    exe.parent()
+        .and_then(|p| p.parent())
+        .expect("target dir")
+        .to_path_buf()
 }
 
 #[test]
@@ -26,7 +29,11 @@ fn gpu_plan_dispatch_combine_prefetch_baseline_and_timeouts_match_reference() {
     }
     let dir = bin_dir();
     let rank_bin = dir.join("moonep-gpu-rank");
-    assert!(rank_bin.exists(), "{} missing (build the bins or set MOONEP_BIN_DIR)", rank_bin.display());
+    assert!(
+        rank_bin.exists(),
+        "{} missing (build the bins or set MOONEP_BIN_DIR)",
+        rank_bin.display()
+    );
     moonep::gpu::launch::launch(2, &rank_bin, &["selftest".to_string()], 0)
         .unwrap_or_else(|e| panic!("GPU selftest failed: {e}"));
 }
@@ -36,7 +43,10 @@ fn nvlink_report_without_gpus_says_why() {
     // Where the tier cannot run, the reason names what is missing; where it can, there is none.
     match moonep::gpu::bench::unavailable_reason() {
         Some(reason) => assert!(
-            reason.contains("nvcc") || reason.contains("driver") || reason.contains("device") || reason.contains("peer"),
+            reason.contains("nvcc")
+                || reason.contains("driver")
+                || reason.contains("device")
+                || reason.contains("peer"),
             "unexpected reason: {reason}"
         ),
         None => assert!(moonep::gpu::driver::device_count().unwrap() >= 2),

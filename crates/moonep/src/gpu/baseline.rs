@@ -6,7 +6,7 @@
 
 use super::GpuError;
 use super::driver::{Args, DevBuf, read_ptr};
-use super::ep::{Dims, EpConfig};
+use super::ep::{Dims, EpConfig, Tokens};
 use super::nccl::{self, Dtype};
 use super::rank::Rank;
 
@@ -34,6 +34,8 @@ pub struct Baseline {
     pub perm_w: DevBuf,
     tpe_host: Vec<i32>,
     dims: Dims,
+    /// Blocks for the local permute kernels (4 per SM: they use the whole GPU, as torch does).
+    grid: u32,
 }
 
 impl Baseline {
@@ -64,6 +66,7 @@ impl Baseline {
             perm: dev.alloc(max_recv * row)?,
             perm_w: dev.alloc(max_recv * 4)?,
             tpe_host: vec![0; r * e],
+            grid: dev.num_sms * 4,
             dims: Dims {
                 r: r as i64,
                 me: me as i64,
@@ -116,17 +119,12 @@ impl Baseline {
         (send, recv)
     }
 
-    /// Dispatch: `x` bf16 `[s,H]`, `w` f32 `[s,K]` (0 = none), `topk` i32 `[s*K]`, `tpe` i32 `[E]`.
+    /// Dispatch of `t` (uniform mode; `total_tokens` is ignored).
     /// Result in [`Baseline::perm`] (expert-major).
-    pub fn dispatch(
-        &mut self,
-        rank: &Rank,
-        x: u64,
-        w: u64,
-        topk: u64,
-        tpe: u64,
-        s: usize,
-    ) -> Result<(), GpuError> {
+    pub fn dispatch(&mut self, rank: &Rank, t: &Tokens) -> Result<(), GpuError> {
+        let Tokens {
+            x, w, topk, tpe, s, ..
+        } = *t;
         let dev = &rank.dev;
         let (r, e) = (self.ranks, self.cfg.experts);
         self.dims.s = s as i64;
@@ -177,7 +175,7 @@ impl Baseline {
             .arg(self.send_w.ptr)
             .arg(self.pos_of.ptr);
         // SAFETY: matches moonep_base_permute1.
-        unsafe { dev.launch("moonep_base_permute1", self.cfg.num_blocks, 512, 0, args)? };
+        unsafe { dev.launch("moonep_base_permute1", self.grid, 512, 0, args)? };
         let (sends, recvs) = self.splits();
         self.exchange(
             rank,
@@ -198,7 +196,7 @@ impl Baseline {
             .arg(self.perm_w.ptr)
             .arg(0i32);
         // SAFETY: matches moonep_base_permute2.
-        unsafe { dev.launch("moonep_base_permute2", self.cfg.num_blocks, 512, 0, args) }
+        unsafe { dev.launch("moonep_base_permute2", self.grid, 512, 0, args) }
     }
 
     /// Combine of the expert outputs in [`Baseline::perm`] into `out` bf16 `[s,H]`.
@@ -217,7 +215,7 @@ impl Baseline {
             .arg(0u64)
             .arg(1i32);
         // SAFETY: matches moonep_base_permute2 (reverse, no weights).
-        unsafe { dev.launch("moonep_base_permute2", self.cfg.num_blocks, 512, 0, args)? };
+        unsafe { dev.launch("moonep_base_permute2", self.grid, 512, 0, args)? };
         let (sends, recvs) = self.splits();
         self.exchange_rows(rank, self.recv.ptr, &recvs, self.send.ptr, &sends)?;
         let args = Args::new()
@@ -226,7 +224,7 @@ impl Baseline {
             .arg(self.pos_of.ptr)
             .arg(out);
         // SAFETY: matches moonep_base_unpermute1.
-        unsafe { dev.launch("moonep_base_unpermute1", self.cfg.num_blocks, 512, 0, args) }
+        unsafe { dev.launch("moonep_base_unpermute1", self.grid, 512, 0, args) }
     }
 
     fn exchange(

@@ -16,9 +16,11 @@ use k3_common::report::{Figure, Plot, PlotKind, Report, Section, Series, Stats, 
 use super::GpuError;
 use super::baseline::Baseline;
 use super::driver::Device;
-use super::ep::{EpBuffer, EpConfig};
+use super::ep::{EpBuffer, EpConfig, Tokens, plan_config};
 use super::rank::Rank;
+use super::selftest::check_plan;
 use super::selftest::{random_bf16, tpe_of};
+use crate::plan::{plan_entries, plan_global};
 use crate::router::{Placement, Skew, WorkloadSpec, generate};
 
 /// Benchmark knobs.
@@ -283,16 +285,50 @@ fn bench_config(rank: &mut Rank, opts: &NvlinkOptions, c: Config) -> Result<Sect
         let (xp, tk, tp, s) = (x.ptr, topk_d.ptr, tpe_d.ptr, c.s);
         buf.cfg.dedup = true;
         let d1 = time_op(rank, &mut buf, w, it, |rk, buf| {
-            buf.dispatch(rk, xp, 0, tk, tp, s, None)
+            buf.dispatch(
+                rk,
+                &Tokens {
+                    x: xp,
+                    w: 0,
+                    topk: tk,
+                    tpe: tp,
+                    s,
+                    total_tokens: None,
+                },
+            )
         })?;
         let comb = time_op(rank, &mut buf, w, it, |rk, buf| buf.combine(rk, out.ptr, 0))?;
         buf.cfg.dedup = false;
         let d0 = time_op(rank, &mut buf, w, it, |rk, buf| {
-            buf.dispatch(rk, xp, 0, tk, tp, s, None)
+            buf.dispatch(
+                rk,
+                &Tokens {
+                    x: xp,
+                    w: 0,
+                    topk: tk,
+                    tpe: tp,
+                    s,
+                    total_tokens: None,
+                },
+            )
         })?;
         buf.cfg.dedup = true;
-        let pl = time_op(rank, &mut buf, w, it, |rk, buf| buf.plan(rk, tk, tp, s, None))?;
-        let bd = time_op(rank, &mut buf, w, it, |rk, _| base.dispatch(rk, xp, 0, tk, tp, s))?;
+        let pl = time_op(rank, &mut buf, w, it, |rk, buf| {
+            buf.plan(rk, tk, tp, s, None)
+        })?;
+        let bd = time_op(rank, &mut buf, w, it, |rk, _| {
+            base.dispatch(
+                rk,
+                &Tokens {
+                    x: xp,
+                    w: 0,
+                    topk: tk,
+                    tpe: tp,
+                    s,
+                    total_tokens: None,
+                },
+            )
+        })?;
         let bc = time_op(rank, &mut buf, w, it, |rk, _| base.combine(rk, out.ptr))?;
         let ms = [
             slowest(rank, &d1)?,
@@ -302,6 +338,17 @@ fn bench_config(rank: &mut Rank, opts: &NvlinkOptions, c: Config) -> Result<Sect
             slowest(rank, &bd)?,
             slowest(rank, &bc)?,
         ];
+        // The device plan of this point, bit for bit against the CPU planner.
+        let pc = plan_config(&cfg, r, c.s, None);
+        let gp = plan_global(&pc, &routing.tpe)?;
+        let mine: Vec<u32> = topk.iter().map(|&e| e as u32).collect();
+        let dst = plan_entries(&pc, &gp, me, &mine)?;
+        check_plan(&buf, rank, &gp, &dst).map_err(|m| {
+            GpuError::Invalid(format!(
+                "{} {label}: GPU plan differs from the CPU planner: {m}",
+                c.name
+            ))
+        })?;
         let params = vec![
             ("config".into(), c.name.to_string()),
             ("workload".into(), label.clone()),
@@ -444,7 +491,7 @@ fn section(
                 opts.num_blocks, dev.num_sms
             ),
             format!("timing: CUDA events, warmup {} + {} iterations, host + device barrier before each; value = median over iterations of the slowest rank", opts.warmup, opts.iters),
-            "dispatch includes tpe all-gather, planning kernels, entry/exit device barriers and (dedup) the receiver-side replication; dedup sends each token once per remote rank, results are bit-identical".into(),
+            "the device plan (alloc, experts_to_copy, counts, cu_seqlens, zero_fill, dst) was checked bit-exact against the CPU planner at every point; dispatch includes tpe all-gather, planning kernels, entry/exit device barriers and (dedup) the receiver-side replication; dedup sends each token once per remote rank, results are bit-identical".into(),
             "expert compute is not included (identity); combine pulls K rows per token over NVLink, f32 accumulate in ascending k".into(),
             "routing: moonep::router exact generator, clustered placement; share = fraction of all copies routed to rank 0's home experts; EP=2 only (see spec §6.4 for what EP=2 cannot show)".into(),
         ],
@@ -477,8 +524,17 @@ mod tests {
                 let routing = generate(&spec).unwrap();
                 let topk = routing.topk(0, 3);
                 assert_eq!(topk.len(), c.s * c.k);
-                assert!(routing.rank_imbalance() >= last - 1e-9, "{} share {share}", c.name);
-                assert!((routing.rank_imbalance() - 2.0 * share).abs() < 0.01, "{} share {share}: {}", c.name, routing.rank_imbalance());
+                assert!(
+                    routing.rank_imbalance() >= last - 1e-9,
+                    "{} share {share}",
+                    c.name
+                );
+                assert!(
+                    (routing.rank_imbalance() - 2.0 * share).abs() < 0.01,
+                    "{} share {share}: {}",
+                    c.name,
+                    routing.rank_imbalance()
+                );
                 last = routing.rank_imbalance();
             }
         }

@@ -83,6 +83,18 @@ pub enum Transport {
     NcclFallback,
 }
 
+/// One call's inputs (device pointers): `x` bf16 `[s,H]`, `w` f32 `[s,K]` (0 = none → 1.0),
+/// `topk` i32 `[s*K]`, `tpe` i32 `[E]`; `total_tokens` is `Some(T)` in per-rank mode.
+#[derive(Debug, Clone, Copy)]
+pub struct Tokens {
+    pub x: u64,
+    pub w: u64,
+    pub topk: u64,
+    pub tpe: u64,
+    pub s: usize,
+    pub total_tokens: Option<u64>,
+}
+
 /// The plan arrays read back from the device (for tests).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DevicePlan {
@@ -147,8 +159,8 @@ impl EpBuffer {
     pub fn new(rank: &mut Rank, cfg: EpConfig) -> Result<EpBuffer, GpuError> {
         let (me, r) = (rank.env.rank, rank.env.world);
         if r > MAX_R
-            || cfg.experts % r != 0
-            || cfg.hidden % 8 != 0
+            || !cfg.experts.is_multiple_of(r)
+            || !cfg.hidden.is_multiple_of(8)
             || cfg.top_k == 0
             || cfg.top_k > 32
         {
@@ -402,20 +414,11 @@ impl EpBuffer {
 
     /// Plans and dispatches: every entry's row of `x` (device bf16 `[s,H]`) lands in its final
     /// slot; `w` (device f32 `[s,K]`, 0 = none → 1.0) goes to the per-slot weights.
-    pub fn dispatch(
-        &mut self,
-        rank: &Rank,
-        x: u64,
-        w: u64,
-        topk: u64,
-        tpe: u64,
-        s: usize,
-        total_tokens: Option<u64>,
-    ) -> Result<(), GpuError> {
-        self.plan(rank, topk, tpe, s, total_tokens)?;
+    pub fn dispatch(&mut self, rank: &Rank, t: &Tokens) -> Result<(), GpuError> {
+        self.plan(rank, t.topk, t.tpe, t.s, t.total_tokens)?;
         match self.transport {
-            Transport::Nvlink => self.dispatch_nvlink(&rank.dev, x, w),
-            Transport::NcclFallback => self.dispatch_fallback(rank, x, w),
+            Transport::Nvlink => self.dispatch_nvlink(&rank.dev, t.x, t.w),
+            Transport::NcclFallback => self.dispatch_fallback(rank, t.x, t.w),
         }
     }
 
@@ -653,7 +656,7 @@ impl EpBuffer {
             .pool
             .as_ref()
             .ok_or_else(|| GpuError::Invalid("EpConfig::expert_bytes is 0".into()))?;
-        if self.transport != Transport::Nvlink || self.cfg.expert_bytes % 16 != 0 {
+        if self.transport != Transport::Nvlink || !self.cfg.expert_bytes.is_multiple_of(16) {
             return Err(GpuError::Invalid(
                 "prefetch needs peer access and expert_bytes % 16 == 0".into(),
             ));

@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 
 use super::baseline::Baseline;
 use super::driver::read_ptr;
-use super::ep::{EpBuffer, EpConfig, Transport, plan_config};
+use super::ep::{EpBuffer, EpConfig, Tokens, Transport, plan_config};
 use super::rank::Rank;
 use super::{GpuError, status};
 use crate::plan::{GlobalPlan, plan_entries, plan_global, unpack_slot};
@@ -156,7 +156,12 @@ fn mismatch<T: PartialEq + std::fmt::Debug>(
 }
 
 /// Compares the device plan with the CPU planner (every array, bit for bit).
-fn check_plan(buf: &EpBuffer, rank: &Rank, gp: &GlobalPlan, dst_cpu: &[i64]) -> Result<(), String> {
+pub(crate) fn check_plan(
+    buf: &EpBuffer,
+    rank: &Rank,
+    gp: &GlobalPlan,
+    dst_cpu: &[i64],
+) -> Result<(), String> {
     let dp = buf.read_plan(&rank.dev).map_err(|e| e.to_string())?;
     let me = rank.env.rank;
     let lay = &gp.layouts[me];
@@ -252,8 +257,18 @@ pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
     dev.memset_u32(buf.wts.ptr(), POISON_F32, nvs).map_err(e)?;
     dev.sync().map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
-    buf.dispatch(rank, x_d.ptr, w_d.ptr, topk_d.ptr, tpe_d.ptr, c.s, None)
-        .map_err(e)?;
+    buf.dispatch(
+        rank,
+        &Tokens {
+            x: x_d.ptr,
+            w: w_d.ptr,
+            topk: topk_d.ptr,
+            tpe: tpe_d.ptr,
+            s: c.s,
+            total_tokens: None,
+        },
+    )
+    .map_err(e)?;
     buf.check(&rank.dev).map_err(e)?;
     check_plan(&buf, rank, &gp, &dsts[me])?;
     // Expected shard of this rank.
@@ -333,8 +348,18 @@ pub fn run_baseline_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), Str
     let x_d = dev.upload(&xs[me]).map_err(e)?;
     let topk_d = dev.upload(&topk[me]).map_err(e)?;
     let tpe_d = dev.upload(&tpe_of(&topk[me], c.experts)).map_err(e)?;
-    base.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, c.s)
-        .map_err(e)?;
+    base.dispatch(
+        rank,
+        &Tokens {
+            x: x_d.ptr,
+            w: 0,
+            topk: topk_d.ptr,
+            tpe: tpe_d.ptr,
+            s: c.s,
+            total_tokens: None,
+        },
+    )
+    .map_err(e)?;
     rank.dev.sync().map_err(e)?;
     let epn = c.experts / r;
     let mut want = Vec::new();
@@ -406,8 +431,18 @@ pub fn run_prefetch_case(rank: &mut Rank, seed: u64) -> Result<(), String> {
     dev.memset_u32(pool, 0xabab_abab, epn * wb / 4).map_err(e)?;
     dev.sync().map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
-    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, s, None)
-        .map_err(e)?;
+    buf.dispatch(
+        rank,
+        &Tokens {
+            x: x_d.ptr,
+            w: 0,
+            topk: topk_d.ptr,
+            tpe: tpe_d.ptr,
+            s,
+            total_tokens: None,
+        },
+    )
+    .map_err(e)?;
     buf.prefetch(&rank.dev, local_d.ptr).map_err(e)?;
     buf.check(&rank.dev).map_err(e)?;
     let etc = buf.read_plan(&rank.dev).map_err(e)?.experts_to_copy;
@@ -478,8 +513,18 @@ pub fn run_error_cases(rank: &mut Rank, seed: u64) -> Result<(), String> {
     }
     let tpe_bad = dev.upload(&tpe).map_err(e)?;
     let topk_d = dev.upload(&topk[me]).map_err(e)?;
-    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_bad.ptr, s, None)
-        .map_err(e)?;
+    buf.dispatch(
+        rank,
+        &Tokens {
+            x: x_d.ptr,
+            w: 0,
+            topk: topk_d.ptr,
+            tpe: tpe_bad.ptr,
+            s,
+            total_tokens: None,
+        },
+    )
+    .map_err(e)?;
     expect_code(buf.check(&rank.dev), status::CONTRACT, "contract violation")?;
     buf.reset_control(rank).map_err(e)?;
     // 3. Expert id out of range on rank 0 only: rank 0 reports it, the others time out.
@@ -490,8 +535,18 @@ pub fn run_error_cases(rank: &mut Rank, seed: u64) -> Result<(), String> {
     let dev = &rank.dev;
     let bad_d = dev.upload(&bad).map_err(e)?;
     let tpe_d = dev.upload(&tpe_of(&topk[me], experts)).map_err(e)?;
-    buf.dispatch(rank, x_d.ptr, 0, bad_d.ptr, tpe_d.ptr, s, None)
-        .map_err(e)?;
+    buf.dispatch(
+        rank,
+        &Tokens {
+            x: x_d.ptr,
+            w: 0,
+            topk: bad_d.ptr,
+            tpe: tpe_d.ptr,
+            s,
+            total_tokens: None,
+        },
+    )
+    .map_err(e)?;
     let code = if me == 0 {
         status::EXPERT_RANGE
     } else {
@@ -503,8 +558,18 @@ pub fn run_error_cases(rank: &mut Rank, seed: u64) -> Result<(), String> {
     }
     buf.reset_control(rank).map_err(e)?;
     // 4. Recovery: a valid call succeeds.
-    buf.dispatch(rank, x_d.ptr, 0, topk_d.ptr, tpe_d.ptr, s, None)
-        .map_err(e)?;
+    buf.dispatch(
+        rank,
+        &Tokens {
+            x: x_d.ptr,
+            w: 0,
+            topk: topk_d.ptr,
+            tpe: tpe_d.ptr,
+            s,
+            total_tokens: None,
+        },
+    )
+    .map_err(e)?;
     buf.check(&rank.dev).map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
     Ok(())
