@@ -1,6 +1,5 @@
 //! `ApiError`: every failure leaves the server as `{"code": <status>, "message": "..."}` JSON.
 
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Request};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -89,26 +88,14 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let empty = req
-            .headers()
-            .get(header::CONTENT_LENGTH)
-            .is_some_and(|v| v.as_bytes() == b"0");
-        let has_ct = req.headers().contains_key(header::CONTENT_TYPE);
-        if empty || !has_ct {
-            let bytes = axum::body::Bytes::from_request(req, state)
-                .await
-                .map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-            if bytes.iter().all(u8::is_ascii_whitespace) {
-                return Ok(E2bJson(T::default()));
-            }
-            return serde_json::from_slice(&bytes)
-                .map(E2bJson)
-                .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")));
+        let bytes = axum::body::Bytes::from_request(req, state)
+            .await
+            .map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(E2bJson(T::default()));
         }
-        match axum::Json::<T>::from_request(req, state).await {
-            Ok(axum::Json(v)) => Ok(E2bJson(v)),
-            Err(JsonRejection::JsonDataError(e)) => Err(ApiError::bad_request(e.body_text())),
-            Err(e) => Err(ApiError::new(e.status(), e.body_text())),
-        }
+        serde_json::from_slice(&bytes)
+            .map(E2bJson)
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
     }
 }

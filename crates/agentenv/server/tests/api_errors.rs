@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{TestServer, ensure_guest_binary, state_dir};
+use common::{TestServer, state_dir};
 use hyper::{Method, StatusCode};
 
 fn assert_error(r: &common::Resp, status: StatusCode) {
@@ -14,9 +14,8 @@ fn assert_error(r: &common::Resp, status: StatusCode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auth_and_bad_input_answer_json_errors() {
-    ensure_guest_binary();
     let dir = state_dir();
-    let server = TestServer::start(dir.path()).await;
+    let server = TestServer::start_with(dir.path(), false).await;
     let api = server.client();
     let wrong = agentenv_server::keys::generate_api_key();
 

@@ -41,16 +41,27 @@ pub struct TestServer {
 impl TestServer {
     /// Starts the server on `state_dir` (building the default template on first use).
     pub async fn start(state_dir: &Path) -> TestServer {
+        Self::start_with(state_dir, true).await
+    }
+
+    /// Starts the server; `with_template: false` skips the default template (no VM boots; for
+    /// tests of auth and input checks).
+    pub async fn start_with(state_dir: &Path, with_template: bool) -> TestServer {
         let (api_key, _) = keys::load_or_create_api_key(state_dir).unwrap();
         let mut cfg = agentenv_runtime::RuntimeConfig::new(state_dir.join("runtime"));
         cfg.accel = match std::env::var("AGENTENV_ACCEL").as_deref() {
             Ok("tcg") => agentenv_runtime::Accel::Tcg,
             Ok("kvm") => agentenv_runtime::Accel::Kvm,
+            _ if !with_template => agentenv_runtime::Accel::Tcg,
             _ => agentenv_runtime::Accel::Auto,
         };
-        let rt = runtime_backend::open_with_default_template(cfg)
-            .await
-            .expect("runtime with default template");
+        let rt = if with_template {
+            runtime_backend::open_with_default_template(cfg)
+                .await
+                .expect("runtime with default template")
+        } else {
+            agentenv_runtime::Runtime::open(cfg).await.expect("runtime")
+        };
         let accel = runtime_backend::accel_label(&rt).to_string();
         let backend: Arc<dyn agentenv_server::backend::VmBackend> = Arc::new(rt);
         let state = AppState::open(
