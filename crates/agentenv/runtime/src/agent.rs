@@ -47,10 +47,32 @@ impl AgentLink {
 /// Connects to the agent socket and waits until `GET /health` answers 2xx, reconnecting (a fresh
 /// session, so a fresh HELLO) after each `attempt` without an answer, until `deadline` passes.
 pub async fn connect_healthy(socket: &Path, attempt: Duration, deadline: Duration) -> Result<AgentLink, AgentError> {
+    healthy_from(None, socket, attempt, deadline).await
+}
+
+/// Connects to the agent socket (no health check yet). Done before `cont` after a restore, the guest
+/// keeps its port session and sees the fresh HELLO at once instead of an EOF and a port re-open.
+pub async fn connect(socket: &Path) -> Result<UnixStream, AgentError> {
+    UnixStream::connect(socket)
+        .await
+        .map_err(|e| AgentError::Socket { path: socket.display().to_string(), source: e })
+}
+
+/// Like [`connect_healthy`], starting with the already connected `first` socket when given.
+pub async fn healthy_from(
+    mut first: Option<UnixStream>,
+    socket: &Path,
+    attempt: Duration,
+    deadline: Duration,
+) -> Result<AgentLink, AgentError> {
     let end = tokio::time::Instant::now() + deadline;
     let mut last = String::from("no attempt");
     while tokio::time::Instant::now() < end {
-        let io = match UnixStream::connect(socket).await {
+        let conn = match first.take() {
+            Some(s) => Ok(s),
+            None => UnixStream::connect(socket).await,
+        };
+        let io = match conn {
             Ok(s) => s,
             Err(e) => {
                 last = e.to_string();

@@ -176,7 +176,6 @@ impl Vmm for QemuVmm {
                         }
                     }
                 }
-                q.execute("cont", None).await?;
                 Ok::<(), VmmError>(())
             }
             .await;

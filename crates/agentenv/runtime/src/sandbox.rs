@@ -140,9 +140,11 @@ impl Runtime {
             .map_err(io("copy RAM to", &live.record.ram_file))?;
         let vm = inner.vmm.restore(&vm_spec, &tpl.base_state).await?;
         live.record.phase = SandboxPhase::Running { pid: vm.pid() };
-        live.vm = Some(vm);
+        let vm = live.vm.insert(vm);
         persist::write(&inner.record_path(id), &live.record)?;
-        let link = agent::connect_healthy(&vm_spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
+        let sock = agent::connect(&vm_spec.agent_socket()).await?;
+        vm.cont().await?;
+        let link = agent::healthy_from(Some(sock), &vm_spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
         if !spec.env_vars.is_empty() {
             let body = serde_json::json!({ "envVars": spec.env_vars }).to_string();
             let status = agent::request(&link, "POST", "/init", Some(&body)).await?;
@@ -176,10 +178,11 @@ impl Runtime {
         let Some(vm) = live.vm.take() else { return Err(PauseError::AlreadyPaused(id.into())) };
         let r = async {
             vm.stop().await?;
-            live.agent = None;
             let state = self.inner.device_state_path(id);
             let tmp = state.with_extension("state.tmp");
+            // Saved with the agent connected: see `create` (connect before `cont`).
             vm.save_device_state(&tmp).await?;
+            live.agent = None;
             std::fs::rename(&tmp, &state).map_err(|e| PauseError::Io { what: "rename", path: state.clone(), source: e })?;
             live.record.phase = SandboxPhase::Paused;
             persist::write(&self.inner.record_path(id), &live.record)?;
@@ -220,6 +223,17 @@ impl Runtime {
         }
         let spec = self.inner.spec_of(&live.record);
         let vm = self.inner.vmm.restore(&spec, &self.inner.device_state_path(id)).await?;
+        let sock = match agent::connect(&spec.agent_socket()).await {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = vm.kill().await;
+                return Err(e.into());
+            }
+        };
+        if let Err(e) = vm.cont().await {
+            let _ = vm.kill().await;
+            return Err(e.into());
+        }
         live.record.phase = SandboxPhase::Running { pid: vm.pid() };
         live.vm = Some(vm);
         let committed = persist::write(&self.inner.record_path(id), &live.record);
@@ -232,7 +246,7 @@ impl Runtime {
         }
         slot.set_state(VmState::Running);
         let _ = std::fs::remove_file(self.inner.device_state_path(id));
-        match agent::connect_healthy(&spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await {
+        match agent::healthy_from(Some(sock), &spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await {
             Ok(link) => {
                 live.agent = Some(link);
                 Ok(())

@@ -173,10 +173,12 @@ async fn build_into_cache(
         }
     };
     say(BuildStep::Snapshot, "stop + device state (x-ignore-shared)".into());
-    drop(link);
+    // The agent stays connected while the state is saved, so a restore that connects before `cont`
+    // finds the guest's port session as it was (no EOF, no port re-open).
     let r = async {
         vm.stop().await?;
         vm.save_device_state(&partial.join("base.state")).await?;
+        drop(link);
         vm.shutdown().await
     }
     .await;

@@ -118,7 +118,8 @@ pub trait Vmm: Send + Sync {
     fn accel(&self) -> AccelKind;
     /// Cold-boots a VM (RAM file created or truncated to size).
     fn boot<'a>(&'a self, spec: &'a VmSpec) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
-    /// Starts a VM from `spec.ram_file` plus a saved device state, and continues it.
+    /// Starts a VM from `spec.ram_file` plus a saved device state and leaves it stopped: the caller
+    /// connects its channels, then calls [`Pausable::cont`].
     fn restore<'a>(
         &'a self,
         spec: &'a VmSpec,

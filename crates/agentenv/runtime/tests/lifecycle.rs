@@ -1,0 +1,139 @@
+//! Real QEMU (TCG here) guests from the real debootstrap template with the real guest agent.
+
+mod common;
+
+use agentenv_runtime::{CreateError, CreateSpec, KillError, PauseError, ResumeError, ConnectError, VmState};
+use common::{StateDir, run, runtime, token};
+
+fn spec(id: &str) -> CreateSpec {
+    CreateSpec { sandbox_id: id.into(), template_id: "base".into(), ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_from_base_template_runs_commands_in_debian() {
+    let state = StateDir::new();
+    let rt = runtime(state.path()).await;
+    let info = rt.templates().into_iter().find(|t| t.id == "base").expect("base listed");
+    assert_eq!((info.vcpus, info.memory_mib), (1, 256));
+    let id = format!("cmd-{}", &token()[..8]);
+    let mut s = spec(&id);
+    let value = token();
+    s.env_vars.insert("AENV_TEST".into(), value.clone());
+    let vm = rt.create(s).await.expect("create");
+    assert_eq!(vm.template_id, "base");
+    assert_eq!(rt.vm_state(&id), Some(VmState::Running));
+
+    let (a, b) = (rand::random_range(1000..9999u32), rand::random_range(1000..9999u32));
+    let (out, code) = run(&rt, &id, &format!("echo $(({a}*{b})); . /etc/os-release; echo $VERSION_CODENAME; echo $AENV_TEST")).await;
+    assert_eq!(code, 0);
+    assert_eq!(out, format!("{}\nbookworm\n{value}\n", a * b));
+    let (out, _) = run(&rt, &id, "id -u user; stat -c %U /home/user; test -x /usr/local/bin/agentenv-guest && echo agent").await;
+    assert_eq!(out, "1000\nuser\nagent\n");
+    let (_, code) = run(&rt, &id, "exit 7").await;
+    assert_eq!(code, 7);
+
+    rt.kill(&id).await.expect("kill");
+    assert_eq!(rt.vm_state(&id), None);
+    assert!(common::qemu_pids_under(state.path()).is_empty(), "no QEMU left after kill");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_and_resume_keep_files_and_processes() {
+    let state = StateDir::new();
+    let rt = runtime(state.path()).await;
+    let id = format!("pz-{}", &token()[..8]);
+    rt.create(spec(&id)).await.expect("create");
+    let (tmp_tok, disk_tok) = (token(), token());
+    let (pid, code) = run(
+        &rt,
+        &id,
+        &format!("echo {tmp_tok} > /tmp/t; echo {disk_tok} > /home/user/d; sync; sleep 100000 >/dev/null 2>&1 & echo $!"),
+    )
+    .await;
+    assert_eq!(code, 0);
+    let pid = pid.trim().to_owned();
+
+    rt.pause(&id).await.expect("pause");
+    assert_eq!(rt.vm_state(&id), Some(VmState::Paused));
+    assert!(matches!(rt.pause(&id).await, Err(PauseError::AlreadyPaused(_))));
+    assert!(matches!(rt.open_agent_stream(&id).await, Err(ConnectError::Paused(_))));
+    rt.resume(&id).await.expect("resume");
+    assert_eq!(rt.vm_state(&id), Some(VmState::Running));
+    assert!(matches!(rt.resume(&id).await, Err(ResumeError::NotPaused(_))));
+
+    let (out, _) = run(&rt, &id, &format!("cat /tmp/t /home/user/d; kill -0 {pid} && echo alive")).await;
+    assert_eq!(out, format!("{tmp_tok}\n{disk_tok}\nalive\n"));
+
+    // A second cycle works on the same RAM file.
+    rt.pause(&id).await.expect("pause again");
+    rt.resume(&id).await.expect("resume again");
+    let (out, _) = run(&rt, &id, "cat /tmp/t").await;
+    assert_eq!(out, format!("{tmp_tok}\n"));
+    rt.kill(&id).await.expect("kill");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_keeps_running_and_paused_and_cleans_dead() {
+    let state = StateDir::new();
+    let (run_id, pause_id, dead_id) = ("keep-run", "keep-paused", "dies");
+    let (tok_run, tok_paused) = (token(), token());
+    {
+        let rt = runtime(state.path()).await;
+        for id in [run_id, pause_id, dead_id] {
+            rt.create(spec(id)).await.expect("create");
+        }
+        run(&rt, run_id, &format!("echo {tok_run} > /tmp/t")).await;
+        run(&rt, pause_id, &format!("echo {tok_paused} > /tmp/t")).await;
+        rt.pause(pause_id).await.expect("pause");
+        // The server process goes away here (the Runtime is dropped); QEMU processes survive it.
+    }
+    let rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(state.path().join("sandboxes").join(dead_id).join("sandbox.json")).unwrap())
+            .unwrap();
+    let dead_pid = rec["phase"]["pid"].as_u64().expect("running pid") as i32;
+    // SAFETY: plain syscall on the QEMU of this test's sandbox.
+    unsafe { libc::kill(dead_pid, libc::SIGKILL) };
+
+    let rt = runtime(state.path()).await;
+    let mut recovered = rt.recover().await.expect("recover");
+    recovered.sort_by(|a, b| a.id.cmp(&b.id));
+    let states: Vec<_> = recovered.iter().map(|r| (r.id.as_str(), r.state)).collect();
+    assert_eq!(
+        states,
+        vec![(dead_id, None), (pause_id, Some(VmState::Paused)), (run_id, Some(VmState::Running))],
+        "{recovered:?}"
+    );
+    assert!(!state.path().join("sandboxes").join(dead_id).exists());
+    let (out, _) = run(&rt, run_id, "cat /tmp/t").await;
+    assert_eq!(out, format!("{tok_run}\n"));
+    rt.resume(pause_id).await.expect("resume after restart");
+    let (out, _) = run(&rt, pause_id, "cat /tmp/t").await;
+    assert_eq!(out, format!("{tok_paused}\n"));
+    for id in [run_id, pause_id] {
+        rt.kill(id).await.expect("kill");
+    }
+    assert!(common::qemu_pids_under(state.path()).is_empty(), "no orphan QEMU");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused() {
+    let state = StateDir::new();
+    let rt = runtime(state.path()).await;
+    let unknown = format!("no-such-{}", &token()[..6]);
+    let r = rt.create(CreateSpec { sandbox_id: "x1".into(), template_id: unknown.clone(), ..Default::default() }).await;
+    assert!(matches!(r, Err(CreateError::UnknownTemplate(t)) if t == unknown));
+    for bad in ["", "../x", "a/b", ".hidden", &"x".repeat(65)] {
+        assert!(matches!(rt.create(spec(bad)).await, Err(CreateError::InvalidId(_))), "{bad:?}");
+    }
+    assert!(matches!(rt.pause(&unknown).await, Err(PauseError::NotFound(_))));
+    assert!(matches!(rt.resume(&unknown).await, Err(ResumeError::NotFound(_))));
+    assert!(matches!(rt.kill(&unknown).await, Err(KillError::NotFound(_))));
+    assert!(matches!(rt.open_agent_stream(&unknown).await, Err(ConnectError::NotFound(_))));
+    assert_eq!(rt.vm_state(&unknown), None);
+
+    rt.create(spec("dup")).await.expect("create");
+    assert!(matches!(rt.create(spec("dup")).await, Err(CreateError::AlreadyExists(_))));
+    rt.kill("dup").await.expect("kill");
+    assert!(matches!(rt.kill("dup").await, Err(KillError::NotFound(_))));
+    assert!(state.path().join("sandboxes").read_dir().unwrap().next().is_none(), "no files left");
+}
