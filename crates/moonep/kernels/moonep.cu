@@ -158,20 +158,27 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan_global(Dims d, co
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid % 32, warp = tid / 32, nwarp = nt / 32;
   if (tid == 0) bad = 0;
   __syncthreads();
-  // Contract: row sums and total.
+  // Contract: row sums (block-parallel: warp sums, then shared atomics) and total.
+  __shared__ unsigned long long rowsum[MAX_R], gsum[MAX_R];
+  if (tid < MAX_R) rowsum[tid] = gsum[tid] = 0;
+  __syncthreads();
+  for (int r = 0; r < R; ++r) {
+    unsigned v = 0;
+    for (int e = tid; e < E; e += nt) v += (unsigned)tpe[(long long)r * E + e];
+    v = __reduce_add_sync(0xffffffffu, v);
+    if (lane == 0 && v) atomicAdd(&rowsum[r], (unsigned long long)v);
+  }
+  __syncthreads();
   if (tid < R) {
-    long long sum = 0;
-    for (int e = 0; e < E; ++e) sum += tpe[(long long)tid * E + e];
+    long long sum = (long long)rowsum[tid];
     if (sum % d.K != 0 || sum / d.K < 1 || sum / d.K > d.S) atomicOr(&bad, 1);
     if (tid == d.me && sum != d.s * d.K) atomicOr(&bad, 1);
     if (d.uniform && sum != d.s * d.K) atomicOr(&bad, 1);
-    bal[tid] = sum;
   }
-  __syncthreads();
   if (tid == 0) {
     long long tot = 0;
-    for (int r = 0; r < R; ++r) tot += bal[r];
-    if (tot != d.T * d.K) bad |= 1;
+    for (int r = 0; r < R; ++r) tot += (long long)rowsum[r];
+    if (tot != d.T * d.K) atomicOr(&bad, 1);
   }
   __syncthreads();
   if (bad) {
@@ -186,6 +193,7 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan_global(Dims d, co
     }
     tsum[e] = acc;
     rem[e] = acc;
+    atomicAdd(&gsum[e / epn], (unsigned long long)acc);
     for (int r = 0; r < R; ++r) alloc[(long long)e * R + r] = (r == e / epn) ? (int)acc : 0;
   }
   for (int x = tid; x < MAX_R * MAX_R; x += nt) z[x] = 0;
@@ -194,8 +202,7 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan_global(Dims d, co
   if (tid == 0) {
     long long tk = d.T * d.K;
     for (int h = 0; h < R; ++h) {
-      long long g = 0;
-      for (int e = h * epn; e < (h + 1) * epn; ++e) g += tsum[e];
+      long long g = (long long)gsum[h];
       long long cap = tk / R + ((long long)h < tk % R ? 1 : 0);
       bal[h] = g - cap;
     }
