@@ -6,37 +6,7 @@
 // kd/qd/ki/kr, A, M, INV) in shared memory, then every warp runs the state-dependent chain with
 // mma.sync m16n8k16 bf16 (fp32 accumulation). Inputs are double-buffered with cp.async; nothing
 // goes through a device workspace. Rounding points are mirrored by `reference::emulated`.
-#include <cuda_bf16.h>
-#include <stdint.h>
-
-typedef __nv_bfloat16 bf16;
-
-struct KdaParams {
-  const bf16* q;
-  const bf16* k;
-  const bf16* v;
-  const bf16* g;
-  const bf16* beta;
-  const float* a_log;
-  const float* dt_bias;
-  bf16* out;
-  const void* h0;
-  void* ht;
-  const long long* cu_seqlens;
-  long long seq_len;       // tokens per sequence without cu_seqlens
-  long long total_tokens;  // B * T
-  int num_heads;
-  int num_seqs;
-  int state_fp32;          // 1: h0/ht are fp32, 0: bf16
-  float scale;
-  float lower_bound;
-};
-
-#define KD 128
-#define CH 16
-#define RS 136  // padded row stride of the 16x128 tiles (bank-conflict free fragment loads)
-#define KRS 24  // krT row stride
-#define TS 24   // 16x16 tile row stride
+#include "kda_common.cuh"
 
 template <int NW>
 struct __align__(16) Smem {
@@ -54,37 +24,6 @@ struct __align__(16) Smem {
   float rnk[CH];
   float b[CH];
 };
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t ld32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                    uint32_t b0, uint32_t b1, const float (&c)[4]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
 template <int NW>
 __device__ __forceinline__ void kda_fwd_body(const KdaParams& p) {
@@ -196,19 +135,32 @@ __device__ __forceinline__ void kda_fwd_body(const KdaParams& p) {
     }
 
     // ---- phase 1: row norms, beta sigmoid, gate cumsum (registers)
-    for (int r = warp; r < 2 * CH; r += NW) {
-      const bf16* row = r < CH ? &sm.q[st][r][0] : &sm.k[st][r - CH][0];
-      const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(row + lane * 4);
-      float2 a = __bfloat1622float2(x2[0]), b2 = __bfloat1622float2(x2[1]);
-      float ss = a.x * a.x;
-      ss = fmaf(a.y, a.y, ss);
-      ss = fmaf(b2.x, b2.x, ss);
-      ss = fmaf(b2.y, b2.y, ss);
+    {
+      constexpr int RPW = 2 * CH / NW;  // rows per warp; unrolled so the shuffle chains interleave
+      float ss[RPW];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      for (int rr = 0; rr < RPW; ++rr) {
+        const int r = warp + rr * NW;
+        const bf16* row = r < CH ? &sm.q[st][r][0] : &sm.k[st][r - CH][0];
+        const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+        const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+        float x = a.x * a.x;
+        x = fmaf(a.y, a.y, x);
+        x = fmaf(b2.x, b2.x, x);
+        ss[rr] = fmaf(b2.y, b2.y, x);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int rr = 0; rr < RPW; ++rr) ss[rr] += __shfl_xor_sync(0xffffffffu, ss[rr], o);
       if (lane == 0) {
-        const float rn = rsqrtf(ss + 1e-6f);
-        if (r < CH) sm.rnq[r] = rn; else sm.rnk[r - CH] = rn;
+#pragma unroll
+        for (int rr = 0; rr < RPW; ++rr) {
+          const int r = warp + rr * NW;
+          const float rn = rsqrtf(ss[rr] + 1e-6f);
+          if (r < CH) sm.rnq[r] = rn; else sm.rnk[r - CH] = rn;
+        }
       }
     }
     if (tid < CH) sm.b[tid] = tid < nv ? sigmoidf_(beta_raw) : 0.f;
@@ -220,12 +172,10 @@ __device__ __forceinline__ void kda_fwd_body(const KdaParams& p) {
       float acc = 0.f;
 #pragma unroll
       for (int i = 0; i < CH; ++i) {
-        float gam = 0.f;
-        if (i < nv) {
-          const float y = exp_a * (__bfloat162float(sm.g[st][i][ch]) + dtb[j]);
-          gam = lb2 * sigmoidf_(y);
-        }
-        acc += gam;
+        // pad rows hold zeros (cp.async zero-fill): computing them is safe; select, don't branch
+        const float y = exp_a * (__bfloat162float(sm.g[st][i][ch]) + dtb[j]);
+        const float gam = lb2 * sigmoidf_(y);
+        acc += i < nv ? gam : 0.f;
         G[j][i] = acc;
       }
     }
@@ -237,10 +187,16 @@ __device__ __forceinline__ void kda_fwd_body(const KdaParams& p) {
       const int ch = tid + j * NT;
       const float gt = G[j][CH - 1];
       sm.E[ch] = ex2(gt);
+      float kv[CH], qv[CH];  // all loads first: the in-place stores below must not serialize them
 #pragma unroll
       for (int i = 0; i < CH; ++i) {
-        const float kn = __bfloat162float(sm.k[st][i][ch]) * sm.rnk[i];
-        const float qn = __bfloat162float(sm.q[st][i][ch]) * sm.rnq[i] * p.scale;
+        kv[i] = __bfloat162float(sm.k[st][i][ch]) * sm.rnk[i];
+        qv[i] = __bfloat162float(sm.q[st][i][ch]) * sm.rnq[i] * p.scale;
+      }
+#pragma unroll
+      for (int i = 0; i < CH; ++i) {
+        const float kn = kv[i];
+        const float qn = qv[i];
         const float e = ex2(G[j][i]);
         sm.k[st][i][ch] = __float2bfloat16_rn(kn * e);
         sm.q[st][i][ch] = __float2bfloat16_rn(qn * e);

@@ -11,6 +11,14 @@ scale 1/sqrt(128); lower_bound -5; fp32 initial state 0.1*randn (bf16-representa
 state requested; one untimed first call (Triton autotune), warm-up, then blocks of CUDA-event
 timed calls; median of all calls and per-block medians.
 """
+import os.path
+import sys
+
+# Run as a script, sys.path[0] is this folder, whose `flashkda/` (the wheel's Python sources,
+# without the compiled module) would shadow the installed wheel.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
 import argparse
 import importlib.metadata
 import json
@@ -96,6 +104,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--heads", default="96,64")
+    ap.add_argument("--cases", default="fixed,varlen6,1024x8")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
@@ -116,6 +125,8 @@ def main():
     with torch.inference_mode():
         for H in [int(h) for h in args.heads.split(",")]:
             for name, lens in CASES:
+                if name not in args.cases.split(","):
+                    continue
                 inp = make_inputs(lens, H, seed=int(time.time() * 1e3) % (2 ** 31))
                 row = {"H": H, "case": name}
                 try:

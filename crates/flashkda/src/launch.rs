@@ -69,7 +69,7 @@ unsafe impl DeviceRepr for KernelParams {}
 /// How many blocks share one (sequence, head): each owns a slice of the 128 value rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ValueSplit {
-    /// Four slices when two would leave SMs idle, else two.
+    /// The measured best (currently always `Two`).
     #[default]
     Auto,
     /// Four blocks of 2 warps (32 value rows each).
@@ -78,10 +78,24 @@ pub enum ValueSplit {
     Two,
 }
 
+/// Which kernel runs the chunk loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KernelSchedule {
+    /// The measured best.
+    #[default]
+    Auto,
+    /// `kda_fwd.cu`: prep then state work per chunk, four barriers per chunk.
+    Sequential,
+    /// `kda_fwd_pipelined.cu`: prep of chunk c+1 overlapped with the state work of chunk c,
+    /// two barriers per chunk (always two 4-warp blocks per chain; `value_split` is ignored).
+    Pipelined,
+}
+
 /// Launch options.
 #[derive(Debug, Clone, Copy)]
 pub struct FwdOptions {
     pub value_split: ValueSplit,
+    pub schedule: KernelSchedule,
     /// Copy `cu_seqlens` to the host and check it (one small sync). Turn off only while
     /// capturing a CUDA graph; the kernel clamps bad offsets either way, never reading out of bounds.
     pub check_cu_seqlens: bool,
@@ -91,6 +105,7 @@ impl Default for FwdOptions {
     fn default() -> Self {
         FwdOptions {
             value_split: ValueSplit::Auto,
+            schedule: KernelSchedule::Auto,
             check_cu_seqlens: true,
         }
     }
@@ -102,15 +117,24 @@ pub struct KdaKernels {
     ctx: Arc<CudaContext>,
     two_warps: CudaFunction,
     four_warps: CudaFunction,
+    pipelined: CudaFunction,
     sm_count: usize,
 }
+
+/// Dynamic shared memory of `kda_fwd_pipe_w4` (`PIPE_SMEM_BYTES` in the .cu, checked there).
+const PIPE_SMEM_BYTES: u32 = 65344;
 
 impl KdaKernels {
     /// Loads the cubins into `ctx` (the device's primary context, shared with torch).
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, FlashKdaError> {
-        let Some((_, cubin)) = built::CUBINS.iter().find(|(stem, _)| *stem == "kda_fwd") else {
-            return Err(FlashKdaError::KernelsNotBuilt(not_built_reason()));
+        let cubin = |stem: &str| {
+            built::CUBINS
+                .iter()
+                .find(|(s, _)| *s == stem)
+                .map(|(_, c)| c.to_vec())
+                .ok_or(FlashKdaError::KernelsNotBuilt(not_built_reason()))
         };
+        let (seq_cubin, pipe_cubin) = (cubin("kda_fwd")?, cubin("kda_fwd_pipelined")?);
         let (major, minor) = ctx
             .compute_capability()
             .during("reading compute capability")?;
@@ -122,7 +146,7 @@ impl KdaKernels {
             });
         }
         let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin.to_vec()))
+            .load_module(cudarc::nvrtc::Ptx::from_binary(seq_cubin))
             .during("loading the kda_fwd cubin")?;
         let two_warps = module
             .load_function("kda_fwd_w2")
@@ -130,6 +154,18 @@ impl KdaKernels {
         let four_warps = module
             .load_function("kda_fwd_w4")
             .during("loading kda_fwd_w4")?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(pipe_cubin))
+            .during("loading the kda_fwd_pipelined cubin")?;
+        let pipelined = module
+            .load_function("kda_fwd_pipe_w4")
+            .during("loading kda_fwd_pipe_w4")?;
+        pipelined
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                PIPE_SMEM_BYTES as i32,
+            )
+            .during("allowing 64 KiB of dynamic shared memory")?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -139,6 +175,7 @@ impl KdaKernels {
             ctx: ctx.clone(),
             two_warps,
             four_warps,
+            pipelined,
             sm_count,
         })
     }
@@ -147,13 +184,16 @@ impl KdaKernels {
         &self.ctx
     }
 
-    /// The split `Auto` picks for `chains` = sequences x heads.
-    pub fn auto_split(&self, chains: usize) -> ValueSplit {
-        if chains * 2 < 2 * self.sm_count {
-            ValueSplit::Four
-        } else {
-            ValueSplit::Two
-        }
+    /// Streaming multiprocessors of the device.
+    pub fn sm_count(&self) -> usize {
+        self.sm_count
+    }
+
+    /// The split `Auto` picks for `chains` = sequences x heads. Measured on the H200
+    /// (2026-11-29): two 4-warp blocks per chain beat four 2-warp blocks on every anchor shape
+    /// (the per-block key-side prep is shared by more warps), so `Auto` is `Two`.
+    pub fn auto_split(&self, _chains: usize) -> ValueSplit {
+        ValueSplit::Two
     }
 }
 
@@ -191,9 +231,14 @@ pub fn fwd(
         ValueSplit::Auto => kernels.auto_split(chains),
         s => s,
     };
-    let (func, slices, threads) = match split {
-        ValueSplit::Four => (&kernels.two_warps, 4u32, 64u32),
-        _ => (&kernels.four_warps, 2u32, 128u32),
+    let schedule = match opts.schedule {
+        KernelSchedule::Auto => KernelSchedule::Sequential,
+        s => s,
+    };
+    let (func, slices, threads, smem) = match (schedule, split) {
+        (KernelSchedule::Pipelined, _) => (&kernels.pipelined, 2u32, 128u32, PIPE_SMEM_BYTES),
+        (_, ValueSplit::Four) => (&kernels.two_warps, 4, 64, 0),
+        _ => (&kernels.four_warps, 2, 128, 0),
     };
     let params = KernelParams {
         q: args.q.ptr,
@@ -218,7 +263,7 @@ pub fn fwd(
     let cfg = LaunchConfig {
         grid_dim: (chains as u32 * slices, 1, 1),
         block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let mut launch = stream.launch_builder(func);
     launch.arg(&params);

@@ -20,7 +20,9 @@ pub mod reference;
 pub mod validate;
 
 pub use error::FlashKdaError;
-pub use launch::{FwdOptions, KdaKernels, ValueSplit, fwd, kernels_built, open_device};
+pub use launch::{
+    FwdOptions, KdaKernels, KernelSchedule, ValueSplit, fwd, kernels_built, open_device,
+};
 pub use validate::{DType, Device, FwdArgs, FwdPlan, StateDType, TensorView, validate};
 
 /// "1" when build.rs compiled the kernels, "0" otherwise (CI asserts "1" with K3_REQUIRE_KERNELS=1).

@@ -164,6 +164,7 @@ fn fwd(
     let opts = FwdOptions {
         value_split: split,
         check_cu_seqlens,
+        ..Default::default()
     };
     launch_fwd(&kernels, &stream, &args, &opts).map_err(to_py)?;
     Ok(())

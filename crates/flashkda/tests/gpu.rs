@@ -11,7 +11,9 @@ use flashkda::harness::{DeviceProblem, StateIo};
 use flashkda::reference::emulated::emulated;
 use flashkda::reference::metrics::rel_frobenius;
 use flashkda::reference::{KdaOutput, KdaProblem, recurrence_f64};
-use flashkda::{FlashKdaError, FwdOptions, KdaKernels, ValueSplit, fwd, open_device};
+use flashkda::{
+    FlashKdaError, FwdOptions, KdaKernels, KernelSchedule, ValueSplit, fwd, open_device,
+};
 
 /// Acceptance bar: relative Frobenius error against float64.
 const BAR_F64: f64 = 6e-3;
@@ -68,8 +70,8 @@ struct Case<'a> {
     split: ValueSplit,
 }
 
-/// Runs one case; returns the GPU output for further checks.
-fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) -> (Vec<f64>, Vec<f64>) {
+/// Runs one case with every kernel schedule on the same inputs against one reference.
+fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     let (kernels, stream) = gpu;
     let s = seed();
     let mut p = KdaProblem::random(&c.seq_lens, c.heads, c.state.initial, s);
@@ -77,88 +79,84 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) -> (Vec<f64>, Vec<f6
         p.initial_state = None;
     }
     let mut dev = DeviceProblem::upload(stream, &p, c.state, c.batched).expect("upload");
-    dev.poison().expect("poison");
-    let opts = FwdOptions {
-        value_split: c.split,
-        ..Default::default()
-    };
-    fwd(kernels, stream, &dev.args(), &opts)
-        .unwrap_or_else(|e| panic!("{}: fwd failed: {e}", c.name));
-    stream
-        .synchronize()
-        .unwrap_or_else(|e| panic!("{}: kernel failed: {e}", c.name));
-    let (out, st) = dev.read().unwrap_or_else(|e| panic!("{}: {e}", c.name));
-    let nan_out = out.iter().filter(|x| !x.is_finite()).count();
-    let nan_st = st.iter().filter(|x| !x.is_finite()).count();
     let reference: KdaOutput = recurrence_f64(&p);
-    let eo = rel_frobenius(&out, &reference.out);
-    let es = if c.state.final_ {
-        rel_frobenius(&st, &reference.final_state)
-    } else {
-        0.0
-    };
-    let (mut emo, mut ems) = (f64::NAN, f64::NAN);
-    if c.emulate {
-        let e = emulated(&p);
-        emo = rel_frobenius(&out, &e.out);
-        ems = if c.state.final_ {
-            // the emulation keeps the fp32 state; round it like the output dtype before comparing
-            let rounded: Vec<f64> = if c.state.fp32 {
-                e.final_state.clone()
-            } else {
-                e.final_state
-                    .iter()
-                    .map(|&x| f64::from(half::bf16::from_f64(x).to_f32()))
-                    .collect()
-            };
-            rel_frobenius(&st, &rounded)
+    let emulation = c.emulate.then(|| emulated(&p));
+    for schedule in [KernelSchedule::Sequential, KernelSchedule::Pipelined] {
+        dev.poison().expect("poison");
+        let opts = FwdOptions {
+            value_split: c.split,
+            schedule,
+            ..Default::default()
+        };
+        fwd(kernels, stream, &dev.args(), &opts)
+            .unwrap_or_else(|e| panic!("{}: fwd failed: {e}", c.name));
+        stream
+            .synchronize()
+            .unwrap_or_else(|e| panic!("{}: kernel failed: {e}", c.name));
+        let (out, st) = dev.read().unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        let nan_out = out.iter().filter(|x| !x.is_finite()).count();
+        let nan_st = st.iter().filter(|x| !x.is_finite()).count();
+        let eo = rel_frobenius(&out, &reference.out);
+        let es = if c.state.final_ {
+            rel_frobenius(&st, &reference.final_state)
         } else {
             0.0
         };
-    }
-    log_line(&format!(
-        "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"seed\":{s},\
-         \"rel_out_f64\":{eo:e},\"rel_state_f64\":{es:e},\"rel_out_emulated\":{emo:e},\"rel_state_emulated\":{ems:e},\
-         \"nonfinite_out\":{nan_out},\"nonfinite_state\":{nan_st}}}",
-        c.name,
-        if c.seq_lens.len() > 8 {
-            format!("{} seqs, {} tokens", c.seq_lens.len(), p.tokens())
-        } else {
-            format!("{:?}", c.seq_lens)
-        },
-        c.heads,
-        c.state.label(),
-        c.batched,
-        c.split
-    ));
-    assert_eq!(
-        nan_out, 0,
-        "{}: {nan_out} output elements not written (still NaN) or non-finite",
-        c.name
-    );
-    assert_eq!(
-        nan_st, 0,
-        "{}: {nan_st} state elements not written or non-finite",
-        c.name
-    );
-    assert!(
-        eo <= BAR_F64,
-        "{}: out rel error {eo:e} > {BAR_F64:e}",
-        c.name
-    );
-    assert!(
-        es <= BAR_F64,
-        "{}: final_state rel error {es:e} > {BAR_F64:e}",
-        c.name
-    );
-    if c.emulate {
-        assert!(
-            emo <= BAR_EMULATED && ems <= BAR_EMULATED,
-            "{}: vs emulation out {emo:e} state {ems:e}",
-            c.name
+        let (mut emo, mut ems) = (f64::NAN, f64::NAN);
+        if let Some(e) = &emulation {
+            emo = rel_frobenius(&out, &e.out);
+            ems = if c.state.final_ {
+                // the emulation keeps the fp32 state; round it like the output dtype before comparing
+                let rounded: Vec<f64> = if c.state.fp32 {
+                    e.final_state.clone()
+                } else {
+                    e.final_state
+                        .iter()
+                        .map(|&x| f64::from(half::bf16::from_f64(x).to_f32()))
+                        .collect()
+                };
+                rel_frobenius(&st, &rounded)
+            } else {
+                0.0
+            };
+        }
+        log_line(&format!(
+            "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"schedule\":\"{:?}\",\"seed\":{s},\
+             \"rel_out_f64\":{eo:e},\"rel_state_f64\":{es:e},\"rel_out_emulated\":{emo:e},\"rel_state_emulated\":{ems:e},\
+             \"nonfinite_out\":{nan_out},\"nonfinite_state\":{nan_st}}}",
+            c.name,
+            if c.seq_lens.len() > 8 {
+                format!("{} seqs, {} tokens", c.seq_lens.len(), p.tokens())
+            } else {
+                format!("{:?}", c.seq_lens)
+            },
+            c.heads,
+            c.state.label(),
+            c.batched,
+            c.split,
+            schedule
+        ));
+        let name = format!("{} [{schedule:?}]", c.name);
+        assert_eq!(
+            nan_out, 0,
+            "{name}: {nan_out} output elements not written (still NaN) or non-finite"
         );
+        assert_eq!(
+            nan_st, 0,
+            "{name}: {nan_st} state elements not written or non-finite"
+        );
+        assert!(eo <= BAR_F64, "{name}: out rel error {eo:e} > {BAR_F64:e}");
+        assert!(
+            es <= BAR_F64,
+            "{name}: final_state rel error {es:e} > {BAR_F64:e}"
+        );
+        if c.emulate {
+            assert!(
+                emo <= BAR_EMULATED && ems <= BAR_EMULATED,
+                "{name}: vs emulation out {emo:e} state {ems:e}"
+            );
+        }
     }
-    (out, st)
 }
 
 fn case(name: &str, seq_lens: Vec<usize>, heads: usize, state: StateIo) -> Case<'_> {
@@ -299,9 +297,23 @@ fn deterministic_and_rejects_bad_cu_seqlens() {
     let p = KdaProblem::random(&[300, 45], 8, true, seed());
     let mut dev = DeviceProblem::upload(stream, &p, StateIo::both(true), false).unwrap();
     let mut runs = Vec::new();
-    for _ in 0..2 {
+    for schedule in [
+        KernelSchedule::Sequential,
+        KernelSchedule::Sequential,
+        KernelSchedule::Pipelined,
+        KernelSchedule::Pipelined,
+    ] {
         dev.poison().unwrap();
-        fwd(kernels, stream, &dev.args(), &FwdOptions::default()).unwrap();
+        fwd(
+            kernels,
+            stream,
+            &dev.args(),
+            &FwdOptions {
+                schedule,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         stream.synchronize().unwrap();
         runs.push(dev.read().unwrap());
     }

@@ -18,7 +18,7 @@ use cudarc::driver::{CudaStream, sys};
 use flashkda::harness::{DeviceProblem, StateIo};
 use flashkda::reference::emulated::emulated;
 use flashkda::reference::{KdaProblem, chunked_f64, recurrence_f64};
-use flashkda::{FwdArgs, FwdOptions, KdaKernels, ValueSplit, fwd, open_device};
+use flashkda::{FwdArgs, FwdOptions, KdaKernels, KernelSchedule, ValueSplit, fwd, open_device};
 use k3_common::Figure;
 use k3_common::report::{Machine, Plot, PlotKind, Report, Section, Series, Skipped, Tier};
 
@@ -43,10 +43,23 @@ struct Args {
     iters: usize,
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// Heads for the fla baseline (default: all of --heads).
+    #[arg(long, value_delimiter = ',')]
+    fla_heads: Vec<usize>,
+    /// Cases for the fla baseline (fixed, varlen6, 1024x8; default all). fla autotunes
+    /// 65-100 s per new (H, fixed/varlen) key on a fresh machine.
+    #[arg(long, default_value = "fixed,varlen6,1024x8")]
+    fla_cases: String,
+    /// Report of an earlier sm90 run whose same-run fla figures are quoted (marked not same-run).
+    #[arg(long)]
+    fla_report: Option<PathBuf>,
     /// Heads to run on the sm90 tier.
     #[arg(long, default_value = "96,64", value_delimiter = ',')]
     heads: Vec<usize>,
 }
+
+/// The variants compared with fla (which is timed with an fp32 state in and out).
+const HEADLINES: [&str; 2] = ["fp32 state, sequential", "fp32 state, pipelined"];
 
 const CASES: [(&str, &[usize]); 3] = [
     ("fixed", &[8192]),
@@ -207,20 +220,45 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
     for &h in &a.heads {
         for (case, lens) in CASES {
             let p = KdaProblem::random(lens, h, true, 0x6b64 + h as u64);
-            let variants: [(&str, StateIo, ValueSplit); 5] = [
-                ("fp32 state", StateIo::both(true), ValueSplit::Auto),
-                ("bf16 state", StateIo::both(false), ValueSplit::Auto),
-                ("no state", StateIo::NONE, ValueSplit::Auto),
-                ("fp32 state, 2 slices", StateIo::both(true), ValueSplit::Two),
+            let seq = KernelSchedule::Sequential;
+            let pipe = KernelSchedule::Pipelined;
+            let variants: [(&str, StateIo, ValueSplit, KernelSchedule); 7] = [
                 (
-                    "fp32 state, 4 slices",
+                    "fp32 state, sequential",
+                    StateIo::both(true),
+                    ValueSplit::Two,
+                    seq,
+                ),
+                (
+                    "fp32 state, pipelined",
+                    StateIo::both(true),
+                    ValueSplit::Two,
+                    pipe,
+                ),
+                (
+                    "bf16 state, sequential",
+                    StateIo::both(false),
+                    ValueSplit::Two,
+                    seq,
+                ),
+                (
+                    "bf16 state, pipelined",
+                    StateIo::both(false),
+                    ValueSplit::Two,
+                    pipe,
+                ),
+                ("no state, sequential", StateIo::NONE, ValueSplit::Two, seq),
+                ("no state, pipelined", StateIo::NONE, ValueSplit::Two, pipe),
+                (
+                    "fp32 state, sequential, 4 slices",
                     StateIo::both(true),
                     ValueSplit::Four,
+                    seq,
                 ),
             ];
             let dev_f32 = DeviceProblem::upload(&stream, &p, StateIo::both(true), false)?;
             let dev_bf16 = DeviceProblem::upload(&stream, &p, StateIo::both(false), false)?;
-            for (label, state, split) in variants {
+            for (label, state, split, schedule) in variants {
                 let mut args = if state.fp32 || !state.initial {
                     dev_f32.args()
                 } else {
@@ -232,6 +270,7 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
                 }
                 let opts = FwdOptions {
                     value_split: split,
+                    schedule,
                     ..Default::default()
                 };
                 let (samples, blocks) = time_fwd(a, &kernels, &stream, &args, &opts)?;
@@ -247,7 +286,7 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
                         .param("case", case)
                         .param("state", label)
                         .param("chains", lens.len() * h);
-                if let (true, Some((fla, fk))) = (label == "fp32 state", anchor(h, case)) {
+                if let (true, Some((fla, fk))) = (HEADLINES.contains(&label), anchor(h, case)) {
                     f = f
                         .baseline(
                             "public FlashKDA (anchor 2026-11-29, best state variant)",
@@ -278,11 +317,22 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
     let mut fla: BTreeMap<(usize, String), f64> = BTreeMap::new();
     if !a.no_fla {
         let json = std::env::temp_dir().join(format!("flashkda_fla_{}.json", std::process::id()));
-        let heads: Vec<String> = a.heads.iter().map(|h| h.to_string()).collect();
+        let fla_heads = if a.fla_heads.is_empty() {
+            &a.heads
+        } else {
+            &a.fla_heads
+        };
+        let heads: Vec<String> = fla_heads.iter().map(|h| h.to_string()).collect();
         let status = std::process::Command::new(&a.python)
             .arg(&a.fla_script)
             .args(["--out".as_ref(), json.as_os_str()])
-            .args(["--heads", &heads.join(","), "--flashkda"])
+            .args([
+                "--heads",
+                &heads.join(","),
+                "--cases",
+                &a.fla_cases,
+                "--flashkda",
+            ])
             .args([
                 "--warmup",
                 &a.warmup.to_string(),
@@ -342,20 +392,40 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
             Err(e) => notes.push(format!("fla baseline not measured: {e:#}")),
         }
     }
-    let mut series = vec![
-        Series {
-            name: "flashkda (fp32 state)".into(),
-            points: vec![],
-        },
-        Series {
-            name: "fla chunk_kda, same run".into(),
-            points: vec![],
-        },
-        Series {
-            name: "public FlashKDA (anchor)".into(),
-            points: vec![],
-        },
-    ];
+    // fla from an earlier run's report (when this run could not afford fla's autotuning)
+    let mut fla_earlier: BTreeMap<(usize, String), f64> = BTreeMap::new();
+    if let Some(path) = &a.fla_report {
+        let old = Report::read(path)?;
+        for f in old.sections.iter().flat_map(|s| &s.figures) {
+            let (Some(h), Some(case)) = (
+                f.params.get("H").and_then(|x| x.parse().ok()),
+                f.params.get("case"),
+            ) else {
+                continue;
+            };
+            if let Some(b) = f
+                .baselines
+                .iter()
+                .find(|b| b.same_run && b.name.starts_with("fla chunk_kda"))
+            {
+                fla_earlier.insert((h, case.clone()), b.value);
+            }
+        }
+        notes.push(format!("fla chunk_kda from an earlier run on the same machine kind ({}, created {}), not this run", path.display(), old.created));
+    }
+    let mut series: Vec<Series> = [
+        "flashkda sequential (fp32 state)",
+        "flashkda pipelined (fp32 state)",
+        "fla chunk_kda, same run",
+        "fla chunk_kda, earlier run",
+        "public FlashKDA (anchor)",
+    ]
+    .iter()
+    .map(|n| Series {
+        name: n.to_string(),
+        points: vec![],
+    })
+    .collect();
     for f in figures.iter_mut() {
         let (Some(h), Some(case)) = (
             f.params.get("H").and_then(|x| x.parse::<usize>().ok()),
@@ -363,29 +433,52 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
         ) else {
             continue;
         };
-        if f.params.get("state").map(String::as_str) != Some("fp32 state") {
+        let Some(which) = HEADLINES
+            .iter()
+            .position(|l| f.params.get("state").map(String::as_str) == Some(*l))
+        else {
             continue;
-        }
+        };
         let x = format!("H={h} {case}");
-        series[0].points.push((x.clone(), f.value));
+        series[which].points.push((x.clone(), f.value));
         if let Some(&m) = fla.get(&(h, case.clone())) {
             *f = f
                 .clone()
                 .baseline("fla chunk_kda (Triton), same run", m, true);
-            series[1].points.push((x.clone(), m));
+            if which == 0 {
+                series[2].points.push((x.clone(), m));
+            }
             notes.push(format!(
-                "{x}: {:.2}x faster than fla chunk_kda (same run)",
+                "{x} [{}]: {:.2}x faster than fla chunk_kda (same run, {m:.4} ms)",
+                HEADLINES[which],
+                m / f.value
+            ));
+        }
+        if let Some(&m) = fla_earlier.get(&(h, case.clone())) {
+            *f = f
+                .clone()
+                .baseline("fla chunk_kda (Triton), earlier run", m, false);
+            if which == 0 {
+                series[3].points.push((x.clone(), m));
+            }
+            notes.push(format!(
+                "{x} [{}]: {:.2}x faster than fla chunk_kda (earlier run, {m:.4} ms)",
+                HEADLINES[which],
                 m / f.value
             ));
         }
         if let Some((_, fk)) = anchor(h, &case) {
-            series[2].points.push((x.clone(), fk));
+            if which == 0 {
+                series[4].points.push((x.clone(), fk));
+            }
             notes.push(format!(
-                "{x}: {:.2}x vs public FlashKDA anchor {fk} ms",
+                "{x} [{}]: {:.2}x vs public FlashKDA anchor {fk} ms",
+                HEADLINES[which],
                 fk / f.value
             ));
         }
     }
+    series.retain(|s| !s.points.is_empty());
     report.machines.push(machine(vec![gpu], versions));
     report.sections.push(Section {
         system: "flashkda".into(),

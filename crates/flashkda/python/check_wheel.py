@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""GPU check of the `flashkda` wheel: accuracy against a float64 torch recurrence, Python
+exceptions for bad arguments, and the flash-linear-attention backend hookup (dispatch + opt-out).
+Prints one JSON object; exits non-zero on failure. Run on the GPU machine with the wheel (and
+fla >= 0.6 for the hookup part) on PYTHONPATH."""
+import json
+import os
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+import torch  # noqa: E402
+
+import flashkda  # noqa: E402
+
+D, LB = 128, -5.0
+
+
+def inputs(lens, H, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    T, N = sum(lens), len(lens)
+    rn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
+    cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(N)], dtype=torch.long, device="cuda")
+    return dict(q=rn(1, T, H, D), k=rn(1, T, H, D), v=rn(1, T, H, D), g=rn(1, T, H, D), beta=rn(1, T, H),
+                A_log=torch.rand(H, generator=g, device="cuda"), dt_bias=torch.rand(H, D, generator=g, device="cuda"),
+                h0=(0.1 * rn(N, H, D, D).float()), cu=cu, lens=lens)
+
+
+def reference(x):
+    dd = torch.float64
+    q, k, v = x["q"][0].to(dd), x["k"][0].to(dd), x["v"][0].to(dd)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    gate = LB * torch.sigmoid(torch.exp(x["A_log"].to(dd))[None, :, None] * (x["g"][0].to(dd) + x["dt_bias"].to(dd)[None]))
+    decay, beta = torch.exp(gate), torch.sigmoid(x["beta"][0].to(dd))
+    out, hts, t0 = torch.empty_like(v), [], 0
+    for n, L in enumerate(x["lens"]):
+        S = x["h0"][n].to(dd).clone()
+        for t in range(t0, t0 + L):
+            S.mul_(decay[t][:, None, :])
+            u = beta[t][:, None] * (v[t] - torch.einsum("hvk,hk->hv", S, k[t]))
+            S.add_(u[:, :, None] * k[t][:, None, :])
+            out[t] = D ** -0.5 * torch.einsum("hvk,hk->hv", S, q[t])
+        hts.append(S)
+        t0 += L
+    return out, torch.stack(hts)
+
+
+def rel(a, r):
+    return float((a.double().reshape(r.shape) - r).norm() / r.norm())
+
+
+def main():
+    res, ok = {"kernels_built": flashkda.kernels_built()}, True
+    x = inputs([100, 37, 16], 4, 3)
+    out = torch.full_like(x["v"], float("nan"))
+    ht = torch.full_like(x["h0"], float("nan"))
+    flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"], LB,
+                 initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu"])
+    torch.cuda.synchronize()
+    o_ref, ht_ref = reference(x)
+    res["rel_out"], res["rel_state"] = rel(out, o_ref), rel(ht, ht_ref)
+    res["all_finite"] = bool(torch.isfinite(out).all() and torch.isfinite(ht).all())
+    ok &= res["all_finite"] and res["rel_out"] < 6e-3 and res["rel_state"] < 6e-3
+    # bad arguments raise, never crash
+    errors = {}
+    bad = {"k_fp16": dict(k=x["k"].half()), "v_cpu": dict(v=x["v"].cpu()), "q_noncontig": dict(q=x["q"].transpose(1, 2)),
+           "lower_bound": dict(lower_bound=0.5), "dt_bias_shape": dict(dt_bias=x["dt_bias"][:, :64])}
+    for name, kw in bad.items():
+        a = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], dt_bias=x["dt_bias"], lower_bound=LB)
+        a.update(kw)
+        try:
+            flashkda.fwd(a["q"], a["k"], a["v"], a["g"], a["beta"], 0.1, out, x["A_log"], a["dt_bias"], a["lower_bound"],
+                         cu_seqlens=x["cu"])
+            errors[name] = "no exception"
+            ok = False
+        except (ValueError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    res["errors"] = errors
+    # fla hookup
+    try:
+        os.environ["FLASHKDA_FLA"] = "1"
+        res["registered"] = flashkda.register_fla_backend()
+        from fla.ops.kda import chunk_kda
+        with torch.inference_mode():
+            o_b, ht_b = chunk_kda(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], scale=D ** -0.5,
+                                  initial_state=x["h0"], output_final_state=True, use_gate_in_kernel=True,
+                                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                                  lower_bound=LB, A_log=x["A_log"], dt_bias=x["dt_bias"], state_v_first=True,
+                                  cu_seqlens=x["cu"])
+        res["fla_dispatch_equals_direct"] = bool(torch.equal(o_b, out) and torch.equal(ht_b, ht))
+        from inspect import unwrap
+
+        from fla.backends import _function_registries
+        reg = _function_registries[unwrap(chunk_kda)]
+        be = reg._backends["flashkda"]
+        res["active_backend"] = reg.get_active().backend_type
+        os.environ["FLASHKDA_FLA"] = "0"
+        res["opt_out_disables"] = not be.is_enabled()
+        ok &= res["fla_dispatch_equals_direct"] and res["opt_out_disables"]
+    except Exception as e:  # noqa: BLE001
+        res["fla_error"] = repr(e)
+        ok = False
+    res["ok"] = bool(ok)
+    print(json.dumps(res))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
