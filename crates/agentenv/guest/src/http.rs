@@ -179,7 +179,12 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
             .headers()
             .get("x-access-token")
             .and_then(|v| v.to_str().ok());
-        if given != Some(token.as_str()) {
+        let signed = path == "/files" && query_params(req.uri()).contains_key("signature");
+        if signed {
+            if let Err(why) = check_signature(&req, &token) {
+                return http_error(StatusCode::UNAUTHORIZED, why);
+            }
+        } else if given != Some(token.as_str()) {
             return if path.starts_with("/process.") || path.starts_with("/filesystem.") {
                 rpc_error(&RpcError::new(
                     Code::Unauthenticated,
@@ -203,6 +208,42 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         }
         (_, p) => http_error(StatusCode::NOT_FOUND, format!("no route for {p}")),
     }
+}
+
+/// Verifies a signed `/files` URL: `signature = "v1_" + base64_nopad(sha256(
+/// "<path>:<read|write>:<username or empty>:<token>[:<expiration>]"))`, not expired.
+fn check_signature(req: &Request<Incoming>, token: &str) -> Result<(), String> {
+    use sha2::Digest;
+    let q = query_params(req.uri());
+    let op = if req.method() == Method::GET {
+        "read"
+    } else {
+        "write"
+    };
+    let path = q.get("path").map_or("", String::as_str);
+    let user = q.get("username").map_or("", String::as_str);
+    let mut raw = format!("{path}:{op}:{user}:{token}");
+    if let Some(exp) = q.get("signature_expiration").filter(|e| !e.is_empty()) {
+        let exp_secs: u64 = exp
+            .parse()
+            .map_err(|_| "bad signature_expiration".to_string())?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        if exp_secs < now {
+            return Err("signature expired".into());
+        }
+        raw.push_str(&format!(":{exp}"));
+    }
+    let want = format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD
+            .encode(sha2::Sha256::digest(raw.as_bytes()))
+    );
+    if q.get("signature").map(String::as_str) != Some(want.as_str()) {
+        return Err("invalid signature".into());
+    }
+    Ok(())
 }
 
 /// `/init` body (orchestrator → agent).

@@ -208,3 +208,78 @@ async fn access_token_init_envs_metrics() {
     assert!(m["mem_total"].as_u64().unwrap() > 0);
     assert!(m["cpu_count"].as_u64().unwrap() >= 1);
 }
+
+fn sign(path: &str, op: &str, user: &str, token: &str, exp: Option<u64>) -> String {
+    use base64::Engine;
+    use sha2::Digest;
+    let raw = match exp {
+        Some(e) => format!("{path}:{op}:{user}:{token}:{e}"),
+        None => format!("{path}:{op}:{user}:{token}"),
+    };
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD
+            .encode(sha2::Sha256::digest(raw.as_bytes()))
+    )
+}
+
+fn urlenc(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~/".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn signed_urls_replace_the_access_token() {
+    let t = token();
+    let g = Guest::start(&["--access-token", &t]).await;
+    let path = g.dir.path().join(token()).display().to_string();
+    let data = random_bytes(3000);
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let sig = sign(&path, "write", "", &t, Some(exp));
+    let uri = format!(
+        "/files?path={path}&signature={}&signature_expiration={exp}",
+        urlenc(&sig)
+    );
+    let (st, v) = post(&g, &uri, "application/octet-stream", data.clone(), &[]).await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let sig = sign(&path, "read", "", &t, None);
+    let (st, got) = get(
+        &g,
+        &format!("/files?path={path}&signature={}", urlenc(&sig)),
+        &[],
+    )
+    .await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(got.as_ref(), data.as_slice());
+    // A write signature does not allow reading; an expired one is refused.
+    let sig = sign(&path, "write", "", &t, None);
+    let (st, _) = get(
+        &g,
+        &format!("/files?path={path}&signature={}", urlenc(&sig)),
+        &[],
+    )
+    .await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+    let sig = sign(&path, "read", "", &t, Some(1));
+    let (st, _) = get(
+        &g,
+        &format!(
+            "/files?path={path}&signature={}&signature_expiration=1",
+            urlenc(&sig)
+        ),
+        &[],
+    )
+    .await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+}
