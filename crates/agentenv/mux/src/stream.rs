@@ -103,8 +103,7 @@ impl StreamShared {
         if s.reset.is_none() {
             s.reset = Some(reason.to_string());
         }
-        s.recv.clear();
-        s.recv_off = 0;
+        // Bytes that arrived before the reset stay readable (like data before a FIN).
         wake(&mut s.read_waker);
         wake(&mut s.write_waker);
     }
@@ -164,12 +163,6 @@ impl AsyncRead for MuxStream {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let mut s = this.shared.lock();
-        if let Some(reason) = &s.reset {
-            return Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::ConnectionReset,
-                reason.clone(),
-            )));
-        }
         let mut copied = 0usize;
         while buf.remaining() > 0 {
             let off = s.recv_off;
@@ -186,7 +179,7 @@ impl AsyncRead for MuxStream {
         }
         if copied > 0 {
             s.consumed_unacked += copied as u32;
-            if s.consumed_unacked >= WINDOW_UPDATE_THRESHOLD && !s.recv_fin {
+            if s.consumed_unacked >= WINDOW_UPDATE_THRESHOLD && !s.recv_fin && s.reset.is_none() {
                 let credit = s.consumed_unacked;
                 s.consumed_unacked = 0;
                 s.recv_window_left += credit;
@@ -197,6 +190,12 @@ impl AsyncRead for MuxStream {
         }
         if s.recv_fin {
             return Poll::Ready(Ok(()));
+        }
+        if let Some(reason) = &s.reset {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                reason.clone(),
+            )));
         }
         s.read_waker = Some(cx.waker().clone());
         Poll::Pending

@@ -288,3 +288,22 @@ async fn client_learns_that_the_server_restarted() {
     let mut s = s;
     assert!(s.read(&mut [0u8; 1]).await.is_err());
 }
+
+#[tokio::test]
+async fn data_and_fin_before_a_reset_stay_readable() {
+    // The HTTP server pattern: write the response, shut down, drop, while the client never
+    // half-closed its side (so the drop sends RST right after FIN).
+    let (client, server) = pair();
+    let mut c = client.open().await.unwrap();
+    let mut s = server.accept().await.unwrap();
+    c.write_all(b"request").await.unwrap();
+    let mut req = [0u8; 7];
+    s.read_exact(&mut req).await.unwrap();
+    let data = random_bytes(rand::random_range(1..INITIAL_WINDOW as usize));
+    s.write_all(&data).await.unwrap();
+    s.shutdown().await.unwrap();
+    drop(s);
+    let mut got = Vec::new();
+    c.read_to_end(&mut got).await.unwrap();
+    assert_eq!(got, data);
+}
