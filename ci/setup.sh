@@ -18,6 +18,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# Debian's qemu-system-x86 replaces a backported qemu-utils: put the matching qemu-img back.
+if ! command -v qemu-img >/dev/null; then
+  log "apt install qemu-utils (matching qemu-system-x86)"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends qemu-utils >/dev/null
+fi
 
 # Rust (the workspace needs 1.95 or newer).
 export PATH="$HOME/.cargo/bin:$PATH"
