@@ -81,7 +81,7 @@ pub enum ValueSplit {
 /// Which kernel runs the chunk loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KernelSchedule {
-    /// The measured best.
+    /// The measured best: currently `Pipelined`.
     #[default]
     Auto,
     /// `kda_fwd.cu`: prep then state work per chunk, four barriers per chunk.
@@ -232,7 +232,8 @@ pub fn fwd(
         s => s,
     };
     let schedule = match opts.schedule {
-        KernelSchedule::Auto => KernelSchedule::Sequential,
+        // H200, 2026-11-29: pipelined 0.6-2.7 % faster on five anchor shapes, 0.8 % slower on H=64 fixed
+        KernelSchedule::Auto => KernelSchedule::Pipelined,
         s => s,
     };
     let (func, slices, threads, smem) = match (schedule, split) {
