@@ -50,15 +50,11 @@ pub async fn connect_healthy(socket: &Path, attempt: Duration, deadline: Duratio
     healthy_from(None, socket, attempt, deadline).await
 }
 
-/// Connects to the agent socket (no health check yet). Done before `cont` after a restore, the guest
-/// keeps its port session and sees the fresh HELLO at once instead of an EOF and a port re-open.
-pub async fn connect(socket: &Path) -> Result<UnixStream, AgentError> {
-    UnixStream::connect(socket)
-        .await
-        .map_err(|e| AgentError::Socket { path: socket.display().to_string(), source: e })
-}
-
 /// Like [`connect_healthy`], starting with the already connected `first` socket when given.
+///
+/// The connection is kept while the session lives: QEMU does not notice a client that went away while
+/// the guest is not reading its port, so reconnecting early would only queue connections QEMU never
+/// accepts. A new connection (fresh session, fresh HELLO) is made only once the session has ended.
 pub async fn healthy_from(
     mut first: Option<UnixStream>,
     socket: &Path,
@@ -67,27 +63,33 @@ pub async fn healthy_from(
 ) -> Result<AgentLink, AgentError> {
     let end = tokio::time::Instant::now() + deadline;
     let mut last = String::from("no attempt");
+    let mut link: Option<AgentLink> = None;
     while tokio::time::Instant::now() < end {
-        let conn = match first.take() {
-            Some(s) => Ok(s),
-            None => UnixStream::connect(socket).await,
-        };
-        let io = match conn {
-            Ok(s) => s,
-            Err(e) => {
-                last = e.to_string();
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                continue;
+        let current = match link.as_ref().filter(|l| l.is_alive()) {
+            Some(l) => l.clone(),
+            None => {
+                let conn = match first.take() {
+                    Some(s) => Ok(s),
+                    None => UnixStream::connect(socket).await,
+                };
+                match conn {
+                    Ok(io) => link.insert(AgentLink { session: Arc::new(Session::client(io)) }).clone(),
+                    Err(e) => {
+                        last = e.to_string();
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        continue;
+                    }
+                }
             }
         };
-        let link = AgentLink { session: Arc::new(Session::client(io)) };
-        match tokio::time::timeout(attempt, request(&link, "GET", "/health", None)).await {
-            Ok(Ok(status)) if (200..300).contains(&status) => return Ok(link),
+        match tokio::time::timeout(attempt, request(&current, "GET", "/health", None)).await {
+            Ok(Ok(status)) if (200..300).contains(&status) => return Ok(current),
             Ok(Ok(status)) => last = format!("/health answered {status}"),
             Ok(Err(e)) => last = e.to_string(),
             Err(_) => last = format!("no answer within {} ms", attempt.as_millis()),
         }
-        tracing::debug!(socket = %socket.display(), %last, "agent not healthy yet; reconnecting");
+        tracing::debug!(socket = %socket.display(), %last, "agent not healthy yet");
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
     Err(AgentError::Timeout { what: format!("/health ({last})"), secs: deadline.as_secs() })
 }

@@ -64,13 +64,16 @@ pub struct GuestKernel {
 }
 
 /// The kernel command line (PVH boot, fast serial, `tsc_early_khz` against TCG calibration hangs).
+/// Env `AGENTENV_GUEST_RUST_LOG` (for diagnosis) becomes the guest agent's `RUST_LOG`.
 pub fn cmdline() -> String {
-    format!(
+    let log = std::env::var("AGENTENV_GUEST_RUST_LOG").map(|v| format!(" RUST_LOG={v}")).unwrap_or_default();
+    let base = format!(
         "console=ttyS0,115200 panic=-1 quiet edd=off i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd \
          noreplace-smp tsc=reliable tsc_early_khz={} no_timer_check cryptomgr.notests rcupdate.rcu_expedited=1 \
          mitigations=off random.trust_cpu=on audit=0 nowatchdog",
         host_tsc_khz()
-    )
+    );
+    base + &log
 }
 
 fn host_tsc_khz() -> u64 {

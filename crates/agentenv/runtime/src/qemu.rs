@@ -11,7 +11,7 @@ use tokio::sync::Mutex;
 
 use crate::config::AccelKind;
 use crate::qmp::QmpClient;
-use crate::vmm::{BoxFuture, DiskFormat, Pausable, Snapshottable, VmInstance, VmSpec, Vmm, VmmError};
+use crate::vmm::{BoxFuture, DiskFormat, Pausable, Restored, Snapshottable, VmInstance, VmSpec, Vmm, VmmError};
 
 /// Name of the virtio-serial port that carries the guest agent channel.
 pub const AGENT_PORT_NAME: &str = "agentenv.0";
@@ -153,12 +153,16 @@ impl Vmm for QemuVmm {
         &'a self,
         spec: &'a VmSpec,
         device_state: &'a Path,
-    ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
+    ) -> BoxFuture<'a, Result<Restored, VmmError>> {
         Box::pin(async move {
             let state = std::fs::File::open(device_state)
                 .map_err(|e| VmmError::Io { what: "open", path: device_state.to_owned(), source: e })?;
             let vm = self.spawn(spec, true).await?;
             let r = async {
+                let sock = spec.agent_socket();
+                let agent = tokio::net::UnixStream::connect(&sock)
+                    .await
+                    .map_err(|e| VmmError::Io { what: "connect", path: sock, source: e })?;
                 let mut q = vm.qmp.lock().await;
                 q.execute("migrate-set-capabilities", Some(ignore_shared_caps())).await?;
                 q.execute_with_fd("getfd", Some(json!({"fdname": "infd"})), state.as_raw_fd()).await?;
@@ -176,14 +180,16 @@ impl Vmm for QemuVmm {
                         }
                     }
                 }
-                Ok::<(), VmmError>(())
+                Ok::<_, VmmError>(agent)
             }
             .await;
-            if let Err(e) = r {
-                let _ = vm.kill().await;
-                return Err(e);
+            match r {
+                Ok(agent) => Ok(Restored { vm: Box::new(vm), agent }),
+                Err(e) => {
+                    let _ = vm.kill().await;
+                    Err(e)
+                }
             }
-            Ok(Box::new(vm) as Box<dyn VmInstance>)
         })
     }
 

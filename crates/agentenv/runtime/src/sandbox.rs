@@ -138,11 +138,11 @@ impl Runtime {
             .map_err(|e| std::io::Error::other(e.to_string()))
             .and_then(|r| r)
             .map_err(io("copy RAM to", &live.record.ram_file))?;
-        let vm = inner.vmm.restore(&vm_spec, &tpl.base_state).await?;
-        live.record.phase = SandboxPhase::Running { pid: vm.pid() };
-        let vm = live.vm.insert(vm);
+        let restored = inner.vmm.restore(&vm_spec, &tpl.base_state).await?;
+        live.record.phase = SandboxPhase::Running { pid: restored.vm.pid() };
+        let vm = live.vm.insert(restored.vm);
         persist::write(&inner.record_path(id), &live.record)?;
-        let sock = agent::connect(&vm_spec.agent_socket()).await?;
+        let sock = restored.agent;
         vm.cont().await?;
         let link = agent::healthy_from(Some(sock), &vm_spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
         if !spec.env_vars.is_empty() {
@@ -222,14 +222,8 @@ impl Runtime {
             let _ = h.await;
         }
         let spec = self.inner.spec_of(&live.record);
-        let vm = self.inner.vmm.restore(&spec, &self.inner.device_state_path(id)).await?;
-        let sock = match agent::connect(&spec.agent_socket()).await {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = vm.kill().await;
-                return Err(e.into());
-            }
-        };
+        let restored = self.inner.vmm.restore(&spec, &self.inner.device_state_path(id)).await?;
+        let (vm, sock) = (restored.vm, restored.agent);
         if let Err(e) = vm.cont().await {
             let _ = vm.kill().await;
             return Err(e.into());

@@ -17,6 +17,12 @@ use crate::rootfs;
 use crate::vmm::DiskFormat;
 use crate::{Inner, valid_id};
 
+/// Bumped whenever the way a base snapshot is made changes (invalidates cached builds).
+const BUILD_FORMAT: u32 = 2;
+
+/// Time for the guest agent to notice a host (dis)connect and re-open its port (it waits 100 ms).
+const SETTLE: Duration = Duration::from_millis(500);
+
 /// envd protocol version reported for templates built here (E2B compat spec section 6.7).
 pub const ENVD_VERSION: &str = "0.5.7";
 
@@ -173,12 +179,19 @@ async fn build_into_cache(
         }
     };
     say(BuildStep::Snapshot, "stop + device state (x-ignore-shared)".into());
-    // The agent stays connected while the state is saved, so a restore that connects before `cont`
-    // finds the guest's port session as it was (no EOF, no port re-open).
+    // Snapshot the guest with a fresh port session that is still hunting for a HELLO, and with a host
+    // connected (but silent): a restore connects before the state loads, so the guest sees no port
+    // close/open and its session takes the new client's HELLO at once.
+    drop(link);
+    tokio::time::sleep(SETTLE).await;
+    let quiet = tokio::net::UnixStream::connect(vm_spec.agent_socket())
+        .await
+        .map_err(|e| TemplateError::Io { what: "connect", path: vm_spec.agent_socket(), source: e })?;
+    tokio::time::sleep(SETTLE).await;
     let r = async {
         vm.stop().await?;
         vm.save_device_state(&partial.join("base.state")).await?;
-        drop(link);
+        drop(quiet);
         vm.shutdown().await
     }
     .await;
@@ -199,7 +212,7 @@ fn build_key(inner: &Inner, spec: &TemplateSpec, machine: &MachineRecord, guest_
     let bin = std::fs::read(guest_bin).map_err(|e| TemplateError::Io { what: "read", path: guest_bin.to_owned(), source: e })?;
     let initrd = std::fs::read(&machine.initrd).unwrap_or_default();
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (RECORD_VERSION, &bin, &initrd, &inner.kernel.release, machine, spec.disk_mib).hash(&mut h);
+    (RECORD_VERSION, BUILD_FORMAT, &bin, &initrd, &inner.kernel.release, machine, spec.disk_mib).hash(&mut h);
     (inner.vmm.accel().as_str(), inner.cfg.qemu_bin.as_os_str()).hash(&mut h);
     Ok(format!("{:016x}", h.finish()))
 }

@@ -112,19 +112,24 @@ pub trait VmInstance: Snapshottable + Send + Sync {
     fn kill(&self) -> BoxFuture<'_, Result<(), VmmError>>;
 }
 
+/// A restored, still stopped VM and its connected agent channel.
+pub struct Restored {
+    /// The VM (stopped).
+    pub vm: Box<dyn VmInstance>,
+    /// The host end of the `agentenv.0` port, connected before the device state was loaded.
+    pub agent: tokio::net::UnixStream,
+}
+
 /// A virtual machine monitor backend.
 pub trait Vmm: Send + Sync {
     /// The accelerator this backend runs guests with.
     fn accel(&self) -> AccelKind;
     /// Cold-boots a VM (RAM file created or truncated to size).
     fn boot<'a>(&'a self, spec: &'a VmSpec) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
-    /// Starts a VM from `spec.ram_file` plus a saved device state and leaves it stopped: the caller
-    /// connects its channels, then calls [`Pausable::cont`].
-    fn restore<'a>(
-        &'a self,
-        spec: &'a VmSpec,
-        device_state: &'a Path,
-    ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
+    /// Starts a VM from `spec.ram_file` plus a saved device state and leaves it stopped; the caller
+    /// calls [`Pausable::cont`]. The agent socket is connected before the state loads, so the guest's
+    /// port keeps its "host connected" state (it was saved connected) and sees no close/open.
+    fn restore<'a>(&'a self, spec: &'a VmSpec, device_state: &'a Path) -> BoxFuture<'a, Result<Restored, VmmError>>;
     /// Re-attaches to a VM process started earlier (for example by a previous server process).
     fn attach<'a>(&'a self, spec: &'a VmSpec, pid: u32) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
 }

@@ -48,6 +48,18 @@ impl StateDir {
 
 impl Drop for StateDir {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // Keep the guest consoles of a failed test for diagnosis.
+            let keep = std::env::temp_dir().join(format!("agentenv-failed-{}", std::process::id()));
+            for e in std::fs::read_dir(self.dir.path().join("sandboxes")).into_iter().flatten().flatten() {
+                let dst = keep.join(e.file_name());
+                let _ = std::fs::create_dir_all(&dst);
+                for f in ["console.log", "qemu.log", "sandbox.json"] {
+                    let _ = std::fs::copy(e.path().join(f), dst.join(f));
+                }
+            }
+            eprintln!("guest logs kept in {}", keep.display());
+        }
         for pid in qemu_pids_under(self.dir.path()) {
             // SAFETY: plain syscall on a QEMU started by this test.
             unsafe { libc::kill(pid as i32, libc::SIGKILL) };
