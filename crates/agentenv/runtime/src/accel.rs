@@ -27,21 +27,45 @@ pub async fn choose(cfg: &RuntimeConfig, kernel: &GuestKernel, cache: &Path) -> 
         Accel::Tcg => AccelKind::Tcg,
         Accel::Kvm => AccelKind::Kvm,
         Accel::Auto => {
-            if std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_err() {
+            if std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/kvm")
+                .is_err()
+            {
                 return AccelKind::Tcg;
             }
-            let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
+            let host = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .to_owned();
             let path = cache.join(format!("kvm-probe-{host}-{}.json", kernel.release));
-            if let Ok(v) = std::fs::read(&path).map_err(|_| ()).and_then(|b| serde_json::from_slice::<Verdict>(&b).map_err(|_| ())) {
-                return if v.kvm_boots { AccelKind::Kvm } else { AccelKind::Tcg };
+            if let Ok(v) = std::fs::read(&path)
+                .map_err(|_| ())
+                .and_then(|b| serde_json::from_slice::<Verdict>(&b).map_err(|_| ()))
+            {
+                return if v.kvm_boots {
+                    AccelKind::Kvm
+                } else {
+                    AccelKind::Tcg
+                };
             }
             let (kvm_boots, detail) = probe_kvm(&cfg.qemu_bin, kernel).await;
             tracing::info!(kvm_boots, %detail, "KVM probe");
-            let v = Verdict { host_kernel: host, guest_kernel: kernel.release.clone(), kvm_boots, detail };
+            let v = Verdict {
+                host_kernel: host,
+                guest_kernel: kernel.release.clone(),
+                kvm_boots,
+                detail,
+            };
             if let Ok(bytes) = serde_json::to_vec_pretty(&v) {
                 let _ = k3_common::fsutil::write_atomic(&path, &bytes);
             }
-            if kvm_boots { AccelKind::Kvm } else { AccelKind::Tcg }
+            if kvm_boots {
+                AccelKind::Kvm
+            } else {
+                AccelKind::Tcg
+            }
         }
     }
 }
@@ -49,18 +73,29 @@ pub async fn choose(cfg: &RuntimeConfig, kernel: &GuestKernel, cache: &Path) -> 
 /// Boots the probe initramfs under `-accel kvm`; true when the marker appears within [`PROBE_TIMEOUT`].
 pub async fn probe_kvm(qemu: &Path, kernel: &GuestKernel) -> (bool, String) {
     let mut cmd = tokio::process::Command::new(qemu);
-    cmd.args(["-M", "microvm", "-accel", "kvm", "-m", "128M", "-nodefaults", "-no-user-config", "-display", "none"])
-        .arg("-no-reboot")
-        .args(["-serial", "stdio", "-kernel"])
-        .arg(&kernel.vmlinux)
-        .arg("-initrd")
-        .arg(&kernel.probe_initrd)
-        .arg("-append")
-        .arg(crate::kernel::cmdline())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
+    cmd.args([
+        "-M",
+        "microvm",
+        "-accel",
+        "kvm",
+        "-m",
+        "128M",
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+    ])
+    .arg("-no-reboot")
+    .args(["-serial", "stdio", "-kernel"])
+    .arg(&kernel.vmlinux)
+    .arg("-initrd")
+    .arg(&kernel.probe_initrd)
+    .arg("-append")
+    .arg(crate::kernel::cmdline())
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .kill_on_drop(true);
     let child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => return (false, format!("spawn failed: {e}")),
@@ -72,10 +107,19 @@ pub async fn probe_kvm(qemu: &Path, kernel: &GuestKernel) -> (bool, String) {
                 (true, "probe guest booted under KVM".into())
             } else {
                 let err = String::from_utf8_lossy(&o.stderr);
-                (false, format!("probe guest exited without the marker: {}", err.trim()))
+                (
+                    false,
+                    format!("probe guest exited without the marker: {}", err.trim()),
+                )
             }
         }
         Ok(Err(e)) => (false, format!("wait failed: {e}")),
-        Err(_) => (false, format!("no marker within {} s (e.g. a PVM-only host)", PROBE_TIMEOUT.as_secs())),
+        Err(_) => (
+            false,
+            format!(
+                "no marker within {} s (e.g. a PVM-only host)",
+                PROBE_TIMEOUT.as_secs()
+            ),
+        ),
     }
 }

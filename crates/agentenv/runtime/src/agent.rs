@@ -14,7 +14,10 @@ use tokio::net::UnixStream;
 pub enum AgentError {
     /// The agent socket of QEMU could not be opened.
     #[error("agent socket {path}: {source}")]
-    Socket { path: String, source: std::io::Error },
+    Socket {
+        path: String,
+        source: std::io::Error,
+    },
     /// The mux session failed.
     #[error(transparent)]
     Mux(#[from] MuxError),
@@ -46,7 +49,11 @@ impl AgentLink {
 
 /// Connects to the agent socket and waits until `GET /health` answers 2xx, reconnecting (a fresh
 /// session, so a fresh HELLO) after each `attempt` without an answer, until `deadline` passes.
-pub async fn connect_healthy(socket: &Path, attempt: Duration, deadline: Duration) -> Result<AgentLink, AgentError> {
+pub async fn connect_healthy(
+    socket: &Path,
+    attempt: Duration,
+    deadline: Duration,
+) -> Result<AgentLink, AgentError> {
     healthy_from(None, socket, attempt, deadline).await
 }
 
@@ -73,7 +80,11 @@ pub async fn healthy_from(
                     None => UnixStream::connect(socket).await,
                 };
                 match conn {
-                    Ok(io) => link.insert(AgentLink { session: Arc::new(Session::client(io)) }).clone(),
+                    Ok(io) => link
+                        .insert(AgentLink {
+                            session: Arc::new(Session::client(io)),
+                        })
+                        .clone(),
                     Err(e) => {
                         last = e.to_string();
                         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -91,28 +102,47 @@ pub async fn healthy_from(
         tracing::debug!(socket = %socket.display(), %last, "agent not healthy yet");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    Err(AgentError::Timeout { what: format!("/health ({last})"), secs: deadline.as_secs() })
+    Err(AgentError::Timeout {
+        what: format!("/health ({last})"),
+        secs: deadline.as_secs(),
+    })
 }
 
 /// Sends one HTTP/1.1 request on a fresh stream and returns the response status code.
-pub async fn request(link: &AgentLink, method: &str, path: &str, json_body: Option<&str>) -> Result<u16, AgentError> {
+pub async fn request(
+    link: &AgentLink,
+    method: &str,
+    path: &str,
+    json_body: Option<&str>,
+) -> Result<u16, AgentError> {
     let mut s = link.open().await?;
     let body = json_body.unwrap_or("");
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n");
     if json_body.is_some() {
-        req.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len()));
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
     }
     req.push_str("\r\n");
     req.push_str(body);
-    let http = |what: &str, e: std::io::Error| AgentError::Http { what: what.into(), detail: e.to_string() };
-    s.write_all(req.as_bytes()).await.map_err(|e| http("write", e))?;
+    let http = |what: &str, e: std::io::Error| AgentError::Http {
+        what: what.into(),
+        detail: e.to_string(),
+    };
+    s.write_all(req.as_bytes())
+        .await
+        .map_err(|e| http("write", e))?;
     s.flush().await.map_err(|e| http("flush", e))?;
     let mut head = Vec::new();
     let mut buf = [0u8; 512];
     while !head.windows(2).any(|w| w == b"\r\n") {
         let n = s.read(&mut buf).await.map_err(|e| http("read", e))?;
         if n == 0 {
-            return Err(AgentError::Http { what: path.into(), detail: "stream closed before a status line".into() });
+            return Err(AgentError::Http {
+                what: path.into(),
+                detail: "stream closed before a status line".into(),
+            });
         }
         head.extend_from_slice(&buf[..n]);
     }
@@ -121,6 +151,9 @@ pub async fn request(link: &AgentLink, method: &str, path: &str, json_body: Opti
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse::<u16>().ok())
-        .ok_or_else(|| AgentError::Http { what: path.into(), detail: format!("bad status line: {line}") })?;
+        .ok_or_else(|| AgentError::Http {
+            what: path.into(),
+            detail: format!("bad status line: {line}"),
+        })?;
     Ok(status)
 }

@@ -68,7 +68,10 @@ pub async fn lifecycle(n: usize) -> Result<LifecycleStats, BenchError> {
     std::fs::create_dir_all(&dir).map_err(BenchError::TempDir)?;
     let r = async {
         let rt = Runtime::open(RuntimeConfig::new(&dir)).await?;
-        rt.ensure_default_template(&|p| tracing::info!(step = ?p.step, detail = %p.detail, "template")).await?;
+        rt.ensure_default_template(
+            &|p| tracing::info!(step = ?p.step, detail = %p.detail, "template"),
+        )
+        .await?;
         lifecycle_on(&rt, n).await
     }
     .await;
@@ -90,7 +93,12 @@ pub async fn lifecycle_on(rt: &Runtime, n: usize) -> Result<LifecycleStats, Benc
     for i in 0..n {
         let id = format!("bench-{}-{i}", std::process::id());
         let t = Instant::now();
-        rt.create(CreateSpec { sandbox_id: id.clone(), template_id: "base".into(), ..Default::default() }).await?;
+        rt.create(CreateSpec {
+            sandbox_id: id.clone(),
+            template_id: "base".into(),
+            ..Default::default()
+        })
+        .await?;
         st.create_ms.push(ms(t));
         let t = Instant::now();
         rt.pause(&id).await?;

@@ -15,7 +15,10 @@ impl Default for CpioWriter {
 impl CpioWriter {
     /// An empty archive.
     pub fn new() -> CpioWriter {
-        CpioWriter { out: Vec::new(), next_ino: 1 }
+        CpioWriter {
+            out: Vec::new(),
+            next_ino: 1,
+        }
     }
 
     /// Adds a directory.
@@ -57,8 +60,30 @@ impl CpioWriter {
         self.pad();
     }
 
-    fn header(&mut self, name: &str, ino: u32, mode: u32, nlink: u32, size: usize, rdev: (u32, u32)) {
-        let fields = [ino, mode, 0, 0, nlink, 0, size as u32, 0, 0, rdev.0, rdev.1, name.len() as u32 + 1, 0];
+    fn header(
+        &mut self,
+        name: &str,
+        ino: u32,
+        mode: u32,
+        nlink: u32,
+        size: usize,
+        rdev: (u32, u32),
+    ) {
+        let fields = [
+            ino,
+            mode,
+            0,
+            0,
+            nlink,
+            0,
+            size as u32,
+            0,
+            0,
+            rdev.0,
+            rdev.1,
+            name.len() as u32 + 1,
+            0,
+        ];
         self.out.extend_from_slice(b"070701");
         for f in fields {
             self.out.extend_from_slice(format!("{f:08x}").as_bytes());
@@ -96,6 +121,11 @@ mod tests {
         child.stdin.take().unwrap().write_all(&archive).unwrap();
         assert!(child.wait().unwrap().success());
         assert_eq!(std::fs::read(dir.path().join("bin/data")).unwrap(), payload);
-        assert_eq!(std::fs::read_link(dir.path().join("bin/link")).unwrap().to_str(), Some("data"));
+        assert_eq!(
+            std::fs::read_link(dir.path().join("bin/link"))
+                .unwrap()
+                .to_str(),
+            Some("data")
+        );
     }
 }

@@ -13,7 +13,10 @@ use crate::vmm::VmmError;
 pub enum OpenError {
     /// The state folder could not be created or read.
     #[error("state folder {path}: {source}")]
-    StateDir { path: PathBuf, source: std::io::Error },
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The guest kernel could not be prepared.
     #[error(transparent)]
     Kernel(#[from] KernelError),
@@ -45,7 +48,11 @@ pub enum TemplateError {
     Record(#[from] PersistError),
     /// File i/o.
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// [`crate::Runtime::create`] failed.
@@ -62,7 +69,11 @@ pub enum CreateError {
     AlreadyExists(String),
     /// Preparing the sandbox files failed.
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// The VM could not be restored.
     #[error(transparent)]
     Vmm(#[from] VmmError),
@@ -94,7 +105,11 @@ pub enum PauseError {
     Record(#[from] PersistError),
     /// Renaming the device state into place failed.
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// [`crate::Runtime::resume`] failed.
@@ -128,7 +143,10 @@ pub enum KillError {
     Vmm(#[from] VmmError),
     /// Removing the sandbox files failed.
     #[error("remove {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// [`crate::Runtime::open_agent_stream`] failed.
@@ -151,5 +169,8 @@ pub enum ConnectError {
 pub enum RecoverError {
     /// The sandboxes folder could not be read.
     #[error("read {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }

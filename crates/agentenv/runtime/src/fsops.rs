@@ -7,7 +7,11 @@ use std::path::Path;
 /// with `SEEK_DATA`/`SEEK_HOLE` and `copy_file_range`.
 pub fn sparse_copy(src: &Path, dst: &Path) -> std::io::Result<u64> {
     let from = std::fs::File::open(src)?;
-    let to = std::fs::OpenOptions::new().create(true).write(true).truncate(true).open(dst)?;
+    let to = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .open(dst)?;
     let len = from.metadata()?.len();
     to.set_len(len)?;
     let (fi, fo) = (from.as_raw_fd(), to.as_raw_fd());
@@ -94,7 +98,10 @@ mod tests {
         }
         drop(f);
         let copied = sparse_copy(&src, &dst).unwrap();
-        assert!(copied < 32 << 20, "copied {copied} bytes: holes were copied");
+        assert!(
+            copied < 32 << 20,
+            "copied {copied} bytes: holes were copied"
+        );
         assert_eq!(std::fs::read(&dst).unwrap(), expect);
     }
 }

@@ -43,11 +43,19 @@ pub enum KernelError {
     Extract(PathBuf, String),
     /// File i/o.
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> KernelError + 'a {
-    move |source| KernelError::Io { what, path: path.to_owned(), source }
+    move |source| KernelError::Io {
+        what,
+        path: path.to_owned(),
+        source,
+    }
 }
 
 /// The prepared kernel artefacts in the cache.
@@ -66,7 +74,9 @@ pub struct GuestKernel {
 /// The kernel command line (PVH boot, fast serial, `tsc_early_khz` against TCG calibration hangs).
 /// Env `AGENTENV_GUEST_RUST_LOG` (for diagnosis) becomes the guest agent's `RUST_LOG`.
 pub fn cmdline() -> String {
-    let log = std::env::var("AGENTENV_GUEST_RUST_LOG").map(|v| format!(" RUST_LOG={v}")).unwrap_or_default();
+    let log = std::env::var("AGENTENV_GUEST_RUST_LOG")
+        .map(|v| format!(" RUST_LOG={v}"))
+        .unwrap_or_default();
     let base = format!(
         "console=ttyS0,115200 panic=-1 quiet edd=off i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd \
          noreplace-smp tsc=reliable tsc_early_khz={} no_timer_check cryptomgr.notests rcupdate.rcu_expedited=1 \
@@ -109,7 +119,8 @@ pub fn prepare(cache: &Path) -> Result<GuestKernel, KernelError> {
     let initrd = build_initrd(&busybox, &modules, &boot_script())?;
     let probe = build_initrd(&busybox, &[], &probe_script())?;
     k3_common::fsutil::write_atomic(&k.initrd, &initrd).map_err(io("write", &k.initrd))?;
-    k3_common::fsutil::write_atomic(&k.probe_initrd, &probe).map_err(io("write", &k.probe_initrd))?;
+    k3_common::fsutil::write_atomic(&k.probe_initrd, &probe)
+        .map_err(io("write", &k.probe_initrd))?;
     k3_common::fsutil::write_atomic(&k.vmlinux, &vmlinux).map_err(io("write", &k.vmlinux))?;
     Ok(k)
 }
@@ -117,16 +128,27 @@ pub fn prepare(cache: &Path) -> Result<GuestKernel, KernelError> {
 fn find_kernel(cache: &Path) -> Result<(PathBuf, PathBuf, String), KernelError> {
     for root in [PathBuf::from("/"), cache.join("linux-image")] {
         let boot = root.join("boot");
-        let Ok(rd) = std::fs::read_dir(&boot) else { continue };
+        let Ok(rd) = std::fs::read_dir(&boot) else {
+            continue;
+        };
         let mut found: Vec<String> = rd
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
             .filter_map(|n| n.strip_prefix("vmlinuz-").map(str::to_owned))
             .filter(|r| r.starts_with("6.1.0-") && r.ends_with("-amd64"))
             .filter(|r| root.join("lib/modules").join(r).join("kernel").is_dir())
             .collect();
-        found.sort_by_key(|r| r.split('-').nth(2).and_then(|n| n.parse::<u32>().ok()).unwrap_or(0));
+        found.sort_by_key(|r| {
+            r.split('-')
+                .nth(2)
+                .and_then(|n| n.parse::<u32>().ok())
+                .unwrap_or(0)
+        });
         if let Some(r) = found.pop() {
-            return Ok((boot.join(format!("vmlinuz-{r}")), root.join("lib/modules").join(&r), r));
+            return Ok((
+                boot.join(format!("vmlinuz-{r}")),
+                root.join("lib/modules").join(&r),
+                r,
+            ));
         }
     }
     download_kernel(cache)?;
@@ -137,15 +159,37 @@ fn find_kernel(cache: &Path) -> Result<(PathBuf, PathBuf, String), KernelError> 
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .find_map(|n| n.strip_prefix("vmlinuz-").map(str::to_owned))
         .ok_or_else(|| KernelError::NotFound(format!("no vmlinuz in {}", boot.display())))?;
-    Ok((boot.join(format!("vmlinuz-{r}")), root.join("lib/modules").join(&r), r))
+    Ok((
+        boot.join(format!("vmlinuz-{r}")),
+        root.join("lib/modules").join(&r),
+        r,
+    ))
 }
 
 /// `apt-get download linux-image-6.1.0-N-amd64` (newest N) and `dpkg -x` into `<cache>/linux-image`.
 fn download_kernel(cache: &Path) -> Result<(), KernelError> {
-    let out = run("apt-cache", &["search", "--names-only", "^linux-image-6\\.1\\.0-[0-9]+-amd64$"], None)?;
-    let mut names: Vec<&str> = out.lines().filter_map(|l| l.split_whitespace().next()).collect();
-    names.sort_by_key(|n| n.split('-').nth(4).and_then(|v| v.parse::<u32>().ok()).unwrap_or(0));
-    let pkg = names.last().ok_or_else(|| KernelError::NotFound("apt-cache knows no linux-image-6.1.0-*-amd64".into()))?;
+    let out = run(
+        "apt-cache",
+        &[
+            "search",
+            "--names-only",
+            "^linux-image-6\\.1\\.0-[0-9]+-amd64$",
+        ],
+        None,
+    )?;
+    let mut names: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    names.sort_by_key(|n| {
+        n.split('-')
+            .nth(4)
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(0)
+    });
+    let pkg = names.last().ok_or_else(|| {
+        KernelError::NotFound("apt-cache knows no linux-image-6.1.0-*-amd64".into())
+    })?;
     let dl = cache.join("linux-image-deb");
     std::fs::create_dir_all(&dl).map_err(io("create", &dl))?;
     run("apt-get", &["download", pkg], Some(&dl))?;
@@ -155,7 +199,15 @@ fn download_kernel(cache: &Path) -> Result<(), KernelError> {
         .find(|p| p.extension().is_some_and(|x| x == "deb"))
         .ok_or_else(|| KernelError::NotFound(format!("apt-get download {pkg} left no .deb")))?;
     let root = cache.join("linux-image");
-    run("dpkg", &["-x", &deb.display().to_string(), &root.display().to_string()], None)?;
+    run(
+        "dpkg",
+        &[
+            "-x",
+            &deb.display().to_string(),
+            &root.display().to_string(),
+        ],
+        None,
+    )?;
     Ok(())
 }
 
@@ -165,7 +217,10 @@ fn run(program: &str, args: &[&str], cwd: Option<&Path>) -> Result<String, Kerne
     if let Some(d) = cwd {
         c.current_dir(d);
     }
-    let o = c.output().map_err(|e| KernelError::Tool { program: program.into(), detail: e.to_string() })?;
+    let o = c.output().map_err(|e| KernelError::Tool {
+        program: program.into(),
+        detail: e.to_string(),
+    })?;
     if !o.status.success() {
         return Err(KernelError::Tool {
             program: format!("{program} {}", args.join(" ")),
@@ -185,7 +240,10 @@ fn extract_vmlinux(vmlinuz: &Path) -> Result<Vec<u8>, KernelError> {
         .ok_or_else(|| KernelError::Extract(vmlinuz.to_owned(), "no xz payload".into()))?;
     let out = xz_decompress(&data[at..])?;
     if !out.starts_with(b"\x7fELF") {
-        return Err(KernelError::Extract(vmlinuz.to_owned(), "payload is not an ELF file".into()));
+        return Err(KernelError::Extract(
+            vmlinuz.to_owned(),
+            "payload is not an ELF file".into(),
+        ));
     }
     Ok(out)
 }
@@ -197,25 +255,41 @@ fn xz_decompress(input: &[u8]) -> Result<Vec<u8>, KernelError> {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .map_err(|e| KernelError::Tool { program: "xz".into(), detail: e.to_string() })?;
+        .map_err(|e| KernelError::Tool {
+            program: "xz".into(),
+            detail: e.to_string(),
+        })?;
     let mut stdin = child.stdin.take().expect("stdin is piped");
     let owned = input.to_vec();
     let writer = std::thread::spawn(move || stdin.write_all(&owned));
-    let o = child
-        .wait_with_output()
-        .map_err(|e| KernelError::Tool { program: "xz".into(), detail: e.to_string() })?;
+    let o = child.wait_with_output().map_err(|e| KernelError::Tool {
+        program: "xz".into(),
+        detail: e.to_string(),
+    })?;
     let _ = writer.join();
     if o.stdout.is_empty() {
-        return Err(KernelError::Tool { program: "xz".into(), detail: String::from_utf8_lossy(&o.stderr).into() });
+        return Err(KernelError::Tool {
+            program: "xz".into(),
+            detail: String::from_utf8_lossy(&o.stderr).into(),
+        });
     }
     Ok(o.stdout)
 }
 
 fn read_module(dir: &Path, name: &str) -> Result<Vec<u8>, KernelError> {
-    let found = find_file(dir, &[format!("{name}.ko"), format!("{name}.ko.xz")])
-        .ok_or_else(|| KernelError::Module { name: name.into(), dir: dir.to_owned() })?;
+    let found =
+        find_file(dir, &[format!("{name}.ko"), format!("{name}.ko.xz")]).ok_or_else(|| {
+            KernelError::Module {
+                name: name.into(),
+                dir: dir.to_owned(),
+            }
+        })?;
     let data = std::fs::read(&found).map_err(io("read", &found))?;
-    if found.extension().is_some_and(|e| e == "xz") { xz_decompress(&data) } else { Ok(data) }
+    if found.extension().is_some_and(|e| e == "xz") {
+        xz_decompress(&data)
+    } else {
+        Ok(data)
+    }
 }
 
 fn find_file(dir: &Path, names: &[String]) -> Option<PathBuf> {
@@ -226,7 +300,10 @@ fn find_file(dir: &Path, names: &[String]) -> Option<PathBuf> {
             let ft = e.file_type().ok()?;
             if ft.is_dir() {
                 stack.push(p);
-            } else if names.iter().any(|n| e.file_name().to_str() == Some(n.as_str())) {
+            } else if names
+                .iter()
+                .any(|n| e.file_name().to_str() == Some(n.as_str()))
+            {
                 return Some(p);
             }
         }
@@ -234,7 +311,11 @@ fn find_file(dir: &Path, names: &[String]) -> Option<PathBuf> {
     None
 }
 
-fn build_initrd(busybox: &[u8], modules: &[(&str, Vec<u8>)], init: &str) -> Result<Vec<u8>, KernelError> {
+fn build_initrd(
+    busybox: &[u8],
+    modules: &[(&str, Vec<u8>)],
+    init: &str,
+) -> Result<Vec<u8>, KernelError> {
     let mut w = CpioWriter::new();
     for d in ["bin", "dev", "proc", "sys", "newroot", "lib", "lib/modules"] {
         w.dir(d, 0o755);

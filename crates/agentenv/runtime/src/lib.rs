@@ -34,7 +34,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 
 pub use config::{Accel, AccelKind, RuntimeConfig};
-pub use error::{ConnectError, CreateError, KillError, OpenError, PauseError, RecoverError, ResumeError, TemplateError};
+pub use error::{
+    ConnectError, CreateError, KillError, OpenError, PauseError, RecoverError, ResumeError,
+    TemplateError,
+};
 pub use persist::TemplateInfo;
 pub use template::{BuildProgress, BuildStep, TemplateSpec};
 
@@ -126,12 +129,18 @@ impl Runtime {
         let c = cache.clone();
         let kernel = tokio::task::spawn_blocking(move || kernel::prepare(&c))
             .await
-            .map_err(|e| OpenError::StateDir { path: cache.clone(), source: std::io::Error::other(e.to_string()) })??;
+            .map_err(|e| OpenError::StateDir {
+                path: cache.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })??;
         let accel = accel::choose(&cfg, &kernel, &cache).await;
         let vmm: Arc<dyn Vmm> = Arc::new(qemu::QemuVmm::new(cfg.qemu_bin.clone(), accel));
         let mut templates = BTreeMap::new();
         let tdir = cfg.state_dir.join("templates");
-        for e in std::fs::read_dir(&tdir).map_err(state_err(&tdir))?.flatten() {
+        for e in std::fs::read_dir(&tdir)
+            .map_err(state_err(&tdir))?
+            .flatten()
+        {
             let rec_path = e.path().join("template.json");
             if rec_path.exists() {
                 let rec: TemplateRecord = persist::read(&rec_path)?;
@@ -158,7 +167,13 @@ impl Runtime {
 
     /// All installed templates, by id.
     pub fn templates(&self) -> Vec<TemplateInfo> {
-        self.inner.templates.read().unwrap_or_else(|e| e.into_inner()).values().map(|t| t.info.clone()).collect()
+        self.inner
+            .templates
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|t| t.info.clone())
+            .collect()
     }
 
     /// Builds the template described by `spec` (reusing a cached build with identical inputs) and installs it,
@@ -170,7 +185,11 @@ impl Runtime {
     ) -> Result<TemplateInfo, TemplateError> {
         let rec = template::build(&self.inner, spec, progress).await?;
         let info = rec.info.clone();
-        self.inner.templates.write().unwrap_or_else(|e| e.into_inner()).insert(info.id.clone(), rec);
+        self.inner
+            .templates
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(info.id.clone(), rec);
         Ok(info)
     }
 
@@ -179,7 +198,13 @@ impl Runtime {
         &self,
         progress: &(dyn Fn(BuildProgress) + Send + Sync),
     ) -> Result<TemplateInfo, TemplateError> {
-        if let Some(t) = self.inner.templates.read().unwrap_or_else(|e| e.into_inner()).get("base") {
+        if let Some(t) = self
+            .inner
+            .templates
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get("base")
+        {
             return Ok(t.info.clone());
         }
         self.build_template(TemplateSpec::base(), progress).await
@@ -187,14 +212,27 @@ impl Runtime {
 
     /// Current state of a sandbox, or `None` if unknown.
     pub fn vm_state(&self, id: &str) -> Option<VmState> {
-        let slot = self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned()?;
+        let slot = self
+            .inner
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()?;
         Some(slot.visible_state())
     }
 
     pub(crate) fn template_record(&self, id_or_alias: &str) -> Option<TemplateRecord> {
-        let t = self.inner.templates.read().unwrap_or_else(|e| e.into_inner());
+        let t = self
+            .inner
+            .templates
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
         t.get(id_or_alias)
-            .or_else(|| t.values().find(|r| r.info.aliases.iter().any(|a| a == id_or_alias)))
+            .or_else(|| {
+                t.values()
+                    .find(|r| r.info.aliases.iter().any(|a| a == id_or_alias))
+            })
             .cloned()
     }
 }
@@ -204,5 +242,7 @@ pub(crate) fn valid_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 64
         && !id.starts_with('.')
-        && id.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }

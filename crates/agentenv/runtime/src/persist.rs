@@ -19,10 +19,17 @@ pub const RECORD_VERSION: u32 = 1;
 pub enum PersistError {
     /// File i/o.
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// Bad JSON.
     #[error("record {path}: {source}")]
-    Json { path: PathBuf, source: serde_json::Error },
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
     /// Written by a newer or older format.
     #[error("record {path} has version {found}, expected {RECORD_VERSION}")]
     Version { path: PathBuf, found: u32 },
@@ -64,7 +71,13 @@ pub struct MachineRecord {
 
 impl MachineRecord {
     /// A [`VmSpec`] with this shape and the given per-VM files.
-    pub fn spec(&self, dir: &Path, ram_file: &Path, disk: &Path, disk_format: DiskFormat) -> VmSpec {
+    pub fn spec(
+        &self,
+        dir: &Path,
+        ram_file: &Path,
+        disk: &Path,
+        disk_format: DiskFormat,
+    ) -> VmSpec {
         VmSpec {
             dir: dir.to_owned(),
             kernel: self.kernel.clone(),
@@ -132,17 +145,30 @@ pub struct SandboxRecord {
 
 /// Reads a record of type `T` from `path`, checking its version.
 pub fn read<T: for<'de> Deserialize<'de> + Versioned>(path: &Path) -> Result<T, PersistError> {
-    let bytes = std::fs::read(path).map_err(|e| PersistError::Io { what: "read", path: path.to_owned(), source: e })?;
-    let rec: T = serde_json::from_slice(&bytes).map_err(|e| PersistError::Json { path: path.to_owned(), source: e })?;
+    let bytes = std::fs::read(path).map_err(|e| PersistError::Io {
+        what: "read",
+        path: path.to_owned(),
+        source: e,
+    })?;
+    let rec: T = serde_json::from_slice(&bytes).map_err(|e| PersistError::Json {
+        path: path.to_owned(),
+        source: e,
+    })?;
     if rec.version() != RECORD_VERSION {
-        return Err(PersistError::Version { path: path.to_owned(), found: rec.version() });
+        return Err(PersistError::Version {
+            path: path.to_owned(),
+            found: rec.version(),
+        });
     }
     Ok(rec)
 }
 
 /// Writes `rec` to `path` atomically (temp file, fsync, rename).
 pub fn write<T: Serialize>(path: &Path, rec: &T) -> Result<(), PersistError> {
-    let bytes = serde_json::to_vec_pretty(rec).map_err(|e| PersistError::Json { path: path.to_owned(), source: e })?;
+    let bytes = serde_json::to_vec_pretty(rec).map_err(|e| PersistError::Json {
+        path: path.to_owned(),
+        source: e,
+    })?;
     k3_common::fsutil::write_atomic(path, &bytes).map_err(|e| PersistError::Io {
         what: "write",
         path: path.to_owned(),
@@ -194,8 +220,14 @@ mod tests {
         };
         write(&path, &rec).unwrap();
         assert_eq!(read::<SandboxRecord>(&path).unwrap(), rec);
-        let newer = SandboxRecord { version: RECORD_VERSION + 1, ..rec };
+        let newer = SandboxRecord {
+            version: RECORD_VERSION + 1,
+            ..rec
+        };
         write(&path, &newer).unwrap();
-        assert!(matches!(read::<SandboxRecord>(&path), Err(PersistError::Version { .. })));
+        assert!(matches!(
+            read::<SandboxRecord>(&path),
+            Err(PersistError::Version { .. })
+        ));
     }
 }

@@ -11,7 +11,9 @@ use tokio::sync::Mutex;
 
 use crate::config::AccelKind;
 use crate::qmp::QmpClient;
-use crate::vmm::{BoxFuture, DiskFormat, Pausable, Restored, Snapshottable, VmInstance, VmSpec, Vmm, VmmError};
+use crate::vmm::{
+    BoxFuture, DiskFormat, Pausable, Restored, Snapshottable, VmInstance, VmSpec, Vmm, VmmError,
+};
 
 /// Name of the virtio-serial port that carries the guest agent channel.
 pub const AGENT_PORT_NAME: &str = "agentenv.0";
@@ -69,13 +71,19 @@ impl QemuVmm {
             "-qmp".into(),
             format!("unix:{},server=on,wait=off", s(&spec.qmp_socket())),
             "-drive".into(),
-            format!("id=root,file={},format={format},if=none,cache=writeback", s(&spec.disk)),
+            format!(
+                "id=root,file={},format={format},if=none,cache=writeback",
+                s(&spec.disk)
+            ),
             "-device".into(),
             "virtio-blk-device,drive=root".into(),
             "-device".into(),
             "virtio-serial-device".into(),
             "-chardev".into(),
-            format!("socket,id=agent,path={},server=on,wait=off", s(&spec.agent_socket())),
+            format!(
+                "socket,id=agent,path={},server=on,wait=off",
+                s(&spec.agent_socket())
+            ),
             "-device".into(),
             format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
         ];
@@ -98,7 +106,11 @@ impl QemuVmm {
             .create(true)
             .append(true)
             .open(&log_path)
-            .map_err(|e| VmmError::Io { what: "open", path: log_path.clone(), source: e })?;
+            .map_err(|e| VmmError::Io {
+                what: "open",
+                path: log_path.clone(),
+                source: e,
+            })?;
         let mut cmd = Command::new(&self.bin);
         cmd.args(self.args(spec, incoming))
             .stdin(Stdio::null())
@@ -106,8 +118,10 @@ impl QemuVmm {
             .stderr(log)
             .process_group(0)
             .kill_on_drop(false);
-        let mut child =
-            cmd.spawn().map_err(|e| VmmError::Spawn { bin: self.bin.display().to_string(), source: e })?;
+        let mut child = cmd.spawn().map_err(|e| VmmError::Spawn {
+            bin: self.bin.display().to_string(),
+            source: e,
+        })?;
         let pid = child.id().unwrap_or(0);
         let qmp_path = spec.qmp_socket();
         let qmp = tokio::select! {
@@ -125,7 +139,12 @@ impl QemuVmm {
                 return Err(e.into());
             }
         };
-        Ok(QemuVm { spec: spec.clone(), pid, qmp: Mutex::new(qmp), child: Mutex::new(Some(child)) })
+        Ok(QemuVm {
+            spec: spec.clone(),
+            pid,
+            qmp: Mutex::new(qmp),
+            child: Mutex::new(Some(child)),
+        })
     }
 }
 
@@ -134,16 +153,26 @@ impl Vmm for QemuVmm {
         self.accel
     }
 
-    fn boot<'a>(&'a self, spec: &'a VmSpec) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
+    fn boot<'a>(
+        &'a self,
+        spec: &'a VmSpec,
+    ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
         Box::pin(async move {
             let f = std::fs::OpenOptions::new()
                 .create(true)
                 .write(true)
                 .truncate(true)
                 .open(&spec.ram_file)
-                .map_err(|e| VmmError::Io { what: "create", path: spec.ram_file.clone(), source: e })?;
-            f.set_len(spec.memory_mib << 20)
-                .map_err(|e| VmmError::Io { what: "size", path: spec.ram_file.clone(), source: e })?;
+                .map_err(|e| VmmError::Io {
+                    what: "create",
+                    path: spec.ram_file.clone(),
+                    source: e,
+                })?;
+            f.set_len(spec.memory_mib << 20).map_err(|e| VmmError::Io {
+                what: "size",
+                path: spec.ram_file.clone(),
+                source: e,
+            })?;
             let vm = self.spawn(spec, false).await?;
             Ok(Box::new(vm) as Box<dyn VmInstance>)
         })
@@ -155,18 +184,29 @@ impl Vmm for QemuVmm {
         device_state: &'a Path,
     ) -> BoxFuture<'a, Result<Restored, VmmError>> {
         Box::pin(async move {
-            let state = std::fs::File::open(device_state)
-                .map_err(|e| VmmError::Io { what: "open", path: device_state.to_owned(), source: e })?;
+            let state = std::fs::File::open(device_state).map_err(|e| VmmError::Io {
+                what: "open",
+                path: device_state.to_owned(),
+                source: e,
+            })?;
             let vm = self.spawn(spec, true).await?;
             let r = async {
                 let sock = spec.agent_socket();
-                let agent = tokio::net::UnixStream::connect(&sock)
-                    .await
-                    .map_err(|e| VmmError::Io { what: "connect", path: sock, source: e })?;
+                let agent =
+                    tokio::net::UnixStream::connect(&sock)
+                        .await
+                        .map_err(|e| VmmError::Io {
+                            what: "connect",
+                            path: sock,
+                            source: e,
+                        })?;
                 let mut q = vm.qmp.lock().await;
-                q.execute("migrate-set-capabilities", Some(ignore_shared_caps())).await?;
-                q.execute_with_fd("getfd", Some(json!({"fdname": "infd"})), state.as_raw_fd()).await?;
-                q.execute("migrate-incoming", Some(json!({"uri": "fd:infd"}))).await?;
+                q.execute("migrate-set-capabilities", Some(ignore_shared_caps()))
+                    .await?;
+                q.execute_with_fd("getfd", Some(json!({"fdname": "infd"})), state.as_raw_fd())
+                    .await?;
+                q.execute("migrate-incoming", Some(json!({"uri": "fd:infd"})))
+                    .await?;
                 loop {
                     let st = q.run_state().await?;
                     match st.as_str() {
@@ -175,7 +215,10 @@ impl Vmm for QemuVmm {
                         other => {
                             return Err(VmmError::Exited {
                                 during: "restore",
-                                detail: format!("run state {other} after loading {}", device_state.display()),
+                                detail: format!(
+                                    "run state {other} after loading {}",
+                                    device_state.display()
+                                ),
                             });
                         }
                     }
@@ -184,7 +227,10 @@ impl Vmm for QemuVmm {
             }
             .await;
             match r {
-                Ok(agent) => Ok(Restored { vm: Box::new(vm), agent }),
+                Ok(agent) => Ok(Restored {
+                    vm: Box::new(vm),
+                    agent,
+                }),
                 Err(e) => {
                     let _ = vm.kill().await;
                     Err(e)
@@ -193,21 +239,31 @@ impl Vmm for QemuVmm {
         })
     }
 
-    fn attach<'a>(&'a self, spec: &'a VmSpec, pid: u32) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
+    fn attach<'a>(
+        &'a self,
+        spec: &'a VmSpec,
+        pid: u32,
+    ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
         Box::pin(async move {
             if !process_runs_vm(pid, spec) {
                 return Err(VmmError::NotRunning { pid });
             }
             let qmp = QmpClient::connect(&spec.qmp_socket(), Duration::from_secs(2)).await?;
-            Ok(Box::new(QemuVm { spec: spec.clone(), pid, qmp: Mutex::new(qmp), child: Mutex::new(None) })
-                as Box<dyn VmInstance>)
+            Ok(Box::new(QemuVm {
+                spec: spec.clone(),
+                pid,
+                qmp: Mutex::new(qmp),
+                child: Mutex::new(None),
+            }) as Box<dyn VmInstance>)
         })
     }
 }
 
 /// True when `pid` is alive (not a zombie) and its command line names this VM's QMP socket.
 pub fn process_runs_vm(pid: u32, spec: &VmSpec) -> bool {
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else { return false };
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
     let needle = spec.qmp_socket().display().to_string();
     let cmdline = String::from_utf8_lossy(&cmdline);
     cmdline.contains(&needle) && !is_zombie(pid)
@@ -216,7 +272,10 @@ pub fn process_runs_vm(pid: u32, spec: &VmSpec) -> bool {
 fn is_zombie(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
         .unwrap_or(true)
 }
 
@@ -240,7 +299,8 @@ impl QemuVm {
             *child = None;
             return;
         }
-        while std::path::Path::new(&format!("/proc/{}", self.pid)).exists() && !is_zombie(self.pid) {
+        while std::path::Path::new(&format!("/proc/{}", self.pid)).exists() && !is_zombie(self.pid)
+        {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
@@ -265,7 +325,11 @@ impl Pausable for QemuVm {
 impl Snapshottable for QemuVm {
     fn save_device_state<'a>(&'a self, path: &'a Path) -> BoxFuture<'a, Result<(), VmmError>> {
         Box::pin(async move {
-            let io = |what, e| VmmError::Io { what, path: path.to_owned(), source: e };
+            let io = |what, e| VmmError::Io {
+                what,
+                path: path.to_owned(),
+                source: e,
+            };
             let file = std::fs::OpenOptions::new()
                 .create(true)
                 .write(true)
@@ -273,9 +337,12 @@ impl Snapshottable for QemuVm {
                 .open(path)
                 .map_err(|e| io("create", e))?;
             let mut q = self.qmp.lock().await;
-            q.execute("migrate-set-capabilities", Some(ignore_shared_caps())).await?;
-            q.execute_with_fd("getfd", Some(json!({"fdname": "snapfd"})), file.as_raw_fd()).await?;
-            q.execute("migrate", Some(json!({"uri": "fd:snapfd"}))).await?;
+            q.execute("migrate-set-capabilities", Some(ignore_shared_caps()))
+                .await?;
+            q.execute_with_fd("getfd", Some(json!({"fdname": "snapfd"})), file.as_raw_fd())
+                .await?;
+            q.execute("migrate", Some(json!({"uri": "fd:snapfd"})))
+                .await?;
             q.wait_migration().await?;
             drop(q);
             file.sync_all().map_err(|e| io("fsync", e))?;

@@ -13,16 +13,26 @@ use tokio::net::UnixStream;
 pub enum QmpError {
     /// The socket could not be reached before the deadline.
     #[error("QMP socket {path} not reachable: {source}")]
-    Connect { path: PathBuf, source: std::io::Error },
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// Reading or writing the socket failed.
     #[error("QMP i/o on {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// QEMU closed the connection.
     #[error("QMP connection {path} closed by QEMU")]
     Closed { path: PathBuf },
     /// QEMU answered with an error object.
     #[error("QMP command {command} failed: {class}: {desc}")]
-    Command { command: String, class: String, desc: String },
+    Command {
+        command: String,
+        class: String,
+        desc: String,
+    },
     /// A line was not valid QMP JSON.
     #[error("QMP protocol error on {path}: {detail}")]
     Protocol { path: PathBuf, detail: String },
@@ -42,12 +52,18 @@ impl QmpClient {
             match UnixStream::connect(path).await {
                 Ok(s) => break s,
                 Err(e) if tokio::time::Instant::now() >= deadline => {
-                    return Err(QmpError::Connect { path: path.to_owned(), source: e });
+                    return Err(QmpError::Connect {
+                        path: path.to_owned(),
+                        source: e,
+                    });
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(2)).await,
             }
         };
-        let mut client = QmpClient { path: path.to_owned(), stream: BufReader::new(stream) };
+        let mut client = QmpClient {
+            path: path.to_owned(),
+            stream: BufReader::new(stream),
+        };
         let greeting = client.read_message().await?;
         if greeting.get("QMP").is_none() {
             return Err(client.protocol(format!("expected greeting, got {greeting}")));
@@ -57,9 +73,17 @@ impl QmpClient {
     }
 
     /// Runs `command` with optional `arguments` and returns its `return` value.
-    pub async fn execute(&mut self, command: &str, arguments: Option<Value>) -> Result<Value, QmpError> {
+    pub async fn execute(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, QmpError> {
         let line = Self::encode(command, arguments);
-        self.stream.get_mut().write_all(line.as_bytes()).await.map_err(|e| self.io(e))?;
+        self.stream
+            .get_mut()
+            .write_all(line.as_bytes())
+            .await
+            .map_err(|e| self.io(e))?;
         self.read_return(command).await
     }
 
@@ -74,11 +98,17 @@ impl QmpClient {
         let sock = self.stream.get_ref();
         loop {
             sock.writable().await.map_err(|e| self.io(e))?;
-            match sock.try_io(Interest::WRITABLE, || send_with_fd(sock.as_raw_fd(), line.as_bytes(), fd)) {
+            match sock.try_io(Interest::WRITABLE, || {
+                send_with_fd(sock.as_raw_fd(), line.as_bytes(), fd)
+            }) {
                 Ok(n) if n == line.len() => break,
                 Ok(n) => {
                     let rest = line.as_bytes()[n..].to_vec();
-                    self.stream.get_mut().write_all(&rest).await.map_err(|e| self.io(e))?;
+                    self.stream
+                        .get_mut()
+                        .write_all(&rest)
+                        .await
+                        .map_err(|e| self.io(e))?;
                     break;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
@@ -92,11 +122,18 @@ impl QmpClient {
     pub async fn wait_migration(&mut self) -> Result<String, QmpError> {
         loop {
             let r = self.execute("query-migrate", None).await?;
-            let status = r.get("status").and_then(Value::as_str).unwrap_or("none").to_owned();
+            let status = r
+                .get("status")
+                .and_then(Value::as_str)
+                .unwrap_or("none")
+                .to_owned();
             match status.as_str() {
                 "completed" => return Ok(status),
                 "failed" | "cancelled" => {
-                    let desc = r.get("error-desc").and_then(Value::as_str).unwrap_or("no detail");
+                    let desc = r
+                        .get("error-desc")
+                        .and_then(Value::as_str)
+                        .unwrap_or("no detail");
                     return Err(QmpError::Command {
                         command: "migrate".into(),
                         class: status.clone(),
@@ -111,7 +148,10 @@ impl QmpClient {
     /// Returns the run state from `query-status` (e.g. "running", "paused", "inmigrate").
     pub async fn run_state(&mut self) -> Result<String, QmpError> {
         let r = self.execute("query-status", None).await?;
-        Ok(r.get("status").and_then(Value::as_str).unwrap_or("unknown").to_owned())
+        Ok(r.get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("unknown")
+            .to_owned())
     }
 
     fn encode(command: &str, arguments: Option<Value>) -> String {
@@ -131,9 +171,21 @@ impl QmpClient {
                 return Ok(r.clone());
             }
             if let Some(e) = msg.get("error") {
-                let class = e.get("class").and_then(Value::as_str).unwrap_or("?").to_owned();
-                let desc = e.get("desc").and_then(Value::as_str).unwrap_or("?").to_owned();
-                return Err(QmpError::Command { command: command.to_owned(), class, desc });
+                let class = e
+                    .get("class")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+                    .to_owned();
+                let desc = e
+                    .get("desc")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+                    .to_owned();
+                return Err(QmpError::Command {
+                    command: command.to_owned(),
+                    class,
+                    desc,
+                });
             }
             // Events ({"event": ..}) are skipped.
         }
@@ -141,25 +193,40 @@ impl QmpClient {
 
     async fn read_message(&mut self) -> Result<Value, QmpError> {
         let mut line = String::new();
-        let n = self.stream.read_line(&mut line).await.map_err(|e| self.io(e))?;
+        let n = self
+            .stream
+            .read_line(&mut line)
+            .await
+            .map_err(|e| self.io(e))?;
         if n == 0 {
-            return Err(QmpError::Closed { path: self.path.clone() });
+            return Err(QmpError::Closed {
+                path: self.path.clone(),
+            });
         }
         serde_json::from_str(&line).map_err(|e| self.protocol(format!("{e}: {line}")))
     }
 
     fn io(&self, source: std::io::Error) -> QmpError {
-        QmpError::Io { path: self.path.clone(), source }
+        QmpError::Io {
+            path: self.path.clone(),
+            source,
+        }
     }
 
     fn protocol(&self, detail: String) -> QmpError {
-        QmpError::Protocol { path: self.path.clone(), detail }
+        QmpError::Protocol {
+            path: self.path.clone(),
+            detail,
+        }
     }
 }
 
 /// `sendmsg` of `data` with one SCM_RIGHTS file descriptor.
 fn send_with_fd(sock: RawFd, data: &[u8], fd: RawFd) -> std::io::Result<usize> {
-    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
     let mut cbuf = vec![0u8; space];
@@ -179,5 +246,9 @@ fn send_with_fd(sock: RawFd, data: &[u8], fd: RawFd) -> std::io::Result<usize> {
     }
     // SAFETY: sock is a connected unix socket owned by the caller; msg is fully initialised.
     let n = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
-    if n < 0 { Err(std::io::Error::last_os_error()) } else { Ok(n as usize) }
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
 }

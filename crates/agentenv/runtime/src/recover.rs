@@ -16,16 +16,26 @@ impl Runtime {
     /// Sandboxes this process already knows are left alone.
     pub async fn recover(&self) -> Result<Vec<RecoveredVm>, RecoverError> {
         let dir = self.inner.cfg.state_dir.join("sandboxes");
-        let entries = std::fs::read_dir(&dir).map_err(|e| RecoverError::Io { path: dir.clone(), source: e })?;
+        let entries = std::fs::read_dir(&dir).map_err(|e| RecoverError::Io {
+            path: dir.clone(),
+            source: e,
+        })?;
         let mut out = Vec::new();
         let mut keep_pids = Vec::new();
         for e in entries.flatten() {
             let id = e.file_name().to_string_lossy().into_owned();
-            if let Some(slot) = self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned() {
-                if let Ok(live) = slot.live.try_lock() {
-                    if let Some(vm) = &live.vm {
-                        keep_pids.push(vm.pid());
-                    }
+            if let Some(slot) = self
+                .inner
+                .sandboxes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&id)
+                .cloned()
+            {
+                if let Ok(live) = slot.live.try_lock()
+                    && let Some(vm) = &live.vm
+                {
+                    keep_pids.push(vm.pid());
                 }
                 continue;
             }
@@ -38,10 +48,21 @@ impl Runtime {
                 self.remove_files(&id);
             }
             tracing::info!(sandbox = %id, ?state, %detail, "recovered");
-            out.push(RecoveredVm { id, template_id, state, detail });
+            out.push(RecoveredVm {
+                id,
+                template_id,
+                state,
+                detail,
+            });
         }
         for (pid, id) in vm_processes_under(&dir) {
-            let slot = self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).get(&id).cloned();
+            let slot = self
+                .inner
+                .sandboxes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&id)
+                .cloned();
             // A busy slot belongs to an operation of this process (for example a create in flight).
             let busy = slot.is_some_and(|s| s.live.try_lock().is_err());
             if !busy && !keep_pids.contains(&pid) {
@@ -60,12 +81,26 @@ impl Runtime {
         };
         let spec = self.inner.spec_of(&rec);
         match rec.phase {
-            SandboxPhase::Starting => (None, "was being created when the previous process stopped".into(), None),
+            SandboxPhase::Starting => (
+                None,
+                "was being created when the previous process stopped".into(),
+                None,
+            ),
             SandboxPhase::Paused => {
                 if !self.inner.device_state_path(id).exists() || !rec.ram_file.exists() {
-                    return (None, "paused but its snapshot files are missing".into(), None);
+                    return (
+                        None,
+                        "paused but its snapshot files are missing".into(),
+                        None,
+                    );
                 }
-                let live = Live { record: rec, vm: None, agent: None, exiting: None, gone: false };
+                let live = Live {
+                    record: rec,
+                    vm: None,
+                    agent: None,
+                    exiting: None,
+                    gone: false,
+                };
                 self.insert(id, Slot::new(live, VmState::Paused));
                 (Some(VmState::Paused), "paused snapshot kept".into(), None)
             }
@@ -74,12 +109,23 @@ impl Runtime {
                     Ok(vm) => vm,
                     Err(e) => return (None, format!("VMM gone ({e}); its memory is lost"), None),
                 };
-                let link = agent::connect_healthy(&spec.agent_socket(), Duration::from_secs(3), Duration::from_secs(30)).await;
+                let link = agent::connect_healthy(
+                    &spec.agent_socket(),
+                    Duration::from_secs(3),
+                    Duration::from_secs(30),
+                )
+                .await;
                 let detail = match &link {
                     Ok(_) => "re-attached".to_owned(),
                     Err(e) => format!("re-attached; agent not answering yet: {e}"),
                 };
-                let live = Live { record: rec, vm: Some(vm), agent: link.ok(), exiting: None, gone: false };
+                let live = Live {
+                    record: rec,
+                    vm: Some(vm),
+                    agent: link.ok(),
+                    exiting: None,
+                    gone: false,
+                };
                 self.insert(id, Slot::new(live, VmState::Running));
                 (Some(VmState::Running), detail, Some(pid))
             }
@@ -87,7 +133,11 @@ impl Runtime {
     }
 
     fn insert(&self, id: &str, slot: std::sync::Arc<Slot>) {
-        self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_owned(), slot);
+        self.inner
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned(), slot);
     }
 
     fn remove_files(&self, id: &str) {
@@ -103,7 +153,9 @@ impl Runtime {
 fn vm_processes_under(dir: &Path) -> Vec<(u32, String)> {
     let needle = format!("{}/", dir.display());
     let me = std::process::id();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
     rd.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| *pid != me)

@@ -37,7 +37,10 @@ pub(crate) struct Live {
 
 impl Slot {
     pub(crate) fn new(live: Live, state: VmState) -> Arc<Slot> {
-        Arc::new(Slot { live: tokio::sync::Mutex::new(live), state: std::sync::Mutex::new(state) })
+        Arc::new(Slot {
+            live: tokio::sync::Mutex::new(live),
+            state: std::sync::Mutex::new(state),
+        })
     }
     pub(crate) fn visible_state(&self) -> VmState {
         *self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -59,7 +62,12 @@ impl Inner {
     }
     pub(crate) fn spec_of(&self, rec: &SandboxRecord) -> VmSpec {
         let dir = self.sandbox_dir(&rec.id);
-        rec.machine.spec(&dir, &rec.ram_file, &dir.join("disk.qcow2"), DiskFormat::Qcow2)
+        rec.machine.spec(
+            &dir,
+            &rec.ram_file,
+            &dir.join("disk.qcow2"),
+            DiskFormat::Qcow2,
+        )
     }
     pub(crate) fn record_path(&self, id: &str) -> PathBuf {
         self.sandbox_dir(id).join("sandbox.json")
@@ -77,8 +85,9 @@ impl Runtime {
         if !valid_id(&spec.sandbox_id) {
             return Err(CreateError::InvalidId(spec.sandbox_id));
         }
-        let tpl =
-            self.template_record(&spec.template_id).ok_or_else(|| CreateError::UnknownTemplate(spec.template_id.clone()))?;
+        let tpl = self
+            .template_record(&spec.template_id)
+            .ok_or_else(|| CreateError::UnknownTemplate(spec.template_id.clone()))?;
         let id = spec.sandbox_id.clone();
         let record = SandboxRecord {
             version: RECORD_VERSION,
@@ -89,7 +98,16 @@ impl Runtime {
             created_at: k3_common::time::now_rfc3339(),
             phase: SandboxPhase::Starting,
         };
-        let slot = Slot::new(Live { record: record.clone(), vm: None, agent: None, exiting: None, gone: false }, VmState::Running);
+        let slot = Slot::new(
+            Live {
+                record: record.clone(),
+                vm: None,
+                agent: None,
+                exiting: None,
+                gone: false,
+            },
+            VmState::Running,
+        );
         {
             let mut map = inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
             if map.contains_key(&id) || inner.sandbox_dir(&id).exists() {
@@ -105,7 +123,11 @@ impl Runtime {
                     let _ = vm.kill().await;
                 }
                 live.gone = true;
-                inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                inner
+                    .sandboxes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&id);
                 let _ = std::fs::remove_dir_all(inner.sandbox_dir(&id));
                 let _ = std::fs::remove_file(inner.ram_file(&id));
                 Err(e)
@@ -139,12 +161,20 @@ impl Runtime {
             .and_then(|r| r)
             .map_err(io("copy RAM to", &live.record.ram_file))?;
         let restored = inner.vmm.restore(&vm_spec, &tpl.base_state).await?;
-        live.record.phase = SandboxPhase::Running { pid: restored.vm.pid() };
+        live.record.phase = SandboxPhase::Running {
+            pid: restored.vm.pid(),
+        };
         let vm = live.vm.insert(restored.vm);
         persist::write(&inner.record_path(id), &live.record)?;
         let sock = restored.agent;
         vm.cont().await?;
-        let link = agent::healthy_from(Some(sock), &vm_spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
+        let link = agent::healthy_from(
+            Some(sock),
+            &vm_spec.agent_socket(),
+            HEALTH_ATTEMPT,
+            HEALTH_DEADLINE,
+        )
+        .await?;
         if !spec.env_vars.is_empty() {
             let body = serde_json::json!({ "envVars": spec.env_vars }).to_string();
             let status = agent::request(&link, "POST", "/init", Some(&body)).await?;
@@ -164,18 +194,27 @@ impl Runtime {
     }
 
     fn slot(&self, id: &str) -> Option<Arc<Slot>> {
-        self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned()
+        self.inner
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
     }
 
     /// Pauses a running sandbox: stop, save the device state (RAM is already in its file), commit the
     /// record, let QEMU exit. Memory, processes and files survive, also across a server restart.
     pub async fn pause(&self, id: &str) -> Result<(), PauseError> {
-        let slot = self.slot(id).ok_or_else(|| PauseError::NotFound(id.into()))?;
+        let slot = self
+            .slot(id)
+            .ok_or_else(|| PauseError::NotFound(id.into()))?;
         let mut live = slot.live.lock().await;
         if live.gone {
             return Err(PauseError::NotFound(id.into()));
         }
-        let Some(vm) = live.vm.take() else { return Err(PauseError::AlreadyPaused(id.into())) };
+        let Some(vm) = live.vm.take() else {
+            return Err(PauseError::AlreadyPaused(id.into()));
+        };
         let r = async {
             vm.stop().await?;
             let state = self.inner.device_state_path(id);
@@ -183,7 +222,11 @@ impl Runtime {
             // Saved with the agent connected: see `create` (connect before `cont`).
             vm.save_device_state(&tmp).await?;
             live.agent = None;
-            std::fs::rename(&tmp, &state).map_err(|e| PauseError::Io { what: "rename", path: state.clone(), source: e })?;
+            std::fs::rename(&tmp, &state).map_err(|e| PauseError::Io {
+                what: "rename",
+                path: state.clone(),
+                source: e,
+            })?;
             live.record.phase = SandboxPhase::Paused;
             persist::write(&self.inner.record_path(id), &live.record)?;
             Ok::<(), PauseError>(())
@@ -210,7 +253,9 @@ impl Runtime {
 
     /// Resumes a paused sandbox from its device state and RAM file; returns when the agent answers.
     pub async fn resume(&self, id: &str) -> Result<(), ResumeError> {
-        let slot = self.slot(id).ok_or_else(|| ResumeError::NotFound(id.into()))?;
+        let slot = self
+            .slot(id)
+            .ok_or_else(|| ResumeError::NotFound(id.into()))?;
         let mut live = slot.live.lock().await;
         if live.gone {
             return Err(ResumeError::NotFound(id.into()));
@@ -222,7 +267,11 @@ impl Runtime {
             let _ = h.await;
         }
         let spec = self.inner.spec_of(&live.record);
-        let restored = self.inner.vmm.restore(&spec, &self.inner.device_state_path(id)).await?;
+        let restored = self
+            .inner
+            .vmm
+            .restore(&spec, &self.inner.device_state_path(id))
+            .await?;
         let (vm, sock) = (restored.vm, restored.agent);
         if let Err(e) = vm.cont().await {
             let _ = vm.kill().await;
@@ -240,7 +289,14 @@ impl Runtime {
         }
         slot.set_state(VmState::Running);
         let _ = std::fs::remove_file(self.inner.device_state_path(id));
-        match agent::healthy_from(Some(sock), &spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await {
+        match agent::healthy_from(
+            Some(sock),
+            &spec.agent_socket(),
+            HEALTH_ATTEMPT,
+            HEALTH_DEADLINE,
+        )
+        .await
+        {
             Ok(link) => {
                 live.agent = Some(link);
                 Ok(())
@@ -251,7 +307,9 @@ impl Runtime {
 
     /// Kills a sandbox (running or paused) and removes its files.
     pub async fn kill(&self, id: &str) -> Result<(), KillError> {
-        let slot = self.slot(id).ok_or_else(|| KillError::NotFound(id.into()))?;
+        let slot = self
+            .slot(id)
+            .ok_or_else(|| KillError::NotFound(id.into()))?;
         let mut live = slot.live.lock().await;
         if live.gone {
             return Err(KillError::NotFound(id.into()));
@@ -264,18 +322,27 @@ impl Runtime {
         if let Some(h) = live.exiting.take() {
             let _ = h.await;
         }
-        self.inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        self.inner
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
         let dir = self.inner.sandbox_dir(id);
         // The record goes first, so a crash mid-removal leaves no record pointing at half-removed files.
         let _ = std::fs::remove_file(self.inner.record_path(id));
         let _ = std::fs::remove_file(&live.record.ram_file);
-        std::fs::remove_dir_all(&dir).map_err(|e| KillError::Io { path: dir, source: e })
+        std::fs::remove_dir_all(&dir).map_err(|e| KillError::Io {
+            path: dir,
+            source: e,
+        })
     }
 
     /// Opens one stream to envd in the guest (carry one HTTP/1.1 connection on it). Reconnects the mux
     /// session once if the previous one has ended.
     pub async fn open_agent_stream(&self, id: &str) -> Result<MuxStream, ConnectError> {
-        let slot = self.slot(id).ok_or_else(|| ConnectError::NotFound(id.into()))?;
+        let slot = self
+            .slot(id)
+            .ok_or_else(|| ConnectError::NotFound(id.into()))?;
         let mut live = slot.live.lock().await;
         if live.gone {
             return Err(ConnectError::NotFound(id.into()));
@@ -283,13 +350,14 @@ impl Runtime {
         if live.vm.is_none() {
             return Err(ConnectError::Paused(id.into()));
         }
-        if let Some(link) = live.agent.as_ref().filter(|l| l.is_alive()) {
-            if let Ok(s) = link.open().await {
-                return Ok(s);
-            }
+        if let Some(link) = live.agent.as_ref().filter(|l| l.is_alive())
+            && let Ok(s) = link.open().await
+        {
+            return Ok(s);
         }
         let spec = self.inner.spec_of(&live.record);
-        let link = agent::connect_healthy(&spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
+        let link =
+            agent::connect_healthy(&spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
         let s = link.open().await.map_err(agent::AgentError::from)?;
         live.agent = Some(link);
         Ok(s)

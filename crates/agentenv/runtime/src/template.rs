@@ -44,7 +44,13 @@ pub struct TemplateSpec {
 impl TemplateSpec {
     /// The default template: id `base`, 1 vCPU, 256 MiB RAM, 1 GiB disk, Debian bookworm minbase.
     pub fn base() -> TemplateSpec {
-        TemplateSpec { id: "base".into(), aliases: vec![], vcpus: 1, memory_mib: 256, disk_mib: 1024 }
+        TemplateSpec {
+            id: "base".into(),
+            aliases: vec![],
+            vcpus: 1,
+            memory_mib: 256,
+            disk_mib: 1024,
+        }
     }
 }
 
@@ -103,7 +109,11 @@ pub(crate) async fn build(
     let lock_path = inner.cache.join("templates").join(format!("{key}.lock"));
     let lock = tokio::task::spawn_blocking(move || BuildLock::take(&lock_path))
         .await
-        .map_err(|e| TemplateError::Io { what: "lock", path: PathBuf::new(), source: std::io::Error::other(e.to_string()) })??;
+        .map_err(|e| TemplateError::Io {
+            what: "lock",
+            path: PathBuf::new(),
+            source: std::io::Error::other(e.to_string()),
+        })??;
     if cached.join("complete").exists() {
         say(BuildStep::Cached, format!("reusing {}", cached.display()));
     } else {
@@ -111,11 +121,24 @@ pub(crate) async fn build(
     }
     drop(lock);
 
-    let dir = inner.cfg.state_dir.join("templates").join(&spec.id).join(&key);
-    std::fs::create_dir_all(&dir).map_err(|e| TemplateError::Io { what: "create", path: dir.clone(), source: e })?;
+    let dir = inner
+        .cfg
+        .state_dir
+        .join("templates")
+        .join(&spec.id)
+        .join(&key);
+    std::fs::create_dir_all(&dir).map_err(|e| TemplateError::Io {
+        what: "create",
+        path: dir.clone(),
+        source: e,
+    })?;
     for f in ["base.ext4", "base.mem", "base.state"] {
         let (src, dst) = (cached.join(f), dir.join(f));
-        fsops::link_or_copy(&src, &dst).map_err(|e| TemplateError::Io { what: "install", path: dst, source: e })?;
+        fsops::link_or_copy(&src, &dst).map_err(|e| TemplateError::Io {
+            what: "install",
+            path: dst,
+            source: e,
+        })?;
     }
     let record = TemplateRecord {
         version: RECORD_VERSION,
@@ -133,7 +156,15 @@ pub(crate) async fn build(
         base_ram: dir.join("base.mem"),
         base_state: dir.join("base.state"),
     };
-    persist::write(&inner.cfg.state_dir.join("templates").join(&spec.id).join("template.json"), &record)?;
+    persist::write(
+        &inner
+            .cfg
+            .state_dir
+            .join("templates")
+            .join(&spec.id)
+            .join("template.json"),
+        &record,
+    )?;
     say(BuildStep::Done, format!("template {} ready", spec.id));
     Ok(record)
 }
@@ -149,9 +180,16 @@ async fn build_into_cache(
     let partial = cached.with_extension("partial");
     let _ = std::fs::remove_dir_all(&partial);
     let vm_dir = partial.join("vm");
-    std::fs::create_dir_all(&vm_dir).map_err(|e| TemplateError::Io { what: "create", path: vm_dir.clone(), source: e })?;
+    std::fs::create_dir_all(&vm_dir).map_err(|e| TemplateError::Io {
+        what: "create",
+        path: vm_dir.clone(),
+        source: e,
+    })?;
 
-    say(BuildStep::Userland, "debootstrap --variant=minbase bookworm (cached after the first run)".into());
+    say(
+        BuildStep::Userland,
+        "debootstrap --variant=minbase bookworm (cached after the first run)".into(),
+    );
     let cache = inner.cache.clone();
     let gb = guest_bin.to_owned();
     let tree = blocking(move || {
@@ -160,25 +198,42 @@ async fn build_into_cache(
         Ok(tree)
     })
     .await?;
-    say(BuildStep::Image, format!("mkfs.ext4 -d {} ({} MiB)", tree.display(), spec.disk_mib));
+    say(
+        BuildStep::Image,
+        format!("mkfs.ext4 -d {} ({} MiB)", tree.display(), spec.disk_mib),
+    );
     let disk = partial.join("base.ext4");
     let (d, size) = (disk.clone(), spec.disk_mib);
     blocking(move || rootfs::make_ext4(&tree, &d, size)).await?;
 
-    say(BuildStep::Boot, format!("cold boot under {}", inner.vmm.accel().as_str()));
+    say(
+        BuildStep::Boot,
+        format!("cold boot under {}", inner.vmm.accel().as_str()),
+    );
     let ram = partial.join("base.mem");
     let vm_spec = machine.spec(&vm_dir, &ram, &disk, DiskFormat::Raw);
     let vm = inner.vmm.boot(&vm_spec).await?;
-    let link = match agent::connect_healthy(&vm_spec.agent_socket(), Duration::from_secs(5), Duration::from_secs(120)).await
+    let link = match agent::connect_healthy(
+        &vm_spec.agent_socket(),
+        Duration::from_secs(5),
+        Duration::from_secs(120),
+    )
+    .await
     {
         Ok(l) => l,
         Err(source) => {
             let _ = vm.kill().await;
             let log = std::fs::read_to_string(vm_spec.console_log()).unwrap_or_default();
-            return Err(TemplateError::Agent { source, log: tail(&log, 3000) });
+            return Err(TemplateError::Agent {
+                source,
+                log: tail(&log, 3000),
+            });
         }
     };
-    say(BuildStep::Snapshot, "stop + device state (x-ignore-shared)".into());
+    say(
+        BuildStep::Snapshot,
+        "stop + device state (x-ignore-shared)".into(),
+    );
     // Snapshot the guest with a fresh port session that is still hunting for a HELLO, and with a host
     // connected (but silent): a restore connects before the state loads, so the guest sees no port
     // close/open and its session takes the new client's HELLO at once.
@@ -186,7 +241,11 @@ async fn build_into_cache(
     tokio::time::sleep(SETTLE).await;
     let quiet = tokio::net::UnixStream::connect(vm_spec.agent_socket())
         .await
-        .map_err(|e| TemplateError::Io { what: "connect", path: vm_spec.agent_socket(), source: e })?;
+        .map_err(|e| TemplateError::Io {
+            what: "connect",
+            path: vm_spec.agent_socket(),
+            source: e,
+        })?;
     tokio::time::sleep(SETTLE).await;
     let r = async {
         vm.stop().await?;
@@ -205,27 +264,58 @@ async fn build_into_cache(
         source: e,
     })?;
     let _ = std::fs::remove_dir_all(cached);
-    std::fs::rename(&partial, cached).map_err(|e| TemplateError::Io { what: "rename", path: cached.to_owned(), source: e })
+    std::fs::rename(&partial, cached).map_err(|e| TemplateError::Io {
+        what: "rename",
+        path: cached.to_owned(),
+        source: e,
+    })
 }
 
-fn build_key(inner: &Inner, spec: &TemplateSpec, machine: &MachineRecord, guest_bin: &Path) -> Result<String, TemplateError> {
-    let bin = std::fs::read(guest_bin).map_err(|e| TemplateError::Io { what: "read", path: guest_bin.to_owned(), source: e })?;
+fn build_key(
+    inner: &Inner,
+    spec: &TemplateSpec,
+    machine: &MachineRecord,
+    guest_bin: &Path,
+) -> Result<String, TemplateError> {
+    let bin = std::fs::read(guest_bin).map_err(|e| TemplateError::Io {
+        what: "read",
+        path: guest_bin.to_owned(),
+        source: e,
+    })?;
     let initrd = std::fs::read(&machine.initrd).unwrap_or_default();
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (RECORD_VERSION, BUILD_FORMAT, &bin, &initrd, &inner.kernel.release, machine, spec.disk_mib).hash(&mut h);
+    (
+        RECORD_VERSION,
+        BUILD_FORMAT,
+        &bin,
+        &initrd,
+        &inner.kernel.release,
+        machine,
+        spec.disk_mib,
+    )
+        .hash(&mut h);
     (inner.vmm.accel().as_str(), inner.cfg.qemu_bin.as_os_str()).hash(&mut h);
     Ok(format!("{:016x}", h.finish()))
 }
 
 impl Hash for MachineRecord {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        (&self.kernel, &self.initrd, &self.cmdline, self.vcpus, self.memory_mib).hash(state);
+        (
+            &self.kernel,
+            &self.initrd,
+            &self.cmdline,
+            self.vcpus,
+            self.memory_mib,
+        )
+            .hash(state);
     }
 }
 
 fn tail(s: &str, n: usize) -> String {
     let start = s.len().saturating_sub(n);
-    let start = (start..s.len()).find(|i| s.is_char_boundary(*i)).unwrap_or(s.len());
+    let start = (start..s.len())
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(s.len());
     s[start..].to_owned()
 }
 
@@ -234,7 +324,11 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, TemplateError> {
     match tokio::task::spawn_blocking(f).await {
         Ok(r) => r.map_err(TemplateError::from),
-        Err(e) => Err(TemplateError::Io { what: "join", path: PathBuf::new(), source: std::io::Error::other(e.to_string()) }),
+        Err(e) => Err(TemplateError::Io {
+            what: "join",
+            path: PathBuf::new(),
+            source: std::io::Error::other(e.to_string()),
+        }),
     }
 }
 
@@ -245,11 +339,20 @@ struct BuildLock {
 
 impl BuildLock {
     fn take(path: &Path) -> Result<BuildLock, TemplateError> {
-        let err = |e| TemplateError::Io { what: "lock", path: path.to_owned(), source: e };
+        let err = |e| TemplateError::Io {
+            what: "lock",
+            path: path.to_owned(),
+            source: e,
+        };
         if let Some(d) = path.parent() {
             std::fs::create_dir_all(d).map_err(err)?;
         }
-        let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).map_err(err)?;
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(err)?;
         use std::os::fd::AsRawFd;
         // SAFETY: flock on an owned, open fd. Blocking here is brief relative to a build, and only
         // happens while another build of the cache is running.

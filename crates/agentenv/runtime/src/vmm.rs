@@ -70,13 +70,20 @@ pub enum VmmError {
     Spawn { bin: String, source: std::io::Error },
     /// The VMM process exited early.
     #[error("VMM exited during {during}: {detail}")]
-    Exited { during: &'static str, detail: String },
+    Exited {
+        during: &'static str,
+        detail: String,
+    },
     /// A QMP command failed.
     #[error(transparent)]
     Qmp(#[from] QmpError),
     /// A file operation on the VM's files failed.
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A socket path is longer than a unix socket address allows.
     #[error("socket path too long ({len} bytes, max 107): {path}")]
     SocketPath { path: PathBuf, len: usize },
@@ -125,11 +132,20 @@ pub trait Vmm: Send + Sync {
     /// The accelerator this backend runs guests with.
     fn accel(&self) -> AccelKind;
     /// Cold-boots a VM (RAM file created or truncated to size).
-    fn boot<'a>(&'a self, spec: &'a VmSpec) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
+    fn boot<'a>(&'a self, spec: &'a VmSpec)
+    -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
     /// Starts a VM from `spec.ram_file` plus a saved device state and leaves it stopped; the caller
     /// calls [`Pausable::cont`]. The agent socket is connected before the state loads, so the guest's
     /// port keeps its "host connected" state (it was saved connected) and sees no close/open.
-    fn restore<'a>(&'a self, spec: &'a VmSpec, device_state: &'a Path) -> BoxFuture<'a, Result<Restored, VmmError>>;
+    fn restore<'a>(
+        &'a self,
+        spec: &'a VmSpec,
+        device_state: &'a Path,
+    ) -> BoxFuture<'a, Result<Restored, VmmError>>;
     /// Re-attaches to a VM process started earlier (for example by a previous server process).
-    fn attach<'a>(&'a self, spec: &'a VmSpec, pid: u32) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
+    fn attach<'a>(
+        &'a self,
+        spec: &'a VmSpec,
+        pid: u32,
+    ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
 }

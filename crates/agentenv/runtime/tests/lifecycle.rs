@@ -2,18 +2,28 @@
 
 mod common;
 
-use agentenv_runtime::{CreateError, CreateSpec, KillError, PauseError, ResumeError, ConnectError, VmState};
+use agentenv_runtime::{
+    ConnectError, CreateError, CreateSpec, KillError, PauseError, ResumeError, VmState,
+};
 use common::{StateDir, run, runtime, token};
 
 fn spec(id: &str) -> CreateSpec {
-    CreateSpec { sandbox_id: id.into(), template_id: "base".into(), ..Default::default() }
+    CreateSpec {
+        sandbox_id: id.into(),
+        template_id: "base".into(),
+        ..Default::default()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandbox_from_base_template_runs_commands_in_debian() {
     let state = StateDir::new();
     let rt = runtime(state.path()).await;
-    let info = rt.templates().into_iter().find(|t| t.id == "base").expect("base listed");
+    let info = rt
+        .templates()
+        .into_iter()
+        .find(|t| t.id == "base")
+        .expect("base listed");
     assert_eq!((info.vcpus, info.memory_mib), (1, 256));
     let id = format!("cmd-{}", &token()[..8]);
     let mut s = spec(&id);
@@ -23,18 +33,34 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
     assert_eq!(vm.template_id, "base");
     assert_eq!(rt.vm_state(&id), Some(VmState::Running));
 
-    let (a, b) = (rand::random_range(1000..9999u32), rand::random_range(1000..9999u32));
-    let (out, code) = run(&rt, &id, &format!("echo $(({a}*{b})); . /etc/os-release; echo $VERSION_CODENAME; echo $AENV_TEST")).await;
+    let (a, b) = (
+        rand::random_range(1000..9999u32),
+        rand::random_range(1000..9999u32),
+    );
+    let (out, code) = run(
+        &rt,
+        &id,
+        &format!("echo $(({a}*{b})); . /etc/os-release; echo $VERSION_CODENAME; echo $AENV_TEST"),
+    )
+    .await;
     assert_eq!(code, 0);
     assert_eq!(out, format!("{}\nbookworm\n{value}\n", a * b));
-    let (out, _) = run(&rt, &id, "id -u user; stat -c %U /home/user; test -x /usr/local/bin/agentenv-guest && echo agent").await;
+    let (out, _) = run(
+        &rt,
+        &id,
+        "id -u user; stat -c %U /home/user; test -x /usr/local/bin/agentenv-guest && echo agent",
+    )
+    .await;
     assert_eq!(out, "1000\nuser\nagent\n");
     let (_, code) = run(&rt, &id, "exit 7").await;
     assert_eq!(code, 7);
 
     rt.kill(&id).await.expect("kill");
     assert_eq!(rt.vm_state(&id), None);
-    assert!(common::qemu_pids_under(state.path()).is_empty(), "no QEMU left after kill");
+    assert!(
+        common::qemu_pids_under(state.path()).is_empty(),
+        "no QEMU left after kill"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,13 +81,27 @@ async fn pause_and_resume_keep_files_and_processes() {
 
     rt.pause(&id).await.expect("pause");
     assert_eq!(rt.vm_state(&id), Some(VmState::Paused));
-    assert!(matches!(rt.pause(&id).await, Err(PauseError::AlreadyPaused(_))));
-    assert!(matches!(rt.open_agent_stream(&id).await, Err(ConnectError::Paused(_))));
+    assert!(matches!(
+        rt.pause(&id).await,
+        Err(PauseError::AlreadyPaused(_))
+    ));
+    assert!(matches!(
+        rt.open_agent_stream(&id).await,
+        Err(ConnectError::Paused(_))
+    ));
     rt.resume(&id).await.expect("resume");
     assert_eq!(rt.vm_state(&id), Some(VmState::Running));
-    assert!(matches!(rt.resume(&id).await, Err(ResumeError::NotPaused(_))));
+    assert!(matches!(
+        rt.resume(&id).await,
+        Err(ResumeError::NotPaused(_))
+    ));
 
-    let (out, _) = run(&rt, &id, &format!("cat /tmp/t /home/user/d; kill -0 {pid} && echo alive")).await;
+    let (out, _) = run(
+        &rt,
+        &id,
+        &format!("cat /tmp/t /home/user/d; kill -0 {pid} && echo alive"),
+    )
+    .await;
     assert_eq!(out, format!("{tmp_tok}\n{disk_tok}\nalive\n"));
 
     // A second cycle works on the same RAM file.
@@ -87,9 +127,17 @@ async fn restart_keeps_running_and_paused_and_cleans_dead() {
         rt.pause(pause_id).await.expect("pause");
         // The server process goes away here (the Runtime is dropped); QEMU processes survive it.
     }
-    let rec: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(state.path().join("sandboxes").join(dead_id).join("sandbox.json")).unwrap())
-            .unwrap();
+    let rec: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            state
+                .path()
+                .join("sandboxes")
+                .join(dead_id)
+                .join("sandbox.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
     let dead_pid = rec["phase"]["pid"].as_u64().expect("running pid") as i32;
     // SAFETY: plain syscall on the QEMU of this test's sandbox.
     unsafe { libc::kill(dead_pid, libc::SIGKILL) };
@@ -100,7 +148,11 @@ async fn restart_keeps_running_and_paused_and_cleans_dead() {
     let states: Vec<_> = recovered.iter().map(|r| (r.id.as_str(), r.state)).collect();
     assert_eq!(
         states,
-        vec![(dead_id, None), (pause_id, Some(VmState::Paused)), (run_id, Some(VmState::Running))],
+        vec![
+            (dead_id, None),
+            (pause_id, Some(VmState::Paused)),
+            (run_id, Some(VmState::Running))
+        ],
         "{recovered:?}"
     );
     assert!(!state.path().join("sandboxes").join(dead_id).exists());
@@ -112,7 +164,10 @@ async fn restart_keeps_running_and_paused_and_cleans_dead() {
     for id in [run_id, pause_id] {
         rt.kill(id).await.expect("kill");
     }
-    assert!(common::qemu_pids_under(state.path()).is_empty(), "no orphan QEMU");
+    assert!(
+        common::qemu_pids_under(state.path()).is_empty(),
+        "no orphan QEMU"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,20 +175,53 @@ async fn bad_input_is_refused() {
     let state = StateDir::new();
     let rt = runtime(state.path()).await;
     let unknown = format!("no-such-{}", &token()[..6]);
-    let r = rt.create(CreateSpec { sandbox_id: "x1".into(), template_id: unknown.clone(), ..Default::default() }).await;
+    let r = rt
+        .create(CreateSpec {
+            sandbox_id: "x1".into(),
+            template_id: unknown.clone(),
+            ..Default::default()
+        })
+        .await;
     assert!(matches!(r, Err(CreateError::UnknownTemplate(t)) if t == unknown));
     for bad in ["", "../x", "a/b", ".hidden", &"x".repeat(65)] {
-        assert!(matches!(rt.create(spec(bad)).await, Err(CreateError::InvalidId(_))), "{bad:?}");
+        assert!(
+            matches!(rt.create(spec(bad)).await, Err(CreateError::InvalidId(_))),
+            "{bad:?}"
+        );
     }
-    assert!(matches!(rt.pause(&unknown).await, Err(PauseError::NotFound(_))));
-    assert!(matches!(rt.resume(&unknown).await, Err(ResumeError::NotFound(_))));
-    assert!(matches!(rt.kill(&unknown).await, Err(KillError::NotFound(_))));
-    assert!(matches!(rt.open_agent_stream(&unknown).await, Err(ConnectError::NotFound(_))));
+    assert!(matches!(
+        rt.pause(&unknown).await,
+        Err(PauseError::NotFound(_))
+    ));
+    assert!(matches!(
+        rt.resume(&unknown).await,
+        Err(ResumeError::NotFound(_))
+    ));
+    assert!(matches!(
+        rt.kill(&unknown).await,
+        Err(KillError::NotFound(_))
+    ));
+    assert!(matches!(
+        rt.open_agent_stream(&unknown).await,
+        Err(ConnectError::NotFound(_))
+    ));
     assert_eq!(rt.vm_state(&unknown), None);
 
     rt.create(spec("dup")).await.expect("create");
-    assert!(matches!(rt.create(spec("dup")).await, Err(CreateError::AlreadyExists(_))));
+    assert!(matches!(
+        rt.create(spec("dup")).await,
+        Err(CreateError::AlreadyExists(_))
+    ));
     rt.kill("dup").await.expect("kill");
     assert!(matches!(rt.kill("dup").await, Err(KillError::NotFound(_))));
-    assert!(state.path().join("sandboxes").read_dir().unwrap().next().is_none(), "no files left");
+    assert!(
+        state
+            .path()
+            .join("sandboxes")
+            .read_dir()
+            .unwrap()
+            .next()
+            .is_none(),
+        "no files left"
+    );
 }

@@ -18,10 +18,20 @@ pub fn guest_bin() -> PathBuf {
         }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let out = std::process::Command::new(cargo)
-            .args(["build", "--release", "-p", "agentenv-guest", "--message-format=json"])
+            .args([
+                "build",
+                "--release",
+                "-p",
+                "agentenv-guest",
+                "--message-format=json",
+            ])
             .output()
             .expect("cargo runs");
-        assert!(out.status.success(), "building agentenv-guest failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "building agentenv-guest failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8_lossy(&out.stdout)
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -39,7 +49,9 @@ pub struct StateDir {
 
 impl StateDir {
     pub fn new() -> StateDir {
-        StateDir { dir: tempfile::tempdir().expect("tempdir") }
+        StateDir {
+            dir: tempfile::tempdir().expect("tempdir"),
+        }
     }
     pub fn path(&self) -> &Path {
         self.dir.path()
@@ -51,7 +63,11 @@ impl Drop for StateDir {
         if std::thread::panicking() {
             // Keep the guest consoles of a failed test for diagnosis.
             let keep = std::env::temp_dir().join(format!("agentenv-failed-{}", std::process::id()));
-            for e in std::fs::read_dir(self.dir.path().join("sandboxes")).into_iter().flatten().flatten() {
+            for e in std::fs::read_dir(self.dir.path().join("sandboxes"))
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
                 let dst = keep.join(e.file_name());
                 let _ = std::fs::create_dir_all(&dst);
                 for f in ["console.log", "qemu.log", "sandbox.json"] {
@@ -91,12 +107,21 @@ pub async fn runtime(dir: &Path) -> Runtime {
     let mut cfg = RuntimeConfig::new(dir);
     cfg.guest_bin = Some(guest_bin());
     let rt = Runtime::open(cfg).await.expect("runtime opens");
-    rt.ensure_default_template(&|p| eprintln!("template: {:?} {}", p.step, p.detail)).await.expect("default template");
+    rt.ensure_default_template(&|p| eprintln!("template: {:?} {}", p.step, p.detail))
+        .await
+        .expect("default template");
     rt
 }
 
 /// One HTTP/1.1 request over a fresh agent stream: (status, body).
-pub async fn http(rt: &Runtime, id: &str, method: &str, path: &str, content_type: &str, body: &[u8]) -> (u16, Vec<u8>) {
+pub async fn http(
+    rt: &Runtime,
+    id: &str,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &[u8],
+) -> (u16, Vec<u8>) {
     let mut s = rt.open_agent_stream(id).await.expect("agent stream");
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: envd\r\nConnection: close\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n",
@@ -107,11 +132,17 @@ pub async fn http(rt: &Runtime, id: &str, method: &str, path: &str, content_type
     s.flush().await.unwrap();
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).await.unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("response head");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("response head");
     let head = String::from_utf8_lossy(&raw[..split]).to_string();
     let status: u16 = head.split_whitespace().nth(1).unwrap().parse().unwrap();
     let mut body = raw[split + 4..].to_vec();
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         body = dechunk(&body);
     }
     (status, body)
@@ -119,9 +150,16 @@ pub async fn http(rt: &Runtime, id: &str, method: &str, path: &str, content_type
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else { break };
-        let n = usize::from_str_radix(String::from_utf8_lossy(&b[..eol]).split(';').next().unwrap().trim(), 16).unwrap();
+    while let Some(eol) = b.windows(2).position(|w| w == b"\r\n") {
+        let n = usize::from_str_radix(
+            String::from_utf8_lossy(&b[..eol])
+                .split(';')
+                .next()
+                .unwrap()
+                .trim(),
+            16,
+        )
+        .unwrap();
         if n == 0 {
             break;
         }
@@ -137,8 +175,21 @@ pub async fn run(rt: &Runtime, id: &str, cmd: &str) -> (String, i64) {
     let mut body = vec![0u8];
     body.extend_from_slice(&(msg.len() as u32).to_be_bytes());
     body.extend_from_slice(msg.as_bytes());
-    let (status, resp) = http(rt, id, "POST", "/process.Process/Start", "application/connect+json", &body).await;
-    assert_eq!(status, 200, "Start answered {status}: {}", String::from_utf8_lossy(&resp));
+    let (status, resp) = http(
+        rt,
+        id,
+        "POST",
+        "/process.Process/Start",
+        "application/connect+json",
+        &body,
+    )
+    .await;
+    assert_eq!(
+        status,
+        200,
+        "Start answered {status}: {}",
+        String::from_utf8_lossy(&resp)
+    );
     let (mut stdout, mut code, mut ended) = (Vec::new(), 0i64, false);
     let mut rest = &resp[..];
     while rest.len() >= 5 {
@@ -186,5 +237,9 @@ fn base64_decode(s: &str) -> Vec<u8> {
 
 /// A fresh random token.
 pub fn token() -> String {
-    format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())
+    format!(
+        "{:016x}{:016x}",
+        rand::random::<u64>(),
+        rand::random::<u64>()
+    )
 }
