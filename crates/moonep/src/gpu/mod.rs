@@ -9,7 +9,8 @@
 //! - [`ep`]: [`ep::EpBuffer`], the collective dispatch/combine engine.
 //! - [`baseline`]: permute + grouped send/recv all-to-all-v + unpermute.
 //! - [`bench`]: `run_nvlink`, called by `moonep-bench --tier nvlink`.
-//! - [`selftest`]: the rank-side GPU correctness checks (run by `tests/gpu_ep.rs` and on the device).
+//! - [`selftest`]: the rank-side GPU correctness checks (run by `tests/gpu_ep.rs` and on the device);
+//!   [`workload`]: their seeded routings and data.
 //!
 //! Only this module imports `cudarc`. Without nvcc at build time the kernels are absent and every
 //! GPU entry point returns [`GpuError::NoKernels`].
@@ -24,6 +25,7 @@ pub mod rank;
 pub mod selftest;
 pub mod store;
 pub mod symm;
+pub mod workload;
 
 /// Device status word codes written by the kernels (mirrors `kernels/moonep.cu`).
 pub mod status {
