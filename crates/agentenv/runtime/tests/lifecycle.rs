@@ -115,11 +115,11 @@ async fn pause_and_resume_keep_files_and_processes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_keeps_running_and_paused_and_cleans_dead() {
     let state = StateDir::new();
-    let (run_id, pause_id, dead_id) = ("keep-run", "keep-paused", "dies");
+    let (run_id, pause_id, dead_id, half_id) = ("keep-run", "keep-paused", "dies", "half");
     let (tok_run, tok_paused) = (token(), token());
     {
         let rt = runtime(state.path()).await;
-        for id in [run_id, pause_id, dead_id] {
+        for id in [run_id, pause_id, dead_id, half_id] {
             rt.create(spec(id)).await.expect("create");
         }
         run(&rt, run_id, &format!("echo {tok_run} > /tmp/t")).await;
@@ -139,6 +139,17 @@ async fn restart_keeps_running_and_paused_and_cleans_dead() {
     )
     .unwrap();
     let dead_pid = rec["phase"]["pid"].as_u64().expect("running pid") as i32;
+    // A crash in the middle of a create leaves a `starting` record and a live QEMU: an orphan to kill.
+    let half_path = state
+        .path()
+        .join("sandboxes")
+        .join(half_id)
+        .join("sandbox.json");
+    let mut half: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&half_path).unwrap()).unwrap();
+    let half_pid = half["phase"]["pid"].as_u64().expect("running pid") as u32;
+    half["phase"] = serde_json::json!({"phase": "starting"});
+    std::fs::write(&half_path, serde_json::to_vec(&half).unwrap()).unwrap();
     // SAFETY: plain syscall on the QEMU of this test's sandbox.
     unsafe { libc::kill(dead_pid, libc::SIGKILL) };
 
@@ -150,12 +161,24 @@ async fn restart_keeps_running_and_paused_and_cleans_dead() {
         states,
         vec![
             (dead_id, None),
+            (half_id, None),
             (pause_id, Some(VmState::Paused)),
             (run_id, Some(VmState::Running))
         ],
         "{recovered:?}"
     );
     assert!(!state.path().join("sandboxes").join(dead_id).exists());
+    assert!(!state.path().join("sandboxes").join(half_id).exists());
+    for _ in 0..1000 {
+        if !std::path::Path::new(&format!("/proc/{half_pid}")).exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(
+        !common::qemu_pids_under(state.path()).contains(&half_pid),
+        "orphan QEMU killed"
+    );
     let (out, _) = run(&rt, run_id, "cat /tmp/t").await;
     assert_eq!(out, format!("{tok_run}\n"));
     rt.resume(pause_id).await.expect("resume after restart");
