@@ -442,3 +442,60 @@ impl ApiClient {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_query_is_encoded_twice_and_decodes_back() {
+        let pairs = vec![
+            ("user".to_string(), "al ice&co".to_string()),
+            ("k=1".to_string(), "ü".to_string()),
+        ];
+        let q = form_query(Some("running,paused"), &pairs);
+        // Decode like the server: the query once, then the metadata value once more.
+        let outer: Vec<(String, String)> = q
+            .split('&')
+            .map(|kv| {
+                let (k, v) = kv.split_once('=').unwrap();
+                (k.to_string(), percent_decode(v))
+            })
+            .collect();
+        let md = &outer.iter().find(|(k, _)| k == "metadata").unwrap().1;
+        let inner: Vec<(String, String)> = md
+            .split('&')
+            .map(|kv| {
+                let (k, v) = kv.split_once('=').unwrap();
+                (percent_decode(k), percent_decode(v))
+            })
+            .collect();
+        assert_eq!(inner, pairs);
+        assert!(q.contains("state=running,paused") && q.ends_with("limit=100"));
+    }
+
+    fn percent_decode(s: &str) -> String {
+        let b = s.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%' {
+                out.push(u8::from_str_radix(&s[i + 1..i + 3], 16).unwrap());
+                i += 3;
+            } else {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn key_value_arguments() {
+        assert_eq!(
+            parse_kv("A=b=c").unwrap(),
+            ("A".to_string(), "b=c".to_string())
+        );
+        assert!(parse_kv("novalue").is_err());
+    }
+}
