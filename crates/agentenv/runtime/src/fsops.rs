@@ -37,9 +37,22 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> std::io::Result<u64> {
             let want = (hole - off_in) as usize;
             // SAFETY: both fds are open; the offsets are owned locals.
             let n = unsafe { libc::copy_file_range(fi, &mut off_in, fo, &mut off_out, want, 0) };
-            if n < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
+            let n = if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if !matches!(
+                    e.raw_os_error(),
+                    Some(libc::EXDEV | libc::EOPNOTSUPP | libc::ENOSYS)
+                ) {
+                    return Err(e);
+                }
+                // Another filesystem (e.g. a tmpfs RAM folder): plain positioned copy.
+                let n = copy_range(&from, &to, off_in as u64, want.min(1 << 20))?;
+                off_in += n as i64;
+                off_out += n as i64;
+                n as isize
+            } else {
+                n
+            };
             if n == 0 {
                 break;
             }
@@ -48,6 +61,19 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> std::io::Result<u64> {
         pos = hole;
     }
     Ok(copied)
+}
+
+fn copy_range(
+    from: &std::fs::File,
+    to: &std::fs::File,
+    off: u64,
+    len: usize,
+) -> std::io::Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len];
+    let n = from.read_at(&mut buf, off)?;
+    to.write_all_at(&buf[..n], off)?;
+    Ok(n)
 }
 
 /// Hard-links `src` to `dst`, or copies it sparsely where a link is impossible (another filesystem).
