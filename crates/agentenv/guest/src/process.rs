@@ -8,6 +8,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +21,8 @@ use crate::users::{self, User};
 
 /// Largest output chunk sent in one data event.
 const CHUNK: usize = 32 * 1024;
+/// Output chunks queued per watcher before the process's output reader waits for it.
+const WATCHER_QUEUE: usize = 64;
 /// How long to wait for output pipes after the process exited (grandchildren may hold them).
 const DRAIN_GRACE: Duration = Duration::from_millis(500);
 
@@ -52,27 +55,67 @@ pub struct Proc {
     pub config: ProcessConfig,
     /// Optional tag.
     pub tag: Option<String>,
-    watchers: Mutex<Option<Vec<mpsc::UnboundedSender<ProcEvent>>>>,
+    watchers: Mutex<Option<Vec<mpsc::Sender<ProcEvent>>>>,
+    /// Output chunks delivered so far, and deliveries in progress (for [`drain`]).
+    delivered: AtomicU64,
+    delivering: AtomicUsize,
     input: tokio::sync::Mutex<Option<Input>>,
     pty_master: Option<Arc<File>>,
 }
 
 impl Proc {
-    fn emit(&self, ev: ProcEvent) {
+    fn senders(&self) -> Vec<mpsc::Sender<ProcEvent>> {
+        let w = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
+        w.as_ref().map(|v| v.to_vec()).unwrap_or_default()
+    }
+
+    fn forget(&self, dead: &[mpsc::Sender<ProcEvent>]) {
+        if dead.is_empty() {
+            return;
+        }
         if let Some(list) = self
             .watchers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
         {
-            list.retain(|tx| tx.send(ev.clone()).is_ok());
+            list.retain(|t| !dead.iter().any(|d| d.same_channel(t)));
         }
     }
 
+    /// Delivers `ev` to every watcher, waiting while one is full (lossless backpressure up to
+    /// the HTTP connection); watchers whose stream is gone are dropped.
+    async fn emit(&self, ev: ProcEvent) {
+        self.delivering.fetch_add(1, Ordering::SeqCst);
+        let mut dead = Vec::new();
+        for tx in self.senders() {
+            if tx.send(ev.clone()).await.is_err() {
+                dead.push(tx);
+            }
+        }
+        self.forget(&dead);
+        self.delivered.fetch_add(1, Ordering::SeqCst);
+        self.delivering.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// [`Proc::emit`] from a blocking thread (the PTY reader).
+    fn emit_blocking(&self, ev: ProcEvent) {
+        self.delivering.fetch_add(1, Ordering::SeqCst);
+        let mut dead = Vec::new();
+        for tx in self.senders() {
+            if tx.blocking_send(ev.clone()).is_err() {
+                dead.push(tx);
+            }
+        }
+        self.forget(&dead);
+        self.delivered.fetch_add(1, Ordering::SeqCst);
+        self.delivering.fetch_sub(1, Ordering::SeqCst);
+    }
+
     /// Adds a watcher; `None` once the process has ended.
-    pub fn subscribe(&self) -> Option<mpsc::UnboundedReceiver<ProcEvent>> {
+    pub fn subscribe(&self) -> Option<mpsc::Receiver<ProcEvent>> {
         let mut w = self.watchers.lock().unwrap_or_else(|e| e.into_inner());
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(WATCHER_QUEUE);
         w.as_mut()?.push(tx);
         Some(rx)
     }
@@ -206,7 +249,7 @@ impl ProcessTable {
     pub fn spawn(
         self: &Arc<Self>,
         spec: SpawnSpec,
-    ) -> Result<(Arc<Proc>, mpsc::UnboundedReceiver<ProcEvent>), RpcError> {
+    ) -> Result<(Arc<Proc>, mpsc::Receiver<ProcEvent>), RpcError> {
         let cwd = resolve_cwd(&spec)?;
         let mut cmd = tokio::process::Command::new(&spec.config.cmd);
         cmd.args(&spec.config.args)
@@ -281,7 +324,7 @@ impl ProcessTable {
         let pid = child
             .id()
             .ok_or_else(|| RpcError::new(Code::Internal, "child has no pid"))?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(WATCHER_QUEUE);
         let (input, pty_master, readers) = match pty {
             Some((master, _slave)) => {
                 let master = Arc::new(File::from(master));
@@ -305,6 +348,8 @@ impl ProcessTable {
             config: spec.config.clone(),
             tag: spec.tag.clone(),
             watchers: Mutex::new(Some(vec![tx])),
+            delivered: AtomicU64::new(0),
+            delivering: AtomicUsize::new(0),
             input: tokio::sync::Mutex::new(input),
             pty_master,
         });
@@ -326,24 +371,23 @@ impl ProcessTable {
                 },
                 None => child.wait().await,
             };
-            let _ = tokio::time::timeout(DRAIN_GRACE, async {
-                for h in outputs {
-                    let _ = h.await;
-                }
-            })
-            .await;
+            drain(&p, outputs).await;
             table.lock().remove(&pid);
             let (exit_code, exited, status) = match status {
                 Ok(s) => describe_status(s),
                 Err(e) => (-1, false, format!("wait failed: {e}")),
             };
             tracing::debug!(pid, %status, "process ended");
-            p.emit(ProcEvent::End {
+            // Taken first: a watcher arriving now gets `not_found` instead of missing the end.
+            let last = p.watchers.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let end = ProcEvent::End {
                 exit_code,
                 exited,
                 status,
-            });
-            p.watchers.lock().unwrap_or_else(|e| e.into_inner()).take();
+            };
+            for tx in last.unwrap_or_default() {
+                let _ = tx.send(end.clone()).await;
+            }
         });
         Ok((proc, rx))
     }
@@ -377,12 +421,36 @@ impl Readers {
                     if n == 0 {
                         break;
                     }
-                    p.emit(ProcEvent::Data(
+                    p.emit_blocking(ProcEvent::Data(
                         Stream::Pty,
                         bytes::Bytes::copy_from_slice(&buf[..n]),
                     ));
                 }
             })],
+        }
+    }
+}
+
+/// Waits for the output readers after the process exited. Gives up only once output has been
+/// idle for [`DRAIN_GRACE`] with nothing being delivered (a grandchild holding the pipe open);
+/// a slow client that is still receiving keeps it waiting, so no output is lost.
+async fn drain(p: &Proc, outputs: Vec<tokio::task::JoinHandle<()>>) {
+    let all = async {
+        for h in outputs {
+            let _ = h.await;
+        }
+    };
+    tokio::pin!(all);
+    loop {
+        let before = p.delivered.load(Ordering::SeqCst);
+        tokio::select! {
+            _ = &mut all => return,
+            _ = tokio::time::sleep(DRAIN_GRACE) => {
+                let idle = p.delivered.load(Ordering::SeqCst) == before;
+                if idle && p.delivering.load(Ordering::SeqCst) == 0 {
+                    return;
+                }
+            }
         }
     }
 }
@@ -396,7 +464,8 @@ async fn pump<R: tokio::io::AsyncRead + Unpin>(mut r: R, stream: Stream, p: Arc<
         p.emit(ProcEvent::Data(
             stream,
             bytes::Bytes::copy_from_slice(&buf[..n]),
-        ));
+        ))
+        .await;
     }
 }
 

@@ -157,7 +157,7 @@ async fn send(tx: &mpsc::Sender<Bytes>, v: &Value) -> bool {
 /// (the process keeps running).
 async fn pump_process(
     pid: u32,
-    mut rx: mpsc::UnboundedReceiver<ProcEvent>,
+    mut rx: mpsc::Receiver<ProcEvent>,
     tx: mpsc::Sender<Bytes>,
     ka: Duration,
 ) {

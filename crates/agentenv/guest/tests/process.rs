@@ -328,3 +328,27 @@ async fn unknown_method_and_bad_json() {
     assert_eq!(st, StatusCode::BAD_REQUEST);
     assert_eq!(v["code"], "invalid_argument");
 }
+
+#[tokio::test]
+async fn slow_client_gets_all_output() {
+    let g = Guest::start(&[]).await;
+    let n = rand::random_range(2_000_000..3_000_000);
+    let mut s = g
+        .stream(
+            "/process.Process/Start",
+            bash(&format!(
+                "head -c {n} /dev/urandom | od -An -v | wc -c; head -c {n} /dev/zero"
+            )),
+            &[],
+        )
+        .await;
+    expect_start(&mut s).await;
+    // The client stalls while the process finishes; backpressure must not drop output.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let out = s.collect_process().await;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (first, rest) = text.split_once('\n').unwrap();
+    assert!(first.trim().parse::<usize>().unwrap() > n);
+    assert_eq!(rest.len(), n);
+    assert_eq!(out.end.unwrap()["exited"], true);
+}
