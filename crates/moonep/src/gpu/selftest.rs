@@ -10,12 +10,13 @@ use super::ep::{EpBuffer, EpConfig, Tokens, Transport, plan_config};
 use super::rank::Rank;
 pub use super::workload::{Routing, make_topk, random_bf16, random_f32, tpe_of};
 use super::{GpuError, status};
-use crate::plan::{GlobalPlan, plan_entries, plan_global, unpack_slot};
+use crate::plan::{GlobalPlan, plan_entries, plan_global};
+use crate::reference::{self, ClusterPlan, POISON, VirtualCluster};
 
-/// bf16 poison (a NaN) left in rows nobody may write.
-pub const POISON_BF16: u16 = 0x7fc1;
-/// f32 poison bits.
-pub const POISON_F32: u32 = 0x7fc0_0001;
+/// Two bf16 copies of the reference poison (NaN) as one 32-bit fill word.
+pub fn poison_bf16_pair() -> u32 {
+    u32::from(bf16::from_f32(POISON).to_bits()) * 0x10001
+}
 
 /// One dispatch/combine case.
 #[derive(Debug, Clone, Copy)]
@@ -120,15 +121,12 @@ pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
         .collect();
     let pc = plan_config(&cfg, r, c.s, None);
     let gp = plan_global(&pc, &tpe_all).map_err(|x| x.to_string())?;
+    let topk_u32: Vec<Vec<u32>> = topk
+        .iter()
+        .map(|t| t.iter().map(|&x| x as u32).collect())
+        .collect();
     let dsts: Vec<Vec<i64>> = (0..r)
-        .map(|src| {
-            plan_entries(
-                &pc,
-                &gp,
-                src,
-                &topk[src].iter().map(|&x| x as u32).collect::<Vec<_>>(),
-            )
-        })
+        .map(|src| plan_entries(&pc, &gp, src, &topk_u32[src]))
         .collect::<Result<_, _>>()
         .map_err(|x| x.to_string())?;
     let xs: Vec<Vec<u16>> = (0..r)
@@ -144,13 +142,10 @@ pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
     let topk_d = dev.upload(&topk[me]).map_err(e)?;
     let tpe_d = dev.upload(&tpe_of(&topk[me], c.experts)).map_err(e)?;
     // Poison the shard and weights.
-    dev.memset_u32(
-        buf.hidden.ptr(),
-        u32::from(POISON_BF16) * 0x10001,
-        nvs * c.h / 2,
-    )
-    .map_err(e)?;
-    dev.memset_u32(buf.wts.ptr(), POISON_F32, nvs).map_err(e)?;
+    dev.memset_u32(buf.hidden.ptr(), poison_bf16_pair(), nvs * c.h / 2)
+        .map_err(e)?;
+    dev.memset_u32(buf.wts.ptr(), POISON.to_bits(), nvs)
+        .map_err(e)?;
     dev.sync().map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
     buf.dispatch(
@@ -167,64 +162,69 @@ pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
     .map_err(e)?;
     buf.check(&rank.dev).map_err(e)?;
     check_plan(&buf, rank, &gp, &dsts[me])?;
-    // Expected shard of this rank.
+    // Expected shards: the CPU reference cluster (crate::reference) on the same inputs.
+    let plan = ClusterPlan::new(&pc, &tpe_all, &topk_u32).map_err(|x| x.to_string())?;
+    let mut cluster = VirtualCluster::new(r, nvs, c.h);
+    let xs_bf: Vec<Vec<bf16>> = xs
+        .iter()
+        .map(|v| v.iter().map(|&b| bf16::from_bits(b)).collect())
+        .collect();
+    cluster
+        .dispatch(&plan, &xs_bf, Some(&ws))
+        .map_err(|x| x.to_string())?;
     let nvs_s = buf.step_slots();
-    let mut want_h = vec![POISON_BF16; nvs_s * c.h];
-    let mut want_w = vec![POISON_F32; nvs_s];
-    for src in 0..r {
-        for (i, &slot) in dsts[src].iter().enumerate() {
-            let (d, loff) = unpack_slot(slot, nvs as u64);
-            if d == me {
-                let t = i / c.k;
-                let l = loff as usize;
-                want_h[l * c.h..(l + 1) * c.h].copy_from_slice(&xs[src][t * c.h..(t + 1) * c.h]);
-                want_w[l] = ws[src][i].to_bits();
-            }
-        }
-    }
-    for &(start, len) in &gp.layouts[me].zero_fill {
-        for row in start as usize..(start + len) as usize {
-            want_h[row * c.h..(row + 1) * c.h].fill(0);
-            want_w[row] = 0;
-        }
-    }
+    let want_h: Vec<u16> = cluster.shards[me][..nvs_s * c.h]
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    let want_w: Vec<u32> = cluster.wts[me][..nvs_s]
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
     let got_h: Vec<u16> = read_ptr(buf.hidden.ptr(), nvs_s * c.h).map_err(e)?;
     let got_w: Vec<u32> = read_ptr(buf.wts.ptr(), nvs_s).map_err(e)?;
-    mismatch("shard rows", &got_h, &want_h)?;
-    mismatch("slot weights", &got_w, &want_w)?;
-    // Combine: fresh expert outputs y in every rank's used rows.
-    let used: Vec<usize> = gp.layouts.iter().map(|l| l.used_rows() as usize).collect();
-    let ys: Vec<Vec<u16>> = (0..r)
-        .map(|d| random_bf16(used[d], c.h, seed ^ (0x3000 + d as u64)))
-        .collect();
-    if used[me] > 0 {
-        crate::gpu::driver::write_ptr(buf.hidden.ptr(), &ys[me]).map_err(e)?;
+    mismatch("shard rows vs reference cluster", &got_h, &want_h)?;
+    mismatch("slot weights vs reference cluster", &got_w, &want_w)?;
+    // Combine: fresh expert outputs y in every rank's used rows, same on both sides.
+    let mut ys = cluster.shards.clone();
+    for (d, y) in ys.iter_mut().enumerate() {
+        let used = gp.layouts[d].used_rows() as usize;
+        let fresh = random_bf16(used, c.h, seed ^ (0x3000 + d as u64));
+        for (dst, &b) in y[..used * c.h].iter_mut().zip(&fresh) {
+            *dst = bf16::from_bits(b);
+        }
+    }
+    let used_me = gp.layouts[me].used_rows() as usize;
+    if used_me > 0 {
+        let mine: Vec<u16> = ys[me][..used_me * c.h]
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        crate::gpu::driver::write_ptr(buf.hidden.ptr(), &mine).map_err(e)?;
     }
     let out_d = dev.alloc(c.s * c.h * 2).map_err(e)?;
     let wout_d = dev.alloc(c.s * c.k * 4).map_err(e)?;
-    dev.memset_u32(out_d.ptr, u32::from(POISON_BF16) * 0x10001, c.s * c.h / 2)
+    dev.memset_u32(out_d.ptr, poison_bf16_pair(), c.s * c.h / 2)
         .map_err(e)?;
-    dev.memset_u32(wout_d.ptr, POISON_F32, c.s * c.k)
+    dev.memset_u32(wout_d.ptr, POISON.to_bits(), c.s * c.k)
         .map_err(e)?;
     dev.sync().map_err(e)?;
     rank.store.barrier().map_err(|x| x.to_string())?;
     buf.combine(rank, out_d.ptr, wout_d.ptr).map_err(e)?;
     buf.check(&rank.dev).map_err(e)?;
-    let mut want_out = vec![0u16; c.s * c.h];
-    for t in 0..c.s {
-        for j in 0..c.h {
-            let mut acc = 0f32;
-            for k in 0..c.k {
-                let (d, loff) = unpack_slot(dsts[me][t * c.k + k], nvs as u64);
-                acc += bf16::from_bits(ys[d][loff as usize * c.h + j]).to_f32();
-            }
-            want_out[t * c.h + j] = bf16::from_f32(acc).to_bits();
-        }
-    }
+    let want_out: Vec<u16> = reference::combine(&plan, &ys, c.h)[me]
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
     let got_out: Vec<u16> = read_ptr(out_d.ptr, c.s * c.h).map_err(e)?;
-    mismatch("combine out", &got_out, &want_out)?;
+    mismatch("combine out vs reference cluster", &got_out, &want_out)?;
+    let want_wout = reference::gather_slots(&plan, &cluster.wts);
     let got_wout: Vec<f32> = read_ptr(wout_d.ptr, c.s * c.k).map_err(e)?;
-    mismatch("combine weight gather", &got_wout, &ws[me])?;
+    mismatch(
+        "combine weight gather vs reference",
+        &got_wout,
+        &want_wout[me],
+    )?;
     rank.store.barrier().map_err(|x| x.to_string())?;
     Ok(())
 }
@@ -273,7 +273,7 @@ pub fn run_baseline_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), Str
     mismatch("baseline expert-major rows", &got, &want)?;
     let out_d = rank.dev.alloc(c.s * c.h * 2).map_err(e)?;
     rank.dev
-        .memset_u32(out_d.ptr, u32::from(POISON_BF16) * 0x10001, c.s * c.h / 2)
+        .memset_u32(out_d.ptr, poison_bf16_pair(), c.s * c.h / 2)
         .map_err(e)?;
     base.combine(rank, out_d.ptr).map_err(e)?;
     rank.dev.sync().map_err(e)?;
