@@ -4,6 +4,14 @@
 //! Modules: [`envd`] (wire JSON + Connect framing, the only module that knows field names),
 //! [`http`] (routing, auth, plain endpoints), [`rpc`] (Connect methods), [`process`],
 //! [`fs`], [`watch`], [`files`] (`/files`), [`users`], [`init`] (PID 1).
+//!
+//! Host-facing extras beyond the SDK's calls:
+//! - `POST /init` `{"envVars"?: {..}, "accessToken"?: str, "defaultUser"?: str,
+//!   "defaultWorkdir"?: str, "timestamp"?: unix-seconds | RFC 3339}` → 204. Env vars merge
+//!   into every later process; a token makes every route but `/health` require
+//!   `X-Access-Token` (or a signed `/files` URL); `timestamp` sets the clock when the agent
+//!   runs with `--set-clock` (what `init` starts), e.g. right after a snapshot resume.
+//! - `GET /envs` → the merged env vars; `GET /metrics` → cpu/memory/disk usage JSON.
 
 pub mod envd;
 pub mod files;
