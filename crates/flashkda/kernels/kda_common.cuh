@@ -25,6 +25,7 @@ struct KdaParams {
   int state_fp32;          // 1: h0/ht are fp32, 0: bf16
   float scale;
   float lower_bound;
+  void* ws;                // kda_fwd_ws.cu: the per-(chunk slot, head) record workspace
 };
 
 #define KD 128

@@ -1,13 +1,15 @@
 //! Loads the embedded sm_90a cubins and launches the forward on the caller's stream. The only
 //! module that launches kernels.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 use crate::error::{DriverContext, FlashKdaError};
+use crate::reference::CHUNK;
 use crate::validate::{FwdArgs, FwdPlan, StateDType, check_cu_seqlens, validate};
 
 mod built {
@@ -61,6 +63,7 @@ struct KernelParams {
     state_fp32: i32,
     scale: f32,
     lower_bound: f32,
+    ws: u64,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (checked by a test on its size).
@@ -76,6 +79,8 @@ pub enum ValueSplit {
     Four,
     /// Two blocks of 4 warps (64 value rows each).
     Two,
+    /// Eight one-warp blocks (16 value rows each); `Workspace` schedule only (the others use `Four`).
+    Eight,
 }
 
 /// Which kernel runs the chunk loop.
@@ -89,6 +94,10 @@ pub enum KernelSchedule {
     /// `kda_fwd_pipelined.cu`: prep of chunk c+1 overlapped with the state work of chunk c,
     /// two barriers per chunk (always two 4-warp blocks per chain; `value_split` is ignored).
     Pipelined,
+    /// `kda_fwd_ws.cu`: a parallel prep kernel over all (chunk, head) writes the state-independent
+    /// tensors to a device workspace (13888 bytes per 16 tokens and head, owned by
+    /// [`KdaKernels`]); the sequential pass only does the state matmuls, 2, 4 or 8 blocks per chain.
+    Workspace,
 }
 
 /// Launch options.
@@ -111,6 +120,38 @@ impl Default for FwdOptions {
     }
 }
 
+/// One device allocation, freed on drop.
+#[derive(Debug)]
+struct Workspace {
+    ctx: Arc<CudaContext>,
+    ptr: cudarc::driver::sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl Workspace {
+    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, FlashKdaError> {
+        ctx.bind_to_thread().during("binding the context")?;
+        // SAFETY: a plain allocation on the bound context.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
+            .during("allocating the workspace")?;
+        Ok(Workspace {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+        })
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        // cuMemFree waits for work still using the allocation; errors cannot be reported here.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from malloc_sync on this context and is freed once.
+            let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
+        }
+    }
+}
+
 /// The loaded kernels of one device.
 #[derive(Debug)]
 pub struct KdaKernels {
@@ -118,11 +159,23 @@ pub struct KdaKernels {
     two_warps: CudaFunction,
     four_warps: CudaFunction,
     pipelined: CudaFunction,
+    prep: CudaFunction,
+    /// `kda_state_w{1,2,4}`: 1, 2 and 4 warps per block.
+    state: [CudaFunction; 3],
+    /// Workspaces of the `Workspace` schedule, one per stream (so calls on different streams
+    /// never share one), grown on demand; plain device allocations (no events: graph-capturable).
+    workspaces: Mutex<HashMap<usize, Workspace>>,
     sm_count: usize,
 }
 
 /// Dynamic shared memory of `kda_fwd_pipe_w4` (`PIPE_SMEM_BYTES` in the .cu, checked there).
 const PIPE_SMEM_BYTES: u32 = 65344;
+/// Dynamic shared memory of `kda_state_w{1,2,4}` (`STATE_SMEM` in kda_fwd_ws.cu, checked there).
+const STATE_SMEM_BYTES: [u32; 3] = [29584, 61216, 66848];
+/// Bytes of one workspace record (one 16-token chunk slot of one head).
+pub const WORKSPACE_RECORD_BYTES: usize = 13888;
+/// `Auto` uses the workspace schedule only while its workspace stays below this size.
+pub const WORKSPACE_AUTO_LIMIT: usize = 4 << 30;
 
 impl KdaKernels {
     /// Loads the cubins into `ctx` (the device's primary context, shared with torch).
@@ -135,6 +188,7 @@ impl KdaKernels {
                 .ok_or(FlashKdaError::KernelsNotBuilt(not_built_reason()))
         };
         let (seq_cubin, pipe_cubin) = (cubin("kda_fwd")?, cubin("kda_fwd_pipelined")?);
+        let ws_cubin = cubin("kda_fwd_ws")?;
         let (major, minor) = ctx
             .compute_capability()
             .during("reading compute capability")?;
@@ -166,6 +220,26 @@ impl KdaKernels {
                 PIPE_SMEM_BYTES as i32,
             )
             .during("allowing 64 KiB of dynamic shared memory")?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(ws_cubin))
+            .during("loading the kda_fwd_ws cubin")?;
+        let prep = module
+            .load_function("kda_prep")
+            .during("loading kda_prep")?;
+        let load_state = |name: &str, bytes: u32| -> Result<CudaFunction, FlashKdaError> {
+            let f = module.load_function(name).during("loading kda_state_w*")?;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .during("allowing the state pass's dynamic shared memory")?;
+            Ok(f)
+        };
+        let state = [
+            load_state("kda_state_w1", STATE_SMEM_BYTES[0])?,
+            load_state("kda_state_w2", STATE_SMEM_BYTES[1])?,
+            load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
+        ];
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -176,6 +250,9 @@ impl KdaKernels {
             two_warps,
             four_warps,
             pipelined,
+            prep,
+            state,
+            workspaces: Mutex::new(HashMap::new()),
             sm_count,
         })
     }
@@ -194,6 +271,32 @@ impl KdaKernels {
     /// (the per-block key-side prep is shared by more warps), so `Auto` is `Two`.
     pub fn auto_split(&self, _chains: usize) -> ValueSplit {
         ValueSplit::Two
+    }
+
+    /// The schedule `Auto` picks for a call whose `Workspace` schedule needs `workspace_bytes`.
+    /// Chosen before run 3 measured it (2026-11-29): the workspace schedule shortens the
+    /// per-chunk critical path to the state matmuls; `Pipelined` is kept for huge problems.
+    pub fn auto_schedule(&self, workspace_bytes: usize) -> KernelSchedule {
+        if workspace_bytes <= WORKSPACE_AUTO_LIMIT {
+            KernelSchedule::Workspace
+        } else {
+            KernelSchedule::Pipelined
+        }
+    }
+
+    /// The value split `Auto` picks for the workspace schedule: four 2-warp blocks per chain.
+    pub fn auto_workspace_split(&self, _chains: usize) -> ValueSplit {
+        ValueSplit::Four
+    }
+}
+
+/// Chunk slots of the workspace: `batch * ceil(seq_len / 16)` without `cu_seqlens`, else
+/// `T / 16 + N` (sequence `n` starts at slot `cu[n] / 16 + n`; see kda_fwd_ws.cu).
+pub fn workspace_slots(plan: &FwdPlan) -> usize {
+    if plan.varlen {
+        plan.seq_len / CHUNK + plan.num_seqs
+    } else {
+        plan.batch * plan.seq_len.div_ceil(CHUNK)
     }
 }
 
@@ -227,21 +330,19 @@ pub fn fwd(
     if chains == 0 {
         return Ok(plan);
     }
-    let split = match opts.value_split {
-        ValueSplit::Auto => kernels.auto_split(chains),
-        s => s,
-    };
+    let slots = workspace_slots(&plan);
+    let ws_bytes = slots * plan.heads * WORKSPACE_RECORD_BYTES;
     let schedule = match opts.schedule {
-        // H200, 2026-11-29: pipelined 0.6-2.7 % faster on five anchor shapes, 0.8 % slower on H=64 fixed
-        KernelSchedule::Auto => KernelSchedule::Pipelined,
+        // see `auto_schedule` for the measurement behind it
+        KernelSchedule::Auto => kernels.auto_schedule(ws_bytes),
         s => s,
     };
-    let (func, slices, threads, smem) = match (schedule, split) {
-        (KernelSchedule::Pipelined, _) => (&kernels.pipelined, 2u32, 128u32, PIPE_SMEM_BYTES),
-        (_, ValueSplit::Four) => (&kernels.two_warps, 4, 64, 0),
-        _ => (&kernels.four_warps, 2, 128, 0),
+    let split = match (opts.value_split, schedule) {
+        (ValueSplit::Auto, KernelSchedule::Workspace) => kernels.auto_workspace_split(chains),
+        (ValueSplit::Auto, _) => kernels.auto_split(chains),
+        (s, _) => s,
     };
-    let params = KernelParams {
+    let mut params = KernelParams {
         q: args.q.ptr,
         k: args.k.ptr,
         v: args.v.ptr,
@@ -260,6 +361,62 @@ pub fn fwd(
         state_fp32: i32::from(plan.state == Some(StateDType::F32)),
         scale: args.scale,
         lower_bound: args.lower_bound,
+        ws: 0,
+    };
+    if schedule == KernelSchedule::Workspace {
+        if slots > i32::MAX as usize {
+            return Err(FlashKdaError::TooLarge(format!(
+                "{slots} chunk slots exceed the prep kernel's grid"
+            )));
+        }
+        let (index, slices) = match split {
+            ValueSplit::Eight => (0, 8u32),
+            ValueSplit::Four => (1, 4),
+            _ => (2, 2),
+        };
+        let need = ws_bytes.max(1);
+        let mut map = kernels.workspaces.lock().unwrap_or_else(|p| p.into_inner());
+        let key = stream.cu_stream() as usize;
+        if map.get(&key).is_some_and(|w| w.bytes < need) {
+            // the old one may still be read by this stream's previous call
+            stream
+                .synchronize()
+                .during("waiting before growing the workspace")?;
+            map.remove(&key);
+        }
+        let ws = match map.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(Workspace::new(&kernels.ctx, need)?)
+            }
+        };
+        params.ws = ws.ptr;
+        if slots > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (slots as u32, plan.heads as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = stream.launch_builder(&kernels.prep);
+            launch.arg(&params);
+            // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace.
+            unsafe { launch.launch(cfg) }.during("launching kda_prep")?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (chains as u32 * slices, 1, 1),
+            block_dim: (256 / slices, 1, 1),
+            shared_mem_bytes: STATE_SMEM_BYTES[index],
+        };
+        let mut launch = stream.launch_builder(&kernels.state[index]);
+        launch.arg(&params);
+        // SAFETY: reads the records written above and the validated tensors.
+        unsafe { launch.launch(cfg) }.during("launching kda_state")?;
+        return Ok(plan);
+    }
+    let (func, slices, threads, smem) = match (schedule, split) {
+        (KernelSchedule::Pipelined, _) => (&kernels.pipelined, 2u32, 128u32, PIPE_SMEM_BYTES),
+        (_, ValueSplit::Four | ValueSplit::Eight) => (&kernels.two_warps, 4, 64, 0),
+        _ => (&kernels.four_warps, 2, 128, 0),
     };
     let cfg = LaunchConfig {
         grid_dim: (chains as u32 * slices, 1, 1),
@@ -277,8 +434,8 @@ pub fn fwd(
 mod tests {
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 8.
-        assert_eq!(std::mem::size_of::<super::KernelParams>(), 128);
+        // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, then the ws pointer.
+        assert_eq!(std::mem::size_of::<super::KernelParams>(), 136);
         assert_eq!(std::mem::align_of::<super::KernelParams>(), 8);
     }
 }

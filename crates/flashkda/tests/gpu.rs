@@ -41,6 +41,41 @@ fn gpu() -> Option<(KdaKernels, Arc<CudaStream>)> {
     }
 }
 
+/// Kernel variants under test: (name, schedule, split override). `FLASHKDA_TEST_KERNELS` (comma
+/// list of names) restricts them, e.g. to run a new variant in its own process.
+const VARIANTS: [(&str, KernelSchedule, Option<ValueSplit>); 5] = [
+    ("sequential", KernelSchedule::Sequential, None),
+    ("pipelined", KernelSchedule::Pipelined, None),
+    (
+        "workspace-4",
+        KernelSchedule::Workspace,
+        Some(ValueSplit::Four),
+    ),
+    (
+        "workspace-2",
+        KernelSchedule::Workspace,
+        Some(ValueSplit::Two),
+    ),
+    (
+        "workspace-8",
+        KernelSchedule::Workspace,
+        Some(ValueSplit::Eight),
+    ),
+];
+
+fn variants() -> Vec<(&'static str, KernelSchedule, Option<ValueSplit>)> {
+    let only = std::env::var("FLASHKDA_TEST_KERNELS").unwrap_or_default();
+    let picked: Vec<_> = VARIANTS
+        .into_iter()
+        .filter(|(n, _, _)| only.is_empty() || only.split(',').any(|o| o.trim() == *n))
+        .collect();
+    assert!(
+        !picked.is_empty(),
+        "FLASHKDA_TEST_KERNELS={only:?} names no variant"
+    );
+    picked
+}
+
 fn seed() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -81,10 +116,10 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     let mut dev = DeviceProblem::upload(stream, &p, c.state, c.batched).expect("upload");
     let reference: KdaOutput = recurrence_f64(&p);
     let emulation = c.emulate.then(|| emulated(&p));
-    for schedule in [KernelSchedule::Sequential, KernelSchedule::Pipelined] {
+    for (variant, schedule, split) in variants() {
         dev.poison().expect("poison");
         let opts = FwdOptions {
-            value_split: c.split,
+            value_split: split.unwrap_or(c.split),
             schedule,
             ..Default::default()
         };
@@ -121,7 +156,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             };
         }
         log_line(&format!(
-            "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"schedule\":\"{:?}\",\"seed\":{s},\
+            "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"schedule\":\"{:?}\",\"variant\":\"{variant}\",\"seed\":{s},\
              \"rel_out_f64\":{eo:e},\"rel_state_f64\":{es:e},\"rel_out_emulated\":{emo:e},\"rel_state_emulated\":{ems:e},\
              \"nonfinite_out\":{nan_out},\"nonfinite_state\":{nan_st}}}",
             c.name,
@@ -133,10 +168,10 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             c.heads,
             c.state.label(),
             c.batched,
-            c.split,
+            opts.value_split,
             schedule
         ));
-        let name = format!("{} [{schedule:?}]", c.name);
+        let name = format!("{} [{variant}]", c.name);
         assert_eq!(
             nan_out, 0,
             "{name}: {nan_out} output elements not written (still NaN) or non-finite"
@@ -296,43 +331,41 @@ fn deterministic_and_rejects_bad_cu_seqlens() {
     let (kernels, stream) = &g;
     let p = KdaProblem::random(&[300, 45], 8, true, seed());
     let mut dev = DeviceProblem::upload(stream, &p, StateIo::both(true), false).unwrap();
-    let mut runs = Vec::new();
-    for schedule in [
-        KernelSchedule::Sequential,
-        KernelSchedule::Sequential,
-        KernelSchedule::Pipelined,
-        KernelSchedule::Pipelined,
-    ] {
-        dev.poison().unwrap();
-        fwd(
-            kernels,
-            stream,
-            &dev.args(),
-            &FwdOptions {
-                schedule,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        stream.synchronize().unwrap();
-        runs.push(dev.read().unwrap());
+    for (variant, schedule, split) in variants() {
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            dev.poison().unwrap();
+            fwd(
+                kernels,
+                stream,
+                &dev.args(),
+                &FwdOptions {
+                    schedule,
+                    value_split: split.unwrap_or_default(),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            stream.synchronize().unwrap();
+            runs.push(dev.read().unwrap());
+        }
+        assert!(
+            runs[0]
+                .0
+                .iter()
+                .zip(&runs[1].0)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{variant}: out differs between runs"
+        );
+        assert!(
+            runs[0]
+                .1
+                .iter()
+                .zip(&runs[1].1)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{variant}: state differs between runs"
+        );
     }
-    assert!(
-        runs[0]
-            .0
-            .iter()
-            .zip(&runs[1].0)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "out differs between runs"
-    );
-    assert!(
-        runs[0]
-            .1
-            .iter()
-            .zip(&runs[1].1)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
-        "state differs between runs"
-    );
     // a cu_seqlens that ends short of T is rejected before launch
     let short = KdaProblem {
         seq_lens: vec![300, 40],

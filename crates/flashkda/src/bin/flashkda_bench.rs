@@ -56,10 +56,92 @@ struct Args {
     /// Heads to run on the sm90 tier.
     #[arg(long, default_value = "96,64", value_delimiter = ',')]
     heads: Vec<usize>,
+    /// Kernel variants to time (sequential, pipelined, workspace-2, workspace-4, workspace-8;
+    /// default all), e.g. only those that passed the GPU accuracy tests.
+    #[arg(long, value_delimiter = ',')]
+    kernels: Vec<String>,
 }
 
 /// The variants compared with fla (which is timed with an fp32 state in and out).
-const HEADLINES: [&str; 2] = ["fp32 state, sequential", "fp32 state, pipelined"];
+const HEADLINES: [&str; 5] = [
+    "fp32 state, sequential",
+    "fp32 state, pipelined",
+    "fp32 state, workspace 4 slices",
+    "fp32 state, workspace 2 slices",
+    "fp32 state, workspace 8 slices",
+];
+
+/// Timed variants: (label, kernel name for `--kernels`, state I/O, split, schedule).
+fn variants() -> Vec<(
+    &'static str,
+    &'static str,
+    StateIo,
+    ValueSplit,
+    KernelSchedule,
+)> {
+    use KernelSchedule::{Pipelined, Sequential, Workspace};
+    let f32s = StateIo::both(true);
+    let bf16s = StateIo::both(false);
+    vec![
+        (
+            HEADLINES[0],
+            "sequential",
+            f32s,
+            ValueSplit::Two,
+            Sequential,
+        ),
+        (HEADLINES[1], "pipelined", f32s, ValueSplit::Two, Pipelined),
+        (
+            HEADLINES[2],
+            "workspace-4",
+            f32s,
+            ValueSplit::Four,
+            Workspace,
+        ),
+        (
+            HEADLINES[3],
+            "workspace-2",
+            f32s,
+            ValueSplit::Two,
+            Workspace,
+        ),
+        (
+            HEADLINES[4],
+            "workspace-8",
+            f32s,
+            ValueSplit::Eight,
+            Workspace,
+        ),
+        (
+            "bf16 state, pipelined",
+            "pipelined",
+            bf16s,
+            ValueSplit::Two,
+            Pipelined,
+        ),
+        (
+            "bf16 state, workspace 4 slices",
+            "workspace-4",
+            bf16s,
+            ValueSplit::Four,
+            Workspace,
+        ),
+        (
+            "no state, pipelined",
+            "pipelined",
+            StateIo::NONE,
+            ValueSplit::Two,
+            Pipelined,
+        ),
+        (
+            "no state, workspace 4 slices",
+            "workspace-4",
+            StateIo::NONE,
+            ValueSplit::Four,
+            Workspace,
+        ),
+    ]
+}
 
 const CASES: [(&str, &[usize]); 3] = [
     ("fixed", &[8192]),
@@ -220,45 +302,13 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
     for &h in &a.heads {
         for (case, lens) in CASES {
             let p = KdaProblem::random(lens, h, true, 0x6b64 + h as u64);
-            let seq = KernelSchedule::Sequential;
-            let pipe = KernelSchedule::Pipelined;
-            let variants: [(&str, StateIo, ValueSplit, KernelSchedule); 7] = [
-                (
-                    "fp32 state, sequential",
-                    StateIo::both(true),
-                    ValueSplit::Two,
-                    seq,
-                ),
-                (
-                    "fp32 state, pipelined",
-                    StateIo::both(true),
-                    ValueSplit::Two,
-                    pipe,
-                ),
-                (
-                    "bf16 state, sequential",
-                    StateIo::both(false),
-                    ValueSplit::Two,
-                    seq,
-                ),
-                (
-                    "bf16 state, pipelined",
-                    StateIo::both(false),
-                    ValueSplit::Two,
-                    pipe,
-                ),
-                ("no state, sequential", StateIo::NONE, ValueSplit::Two, seq),
-                ("no state, pipelined", StateIo::NONE, ValueSplit::Two, pipe),
-                (
-                    "fp32 state, sequential, 4 slices",
-                    StateIo::both(true),
-                    ValueSplit::Four,
-                    seq,
-                ),
-            ];
+            let picked: Vec<_> = variants()
+                .into_iter()
+                .filter(|v| a.kernels.is_empty() || a.kernels.iter().any(|k| k == v.1))
+                .collect();
             let dev_f32 = DeviceProblem::upload(&stream, &p, StateIo::both(true), false)?;
             let dev_bf16 = DeviceProblem::upload(&stream, &p, StateIo::both(false), false)?;
-            for (label, state, split, schedule) in variants {
+            for (label, _, state, split, schedule) in picked {
                 let mut args = if state.fp32 || !state.initial {
                     dev_f32.args()
                 } else {
@@ -413,19 +463,22 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
         }
         notes.push(format!("fla chunk_kda from an earlier run on the same machine kind ({}, created {}), not this run", path.display(), old.created));
     }
-    let mut series: Vec<Series> = [
-        "flashkda sequential (fp32 state)",
-        "flashkda pipelined (fp32 state)",
-        "fla chunk_kda, same run",
-        "fla chunk_kda, earlier run",
-        "public FlashKDA (anchor)",
-    ]
-    .iter()
-    .map(|n| Series {
-        name: n.to_string(),
-        points: vec![],
-    })
-    .collect();
+    let mut series: Vec<Series> = HEADLINES
+        .iter()
+        .map(|l| format!("flashkda {l}"))
+        .chain(
+            [
+                "fla chunk_kda, same run",
+                "fla chunk_kda, earlier run",
+                "public FlashKDA (anchor)",
+            ]
+            .map(String::from),
+        )
+        .map(|name| Series {
+            name,
+            points: vec![],
+        })
+        .collect();
     for f in figures.iter_mut() {
         let (Some(h), Some(case)) = (
             f.params.get("H").and_then(|x| x.parse::<usize>().ok()),
@@ -445,9 +498,7 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
             *f = f
                 .clone()
                 .baseline("fla chunk_kda (Triton), same run", m, true);
-            if which == 0 {
-                series[2].points.push((x.clone(), m));
-            }
+            push_once(&mut series[HEADLINES.len()], &x, m);
             notes.push(format!(
                 "{x} [{}]: {:.2}x faster than fla chunk_kda (same run, {m:.4} ms)",
                 HEADLINES[which],
@@ -458,9 +509,7 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
             *f = f
                 .clone()
                 .baseline("fla chunk_kda (Triton), earlier run", m, false);
-            if which == 0 {
-                series[3].points.push((x.clone(), m));
-            }
+            push_once(&mut series[HEADLINES.len() + 1], &x, m);
             notes.push(format!(
                 "{x} [{}]: {:.2}x faster than fla chunk_kda (earlier run, {m:.4} ms)",
                 HEADLINES[which],
@@ -468,13 +517,39 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
             ));
         }
         if let Some((_, fk)) = anchor(h, &case) {
-            if which == 0 {
-                series[4].points.push((x.clone(), fk));
-            }
+            push_once(&mut series[HEADLINES.len() + 2], &x, fk);
             notes.push(format!(
                 "{x} [{}]: {:.2}x vs public FlashKDA anchor {fk} ms",
                 HEADLINES[which],
                 fk / f.value
+            ));
+        }
+    }
+    // headline: the fastest fp32-state variant of this run per shape, against fla of this run
+    let mut best: BTreeMap<(usize, String), (f64, String)> = BTreeMap::new();
+    for f in &figures {
+        let (Some(h), Some(case), Some(label)) = (
+            f.params.get("H").and_then(|x| x.parse::<usize>().ok()),
+            f.params.get("case"),
+            f.params.get("state"),
+        ) else {
+            continue;
+        };
+        if !HEADLINES.contains(&label.as_str()) {
+            continue;
+        }
+        let e = best
+            .entry((h, case.clone()))
+            .or_insert((f64::MAX, String::new()));
+        if f.value < e.0 {
+            *e = (f.value, label.clone());
+        }
+    }
+    for ((h, case), (ms, label)) in &best {
+        if let Some(&m) = fla.get(&(*h, case.clone())) {
+            notes.push(format!(
+                "BEST H={h} {case}: flashkda [{label}] {ms:.4} ms vs fla chunk_kda (same run) {m:.4} ms = {:.2}x",
+                m / ms
             ));
         }
     }
@@ -496,6 +571,13 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
         notes,
     });
     Ok(())
+}
+
+/// Adds `(x, y)` to `s` unless `x` is already there (one baseline point per shape).
+fn push_once(s: &mut Series, x: &str, y: f64) {
+    if !s.points.iter().any(|(px, _)| px == x) {
+        s.points.push((x.to_string(), y));
+    }
 }
 
 fn main() -> Result<()> {

@@ -1,0 +1,467 @@
+// KDA forward in two launches through a device workspace (same math and rounding points as
+// kda_fwd.cu, so `reference::emulated` covers it).
+//
+// kda_prep: fully parallel, one block per (16-token chunk slot, head). Everything that does not
+// depend on the state (norms, sigmoid(beta), gate cumsum, kd/qd/kr, E, A -> INV, M) is written
+// as one 13888-byte record per (slot, head), already in the swizzled shared-memory layout.
+// kda_state_w{1,2,4}: the sequential pass. One block = (sequence, head, 16*NW value rows), NW
+// warps each holding 16 state rows in fp32 mma accumulators. Per chunk one thread issues TMA bulk
+// copies (record + the block's v rows) ST chunks ahead on an mbarrier; warps only do the
+// state-dependent matmuls, so the per-chunk critical path is short and 128/(16*NW) blocks per
+// chain fill the GPU.
+#include "kda_common.cuh"
+
+#define REC_BYTES 13888
+#define R_KD 0      // bf16 [16][128], 16-byte chunks xor-swizzled by row & 7
+#define R_QD 4096   // bf16 [16][128], same swizzle
+#define R_KR 8192   // bf16 krT [128][16], 8-element halves swapped when (row >> 2) & 1
+#define R_INV 12288 // bf16 [16][16], half swizzle
+#define R_M 12800   // bf16 [16][16], half swizzle
+#define R_E 13312   // f32 [128]
+#define R_B 13824   // f32 [16]
+
+__device__ __forceinline__ int swz128(int r, int c) { return r * KD + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
+__device__ __forceinline__ int swz16(int r, int c) { return r * 16 + ((((c >> 3) ^ ((r >> 2) & 1))) << 3) + (c & 7); }
+
+// Sequence n of the slot space: fixed length -> n * chunks_per_seq; varlen -> cu[n] / 16 + n
+// (a sequence of len tokens needs ceil(len/16) slots, and floor(a/16) + ceil(len/16) <=
+// floor((a+len)/16) + 1, so slots never overlap; total <= T/16 + N).
+struct SeqInfo {
+  long long bos, len, slot0;
+};
+
+__device__ __forceinline__ long long clamp_cu(const KdaParams& p, int n) {
+  long long a = p.cu_seqlens[n];
+  return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
+}
+
+__device__ __forceinline__ SeqInfo seq_info(const KdaParams& p, int n) {
+  SeqInfo s;
+  if (p.cu_seqlens != nullptr) {
+    const long long a = clamp_cu(p, n);
+    long long e = clamp_cu(p, n + 1);
+    e = e < a ? a : e;
+    s.bos = a;
+    s.len = e - a;
+    s.slot0 = a / CH + n;
+  } else {
+    const long long cps = (p.seq_len + CH - 1) / CH;
+    s.bos = (long long)n * p.seq_len;
+    s.len = p.seq_len;
+    s.slot0 = (long long)n * cps;
+  }
+  return s;
+}
+
+struct __align__(16) PrepSmem {
+  unsigned char rec[REC_BYTES];
+  bf16 q[CH][RS];
+  bf16 k[CH][RS];
+  bf16 g[CH][RS];  // raw g, then ki in place
+  float A[CH][CH + 1];
+  float rnq[CH];
+  float rnk[CH];
+};
+
+extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
+  constexpr int NT = 128, NW = 4;
+  __shared__ PrepSmem sm;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int H = p.num_heads;
+  const long long slot = blockIdx.x;
+  const int h = blockIdx.y;
+
+  // which sequence owns this slot
+  int n;
+  if (p.cu_seqlens != nullptr) {
+    int lo = 0, hi = p.num_seqs - 1;  // largest n with slot0(n) <= slot
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (clamp_cu(p, mid) / CH + mid <= slot) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+  } else {
+    const long long cps = (p.seq_len + CH - 1) / CH;
+    n = static_cast<int>(slot / cps);
+  }
+  const SeqInfo si = seq_info(p, n);
+  const long long c = slot - si.slot0;
+  if (c < 0 || c * CH >= si.len) return;  // unused slot (block-uniform)
+  const long long rem = si.len - c * CH;
+  const int nv = rem < CH ? static_cast<int>(rem) : CH;
+  const long long t0 = si.bos + c * CH;
+  const long long hs = (long long)H * KD;
+  const long long hoff = (long long)h * KD;
+
+  for (int i = tid; i < 3 * 256; i += NT) {
+    const int which = i >> 8, r = (i >> 4) & 15, cc = i & 15;
+    const bf16* src = which == 0 ? p.q : (which == 1 ? p.k : p.g);
+    bf16* dst = which == 0 ? &sm.q[r][cc * 8] : (which == 1 ? &sm.k[r][cc * 8] : &sm.g[r][cc * 8]);
+    const bool ok = r < nv;
+    cp_async16(dst, ok ? src + (t0 + r) * hs + hoff + cc * 8 : src, ok ? 16 : 0);
+  }
+  cp_async_commit();
+  const float beta_raw = (tid < nv) ? __bfloat162float(p.beta[(t0 + tid) * H + h]) : 0.f;
+  const float exp_a = __expf(p.a_log[h]);
+  const float lb2 = p.lower_bound * 1.4426950408889634f;
+  const float dtb = p.dt_bias[hoff + tid];
+  float* rec_b = reinterpret_cast<float*>(sm.rec + R_B);
+  float* rec_e = reinterpret_cast<float*>(sm.rec + R_E);
+  bf16* kd = reinterpret_cast<bf16*>(sm.rec + R_KD);
+  bf16* qd = reinterpret_cast<bf16*>(sm.rec + R_QD);
+  bf16* krT = reinterpret_cast<bf16*>(sm.rec + R_KR);
+  bf16* inv = reinterpret_cast<bf16*>(sm.rec + R_INV);
+  bf16* mm = reinterpret_cast<bf16*>(sm.rec + R_M);
+  cp_async_wait_all();
+  __syncthreads();
+
+  // ---- norms, beta sigmoid, gate cumsum (as kda_fwd.cu)
+  {
+    constexpr int RPW = 2 * CH / NW;
+    float ss[RPW];
+#pragma unroll
+    for (int rr = 0; rr < RPW; ++rr) {
+      const int r = warp + rr * NW;
+      const bf16* row = r < CH ? &sm.q[r][0] : &sm.k[r - CH][0];
+      const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      float x = a.x * a.x;
+      x = fmaf(a.y, a.y, x);
+      x = fmaf(b2.x, b2.x, x);
+      ss[rr] = fmaf(b2.y, b2.y, x);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int rr = 0; rr < RPW; ++rr) ss[rr] += __shfl_xor_sync(0xffffffffu, ss[rr], o);
+    if (lane == 0) {
+#pragma unroll
+      for (int rr = 0; rr < RPW; ++rr) {
+        const int r = warp + rr * NW;
+        const float rn = rsqrtf(ss[rr] + 1e-6f);
+        if (r < CH) sm.rnq[r] = rn; else sm.rnk[r - CH] = rn;
+      }
+    }
+  }
+  if (tid < CH) rec_b[tid] = tid < nv ? sigmoidf_(beta_raw) : 0.f;
+  float G[CH];
+  {
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const float y = exp_a * (__bfloat162float(sm.g[i][tid]) + dtb);
+      const float gam = lb2 * sigmoidf_(y);
+      acc += i < nv ? gam : 0.f;
+      G[i] = acc;
+    }
+  }
+  __syncthreads();  // norms and b visible
+
+  // ---- decayed keys/queries (channel tid): kd, qd, krT into the record, ki in place of g
+  {
+    const int ch = tid;
+    const float gt = G[CH - 1];
+    rec_e[ch] = ex2(gt);
+    float kv[CH], qv[CH];
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      kv[i] = __bfloat162float(sm.k[i][ch]) * sm.rnk[i];
+      qv[i] = __bfloat162float(sm.q[i][ch]) * sm.rnq[i] * p.scale;
+    }
+    uint32_t kr[CH / 2];
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const float e = ex2(G[i]);
+      kd[swz128(i, ch)] = __float2bfloat16_rn(kv[i] * e);
+      qd[swz128(i, ch)] = __float2bfloat16_rn(qv[i] * e);
+      sm.g[i][ch] = __float2bfloat16_rn(kv[i] * ex2(-G[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < CH; i += 2)
+      kr[i / 2] = pack(kv[i] * ex2(gt - G[i]), kv[i + 1] * ex2(gt - G[i + 1]));
+    const int sw = (ch >> 2) & 1;
+    *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * sw]) = make_uint4(kr[0], kr[1], kr[2], kr[3]);
+    *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * (sw ^ 1)]) = make_uint4(kr[4], kr[5], kr[6], kr[7]);
+  }
+  __syncthreads();  // kd, qd, ki visible
+
+  // ---- A = diag(b) strict_lower(kd ki^T) and INV (warp 0); M (warp 1)
+  if (warp < 2) {
+    const bool do_a = warp == 0;
+    const bf16* lhs = do_a ? kd : qd;
+    float acc[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      const int kc = kb * 16 + 2 * tq;
+      const uint32_t a0 = ld32(&lhs[swz128(gq, kc)]), a1 = ld32(&lhs[swz128(gq + 8, kc)]);
+      const uint32_t a2 = ld32(&lhs[swz128(gq, kc + 8)]), a3 = ld32(&lhs[swz128(gq + 8, kc + 8)]);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t b0 = ld32(&sm.g[nt * 8 + gq][kc]), b1 = ld32(&sm.g[nt * 8 + gq][kc + 8]);
+        mma(acc[nt], a0, a1, a2, a3, b0, b1, acc[nt]);
+      }
+    }
+    if (do_a) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
+          sm.A[row][col] = col < row ? acc[nt][e] * rec_b[row] : 0.f;
+        }
+      __syncwarp();
+      if (lane < CH) {
+        const int jc = lane;
+        float x[CH];
+#pragma unroll
+        for (int i = 0; i < CH; ++i) {
+          float s = i == jc ? 1.f : 0.f;
+#pragma unroll
+          for (int m = 0; m < i; ++m) s = fmaf(-sm.A[i][m], x[m], s);
+          x[i] = s;
+        }
+#pragma unroll
+        for (int i = 0; i < CH; ++i) inv[swz16(i, jc)] = __float2bfloat16_rn(x[i]);
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
+          mm[swz16(row, col)] = __float2bfloat16_rn(col <= row ? acc[nt][e] : 0.f);
+        }
+    }
+  }
+  __syncthreads();  // record complete
+
+  uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(p.ws) +
+                                        (size_t)(slot * H + h) * REC_BYTES);
+  const uint4* src = reinterpret_cast<const uint4*>(sm.rec);
+  for (int i = tid; i < REC_BYTES / 16; i += NT) dst[i] = src[i];
+}
+
+// ---- mbarrier + TMA bulk copy helpers
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// dynamic shared memory of kda_state_w<NW> (mirrored in launch.rs)
+#define STATE_SMEM(NW, ST) ((ST) * (REC_BYTES + CH * 16 * (NW) * 2) + (NW) * CH * TS * 2 + 8 * (ST))
+
+template <int NW, int ST>
+__device__ __forceinline__ void state_body(const KdaParams& p) {
+  constexpr int VS = 16 * NW;
+  constexpr int SLICES = KD / VS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* recs = smem_raw;                                      // [ST][REC_BYTES]
+  bf16* vs = reinterpret_cast<bf16*>(smem_raw + ST * REC_BYTES);       // [ST][CH][VS]
+  bf16* os = vs + ST * CH * VS;                                        // [NW][CH][TS]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(os + NW * CH * TS);     // [ST]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int H = p.num_heads;
+  const long long bid = blockIdx.x;
+  const int slice = static_cast<int>(bid % SLICES);
+  const int h = static_cast<int>((bid / SLICES) % H);
+  const int n = static_cast<int>(bid / (SLICES * (long long)H));
+  const SeqInfo si = seq_info(p, n);
+  const long long bos = si.bos, len = si.len;
+  const int v0 = slice * VS;
+  const int vw = v0 + warp * 16;
+  const long long hs = (long long)H * KD;
+  const long long hoff = (long long)h * KD;
+  const int nchunks = static_cast<int>((len + CH - 1) / CH);
+  const unsigned char* ws = reinterpret_cast<const unsigned char*>(p.ws);
+
+  auto nvalid = [&](int c) -> int {
+    const long long rem = len - (long long)c * CH;
+    return rem < CH ? static_cast<int>(rem) : CH;
+  };
+  // one thread: record + the block's v rows of chunk c into stage c % ST
+  auto issue = [&](int c) {
+    const int st = c % ST, nv = nvalid(c);
+    const uint32_t bar = smem_u32(&bars[st]);
+    mbar_expect_tx(bar, REC_BYTES + nv * VS * 2);
+    bulk_g2s(smem_u32(recs + st * REC_BYTES), ws + (size_t)((si.slot0 + c) * H + h) * REC_BYTES, REC_BYTES, bar);
+    const long long t0 = bos + (long long)c * CH;
+    for (int r = 0; r < nv; ++r)
+      bulk_g2s(smem_u32(vs + (st * CH + r) * VS), p.v + (t0 + r) * hs + hoff + v0, VS * 2, bar);
+  };
+
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) mbar_init(smem_u32(&bars[s]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (tid == 0)
+    for (int c = 0; c < ST && c < nchunks; ++c) issue(c);
+
+  float S[16][4];
+  const size_t sbase = ((size_t)n * H + h) * KD * KD;
+  {
+    const int r0 = vw + gq, r1 = r0 + 8;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int col = nt * 8 + 2 * tq;
+      if (p.h0 == nullptr) {
+        S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
+      } else if (p.state_fp32) {
+        const float* h0 = static_cast<const float*>(p.h0) + sbase;
+        float2 x0 = *reinterpret_cast<const float2*>(h0 + (size_t)r0 * KD + col);
+        float2 x1 = *reinterpret_cast<const float2*>(h0 + (size_t)r1 * KD + col);
+        S[nt][0] = x0.x; S[nt][1] = x0.y; S[nt][2] = x1.x; S[nt][3] = x1.y;
+      } else {
+        const bf16* h0 = static_cast<const bf16*>(p.h0) + sbase;
+        __nv_bfloat162 x0 = *reinterpret_cast<const __nv_bfloat162*>(h0 + (size_t)r0 * KD + col);
+        __nv_bfloat162 x1 = *reinterpret_cast<const __nv_bfloat162*>(h0 + (size_t)r1 * KD + col);
+        S[nt][0] = __low2float(x0); S[nt][1] = __high2float(x0);
+        S[nt][2] = __low2float(x1); S[nt][3] = __high2float(x1);
+      }
+    }
+  }
+
+  const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
+  bf16(*ow)[TS] = reinterpret_cast<bf16(*)[TS]>(os + warp * CH * TS);
+  for (int c = 0; c < nchunks; ++c) {
+    const int st = c % ST, nv = nvalid(c);
+    mbar_wait(smem_u32(&bars[st]), static_cast<uint32_t>((c / ST) & 1));
+    const unsigned char* rec = recs + st * REC_BYTES;
+    const bf16* kd = reinterpret_cast<const bf16*>(rec + R_KD);
+    const bf16* qd = reinterpret_cast<const bf16*>(rec + R_QD);
+    const bf16* krT = reinterpret_cast<const bf16*>(rec + R_KR);
+    const bf16* inv = reinterpret_cast<const bf16*>(rec + R_INV);
+    const bf16* mm = reinterpret_cast<const bf16*>(rec + R_M);
+    const float* E = reinterpret_cast<const float*>(rec + R_E);
+    const float* b = reinterpret_cast<const float*>(rec + R_B);
+    const bf16* vst = vs + st * CH * VS;
+
+    // W^T = S kd^T, O1^T = S qd^T (value rows x tokens), S rounded to bf16
+    float W[2][4], O1[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) W[nt][e] = O1[nt][e] = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]);
+      const uint32_t a1 = pack(S[2 * kb][2], S[2 * kb][3]);
+      const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]);
+      const uint32_t a3 = pack(S[2 * kb + 1][2], S[2 * kb + 1][3]);
+      const int kc = kb * 16 + 2 * tq;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int tr = nt * 8 + gq;
+        mma(W[nt], a0, a1, a2, a3, ld32(&kd[swz128(tr, kc)]), ld32(&kd[swz128(tr, kc + 8)]), W[nt]);
+        mma(O1[nt], a0, a1, a2, a3, ld32(&qd[swz128(tr, kc)]), ld32(&qd[swz128(tr, kc + 8)]), O1[nt]);
+      }
+    }
+
+    // Vb = bf16((v - W) b) (pad tokens selected to 0: their v rows are stale); U = INV Vb
+    const int vl = warp * 16 + gq;
+    float vb[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * tq + (e & 1);
+        const float vv = __bfloat162float(vst[tok * VS + vl + 8 * (e >> 1)]);
+        vb[nt][e] = tok < nv ? (vv - W[nt][e]) * b[tok] : 0.f;
+      }
+    const uint32_t va0 = pack(vb[0][0], vb[0][1]), va1 = pack(vb[0][2], vb[0][3]);
+    const uint32_t va2 = pack(vb[1][0], vb[1][1]), va3 = pack(vb[1][2], vb[1][3]);
+    float U[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int ir = nt * 8 + gq;
+      mma(U[nt], va0, va1, va2, va3, ld32(&inv[swz16(ir, 2 * tq)]), ld32(&inv[swz16(ir, 2 * tq + 8)]), zero4);
+    }
+    const uint32_t ua0 = pack(U[0][0], U[0][1]), ua1 = pack(U[0][2], U[0][3]);
+    const uint32_t ua2 = pack(U[1][0], U[1][1]), ua3 = pack(U[1][2], U[1][3]);
+    // out = O1 + M U
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int ir = nt * 8 + gq;
+      float O[4];
+      mma(O, ua0, ua1, ua2, ua3, ld32(&mm[swz16(ir, 2 * tq)]), ld32(&mm[swz16(ir, 2 * tq + 8)]), O1[nt]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * tq + (e & 1);
+        ow[tok][gq + 8 * (e >> 1)] = __float2bfloat16_rn(O[e]);
+      }
+    }
+    // S = S diag(E) + U^T kr
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int col = nt * 8 + 2 * tq;
+      const float e0 = E[col], e1 = E[col + 1];
+      const float cin[4] = {S[nt][0] * e0, S[nt][1] * e1, S[nt][2] * e0, S[nt][3] * e1};
+      const int kr = nt * 8 + gq;
+      mma(S[nt], ua0, ua1, ua2, ua3, ld32(&krT[swz16(kr, 2 * tq)]), ld32(&krT[swz16(kr, 2 * tq + 8)]), cin);
+    }
+    __syncwarp();
+    {
+      const int tok = lane >> 1, half = lane & 1;
+      if (tok < nv) {
+        const uint4 val = *reinterpret_cast<const uint4*>(&ow[tok][8 * half]);
+        *reinterpret_cast<uint4*>(p.out + (bos + (long long)c * CH + tok) * hs + hoff + vw + 8 * half) = val;
+      }
+    }
+    // every warp is done with stage st (and with its o tile): refill it ST chunks ahead
+    if (NW > 1) __syncthreads(); else __syncwarp();
+    if (tid == 0 && c + ST < nchunks) issue(c + ST);
+  }
+
+  if (p.ht != nullptr) {
+    const int r0 = vw + gq, r1 = r0 + 8;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int col = nt * 8 + 2 * tq;
+      if (p.state_fp32) {
+        float* ht = static_cast<float*>(p.ht) + sbase;
+        *reinterpret_cast<float2*>(ht + (size_t)r0 * KD + col) = make_float2(S[nt][0], S[nt][1]);
+        *reinterpret_cast<float2*>(ht + (size_t)r1 * KD + col) = make_float2(S[nt][2], S[nt][3]);
+      } else {
+        bf16* ht = static_cast<bf16*>(p.ht) + sbase;
+        *reinterpret_cast<__nv_bfloat162*>(ht + (size_t)r0 * KD + col) = __floats2bfloat162_rn(S[nt][0], S[nt][1]);
+        *reinterpret_cast<__nv_bfloat162*>(ht + (size_t)r1 * KD + col) = __floats2bfloat162_rn(S[nt][2], S[nt][3]);
+      }
+    }
+  }
+}
+
+static_assert(STATE_SMEM(1, 2) == 29584, "update launch.rs");
+static_assert(STATE_SMEM(2, 4) == 61216, "update launch.rs");
+static_assert(STATE_SMEM(4, 4) == 66848, "update launch.rs");
+extern "C" __global__ void __launch_bounds__(32) kda_state_w1(const KdaParams p) { state_body<1, 2>(p); }
+extern "C" __global__ void __launch_bounds__(64) kda_state_w2(const KdaParams p) { state_body<2, 4>(p); }
+extern "C" __global__ void __launch_bounds__(128) kda_state_w4(const KdaParams p) { state_body<4, 4>(p); }
