@@ -100,7 +100,7 @@ pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Respo
         .unwrap_or(ENVD_PORT);
     if port != ENVD_PORT {
         return Err(ApiError::bad_gateway(format!(
-            "port {port} is not open in sandbox {}: sandboxes have no network device, only envd ({ENVD_PORT}) is reachable",
+            "sandbox {}: port is not open: {port} (sandboxes have no network device; only envd on {ENVD_PORT} is reachable)",
             rec.sandbox_id
         )));
     }

@@ -1,11 +1,14 @@
 //! Runs the Python SDK tests (`tests/python/`, pytest + the stock `e2b` SDK) against this
 //! build's `agentenv` binary: one command for CI, `cargo test -p agentenv-server --test python_sdk`.
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
 #[test]
 fn e2b_python_sdk_flows() {
+    common::ensure_guest_binary();
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python");
     let status = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
         .args(["-m", "pytest", "-x", "-v", "-p", "no:cacheprovider"])
