@@ -5,6 +5,11 @@
 //! - [`sandboxes`]: lifecycle and timeouts; [`store`]: persisted records; [`keys`]: key and tokens.
 //! - [`backend`]: the runtime as the server sees it; [`runtime_backend`]: the real runtime.
 //!
+//! Security: one API key (`e2b_` + 40 hex, mode 0600 in the state folder) guards the control
+//! plane; each sandbox's envd is reachable only with its access token. The server listens on
+//! loopback by default. Sandboxes cannot reach this API: guests have no network device at all,
+//! only the virtio-serial port the host opens streams on.
+//!
 //! Invariant: only this crate knows HTTP and E2B JSON; the runtime knows neither.
 
 pub mod app;

@@ -168,9 +168,9 @@ async fn main() -> anyhow::Result<()> {
         .tempdir()?;
     let mut cfg = agentenv_runtime::RuntimeConfig::new(state.path().join("runtime"));
     cfg.accel = accel;
-    let rt = runtime_backend::open_with_default_template(cfg)
+    let rt = agentenv_runtime::Runtime::open(cfg)
         .await
-        .context("runtime with the default template")?;
+        .context("opening the runtime")?;
     let accel_name = runtime_backend::accel_label(&rt);
     if args.tier == Tier::Kvm && rt.accel() != agentenv_runtime::AccelKind::Kvm {
         report.skipped.push(Skipped {
@@ -183,6 +183,11 @@ async fn main() -> anyhow::Result<()> {
         println!("kvm tier skipped: probe guest does not boot under KVM");
         return Ok(());
     }
+    let progress =
+        |p: agentenv_runtime::BuildProgress| tracing::info!(progress = ?p, "default template");
+    rt.ensure_default_template(&progress)
+        .await
+        .context("default template")?;
     let backend: Arc<dyn VmBackend> = Arc::new(rt);
     let (api_key, _) = keys::load_or_create_api_key(state.path())?;
     let app_state = AppState::open(
