@@ -123,12 +123,13 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             schedule,
             ..Default::default()
         };
+        let name = format!("{} [{variant}]", c.name);
         fwd(kernels, stream, &dev.args(), &opts)
-            .unwrap_or_else(|e| panic!("{}: fwd failed: {e}", c.name));
+            .unwrap_or_else(|e| panic!("{name}: fwd failed: {e}"));
         stream
             .synchronize()
-            .unwrap_or_else(|e| panic!("{}: kernel failed: {e}", c.name));
-        let (out, st) = dev.read().unwrap_or_else(|e| panic!("{}: {e}", c.name));
+            .unwrap_or_else(|e| panic!("{name}: kernel failed: {e}"));
+        let (out, st) = dev.read().unwrap_or_else(|e| panic!("{name}: {e}"));
         let nan_out = out.iter().filter(|x| !x.is_finite()).count();
         let nan_st = st.iter().filter(|x| !x.is_finite()).count();
         let eo = rel_frobenius(&out, &reference.out);
@@ -171,7 +172,6 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             opts.value_split,
             schedule
         ));
-        let name = format!("{} [{variant}]", c.name);
         assert_eq!(
             nan_out, 0,
             "{name}: {nan_out} output elements not written (still NaN) or non-finite"
@@ -204,6 +204,25 @@ fn case(name: &str, seq_lens: Vec<usize>, heads: usize, state: StateIo) -> Case<
         emulate: true,
         split: ValueSplit::Auto,
     }
+}
+
+/// A few seconds of small cases: run first, one process per new variant, so a broken kernel
+/// cannot take the others' accuracy tests down with it (a device fault poisons the context).
+#[test]
+fn smoke_small_cases() {
+    let Some(g) = gpu() else { return };
+    check(&g, &case("smoke-fixed", vec![37], 4, StateIo::both(true)));
+    check(
+        &g,
+        &case("smoke-varlen", vec![17, 0, 33, 65], 4, StateIo::both(false)),
+    );
+    check(
+        &g,
+        &Case {
+            batched: true,
+            ..case("smoke-batched-B2", vec![50, 50], 2, StateIo::both(true))
+        },
+    );
 }
 
 #[test]

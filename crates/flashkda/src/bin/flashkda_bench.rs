@@ -60,6 +60,9 @@ struct Args {
     /// default all), e.g. only those that passed the GPU accuracy tests.
     #[arg(long, value_delimiter = ',')]
     kernels: Vec<String>,
+    /// Do not time the Python wheel in the fla process (its `Auto` kernel failed its tests).
+    #[arg(long)]
+    no_fla_wheel: bool,
 }
 
 /// The variants compared with fla (which is timed with an fp32 state in and out).
@@ -381,8 +384,12 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
                 &heads.join(","),
                 "--cases",
                 &a.fla_cases,
-                "--flashkda",
             ])
+            .args(if a.no_fla_wheel {
+                &[][..]
+            } else {
+                &["--flashkda"][..]
+            })
             .args([
                 "--warmup",
                 &a.warmup.to_string(),
