@@ -379,12 +379,7 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
         let status = std::process::Command::new(&a.python)
             .arg(&a.fla_script)
             .args(["--out".as_ref(), json.as_os_str()])
-            .args([
-                "--heads",
-                &heads.join(","),
-                "--cases",
-                &a.fla_cases,
-            ])
+            .args(["--heads", &heads.join(","), "--cases", &a.fla_cases])
             .args(if a.no_fla_wheel {
                 &[][..]
             } else {
