@@ -53,6 +53,11 @@ pub enum FlashKdaError {
     #[error("problem too large: {0}")]
     TooLarge(String),
     #[error(
+        "the workspace schedule cannot run while the stream is being captured into a CUDA graph \
+         (its workspace may be reallocated later); use the Auto or Pipelined schedule"
+    )]
+    NotCapturable,
+    #[error(
         "flashkda CUDA kernels were not built ({0}); install nvcc (e.g. `pip install --target /opt/cuda13 \
          \"cuda-toolkit[nvcc,crt,nvvm,cudart,cccl]==13.0.2\"`), set CUDA_HOME=/opt/cuda13/nvidia/cu13 and rebuild"
     )]

@@ -332,9 +332,17 @@ pub fn fwd(
     }
     let slots = workspace_slots(&plan);
     let ws_bytes = slots * plan.heads * WORKSPACE_RECORD_BYTES;
+    kernels.ctx.bind_to_thread().during("binding the context")?;
+    // SAFETY: queries the capture status of the caller's live stream.
+    let capturing = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
+        .during("querying the stream's capture status")?
+        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let schedule = match opts.schedule {
+        // graphs bake in pointers: a workspace grown (reallocated) later would dangle
+        KernelSchedule::Auto if capturing => KernelSchedule::Pipelined,
         // see `auto_schedule` for the measurement behind it
         KernelSchedule::Auto => kernels.auto_schedule(ws_bytes),
+        KernelSchedule::Workspace if capturing => return Err(FlashKdaError::NotCapturable),
         s => s,
     };
     let split = match (opts.value_split, schedule) {

@@ -99,8 +99,8 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// stream of the tensors' device. Shapes: q, k, v, g, out `[B, T, H, 128]` bf16; beta `[B, T, H]`
 /// bf16 logits; A_log `[H]`, dt_bias `[H, 128]` fp32; states `[N, H, 128, 128]` (row = value
 /// channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
-/// host copy of cu_seqlens (for CUDA-graph capture; make one uncaptured call first so the
-/// workspace exists); `value_split` is None, 2, 4 or 8.
+/// host copy of cu_seqlens (for CUDA-graph capture, where the kernel without workspace runs);
+/// `value_split` is None, 2, 4 or 8.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
