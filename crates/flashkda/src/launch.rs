@@ -72,7 +72,7 @@ unsafe impl DeviceRepr for KernelParams {}
 /// How many blocks share one (sequence, head): each owns a slice of the 128 value rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ValueSplit {
-    /// The measured best (currently always `Two`).
+    /// Per schedule: `Four` for `Workspace`, `Two` for the others.
     #[default]
     Auto,
     /// Four blocks of 2 warps (32 value rows each).
@@ -86,7 +86,8 @@ pub enum ValueSplit {
 /// Which kernel runs the chunk loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KernelSchedule {
-    /// The measured best: currently `Pipelined`.
+    /// `Workspace` (unless its workspace would exceed [`WORKSPACE_AUTO_LIMIT`] or the stream is
+    /// being captured into a CUDA graph: then `Pipelined`).
     #[default]
     Auto,
     /// `kda_fwd.cu`: prep then state work per chunk, four barriers per chunk.

@@ -1,5 +1,5 @@
 //! The kernels' arithmetic on the CPU: fp32 math with bf16 rounding at the same points as
-//! `kernels/kda_fwd.cu`, so a GPU result can be compared at ~1e-3 instead of the ~5e-3 that
+//! `kernels/kda_fwd.cu` (and `kda_fwd_pipelined.cu`, `kda_fwd_ws.cu`: same rounding points), so a GPU result can be compared at ~1e-3 instead of the ~5e-3 that
 //! separates any bf16 implementation from float64.
 //!
 //! Rounding points (compare spec §1.6, which lists the public FlashKDA's): q̂, k̂ stay fp32;
