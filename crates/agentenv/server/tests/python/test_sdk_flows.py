@@ -168,3 +168,21 @@ def test_kill_removes_everywhere(server):
     with pytest.raises(Exception) as exc:
         sbx.commands.run("echo unreachable")
     assert "not found" in str(exc.value).lower() or "not running" in str(exc.value).lower()
+
+
+def test_auto_pause_on_timeout_and_auto_resume(server):
+    sbx = Sandbox.create("base", timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        content = secrets.token_hex(8)
+        sbx.files.write("/tmp/auto.txt", content)
+        deadline = time.monotonic() + 60
+        while Sandbox.get_info(sbx.sandbox_id).state != SandboxState.PAUSED:
+            assert time.monotonic() < deadline, "sandbox did not auto-pause within 60 s"
+            time.sleep(0.5)
+        info = Sandbox.get_info(sbx.sandbox_id)
+        assert info.lifecycle["on_timeout"] == "pause" and info.lifecycle["auto_resume"] is True
+        # Data-plane traffic resumes it.
+        assert sbx.files.read("/tmp/auto.txt") == content
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.RUNNING
+    finally:
+        sbx.kill()
