@@ -34,14 +34,25 @@ async fn lifecycle_through_the_api_survives_restart() {
     let created = r.json();
     let id = created["sandboxID"].as_str().unwrap().to_string();
     let token = created["envdAccessToken"].as_str().unwrap().to_string();
+    // Legacy create route, with an Idempotency-Key: a retried create returns the same sandbox.
+    let idem = format!("retry-{:08x}", rand::rng().random::<u32>());
+    let key = api.key.clone();
+    let headers = [
+        ("X-API-KEY", key.as_str()),
+        ("Content-Type", "application/json"),
+        ("Idempotency-Key", idem.as_str()),
+    ];
+    let body = br#"{"templateID": "base"}"#.to_vec();
     let other = api
-        .call(
-            Method::POST,
-            "/sandboxes",
-            Some(json!({"templateID": "base"})),
-        )
+        .raw(Method::POST, "/sandboxes", &headers, body.clone())
+        .await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    let other = other.json();
+    let again = api
+        .raw(Method::POST, "/sandboxes", &headers, body)
         .await
         .json();
+    assert_eq!(again["sandboxID"], other["sandboxID"]);
     let other_id = other["sandboxID"].as_str().unwrap().to_string();
     let other_token = other["envdAccessToken"].as_str().unwrap().to_string();
 
