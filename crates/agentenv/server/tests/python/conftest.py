@@ -118,3 +118,11 @@ def sandbox(server):
         sbx.kill()
     except Exception:
         pass
+
+
+def pause(sbx):
+    """`sbx.pause()` (SDK >= 2.15: True, or False if already paused); `beta_pause()` before (None)."""
+    if hasattr(sbx, "pause"):
+        return sbx.pause()
+    sbx.beta_pause()
+    return None
