@@ -113,8 +113,8 @@ fn main() -> anyhow::Result<()> {
                     "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                 )
             };
-            let exe = std::env::current_exe()
-                .map_or_else(|_| "/proc/self/exe".into(), |p| p.display().to_string());
+            // The magic link still reaches our binary after the tmpfs mounts above hide its path.
+            let exe = "/proc/self/exe".to_string();
             let mut cmd = vec![
                 exe,
                 "agent".into(),

@@ -68,6 +68,12 @@ async fn pid1_serves_envd_over_the_mux_and_reaps_orphans() {
         eprintln!("skipped: {why}");
         return;
     }
+    tokio::time::timeout(Duration::from_secs(180), pid1_session())
+        .await
+        .expect("the PID-1 agent did not answer within 180 s");
+}
+
+async fn pid1_session() {
     let (master, slave) = raw_pty();
     let hostname = format!("k3-{}", token());
     let slave_fd = slave.as_raw_fd();
