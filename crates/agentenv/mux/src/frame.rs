@@ -148,6 +148,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<Frame>
 
 /// Validates a header: known kind, length within [`MAX_PAYLOAD`].
 pub fn parse_header(h: &[u8; HEADER_LEN]) -> Result<(u32, Kind, usize), MuxError> {
+    if h.iter().all(|&b| b == 0) {
+        return Err(MuxError::Restarted);
+    }
     let stream_id = u32::from_be_bytes([h[0], h[1], h[2], h[3]]);
     let kind = Kind::from_u8(h[4])
         .ok_or_else(|| MuxError::Protocol(format!("unknown frame kind {}", h[4])))?;
@@ -228,6 +231,10 @@ mod tests {
         ));
         let z = [0u8; HEADER_LEN];
         let mut r = &z[..];
+        assert!(matches!(read_frame(&mut r).await, Err(MuxError::Restarted)));
+        let mut u = [0u8; HEADER_LEN];
+        u[4] = 0xEE;
+        let mut r = &u[..];
         assert!(matches!(
             read_frame(&mut r).await,
             Err(MuxError::Protocol(_))

@@ -28,6 +28,10 @@ pub enum MuxError {
     /// The peer sent bytes that are not a valid frame sequence.
     #[error("mux protocol violation: {0}")]
     Protocol(String),
+    /// An all-zero frame header: the peer restarted the channel (a restored VM's host sends zeros
+    /// before its HELLO). A server answers by hunting for the next HELLO.
+    #[error("mux channel restarted by the peer (zero frame header)")]
+    Restarted,
     /// The session has ended (EOF, error, or all handles dropped).
     #[error("mux session closed: {0}")]
     Closed(String),

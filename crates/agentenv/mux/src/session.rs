@@ -355,24 +355,36 @@ async fn read_loop<R: AsyncRead>(
     // Both sides skip whatever precedes the first HELLO (a restored peer's half-sent frames).
     let my_nonce = inner.table().nonce;
     loop {
-        let Some(nonce) = frame::hunt_hello(rd).await? else {
-            return Ok(());
-        };
-        match inner.role {
-            Role::Server => {
-                inner.table().nonce = nonce;
-                inner.send_frame(Frame::hello(nonce));
-                break;
+        loop {
+            let Some(nonce) = frame::hunt_hello(rd).await? else {
+                return Ok(());
+            };
+            match inner.role {
+                Role::Server => {
+                    inner.table().nonce = nonce;
+                    inner.send_frame(Frame::hello(nonce));
+                    break;
+                }
+                Role::Client if nonce == my_nonce => break,
+                Role::Client => continue, // an ack for someone else's HELLO
             }
-            Role::Client if nonce == my_nonce => break,
-            Role::Client => continue, // an ack for someone else's HELLO
+        }
+        inner.phase.send_replace(Phase::Ready);
+        loop {
+            match frame::read_frame(rd).await {
+                Ok(Some(f)) => handle_frame(inner, f)?,
+                Ok(None) => return Ok(()),
+                // A restored VM's new host: drop the old streams and hunt for its HELLO in place,
+                // without closing the port (re-opening it would cost the guest a retry cycle).
+                Err(MuxError::Restarted) if inner.role == Role::Server => {
+                    tracing::info!("mux channel restarted by the host; waiting for its HELLO");
+                    inner.reset_all("mux channel restarted by the host");
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
-    inner.phase.send_replace(Phase::Ready);
-    while let Some(f) = frame::read_frame(rd).await? {
-        handle_frame(inner, f)?;
-    }
-    Ok(())
 }
 
 fn handle_frame(inner: &Arc<Inner>, f: Frame) -> Result<(), MuxError> {

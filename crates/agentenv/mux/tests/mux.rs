@@ -163,7 +163,7 @@ async fn reconnecting_client_gets_a_fresh_session() {
 
 #[tokio::test]
 async fn garbage_after_hello_closes_the_session_with_an_error() {
-    for garbage in [vec![0u8; 9], oversized_header(), random_kind_header()] {
+    for garbage in [oversized_header(), random_kind_header()] {
         let (mut raw, srv_io) = tokio::io::duplex(1024);
         let srv = Session::server(srv_io);
         let mut out = Vec::new();
@@ -306,4 +306,27 @@ async fn data_and_fin_before_a_reset_stay_readable() {
     let mut got = Vec::new();
     c.read_to_end(&mut got).await.unwrap();
     assert_eq!(got, data);
+}
+
+#[tokio::test]
+async fn zeros_after_hello_make_the_server_hunt_again_in_place() {
+    let (mut raw, srv_io) = tokio::io::duplex(1 << 20);
+    let srv = Session::server(srv_io);
+    let mut out = Vec::new();
+    Frame::hello(1).encode_into(&mut out);
+    out.extend_from_slice(&vec![0u8; MAX_PAYLOAD + 9]);
+    Frame::hello(2).encode_into(&mut out);
+    Frame::empty(7, Kind::Open).encode_into(&mut out);
+    Frame {
+        stream_id: 7,
+        kind: Kind::Data,
+        payload: b"new".to_vec(),
+    }
+    .encode_into(&mut out);
+    raw.write_all(&out).await.unwrap();
+    let mut s = srv.accept().await.expect("the session survives a restart");
+    let mut buf = [0u8; 3];
+    s.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"new");
+    assert_eq!(srv.nonce(), 2);
 }
