@@ -43,6 +43,14 @@ if ! "$VENV/bin/python" -c "import e2b, pytest" 2>/dev/null || [ ! -x "$VENV/bin
   "$VENV/bin/pip" install -q "e2b==2.63.0" "pytest>=8" "maturin==1.16.0"
 fi
 export PATH="$VENV/bin:$PATH"
+# The oldest e2b SDK we support (2.7.0), for the compatibility floor run of the SDK tests.
+FLOOR="$VENV-e2b27"
+if ! "$FLOOR/bin/python" -c "import e2b, pytest" 2>/dev/null; then
+  log "creating $FLOOR (e2b 2.7.0)"
+  python3 -m venv "$FLOOR"
+  "$FLOOR/bin/pip" install -q "e2b==2.7.0" "pytest>=8"
+fi
+export K3_E2B_FLOOR_PYTHON="$FLOOR/bin/python"
 
 # nvcc 13.0 from PyPI (no GPU needed): every kernel compiles in every run.
 CUDA_PIP_DIR="${K3_CUDA_PIP_DIR:-/opt/cuda13}"
