@@ -1,78 +1,100 @@
-//! A minimal writer for the `newc` cpio format that the Linux kernel unpacks as an initramfs.
+//! A writer for uncompressed `newc` cpio archives: the initramfs format the Linux kernel unpacks
+//! (used by the KVM probe guest here and by agentenv's guest initramfs).
 
-/// An in-memory newc archive.
-#[derive(Debug, Default)]
+/// Builds a newc archive in memory.
 pub struct CpioWriter {
-    buf: Vec<u8>,
-    ino: u32,
+    out: Vec<u8>,
+    next_ino: u32,
+}
+
+impl Default for CpioWriter {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl CpioWriter {
-    pub fn new() -> Self {
+    /// An empty archive.
+    pub fn new() -> CpioWriter {
         CpioWriter {
-            buf: Vec::new(),
-            ino: 1,
+            out: Vec::new(),
+            next_ino: 1,
         }
     }
 
-    fn entry(&mut self, name: &str, mode: u32, data: &[u8]) {
-        let name_len = name.len() + 1;
-        let header = format!(
-            "070701{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}",
-            self.ino,
+    /// Adds a directory.
+    pub fn dir(&mut self, name: &str, perm: u32) {
+        self.entry(name, 0o040000 | perm, 2, (0, 0), b"");
+    }
+
+    /// Adds a regular file.
+    pub fn file(&mut self, name: &str, perm: u32, data: &[u8]) {
+        self.entry(name, 0o100000 | perm, 1, (0, 0), data);
+    }
+
+    /// Adds a symbolic link to `target`.
+    pub fn symlink(&mut self, name: &str, target: &str) {
+        self.entry(name, 0o120777, 1, (0, 0), target.as_bytes());
+    }
+
+    /// Adds a character device node.
+    pub fn char_dev(&mut self, name: &str, perm: u32, major: u32, minor: u32) {
+        self.entry(name, 0o020000 | perm, 1, (major, minor), b"");
+    }
+
+    /// Appends the trailer and returns the archive.
+    pub fn finish(mut self) -> Vec<u8> {
+        self.header("TRAILER!!!", 0, 0, 1, 0, (0, 0));
+        self.out.extend_from_slice(b"TRAILER!!!\0");
+        self.pad();
+        self.out
+    }
+
+    fn entry(&mut self, name: &str, mode: u32, nlink: u32, rdev: (u32, u32), data: &[u8]) {
+        let ino = self.next_ino;
+        self.next_ino += 1;
+        self.header(name, ino, mode, nlink, data.len(), rdev);
+        self.out.extend_from_slice(name.as_bytes());
+        self.out.push(0);
+        self.pad();
+        self.out.extend_from_slice(data);
+        self.pad();
+    }
+
+    fn header(
+        &mut self,
+        name: &str,
+        ino: u32,
+        mode: u32,
+        nlink: u32,
+        size: usize,
+        rdev: (u32, u32),
+    ) {
+        let fields = [
+            ino,
             mode,
             0,
             0,
-            1,
+            nlink,
             0,
-            data.len(),
-            0,
-            0,
+            size as u32,
             0,
             0,
-            name_len,
-            0
-        );
-        self.ino += 1;
-        self.buf.extend_from_slice(header.as_bytes());
-        self.buf.extend_from_slice(name.as_bytes());
-        self.buf.push(0);
-        self.pad4();
-        self.buf.extend_from_slice(data);
-        self.pad4();
-    }
-
-    fn pad4(&mut self) {
-        while !self.buf.len().is_multiple_of(4) {
-            self.buf.push(0);
+            rdev.0,
+            rdev.1,
+            name.len() as u32 + 1,
+            0,
+        ];
+        self.out.extend_from_slice(b"070701");
+        for f in fields {
+            self.out.extend_from_slice(format!("{f:08x}").as_bytes());
         }
     }
 
-    /// Adds a directory (no leading slash, e.g. `"bin"`).
-    pub fn dir(&mut self, path: &str) -> &mut Self {
-        self.entry(path, 0o040_755, &[]);
-        self
-    }
-
-    /// Adds a regular file with permission bits `perm` (e.g. `0o755`).
-    pub fn file(&mut self, path: &str, perm: u32, data: &[u8]) -> &mut Self {
-        self.entry(path, 0o100_000 | (perm & 0o7777), data);
-        self
-    }
-
-    /// Adds a symbolic link `path -> target`.
-    pub fn symlink(&mut self, path: &str, target: &str) -> &mut Self {
-        self.entry(path, 0o120_777, target.as_bytes());
-        self
-    }
-
-    /// Appends the trailer and returns the archive bytes.
-    pub fn finish(mut self) -> Vec<u8> {
-        self.entry("TRAILER!!!", 0, &[]);
-        while !self.buf.len().is_multiple_of(512) {
-            self.buf.push(0);
+    fn pad(&mut self) {
+        while !self.out.len().is_multiple_of(4) {
+            self.out.push(0);
         }
-        self.buf
     }
 }
 
@@ -88,11 +110,12 @@ mod tests {
         };
         assert!(out.status.success());
         let mut w = CpioWriter::new();
-        w.dir("bin")
-            .file("bin/hello", 0o755, b"#!/bin/sh\necho hi\n")
-            .symlink("bin/sh", "hello");
+        w.dir("bin", 0o755);
+        w.file("bin/hello", 0o755, b"#!/bin/sh\necho hi\n");
+        w.symlink("bin/sh", "hello");
+        w.char_dev("console", 0o600, 5, 1);
         let bytes = w.finish();
-        assert_eq!(bytes.len() % 512, 0);
+        assert_eq!(bytes.len() % 4, 0);
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("a.cpio"), &bytes).unwrap();
         let st = std::process::Command::new("sh")

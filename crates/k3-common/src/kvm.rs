@@ -139,14 +139,11 @@ pub fn find_guest_kernel() -> Option<PathBuf> {
 pub fn probe_initramfs(busybox: &Path) -> Result<Vec<u8>, ProbeError> {
     let bb = std::fs::read(busybox).map_err(|_| ProbeError::NoBusybox(busybox.to_path_buf()))?;
     let mut w = CpioWriter::new();
-    w.dir("bin")
-        .file("bin/busybox", 0o755, &bb)
-        .symlink("bin/sh", "busybox")
-        .file(
-            "init",
-            0o755,
-            format!("#!/bin/sh\n/bin/busybox echo {MARKER}\n/bin/busybox poweroff -f\n").as_bytes(),
-        );
+    w.dir("bin", 0o755);
+    w.file("bin/busybox", 0o755, &bb);
+    w.symlink("bin/sh", "busybox");
+    let init = format!("#!/bin/sh\n/bin/busybox echo {MARKER}\n/bin/busybox poweroff -f\n");
+    w.file("init", 0o755, init.as_bytes());
     Ok(w.finish())
 }
 

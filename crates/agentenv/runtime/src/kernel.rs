@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::cpio::CpioWriter;
+use k3_common::cpio::CpioWriter;
 
 /// Modules loaded by the initramfs, in load order (`virtio_ring` before `virtio`).
 pub const MODULES: [&str; 10] = [

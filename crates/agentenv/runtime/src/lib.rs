@@ -16,7 +16,6 @@ pub mod accel;
 pub mod agent;
 pub mod bench;
 pub mod config;
-pub mod cpio;
 pub mod error;
 pub mod fsops;
 pub mod kernel;
