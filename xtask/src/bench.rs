@@ -15,7 +15,11 @@ struct BenchJob {
     tier: Tier,
     package: &'static str,
     bin: &'static str,
+    /// Other binaries the bench needs beside it: (package, binary, env var that points at it).
+    needs: &'static [(&'static str, &'static str, &'static str)],
 }
+
+const GUEST: &[(&str, &str, &str)] = &[("agentenv-guest", "agentenv-guest", "AGENTENV_GUEST_BIN")];
 
 const JOBS: &[BenchJob] = &[
     BenchJob {
@@ -23,36 +27,42 @@ const JOBS: &[BenchJob] = &[
         tier: Tier::Cpu,
         package: "flashkda",
         bin: "flashkda-bench",
+        needs: &[],
     },
     BenchJob {
         system: "moonep",
         tier: Tier::Cpu,
         package: "moonep",
         bin: "moonep-bench",
+        needs: &[],
     },
     BenchJob {
         system: "agentenv",
         tier: Tier::Cpu,
         package: "agentenv-server",
         bin: "agentenv-bench",
+        needs: GUEST,
     },
     BenchJob {
         system: "flashkda",
         tier: Tier::Sm90,
         package: "flashkda",
         bin: "flashkda-bench",
+        needs: &[],
     },
     BenchJob {
         system: "moonep",
         tier: Tier::Nvlink,
         package: "moonep",
         bin: "moonep-bench",
+        needs: &[],
     },
     BenchJob {
         system: "agentenv",
         tier: Tier::Kvm,
         package: "agentenv-server",
         bin: "agentenv-bench",
+        needs: GUEST,
     },
 ];
 
@@ -96,6 +106,7 @@ pub fn run(
         let part = parts.join(format!("{}-{}.json", job.system, job.tier));
         let log = parts.join(format!("{}-{}.log", job.system, job.tier));
         let _ = std::fs::remove_file(&part);
+        let needs = prepare_needs(job, bin_dir);
         let mut cmd = match bin_dir {
             Some(dir) => Command::new(dir.join(job.bin)),
             None => {
@@ -116,6 +127,15 @@ pub fn run(
         cmd.args(["--tier", job.tier.as_str(), "--out"])
             .arg(&part)
             .env("K3_COMMIT", &commit);
+        let needs = match needs {
+            Ok(n) => n,
+            Err(e) => {
+                println!("FAIL {} on {}: {e:#}", job.system, job.tier);
+                failures.push(format!("{} on {}: {e:#}", job.system, job.tier));
+                continue;
+            }
+        };
+        cmd.envs(needs);
         let pb = util::spinner(format!(
             "{} on {} (log: {})",
             job.system,
@@ -156,6 +176,43 @@ pub fn run(
         );
     }
     Ok(())
+}
+
+/// Builds (cargo mode) or finds (bundle mode) the helper binaries a job needs; returns env vars pointing at them.
+fn prepare_needs(
+    job: &BenchJob,
+    bin_dir: Option<&Path>,
+) -> anyhow::Result<Vec<(&'static str, PathBuf)>> {
+    let mut env = Vec::new();
+    for &(package, bin, var) in job.needs {
+        if std::env::var_os(var).is_some() {
+            continue;
+        }
+        let path = match bin_dir {
+            Some(dir) => dir.join(bin),
+            None => {
+                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+                let pb = util::spinner(format!("building {bin} (release)"));
+                let built = util::run_checked(Command::new(cargo).args([
+                    "build",
+                    "--quiet",
+                    "--release",
+                    "-p",
+                    package,
+                    "--bin",
+                    bin,
+                ]));
+                pb.finish_and_clear();
+                built?;
+                Path::new("target/release")
+                    .join(bin)
+                    .canonicalize()
+                    .with_context(|| format!("locating {bin}"))?
+            }
+        };
+        env.push((var, path));
+    }
+    Ok(env)
 }
 
 fn run_logged(cmd: &mut Command, log: &PathBuf) -> anyhow::Result<()> {
