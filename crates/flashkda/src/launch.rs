@@ -72,7 +72,7 @@ unsafe impl DeviceRepr for KernelParams {}
 /// How many blocks share one (sequence, head): each owns a slice of the 128 value rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ValueSplit {
-    /// Per schedule: `Four` for `Workspace`, `Two` for the others.
+    /// `Two` (the measured best on the H200 for every schedule and anchor shape).
     #[default]
     Auto,
     /// Four blocks of 2 warps (32 value rows each).
@@ -275,8 +275,9 @@ impl KdaKernels {
     }
 
     /// The schedule `Auto` picks for a call whose `Workspace` schedule needs `workspace_bytes`.
-    /// Chosen before run 3 measured it (2026-11-29): the workspace schedule shortens the
-    /// per-chunk critical path to the state matmuls; `Pipelined` is kept for huge problems.
+    /// H200, run 3 (2026-11-29): with two blocks per chain the workspace schedule is 1.34-1.80x
+    /// faster than `Pipelined` on all six anchor shapes; `Pipelined` (no workspace) is kept for
+    /// huge problems.
     pub fn auto_schedule(&self, workspace_bytes: usize) -> KernelSchedule {
         if workspace_bytes <= WORKSPACE_AUTO_LIMIT {
             KernelSchedule::Workspace
@@ -285,9 +286,11 @@ impl KdaKernels {
         }
     }
 
-    /// The value split `Auto` picks for the workspace schedule: four 2-warp blocks per chain.
+    /// The value split `Auto` picks for the workspace schedule. H200, run 3 (2026-11-29): two
+    /// 4-warp blocks per chain were fastest on five anchor shapes and within 0.1 % of four
+    /// 2-warp blocks on H=64 fixed (1.1077 vs 1.1067 ms); eight 1-warp blocks never won.
     pub fn auto_workspace_split(&self, _chains: usize) -> ValueSplit {
-        ValueSplit::Four
+        ValueSplit::Two
     }
 }
 
