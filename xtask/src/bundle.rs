@@ -41,7 +41,12 @@ pub fn build(out: &Path, wheels: bool) -> anyhow::Result<()> {
     for p in GPU_PACKAGES {
         test.args(["-p", p]);
     }
-    for exe in cargo_executables(&mut test)? {
+    // Only the GPU test binaries travel: the CPU tests run in CI, and the tree that travels is capped at 64 MiB.
+    for exe in cargo_executables(&mut test)?.into_iter().filter(|e| {
+        e.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("gpu"))
+    }) {
         copy_stripped(&exe, &tests)?;
     }
     pb.inc(1);
@@ -73,6 +78,7 @@ pub fn build(out: &Path, wheels: bool) -> anyhow::Result<()> {
         pb.inc(1);
     }
 
+    std::fs::write(out.join("COMMIT"), util::git_commit())?;
     pb.set_message("run script");
     let script = out.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
@@ -149,6 +155,7 @@ if ls "$B"/wheels/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/k3-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export K3_COMMIT=${K3_COMMIT:-$(cat "$B/COMMIT" 2>/dev/null || echo unknown)}
+export MOONEP_BIN_DIR="$B/bin"
 cmd=${1:-all}; [ $# -gt 0 ] && shift
 rc=0
 do_doctor() { "$B/bin/xtask" doctor 2>&1 | tee "$OUT/doctor.txt"; }
