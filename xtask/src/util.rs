@@ -47,7 +47,11 @@ pub fn git_commit() -> String {
 
 /// First line of `cmd --version`-like output, if the program runs.
 pub fn tool_version(program: &str, args: &[&str]) -> Option<String> {
-    let o = Command::new(program).args(args).output().ok()?;
+    let o = Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
     let text = if o.stdout.is_empty() {
         o.stderr
     } else {

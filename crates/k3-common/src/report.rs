@@ -336,11 +336,16 @@ impl Report {
             .map_err(|source| ReportError::Write { path: p, source })
     }
 
-    /// Joins `other` into `self`: machines by hostname, sections and skips appended.
+    /// Joins `other` into `self`: machines deduplicated (hostname, CPU and GPUs: VM hostnames repeat across
+    /// hosts), sections and skips appended.
     /// A skip is dropped when another report has a section for the same tier and system.
     pub fn merge(&mut self, other: Report) {
         for m in other.machines {
-            if !self.machines.iter().any(|x| x.hostname == m.hostname) {
+            if !self
+                .machines
+                .iter()
+                .any(|x| x.hostname == m.hostname && x.cpu == m.cpu && x.gpus == m.gpus)
+            {
                 self.machines.push(m);
             }
         }
