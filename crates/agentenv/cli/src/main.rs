@@ -73,7 +73,8 @@ enum Command {
         id: String,
         #[arg(long, short)]
         user: Option<String>,
-        /// The command; several words are joined with spaces.
+        /// The command, run by the sandbox's shell: one word is a shell line (`aenv exec ID 'ls | wc -l'`),
+        /// several words are quoted one by one (`aenv exec ID -- sh -c 'echo hi > f'`).
         #[arg(required = true, trailing_var_arg = true)]
         command: Vec<String>,
     },
@@ -287,8 +288,14 @@ async fn run(cli: &Cli, api: &ApiClient) -> anyhow::Result<i32> {
         }
         Command::Exec { id, user, command } => {
             let target = api.target(id).await?;
-            let out =
-                process::exec(api, &target, &command.join(" "), user.as_deref(), !cli.json).await?;
+            let out = process::exec(
+                api,
+                &target,
+                &shell_line(command),
+                user.as_deref(),
+                !cli.json,
+            )
+            .await?;
             if cli.json {
                 let v = json!({"exitCode": out.exit_code, "stdout": String::from_utf8_lossy(&out.stdout), "stderr": String::from_utf8_lossy(&out.stderr)});
                 println!("{}", serde_json::to_string_pretty(&v)?);
@@ -497,5 +504,57 @@ mod tests {
             ("A".to_string(), "b=c".to_string())
         );
         assert!(parse_kv("novalue").is_err());
+    }
+}
+
+/// One shell line from command words: a single word is taken as a shell line; several words are
+/// each single-quoted where needed, so `sh -c 'echo hi > f'` keeps its argument whole.
+fn shell_line(words: &[String]) -> String {
+    if let [line] = words {
+        return line.clone();
+    }
+    let quote = |w: &String| {
+        let plain = !w.is_empty()
+            && w.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c));
+        if plain {
+            w.clone()
+        } else {
+            format!("'{}'", w.replace('\'', "'\\''"))
+        }
+    };
+    words.iter().map(quote).collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod shell_line_tests {
+    use super::shell_line;
+
+    fn words(w: &[&str]) -> Vec<String> {
+        w.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn quotes_each_word_and_keeps_a_single_line() {
+        assert_eq!(shell_line(&words(&["ls | wc -l"])), "ls | wc -l");
+        assert_eq!(
+            shell_line(&words(&["sh", "-c", "echo hi > /tmp/f"])),
+            "sh -c 'echo hi > /tmp/f'"
+        );
+        assert_eq!(
+            shell_line(&words(&["echo", "it's", ""])),
+            "echo 'it'\\''s' ''"
+        );
+    }
+
+    #[test]
+    fn quoted_line_round_trips_through_sh() {
+        let w = words(&["printf", "%s|", "a b", "it's", "$HOME", "*"]);
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(shell_line(&w))
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "a b|it's|$HOME|*|");
     }
 }
