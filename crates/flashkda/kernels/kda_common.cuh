@@ -71,3 +71,46 @@ __device__ __forceinline__ float rcp_approx(float x) {
 // Branch-free (no IEEE-division slow path), so unrolled loops keep their ILP.
 __device__ __forceinline__ float sigmoidf_(float x) { return rcp_approx(1.0f + ex2(-1.4426950408889634f * x)); }
 
+
+// The 128x128 state of one (sequence, head) lives in mma accumulator fragments: each warp holds 16 value
+// rows, thread (gq, tq) rows r0 = first + gq and r0 + 8, columns nt*8 + 2*tq (+1). `sbase` is the
+// element offset of the (sequence, head) state; a null `h0` means a zero initial state.
+__device__ __forceinline__ void load_state(float (&S)[16][4], const KdaParams& p, size_t sbase, int r0, int tq) {
+  const int r1 = r0 + 8;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int col = nt * 8 + 2 * tq;
+    if (p.h0 == nullptr) {
+      S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
+    } else if (p.state_fp32) {
+      const float* h0 = static_cast<const float*>(p.h0) + sbase;
+      float2 x0 = *reinterpret_cast<const float2*>(h0 + (size_t)r0 * KD + col);
+      float2 x1 = *reinterpret_cast<const float2*>(h0 + (size_t)r1 * KD + col);
+      S[nt][0] = x0.x; S[nt][1] = x0.y; S[nt][2] = x1.x; S[nt][3] = x1.y;
+    } else {
+      const bf16* h0 = static_cast<const bf16*>(p.h0) + sbase;
+      __nv_bfloat162 x0 = *reinterpret_cast<const __nv_bfloat162*>(h0 + (size_t)r0 * KD + col);
+      __nv_bfloat162 x1 = *reinterpret_cast<const __nv_bfloat162*>(h0 + (size_t)r1 * KD + col);
+      S[nt][0] = __low2float(x0); S[nt][1] = __high2float(x0);
+      S[nt][2] = __low2float(x1); S[nt][3] = __high2float(x1);
+    }
+  }
+}
+
+// Writes the state fragments back to `p.ht` (fp32 or bf16, rounded once).
+__device__ __forceinline__ void store_state(const float (&S)[16][4], const KdaParams& p, size_t sbase, int r0, int tq) {
+  const int r1 = r0 + 8;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int col = nt * 8 + 2 * tq;
+    if (p.state_fp32) {
+      float* ht = static_cast<float*>(p.ht) + sbase;
+      *reinterpret_cast<float2*>(ht + (size_t)r0 * KD + col) = make_float2(S[nt][0], S[nt][1]);
+      *reinterpret_cast<float2*>(ht + (size_t)r1 * KD + col) = make_float2(S[nt][2], S[nt][3]);
+    } else {
+      bf16* ht = static_cast<bf16*>(p.ht) + sbase;
+      *reinterpret_cast<__nv_bfloat162*>(ht + (size_t)r0 * KD + col) = __floats2bfloat162_rn(S[nt][0], S[nt][1]);
+      *reinterpret_cast<__nv_bfloat162*>(ht + (size_t)r1 * KD + col) = __floats2bfloat162_rn(S[nt][2], S[nt][3]);
+    }
+  }
+}

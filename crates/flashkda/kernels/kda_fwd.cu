@@ -61,27 +61,7 @@ __device__ __forceinline__ void kda_fwd_body(const KdaParams& p) {
   // ---- state S rows [vw, vw+16) x 128 key columns, fp32 accumulator layout
   float S[16][4];
   const size_t sbase = ((size_t)n * H + h) * KD * KD;
-  {
-    const int r0 = vw + gq, r1 = r0 + 8;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int col = nt * 8 + 2 * tq;
-      if (p.h0 == nullptr) {
-        S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
-      } else if (p.state_fp32) {
-        const float* h0 = static_cast<const float*>(p.h0) + sbase;
-        float2 x0 = *reinterpret_cast<const float2*>(h0 + (size_t)r0 * KD + col);
-        float2 x1 = *reinterpret_cast<const float2*>(h0 + (size_t)r1 * KD + col);
-        S[nt][0] = x0.x; S[nt][1] = x0.y; S[nt][2] = x1.x; S[nt][3] = x1.y;
-      } else {
-        const bf16* h0 = static_cast<const bf16*>(p.h0) + sbase;
-        __nv_bfloat162 x0 = *reinterpret_cast<const __nv_bfloat162*>(h0 + (size_t)r0 * KD + col);
-        __nv_bfloat162 x1 = *reinterpret_cast<const __nv_bfloat162*>(h0 + (size_t)r1 * KD + col);
-        S[nt][0] = __low2float(x0); S[nt][1] = __high2float(x0);
-        S[nt][2] = __low2float(x1); S[nt][3] = __high2float(x1);
-      }
-    }
-  }
+  load_state(S, p, sbase, vw + gq, tq);
 
   const float exp_a = __expf(p.a_log[h]);
   const float lb2 = p.lower_bound * 1.4426950408889634f;  // gate in log2 units
@@ -341,22 +321,7 @@ __device__ __forceinline__ void kda_fwd_body(const KdaParams& p) {
   }
 
   // ---- final state
-  if (p.ht != nullptr) {
-    const int r0 = vw + gq, r1 = r0 + 8;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int col = nt * 8 + 2 * tq;
-      if (p.state_fp32) {
-        float* ht = static_cast<float*>(p.ht) + sbase;
-        *reinterpret_cast<float2*>(ht + (size_t)r0 * KD + col) = make_float2(S[nt][0], S[nt][1]);
-        *reinterpret_cast<float2*>(ht + (size_t)r1 * KD + col) = make_float2(S[nt][2], S[nt][3]);
-      } else {
-        bf16* ht = static_cast<bf16*>(p.ht) + sbase;
-        *reinterpret_cast<__nv_bfloat162*>(ht + (size_t)r0 * KD + col) = __floats2bfloat162_rn(S[nt][0], S[nt][1]);
-        *reinterpret_cast<__nv_bfloat162*>(ht + (size_t)r1 * KD + col) = __floats2bfloat162_rn(S[nt][2], S[nt][3]);
-      }
-    }
-  }
+  if (p.ht != nullptr) store_state(S, p, sbase, vw + gq, tq);
 }
 
 extern "C" __global__ void __launch_bounds__(64) kda_fwd_w2(const KdaParams p) { kda_fwd_body<2>(p); }
