@@ -1,23 +1,8 @@
 //! Compiles every `kernels/*.cu` to an sm_90a cubin in OUT_DIR when nvcc is found (NVCC, CUDA_HOME,
 //! PATH, /opt/cuda13/nvidia/cu13) and writes `kernels.rs` embedding them; without nvcc the crate
 //! still builds and the GPU entry points return `FlashKdaError::KernelsNotBuilt`.
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
-
-fn find_nvcc() -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(p) = std::env::var_os("NVCC") {
-        candidates.push(PathBuf::from(p));
-    }
-    if let Some(home) = std::env::var_os("CUDA_HOME") {
-        candidates.push(Path::new(&home).join("bin/nvcc"));
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        candidates.extend(std::env::split_paths(&path).map(|d| d.join("nvcc")));
-    }
-    candidates.push(PathBuf::from("/opt/cuda13/nvidia/cu13/bin/nvcc"));
-    candidates.into_iter().find(|p| p.is_file())
-}
 
 fn main() {
     for var in ["NVCC", "CUDA_HOME", "PATH", "K3_REQUIRE_KERNELS"] {
@@ -36,7 +21,7 @@ fn main() {
     }
 
     let mut entries = Vec::new();
-    let status = match find_nvcc() {
+    let status = match k3_common::toolkit::find_nvcc().map(|n| n.nvcc) {
         None => Err("nvcc not found (set NVCC or CUDA_HOME, or put nvcc on PATH)".to_string()),
         Some(nvcc) => {
             let mut res = Ok(());
@@ -44,13 +29,8 @@ fn main() {
                 let stem = src.file_stem().unwrap().to_string_lossy().to_string();
                 let cubin = out_dir.join(format!("{stem}.sm_90a.cubin"));
                 let out = Command::new(&nvcc)
-                    .args([
-                        "-gencode=arch=compute_90a,code=sm_90a",
-                        "-cubin",
-                        "-O3",
-                        "-lineinfo",
-                        "-std=c++17",
-                    ])
+                    .args(k3_common::toolkit::SM90A_FLAGS)
+                    .arg("-cubin")
                     .arg("-o")
                     .arg(&cubin)
                     .arg(src)
