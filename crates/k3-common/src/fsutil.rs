@@ -15,7 +15,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
+    // Unique per process and call: threads of one process may write the same file at once.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp.{}.{seq}", std::process::id()));
     {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
@@ -43,6 +46,25 @@ pub fn cache_dir() -> PathBuf {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn concurrent_writers_of_one_file_never_fail() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("same.txt");
+        std::thread::scope(|s| {
+            for t in 0..8u8 {
+                let p = &p;
+                s.spawn(move || {
+                    for _ in 0..50 {
+                        super::write_atomic(p, &[t; 64]).unwrap();
+                    }
+                });
+            }
+        });
+        let bytes = std::fs::read(&p).unwrap();
+        assert_eq!(bytes.len(), 64);
+        assert!(bytes.iter().all(|&b| b == bytes[0]), "a torn file");
+    }
+
     #[test]
     fn atomic_write_replaces_whole_file() {
         let dir = tempfile::tempdir().unwrap();
