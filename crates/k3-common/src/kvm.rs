@@ -14,10 +14,37 @@ use serde::{Deserialize, Serialize};
 use crate::cpio::CpioWriter;
 
 const MARKER: &str = "K3-PROBE-OK";
-/// Kernel command line that boots fast under TCG (see notes/vm-feasibility.md).
-pub const FAST_BOOT_CMDLINE: &str = "console=ttyS0,115200 panic=-1 quiet edd=off i8042.noaux i8042.nomux \
-     i8042.nopnp i8042.dumbkbd noreplace-smp tsc=reliable tsc_early_khz=2596000 no_timer_check \
-     cryptomgr.notests rcupdate.rcu_expedited=1 mitigations=off random.trust_cpu=on audit=0 nowatchdog";
+/// The QEMU binary of the host-level probe.
+pub const QEMU: &str = "qemu-system-x86_64";
+/// Kernel command line that boots fast under TCG (see notes/vm-feasibility.md): PVH-friendly, a fast
+/// serial console, and `tsc_early_khz` set to the host's TSC so calibration never hangs.
+pub fn fast_boot_cmdline() -> String {
+    format!(
+        "console=ttyS0,115200 panic=-1 quiet edd=off i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd \
+         noreplace-smp tsc=reliable tsc_early_khz={} no_timer_check cryptomgr.notests rcupdate.rcu_expedited=1 \
+         mitigations=off random.trust_cpu=on audit=0 nowatchdog",
+        host_tsc_khz()
+    )
+}
+
+fn host_tsc_khz() -> u64 {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    info.lines()
+        .find(|l| l.starts_with("cpu MHz"))
+        .and_then(|l| l.split(':').nth(1))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(2_000_000, |mhz| (mhz * 1000.0) as u64)
+}
+
+/// What to boot for a probe: the QEMU binary, a kernel, and an initramfs from [`probe_initramfs`].
+#[derive(Debug, Clone, Copy)]
+pub struct ProbeGuest<'a> {
+    pub qemu: &'a Path,
+    pub kernel: &'a Path,
+    pub initrd: &'a Path,
+    /// `-M microvm` (needs a PVH vmlinux or a bzImage) instead of QEMU's default machine.
+    pub microvm: bool,
+}
 
 /// Accelerator for QEMU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -149,14 +176,16 @@ pub fn probe_initramfs(busybox: &Path) -> Result<Vec<u8>, ProbeError> {
 
 /// Boots the probe guest with `accel` and returns the time until the marker appeared.
 pub fn boot_probe(
+    guest: &ProbeGuest<'_>,
     accel: Accel,
-    kernel: &Path,
-    initrd: &Path,
     timeout: Duration,
 ) -> Result<Duration, ProbeError> {
-    let qemu = "qemu-system-x86_64";
     let start = Instant::now();
-    let mut child = Command::new(qemu)
+    let mut cmd = Command::new(guest.qemu);
+    if guest.microvm {
+        cmd.args(["-M", "microvm"]);
+    }
+    let mut child = cmd
         .args([
             "-accel",
             accel.as_str(),
@@ -168,16 +197,17 @@ pub fn boot_probe(
             "none",
         ])
         .args(["-no-reboot", "-serial", "stdio", "-kernel"])
-        .arg(kernel)
+        .arg(guest.kernel)
         .arg("-initrd")
-        .arg(initrd)
-        .args(["-append", FAST_BOOT_CMDLINE])
+        .arg(guest.initrd)
+        .arg("-append")
+        .arg(fast_boot_cmdline())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|source| ProbeError::Spawn {
-            qemu: qemu.into(),
+            qemu: guest.qemu.display().to_string(),
             source,
         })?;
     let mut stdout = child.stdout.take().expect("piped stdout");
@@ -242,9 +272,15 @@ pub fn check(kvm_timeout: Duration) -> KvmVerdict {
             reason: e.to_string(),
         };
     }
+    let guest = ProbeGuest {
+        qemu: Path::new(QEMU),
+        kernel: &kernel,
+        initrd: &initrd,
+        microvm: false,
+    };
     let kvm_failure = match open_dev_kvm() {
         Err(e) => e.to_string(),
-        Ok(_) => match boot_probe(Accel::Kvm, &kernel, &initrd, kvm_timeout) {
+        Ok(_) => match boot_probe(&guest, Accel::Kvm, kvm_timeout) {
             Ok(t) => {
                 let _ = std::fs::remove_dir_all(&dir);
                 return KvmVerdict::Kvm {
@@ -256,7 +292,7 @@ pub fn check(kvm_timeout: Duration) -> KvmVerdict {
             }
         },
     };
-    let tcg = boot_probe(Accel::Tcg, &kernel, &initrd, Duration::from_secs(60));
+    let tcg = boot_probe(&guest, Accel::Tcg, Duration::from_secs(60));
     let _ = std::fs::remove_dir_all(&dir);
     match tcg {
         Ok(t) => KvmVerdict::TcgOnly {
@@ -286,18 +322,20 @@ mod tests {
             println!("skipped: no guest kernel (install linux-image-amd64)");
             return;
         };
-        if Command::new("qemu-system-x86_64")
-            .arg("--version")
-            .output()
-            .is_err()
-        {
+        if Command::new(QEMU).arg("--version").output().is_err() {
             println!("skipped: qemu-system-x86_64 is not installed");
             return;
         }
         let dir = tempfile::tempdir().unwrap();
         let initrd = dir.path().join("p.cpio");
         std::fs::write(&initrd, probe_initramfs(Path::new("/bin/busybox")).unwrap()).unwrap();
-        let t = boot_probe(Accel::Tcg, &kernel, &initrd, Duration::from_secs(90)).unwrap();
+        let guest = ProbeGuest {
+            qemu: Path::new(QEMU),
+            kernel: &kernel,
+            initrd: &initrd,
+            microvm: false,
+        };
+        let t = boot_probe(&guest, Accel::Tcg, Duration::from_secs(90)).unwrap();
         println!("TCG probe boot: {t:?}");
     }
 

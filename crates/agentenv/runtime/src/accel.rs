@@ -2,13 +2,12 @@
 //! /dev/kvm but hangs a standard kernel), TCG otherwise. The verdict is cached per host and guest kernel.
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Accel, AccelKind, RuntimeConfig};
-use crate::kernel::{GuestKernel, PROBE_MARKER};
+use crate::kernel::GuestKernel;
 
 /// How long the probe guest may take to print its marker under KVM.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -72,54 +71,27 @@ pub async fn choose(cfg: &RuntimeConfig, kernel: &GuestKernel, cache: &Path) -> 
 
 /// Boots the probe initramfs under `-accel kvm`; true when the marker appears within [`PROBE_TIMEOUT`].
 pub async fn probe_kvm(qemu: &Path, kernel: &GuestKernel) -> (bool, String) {
-    let mut cmd = tokio::process::Command::new(qemu);
-    cmd.args([
-        "-M",
-        "microvm",
-        "-accel",
-        "kvm",
-        "-m",
-        "128M",
-        "-nodefaults",
-        "-no-user-config",
-        "-display",
-        "none",
-    ])
-    .arg("-no-reboot")
-    .args(["-serial", "stdio", "-kernel"])
-    .arg(&kernel.vmlinux)
-    .arg("-initrd")
-    .arg(&kernel.probe_initrd)
-    .arg("-append")
-    .arg(crate::kernel::cmdline())
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .kill_on_drop(true);
-    let child = match cmd.spawn() {
-        Ok(c) => c,
-        Err(e) => return (false, format!("spawn failed: {e}")),
-    };
-    match tokio::time::timeout(PROBE_TIMEOUT, child.wait_with_output()).await {
-        Ok(Ok(o)) => {
-            let out = String::from_utf8_lossy(&o.stdout);
-            if out.contains(PROBE_MARKER) {
-                (true, "probe guest booted under KVM".into())
-            } else {
-                let err = String::from_utf8_lossy(&o.stderr);
-                (
-                    false,
-                    format!("probe guest exited without the marker: {}", err.trim()),
-                )
-            }
-        }
-        Ok(Err(e)) => (false, format!("wait failed: {e}")),
-        Err(_) => (
-            false,
-            format!(
-                "no marker within {} s (e.g. a PVM-only host)",
-                PROBE_TIMEOUT.as_secs()
-            ),
+    let (qemu, vmlinux, initrd) = (
+        qemu.to_path_buf(),
+        kernel.vmlinux.clone(),
+        kernel.probe_initrd.clone(),
+    );
+    let probe = tokio::task::spawn_blocking(move || {
+        let guest = k3_common::kvm::ProbeGuest {
+            qemu: &qemu,
+            kernel: &vmlinux,
+            initrd: &initrd,
+            microvm: true,
+        };
+        k3_common::kvm::boot_probe(&guest, k3_common::kvm::Accel::Kvm, PROBE_TIMEOUT)
+    })
+    .await;
+    match probe {
+        Ok(Ok(t)) => (
+            true,
+            format!("probe guest booted under KVM in {} ms", t.as_millis()),
         ),
+        Ok(Err(e)) => (false, e.to_string()),
+        Err(e) => (false, format!("probe task failed: {e}")),
     }
 }

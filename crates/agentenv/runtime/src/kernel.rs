@@ -23,8 +23,6 @@ pub const MODULES: [&str; 10] = [
 
 /// What the guest init becomes after switch_root.
 pub const GUEST_INIT: &str = "/usr/local/bin/agentenv-guest";
-/// Marker the probe initramfs prints when it runs.
-pub const PROBE_MARKER: &str = "AGENTENV-PROBE-OK";
 
 /// Errors while preparing the guest kernel.
 #[derive(Debug, thiserror::Error)]
@@ -67,7 +65,7 @@ pub struct GuestKernel {
     pub vmlinux: PathBuf,
     /// Initramfs that boots the root disk into the guest agent.
     pub initrd: PathBuf,
-    /// Initramfs that prints [`PROBE_MARKER`] and powers off (accelerator probe).
+    /// Initramfs that prints k3-common's probe marker and powers off (accelerator probe).
     pub probe_initrd: PathBuf,
 }
 
@@ -77,22 +75,7 @@ pub fn cmdline() -> String {
     let log = std::env::var("AGENTENV_GUEST_RUST_LOG")
         .map(|v| format!(" RUST_LOG={v}"))
         .unwrap_or_default();
-    let base = format!(
-        "console=ttyS0,115200 panic=-1 quiet edd=off i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd \
-         noreplace-smp tsc=reliable tsc_early_khz={} no_timer_check cryptomgr.notests rcupdate.rcu_expedited=1 \
-         mitigations=off random.trust_cpu=on audit=0 nowatchdog",
-        host_tsc_khz()
-    );
-    base + &log
-}
-
-fn host_tsc_khz() -> u64 {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    info.lines()
-        .find(|l| l.starts_with("cpu MHz"))
-        .and_then(|l| l.split(':').nth(1))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map_or(2_000_000, |mhz| (mhz * 1000.0) as u64)
+    k3_common::kvm::fast_boot_cmdline() + &log
 }
 
 /// Finds Debian's kernel (host `/boot` + `/lib/modules`, else `apt-get download` + `dpkg -x`) and builds
@@ -104,7 +87,7 @@ pub fn prepare(cache: &Path) -> Result<GuestKernel, KernelError> {
         release: release.clone(),
         vmlinux: dir.join("vmlinux"),
         initrd: dir.join("initrd.cpio"),
-        probe_initrd: dir.join("probe.cpio"),
+        probe_initrd: dir.join("probe-k3.cpio"),
     };
     if k.vmlinux.exists() && k.initrd.exists() && k.probe_initrd.exists() {
         return Ok(k);
@@ -117,7 +100,12 @@ pub fn prepare(cache: &Path) -> Result<GuestKernel, KernelError> {
         modules.push((name, read_module(&modules_dir, name)?));
     }
     let initrd = build_initrd(&busybox, &modules, &boot_script())?;
-    let probe = build_initrd(&busybox, &[], &probe_script())?;
+    let probe = k3_common::kvm::probe_initramfs(Path::new("/bin/busybox")).map_err(|e| {
+        KernelError::Tool {
+            program: "probe initramfs".into(),
+            detail: e.to_string(),
+        }
+    })?;
     k3_common::fsutil::write_atomic(&k.initrd, &initrd).map_err(io("write", &k.initrd))?;
     k3_common::fsutil::write_atomic(&k.probe_initrd, &probe)
         .map_err(io("write", &k.probe_initrd))?;
@@ -369,8 +357,4 @@ $B poweroff -f
         modules = MODULES.join(" "),
         init = GUEST_INIT
     )
-}
-
-fn probe_script() -> String {
-    format!("#!/bin/busybox sh\necho {PROBE_MARKER}\n/bin/busybox poweroff -f\n")
 }
