@@ -81,6 +81,24 @@ fn control_router() -> Router<AppState> {
         .route("/openapi.json", get(routes::openapi_json))
         .fallback(routes::not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BYTES))
+        .layer(middleware::from_fn(refuse_declared_oversize))
+}
+
+/// Answers 413 from `Content-Length` alone, before any of an oversized body is read
+/// (`DefaultBodyLimit` still bounds bodies without a declared length).
+async fn refuse_declared_oversize(req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > MAX_JSON_BYTES) {
+        return crate::error::ApiError::new(
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            format!("request body exceeds the limit of {MAX_JSON_BYTES} bytes"),
+        )
+        .into_response();
+    }
+    next.run(req).await
 }
 
 /// The whole server: data plane first (by `E2b-Sandbox-Id` + path, or access token), then

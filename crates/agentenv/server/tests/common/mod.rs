@@ -133,6 +133,50 @@ impl Resp {
 }
 
 impl Api {
+    /// Sends only the head of a request that declares a `declared_len`-byte body and reads the answer.
+    /// The server refuses oversized bodies from `Content-Length` alone; sending the body too would race
+    /// its early close (the client sees EPIPE instead of the answer).
+    pub async fn head_only(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        declared_len: usize,
+    ) -> Resp {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let addr = self.base.trim_start_matches("http://");
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {declared_len}\r\n"
+        );
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("Connection: close\r\n\r\n");
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        let mut raw = Vec::new();
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            tcp.read_to_end(&mut raw),
+        );
+        let _ = read.await.expect("the server answers without the body");
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("a complete response head");
+        let head = String::from_utf8_lossy(&raw[..split]);
+        let code: u16 = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .expect("a status line");
+        Resp {
+            status: StatusCode::from_u16(code).unwrap(),
+            headers: hyper::HeaderMap::new(),
+            body: Bytes::copy_from_slice(&raw[split + 4..]),
+        }
+    }
+
     pub async fn raw(
         &self,
         method: Method,
