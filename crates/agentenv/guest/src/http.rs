@@ -13,7 +13,6 @@ use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
-use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -199,6 +198,11 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         (Method::GET, "/files") => crate::files::download(&agent, req).await,
         (Method::POST, "/files") => crate::files::upload(&agent, req).await,
         (Method::POST, "/init") => init(&agent, req).await,
+        (Method::POST, "/sync") => {
+            // SAFETY: sync(2) takes no arguments.
+            tokio::task::spawn_blocking(|| unsafe { libc::sync() }).await.ok();
+            json_response(StatusCode::OK, &json!({}))
+        }
         (Method::GET, "/envs") => json_response(StatusCode::OK, &json!(agent.settings().env_vars)),
         (Method::GET, "/metrics") => json_response(StatusCode::OK, &metrics().await),
         (Method::POST, p)
@@ -246,21 +250,7 @@ fn check_signature(req: &Request<Incoming>, token: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// `/init` body (orchestrator → agent).
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, rename_all = "camelCase")]
-struct InitRequest {
-    #[serde(alias = "env_vars")]
-    env_vars: Option<HashMap<String, String>>,
-    #[serde(alias = "access_token")]
-    access_token: Option<String>,
-    #[serde(alias = "default_user")]
-    default_user: Option<String>,
-    #[serde(alias = "default_workdir")]
-    default_workdir: Option<String>,
-    /// Host wall-clock time: Unix seconds (number) or RFC 3339 UTC string.
-    timestamp: Option<Value>,
-}
+use agentenv_envd::InitRequest;
 
 async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
     let body = match read_body(req.into_body(), MAX_JSON_BODY).await {
@@ -283,6 +273,12 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         && let Some(secs) = r.timestamp.as_ref().and_then(timestamp_secs)
     {
         set_clock(secs);
+    }
+    if let Some(e) = &r.entropy {
+        match agentenv_envd::unhex(e) {
+            Some(bytes) if bytes.len() <= 512 => add_entropy(&bytes),
+            _ => return http_error(StatusCode::BAD_REQUEST, "entropy must be at most 512 hex-encoded bytes"),
+        }
     }
     agent.update_settings(|s| {
         if let Some(env) = r.env_vars {
@@ -330,6 +326,31 @@ fn timestamp_secs(v: &Value) -> Option<f64> {
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let days = era * 146_097 + doe - 719_468;
     Some((days * 86_400 + hh * 3600 + mm * 60 + ss) as f64 + frac)
+}
+
+/// Credits `bytes` to the kernel's pool (RNDADDENTROPY) and reseeds the CRNG (RNDRESEEDCRNG), so guests
+/// restored from one snapshot draw distinct streams. Needs CAP_SYS_ADMIN; a failure is logged.
+fn add_entropy(bytes: &[u8]) {
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    let Ok(f) = std::fs::OpenOptions::new().write(true).open("/dev/urandom") else {
+        tracing::warn!("cannot open /dev/urandom");
+        return;
+    };
+    use std::os::fd::AsRawFd;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + bytes.len());
+    info.extend_from_slice(&((bytes.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(bytes.len() as i32).to_ne_bytes());
+    info.extend_from_slice(bytes);
+    // SAFETY: the ioctls read a rand_pool_info of the size it declares, from a live buffer.
+    let ok = unsafe {
+        libc::ioctl(f.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) == 0
+            && libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG) == 0
+    };
+    if !ok {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "reseeding the kernel RNG failed");
+    }
 }
 
 fn set_clock(secs: f64) {

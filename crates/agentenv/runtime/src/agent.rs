@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentenv_mux::{MuxError, MuxStream, Session};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 /// Errors talking to the guest agent.
@@ -93,7 +92,7 @@ pub async fn healthy_from(
                 }
             }
         };
-        match tokio::time::timeout(attempt, request(&current, "GET", "/health", None)).await {
+        match tokio::time::timeout(attempt, request(&current, "GET", agentenv_envd::paths::HEALTH, None)).await {
             Ok(Ok(status)) if (200..300).contains(&status) => return Ok(current),
             Ok(Ok(status)) => last = format!("/health answered {status}"),
             Ok(Err(e)) => last = e.to_string(),
@@ -108,52 +107,93 @@ pub async fn healthy_from(
     })
 }
 
-/// Sends one HTTP/1.1 request on a fresh stream and returns the response status code.
+/// Sends one HTTP/1.1 request to envd on a fresh stream and returns the response status code.
 pub async fn request(
     link: &AgentLink,
     method: &str,
     path: &str,
     json_body: Option<&str>,
 ) -> Result<u16, AgentError> {
-    let mut s = link.open().await?;
-    let body = json_body.unwrap_or("");
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: envd\r\nConnection: close\r\n");
-    if json_body.is_some() {
-        req.push_str(&format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    let http = |what: &str, e: std::io::Error| AgentError::Http {
-        what: what.into(),
+    use http_body_util::{BodyExt, Full};
+    let http = |what: &str, e: &dyn std::fmt::Display| AgentError::Http {
+        what: format!("{what} {path}"),
         detail: e.to_string(),
     };
-    s.write_all(req.as_bytes())
-        .await
-        .map_err(|e| http("write", e))?;
-    s.flush().await.map_err(|e| http("flush", e))?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 512];
-    while !head.windows(2).any(|w| w == b"\r\n") {
-        let n = s.read(&mut buf).await.map_err(|e| http("read", e))?;
-        if n == 0 {
-            return Err(AgentError::Http {
-                what: path.into(),
-                detail: "stream closed before a status line".into(),
-            });
-        }
-        head.extend_from_slice(&buf[..n]);
+    let s = link.open().await?;
+    let (mut tx, conn) = hyper::client::conn::http1::handshake::<_, Full<bytes::Bytes>>(
+        hyper_util::rt::TokioIo::new(s),
+    )
+    .await
+    .map_err(|e| http("handshake", &e))?;
+    let driver = tokio::spawn(conn);
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(hyper::header::HOST, "envd");
+    if json_body.is_some() {
+        req = req.header(hyper::header::CONTENT_TYPE, "application/json");
     }
-    let line = String::from_utf8_lossy(&head);
-    let status = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse::<u16>().ok())
-        .ok_or_else(|| AgentError::Http {
-            what: path.into(),
-            detail: format!("bad status line: {line}"),
-        })?;
+    let body = Full::new(bytes::Bytes::from(json_body.unwrap_or("").to_owned()));
+    let req = req.body(body).map_err(|e| http("build", &e))?;
+    let resp = tx.send_request(req).await.map_err(|e| http("send", &e))?;
+    let status = resp.status().as_u16();
+    let _ = resp.into_body().collect().await;
+    driver.abort();
     Ok(status)
+}
+
+/// Sends envd `/init` with the host's clock, fresh kernel entropy and `env_vars`: every created,
+/// resumed or forked machine then has the right time and its own random stream.
+pub async fn init(
+    link: &AgentLink,
+    env_vars: &std::collections::BTreeMap<String, String>,
+) -> Result<(), AgentError> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let body = agentenv_envd::InitRequest {
+        env_vars: (!env_vars.is_empty()).then(|| env_vars.clone()),
+        timestamp: Some(serde_json::json!(now)),
+        entropy: Some(agentenv_envd::hex(&host_entropy())),
+        ..Default::default()
+    };
+    let body = serde_json::to_string(&body).map_err(|e| AgentError::Http {
+        what: "encode /init".into(),
+        detail: e.to_string(),
+    })?;
+    let status = request(link, "POST", agentenv_envd::paths::INIT, Some(&body)).await?;
+    if !(200..300).contains(&status) {
+        return Err(AgentError::Http {
+            what: "/init".into(),
+            detail: format!("HTTP {status}"),
+        });
+    }
+    Ok(())
+}
+
+/// Asks the guest to flush its file systems (before a filesystem-only snapshot).
+pub async fn sync(link: &AgentLink) -> Result<(), AgentError> {
+    let status = request(link, "POST", agentenv_envd::paths::SYNC, None).await?;
+    if !(200..300).contains(&status) {
+        return Err(AgentError::Http {
+            what: "/sync".into(),
+            detail: format!("HTTP {status}"),
+        });
+    }
+    Ok(())
+}
+
+/// 32 bytes from the host kernel's CSPRNG.
+fn host_entropy() -> [u8; 32] {
+    let mut b = [0u8; 32];
+    // SAFETY: getrandom writes at most b.len() bytes into the buffer it is given.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        tracing::warn!("getrandom returned {n}; guest entropy falls back to the clock");
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        b[..16].copy_from_slice(&t.to_le_bytes());
+    }
+    b
 }

@@ -130,6 +130,13 @@ pub enum ResumeError {
     /// The record could not be written.
     #[error(transparent)]
     Record(#[from] PersistError),
+    /// A file operation on the sandbox's files failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// [`crate::Runtime::kill`] failed.
@@ -173,4 +180,34 @@ pub enum RecoverError {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+/// [`crate::Runtime::snapshot`], [`crate::Runtime::delete_snapshot`] or [`crate::Runtime::fork`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// No such sandbox.
+    #[error("unknown sandbox {0}")]
+    SandboxNotFound(String),
+    /// No such snapshot.
+    #[error("unknown snapshot {0}")]
+    NotFound(String),
+    /// A snapshot id or name that is not allowed.
+    #[error("invalid snapshot name {0:?}: use [A-Za-z0-9_.-] (at most 64), optionally :tag")]
+    InvalidName(String),
+    /// The VMM failed while capturing.
+    #[error("snapshot capture: {0}")]
+    Vmm(#[from] VmmError),
+    /// The guest agent did not answer (filesystem snapshots sync the guest first).
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    /// A file operation failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A record could not be written.
+    #[error(transparent)]
+    Record(#[from] PersistError),
 }

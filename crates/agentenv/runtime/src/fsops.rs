@@ -85,10 +85,22 @@ pub fn link_or_copy(src: &Path, dst: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Creates a qcow2 overlay `overlay` backed by the raw image `base` (`qemu-img create -f qcow2 -b -F raw`).
+/// Bytes of data a file holds on disk (its allocated blocks), 0 when it is missing.
+pub fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
+}
+
+/// Creates a qcow2 overlay `overlay` backed by `base` (a raw image or a qcow2 file, told apart by its magic).
 pub async fn create_overlay(qemu_img: &Path, base: &Path, overlay: &Path) -> std::io::Result<()> {
+    let mut magic = [0u8; 4];
+    {
+        use std::io::Read;
+        let _ = std::fs::File::open(base)?.read(&mut magic)?;
+    }
+    let format = if &magic == b"QFI\xfb" { "qcow2" } else { "raw" };
     let o = tokio::process::Command::new(qemu_img)
-        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+        .args(["create", "-q", "-f", "qcow2", "-F", format, "-b"])
         .arg(base)
         .arg(overlay)
         .output()

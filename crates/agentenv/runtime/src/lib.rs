@@ -25,6 +25,7 @@ pub mod qmp;
 mod recover;
 pub mod rootfs;
 mod sandbox;
+pub mod snapshot;
 pub mod template;
 pub mod vmm;
 
@@ -35,8 +36,9 @@ use std::sync::{Arc, Mutex, RwLock};
 pub use config::{Accel, AccelKind, RuntimeConfig};
 pub use error::{
     ConnectError, CreateError, KillError, OpenError, PauseError, RecoverError, ResumeError,
-    TemplateError,
+    SnapshotError, TemplateError,
 };
+pub use snapshot::{SnapshotInfo, SnapshotMode};
 pub use persist::TemplateInfo;
 pub use template::{BuildProgress, BuildStep, TemplateSpec};
 
@@ -58,7 +60,7 @@ pub enum VmState {
 pub struct CreateSpec {
     /// Sandbox id chosen by the caller (`[A-Za-z0-9_.-]`, at most 64 characters).
     pub sandbox_id: String,
-    /// Template id or alias.
+    /// Template id or alias, or snapshot id or `name[:tag]`.
     pub template_id: String,
     /// Environment variables for every process (sent to envd `POST /init`).
     pub env_vars: BTreeMap<String, String>,
@@ -105,6 +107,7 @@ pub(crate) struct Inner {
     /// `cache_dir()/agentenv`.
     pub(crate) cache: PathBuf,
     pub(crate) templates: RwLock<BTreeMap<String, TemplateRecord>>,
+    pub(crate) snapshots: RwLock<BTreeMap<String, persist::SnapshotRecord>>,
     pub(crate) sandboxes: Mutex<HashMap<String, Arc<sandbox::Slot>>>,
 }
 
@@ -117,7 +120,7 @@ impl Runtime {
             let path = path.clone();
             move |source| OpenError::StateDir { path, source }
         };
-        for sub in ["templates", "sandboxes"] {
+        for sub in ["templates", "sandboxes", "snapshots"] {
             let p = cfg.state_dir.join(sub);
             std::fs::create_dir_all(&p).map_err(state_err(&p))?;
         }
@@ -146,7 +149,8 @@ impl Runtime {
                 templates.insert(rec.info.id.clone(), rec);
             }
         }
-        tracing::info!(state_dir = %cfg.state_dir.display(), accel = accel.as_str(), templates = templates.len(), "agentenv runtime open");
+        let snapshots = snapshot::load_all(&cfg.state_dir.join("snapshots"), cfg.ram_dir.as_deref())?;
+        tracing::info!(state_dir = %cfg.state_dir.display(), accel = accel.as_str(), templates = templates.len(), snapshots = snapshots.len(), "agentenv runtime open");
         Ok(Runtime {
             inner: Arc::new(Inner {
                 cfg,
@@ -154,6 +158,7 @@ impl Runtime {
                 kernel,
                 cache,
                 templates: RwLock::new(templates),
+                snapshots: RwLock::new(snapshots),
                 sandboxes: Mutex::new(HashMap::new()),
             }),
         })

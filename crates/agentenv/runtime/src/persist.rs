@@ -86,6 +86,7 @@ impl MachineRecord {
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
             ram_file: ram_file.to_owned(),
+            ram_shared: true,
             disk: disk.to_owned(),
             disk_format,
         }
@@ -135,12 +136,66 @@ pub struct SandboxRecord {
     pub template_id: String,
     /// Machine shape (copied from the template so a rebuilt template cannot change it).
     pub machine: MachineRecord,
-    /// RAM file (shared mapping of guest RAM).
+    /// RAM file: the sandbox's own (mapped shared) or, when `ram_shared` is false, a file mapped
+    /// private copy-on-write (a snapshot's RAM, or an empty file a full stream loads into).
     pub ram_file: PathBuf,
+    /// Whether `ram_file` is mapped shared (older records: always).
+    #[serde(default = "yes")]
+    pub ram_shared: bool,
+    /// Snapshot this sandbox's disk (and, while `ram_shared` is false, RAM) depends on.
+    #[serde(default)]
+    pub parent_snapshot: Option<String>,
     /// RFC 3339 creation time.
     pub created_at: String,
     /// Lifecycle phase.
     pub phase: SandboxPhase,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A captured sandbox: disk always, memory and device state unless filesystem-only.
+///
+/// Files live in `snapshots/<id>/` (`disk.qcow2`, `device.state`, `ram.mem` or the RAM in `ram_dir`);
+/// a capture is written to `snapshots/<id>.partial/` and renamed into place only when complete.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// [`RECORD_VERSION`].
+    pub version: u32,
+    /// Snapshot id.
+    pub id: String,
+    /// Names (`name:tag`) it answers to.
+    pub names: Vec<String>,
+    /// Sandbox it was taken from.
+    pub source_sandbox: Option<String>,
+    /// Template the source was created from.
+    pub template_id: String,
+    /// Machine shape.
+    pub machine: MachineRecord,
+    /// qcow2 copy of the source's disk overlay (backed by the template disk or `parent`'s disk).
+    pub disk: PathBuf,
+    /// RAM file (mapped private by every sandbox restored from it); `None` when the state carries the
+    /// RAM or for filesystem-only snapshots.
+    pub ram: Option<PathBuf>,
+    /// Device state; `None` for filesystem-only snapshots (restores cold-boot).
+    pub state: Option<PathBuf>,
+    /// Snapshot whose disk backs `disk`.
+    pub parent: Option<String>,
+    /// Deleted by the user (or a fork's internal base): hidden, files kept while something depends on it.
+    pub deleted: bool,
+    /// RFC 3339 capture time.
+    pub created_at: String,
+    /// Bytes of data in its files.
+    pub bytes: u64,
+    /// envd version of the guest.
+    pub envd_version: String,
+}
+
+impl Versioned for SnapshotRecord {
+    fn version(&self) -> u32 {
+        self.version
+    }
 }
 
 /// Reads a record of type `T` from `path`, checking its version.
@@ -215,6 +270,8 @@ mod tests {
                 memory_mib: 256,
             },
             ram_file: "/r.mem".into(),
+            ram_shared: true,
+            parent_snapshot: None,
             created_at: "2026-11-29T00:00:00Z".into(),
             phase: SandboxPhase::Running { pid },
         };

@@ -16,7 +16,7 @@ use crate::vmm::{
 };
 
 /// Name of the virtio-serial port that carries the guest agent channel.
-pub const AGENT_PORT_NAME: &str = "agentenv.0";
+pub const AGENT_PORT_NAME: &str = agentenv_envd::AGENT_CHANNEL;
 const QMP_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// QEMU `-M microvm` with RAM in a shared memory-backend-file.
@@ -54,9 +54,10 @@ impl QemuVmm {
             "-no-reboot".into(),
             "-object".into(),
             format!(
-                "memory-backend-file,id=mem,size={}M,mem-path={},share=on",
+                "memory-backend-file,id=mem,size={}M,mem-path={},share={}",
                 spec.memory_mib,
-                s(&spec.ram_file)
+                s(&spec.ram_file),
+                if spec.ram_shared { "on" } else { "off" }
             ),
             "-kernel".into(),
             s(&spec.kernel),
@@ -339,6 +340,12 @@ impl Snapshottable for QemuVm {
             let mut q = self.qmp.lock().await;
             q.execute("migrate-set-capabilities", Some(ignore_shared_caps()))
                 .await?;
+            // Private RAM travels in the stream: without this QEMU caps it at 128 MiB/s.
+            q.execute(
+                "migrate-set-parameters",
+                Some(json!({"max-bandwidth": 107_374_182_400u64, "downtime-limit": 2000})),
+            )
+            .await?;
             q.execute_with_fd("getfd", Some(json!({"fdname": "snapfd"})), file.as_raw_fd())
                 .await?;
             q.execute("migrate", Some(json!({"uri": "fd:snapfd"})))

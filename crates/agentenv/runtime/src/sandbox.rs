@@ -18,6 +18,9 @@ use crate::{CreateSpec, Inner, Runtime, SandboxVm, VmState, valid_id};
 const HEALTH_ATTEMPT: Duration = Duration::from_secs(3);
 /// How long the agent may take to answer after a restore.
 const HEALTH_DEADLINE: Duration = Duration::from_secs(60);
+/// A cold boot (filesystem snapshots) under TCG takes seconds.
+const BOOT_ATTEMPT: Duration = Duration::from_secs(5);
+const BOOT_DEADLINE: Duration = Duration::from_secs(120);
 
 /// One sandbox: its record and live handles, behind a lock that serialises its operations.
 pub(crate) struct Slot {
@@ -62,12 +65,14 @@ impl Inner {
     }
     pub(crate) fn spec_of(&self, rec: &SandboxRecord) -> VmSpec {
         let dir = self.sandbox_dir(&rec.id);
-        rec.machine.spec(
+        let mut spec = rec.machine.spec(
             &dir,
             &rec.ram_file,
             &dir.join("disk.qcow2"),
             DiskFormat::Qcow2,
-        )
+        );
+        spec.ram_shared = rec.ram_shared;
+        spec
     }
     pub(crate) fn record_path(&self, id: &str) -> PathBuf {
         self.sandbox_dir(id).join("sandbox.json")
@@ -77,24 +82,64 @@ impl Inner {
     }
 }
 
+/// What a sandbox starts from: a template's base snapshot or a user snapshot.
+#[derive(Clone)]
+pub(crate) struct Image {
+    pub(crate) template_id: String,
+    pub(crate) machine: persist::MachineRecord,
+    /// Backing file of the new disk overlay.
+    pub(crate) disk: PathBuf,
+    pub(crate) start: ImageStart,
+    pub(crate) parent: Option<String>,
+    pub(crate) envd_version: String,
+}
+
+#[derive(Clone)]
+pub(crate) enum ImageStart {
+    /// Copy `ram` into the sandbox's own shared RAM file, then load the RAM-less `state`.
+    CopyRam { ram: PathBuf, state: PathBuf },
+    /// Map `ram` private copy-on-write (shared by every sandbox restored from it), load `state`.
+    CowRam { ram: PathBuf, state: PathBuf },
+    /// `state` carries the RAM: load it into private memory.
+    Stream { state: PathBuf },
+    /// Filesystem only: cold boot.
+    Boot,
+}
+
 impl Runtime {
-    /// Creates a sandbox by restoring the template's base snapshot (no cold boot) and returns once the
-    /// guest agent answers `/health` (and accepted `/init` when `env_vars` is not empty).
+    /// Creates a sandbox from a template (id or alias) or a snapshot (id or `name[:tag]`) and returns once
+    /// the guest agent answers and has taken the host's clock, fresh entropy and `env_vars` (`/init`).
+    /// Templates and memory snapshots are restored, never cold-booted; filesystem snapshots cold-boot.
     pub async fn create(&self, spec: CreateSpec) -> Result<SandboxVm, CreateError> {
-        let inner = &self.inner;
         if !valid_id(&spec.sandbox_id) {
             return Err(CreateError::InvalidId(spec.sandbox_id));
         }
-        let tpl = self
-            .template_record(&spec.template_id)
+        let image = self
+            .image(&spec.template_id)
             .ok_or_else(|| CreateError::UnknownTemplate(spec.template_id.clone()))?;
+        self.create_from(&spec, &image).await
+    }
+
+    pub(crate) async fn create_from(
+        &self,
+        spec: &CreateSpec,
+        image: &Image,
+    ) -> Result<SandboxVm, CreateError> {
+        let inner = &self.inner;
         let id = spec.sandbox_id.clone();
+        let (ram_file, ram_shared) = match &image.start {
+            ImageStart::CowRam { ram, .. } => (ram.clone(), false),
+            ImageStart::Stream { .. } => (inner.ram_file(&id), false),
+            ImageStart::CopyRam { .. } | ImageStart::Boot => (inner.ram_file(&id), true),
+        };
         let record = SandboxRecord {
             version: RECORD_VERSION,
             id: id.clone(),
-            template_id: tpl.info.id.clone(),
-            machine: tpl.machine.clone(),
-            ram_file: inner.ram_file(&id),
+            template_id: image.template_id.clone(),
+            machine: image.machine.clone(),
+            ram_file,
+            ram_shared,
+            parent_snapshot: image.parent.clone(),
             created_at: k3_common::time::now_rfc3339(),
             phase: SandboxPhase::Starting,
         };
@@ -116,7 +161,7 @@ impl Runtime {
             map.insert(id.clone(), slot.clone());
         }
         let mut live = slot.live.lock().await;
-        match self.create_locked(&mut live, &tpl, &spec).await {
+        match self.create_locked(&mut live, image, spec).await {
             Ok(vm) => Ok(vm),
             Err(e) => {
                 if let Some(vm) = live.vm.take() {
@@ -138,7 +183,7 @@ impl Runtime {
     async fn create_locked(
         &self,
         live: &mut Live,
-        tpl: &persist::TemplateRecord,
+        image: &Image,
         spec: &CreateSpec,
     ) -> Result<SandboxVm, CreateError> {
         let inner = &self.inner;
@@ -151,49 +196,89 @@ impl Runtime {
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         persist::write(&inner.record_path(id), &live.record)?;
         let vm_spec = inner.spec_of(&live.record);
-        let (base_ram, ram) = (tpl.base_ram.clone(), live.record.ram_file.clone());
-        let copy = tokio::task::spawn_blocking(move || fsops::sparse_copy(&base_ram, &ram));
-        let overlay = fsops::create_overlay(&inner.cfg.qemu_img_bin, &tpl.base_disk, &vm_spec.disk);
-        let (copied, overlaid) = tokio::join!(copy, overlay);
+        let ram = live.record.ram_file.clone();
+        let prepare_ram = {
+            let (start_ram, ram, size) = match &image.start {
+                ImageStart::CopyRam { ram: src, .. } => (Some(src.clone()), Some(ram), 0),
+                ImageStart::Stream { .. } => (None, Some(ram), image.machine.memory_mib << 20),
+                _ => (None, None, 0),
+            };
+            tokio::task::spawn_blocking(move || match (start_ram, ram) {
+                (Some(src), Some(dst)) => fsops::sparse_copy(&src, &dst).map(|_| ()),
+                (None, Some(dst)) => std::fs::File::create(&dst).and_then(|f| f.set_len(size)),
+                _ => Ok(()),
+            })
+        };
+        let overlay = fsops::create_overlay(&inner.cfg.qemu_img_bin, &image.disk, &vm_spec.disk);
+        let (prepared, overlaid) = tokio::join!(prepare_ram, overlay);
         overlaid.map_err(io("overlay", &vm_spec.disk))?;
-        copied
+        prepared
             .map_err(|e| std::io::Error::other(e.to_string()))
             .and_then(|r| r)
-            .map_err(io("copy RAM to", &live.record.ram_file))?;
-        let restored = inner.vmm.restore(&vm_spec, &tpl.base_state).await?;
-        live.record.phase = SandboxPhase::Running {
-            pid: restored.vm.pid(),
+            .map_err(io("prepare RAM", &live.record.ram_file))?;
+        let state = match &image.start {
+            ImageStart::CopyRam { state, .. }
+            | ImageStart::CowRam { state, .. }
+            | ImageStart::Stream { state } => Some(state.clone()),
+            ImageStart::Boot => None,
         };
-        let vm = live.vm.insert(restored.vm);
-        persist::write(&inner.record_path(id), &live.record)?;
-        let sock = restored.agent;
-        vm.cont().await?;
-        let link = agent::healthy_from(
-            Some(sock),
-            &vm_spec.agent_socket(),
-            HEALTH_ATTEMPT,
-            HEALTH_DEADLINE,
-        )
-        .await?;
-        if !spec.env_vars.is_empty() {
-            let body = serde_json::json!({ "envVars": spec.env_vars }).to_string();
-            let status = agent::request(&link, "POST", "/init", Some(&body)).await?;
-            if !(200..300).contains(&status) {
-                return Err(CreateError::Init(status));
+        let link = match state {
+            Some(state) => {
+                let restored = inner.vmm.restore(&vm_spec, &state).await?;
+                live.record.phase = SandboxPhase::Running {
+                    pid: restored.vm.pid(),
+                };
+                let vm = live.vm.insert(restored.vm);
+                persist::write(&inner.record_path(id), &live.record)?;
+                vm.cont().await?;
+                agent::healthy_from(
+                    Some(restored.agent),
+                    &vm_spec.agent_socket(),
+                    HEALTH_ATTEMPT,
+                    HEALTH_DEADLINE,
+                )
+                .await?
             }
-        }
+            None => {
+                let vm = inner.vmm.boot(&vm_spec).await?;
+                live.record.phase = SandboxPhase::Running { pid: vm.pid() };
+                live.vm = Some(vm);
+                persist::write(&inner.record_path(id), &live.record)?;
+                agent::connect_healthy(&vm_spec.agent_socket(), BOOT_ATTEMPT, BOOT_DEADLINE)
+                    .await?
+            }
+        };
+        agent::init(&link, &spec.env_vars).await?;
         live.agent = Some(link);
-        tracing::debug!(sandbox = %id, template = %tpl.info.id, "sandbox created");
+        tracing::debug!(sandbox = %id, template = %image.template_id, "sandbox created");
         Ok(SandboxVm {
             id: id.clone(),
-            template_id: tpl.info.id.clone(),
-            vcpus: tpl.machine.vcpus,
-            memory_mib: tpl.machine.memory_mib,
-            envd_version: tpl.info.envd_version.clone(),
+            template_id: image.template_id.clone(),
+            vcpus: image.machine.vcpus,
+            memory_mib: image.machine.memory_mib,
+            envd_version: image.envd_version.clone(),
         })
     }
 
-    fn slot(&self, id: &str) -> Option<Arc<Slot>> {
+    /// The template (id or alias) or live snapshot (id or name) called `name`.
+    pub(crate) fn image(&self, name: &str) -> Option<Image> {
+        if let Some(tpl) = self.template_record(name) {
+            return Some(Image {
+                template_id: tpl.info.id.clone(),
+                machine: tpl.machine.clone(),
+                disk: tpl.base_disk.clone(),
+                start: ImageStart::CopyRam {
+                    ram: tpl.base_ram.clone(),
+                    state: tpl.base_state.clone(),
+                },
+                parent: None,
+                envd_version: tpl.info.envd_version.clone(),
+            });
+        }
+        self.snapshot_record(name).map(|s| s.image())
+    }
+
+    pub(crate) fn slot(&self, id: &str) -> Option<Arc<Slot>> {
         self.inner
             .sandboxes
             .lock()
@@ -222,11 +307,24 @@ impl Runtime {
             // Saved with the agent connected: see `create` (connect before `cont`).
             vm.save_device_state(&tmp).await?;
             live.agent = None;
+            if live.record.ram_shared {
+                std::fs::File::open(&live.record.ram_file)
+                    .and_then(|f| f.sync_data())
+                    .map_err(|e| PauseError::Io {
+                        what: "fsync",
+                        path: live.record.ram_file.clone(),
+                        source: e,
+                    })?;
+            }
             std::fs::rename(&tmp, &state).map_err(|e| PauseError::Io {
                 what: "rename",
                 path: state.clone(),
                 source: e,
             })?;
+            if !live.record.ram_shared {
+                // The RAM went into the state; a resume loads it into a private mapping of our own file.
+                live.record.ram_file = self.inner.ram_file(id);
+            }
             live.record.phase = SandboxPhase::Paused;
             persist::write(&self.inner.record_path(id), &live.record)?;
             Ok::<(), PauseError>(())
@@ -267,6 +365,16 @@ impl Runtime {
             let _ = h.await;
         }
         let spec = self.inner.spec_of(&live.record);
+        if !spec.ram_shared {
+            let size = spec.memory_mib << 20;
+            std::fs::File::create(&spec.ram_file)
+                .and_then(|f| f.set_len(size))
+                .map_err(|e| ResumeError::Io {
+                    what: "create",
+                    path: spec.ram_file.clone(),
+                    source: e,
+                })?;
+        }
         let restored = self
             .inner
             .vmm
@@ -298,6 +406,7 @@ impl Runtime {
         .await
         {
             Ok(link) => {
+                agent::init(&link, &Default::default()).await?;
                 live.agent = Some(link);
                 Ok(())
             }
@@ -330,11 +439,14 @@ impl Runtime {
         let dir = self.inner.sandbox_dir(id);
         // The record goes first, so a crash mid-removal leaves no record pointing at half-removed files.
         let _ = std::fs::remove_file(self.inner.record_path(id));
-        let _ = std::fs::remove_file(&live.record.ram_file);
+        // A private mapping of a snapshot's RAM is not ours to remove.
+        let _ = std::fs::remove_file(self.inner.ram_file(id));
         std::fs::remove_dir_all(&dir).map_err(|e| KillError::Io {
             path: dir,
             source: e,
-        })
+        })?;
+        self.collect_snapshots();
+        Ok(())
     }
 
     /// Opens one stream to envd in the guest (carry one HTTP/1.1 connection on it). Reconnects the mux

@@ -24,7 +24,7 @@ const BUILD_FORMAT: u32 = 2;
 const SETTLE: Duration = Duration::from_millis(500);
 
 /// envd protocol version reported for templates built here (E2B compat spec section 6.7).
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = agentenv_envd::ENVD_VERSION;
 
 /// What to build.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -39,8 +39,11 @@ pub struct VmSpec {
     pub vcpus: u32,
     /// Guest RAM size in MiB.
     pub memory_mib: u64,
-    /// File backing guest RAM, mapped shared (the VM's RAM lives in it).
+    /// File backing guest RAM.
     pub ram_file: PathBuf,
+    /// `true`: `ram_file` is mapped shared and holds the VM's RAM (a device-state save leaves RAM out).
+    /// `false`: mapped private copy-on-write (a snapshot's RAM shared by forks); saves carry the RAM.
+    pub ram_shared: bool,
     /// Root disk image.
     pub disk: PathBuf,
     /// Format of `disk`.
@@ -102,8 +105,8 @@ pub trait Pausable {
 
 /// Save the device state of a stopped VM; guest RAM stays in its shared RAM file.
 pub trait Snapshottable: Pausable {
-    /// Writes the device state (RAM excluded: it is already in [`VmSpec::ram_file`]) to `path`.
-    /// The VM must be stopped.
+    /// Writes the device state to `path` (x-ignore-shared: shared RAM stays in [`VmSpec::ram_file`],
+    /// private RAM goes into the stream). The VM must be stopped.
     fn save_device_state<'a>(&'a self, path: &'a Path) -> BoxFuture<'a, Result<(), VmmError>>;
 }
 

@@ -71,6 +71,10 @@ fn control_router() -> Router<AppState> {
         .route("/v2/sandboxes/{id}/connect", post(routes::connect_v2))
         .route("/sandboxes/{id}/connect", post(routes::connect_v1))
         .route("/sandboxes/{id}/resume", post(routes::resume))
+        .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
+        .route("/sandboxes/{id}/fork", post(routes::fork))
+        .route("/snapshots", get(routes::list_snapshots))
+        .route("/templates/{id}", axum::routing::delete(routes::delete_template))
         .route(
             "/templates",
             get(routes::list_templates).post(routes::build_template),

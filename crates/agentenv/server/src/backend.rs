@@ -1,12 +1,17 @@
-//! The VM side as the server sees it: one small object-safe trait, implemented by the
-//! real `agentenv_runtime::Runtime` in `runtime_backend.rs`.
+//! The VM side as the server sees it: one small object-safe trait in the runtime's own types, implemented
+//! by `agentenv_runtime::Runtime` (`runtime_backend.rs`) and, for millisecond lifecycle tests, by an
+//! in-memory fake (`fake.rs`).
 //!
-//! Boundary: the server never sees QEMU, QMP or snapshots; the runtime never sees HTTP or E2B JSON.
+//! Boundary: the server never sees QEMU, QMP or snapshot files; the runtime never sees HTTP or E2B JSON.
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 
+pub use agentenv_runtime::{
+    ConnectError, CreateError, CreateSpec, KillError, PauseError, RecoverError, RecoveredVm,
+    ResumeError, SandboxVm, SnapshotError, SnapshotInfo, SnapshotMode, TemplateError, TemplateInfo,
+    TemplateSpec, VmState,
+};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 /// A boxed future, so the trait stays object safe.
@@ -19,86 +24,38 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> AgentIo for T {}
 /// A boxed agent stream.
 pub type AgentStream = Box<dyn AgentIo>;
 
-/// Whether a VM is running or paused, as the runtime reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum VmRunState {
-    Running,
-    Paused,
-}
-
-/// A template as the server needs it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TemplateFacts {
-    pub id: String,
-    pub aliases: Vec<String>,
-    pub vcpus: u32,
-    pub memory_mib: u32,
-    pub disk_mib: u32,
-    /// RFC 3339 UTC.
-    pub built_at: String,
-    pub envd_version: String,
-}
-
-/// What to build.
-#[derive(Debug, Clone)]
-pub struct TemplateBuild {
-    pub id: String,
-    pub aliases: Vec<String>,
-    pub vcpus: Option<u32>,
-    pub memory_mib: Option<u32>,
-    pub disk_mib: Option<u32>,
-}
-
-/// How a runtime failure maps onto HTTP.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendErrorKind {
-    NotFound,
-    Conflict,
-    BadRequest,
-    Internal,
-}
-
-/// A runtime failure with its text.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{message}")]
-pub struct BackendError {
-    pub kind: BackendErrorKind,
-    pub message: String,
-}
-
-impl BackendError {
-    pub fn new(kind: BackendErrorKind, message: impl Into<String>) -> Self {
-        BackendError {
-            kind,
-            message: message.into(),
-        }
-    }
-}
+/// One result per requested fork.
+pub type ForkResults = Vec<Result<SandboxVm, CreateError>>;
 
 /// The VM operations the API server uses.
 pub trait VmBackend: Send + Sync + 'static {
     /// "KVM" or "TCG".
     fn accel_name(&self) -> String;
-    fn templates(&self) -> Vec<TemplateFacts>;
-    fn build_template(
-        &self,
-        build: TemplateBuild,
-    ) -> BoxFuture<'_, Result<TemplateFacts, BackendError>>;
-    /// Returns once envd in the guest answers.
-    fn create<'a>(
+    fn templates(&self) -> Vec<TemplateInfo>;
+    fn build_template(&self, spec: TemplateSpec)
+    -> BoxFuture<'_, Result<TemplateInfo, TemplateError>>;
+    /// Returns once envd in the guest answers. `spec.template_id` names a template or a snapshot.
+    fn create(&self, spec: CreateSpec) -> BoxFuture<'_, Result<SandboxVm, CreateError>>;
+    fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), PauseError>>;
+    fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ResumeError>>;
+    fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), KillError>>;
+    fn open_agent_stream<'a>(&'a self, id: &'a str)
+    -> BoxFuture<'a, Result<AgentStream, ConnectError>>;
+    /// After a restart: every VM record of the previous process, kept (with its state) or removed.
+    fn recover(&self) -> BoxFuture<'_, Result<Vec<RecoveredVm>, RecoverError>>;
+    fn vm_state(&self, id: &str) -> Option<VmState>;
+    fn snapshot<'a>(
         &'a self,
         sandbox_id: &'a str,
-        template_id: &'a str,
-        env_vars: BTreeMap<String, String>,
-    ) -> BoxFuture<'a, Result<(), BackendError>>;
-    fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
-    fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
-    fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), BackendError>>;
-    fn open_agent_stream<'a>(
+        snapshot_id: &'a str,
+        names: &'a [String],
+        mode: SnapshotMode,
+    ) -> BoxFuture<'a, Result<SnapshotInfo, SnapshotError>>;
+    fn snapshots(&self) -> Vec<SnapshotInfo>;
+    fn delete_snapshot(&self, id: &str) -> Result<(), SnapshotError>;
+    fn fork<'a>(
         &'a self,
-        id: &'a str,
-    ) -> BoxFuture<'a, Result<AgentStream, BackendError>>;
-    /// After a restart: the VMs that still exist, with their state.
-    fn recover(&self) -> BoxFuture<'_, Result<Vec<(String, VmRunState)>, BackendError>>;
-    fn vm_state(&self, id: &str) -> Option<VmRunState>;
+        sandbox_id: &'a str,
+        ids: &'a [String],
+    ) -> BoxFuture<'a, Result<ForkResults, SnapshotError>>;
 }

@@ -8,7 +8,7 @@ use axum::response::Response;
 use hyper_util::rt::TokioIo;
 
 use crate::app::AppState;
-use crate::backend::BackendErrorKind;
+use crate::backend::ConnectError;
 use crate::error::ApiError;
 use crate::model::SandboxState;
 use crate::store::SandboxRecord;
@@ -168,8 +168,8 @@ async fn forward(
         .backend()
         .open_agent_stream(id)
         .await
-        .map_err(|e| match e.kind {
-            BackendErrorKind::NotFound => {
+        .map_err(|e| match e {
+            ConnectError::NotFound(_) => {
                 ApiError::bad_gateway(format!("The sandbox {id} was not found"))
             }
             _ => ApiError::bad_gateway(format!(

@@ -5,8 +5,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 
-use crate::backend::{BackendError, BackendErrorKind};
 use crate::model::ErrorBody;
+use crate::sandboxes::LifecycleError;
 
 /// An error answered to the client with a status and the E2B error body.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -44,18 +44,19 @@ impl ApiError {
     }
 }
 
-impl From<BackendError> for ApiError {
-    fn from(e: BackendError) -> Self {
-        let status = match e.kind {
-            BackendErrorKind::NotFound => StatusCode::NOT_FOUND,
-            BackendErrorKind::Conflict => StatusCode::CONFLICT,
-            BackendErrorKind::BadRequest => StatusCode::BAD_REQUEST,
-            BackendErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+/// The one place where lifecycle failures become HTTP statuses.
+impl From<LifecycleError> for ApiError {
+    fn from(e: LifecycleError) -> Self {
+        use LifecycleError as L;
+        let status = match &e {
+            L::SandboxNotFound(_) | L::TemplateNotFound(_) | L::SnapshotNotFound(_) => {
+                StatusCode::NOT_FOUND
+            }
+            L::AlreadyPaused(_) | L::AlreadyRunning(_) | L::Paused(_) => StatusCode::CONFLICT,
+            L::Invalid(_) => StatusCode::BAD_REQUEST,
+            L::Runtime(_) | L::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
-        if status == StatusCode::INTERNAL_SERVER_ERROR {
-            tracing::error!(error = %e.message, "runtime error");
-        }
-        ApiError::new(status, e.message)
+        ApiError::new(status, e.to_string())
     }
 }
 

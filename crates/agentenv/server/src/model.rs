@@ -191,3 +191,43 @@ pub struct BuildTemplateRequest {
     #[serde(default, rename = "diskSizeMB")]
     pub disk_size_mb: Option<u32>,
 }
+
+/// Body of `POST /sandboxes/{id}/snapshots`.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct SnapshotRequest {
+    /// `name[:tag]`; moves the name from an older snapshot holding it.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `false`: filesystem only (sandboxes made from it cold-boot). Default `true`.
+    #[serde(default)]
+    pub memory: Option<bool>,
+}
+
+/// A snapshot as E2B lists it.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SnapshotView {
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    /// `name:tag` names.
+    pub names: Vec<String>,
+}
+
+/// Body of `POST /sandboxes/{id}/fork`.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct ForkRequest {
+    /// Seconds each fork lives; default 300.
+    #[serde(default)]
+    pub timeout: Option<u64>,
+    /// Forks to make, 1..=20; default 1.
+    #[serde(default)]
+    pub count: Option<u32>,
+}
+
+/// One fork: the new sandbox, or why it failed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct ForkResult {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<CreatedSandbox>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorBody>,
+}

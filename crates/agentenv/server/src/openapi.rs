@@ -25,7 +25,8 @@ impl utoipa::Modify for ApiKeyScheme {
         routes::create_v2, routes::create_v1, routes::list_v2, routes::list_v1, routes::get_sandbox,
         routes::kill_sandbox, routes::set_timeout, routes::pause, routes::connect_v2, routes::connect_v1,
         routes::resume, routes::list_templates, routes::build_template, routes::health, routes::metrics,
-        routes::openapi_json,
+        routes::openapi_json, routes::create_snapshot, routes::list_snapshots, routes::delete_template,
+        routes::fork,
     ),
     modifiers(&ApiKeyScheme)
 )]

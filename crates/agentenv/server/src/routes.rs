@@ -6,9 +6,10 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 
 use crate::app::AppState;
-use crate::backend::TemplateBuild;
+use crate::backend::TemplateSpec;
 use crate::error::{ApiError, E2bJson};
 use crate::model::{
+    ForkRequest, ForkResult, SnapshotRequest, SnapshotView,
     BuildTemplateRequest, ConnectRequest, CreatedSandbox, ErrorBody, ListedSandbox, NewSandbox,
     PauseRequest, ResumeRequest, SandboxDetail, SandboxState, TemplateView, TimeoutRequest,
 };
@@ -261,14 +262,27 @@ pub async fn build_template(
             "templateID must be 1-63 of [a-z0-9-]",
         ));
     }
-    let build = TemplateBuild {
+    let base = TemplateSpec::base();
+    let spec = TemplateSpec {
         id: req.template_id,
         aliases: req.aliases,
-        vcpus: req.cpu_count,
-        memory_mib: req.memory_mb,
-        disk_mib: req.disk_size_mb,
+        vcpus: req.cpu_count.unwrap_or(base.vcpus),
+        memory_mib: req.memory_mb.map_or(base.memory_mib, u64::from),
+        disk_mib: req.disk_size_mb.map_or(base.disk_mib, u64::from),
     };
-    let t = s.sandboxes.backend().build_template(build).await?;
+    let t = s
+        .sandboxes
+        .backend()
+        .build_template(spec)
+        .await
+        .map_err(|e| match e {
+            agentenv_runtime::TemplateError::InvalidId(_)
+            | agentenv_runtime::TemplateError::InvalidSpec(_) => ApiError::bad_request(e.to_string()),
+            e => {
+                tracing::error!(error = %e, "template build failed");
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+            }
+        })?;
     Ok((StatusCode::CREATED, Json(views::template(&t))))
 }
 
@@ -308,4 +322,108 @@ pub async fn openapi_json() -> Response {
 /// Answer for unknown control-plane routes.
 pub async fn not_found() -> ApiError {
     ApiError::not_found("no such route")
+}
+
+/// Snapshot a sandbox (memory + disk, or the disk only with `memory: false`). The sandbox keeps running.
+#[utoipa::path(post, path = "/sandboxes/{sandboxID}/snapshots", tag = "snapshots", request_body = SnapshotRequest,
+    params(("sandboxID" = String, Path)),
+    responses((status = 201, body = SnapshotView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn create_snapshot(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    E2bJson(req): E2bJson<SnapshotRequest>,
+) -> ApiResult<(StatusCode, Json<SnapshotView>)> {
+    let info = s
+        .sandboxes
+        .snapshot(&id, req.name, req.memory.unwrap_or(true))
+        .await?;
+    Ok((StatusCode::CREATED, Json(views::snapshot(&info))))
+}
+
+/// List snapshots, oldest first. Query: `sandboxID`, `name` (`name[:tag]`), `limit`, `nextToken`.
+/// More pages: header `x-next-token`.
+#[utoipa::path(get, path = "/snapshots", tag = "snapshots",
+    params(("sandboxID" = Option<String>, Query), ("name" = Option<String>, Query),
+        ("limit" = Option<u32>, Query), ("nextToken" = Option<String>, Query)),
+    responses((status = 200, body = Vec<SnapshotView>, headers(("x-next-token" = String, description = "cursor of the next page"))),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn list_snapshots(
+    State(s): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Response> {
+    let q = views::parse_snapshot_query(raw.as_deref())?;
+    let all = s
+        .sandboxes
+        .snapshots(q.sandbox_id.as_deref(), q.name.as_deref())?;
+    let start = match &q.next_token {
+        None => 0,
+        Some(t) => all
+            .iter()
+            .position(|x| &x.id == t)
+            .map(|i| i + 1)
+            .ok_or_else(|| ApiError::bad_request(format!("invalid nextToken '{t}'")))?,
+    };
+    let page: Vec<SnapshotView> = all[start..]
+        .iter()
+        .take(q.limit)
+        .map(views::snapshot)
+        .collect();
+    let mut resp = Json(&page).into_response();
+    if start + page.len() < all.len()
+        && let Some(last) = page.last()
+        && let Ok(v) = HeaderValue::from_str(&last.snapshot_id)
+    {
+        resp.headers_mut().insert("x-next-token", v);
+    }
+    Ok(resp)
+}
+
+/// Delete a snapshot (E2B lists snapshots as templates). Sandboxes made from it keep running.
+#[utoipa::path(delete, path = "/templates/{templateID}", tag = "snapshots",
+    params(("templateID" = String, Path, description = "snapshot id or name")),
+    responses((status = 204), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn delete_template(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    s.sandboxes.delete_snapshot(&id)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Fork a sandbox into `count` (1-20) new running sandboxes: one capture, restored copy-on-write.
+#[utoipa::path(post, path = "/sandboxes/{sandboxID}/fork", tag = "sandboxes", request_body = ForkRequest,
+    params(("sandboxID" = String, Path)),
+    responses((status = 201, body = Vec<ForkResult>), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
+        (status = 404, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn fork(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    E2bJson(req): E2bJson<ForkRequest>,
+) -> ApiResult<(StatusCode, Json<Vec<ForkResult>>)> {
+    let results = s.sandboxes.fork(&id, req.count, req.timeout).await?;
+    let out = results
+        .into_iter()
+        .map(|r| match r {
+            Ok(rec) => ForkResult {
+                sandbox: Some(views::created(&rec)),
+                error: None,
+            },
+            Err(e) => {
+                let e = ApiError::from(e);
+                ForkResult {
+                    sandbox: None,
+                    error: Some(ErrorBody {
+                        code: e.status.as_u16(),
+                        message: e.message,
+                    }),
+                }
+            }
+        })
+        .collect();
+    Ok((StatusCode::CREATED, Json(out)))
 }

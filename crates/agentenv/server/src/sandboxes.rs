@@ -7,10 +7,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::http::StatusCode;
-
-use crate::backend::{VmBackend, VmRunState};
-use crate::error::ApiError;
+use crate::backend::{
+    CreateError, CreateSpec, KillError, PauseError, ResumeError, SnapshotError, SnapshotInfo,
+    SnapshotMode, VmBackend, VmState,
+};
 use crate::keys;
 use crate::metrics::Metrics;
 use crate::model::{NewSandbox, SandboxState};
@@ -20,9 +20,91 @@ use crate::store::{RECORD_VERSION, SandboxRecord, SandboxStore};
 pub const DEFAULT_TIMEOUT_S: u64 = 300;
 /// Longest accepted timeout (one day).
 pub const MAX_TIMEOUT_S: u64 = 86_400;
-/// envd protocol version the guest agent implements (spec §6.7).
-pub const ENVD_VERSION: &str = "0.5.7";
+/// envd protocol version the guest agent implements.
+pub const ENVD_VERSION: &str = agentenv_envd::ENVD_VERSION;
 const IDEMPOTENCY_WINDOW: Duration = Duration::from_secs(300);
+/// Forks per call (E2B's bound).
+pub const MAX_FORKS: u32 = 20;
+
+/// Why a lifecycle operation failed. HTTP status is decided at the edge (`error.rs`), nowhere else.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LifecycleError {
+    #[error("sandbox {0} was not found")]
+    SandboxNotFound(String),
+    #[error("template '{0}' not found")]
+    TemplateNotFound(String),
+    #[error("snapshot '{0}' not found")]
+    SnapshotNotFound(String),
+    #[error("sandbox {0} is already paused")]
+    AlreadyPaused(String),
+    #[error("sandbox {0} is already running")]
+    AlreadyRunning(String),
+    #[error("sandbox {0} is paused")]
+    Paused(String),
+    /// The request is malformed (bad timeout, name, count, ...).
+    #[error("{0}")]
+    Invalid(String),
+    /// The runtime failed; the text says where.
+    #[error("{0}")]
+    Runtime(String),
+    #[error("state store failure: {0}")]
+    Store(String),
+}
+
+type Result<T, E = LifecycleError> = std::result::Result<T, E>;
+
+fn runtime(e: impl std::fmt::Display) -> LifecycleError {
+    tracing::error!(error = %e, "runtime error");
+    LifecycleError::Runtime(e.to_string())
+}
+
+impl From<CreateError> for LifecycleError {
+    fn from(e: CreateError) -> Self {
+        match e {
+            CreateError::UnknownTemplate(t) => LifecycleError::TemplateNotFound(t),
+            CreateError::InvalidId(i) => LifecycleError::Invalid(format!("invalid sandbox id {i:?}")),
+            e => runtime(e),
+        }
+    }
+}
+impl From<PauseError> for LifecycleError {
+    fn from(e: PauseError) -> Self {
+        match e {
+            PauseError::NotFound(i) => LifecycleError::SandboxNotFound(i),
+            PauseError::AlreadyPaused(i) => LifecycleError::AlreadyPaused(i),
+            e => runtime(e),
+        }
+    }
+}
+impl From<ResumeError> for LifecycleError {
+    fn from(e: ResumeError) -> Self {
+        match e {
+            ResumeError::NotFound(i) => LifecycleError::SandboxNotFound(i),
+            ResumeError::NotPaused(i) => LifecycleError::AlreadyRunning(i),
+            e => runtime(e),
+        }
+    }
+}
+impl From<KillError> for LifecycleError {
+    fn from(e: KillError) -> Self {
+        match e {
+            KillError::NotFound(i) => LifecycleError::SandboxNotFound(i),
+            e => runtime(e),
+        }
+    }
+}
+impl From<SnapshotError> for LifecycleError {
+    fn from(e: SnapshotError) -> Self {
+        match e {
+            SnapshotError::SandboxNotFound(i) => LifecycleError::SandboxNotFound(i),
+            SnapshotError::NotFound(i) => LifecycleError::SnapshotNotFound(i),
+            SnapshotError::InvalidName(n) => LifecycleError::Invalid(format!(
+                "invalid snapshot name {n:?}: use [A-Za-z0-9_.-] (at most 64), optionally :tag"
+            )),
+            e => runtime(e),
+        }
+    }
+}
 
 /// Current Unix time in milliseconds.
 pub fn now_ms() -> i64 {
@@ -76,14 +158,24 @@ impl Sandboxes {
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Arc<Self>> {
         let stored = store.load_all()?;
-        let recovered: HashMap<String, VmRunState> = backend.recover().await?.into_iter().collect();
+        let recovered: HashMap<String, VmState> = backend
+            .recover()
+            .await?
+            .into_iter()
+            .filter_map(|v| {
+                if v.state.is_none() {
+                    tracing::warn!(sandbox = %v.id, detail = %v.detail, "runtime dropped a sandbox VM during recovery");
+                }
+                Some((v.id, v.state?))
+            })
+            .collect();
         let mut records = HashMap::new();
         for mut rec in stored {
             match recovered.get(&rec.sandbox_id) {
                 Some(state) => {
                     rec.state = match state {
-                        VmRunState::Running => SandboxState::Running,
-                        VmRunState::Paused => SandboxState::Paused,
+                        VmState::Running => SandboxState::Running,
+                        VmState::Paused => SandboxState::Paused,
                     };
                     store.save(&rec)?;
                     tracing::info!(sandbox = %rec.sandbox_id, state = rec.state.as_str(), "recovered sandbox");
@@ -152,7 +244,7 @@ impl Sandboxes {
         (running, recs.len() - running)
     }
 
-    fn put(&self, rec: SandboxRecord) -> Result<(), ApiError> {
+    fn put(&self, rec: SandboxRecord) -> Result<()> {
         self.store.save(&rec).map_err(internal)?;
         self.records
             .lock()
@@ -161,18 +253,21 @@ impl Sandboxes {
         Ok(())
     }
 
-    fn drop_record(&self, id: &str) -> Result<(), ApiError> {
+    fn drop_record(&self, id: &str) -> Result<()> {
         self.records.lock().expect("records").remove(id);
         self.op_locks.lock().expect("op lock map").remove(id);
         self.store.remove(id).map_err(internal)
     }
 
-    /// Creates a sandbox; returns only once envd in it answers.
+    /// Creates a sandbox from a template or a snapshot; returns only once envd in it answers.
     pub async fn create(
         &self,
         req: NewSandbox,
         idempotency_key: Option<String>,
-    ) -> Result<SandboxRecord, ApiError> {
+    ) -> Result<SandboxRecord> {
+        if req.template_id.is_empty() {
+            return Err(LifecycleError::Invalid("templateID is required".into()));
+        }
         if let Some(key) = &idempotency_key {
             let mut map = self.idempotency.lock().expect("idempotency");
             map.retain(|_, (t, _)| t.elapsed() < IDEMPOTENCY_WINDOW);
@@ -181,20 +276,19 @@ impl Sandboxes {
             }
         }
         let timeout = checked_timeout(req.timeout)?;
-        let tpl = self
-            .backend
-            .templates()
-            .into_iter()
-            .find(|t| t.id == req.template_id || t.aliases.contains(&req.template_id))
-            .ok_or_else(|| {
-                ApiError::not_found(format!("template '{}' not found", req.template_id))
-            })?;
+        let source = self.resolve_source(&req.template_id)?;
         let id = keys::generate_sandbox_id();
         let env_vars = req.env_vars.unwrap_or_default();
         let lock = self.op_lock(&id);
         let _guard = lock.lock().await;
         let t0 = Instant::now();
-        self.backend.create(&id, &tpl.id, env_vars.clone()).await?;
+        self.backend
+            .create(CreateSpec {
+                sandbox_id: id.clone(),
+                template_id: source.id.clone(),
+                env_vars: env_vars.clone(),
+            })
+            .await?;
         self.metrics.observe_op("create", t0.elapsed());
         let now = now_ms();
         let auto_resume = req.auto_resume.as_ref().is_some_and(|v| {
@@ -205,8 +299,8 @@ impl Sandboxes {
         let rec = SandboxRecord {
             version: RECORD_VERSION,
             sandbox_id: id.clone(),
-            template_id: tpl.id.clone(),
-            alias: tpl.aliases.first().cloned().or(Some(tpl.id.clone())),
+            template_id: source.id.clone(),
+            alias: source.alias.clone(),
             metadata: req.metadata.unwrap_or_default(),
             env_vars,
             started_at_ms: now,
@@ -215,9 +309,9 @@ impl Sandboxes {
             auto_pause: req.auto_pause.unwrap_or(false),
             auto_resume,
             access_token: keys::generate_access_token(),
-            cpu_count: tpl.vcpus,
-            memory_mb: tpl.memory_mib,
-            disk_mb: tpl.disk_mib,
+            cpu_count: source.vcpus,
+            memory_mb: source.memory_mb,
+            disk_mb: source.disk_mb,
             envd_version: ENVD_VERSION.to_string(),
         };
         if let Err(e) = self.put(rec.clone()) {
@@ -230,8 +324,46 @@ impl Sandboxes {
                 .expect("idempotency")
                 .insert(key, (Instant::now(), id.clone()));
         }
-        tracing::info!(sandbox = %id, template = %tpl.id, "created sandbox");
+        tracing::info!(sandbox = %id, source = %source.id, "created sandbox");
         Ok(rec)
+    }
+
+    /// A template (id or alias) or a live snapshot (id or `name[:tag]`).
+    fn resolve_source(&self, name: &str) -> Result<Source> {
+        if let Some(t) = self
+            .backend
+            .templates()
+            .into_iter()
+            .find(|t| t.id == name || t.aliases.iter().any(|a| a == name))
+        {
+            return Ok(Source {
+                id: t.id.clone(),
+                alias: t.aliases.first().cloned().or(Some(t.id.clone())),
+                vcpus: t.vcpus,
+                memory_mb: u32::try_from(t.memory_mib).unwrap_or(u32::MAX),
+                disk_mb: u32::try_from(t.disk_mib).unwrap_or(u32::MAX),
+            });
+        }
+        let wanted = agentenv_runtime::snapshot::normalize_name(name);
+        let snap = self
+            .backend
+            .snapshots()
+            .into_iter()
+            .find(|s| s.id == name || wanted.as_ref().is_some_and(|w| s.names.contains(w)))
+            .ok_or_else(|| LifecycleError::TemplateNotFound(name.into()))?;
+        let disk_mb = self
+            .backend
+            .templates()
+            .iter()
+            .find(|t| t.id == snap.template_id)
+            .map_or(0, |t| u32::try_from(t.disk_mib).unwrap_or(u32::MAX));
+        Ok(Source {
+            id: snap.id.clone(),
+            alias: snap.names.first().cloned(),
+            vcpus: snap.vcpus,
+            memory_mb: u32::try_from(snap.memory_mib).unwrap_or(u32::MAX),
+            disk_mb,
+        })
     }
 
     /// Sandboxes matching `f`, ordered by start time.
@@ -263,11 +395,11 @@ impl Sandboxes {
     }
 
     /// Kills a running or paused sandbox.
-    pub async fn kill(&self, id: &str) -> Result<(), ApiError> {
+    pub async fn kill(&self, id: &str) -> Result<()> {
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
         if self.get(id).is_none() {
-            return Err(ApiError::sandbox_not_found(id));
+            return Err(LifecycleError::SandboxNotFound(id.into()));
         }
         let t0 = Instant::now();
         if let Err(e) = self.backend.kill(id).await {
@@ -283,31 +415,29 @@ impl Sandboxes {
     }
 
     /// Sets `endAt = now + timeout` (may shorten). Paused sandboxes answer 409.
-    pub async fn set_timeout(&self, id: &str, timeout_s: u64) -> Result<(), ApiError> {
+    pub async fn set_timeout(&self, id: &str, timeout_s: u64) -> Result<()> {
         let timeout = checked_timeout(Some(timeout_s))?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
         let mut rec = self
             .get(id)
-            .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
         if rec.state == SandboxState::Paused {
-            return Err(ApiError::conflict(format!("sandbox {id} is paused")));
+            return Err(LifecycleError::Paused(id.into()));
         }
         rec.end_at_ms = now_ms() + (timeout * 1000) as i64;
         self.put(rec)
     }
 
     /// Pauses a running sandbox (memory and processes kept). 409 when already paused.
-    pub async fn pause(&self, id: &str) -> Result<(), ApiError> {
+    pub async fn pause(&self, id: &str) -> Result<()> {
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
         let mut rec = self
             .get(id)
-            .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
         if rec.state == SandboxState::Paused {
-            return Err(ApiError::conflict(format!(
-                "sandbox {id} is already paused"
-            )));
+            return Err(LifecycleError::AlreadyPaused(id.into()));
         }
         let t0 = Instant::now();
         self.backend.pause(id).await?;
@@ -324,13 +454,13 @@ impl Sandboxes {
         &self,
         id: &str,
         timeout_s: Option<u64>,
-    ) -> Result<(SandboxRecord, bool), ApiError> {
+    ) -> Result<(SandboxRecord, bool)> {
         let timeout = checked_timeout(timeout_s)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
         let mut rec = self
             .get(id)
-            .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
         let until = now_ms() + (timeout * 1000) as i64;
         let resumed = rec.state == SandboxState::Paused;
         if resumed {
@@ -353,15 +483,13 @@ impl Sandboxes {
         id: &str,
         timeout_s: Option<u64>,
         auto_pause: Option<bool>,
-    ) -> Result<SandboxRecord, ApiError> {
+    ) -> Result<SandboxRecord> {
         {
             let rec = self
                 .get(id)
-                .ok_or_else(|| ApiError::sandbox_not_found(id))?;
+                .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
             if rec.state == SandboxState::Running {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id} is already running"
-                )));
+                return Err(LifecycleError::AlreadyRunning(id.into()));
             }
         }
         let (mut rec, _) = self.connect(id, timeout_s).await?;
@@ -373,8 +501,119 @@ impl Sandboxes {
     }
 
     /// Resumes a paused sandbox on data-plane traffic when it asked for `autoResume`.
-    pub async fn auto_resume(&self, id: &str) -> Result<(), ApiError> {
+    pub async fn auto_resume(&self, id: &str) -> Result<()> {
         self.connect(id, None).await.map(|_| ())
+    }
+
+    /// Snapshots a sandbox. It keeps running (stopped only for the capture), with its id and expiry.
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        name: Option<String>,
+        memory: bool,
+    ) -> Result<SnapshotInfo> {
+        let lock = self.op_lock(id);
+        let _guard = lock.lock().await;
+        if self.get(id).is_none() {
+            return Err(LifecycleError::SandboxNotFound(id.into()));
+        }
+        let names: Vec<String> = name.into_iter().collect();
+        let sid = format!("snap-{}", keys::generate_sandbox_id());
+        let mode = if memory {
+            SnapshotMode::Full
+        } else {
+            SnapshotMode::Filesystem
+        };
+        let t0 = Instant::now();
+        let info = self.backend.snapshot(id, &sid, &names, mode).await?;
+        self.metrics.observe_op("snapshot", t0.elapsed());
+        Ok(info)
+    }
+
+    /// Live snapshots, oldest first, optionally of one sandbox and/or with one name (`name[:tag]`).
+    pub fn snapshots(&self, sandbox_id: Option<&str>, name: Option<&str>) -> Result<Vec<SnapshotInfo>> {
+        let wanted = match name {
+            Some(n) => Some(
+                agentenv_runtime::snapshot::normalize_name(n)
+                    .ok_or_else(|| LifecycleError::Invalid(format!("invalid snapshot name {n:?}")))?,
+            ),
+            None => None,
+        };
+        let mut all: Vec<SnapshotInfo> = self
+            .backend
+            .snapshots()
+            .into_iter()
+            .filter(|s| sandbox_id.is_none_or(|id| s.source_sandbox.as_deref() == Some(id)))
+            .filter(|s| wanted.as_ref().is_none_or(|w| s.names.contains(w)))
+            .collect();
+        all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+        Ok(all)
+    }
+
+    /// Deletes a snapshot by id or name.
+    pub fn delete_snapshot(&self, id_or_name: &str) -> Result<()> {
+        let wanted = agentenv_runtime::snapshot::normalize_name(id_or_name);
+        let id = self
+            .backend
+            .snapshots()
+            .into_iter()
+            .find(|s| s.id == id_or_name || wanted.as_ref().is_some_and(|w| s.names.contains(w)))
+            .map(|s| s.id)
+            .ok_or_else(|| LifecycleError::SnapshotNotFound(id_or_name.into()))?;
+        self.backend.delete_snapshot(&id)?;
+        Ok(())
+    }
+
+    /// Forks a sandbox into `count` (1..=20) new ones: one capture, then one restore each. Each result
+    /// is a new running sandbox or why that fork failed.
+    pub async fn fork(
+        &self,
+        id: &str,
+        count: Option<u32>,
+        timeout_s: Option<u64>,
+    ) -> Result<Vec<Result<SandboxRecord>>> {
+        let count = count.unwrap_or(1);
+        if !(1..=MAX_FORKS).contains(&count) {
+            return Err(LifecycleError::Invalid(format!(
+                "count must be between 1 and {MAX_FORKS}, got {count}"
+            )));
+        }
+        let timeout = checked_timeout(timeout_s)?;
+        let lock = self.op_lock(id);
+        let _guard = lock.lock().await;
+        let src = self
+            .get(id)
+            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
+        let ids: Vec<String> = (0..count).map(|_| keys::generate_sandbox_id()).collect();
+        let t0 = Instant::now();
+        let results = self.backend.fork(id, &ids).await?;
+        self.metrics.observe_op("fork", t0.elapsed());
+        let now = now_ms();
+        let mut out = Vec::with_capacity(results.len());
+        for (fid, r) in ids.iter().zip(results) {
+            out.push(match r {
+                Ok(_) => {
+                    let rec = SandboxRecord {
+                        sandbox_id: fid.clone(),
+                        started_at_ms: now,
+                        end_at_ms: now + (timeout * 1000) as i64,
+                        state: SandboxState::Running,
+                        access_token: keys::generate_access_token(),
+                        ..src.clone()
+                    };
+                    match self.put(rec.clone()) {
+                        Ok(()) => Ok(rec),
+                        Err(e) => {
+                            let _ = self.backend.kill(fid).await;
+                            Err(e)
+                        }
+                    }
+                }
+                Err(e) => Err(e.into()),
+            });
+        }
+        tracing::info!(sandbox = %id, count, ok = out.iter().filter(|r| r.is_ok()).count(), "forked sandbox");
+        Ok(out)
     }
 
     /// Kills or pauses every sandbox whose `endAt` passed. Called periodically.
@@ -399,8 +638,11 @@ impl Sandboxes {
                 Ok(()) => {
                     tracing::info!(sandbox = %id, auto_pause = rec.auto_pause, "sandbox timed out")
                 }
-                Err(e) if e.status == StatusCode::NOT_FOUND || e.status == StatusCode::CONFLICT => {
-                }
+                Err(
+                    LifecycleError::SandboxNotFound(_)
+                    | LifecycleError::AlreadyPaused(_)
+                    | LifecycleError::Paused(_),
+                ) => {}
                 Err(e) => tracing::error!(sandbox = %id, error = %e, "timing out sandbox failed"),
             }
         }
@@ -420,22 +662,28 @@ impl Sandboxes {
     }
 }
 
-fn checked_timeout(t: Option<u64>) -> Result<u64, ApiError> {
+fn checked_timeout(t: Option<u64>) -> Result<u64> {
     let t = t.unwrap_or(DEFAULT_TIMEOUT_S);
     if t > MAX_TIMEOUT_S {
-        return Err(ApiError::bad_request(format!(
+        return Err(LifecycleError::Invalid(format!(
             "timeout {t} s exceeds the maximum of {MAX_TIMEOUT_S} s"
         )));
     }
     Ok(t)
 }
 
-fn internal(e: impl std::fmt::Display) -> ApiError {
+fn internal(e: impl std::fmt::Display) -> LifecycleError {
     tracing::error!(error = %e, "state store failure");
-    ApiError::new(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        format!("state store failure: {e}"),
-    )
+    LifecycleError::Store(e.to_string())
+}
+
+/// What a create starts from, as the records need it.
+struct Source {
+    id: String,
+    alias: Option<String>,
+    vcpus: u32,
+    memory_mb: u32,
+    disk_mb: u32,
 }
 
 #[cfg(test)]
@@ -459,9 +707,9 @@ mod tests {
     fn timeouts_default_and_bound() {
         assert_eq!(checked_timeout(None).unwrap(), DEFAULT_TIMEOUT_S);
         assert_eq!(checked_timeout(Some(0)).unwrap(), 0);
-        assert_eq!(
-            checked_timeout(Some(MAX_TIMEOUT_S + 1)).unwrap_err().status,
-            StatusCode::BAD_REQUEST
-        );
+        assert!(matches!(
+            checked_timeout(Some(MAX_TIMEOUT_S + 1)).unwrap_err(),
+            LifecycleError::Invalid(_)
+        ));
     }
 }

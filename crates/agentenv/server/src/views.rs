@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::backend::TemplateFacts;
+use crate::backend::{SnapshotInfo, TemplateInfo};
 use crate::error::ApiError;
 use crate::model::{
     CreatedSandbox, Lifecycle, ListedSandbox, SandboxDetail, SandboxState, TemplateView,
@@ -58,13 +58,20 @@ pub fn detail(rec: &SandboxRecord) -> SandboxDetail {
     }
 }
 
-pub fn template(t: &TemplateFacts) -> TemplateView {
+pub fn snapshot(s: &SnapshotInfo) -> crate::model::SnapshotView {
+    crate::model::SnapshotView {
+        snapshot_id: s.id.clone(),
+        names: s.names.clone(),
+    }
+}
+
+pub fn template(t: &TemplateInfo) -> TemplateView {
     TemplateView {
         template_id: t.id.clone(),
         aliases: t.aliases.clone(),
         cpu_count: t.vcpus,
-        memory_mb: t.memory_mib,
-        disk_size_mb: t.disk_mib,
+        memory_mb: u32::try_from(t.memory_mib).unwrap_or(u32::MAX),
+        disk_size_mb: u32::try_from(t.disk_mib).unwrap_or(u32::MAX),
         envd_version: t.envd_version.clone(),
         built_at: t.built_at.clone(),
     }
@@ -252,4 +259,37 @@ mod tests {
         }
         assert!(paginate(vec![rec(1)], Some("garbage"), 5).is_err());
     }
+}
+
+/// Query of `GET /snapshots`.
+#[derive(Debug, Default)]
+pub struct SnapshotQuery {
+    pub sandbox_id: Option<String>,
+    pub name: Option<String>,
+    pub limit: usize,
+    pub next_token: Option<String>,
+}
+
+/// Parses `sandboxID`, `name`, `limit` (1..=1000, default 100) and `nextToken`.
+pub fn parse_snapshot_query(raw: Option<&str>) -> Result<SnapshotQuery, ApiError> {
+    let mut q = SnapshotQuery {
+        limit: DEFAULT_PAGE,
+        ..Default::default()
+    };
+    for (k, v) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+        match k.as_ref() {
+            "sandboxID" => q.sandbox_id = Some(v.into_owned()),
+            "name" => q.name = Some(v.into_owned()),
+            "nextToken" => q.next_token = Some(v.into_owned()),
+            "limit" => {
+                q.limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| ApiError::bad_request(format!("invalid limit '{v}' (1-1000)")))?
+            }
+            _ => {}
+        }
+    }
+    Ok(q)
 }

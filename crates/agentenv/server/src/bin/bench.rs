@@ -255,7 +255,13 @@ async fn main() -> anyhow::Result<()> {
     for i in 0..args.iterations.min(5) {
         let id = format!("benchdirect{i}");
         let t = Instant::now();
-        backend.create(&id, "base", BTreeMap::new()).await?;
+        backend
+            .create(agentenv_server::backend::CreateSpec {
+                sandbox_id: id.clone(),
+                template_id: "base".into(),
+                env_vars: BTreeMap::new(),
+            })
+            .await?;
         direct.push(ms(t));
         backend.kill(&id).await?;
     }

@@ -1,0 +1,122 @@
+//! The envd contract: the one place that names what the guest agent (envd), the runtime and the server
+//! agree on. Spec: `docs/specs/e2b-compat.md` §5–6.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// envd protocol version the guest agent implements (E2B `envdVersion`).
+pub const ENVD_VERSION: &str = "0.5.7";
+/// Port the SDK addresses envd on (`E2b-Sandbox-Port`, `49983-<id>.<domain>`).
+pub const ENVD_PORT: u16 = 49983;
+/// Name of the virtio-serial port that carries the agent channel (guest: `/dev/virtio-ports/<name>`).
+pub const AGENT_CHANNEL: &str = "agentenv.0";
+
+/// envd's plain HTTP paths.
+pub mod paths {
+    /// `GET`: 204 once the agent serves.
+    pub const HEALTH: &str = "/health";
+    /// `POST` [`super::InitRequest`]: host → agent settings. Reachable from the host only.
+    pub const INIT: &str = "/init";
+    /// `GET`: the default environment.
+    pub const ENVS: &str = "/envs";
+    /// `GET`: cpu, memory and disk usage.
+    pub const METRICS: &str = "/metrics";
+    /// `GET` download, `POST` multipart upload.
+    pub const FILES: &str = "/files";
+    /// `POST`: compose uploaded parts into one file.
+    pub const FILES_COMPOSE: &str = "/files/compose";
+    /// `POST`: flush the guest's file systems (agentenv extension; before filesystem snapshots).
+    pub const SYNC: &str = "/sync";
+    /// Every plain path above.
+    pub const ALL: [&str; 7] = [HEALTH, INIT, ENVS, METRICS, FILES, FILES_COMPOSE, SYNC];
+    /// Paths only the host (runtime) may call; the data-plane proxy refuses them.
+    pub const HOST_ONLY: [&str; 2] = [INIT, SYNC];
+    /// Connect RPC service prefixes (`/process.Process/Start`, ...).
+    pub const RPC_PREFIXES: [&str; 2] = ["/process.Process/", "/filesystem.Filesystem/"];
+
+    /// True for a path envd serves (a plain path or a Connect method).
+    pub fn is_envd(path: &str) -> bool {
+        ALL.contains(&path) || RPC_PREFIXES.iter().any(|p| path.starts_with(p))
+    }
+}
+
+/// The `POST /init` body (host → agent), camelCase on the wire as E2B's orchestrator sends it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct InitRequest {
+    /// Merged into the default environment.
+    #[serde(alias = "env_vars", skip_serializing_if = "Option::is_none")]
+    pub env_vars: Option<BTreeMap<String, String>>,
+    /// Token envd requires from data-plane callers.
+    #[serde(alias = "access_token", skip_serializing_if = "Option::is_none")]
+    pub access_token: Option<String>,
+    /// Default user of processes.
+    #[serde(alias = "default_user", skip_serializing_if = "Option::is_none")]
+    pub default_user: Option<String>,
+    /// Default working folder of processes.
+    #[serde(alias = "default_workdir", skip_serializing_if = "Option::is_none")]
+    pub default_workdir: Option<String>,
+    /// Host wall-clock time: Unix seconds (number) or RFC 3339 UTC string. The guest sets its clock.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timestamp: Option<serde_json::Value>,
+    /// Hex-encoded random bytes from the host, credited to the guest kernel's entropy pool and followed
+    /// by a CRNG reseed, so machines restored from one snapshot draw distinct random streams.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entropy: Option<String>,
+}
+
+/// Hex encoding of bytes (for [`InitRequest::entropy`]).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Decodes [`hex`]; `None` on odd length or a non-hex digit.
+pub fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_round_trips_camel_case_and_accepts_snake_case() {
+        let r = InitRequest {
+            env_vars: Some(BTreeMap::from([("A".into(), "1".into())])),
+            timestamp: Some(serde_json::json!(1_700_000_000.5)),
+            entropy: Some(hex(&[0, 255, 16])),
+            ..Default::default()
+        };
+        let text = serde_json::to_string(&r).unwrap();
+        assert!(text.contains("\"envVars\"") && !text.contains("accessToken"), "{text}");
+        assert_eq!(serde_json::from_str::<InitRequest>(&text).unwrap(), r);
+        let snake: InitRequest =
+            serde_json::from_str(r#"{"env_vars":{"B":"2"},"default_user":"root"}"#).unwrap();
+        assert_eq!(snake.default_user.as_deref(), Some("root"));
+    }
+
+    #[test]
+    fn hex_round_trips_random_bytes_and_rejects_garbage() {
+        for n in 0..64usize {
+            let b: Vec<u8> = (0..n).map(|i| (i * 37 + n) as u8).collect();
+            assert_eq!(unhex(&hex(&b)).unwrap(), b);
+        }
+        assert_eq!(unhex("abc"), None);
+        assert_eq!(unhex("zz"), None);
+    }
+
+    #[test]
+    fn envd_paths_are_classified() {
+        assert!(paths::is_envd("/process.Process/Start"));
+        assert!(paths::is_envd("/files"));
+        assert!(!paths::is_envd("/sandboxes"));
+        assert!(paths::HOST_ONLY.iter().all(|p| paths::ALL.contains(p)));
+    }
+}

@@ -1,0 +1,481 @@
+//! Snapshots and forks: a running (or paused) sandbox captured as disk, device state and RAM, restorable
+//! any number of times; forks restore one capture into several sandboxes that share its RAM copy-on-write.
+//!
+//! A capture stops the source only while its files are written (device state, a sparse copy of a shared
+//! RAM file, a copy of its qcow2 overlay), then continues it with its id and expiry unchanged. Files are
+//! written into `snapshots/<id>.partial/` and renamed into place with the record, so a crash never leaves
+//! a half-written snapshot visible. Deleted snapshots stay on disk, hidden, while a sandbox or another
+//! snapshot still depends on them (their disk backs an overlay, or their RAM is mapped).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::agent;
+use crate::error::{CreateError, SnapshotError};
+use crate::fsops;
+use crate::persist::{self, RECORD_VERSION, SandboxRecord, SnapshotRecord};
+use crate::sandbox::{Image, ImageStart};
+use crate::{CreateSpec, Inner, Runtime, SandboxVm, valid_id};
+
+/// What a snapshot keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotMode {
+    /// Memory, device state and disk: restores continue where the source was.
+    Full,
+    /// The disk only: sandboxes made from it cold-boot.
+    Filesystem,
+}
+
+/// Public facts about a snapshot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotInfo {
+    /// Snapshot id.
+    pub id: String,
+    /// Names (`name:tag`).
+    pub names: Vec<String>,
+    /// Sandbox it was taken from.
+    pub source_sandbox: Option<String>,
+    /// Template of the source.
+    pub template_id: String,
+    /// Full or filesystem-only.
+    pub mode: SnapshotMode,
+    /// RFC 3339 capture time.
+    pub created_at: String,
+    /// Bytes of data in its files.
+    pub bytes: u64,
+    /// vCPUs of sandboxes made from it.
+    pub vcpus: u32,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// How long the source was stopped.
+    pub paused_ms: f64,
+}
+
+/// The default tag of a name given without one.
+pub const DEFAULT_TAG: &str = "default";
+
+/// Normalises `name[:tag]` to `name:tag`, or `None` when either part is not a valid id.
+pub fn normalize_name(name: &str) -> Option<String> {
+    let (n, t) = name.split_once(':').unwrap_or((name, DEFAULT_TAG));
+    (valid_id(n) && valid_id(t)).then(|| format!("{n}:{t}"))
+}
+
+impl SnapshotRecord {
+    pub(crate) fn image(&self) -> Image {
+        let start = match (&self.ram, &self.state) {
+            (Some(ram), Some(state)) => ImageStart::CowRam {
+                ram: ram.clone(),
+                state: state.clone(),
+            },
+            (None, Some(state)) => ImageStart::Stream {
+                state: state.clone(),
+            },
+            _ => ImageStart::Boot,
+        };
+        Image {
+            template_id: self.template_id.clone(),
+            machine: self.machine.clone(),
+            disk: self.disk.clone(),
+            start,
+            parent: Some(self.id.clone()),
+            envd_version: self.envd_version.clone(),
+        }
+    }
+
+    fn info(&self, paused_ms: f64) -> SnapshotInfo {
+        SnapshotInfo {
+            id: self.id.clone(),
+            names: self.names.clone(),
+            source_sandbox: self.source_sandbox.clone(),
+            template_id: self.template_id.clone(),
+            mode: if self.state.is_some() {
+                SnapshotMode::Full
+            } else {
+                SnapshotMode::Filesystem
+            },
+            created_at: self.created_at.clone(),
+            bytes: self.bytes,
+            vcpus: self.machine.vcpus,
+            memory_mib: self.machine.memory_mib,
+            paused_ms,
+        }
+    }
+}
+
+impl Inner {
+    pub(crate) fn snapshots_dir(&self) -> PathBuf {
+        self.cfg.state_dir.join("snapshots")
+    }
+    fn snapshot_ram(&self, id: &str, dir: &Path) -> PathBuf {
+        match &self.cfg.ram_dir {
+            Some(d) => d.join(format!("snap-{id}.mem")),
+            None => dir.join("ram.mem"),
+        }
+    }
+}
+
+/// Loads snapshot records, dropping partial captures and RAM files no record owns.
+pub(crate) fn load_all(
+    dir: &Path,
+    ram_dir: Option<&Path>,
+) -> Result<BTreeMap<String, SnapshotRecord>, persist::PersistError> {
+    let mut out = BTreeMap::new();
+    let rd = std::fs::read_dir(dir).map_err(|e| persist::PersistError::Io {
+        what: "read",
+        path: dir.to_owned(),
+        source: e,
+    })?;
+    for e in rd.flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "partial") {
+            tracing::warn!(path = %p.display(), "removing an unfinished snapshot capture");
+            let _ = std::fs::remove_dir_all(&p);
+            continue;
+        }
+        match persist::read::<SnapshotRecord>(&p.join("snapshot.json")) {
+            Ok(r) => {
+                out.insert(r.id.clone(), r);
+            }
+            Err(e) => tracing::error!(path = %p.display(), error = %e, "unreadable snapshot record"),
+        }
+    }
+    if let Some(rd) = ram_dir.and_then(|d| std::fs::read_dir(d).ok()) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(id) = name
+                .strip_prefix("snap-")
+                .and_then(|n| n.strip_suffix(".mem"))
+                && !out.contains_key(id)
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(out)
+}
+
+impl Runtime {
+    /// Live (not deleted) snapshots.
+    pub fn snapshots(&self) -> Vec<SnapshotInfo> {
+        self.inner
+            .snapshots
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|s| !s.deleted)
+            .map(|s| s.info(0.0))
+            .collect()
+    }
+
+    /// The live snapshot with id `name`, or named `name[:tag]`.
+    pub(crate) fn snapshot_record(&self, name: &str) -> Option<SnapshotRecord> {
+        let map = self
+            .inner
+            .snapshots
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map.get(name).filter(|s| !s.deleted) {
+            return Some(s.clone());
+        }
+        let n = normalize_name(name)?;
+        map.values()
+            .find(|s| !s.deleted && s.names.contains(&n))
+            .cloned()
+    }
+
+    /// Captures sandbox `sandbox_id` as snapshot `snapshot_id` with `names` (moved from any older
+    /// snapshot holding them). A running source is stopped only for the capture.
+    pub async fn snapshot(
+        &self,
+        sandbox_id: &str,
+        snapshot_id: &str,
+        names: &[String],
+        mode: SnapshotMode,
+    ) -> Result<SnapshotInfo, SnapshotError> {
+        if !valid_id(snapshot_id) {
+            return Err(SnapshotError::InvalidName(snapshot_id.into()));
+        }
+        let names = names
+            .iter()
+            .map(|n| normalize_name(n).ok_or_else(|| SnapshotError::InvalidName(n.clone())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let slot = self
+            .slot(sandbox_id)
+            .ok_or_else(|| SnapshotError::SandboxNotFound(sandbox_id.into()))?;
+        let inner = &self.inner;
+        let final_dir = inner.snapshots_dir().join(snapshot_id);
+        let partial = inner.snapshots_dir().join(format!("{snapshot_id}.partial"));
+        if final_dir.exists() {
+            return Err(SnapshotError::InvalidName(format!(
+                "{snapshot_id} (exists)"
+            )));
+        }
+        let io = |what, path: &Path| {
+            let path = path.to_owned();
+            move |source| SnapshotError::Io { what, path, source }
+        };
+        std::fs::create_dir_all(&partial).map_err(io("create", &partial))?;
+        let live = slot.live.lock().await;
+        if live.gone {
+            return Err(SnapshotError::SandboxNotFound(sandbox_id.into()));
+        }
+        let rec = live.record.clone();
+        let full = mode == SnapshotMode::Full;
+        let ram_out = (full && rec.ram_shared).then(|| inner.snapshot_ram(snapshot_id, &final_dir));
+        let ram_tmp = ram_out.as_ref().map(|p| p.with_extension("mem.partial"));
+        let t0 = Instant::now();
+        let captured = match &live.vm {
+            Some(vm) => {
+                if !full && let Some(link) = &live.agent {
+                    agent::sync(link).await?;
+                }
+                vm.stop().await?;
+                let r = async {
+                    if full {
+                        vm.save_device_state(&partial.join("device.state")).await?;
+                    }
+                    capture_files(inner, &rec, &partial, ram_tmp.as_deref()).await
+                }
+                .await;
+                let resumed = vm.cont().await;
+                r.and(resumed.map_err(SnapshotError::from))
+            }
+            None => {
+                if full {
+                    let src = inner.device_state_path(sandbox_id);
+                    let dst = partial.join("device.state");
+                    std::fs::copy(&src, &dst).map_err(io("copy", &src))?;
+                }
+                capture_files(inner, &rec, &partial, ram_tmp.as_deref()).await
+            }
+        };
+        let paused_ms = t0.elapsed().as_secs_f64() * 1e3;
+        drop(live);
+        if let Err(e) = captured {
+            let _ = std::fs::remove_dir_all(&partial);
+            if let Some(t) = &ram_tmp {
+                let _ = std::fs::remove_file(t);
+            }
+            return Err(e);
+        }
+        let mut bytes = fsops::allocated_bytes(&partial.join("disk.qcow2"));
+        if full {
+            bytes += fsops::allocated_bytes(&partial.join("device.state"));
+        }
+        if let (Some(t), Some(out)) = (&ram_tmp, &ram_out) {
+            bytes += fsops::allocated_bytes(t);
+            std::fs::rename(t, out).map_err(io("rename", t))?;
+        }
+        let snap = SnapshotRecord {
+            version: RECORD_VERSION,
+            id: snapshot_id.into(),
+            names: names.clone(),
+            source_sandbox: Some(sandbox_id.into()),
+            template_id: rec.template_id.clone(),
+            machine: rec.machine.clone(),
+            disk: final_dir.join("disk.qcow2"),
+            ram: ram_out,
+            state: full.then(|| final_dir.join("device.state")),
+            parent: rec.parent_snapshot.clone(),
+            deleted: false,
+            created_at: k3_common::time::now_rfc3339(),
+            bytes,
+            envd_version: crate::template::ENVD_VERSION.into(),
+        };
+        persist::write(&partial.join("snapshot.json"), &snap)?;
+        std::fs::rename(&partial, &final_dir).map_err(io("rename", &partial))?;
+        let mut map = inner.snapshots.write().unwrap_or_else(|e| e.into_inner());
+        for other in map.values_mut() {
+            if other.names.iter().any(|n| names.contains(n)) {
+                other.names.retain(|n| !names.contains(n));
+                persist::write(
+                    &inner.snapshots_dir().join(&other.id).join("snapshot.json"),
+                    &*other,
+                )?;
+            }
+        }
+        map.insert(snap.id.clone(), snap.clone());
+        drop(map);
+        tracing::info!(snapshot = snapshot_id, sandbox = sandbox_id, paused_ms, bytes, "snapshot taken");
+        Ok(snap.info(paused_ms))
+    }
+
+    /// Deletes a snapshot: it disappears at once; its files go once nothing depends on them.
+    pub fn delete_snapshot(&self, id: &str) -> Result<(), SnapshotError> {
+        {
+            let mut map = self
+                .inner
+                .snapshots
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            let s = map
+                .get_mut(id)
+                .filter(|s| !s.deleted)
+                .ok_or_else(|| SnapshotError::NotFound(id.into()))?;
+            s.deleted = true;
+            s.names.clear();
+            persist::write(
+                &self.inner.snapshots_dir().join(id).join("snapshot.json"),
+                &*s,
+            )?;
+        }
+        self.collect_snapshots();
+        Ok(())
+    }
+
+    /// Forks sandbox `sandbox_id` into `ids`: one capture, then one restore per id, all sharing the
+    /// captured RAM copy-on-write, each with its own disk overlay. One result per id.
+    pub async fn fork(
+        &self,
+        sandbox_id: &str,
+        ids: &[String],
+    ) -> Result<Vec<Result<SandboxVm, CreateError>>, SnapshotError> {
+        let sid = format!("fork-{}", agentenv_envd::hex(&rand_bytes()));
+        self.snapshot(sandbox_id, &sid, &[], SnapshotMode::Full)
+            .await?;
+        // Hidden from the start: it lives exactly as long as a fork depends on it.
+        let image = {
+            let mut map = self
+                .inner
+                .snapshots
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            let s = map
+                .get_mut(&sid)
+                .ok_or_else(|| SnapshotError::NotFound(sid.clone()))?;
+            s.deleted = true;
+            persist::write(
+                &self.inner.snapshots_dir().join(&sid).join("snapshot.json"),
+                &*s,
+            )?;
+            s.image()
+        };
+        let mut set = tokio::task::JoinSet::new();
+        for (i, id) in ids.iter().enumerate() {
+            let (rt, image) = (self.clone(), image.clone());
+            let spec = CreateSpec {
+                sandbox_id: id.clone(),
+                template_id: image.template_id.clone(),
+                env_vars: BTreeMap::new(),
+            };
+            set.spawn(async move { (i, rt.create_from(&spec, &image).await) });
+        }
+        let mut out: Vec<Option<Result<SandboxVm, CreateError>>> = ids.iter().map(|_| None).collect();
+        while let Some(j) = set.join_next().await {
+            if let Ok((i, r)) = j {
+                out[i] = Some(r);
+            }
+        }
+        self.collect_snapshots();
+        Ok(out
+            .into_iter()
+            .zip(ids)
+            .map(|(r, id)| {
+                r.unwrap_or_else(|| {
+                    Err(CreateError::Io {
+                        what: "fork task",
+                        path: PathBuf::from(id),
+                        source: std::io::Error::other("the fork task panicked"),
+                    })
+                })
+            })
+            .collect())
+    }
+
+    /// Removes deleted snapshots that no sandbox and no live snapshot depends on.
+    pub(crate) fn collect_snapshots(&self) {
+        loop {
+            let mut needed: BTreeSet<String> = BTreeSet::new();
+            let sdir = self.inner.cfg.state_dir.join("sandboxes");
+            for e in std::fs::read_dir(&sdir).into_iter().flatten().flatten() {
+                if let Ok(r) = persist::read::<SandboxRecord>(&e.path().join("sandbox.json")) {
+                    needed.extend(r.parent_snapshot);
+                }
+            }
+            let mut map = self
+                .inner
+                .snapshots
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            needed.extend(map.values().filter_map(|s| s.parent.clone()));
+            let dead: Vec<String> = map
+                .values()
+                .filter(|s| s.deleted && !needed.contains(&s.id))
+                .map(|s| s.id.clone())
+                .collect();
+            if dead.is_empty() {
+                return;
+            }
+            for id in dead {
+                if let Some(s) = map.remove(&id) {
+                    let dir = self.inner.snapshots_dir().join(&id);
+                    // The record goes first: a crash mid-removal leaves no record pointing at missing files.
+                    let _ = std::fs::remove_file(dir.join("snapshot.json"));
+                    if let Some(r) = &s.ram {
+                        let _ = std::fs::remove_file(r);
+                    }
+                    let _ = std::fs::remove_dir_all(&dir);
+                    tracing::info!(snapshot = %id, "snapshot files removed");
+                }
+            }
+        }
+    }
+}
+
+async fn capture_files(
+    inner: &Inner,
+    rec: &SandboxRecord,
+    partial: &Path,
+    ram_out: Option<&Path>,
+) -> Result<(), SnapshotError> {
+    let disk = inner.sandbox_dir(&rec.id).join("disk.qcow2");
+    let disk_out = partial.join("disk.qcow2");
+    let ram = ram_out.map(|o| (rec.ram_file.clone(), o.to_owned()));
+    let r = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        fsops::sparse_copy(&disk, &disk_out)?;
+        std::fs::File::open(&disk_out)?.sync_all()?;
+        if let Some((src, dst)) = ram {
+            fsops::sparse_copy(&src, &dst)?;
+            std::fs::File::open(&dst)?.sync_data()?;
+        }
+        Ok(())
+    })
+    .await
+    .map_err(|e| std::io::Error::other(e.to_string()))
+    .and_then(|r| r);
+    r.map_err(|source| SnapshotError::Io {
+        what: "capture",
+        path: partial.to_owned(),
+        source,
+    })
+}
+
+fn rand_bytes() -> [u8; 8] {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into the buffer.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != 8 {
+        b = t.to_le_bytes();
+    }
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_normalise_with_a_default_tag() {
+        assert_eq!(normalize_name("app").as_deref(), Some("app:default"));
+        assert_eq!(normalize_name("app:v2").as_deref(), Some("app:v2"));
+        for bad in ["", ":v1", "app:", "a/b", "app:v1:v2", ".hidden", "a b"] {
+            assert_eq!(normalize_name(bad), None, "{bad}");
+        }
+        let long = "x".repeat(65);
+        assert_eq!(normalize_name(&long), None);
+    }
+}
