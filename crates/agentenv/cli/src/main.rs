@@ -100,6 +100,40 @@ enum Command {
     Timeout { id: String, seconds: u64 },
     /// Kill sandboxes.
     Rm { ids: Vec<String> },
+    /// Snapshots: capture, list, delete.
+    #[command(subcommand)]
+    Snapshot(SnapshotCmd),
+    /// Fork a running sandbox into COUNT new ones (1-20); prints their ids.
+    Fork {
+        id: String,
+        #[arg(long, short, default_value_t = 1)]
+        count: u32,
+        /// Lifetime of each fork in seconds.
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
+    },
+}
+
+#[derive(Subcommand)]
+enum SnapshotCmd {
+    /// Snapshot a sandbox (it keeps running); prints the snapshot id.
+    Create {
+        id: String,
+        /// Name, `name[:tag]`; `aenv start -t NAME` then starts from it.
+        #[arg(long)]
+        name: Option<String>,
+        /// Keep only the disk (sandboxes made from it cold-boot).
+        #[arg(long)]
+        filesystem: bool,
+    },
+    /// List snapshots.
+    Ls {
+        /// Only snapshots of this sandbox.
+        #[arg(long)]
+        sandbox: Option<String>,
+    },
+    /// Delete snapshots (by id or name).
+    Rm { ids: Vec<String> },
 }
 
 #[derive(Subcommand)]
@@ -390,6 +424,116 @@ async fn run(cli: &Cli, api: &ApiClient) -> anyhow::Result<i32> {
             )
             .await?;
             println!("{id} ends in {seconds} s");
+        }
+        Command::Snapshot(SnapshotCmd::Create {
+            id,
+            name,
+            filesystem,
+        }) => {
+            let mut body = json!({"memory": !filesystem});
+            if let Some(n) = name {
+                body["name"] = json!(n);
+            }
+            let pb = spinner(&format!("snapshotting {id}"));
+            let r = api
+                .call(
+                    Method::POST,
+                    &format!("/sandboxes/{id}/snapshots"),
+                    Some(body),
+                )
+                .await;
+            pb.finish_and_clear();
+            let (_, v) = r?;
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                println!("{}", s(&v, "snapshotID"));
+            }
+        }
+        Command::Snapshot(SnapshotCmd::Ls { sandbox }) => {
+            let mut all = Vec::new();
+            let mut token: Option<String> = None;
+            loop {
+                let mut q = vec![("limit".to_string(), "100".to_string())];
+                if let Some(sb) = sandbox {
+                    q.push(("sandboxID".into(), sb.clone()));
+                }
+                if let Some(t) = &token {
+                    q.push(("nextToken".into(), t.clone()));
+                }
+                let qs = q
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join("&");
+                let (v, next) = api
+                    .call_with_header(Method::GET, &format!("/snapshots?{qs}"), "x-next-token")
+                    .await?;
+                all.extend(v.as_array().cloned().unwrap_or_default());
+                token = next;
+                if token.is_none() {
+                    break;
+                }
+            }
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&all)?);
+            } else {
+                let rows = all
+                    .iter()
+                    .map(|x| {
+                        let names = x["names"]
+                            .as_array()
+                            .map(|a| {
+                                a.iter()
+                                    .filter_map(Value::as_str)
+                                    .collect::<Vec<_>>()
+                                    .join(",")
+                            })
+                            .unwrap_or_default();
+                        vec![s(x, "snapshotID"), names]
+                    })
+                    .collect();
+                print_table(&["SNAPSHOT", "NAMES"], rows);
+            }
+        }
+        Command::Snapshot(SnapshotCmd::Rm { ids }) => {
+            if ids.is_empty() {
+                bail!("name at least one snapshot");
+            }
+            for id in ids {
+                api.call(Method::DELETE, &format!("/templates/{id}"), None)
+                    .await?;
+                println!("deleted {id}");
+            }
+        }
+        Command::Fork { id, count, timeout } => {
+            let pb = spinner(&format!("forking {id} x{count}"));
+            let r = api
+                .call(
+                    Method::POST,
+                    &format!("/sandboxes/{id}/fork"),
+                    Some(json!({"count": count, "timeout": timeout})),
+                )
+                .await;
+            pb.finish_and_clear();
+            let (_, v) = r?;
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                let mut failed = 0;
+                for f in v.as_array().into_iter().flatten() {
+                    match f["sandbox"]["sandboxID"].as_str() {
+                        Some(sid) => println!("{sid}"),
+                        None => {
+                            failed += 1;
+                            eprintln!("fork failed: {}", f["error"]["message"]);
+                        }
+                    }
+                }
+                if failed > 0 {
+                    return Ok(1);
+                }
+            }
         }
         Command::Rm { ids } => {
             if ids.is_empty() {

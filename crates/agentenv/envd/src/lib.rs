@@ -95,7 +95,10 @@ mod tests {
             ..Default::default()
         };
         let text = serde_json::to_string(&r).unwrap();
-        assert!(text.contains("\"envVars\"") && !text.contains("accessToken"), "{text}");
+        assert!(
+            text.contains("\"envVars\"") && !text.contains("accessToken"),
+            "{text}"
+        );
         assert_eq!(serde_json::from_str::<InitRequest>(&text).unwrap(), r);
         let snake: InitRequest =
             serde_json::from_str(r#"{"env_vars":{"B":"2"},"default_user":"root"}"#).unwrap();

@@ -200,7 +200,9 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         (Method::POST, "/init") => init(&agent, req).await,
         (Method::POST, "/sync") => {
             // SAFETY: sync(2) takes no arguments.
-            tokio::task::spawn_blocking(|| unsafe { libc::sync() }).await.ok();
+            tokio::task::spawn_blocking(|| unsafe { libc::sync() })
+                .await
+                .ok();
             json_response(StatusCode::OK, &json!({}))
         }
         (Method::GET, "/envs") => json_response(StatusCode::OK, &json!(agent.settings().env_vars)),
@@ -277,7 +279,12 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
     if let Some(e) = &r.entropy {
         match agentenv_envd::unhex(e) {
             Some(bytes) if bytes.len() <= 512 => add_entropy(&bytes),
-            _ => return http_error(StatusCode::BAD_REQUEST, "entropy must be at most 512 hex-encoded bytes"),
+            _ => {
+                return http_error(
+                    StatusCode::BAD_REQUEST,
+                    "entropy must be at most 512 hex-encoded bytes",
+                );
+            }
         }
     }
     agent.update_settings(|s| {

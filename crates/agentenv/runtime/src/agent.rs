@@ -92,7 +92,12 @@ pub async fn healthy_from(
                 }
             }
         };
-        match tokio::time::timeout(attempt, request(&current, "GET", agentenv_envd::paths::HEALTH, None)).await {
+        match tokio::time::timeout(
+            attempt,
+            request(&current, "GET", agentenv_envd::paths::HEALTH, None),
+        )
+        .await
+        {
             Ok(Ok(status)) if (200..300).contains(&status) => return Ok(current),
             Ok(Ok(status)) => last = format!("/health answered {status}"),
             Ok(Err(e)) => last = e.to_string(),

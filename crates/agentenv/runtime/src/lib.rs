@@ -38,8 +38,8 @@ pub use error::{
     ConnectError, CreateError, KillError, OpenError, PauseError, RecoverError, ResumeError,
     SnapshotError, TemplateError,
 };
-pub use snapshot::{SnapshotInfo, SnapshotMode};
 pub use persist::TemplateInfo;
+pub use snapshot::{SnapshotInfo, SnapshotMode};
 pub use template::{BuildProgress, BuildStep, TemplateSpec};
 
 use crate::kernel::GuestKernel;
@@ -149,7 +149,8 @@ impl Runtime {
                 templates.insert(rec.info.id.clone(), rec);
             }
         }
-        let snapshots = snapshot::load_all(&cfg.state_dir.join("snapshots"), cfg.ram_dir.as_deref())?;
+        let snapshots =
+            snapshot::load_all(&cfg.state_dir.join("snapshots"), cfg.ram_dir.as_deref())?;
         tracing::info!(state_dir = %cfg.state_dir.display(), accel = accel.as_str(), templates = templates.len(), snapshots = snapshots.len(), "agentenv runtime open");
         Ok(Runtime {
             inner: Arc::new(Inner {

@@ -87,7 +87,9 @@ impl Runtime {
                 None,
             ),
             SandboxPhase::Paused => {
-                if !self.inner.device_state_path(id).exists() || (rec.ram_shared && !rec.ram_file.exists()) {
+                if !self.inner.device_state_path(id).exists()
+                    || (rec.ram_shared && !rec.ram_file.exists())
+                {
                     return (
                         None,
                         "paused but its snapshot files are missing".into(),

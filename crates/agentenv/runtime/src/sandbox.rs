@@ -244,8 +244,7 @@ impl Runtime {
                 live.record.phase = SandboxPhase::Running { pid: vm.pid() };
                 live.vm = Some(vm);
                 persist::write(&inner.record_path(id), &live.record)?;
-                agent::connect_healthy(&vm_spec.agent_socket(), BOOT_ATTEMPT, BOOT_DEADLINE)
-                    .await?
+                agent::connect_healthy(&vm_spec.agent_socket(), BOOT_ATTEMPT, BOOT_DEADLINE).await?
             }
         };
         agent::init(&link, &spec.env_vars).await?;

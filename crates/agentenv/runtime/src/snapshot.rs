@@ -137,7 +137,9 @@ pub(crate) fn load_all(
             Ok(r) => {
                 out.insert(r.id.clone(), r);
             }
-            Err(e) => tracing::error!(path = %p.display(), error = %e, "unreadable snapshot record"),
+            Err(e) => {
+                tracing::error!(path = %p.display(), error = %e, "unreadable snapshot record")
+            }
         }
     }
     if let Some(rd) = ram_dir.and_then(|d| std::fs::read_dir(d).ok()) {
@@ -223,7 +225,11 @@ impl Runtime {
         let rec = live.record.clone();
         let full = mode == SnapshotMode::Full;
         let ram_out = (full && rec.ram_shared).then(|| inner.snapshot_ram(snapshot_id, &final_dir));
-        let ram_tmp = ram_out.as_ref().map(|p| p.with_extension("mem.partial"));
+        // Without a RAM folder the RAM sits in the snapshot folder and moves with its rename.
+        let ram_tmp = ram_out.as_ref().map(|p| match inner.cfg.ram_dir {
+            Some(_) => p.with_extension("mem.partial"),
+            None => partial.join("ram.mem"),
+        });
         let t0 = Instant::now();
         let captured = match &live.vm {
             Some(vm) => {
@@ -265,7 +271,9 @@ impl Runtime {
         }
         if let (Some(t), Some(out)) = (&ram_tmp, &ram_out) {
             bytes += fsops::allocated_bytes(t);
-            std::fs::rename(t, out).map_err(io("rename", t))?;
+            if inner.cfg.ram_dir.is_some() {
+                std::fs::rename(t, out).map_err(io("rename", t))?;
+            }
         }
         let snap = SnapshotRecord {
             version: RECORD_VERSION,
@@ -297,7 +305,13 @@ impl Runtime {
         }
         map.insert(snap.id.clone(), snap.clone());
         drop(map);
-        tracing::info!(snapshot = snapshot_id, sandbox = sandbox_id, paused_ms, bytes, "snapshot taken");
+        tracing::info!(
+            snapshot = snapshot_id,
+            sandbox = sandbox_id,
+            paused_ms,
+            bytes,
+            "snapshot taken"
+        );
         Ok(snap.info(paused_ms))
     }
 
@@ -361,7 +375,8 @@ impl Runtime {
             };
             set.spawn(async move { (i, rt.create_from(&spec, &image).await) });
         }
-        let mut out: Vec<Option<Result<SandboxVm, CreateError>>> = ids.iter().map(|_| None).collect();
+        let mut out: Vec<Option<Result<SandboxVm, CreateError>>> =
+            ids.iter().map(|_| None).collect();
         while let Some(j) = set.join_next().await {
             if let Ok((i, r)) = j {
                 out[i] = Some(r);

@@ -74,7 +74,10 @@ fn control_router() -> Router<AppState> {
         .route("/sandboxes/{id}/snapshots", post(routes::create_snapshot))
         .route("/sandboxes/{id}/fork", post(routes::fork))
         .route("/snapshots", get(routes::list_snapshots))
-        .route("/templates/{id}", axum::routing::delete(routes::delete_template))
+        .route(
+            "/templates/{id}",
+            axum::routing::delete(routes::delete_template),
+        )
         .route(
             "/templates",
             get(routes::list_templates).post(routes::build_template),

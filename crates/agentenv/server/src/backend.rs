@@ -32,15 +32,19 @@ pub trait VmBackend: Send + Sync + 'static {
     /// "KVM" or "TCG".
     fn accel_name(&self) -> String;
     fn templates(&self) -> Vec<TemplateInfo>;
-    fn build_template(&self, spec: TemplateSpec)
-    -> BoxFuture<'_, Result<TemplateInfo, TemplateError>>;
+    fn build_template(
+        &self,
+        spec: TemplateSpec,
+    ) -> BoxFuture<'_, Result<TemplateInfo, TemplateError>>;
     /// Returns once envd in the guest answers. `spec.template_id` names a template or a snapshot.
     fn create(&self, spec: CreateSpec) -> BoxFuture<'_, Result<SandboxVm, CreateError>>;
     fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), PauseError>>;
     fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ResumeError>>;
     fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), KillError>>;
-    fn open_agent_stream<'a>(&'a self, id: &'a str)
-    -> BoxFuture<'a, Result<AgentStream, ConnectError>>;
+    fn open_agent_stream<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<AgentStream, ConnectError>>;
     /// After a restart: every VM record of the previous process, kept (with its state) or removed.
     fn recover(&self) -> BoxFuture<'_, Result<Vec<RecoveredVm>, RecoverError>>;
     fn vm_state(&self, id: &str) -> Option<VmState>;

@@ -16,6 +16,8 @@ pub mod app;
 pub mod backend;
 pub mod dataplane;
 pub mod error;
+#[cfg(test)]
+mod fake;
 pub mod keys;
 pub mod metrics;
 pub mod model;

@@ -9,9 +9,9 @@ use crate::app::AppState;
 use crate::backend::TemplateSpec;
 use crate::error::{ApiError, E2bJson};
 use crate::model::{
-    ForkRequest, ForkResult, SnapshotRequest, SnapshotView,
-    BuildTemplateRequest, ConnectRequest, CreatedSandbox, ErrorBody, ListedSandbox, NewSandbox,
-    PauseRequest, ResumeRequest, SandboxDetail, SandboxState, TemplateView, TimeoutRequest,
+    BuildTemplateRequest, ConnectRequest, CreatedSandbox, ErrorBody, ForkRequest, ForkResult,
+    ListedSandbox, NewSandbox, PauseRequest, ResumeRequest, SandboxDetail, SandboxState,
+    SnapshotRequest, SnapshotView, TemplateView, TimeoutRequest,
 };
 use crate::sandboxes::ListFilter;
 use crate::views;
@@ -277,7 +277,9 @@ pub async fn build_template(
         .await
         .map_err(|e| match e {
             agentenv_runtime::TemplateError::InvalidId(_)
-            | agentenv_runtime::TemplateError::InvalidSpec(_) => ApiError::bad_request(e.to_string()),
+            | agentenv_runtime::TemplateError::InvalidSpec(_) => {
+                ApiError::bad_request(e.to_string())
+            }
             e => {
                 tracing::error!(error = %e, "template build failed");
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())

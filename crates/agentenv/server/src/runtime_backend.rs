@@ -83,7 +83,13 @@ impl VmBackend for Runtime {
         names: &'a [String],
         mode: SnapshotMode,
     ) -> BoxFuture<'a, Result<SnapshotInfo, SnapshotError>> {
-        Box::pin(Runtime::snapshot(self, sandbox_id, snapshot_id, names, mode))
+        Box::pin(Runtime::snapshot(
+            self,
+            sandbox_id,
+            snapshot_id,
+            names,
+            mode,
+        ))
     }
 
     fn snapshots(&self) -> Vec<SnapshotInfo> {

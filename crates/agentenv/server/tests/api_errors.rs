@@ -83,11 +83,49 @@ async fn auth_and_bad_input_answer_json_errors() {
         StatusCode::BAD_GATEWAY,
     );
 
+    // Snapshots and fork: unknown ids 404, a count outside 1..=20 or a bad query 400.
+    for (method, path, body) in [
+        (
+            Method::POST,
+            format!("/sandboxes/{missing}/snapshots"),
+            Some(serde_json::json!({})),
+        ),
+        (
+            Method::POST,
+            format!("/sandboxes/{missing}/fork"),
+            Some(serde_json::json!({"count": 2})),
+        ),
+        (Method::DELETE, format!("/templates/{missing}"), None),
+    ] {
+        assert_error(&api.call(method, &path, body).await, StatusCode::NOT_FOUND);
+    }
+    for count in [0, 21, 1000] {
+        assert_error(
+            &api.call(
+                Method::POST,
+                &format!("/sandboxes/{missing}/fork"),
+                Some(serde_json::json!({"count": count})),
+            )
+            .await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    for q in ["limit=0", "limit=x", "name=a/b", "nextToken=nosuch"] {
+        assert_error(
+            &api.call(Method::GET, &format!("/snapshots?{q}"), None)
+                .await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+    let empty = api.call(Method::GET, "/snapshots", None).await;
+    assert_eq!(empty.status, StatusCode::OK);
+    assert_eq!(empty.json(), serde_json::json!([]));
+
     let metrics = api.call(Method::GET, "/metrics", None).await;
     let text = String::from_utf8_lossy(&metrics.body);
     assert!(
         text.contains(
-            "agentenv_http_requests_total{plane=\"control\",method=\"POST\",status=\"400\"} 4"
+            "agentenv_http_requests_total{plane=\"control\",method=\"POST\",status=\"400\"} 7"
         ),
         "{text}"
     );

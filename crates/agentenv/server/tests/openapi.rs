@@ -23,6 +23,10 @@ fn committed_openapi_json_is_fresh() {
         "/sandboxes/{sandboxID}/connect",
         "/v2/sandboxes/{sandboxID}/connect",
         "/sandboxes/{sandboxID}/resume",
+        "/sandboxes/{sandboxID}/snapshots",
+        "/sandboxes/{sandboxID}/fork",
+        "/snapshots",
+        "/templates/{templateID}",
     ] {
         assert!(
             v["paths"].get(route).is_some(),
