@@ -13,16 +13,12 @@ use crate::error::ApiError;
 use crate::model::SandboxState;
 use crate::store::SandboxRecord;
 
-/// The envd port inside every sandbox.
+/// The envd port inside every sandbox: `agentenv_envd::ENVD_PORT` as header text (a test checks it).
 pub const ENVD_PORT: &str = "49983";
 
 /// Paths served by envd.
 pub fn is_envd_path(path: &str) -> bool {
-    matches!(
-        path,
-        "/health" | "/files" | "/files/compose" | "/init" | "/envs" | "/metrics"
-    ) || path.starts_with("/process.Process/")
-        || path.starts_with("/filesystem.Filesystem/")
+    agentenv_envd::paths::is_envd(path)
 }
 
 /// Where a request goes.
@@ -103,6 +99,12 @@ pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Respo
             "sandbox {}: port is not open: {port} (sandboxes have no network device; only envd on {ENVD_PORT} is reachable)",
             rec.sandbox_id
         )));
+    }
+    if agentenv_envd::paths::HOST_ONLY.contains(&req.uri().path()) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!("{} is reachable from the host only", req.uri().path()),
+        ));
     }
     let rec = ensure_running(state, rec).await?;
     forward(state, &rec, req).await
@@ -224,6 +226,11 @@ mod tests {
             h.insert(*k, HeaderValue::from_str(v).unwrap());
         }
         h
+    }
+
+    #[test]
+    fn envd_port_text_matches_the_contract() {
+        assert_eq!(ENVD_PORT, agentenv_envd::ENVD_PORT.to_string());
     }
 
     #[test]

@@ -124,6 +124,130 @@ impl Http {
     }
 }
 
+/// Snapshot, fork, create-from-snapshot and concurrent-create figures, and PSS per idle fork.
+async fn snapshot_figures(http: &Http, n: usize) -> anyhow::Result<Vec<Figure>> {
+    let create = |template: &str| {
+        let body = json!({"templateID": template, "timeout": 600});
+        async move {
+            let c = http.json(Method::POST, "/v2/sandboxes", body, 201).await?;
+            let id = c["sandboxID"].as_str().context("sandboxID")?.to_string();
+            let token = c["envdAccessToken"].as_str().context("token")?.to_string();
+            anyhow::Ok((id, token))
+        }
+    };
+    let kill = |id: String| async move {
+        http.send(Method::DELETE, &format!("/sandboxes/{id}"), &[], vec![])
+            .await
+            .map(|_| ())
+    };
+    let (src, src_token) = create("base").await?;
+    http.command(&src, &src_token).await?;
+    let (mut snap, mut from_snap, mut fork8) = (vec![], vec![], vec![]);
+    let mut snap_ids = vec![];
+    for _ in 0..n {
+        let t = Instant::now();
+        let s = http
+            .json(Method::POST, &format!("/sandboxes/{src}/snapshots"), json!({}), 201)
+            .await?;
+        snap.push(ms(t));
+        snap_ids.push(s["snapshotID"].as_str().context("snapshotID")?.to_string());
+    }
+    let last = snap_ids.last().cloned().context("no snapshot")?;
+    for _ in 0..n {
+        let t = Instant::now();
+        let (id, token) = create(&last).await?;
+        from_snap.push(ms(t));
+        http.command(&id, &token).await?;
+        kill(id).await?;
+    }
+    let mut pss_kib = vec![];
+    for round in 0..3 {
+        let t = Instant::now();
+        let forks = http
+            .json(
+                Method::POST,
+                &format!("/sandboxes/{src}/fork"),
+                json!({"count": 8, "timeout": 600}),
+                201,
+            )
+            .await?;
+        let ids: Vec<(String, String)> = forks
+            .as_array()
+            .context("fork list")?
+            .iter()
+            .map(|f| {
+                let sb = &f["sandbox"];
+                Some((sb["sandboxID"].as_str()?.to_string(), sb["envdAccessToken"].as_str()?.to_string()))
+            })
+            .collect::<Option<_>>()
+            .context("a fork failed")?;
+        let answered =
+            futures_util::future::join_all(ids.iter().map(|(id, tok)| http.command(id, tok))).await;
+        fork8.push(ms(t));
+        answered.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+        if round == 0 {
+            pss_kib = ids.iter().filter_map(|(id, _)| qemu_pss_kib(id)).map(|k| k as f64).collect();
+        }
+        for (id, _) in ids {
+            kill(id).await?;
+        }
+    }
+    let mut conc = vec![];
+    for _ in 0..2 {
+        let made = futures_util::future::join_all((0..8).map(|_| async {
+            let t = Instant::now();
+            let r = create("base").await;
+            (ms(t), r)
+        }))
+        .await;
+        for (d, r) in made {
+            conc.push(d);
+            kill(r?.0).await?;
+        }
+    }
+    for id in &snap_ids {
+        http.send(Method::DELETE, &format!("/templates/{id}"), &[], vec![]).await?;
+    }
+    kill(src).await?;
+    let pss_med = k3_common::Stats::from_samples(&pss_kib).map_or(f64::NAN, |s| s.median);
+    let fit = if pss_med > 0.0 { (16.0 * 1024.0 * 1024.0 / pss_med).floor() } else { f64::NAN };
+    Ok(vec![
+        Figure::timing("snapshot of a running 256 MiB sandbox (POST /sandboxes/{id}/snapshots)", &snap, "ms")
+            .baseline("issue #8 target", 100.0, false),
+        Figure::timing("create from a snapshot in the local cache (POST /v2/sandboxes)", &from_snap, "ms")
+            .baseline("issue #8 target", 60.0, false),
+        Figure::timing("fork x8 until all eight answer a command (POST /sandboxes/{id}/fork)", &fork8, "ms")
+            .baseline("issue #8 target", 500.0, false),
+        Figure::timing("8 concurrent creates, each until envd answers", &conc, "ms")
+            .baseline("issue #8 target", 250.0, false),
+        Figure::timing("PSS per idle fork (QEMU process, smaps_rollup)", &pss_kib, "KiB")
+            .param("idle forks in 16 GiB", fit),
+    ])
+}
+
+/// PSS in KiB of the QEMU process whose command line names sandbox `id`.
+fn qemu_pss_kib(id: &str) -> Option<u64> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let pid = e.file_name();
+        let Some(pid) = pid.to_str().filter(|p| p.bytes().all(|b| b.is_ascii_digit())) else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd);
+        if cmd.contains("qemu-system") && cmd.contains(&format!("/{id}/")) {
+            let roll = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+            return roll
+                .lines()
+                .find(|l| l.starts_with("Pss:"))?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok();
+        }
+    }
+    None
+}
+
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
@@ -250,6 +374,7 @@ async fn main() -> anyhow::Result<()> {
             .await?;
         kill.push(ms(t));
     }
+    let v2 = snapshot_figures(&http, args.iterations).await?;
     // Same-run baseline: the runtime's own create (no HTTP, no records).
     let mut direct = vec![];
     for i in 0..args.iterations.min(5) {
@@ -307,6 +432,7 @@ async fn main() -> anyhow::Result<()> {
     ];
     let figures: Vec<Figure> = figures
         .into_iter()
+        .chain(v2)
         .map(|f| f.param("accel", accel_name).param("n", args.iterations))
         .collect();
     let plot = Plot {

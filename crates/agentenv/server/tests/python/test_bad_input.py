@@ -73,6 +73,11 @@ def test_envd_token_and_upload_limit(sandbox, server):
     r = httpx.get(f"{server.url}/", headers={**envd, "E2b-Sandbox-Port": "8080", "X-Access-Token": token})
     _assert_error(r, 502)
     assert "port is not open" in r.json()["message"]
+    # envd's host-only routes are refused on the data plane, also to token holders.
+    for path in ("/init", "/sync"):
+        r = httpx.post(f"{server.url}{path}", json={"envVars": {"X": "1"}}, headers={**envd, "X-Access-Token": token})
+        _assert_error(r, 403)
+    assert sandbox.commands.run("echo ${X:-unset}").stdout == "unset\n"
     big = os.urandom(MAX_UPLOAD + 1)
     r = httpx.post(f"{server.url}/files", params={"path": "/tmp/big.bin"}, content=big,
                    headers={**envd, "X-Access-Token": token, "Content-Type": "application/octet-stream"})
