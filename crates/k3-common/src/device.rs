@@ -118,11 +118,7 @@ mod cuda {
     use super::{CudaInventory, GpuInfo, LinkKind, PeerLink};
 
     fn check(r: CUresult, what: &str) -> Result<(), String> {
-        if r == CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(format!("{what} failed: {r:?}"))
-        }
+        crate::cuda::check(r, what).map_err(|e| e.to_string())
     }
 
     fn attr(dev: sys::CUdevice, a: A) -> Result<i32, String> {
