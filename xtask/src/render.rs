@@ -363,13 +363,8 @@ pub fn plot_svg(p: &Plot) -> anyhow::Result<String> {
                     .iter()
                     .map(|s| {
                         let mut pts: Vec<(f64, f64)> = if p.kind == PlotKind::Cdf {
-                            let mut ys: Vec<f64> = s.points.iter().map(|(_, y)| *y).collect();
-                            ys.sort_by(f64::total_cmp);
-                            let n = ys.len().max(1) as f64;
-                            ys.into_iter()
-                                .enumerate()
-                                .map(|(i, y)| (y, (i + 1) as f64 / n))
-                                .collect()
+                            let ys: Vec<f64> = s.points.iter().map(|(_, y)| *y).collect();
+                            k3_common::stats::cdf(&ys)
                         } else {
                             s.points
                                 .iter()
