@@ -459,6 +459,39 @@ mod tests {
         println!("TCG probe boot: {t:?}");
     }
 
+    /// The kvm tier: a standard guest boots under KVM (fails under `K3_REQUIRE_KVM=1` where it cannot).
+    #[test]
+    fn kvm_boots_the_probe_guest() {
+        if let Err(e) = open_dev_kvm() {
+            crate::require::skip_or_fail(crate::Tier::Kvm, e);
+            return;
+        }
+        if is_pvm_host() {
+            crate::require::skip_or_fail(
+                crate::Tier::Kvm,
+                "PVM-only host: standard guest kernels do not boot under its KVM",
+            );
+            return;
+        }
+        let Some(kernel) = find_guest_kernel() else {
+            crate::require::skip_or_fail(crate::Tier::Kvm, ProbeError::NoKernel);
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let initrd = dir.path().join("p.cpio");
+        std::fs::write(&initrd, probe_initramfs(Path::new("/bin/busybox")).unwrap()).unwrap();
+        let guest = ProbeGuest {
+            qemu: Path::new(QEMU),
+            kernel: &kernel,
+            initrd: &initrd,
+            microvm: false,
+        };
+        match boot_probe(&guest, Accel::Kvm, Duration::from_secs(30)) {
+            Ok(t) => println!("KVM probe boot: {t:?}"),
+            Err(e) => crate::require::skip_or_fail(crate::Tier::Kvm, e),
+        }
+    }
+
     #[test]
     fn verdict_cache_keeps_one_verdict_per_key_and_never_a_none() {
         let dir = tempfile::tempdir().unwrap();
