@@ -183,6 +183,11 @@ pub fn run(args: &BenchArgs<'_>) -> anyhow::Result<()> {
                     report.machines.push(m.clone());
                 }
                 report.sections.extend(part_report.sections);
+                // A bench binary that skipped a required tier itself fails the run too.
+                for msg in required_skips(&required, &part_report.skipped) {
+                    println!("FAIL {} on {}: {msg}", job.system, job.tier);
+                    failures.push(format!("{} on {}: {msg}", job.system, job.tier));
+                }
                 report.skipped.extend(part_report.skipped);
             }
             Err(e) => {
@@ -276,6 +281,17 @@ fn run_logged(cmd: &mut Command, log: &PathBuf) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The failure messages of `skipped` entries whose tier `required` demands.
+fn required_skips(required: &Required, skipped: &[Skipped]) -> Vec<String> {
+    skipped
+        .iter()
+        .filter_map(|s| match require::decide(required, s.tier, &s.reason) {
+            Verdict::Fail(msg) => Some(format!("{}: {msg}", s.what)),
+            Verdict::Skip(_) => None,
+        })
+        .collect()
 }
 
 /// The command as typed, for the benchmarks entry.
@@ -375,6 +391,17 @@ mod tests {
             dirty.lines().next().unwrap().contains("DIRTY TREE"),
             "{dirty}"
         );
+    }
+
+    #[test]
+    fn a_bench_binary_skipping_a_required_tier_fails_the_bench() {
+        let skipped = report(false).skipped;
+        let gpu = Required::from_vars(|k| (k == "K3_REQUIRE_GPU").then(|| "1".to_string()));
+        let fails = required_skips(&gpu, &skipped);
+        assert_eq!(fails.len(), 1, "{fails:?}");
+        assert!(fails[0].starts_with("flashkda: ") && fails[0].contains("no driver"));
+        let kvm = Required::from_vars(|k| (k == "K3_REQUIRE_KVM").then(|| "1".to_string()));
+        assert!(required_skips(&kvm, &skipped).is_empty());
     }
 
     #[test]
