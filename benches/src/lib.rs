@@ -2,7 +2,7 @@
 
 use moonep::router::{Placement, Skew, WorkloadSpec};
 
-/// An expert-parallel configuration (spec `moonep.md` §6.1).
+/// An expert-parallel configuration (`docs/specs/moonep.md` §6.1).
 #[derive(Debug, Clone, Copy)]
 pub struct EpConfig {
     pub name: &'static str,

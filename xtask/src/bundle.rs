@@ -78,7 +78,9 @@ pub fn build(out: &Path, wheels: bool) -> anyhow::Result<()> {
         pb.inc(1);
     }
 
-    std::fs::write(out.join("COMMIT"), util::git_commit())?;
+    let provenance = k3_common::provenance::Provenance::current();
+    std::fs::write(out.join("COMMIT"), &provenance.commit)?;
+    std::fs::write(out.join("DIRTY"), if provenance.dirty { "1" } else { "0" })?;
     pb.set_message("run script");
     let script = out.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
@@ -155,15 +157,20 @@ if ls "$B"/wheels/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/k3-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export K3_COMMIT=${K3_COMMIT:-$(cat "$B/COMMIT" 2>/dev/null || echo unknown)}
+export K3_DIRTY=${K3_DIRTY:-$(cat "$B/DIRTY" 2>/dev/null || echo 0)}
 export MOONEP_BIN_DIR="$B/bin"
 cmd=${1:-all}; [ $# -gt 0 ] && shift
 rc=0
 do_doctor() { "$B/bin/xtask" doctor 2>&1 | tee "$OUT/doctor.txt"; }
+# K3_REQUIRE_GPU=1 (or K3_REQUIRE_TIERS) in the environment turns a GPU test's skip into a failure.
 do_test() {
-  for t in "$B"/tests/*; do
-    echo "== $(basename "$t")"
-    "$t" --test-threads=1 --nocapture || rc=1
-  done 2>&1 | tee "$OUT/tests.log"
+  ( r=0
+    for t in "$B"/tests/*; do
+      echo "== $(basename "$t")"
+      "$t" --test-threads=1 --nocapture || r=1
+    done
+    exit $r ) 2>&1 | tee "$OUT/tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 }
 do_bench() { "$B/bin/xtask" bench --bin-dir "$B/bin" --out "$OUT/k3-report" "$@" || rc=1; }
 case "$cmd" in

@@ -1,12 +1,14 @@
 //! `cargo xtask doctor`: which tiers can run here, and why not.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
 
 use comfy_table::{ContentArrangement, Table, presets::UTF8_FULL_CONDENSED};
 use k3_common::Tier;
 use k3_common::device::{CudaProbe, probe_cuda};
-use k3_common::kvm::{self, KvmVerdict};
+use k3_common::kvm::{self, KvmVerdict, VerdictCache};
+use k3_common::machine;
 use k3_common::report::Machine;
 use serde::{Deserialize, Serialize};
 
@@ -45,7 +47,7 @@ pub fn probe(recheck: bool) -> Findings {
     let cpu = TierStatus {
         tier: Tier::Cpu,
         runs: true,
-        detail: format!("{} cores, {}", cores(), cpu_model()),
+        detail: format!("{} cores, {}", machine::cores(), machine::cpu_model()),
     };
     let (sm90, nvlink) = match &cuda {
         CudaProbe::Unavailable { reason } => (
@@ -150,43 +152,16 @@ pub fn probe(recheck: bool) -> Findings {
     }
 }
 
-#[derive(Serialize, Deserialize)]
-struct CachedVerdict {
-    key: String,
-    verdict: KvmVerdict,
-}
-
+/// The host-level probe's verdict, cached by k3-common per (host kernel, QEMU version, guest kernel).
 fn kvm_verdict(recheck: bool) -> KvmVerdict {
-    let key = format!(
-        "{}|{}|{}",
-        std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .unwrap_or_default()
-            .trim(),
-        util::tool_version("qemu-system-x86_64", &["--version"]).unwrap_or_default(),
-        kvm::find_guest_kernel()
-            .map(|p| p.display().to_string())
-            .unwrap_or_default(),
-    );
-    let path = k3_common::fsutil::cache_dir().join("kvm-verdict.json");
-    if !recheck
-        && let Ok(text) = std::fs::read_to_string(&path)
-        && let Ok(c) = serde_json::from_str::<CachedVerdict>(&text)
-        && c.key == key
-    {
-        return c.verdict;
-    }
-    let pb = util::spinner("booting the KVM probe guest (falls back to TCG)");
-    let verdict = kvm::check(Duration::from_secs(15));
-    pb.finish_and_clear();
-    if !matches!(verdict, KvmVerdict::None { .. }) {
-        let cached = serde_json::to_vec_pretty(&CachedVerdict {
-            key,
-            verdict: verdict.clone(),
-        })
-        .expect("serializes");
-        let _ = k3_common::fsutil::write_atomic(&path, &cached);
-    }
-    verdict
+    let kernel = kvm::find_guest_kernel().unwrap_or_default();
+    let key = VerdictCache::key(Path::new(kvm::QEMU), &kernel);
+    VerdictCache::default().get_or_probe(&key, recheck, || {
+        let pb = util::spinner("booting the KVM probe guest (falls back to TCG)");
+        let verdict = kvm::check(Duration::from_secs(15));
+        pb.finish_and_clear();
+        verdict
+    })
 }
 
 pub fn run(json: bool, recheck: bool) -> anyhow::Result<()> {
@@ -223,21 +198,6 @@ pub fn run(json: bool, recheck: bool) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// This machine, for the report header.
@@ -280,29 +240,5 @@ pub fn machine(f: &Findings) -> Machine {
         CudaProbe::Unavailable { .. } => Vec::new(),
     };
     versions.insert("kvm".into(), f.status(Tier::Kvm).detail.clone());
-    let mem_gib = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .next()
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|k| k.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kib| kib / (1024.0 * 1024.0));
-    Machine {
-        hostname: util::hostname(),
-        os: std::fs::read_to_string("/etc/os-release")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("PRETTY_NAME="))
-                    .map(|l| l[12..].trim_matches('"').to_string())
-            })
-            .unwrap_or_else(|| "linux".into()),
-        cpu: cpu_model(),
-        cores: cores(),
-        mem_gib,
-        gpus,
-        versions,
-    }
+    machine::probe(gpus, versions)
 }

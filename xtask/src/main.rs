@@ -43,6 +43,7 @@ enum Cmd {
         out: PathBuf,
     },
     /// Run every tier that can run here, skip the others with the reason, write target/k3-report/report.{json,md,html}.
+    /// Under K3_REQUIRE_GPU=1 / K3_REQUIRE_KVM=1 / K3_REQUIRE_TIERS a selected tier that cannot run fails.
     Bench {
         /// Only these tiers (repeatable); default: all that can run.
         #[arg(long = "tier", value_name = "TIER")]
@@ -56,6 +57,9 @@ enum Cmd {
         /// Report folder.
         #[arg(long, default_value = "target/k3-report")]
         out: PathBuf,
+        /// Append this run's entry (date, machine, commit, dirty flag, command) to a benchmarks file.
+        #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "docs/benchmarks.md")]
+        record: Option<PathBuf>,
     },
     /// Reports: merge several machines' reports into one.
     Report {
@@ -107,7 +111,14 @@ fn main() -> anyhow::Result<()> {
             systems,
             bin_dir,
             out,
-        } => bench::run(&tiers, &systems, bin_dir.as_deref(), &out),
+            record,
+        } => bench::run(&bench::BenchArgs {
+            tiers: &tiers,
+            systems: &systems,
+            bin_dir: bin_dir.as_deref(),
+            out: &out,
+            record: record.as_deref(),
+        }),
         Cmd::Report {
             command: ReportCmd::Merge { inputs, out },
         } => render::merge(&inputs, &out),
@@ -121,6 +132,17 @@ fn main() -> anyhow::Result<()> {
         Cmd::Test => test::run(),
         Cmd::Tidy => {
             let problems = tidy::check(&root)?;
+            let pending = tidy::refs::pending(&root);
+            if !pending.is_empty() {
+                println!(
+                    "tidy: {} unresolved spec/notes reference(s) outside the checked scope \
+                     (tidy::refs::SCOPE; their owners repoint them):",
+                    pending.len()
+                );
+                for p in &pending {
+                    println!("  {p}");
+                }
+            }
             if problems.is_empty() {
                 println!("tidy: ok");
                 Ok(())

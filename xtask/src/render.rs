@@ -101,8 +101,14 @@ pub fn markdown(r: &Report) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "# k3-stack benchmark report\n\ncommit `{}`, created {}\n",
-        r.commit, r.created
+        "# k3-stack benchmark report\n\ncommit `{}`, created {}\n{}",
+        r.commit,
+        r.created,
+        if r.dirty {
+            "\n**Dirty tree**: measured with uncommitted changes; these figures are not reproducible from the commit.\n"
+        } else {
+            ""
+        }
     );
     out.push_str(
         "## Machines\n\n| host | OS | CPU | cores | memory | GPUs |\n|---|---|---|---|---|---|\n",
@@ -175,9 +181,15 @@ pub fn html(r: &Report) -> String {
     );
     let _ = write!(
         out,
-        "<h1>k3-stack benchmark report</h1><p>commit <code>{}</code>, created {}</p>",
+        "<h1>k3-stack benchmark report</h1><p>commit <code>{}</code>, created {}</p>{}",
         esc(&r.commit),
-        esc(&r.created)
+        esc(&r.created),
+        if r.dirty {
+            "<p><strong>Dirty tree</strong>: measured with uncommitted changes; these figures are not \
+             reproducible from the commit.</p>"
+        } else {
+            ""
+        }
     );
     out.push_str("<h2>Machines</h2><table><tr><th>host</th><th>OS</th><th>CPU</th><th>cores</th><th>GPUs</th><th>versions</th></tr>");
     for m in &r.machines {
@@ -351,13 +363,8 @@ pub fn plot_svg(p: &Plot) -> anyhow::Result<String> {
                     .iter()
                     .map(|s| {
                         let mut pts: Vec<(f64, f64)> = if p.kind == PlotKind::Cdf {
-                            let mut ys: Vec<f64> = s.points.iter().map(|(_, y)| *y).collect();
-                            ys.sort_by(f64::total_cmp);
-                            let n = ys.len().max(1) as f64;
-                            ys.into_iter()
-                                .enumerate()
-                                .map(|(i, y)| (y, (i + 1) as f64 / n))
-                                .collect()
+                            let ys: Vec<f64> = s.points.iter().map(|(_, y)| *y).collect();
+                            k3_common::stats::cdf(&ys)
                         } else {
                             s.points
                                 .iter()

@@ -22,29 +22,6 @@ pub fn repo_root() -> anyhow::Result<PathBuf> {
     }
 }
 
-/// `git rev-parse --short HEAD` plus `-dirty` when the tree has changes; `K3_COMMIT` overrides.
-pub fn git_commit() -> String {
-    if let Ok(c) = std::env::var("K3_COMMIT") {
-        return c;
-    }
-    let out = |args: &[&str]| {
-        Command::new("git")
-            .args(args)
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
-    match out(&["rev-parse", "--short=12", "HEAD"]) {
-        Some(c) => {
-            let dirty = out(&["status", "--porcelain", "--untracked-files=no"])
-                .is_some_and(|s| !s.is_empty());
-            if dirty { format!("{c}-dirty") } else { c }
-        }
-        None => "unknown".into(),
-    }
-}
-
 /// First line of `cmd --version`-like output, if the program runs.
 pub fn tool_version(program: &str, args: &[&str]) -> Option<String> {
     let o = Command::new(program)
@@ -99,12 +76,6 @@ pub fn run_checked(cmd: &mut Command) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// Hostname of this machine.
-pub fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map_or_else(|_| "unknown".into(), |s| s.trim().to_string())
 }
 
 /// Files below `dir` (recursively) whose name ends with `suffix`, sorted.

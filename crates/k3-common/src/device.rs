@@ -118,11 +118,7 @@ mod cuda {
     use super::{CudaInventory, GpuInfo, LinkKind, PeerLink};
 
     fn check(r: CUresult, what: &str) -> Result<(), String> {
-        if r == CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(format!("{what} failed: {r:?}"))
-        }
+        crate::cuda::check(r, what).map_err(|e| e.to_string())
     }
 
     fn attr(dev: sys::CUdevice, a: A) -> Result<i32, String> {
@@ -323,6 +319,55 @@ mod tests {
                 println!("skipped GPU inventory: {reason}");
                 assert!(!reason.is_empty());
             }
+        }
+    }
+
+    /// The sm90 tier: a Hopper device with a plausible inventory (fails under `K3_REQUIRE_GPU=1` without one).
+    #[test]
+    fn sm90_probe_finds_a_hopper_device() {
+        let inv = match probe_cuda() {
+            CudaProbe::Available(inv) => inv,
+            CudaProbe::Unavailable { reason } => {
+                crate::require::skip_or_fail(crate::Tier::Sm90, reason);
+                return;
+            }
+        };
+        let Some(d) = inv.sm90_devices().next() else {
+            crate::require::skip_or_fail(crate::Tier::Sm90, "no device of compute capability 9.0+");
+            return;
+        };
+        assert!(inv.driver_version >= 12000, "driver {}", inv.driver_version);
+        assert!(d.multiprocessors > 0 && d.memory_bytes > (1 << 30), "{d:?}");
+        assert!(!d.name.is_empty() && !d.pci_bus_id.is_empty(), "{d:?}");
+    }
+
+    /// The nvlink tier: two devices with peer access both ways (fails under `K3_REQUIRE_GPU=1` without them).
+    #[test]
+    fn nvlink_probe_finds_peer_access_between_two_devices() {
+        let inv = match probe_cuda() {
+            CudaProbe::Available(inv) => inv,
+            CudaProbe::Unavailable { reason } => {
+                crate::require::skip_or_fail(crate::Tier::Nvlink, reason);
+                return;
+            }
+        };
+        if !inv.all_pairs_peer_capable() {
+            crate::require::skip_or_fail(
+                crate::Tier::Nvlink,
+                format!(
+                    "{} device(s), not all pairs peer-capable",
+                    inv.devices.len()
+                ),
+            );
+            return;
+        }
+        for p in &inv.peers {
+            assert!(p.from != p.to && p.can_access_peer, "{p:?}");
+            let back = inv.peers.iter().find(|q| q.from == p.to && q.to == p.from);
+            assert!(
+                back.is_some_and(|q| q.can_access_peer),
+                "{p:?} has no reverse link"
+            );
         }
     }
 

@@ -16,8 +16,8 @@ use crate::cpio::CpioWriter;
 const MARKER: &str = "K3-PROBE-OK";
 /// The QEMU binary of the host-level probe.
 pub const QEMU: &str = "qemu-system-x86_64";
-/// Kernel command line that boots fast under TCG (see notes/vm-feasibility.md): PVH-friendly, a fast
-/// serial console, and `tsc_early_khz` set to the host's TSC so calibration never hangs.
+/// Kernel command line that boots fast under TCG: PVH-friendly, a fast serial console, and
+/// `tsc_early_khz` set to the host's TSC, because TSC calibration can hang under TCG without it.
 pub fn fast_boot_cmdline() -> String {
     format!(
         "console=ttyS0,115200 panic=-1 quiet edd=off i8042.noaux i8042.nomux i8042.nopnp i8042.dumbkbd \
@@ -55,10 +55,28 @@ pub enum Accel {
 }
 
 impl Accel {
+    /// Lowercase name, as in QEMU's `-accel` option.
     pub fn as_str(self) -> &'static str {
         match self {
             Accel::Kvm => "kvm",
             Accel::Tcg => "tcg",
+        }
+    }
+}
+
+impl std::fmt::Display for Accel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Accel {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "kvm" => Ok(Accel::Kvm),
+            "tcg" => Ok(Accel::Tcg),
+            _ => Err(format!("unknown accelerator `{s}` (expected kvm or tcg)")),
         }
     }
 }
@@ -312,6 +330,105 @@ fn tempfile_dir() -> std::io::Result<PathBuf> {
     Ok(d)
 }
 
+/// Cached [`KvmVerdict`]s, one per key, in one JSON file (default: `<cache_dir>/kvm-verdict.json`).
+///
+/// A probe boot takes seconds (up to the KVM timeout on a PVM host), so every caller keeps the verdict
+/// and probes again only when its key changes: [`VerdictCache::key`] covers the host kernel, the QEMU
+/// version and the guest kernel file. `None` verdicts (no QEMU, no kernel) are never stored: they
+/// are fixed by installing something, not by a reboot.
+#[derive(Debug, Clone)]
+pub struct VerdictCache {
+    path: PathBuf,
+}
+
+impl Default for VerdictCache {
+    fn default() -> Self {
+        VerdictCache::new(crate::fsutil::cache_dir().join("kvm-verdict.json"))
+    }
+}
+
+impl VerdictCache {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        VerdictCache { path: path.into() }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The key of a verdict for booting `guest_kernel` with `qemu` on this host kernel.
+    pub fn key(qemu: &Path, guest_kernel: &Path) -> String {
+        let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let qemu_version = Command::new(qemu)
+            .arg("--version")
+            .output()
+            .ok()
+            .and_then(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .next()
+                    .map(str::to_owned)
+            })
+            .unwrap_or_default();
+        let kernel = std::fs::metadata(guest_kernel).map_or(String::new(), |m| {
+            let mtime = m
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_secs());
+            format!("{} {} {mtime}", guest_kernel.display(), m.len())
+        });
+        format!("{}|{}|{kernel}", host.trim(), qemu_version.trim())
+    }
+
+    fn load(&self) -> std::collections::BTreeMap<String, KvmVerdict> {
+        std::fs::read(&self.path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    /// The stored verdict for `key`, if any.
+    pub fn get(&self, key: &str) -> Option<KvmVerdict> {
+        self.load().remove(key)
+    }
+
+    /// Stores `verdict` under `key` (atomic write); `None` verdicts are not stored.
+    pub fn put(&self, key: &str, verdict: &KvmVerdict) -> std::io::Result<()> {
+        if matches!(verdict, KvmVerdict::None { .. }) {
+            return Ok(());
+        }
+        let mut all = self.load();
+        all.insert(key.to_string(), verdict.clone());
+        let bytes = serde_json::to_vec_pretty(&all).map_err(std::io::Error::other)?;
+        crate::fsutil::write_atomic(&self.path, &bytes)
+    }
+
+    /// The stored verdict for `key`, else `probe()` stored and returned; `recheck` skips the lookup.
+    pub fn get_or_probe(
+        &self,
+        key: &str,
+        recheck: bool,
+        probe: impl FnOnce() -> KvmVerdict,
+    ) -> KvmVerdict {
+        if !recheck && let Some(v) = self.get(key) {
+            return v;
+        }
+        let v = probe();
+        if let Err(e) = self.put(key, &v) {
+            tracing::warn!(path = %self.path.display(), "cannot cache the KVM verdict: {e}");
+        }
+        v
+    }
+}
+
+/// [`check`] through the default [`VerdictCache`], keyed by the host-level probe's QEMU and kernel.
+pub fn cached_check(recheck: bool, kvm_timeout: Duration) -> KvmVerdict {
+    let kernel = find_guest_kernel().unwrap_or_default();
+    let key = VerdictCache::key(Path::new(QEMU), &kernel);
+    VerdictCache::default().get_or_probe(&key, recheck, || check(kvm_timeout))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -319,11 +436,14 @@ mod tests {
     #[test]
     fn tcg_boots_the_probe_guest_when_qemu_and_a_kernel_exist() {
         let Some(kernel) = find_guest_kernel() else {
-            println!("skipped: no guest kernel (install linux-image-amd64)");
+            crate::require::skip_or_fail(
+                crate::Tier::Cpu,
+                "no guest kernel (install linux-image-amd64)",
+            );
             return;
         };
         if Command::new(QEMU).arg("--version").output().is_err() {
-            println!("skipped: qemu-system-x86_64 is not installed");
+            crate::require::skip_or_fail(crate::Tier::Cpu, "qemu-system-x86_64 is not installed");
             return;
         }
         let dir = tempfile::tempdir().unwrap();
@@ -337,6 +457,103 @@ mod tests {
         };
         let t = boot_probe(&guest, Accel::Tcg, Duration::from_secs(90)).unwrap();
         println!("TCG probe boot: {t:?}");
+    }
+
+    /// The kvm tier: a standard guest boots under KVM (fails under `K3_REQUIRE_KVM=1` where it cannot).
+    #[test]
+    fn kvm_boots_the_probe_guest() {
+        if let Err(e) = open_dev_kvm() {
+            crate::require::skip_or_fail(crate::Tier::Kvm, e);
+            return;
+        }
+        if is_pvm_host() {
+            crate::require::skip_or_fail(
+                crate::Tier::Kvm,
+                "PVM-only host: standard guest kernels do not boot under its KVM",
+            );
+            return;
+        }
+        let Some(kernel) = find_guest_kernel() else {
+            crate::require::skip_or_fail(crate::Tier::Kvm, ProbeError::NoKernel);
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let initrd = dir.path().join("p.cpio");
+        std::fs::write(&initrd, probe_initramfs(Path::new("/bin/busybox")).unwrap()).unwrap();
+        let guest = ProbeGuest {
+            qemu: Path::new(QEMU),
+            kernel: &kernel,
+            initrd: &initrd,
+            microvm: false,
+        };
+        match boot_probe(&guest, Accel::Kvm, Duration::from_secs(30)) {
+            Ok(t) => println!("KVM probe boot: {t:?}"),
+            Err(e) => crate::require::skip_or_fail(crate::Tier::Kvm, e),
+        }
+    }
+
+    #[test]
+    fn verdict_cache_keeps_one_verdict_per_key_and_never_a_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = VerdictCache::new(dir.path().join("sub/v.json"));
+        let kvm = KvmVerdict::Kvm { boot_ms: 41 };
+        let tcg = KvmVerdict::TcgOnly {
+            pvm: true,
+            reason: "no marker".into(),
+            tcg_boot_ms: Some(900),
+        };
+        assert_eq!(cache.get("a"), None);
+        cache.put("a", &kvm).unwrap();
+        cache.put("b", &tcg).unwrap();
+        cache
+            .put(
+                "c",
+                &KvmVerdict::None {
+                    reason: "no qemu".into(),
+                },
+            )
+            .unwrap();
+        assert_eq!(cache.get("a"), Some(kvm.clone()));
+        assert_eq!(cache.get("b"), Some(tcg.clone()));
+        assert_eq!(cache.get("c"), None);
+        let mut probes = 0;
+        let v = cache.get_or_probe("a", false, || {
+            probes += 1;
+            tcg.clone()
+        });
+        assert_eq!((v, probes), (kvm, 0), "a cached key is not probed again");
+        let v = cache.get_or_probe("a", true, || {
+            probes += 1;
+            tcg.clone()
+        });
+        assert_eq!((v, probes), (tcg.clone(), 1), "recheck probes and replaces");
+        assert_eq!(cache.get("a"), Some(tcg));
+        std::fs::write(cache.path(), "{garbage").unwrap();
+        assert_eq!(
+            cache.get("a"),
+            None,
+            "a torn or foreign file reads as empty"
+        );
+    }
+
+    #[test]
+    fn verdict_key_changes_with_the_guest_kernel_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = dir.path().join("vmlinux");
+        std::fs::write(&k, b"one").unwrap();
+        let a = VerdictCache::key(Path::new("/nonexistent/qemu"), &k);
+        std::fs::write(&k, b"longer").unwrap();
+        let b = VerdictCache::key(Path::new("/nonexistent/qemu"), &k);
+        assert_ne!(a, b);
+        assert!(a.contains("vmlinux"), "{a}");
+    }
+
+    #[test]
+    fn accel_names_round_trip() {
+        for a in [Accel::Kvm, Accel::Tcg] {
+            assert_eq!(a.to_string().parse::<Accel>(), Ok(a));
+        }
+        assert!("hvf".parse::<Accel>().is_err());
     }
 
     #[test]

@@ -8,6 +8,9 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::provenance::Provenance;
+pub use crate::stats::Stats;
+
 /// Report format version; bump on incompatible changes.
 pub const REPORT_SCHEMA: u32 = 1;
 
@@ -60,47 +63,6 @@ impl std::str::FromStr for Tier {
 pub enum Better {
     Lower,
     Higher,
-}
-
-/// Summary statistics of repeated measurements.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Stats {
-    pub n: usize,
-    pub median: f64,
-    pub p10: f64,
-    pub p90: f64,
-    pub p99: f64,
-    pub min: f64,
-    pub max: f64,
-}
-
-impl Stats {
-    /// Statistics of `samples` (nearest-rank percentiles). `None` when empty or non-finite.
-    pub fn from_samples(samples: &[f64]) -> Option<Stats> {
-        if samples.is_empty() || samples.iter().any(|x| !x.is_finite()) {
-            return None;
-        }
-        let mut s = samples.to_vec();
-        s.sort_by(f64::total_cmp);
-        let pct = |p: f64| {
-            let rank = ((p / 100.0) * s.len() as f64).ceil() as usize;
-            s[rank.clamp(1, s.len()) - 1]
-        };
-        let median = if s.len() % 2 == 1 {
-            s[s.len() / 2]
-        } else {
-            0.5 * (s[s.len() / 2 - 1] + s[s.len() / 2])
-        };
-        Some(Stats {
-            n: s.len(),
-            median,
-            p10: pct(10.0),
-            p90: pct(90.0),
-            p99: pct(99.0),
-            min: s[0],
-            max: s[s.len() - 1],
-        })
-    }
 }
 
 /// A reference value measured (or quoted) for comparison.
@@ -258,8 +220,11 @@ pub struct Machine {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     pub schema: u32,
-    /// Git commit the figures were measured at.
+    /// Full git commit the figures were measured at.
     pub commit: String,
+    /// True when the tree had uncommitted changes: the figures are not reproducible from `commit`.
+    #[serde(default)]
+    pub dirty: bool,
     /// RFC 3339 UTC time of creation.
     pub created: String,
     #[serde(default)]
@@ -297,10 +262,23 @@ pub enum ReportError {
 }
 
 impl Report {
+    /// A report for `commit`, clean unless the legacy `-dirty` suffix says otherwise; prefer
+    /// [`Report::here`] or [`Report::for_provenance`].
     pub fn new(commit: impl Into<String>) -> Self {
+        let (commit, dirty) = crate::provenance::split_legacy(&commit.into());
+        Report::for_provenance(&Provenance { commit, dirty })
+    }
+
+    /// A report for this process's [`Provenance::current`] (what bench binaries use).
+    pub fn here() -> Self {
+        Report::for_provenance(&Provenance::current())
+    }
+
+    pub fn for_provenance(p: &Provenance) -> Self {
         Report {
             schema: REPORT_SCHEMA,
-            commit: commit.into(),
+            commit: p.commit.clone(),
+            dirty: p.dirty,
             created: crate::time::now_rfc3339(),
             machines: Vec::new(),
             sections: Vec::new(),
@@ -314,10 +292,14 @@ impl Report {
             path: p.clone(),
             source,
         })?;
-        let report: Report = serde_json::from_str(&text).map_err(|source| ReportError::Parse {
-            path: p.clone(),
-            source,
-        })?;
+        let mut report: Report =
+            serde_json::from_str(&text).map_err(|source| ReportError::Parse {
+                path: p.clone(),
+                source,
+            })?;
+        let (commit, legacy_dirty) = crate::provenance::split_legacy(&report.commit);
+        report.commit = commit;
+        report.dirty |= legacy_dirty;
         if report.schema != REPORT_SCHEMA {
             return Err(ReportError::Schema {
                 path: p,
@@ -349,6 +331,7 @@ impl Report {
                 self.machines.push(m);
             }
         }
+        self.dirty |= other.dirty;
         if self.commit != other.commit && !self.commit.contains(&other.commit) {
             self.commit = format!("{} + {}", self.commit, other.commit);
         }
@@ -367,17 +350,6 @@ impl Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stats_percentiles_nearest_rank() {
-        let samples: Vec<f64> = (1..=100).rev().map(f64::from).collect();
-        let s = Stats::from_samples(&samples).unwrap();
-        assert_eq!((s.n, s.min, s.max), (100, 1.0, 100.0));
-        assert_eq!((s.p10, s.p90, s.p99), (10.0, 90.0, 99.0));
-        assert_eq!(s.median, 50.5);
-        assert!(Stats::from_samples(&[]).is_none());
-        assert!(Stats::from_samples(&[1.0, f64::NAN]).is_none());
-    }
 
     #[test]
     fn ratio_reads_as_speedup() {
@@ -429,6 +401,32 @@ mod tests {
             "the GPU machine's section replaces the dev machine's skip"
         );
         assert_eq!(a.commit, "abc");
+    }
+
+    #[test]
+    fn dirty_flag_survives_write_read_and_merge() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.json");
+        let clean = Report::for_provenance(&Provenance {
+            commit: "c0ffee".into(),
+            dirty: false,
+        });
+        let mut dirty = clean.clone();
+        dirty.dirty = true;
+        dirty.write(&p).unwrap();
+        assert!(Report::read(&p).unwrap().dirty);
+        let mut merged = clean.clone();
+        merged.merge(Report::read(&p).unwrap());
+        assert!(merged.dirty, "one dirty part makes the whole report dirty");
+        assert_eq!(merged.commit, "c0ffee");
+        // Reports written before the flag existed marked a dirty tree with a commit suffix.
+        let mut legacy = serde_json::to_value(&clean).unwrap();
+        legacy.as_object_mut().unwrap().remove("dirty");
+        legacy["commit"] = "c0ffee-dirty".into();
+        std::fs::write(&p, legacy.to_string()).unwrap();
+        let back = Report::read(&p).unwrap();
+        assert_eq!((back.commit.as_str(), back.dirty), ("c0ffee", true));
+        assert!(Report::new("abc-dirty").dirty && !Report::new("abc").dirty);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The envd JSON types (proto3 canonical JSON of `process.Process` and `filesystem.Filesystem`,
-//! spec §6.2–6.3) and Connect framing helpers. The only module that knows field names.
+//! docs/specs/e2b-compat.md §6.2–§6.3) and Connect framing helpers. Request and event types live here;
+//! `rpc.rs`, `files.rs` and `http.rs` build the small response objects around them.
 
 use std::collections::HashMap;
 
@@ -8,10 +9,10 @@ use serde::de::{self, Deserializer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-/// envd version this agent implements (spec §6.7).
+/// envd version this agent implements (docs/specs/e2b-compat.md §6.7).
 pub const ENVD_VERSION: &str = "0.5.7";
 
-/// Connect error codes (spec §6.1).
+/// Connect error codes (docs/specs/e2b-compat.md §6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Code {
     /// `canceled` (499).

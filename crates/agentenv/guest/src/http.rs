@@ -307,32 +307,12 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         .unwrap_or_else(|_| Response::new(full(Bytes::new())))
 }
 
-/// Unix seconds from a number or an RFC 3339 UTC string (`2026-01-02T03:04:05.123Z`).
+/// Unix seconds from a number or an RFC 3339 string (`2026-01-02T03:04:05.123Z`, millisecond precision).
 fn timestamp_secs(v: &Value) -> Option<f64> {
     if let Some(n) = v.as_f64() {
         return Some(n);
     }
-    let s = v.as_str()?.trim();
-    let s = s.strip_suffix('Z').or_else(|| s.strip_suffix("+00:00"))?;
-    let (date, time) = s.split_once(['T', ' '])?;
-    let mut d = date.splitn(3, '-').map(|x| x.parse::<i64>().ok());
-    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
-    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
-    let mut t = hms.splitn(3, ':').map(|x| x.parse::<i64>().ok());
-    let (hh, mm, ss) = (t.next()??, t.next()??, t.next()??);
-    let frac: f64 = if frac.is_empty() {
-        0.0
-    } else {
-        format!("0.{frac}").parse().ok()?
-    };
-    // days_from_civil (Howard Hinnant).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some((days * 86_400 + hh * 3600 + mm * 60 + ss) as f64 + frac)
+    k3_common::time::parse_rfc3339_ms(v.as_str()?.trim()).map(|ms| ms as f64 / 1000.0)
 }
 
 /// Credits `bytes` to the kernel's pool (RNDADDENTROPY) and reseeds the CRNG (RNDRESEEDCRNG), so guests

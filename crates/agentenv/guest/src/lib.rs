@@ -1,4 +1,4 @@
-//! agentenv guest agent: serves the E2B envd protocol (spec `e2b-compat.md` §5–6) on any
+//! agentenv guest agent: serves the E2B envd protocol (`docs/specs/e2b-compat.md` §5–§6) on any
 //! byte stream: mux streams from the host inside the VM, or a unix/TCP socket on the host.
 //!
 //! Modules: [`envd`] (wire JSON + Connect framing, the only module that knows field names),

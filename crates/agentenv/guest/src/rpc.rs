@@ -1,4 +1,4 @@
-//! Connect-RPC methods of `process.Process` and `filesystem.Filesystem` (spec §6).
+//! Connect-RPC methods of `process.Process` and `filesystem.Filesystem` (docs/specs/e2b-compat.md §6).
 
 use std::sync::Arc;
 use std::time::Duration;
