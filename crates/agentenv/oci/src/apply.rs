@@ -361,16 +361,25 @@ impl Applier<'_> {
                     .link_name_bytes()
                     .ok_or_else(|| self.bad(format!("hard link {} has no target", abs.display())))?
                     .into_owned();
-                let tc = self.components(&target)?;
+                let outside = |e: OciError| match e {
+                    OciError::PathEscape { .. } => {
+                        self.escape(&name, "hard link target outside the destination")
+                    }
+                    e => e,
+                };
+                let tc = self.components(&target).map_err(outside)?;
                 let Some((tlast, tparents)) = tc.split_last() else {
                     return Err(self.escape(&name, "hard link to the destination itself"));
                 };
-                let tdir = self.resolve_dir(&target, tparents, false)?.ok_or_else(|| {
-                    self.bad(format!(
-                        "hard link target {:?} missing",
-                        String::from_utf8_lossy(&target)
-                    ))
-                })?;
+                let tdir = self
+                    .resolve_dir(&target, tparents, false)
+                    .map_err(outside)?
+                    .ok_or_else(|| {
+                        self.bad(format!(
+                            "hard link target {:?} missing",
+                            String::from_utf8_lossy(&target)
+                        ))
+                    })?;
                 let tabs = self.root.join(tdir.join(tlast));
                 match std::fs::symlink_metadata(&tabs) {
                     Ok(m) if m.is_dir() => {
