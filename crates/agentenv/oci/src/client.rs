@@ -144,11 +144,6 @@ impl Client {
             return Ok(resp);
         }
         let challenge = header(&resp, "www-authenticate").unwrap_or_default();
-        let had_auth = self.auth.lock().map(|a| a.is_some()).unwrap_or(false);
-        if had_auth && self.opts.credentials.is_none() {
-            // A cached anonymous token no longer suffices.
-            return Err(self.unauthorized(false, &challenge));
-        }
         self.authenticate(&challenge)?;
         let resp = self.send_once(method, url, headers, &body, deadline)?;
         if resp.status() == StatusCode::UNAUTHORIZED {
@@ -234,11 +229,13 @@ impl Client {
         if let Some((_, s)) = params.iter().find(|(k, _)| k == "service") {
             query.push(format!("service={}", urlencode(s)));
         }
-        let scope = params
-            .iter()
-            .find(|(k, _)| k == "scope")
-            .map_or(own_scope.as_str(), |(_, s)| s.as_str());
-        query.push(format!("scope={}", urlencode(scope)));
+        // The challenge's scope, plus ours so one token serves the whole pull or push.
+        if let Some((_, s)) = params.iter().find(|(k, _)| k == "scope")
+            && *s != own_scope
+        {
+            query.push(format!("scope={}", urlencode(s)));
+        }
+        query.push(format!("scope={}", urlencode(&own_scope)));
         let sep = if realm.contains('?') { '&' } else { '?' };
         let url = format!("{realm}{sep}{}", query.join("&"));
         let terr = |reason: String| OciError::Token {

@@ -582,3 +582,66 @@ fn hostile_layer_through_pull_is_refused() {
     );
     assert!(!t.path().join("escaped").exists());
 }
+
+#[test]
+fn bearer_token_auth_anonymous_and_with_credentials() {
+    // Anonymous tokens: the client follows the Bearer challenge with no credentials.
+    let Some(reg) = TestRegistry::start_token_or_skip("bearer_anonymous", None) else {
+        return;
+    };
+    let (img, _) = arch_image("amd64", None);
+    let image = reg.image("k3/tokened:v1");
+    img.push(&image, &reg.options()).unwrap();
+    let pushed_with = reg.tokens_issued();
+    assert!(pushed_with >= 1, "push went through the token server");
+    let t = tempfile::tempdir().unwrap();
+    pull(&image, &t.path().join("a"), &opts(&reg), &mut |_| {}).unwrap();
+    assert_eq!(read(&t.path().join("a/arch")), b"amd64");
+    assert!(
+        reg.tokens_issued() > pushed_with,
+        "pull fetched its own token"
+    );
+
+    // Token endpoint behind basic auth: no credentials, wrong ones, right ones.
+    let Some(reg) = TestRegistry::start_token_or_skip("bearer_creds", Some(("tok-user", "tok-pw")))
+    else {
+        return;
+    };
+    let image = reg.image("k3/tokened:v1");
+    img.push(&image, &reg.options()).unwrap();
+    let err = pull(
+        &image,
+        &t.path().join("b"),
+        &PullOptions::default(),
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            OciError::Unauthorized {
+                had_credentials: false,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let mut wrong = opts(&reg);
+    wrong.registry.credentials = Some(Credentials {
+        username: "tok-user".into(),
+        password: "nope".into(),
+    });
+    let err = pull(&image, &t.path().join("c"), &wrong, &mut |_| {}).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            OciError::Unauthorized {
+                had_credentials: true,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    pull(&image, &t.path().join("d"), &opts(&reg), &mut |_| {}).unwrap();
+    assert_eq!(read(&t.path().join("d/arch")), b"amd64");
+}

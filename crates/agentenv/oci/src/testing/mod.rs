@@ -18,6 +18,9 @@ use crate::manifest::{self, Compression, ConfigBlob, Descriptor, Platform, RootF
 use crate::push::{LayerBlob, Pusher};
 use crate::reference::{Digest, ImageRef};
 
+mod token;
+pub use token::TokenServer;
+
 /// Where Debian installs the registry.
 pub const DEFAULT_BINARY: &str = "/usr/bin/docker-registry";
 /// How long a starting registry may take to answer `/v2/`.
@@ -46,6 +49,15 @@ pub struct TestRegistry {
     /// `127.0.0.1:<port>`.
     pub addr: String,
     credentials: Option<Credentials>,
+    token: Option<TokenServer>,
+}
+
+/// How a test registry authenticates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Auth {
+    None,
+    Htpasswd,
+    Token,
 }
 
 impl TestRegistry {
@@ -58,7 +70,20 @@ impl TestRegistry {
 
     /// Starts a registry without auth.
     pub fn start() -> Result<TestRegistry, TestRegistryError> {
-        Self::start_inner(None)
+        Self::start_inner(None, Auth::None)
+    }
+
+    /// Starts a registry in `auth: token` mode with a [`TokenServer`] on loopback: clients follow the
+    /// `WWW-Authenticate: Bearer realm=...` challenge. With `credentials` the token endpoint wants
+    /// them as basic auth; without, tokens are anonymous.
+    pub fn start_with_token_auth(
+        credentials: Option<(&str, &str)>,
+    ) -> Result<TestRegistry, TestRegistryError> {
+        let c = credentials.map(|(u, p)| Credentials {
+            username: u.into(),
+            password: p.into(),
+        });
+        Self::start_inner(c, Auth::Token)
     }
 
     /// Starts a registry that requires basic auth with these credentials (htpasswd, bcrypt).
@@ -66,22 +91,19 @@ impl TestRegistry {
         username: &str,
         password: &str,
     ) -> Result<TestRegistry, TestRegistryError> {
-        Self::start_inner(Some(Credentials {
-            username: username.into(),
-            password: password.into(),
-        }))
+        Self::start_inner(
+            Some(Credentials {
+                username: username.into(),
+                password: password.into(),
+            }),
+            Auth::Htpasswd,
+        )
     }
 
     /// For tests: a registry, or `None` after printing why it is skipped. Under
     /// `K3_REQUIRE_REGISTRY=1` a missing binary panics instead (CI sets it).
     pub fn start_or_skip(test: &str, auth: Option<(&str, &str)>) -> Option<TestRegistry> {
-        let bin = Self::binary();
-        if !bin.is_file() {
-            let why = TestRegistryError::Missing(bin);
-            if std::env::var("K3_REQUIRE_REGISTRY").is_ok_and(|v| v == "1") {
-                panic!("{test}: K3_REQUIRE_REGISTRY=1 but {why}");
-            }
-            eprintln!("skipping {test}: {why}");
+        if !Self::available(test) {
             return None;
         }
         let r = match auth {
@@ -91,7 +113,50 @@ impl TestRegistry {
         Some(r.unwrap_or_else(|e| panic!("{test}: {e}")))
     }
 
-    fn start_inner(credentials: Option<Credentials>) -> Result<TestRegistry, TestRegistryError> {
+    /// Like [`TestRegistry::start_or_skip`] for [`TestRegistry::start_with_token_auth`] (also needs `openssl`).
+    pub fn start_token_or_skip(
+        test: &str,
+        credentials: Option<(&str, &str)>,
+    ) -> Option<TestRegistry> {
+        let has_openssl = Command::new("openssl")
+            .arg("version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !has_openssl {
+            if std::env::var("K3_REQUIRE_REGISTRY").is_ok_and(|v| v == "1") {
+                panic!("{test}: K3_REQUIRE_REGISTRY=1 but the openssl CLI is missing");
+            }
+            eprintln!("skipping {test}: the openssl CLI is missing (apt-get install openssl)");
+            return None;
+        }
+        if !Self::available(test) {
+            return None;
+        }
+        Some(Self::start_with_token_auth(credentials).unwrap_or_else(|e| panic!("{test}: {e}")))
+    }
+
+    fn available(test: &str) -> bool {
+        let bin = Self::binary();
+        if bin.is_file() {
+            return true;
+        }
+        let why = TestRegistryError::Missing(bin);
+        if std::env::var("K3_REQUIRE_REGISTRY").is_ok_and(|v| v == "1") {
+            panic!("{test}: K3_REQUIRE_REGISTRY=1 but {why}");
+        }
+        eprintln!("skipping {test}: {why}");
+        false
+    }
+
+    /// Tokens the token server issued (0 without token auth).
+    pub fn tokens_issued(&self) -> usize {
+        self.token.as_ref().map_or(0, |t| t.issued())
+    }
+
+    fn start_inner(
+        credentials: Option<Credentials>,
+        auth: Auth,
+    ) -> Result<TestRegistry, TestRegistryError> {
         let bin = Self::binary();
         if !bin.is_file() {
             return Err(TestRegistryError::Missing(bin));
@@ -103,11 +168,16 @@ impl TestRegistry {
             let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
             let addr = format!("127.0.0.1:{port}");
             let config = dir.path().join("config.yml");
+            let token = match auth {
+                Auth::Token => Some(TokenServer::start(dir.path(), credentials.clone())?),
+                _ => None,
+            };
+            let realm = token.as_ref().map(|t| t.realm.clone());
             std::fs::write(
                 &config,
-                config_yaml(dir.path(), &addr, credentials.is_some()),
+                config_yaml(dir.path(), &addr, auth, realm.as_deref()),
             )?;
-            if let Some(c) = &credentials {
+            if let (Some(c), Auth::Htpasswd) = (&credentials, auth) {
                 let hash = bcrypt::hash(&c.password, 5)
                     .map_err(|e| TestRegistryError::Start(format!("bcrypt: {e}")))?;
                 std::fs::write(
@@ -128,6 +198,7 @@ impl TestRegistry {
                 dir,
                 addr,
                 credentials: credentials.clone(),
+                token,
             };
             match reg.wait_ready() {
                 Ok(()) => return Ok(reg),
@@ -212,16 +283,24 @@ impl Drop for TestRegistry {
     }
 }
 
-fn config_yaml(dir: &Path, addr: &str, auth: bool) -> String {
+fn config_yaml(dir: &Path, addr: &str, auth: Auth, realm: Option<&str>) -> String {
     let mut y = format!(
         "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n  maintenance:\n    uploadpurging:\n      enabled: false\n  redirect:\n    disable: true\nhttp:\n  addr: {addr}\n  secret: k3-test-registry\nhealth:\n  storagedriver:\n    enabled: false\n",
         dir.join("data").display()
     );
-    if auth {
-        y.push_str(&format!(
+    match auth {
+        Auth::None => {}
+        Auth::Htpasswd => y.push_str(&format!(
             "auth:\n  htpasswd:\n    realm: k3-test\n    path: {}\n",
             dir.join("htpasswd").display()
-        ));
+        )),
+        Auth::Token => y.push_str(&format!(
+            "auth:\n  token:\n    realm: {}\n    service: {}\n    issuer: {}\n    rootcertbundle: {}\n",
+            realm.unwrap_or(""),
+            token::SERVICE,
+            token::ISSUER,
+            dir.join("cert.pem").display()
+        )),
     }
     y
 }
