@@ -645,3 +645,66 @@ fn bearer_token_auth_anonymous_and_with_credentials() {
     pull(&image, &t.path().join("d"), &opts(&reg), &mut |_| {}).unwrap();
     assert_eq!(read(&t.path().join("d/arch")), b"amd64");
 }
+
+#[test]
+fn declared_size_must_match_the_blob() {
+    let Some(reg) = TestRegistry::start_or_skip("size_mismatch", None) else {
+        return;
+    };
+    let (img, _) = sample_with_random();
+    let image = reg.image("k3/sized:v1");
+    img.push(&image, &reg.options()).unwrap();
+    // Re-tag a manifest whose top layer claims one byte less than the stored blob.
+    let pusher = Pusher::new(&image, &reg.options());
+    let config = pusher
+        .push_blob(agentenv_oci::manifest::OCI_CONFIG, &img.config_json())
+        .unwrap();
+    let mut layers: Vec<_> = img
+        .layers
+        .iter()
+        .map(|l| pusher.push_blob(&l.blob.media_type, &l.blob.bytes).unwrap())
+        .collect();
+    let top = layers.last_mut().unwrap();
+    top.size -= 1;
+    let (digest, size) = (top.digest.clone(), top.size);
+    let m = agentenv_oci::manifest::Manifest {
+        schema_version: 2,
+        media_type: Some(agentenv_oci::manifest::OCI_MANIFEST.into()),
+        config,
+        layers,
+        annotations: Default::default(),
+    };
+    let body = serde_json::to_vec(&m).unwrap();
+    // distribution 2.8 does not compare descriptor sizes with its blobs, so the client must.
+    pusher
+        .push_manifest("short", agentenv_oci::manifest::OCI_MANIFEST, &body)
+        .unwrap();
+    let t = tempfile::tempdir().unwrap();
+    let err = pull(
+        &reg.image("k3/sized:short"),
+        &t.path().join("a"),
+        &opts(&reg),
+        &mut |_| {},
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, OciError::SizeMismatch { digest: d, expected, more: true, .. } if *d == digest && *expected == size),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_silent_registry_times_out() {
+    // A listener that never answers: the kernel completes the handshake, nobody reads.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let image = ImageRef::parse(&format!("{}/k3/silent:v1", silent.local_addr().unwrap())).unwrap();
+    let mut o = PullOptions::default();
+    o.registry.timeout = std::time::Duration::from_millis(500);
+    o.registry.stall_timeout = std::time::Duration::from_millis(500);
+    let t = tempfile::tempdir().unwrap();
+    let err = pull(&image, &t.path().join("a"), &o, &mut |_| {}).unwrap_err();
+    assert!(
+        matches!(&err, OciError::Timeout { method: "GET", .. }),
+        "{err}"
+    );
+}
