@@ -13,6 +13,24 @@ use agentenv_oci::testing::{LayerBuilder, TestImage, TestRegistry};
 use agentenv_oci::{Compression, PullOptions, pull, resolve};
 use rand::Rng;
 
+/// CPU seconds (user + system) of this process so far.
+fn cpu() -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+/// CPU seconds of waited-for children so far.
+fn cpu_children() -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -22,9 +40,11 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let mib: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(100);
     let runs: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5);
+    // Share of each file that is random bytes (the rest is text that gzip squeezes ~100x).
+    let random_pct: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(100);
     let reg = TestRegistry::start().unwrap_or_else(|e| panic!("{e}"));
 
-    // 4 gzip layers of 128 KiB files: half random bytes, half text, about 2:1 compressible.
+    // 4 gzip layers of 128 KiB files, `random_pct` % random bytes, the rest text.
     let n_layers = 4;
     let file = 128 << 10;
     let files_per_layer = (mib << 20) / n_layers / file;
@@ -32,14 +52,14 @@ fn main() {
         .iter()
         .copied()
         .cycle()
-        .take(file / 2)
+        .take(file - file * random_pct / 100)
         .collect();
     let mut rng = rand::rng();
     let mut img = TestImage::new(Default::default());
     for l in 0..n_layers {
         let mut b = LayerBuilder::new().dir(&format!("l{l}"), 0o755);
         for f in 0..files_per_layer {
-            let mut data = vec![0u8; file / 2];
+            let mut data = vec![0u8; file * random_pct / 100];
             rng.fill(&mut data[..]);
             data.extend_from_slice(&text);
             b = b.file(&format!("l{l}/f{f}"), &data, 0o644);
@@ -58,14 +78,17 @@ fn main() {
     };
     let work = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
     let (mut t_pull, mut t_dl, mut t_apply) = (vec![], vec![], vec![]);
+    let (mut c_pull, mut c_dl, mut c_apply) = (vec![], vec![], vec![]);
+    let (mut t_tar, mut c_tar) = (vec![], vec![]);
     let agent: ureq::Agent = ureq::Agent::config_builder().proxy(None).build().into();
     for run in 0..runs {
         let dest = work.path().join(format!("pull{run}"));
-        let t = Instant::now();
+        let (t, c) = (Instant::now(), cpu());
         pull(&image, &dest, &opts, &mut |_| {}).unwrap_or_else(|e| panic!("pull: {e}"));
         t_pull.push(t.elapsed().as_secs_f64());
+        c_pull.push(cpu() - c);
 
-        let t = Instant::now();
+        let (t, c) = (Instant::now(), cpu());
         let r = resolve(&image, &opts).unwrap_or_else(|e| panic!("resolve: {e}"));
         let mut buf = vec![0u8; 256 << 10];
         for l in &r.manifest.layers {
@@ -79,6 +102,7 @@ fn main() {
             while body.read(&mut buf).unwrap_or_else(|e| panic!("{e}")) > 0 {}
         }
         t_dl.push(t.elapsed().as_secs_f64());
+        c_dl.push(cpu() - c);
 
         let cached = PullOptions {
             blob_dir: Some(work.path().join("blobs")),
@@ -88,7 +112,7 @@ fn main() {
             pull(&image, &work.path().join("warm"), &cached, &mut |_| {})
                 .unwrap_or_else(|e| panic!("{e}"));
         }
-        let t = Instant::now();
+        let (t, c) = (Instant::now(), cpu());
         let got = pull(
             &image,
             &work.path().join(format!("apply{run}")),
@@ -97,32 +121,57 @@ fn main() {
         )
         .unwrap_or_else(|e| panic!("{e}"));
         t_apply.push(t.elapsed().as_secs_f64());
+        c_apply.push(cpu() - c);
         assert_eq!(got.downloaded_bytes, 0);
-        for d in ["pull", "apply"] {
+        // Baseline: GNU tar + gzip extracting the same cached blobs.
+        let tar_dir = work.path().join(format!("tar{run}"));
+        std::fs::create_dir_all(&tar_dir).unwrap_or_else(|e| panic!("{e}"));
+        let (t, c) = (Instant::now(), cpu_children());
+        for l in &got.layers {
+            let blob = work.path().join("blobs/sha256").join(l.digest.hex());
+            let st = std::process::Command::new("tar")
+                .arg("-xzf")
+                .arg(&blob)
+                .arg("-C")
+                .arg(&tar_dir)
+                .status()
+                .unwrap_or_else(|e| panic!("tar: {e}"));
+            assert!(st.success());
+        }
+        t_tar.push(t.elapsed().as_secs_f64());
+        c_tar.push(cpu_children() - c);
+        for d in ["pull", "apply", "tar"] {
             let _ = std::fs::remove_dir_all(work.path().join(format!("{d}{run}")));
         }
     }
     let mb = blob_bytes as f64 / (1 << 20) as f64;
     let (p, d, a) = (median(&mut t_pull), median(&mut t_dl), median(&mut t_apply));
+    let (cp, cd, ca) = (median(&mut c_pull), median(&mut c_dl), median(&mut c_apply));
     println!(
-        "image: {n_layers} gzip layers, {} files, content {:.1} MiB, blobs {mb:.1} MiB; {runs} runs, medians",
+        "image: {n_layers} gzip layers, {} files ({random_pct}% random), content {:.1} MiB, blobs {mb:.1} MiB; {runs} runs, medians",
         n_layers * files_per_layer,
         content as f64 / (1 << 20) as f64
     );
     println!(
-        "pull (download+verify+apply): {:.3} s  {:.1} MiB/s",
-        p,
+        "pull (download+verify+apply): {p:.3} s  {:.1} MiB/s  cpu {cp:.3} s",
         mb / p
     );
     println!(
-        "download only (GET to sink):  {:.3} s  {:.1} MiB/s",
-        d,
+        "download only (GET to sink):  {d:.3} s  {:.1} MiB/s  cpu {cd:.3} s",
         mb / d
     );
     println!(
-        "apply only (blobs cached):    {:.3} s  {:.1} MiB/s",
-        a,
+        "apply only (blobs cached):    {a:.3} s  {:.1} MiB/s  cpu {ca:.3} s",
         mb / a
     );
-    println!("pull / download-only: {:.2}x", p / d);
+    let (tt, ct) = (median(&mut t_tar), median(&mut c_tar));
+    println!(
+        "tar -xzf (GNU tar, baseline): {tt:.3} s  {:.1} MiB/s  cpu {ct:.3} s",
+        mb / tt
+    );
+    println!(
+        "pull / download-only: {:.2}x; apply-only / tar -xzf: {:.2}x",
+        p / d,
+        a / tt
+    );
 }
