@@ -33,8 +33,11 @@ impl std::fmt::Debug for Credentials {
 pub struct RegistryOptions {
     /// Sent on a 401 (basic auth, or to the bearer token endpoint); anonymous when `None`.
     pub credentials: Option<Credentials>,
-    /// Plain http even for a registry that is not on loopback (loopback registries always get http).
-    pub plain_http: bool,
+    /// http or https (default: http for loopback registries, https otherwise).
+    pub scheme: Scheme,
+    /// Trust only these roots (DER certificates) for https instead of the Mozilla (webpki) set:
+    /// for private registries with their own CA.
+    pub root_certificates: Option<Vec<Vec<u8>>>,
     /// Deadline of every small request (manifests, configs, tokens, upload sessions).
     pub timeout: Duration,
     /// A blob request fails when no byte arrives for this long.
@@ -47,12 +50,25 @@ impl Default for RegistryOptions {
     fn default() -> RegistryOptions {
         RegistryOptions {
             credentials: None,
-            plain_http: false,
+            scheme: Scheme::Auto,
+            root_certificates: None,
             timeout: Duration::from_secs(30),
             stall_timeout: Duration::from_secs(30),
             min_bytes_per_sec: 1 << 20,
         }
     }
+}
+
+/// Which protocol to speak to a registry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Scheme {
+    /// http for loopback registries (`localhost`, `127.0.0.0/8`, `[::1]`), https (rustls) otherwise.
+    #[default]
+    Auto,
+    /// Always https.
+    Https,
+    /// Always plain http (insecure; for trusted networks only).
+    Http,
 }
 
 impl RegistryOptions {
@@ -84,10 +100,11 @@ impl Client {
     /// `actions` is the bearer scope asked for: `pull` or `pull,push`.
     pub(crate) fn new(image: &ImageRef, opts: &RegistryOptions, actions: &'static str) -> Client {
         let loopback = is_loopback_host(&image.registry);
-        let scheme = if loopback || opts.plain_http {
-            "http"
-        } else {
-            "https"
+        let scheme = match opts.scheme {
+            Scheme::Http => "http",
+            Scheme::Https => "https",
+            Scheme::Auto if loopback => "http",
+            Scheme::Auto => "https",
         };
         let mut cfg = ureq::Agent::config_builder()
             .http_status_as_error(false)
@@ -98,6 +115,16 @@ impl Client {
             .user_agent(concat!("agentenv-oci/", env!("CARGO_PKG_VERSION")));
         if loopback {
             cfg = cfg.proxy(None);
+        }
+        if let Some(roots) = &opts.root_certificates {
+            let certs: Vec<_> = roots
+                .iter()
+                .map(|d| ureq::tls::Certificate::from_der(d).to_owned())
+                .collect();
+            let tls = ureq::tls::TlsConfig::builder()
+                .root_certs(ureq::tls::RootCerts::new_with_certs(&certs))
+                .build();
+            cfg = cfg.tls_config(tls);
         }
         Client {
             agent: cfg.build().new_agent(),

@@ -13,7 +13,7 @@
 //! - [`pull`]: distribution API client (index → linux/amd64 manifest → config → layers), every blob
 //!   checked against its digest and size, size limits enforced from the manifest before any layer is
 //!   downloaded, anonymous / basic / bearer-token auth, a deadline on every request; plain http only
-//!   for loopback registries unless [`RegistryOptions::plain_http`].
+//!   for loopback registries unless [`RegistryOptions::scheme`] says otherwise.
 //! - [`apply_layer`]: tar / gzip / zstd layers with whiteouts, opaque directories, links, devices,
 //!   modes, owners and xattrs; no entry can land outside the destination.
 //! - [`push`]: blob, manifest and index upload (tests, and `aenv` later).
@@ -32,7 +32,7 @@ mod reference;
 pub mod testing;
 
 pub use apply::{ApplyOptions, ApplyStats, apply_layer};
-pub use client::{Credentials, RegistryOptions};
+pub use client::{Credentials, RegistryOptions, Scheme};
 pub use error::OciError;
 pub use manifest::{Compression, Platform};
 pub use pull::{

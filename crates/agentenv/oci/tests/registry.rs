@@ -708,3 +708,28 @@ fn a_silent_registry_times_out() {
         "{err}"
     );
 }
+
+#[test]
+fn https_with_a_private_root() {
+    let Some(reg) = TestRegistry::start_tls_or_skip("https") else {
+        return;
+    };
+    let (img, _) = arch_image("amd64", None);
+    let image = reg.image("k3/secure:v1");
+    img.push(&image, &reg.options()).unwrap();
+    let t = tempfile::tempdir().unwrap();
+    pull(&image, &t.path().join("a"), &opts(&reg), &mut |_| {}).unwrap();
+    assert_eq!(read(&t.path().join("a/arch")), b"amd64");
+    // The default (Mozilla) roots do not know this certificate: a transport error, not a silent downgrade.
+    let mut o = opts(&reg);
+    o.registry.root_certificates = None;
+    let err = pull(&image, &t.path().join("b"), &o, &mut |_| {}).unwrap_err();
+    assert!(matches!(&err, OciError::Transport { .. }), "{err}");
+    assert!(
+        err.to_string().to_lowercase().contains("certificate"),
+        "{err}"
+    );
+    // Plain http to the https port is refused by the registry, never answered with content.
+    o.registry.scheme = agentenv_oci::Scheme::Http;
+    assert!(pull(&image, &t.path().join("c"), &o, &mut |_| {}).is_err());
+}

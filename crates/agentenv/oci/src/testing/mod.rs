@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::client::{Credentials, RegistryOptions};
+use crate::client::{Credentials, RegistryOptions, Scheme};
 use crate::error::OciError;
 use crate::manifest::{self, Compression, ConfigBlob, Descriptor, Platform, RootFs, RunConfig};
 use crate::push::{LayerBlob, Pusher};
@@ -50,6 +50,8 @@ pub struct TestRegistry {
     pub addr: String,
     credentials: Option<Credentials>,
     token: Option<TokenServer>,
+    /// DER of the server certificate when serving https.
+    tls_cert: Option<Vec<u8>>,
 }
 
 /// How a test registry authenticates.
@@ -70,7 +72,13 @@ impl TestRegistry {
 
     /// Starts a registry without auth.
     pub fn start() -> Result<TestRegistry, TestRegistryError> {
-        Self::start_inner(None, Auth::None)
+        Self::start_inner(None, Auth::None, false)
+    }
+
+    /// Starts a registry serving https with a self-signed certificate for `127.0.0.1` (made with the
+    /// `openssl` CLI); [`TestRegistry::options`] then trusts exactly that certificate.
+    pub fn start_tls() -> Result<TestRegistry, TestRegistryError> {
+        Self::start_inner(None, Auth::None, true)
     }
 
     /// Starts a registry in `auth: token` mode with a [`TokenServer`] on loopback: clients follow the
@@ -83,7 +91,7 @@ impl TestRegistry {
             username: u.into(),
             password: p.into(),
         });
-        Self::start_inner(c, Auth::Token)
+        Self::start_inner(c, Auth::Token, false)
     }
 
     /// Starts a registry that requires basic auth with these credentials (htpasswd, bcrypt).
@@ -97,6 +105,7 @@ impl TestRegistry {
                 password: password.into(),
             }),
             Auth::Htpasswd,
+            false,
         )
     }
 
@@ -118,6 +127,21 @@ impl TestRegistry {
         test: &str,
         credentials: Option<(&str, &str)>,
     ) -> Option<TestRegistry> {
+        if !Self::openssl_available(test) || !Self::available(test) {
+            return None;
+        }
+        Some(Self::start_with_token_auth(credentials).unwrap_or_else(|e| panic!("{test}: {e}")))
+    }
+
+    /// Like [`TestRegistry::start_or_skip`] for [`TestRegistry::start_tls`] (also needs `openssl`).
+    pub fn start_tls_or_skip(test: &str) -> Option<TestRegistry> {
+        if !Self::openssl_available(test) || !Self::available(test) {
+            return None;
+        }
+        Some(Self::start_tls().unwrap_or_else(|e| panic!("{test}: {e}")))
+    }
+
+    fn openssl_available(test: &str) -> bool {
         let has_openssl = Command::new("openssl")
             .arg("version")
             .output()
@@ -127,12 +151,9 @@ impl TestRegistry {
                 panic!("{test}: K3_REQUIRE_REGISTRY=1 but the openssl CLI is missing");
             }
             eprintln!("skipping {test}: the openssl CLI is missing (apt-get install openssl)");
-            return None;
+            return false;
         }
-        if !Self::available(test) {
-            return None;
-        }
-        Some(Self::start_with_token_auth(credentials).unwrap_or_else(|e| panic!("{test}: {e}")))
+        true
     }
 
     fn available(test: &str) -> bool {
@@ -156,12 +177,18 @@ impl TestRegistry {
     fn start_inner(
         credentials: Option<Credentials>,
         auth: Auth,
+        tls: bool,
     ) -> Result<TestRegistry, TestRegistryError> {
         let bin = Self::binary();
         if !bin.is_file() {
             return Err(TestRegistryError::Missing(bin));
         }
         let mut dir = tempfile::Builder::new().prefix("k3-registry-").tempdir()?;
+        let tls_cert = if tls {
+            Some(token::make_tls_cert(dir.path())?)
+        } else {
+            None
+        };
         let mut last = String::new();
         // The free port can be taken between probe and bind; try a few.
         for _ in 0..3 {
@@ -175,7 +202,7 @@ impl TestRegistry {
             let realm = token.as_ref().map(|t| t.realm.clone());
             std::fs::write(
                 &config,
-                config_yaml(dir.path(), &addr, auth, realm.as_deref()),
+                config_yaml(dir.path(), &addr, auth, realm.as_deref(), tls),
             )?;
             if let (Some(c), Auth::Htpasswd) = (&credentials, auth) {
                 let hash = bcrypt::hash(&c.password, 5)
@@ -199,6 +226,7 @@ impl TestRegistry {
                 addr,
                 credentials: credentials.clone(),
                 token,
+                tls_cert: tls_cert.clone(),
             };
             match reg.wait_ready() {
                 Ok(()) => return Ok(reg),
@@ -214,13 +242,24 @@ impl TestRegistry {
     }
 
     fn wait_ready(&mut self) -> Result<(), String> {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
+        let mut cfg = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .proxy(None)
-            .timeout_global(Some(Duration::from_secs(2)))
-            .build()
-            .into();
-        let url = format!("http://{}/v2/", self.addr);
+            .timeout_global(Some(Duration::from_secs(2)));
+        let scheme = match &self.tls_cert {
+            Some(der) => {
+                let cert = ureq::tls::Certificate::from_der(der).to_owned();
+                cfg = cfg.tls_config(
+                    ureq::tls::TlsConfig::builder()
+                        .root_certs(ureq::tls::RootCerts::new_with_certs(&[cert]))
+                        .build(),
+                );
+                "https"
+            }
+            None => "http",
+        };
+        let agent: ureq::Agent = cfg.build().into();
+        let url = format!("{scheme}://{}/v2/", self.addr);
         let start = Instant::now();
         while start.elapsed() < START_DEADLINE {
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -255,6 +294,12 @@ impl TestRegistry {
     pub fn options(&self) -> RegistryOptions {
         RegistryOptions {
             credentials: self.credentials.clone(),
+            scheme: if self.tls_cert.is_some() {
+                Scheme::Https
+            } else {
+                Scheme::Auto
+            },
+            root_certificates: self.tls_cert.clone().map(|c| vec![c]),
             ..RegistryOptions::default()
         }
     }
@@ -283,11 +328,18 @@ impl Drop for TestRegistry {
     }
 }
 
-fn config_yaml(dir: &Path, addr: &str, auth: Auth, realm: Option<&str>) -> String {
+fn config_yaml(dir: &Path, addr: &str, auth: Auth, realm: Option<&str>, tls: bool) -> String {
     let mut y = format!(
-        "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n  maintenance:\n    uploadpurging:\n      enabled: false\n  redirect:\n    disable: true\nhttp:\n  addr: {addr}\n  secret: k3-test-registry\nhealth:\n  storagedriver:\n    enabled: false\n",
+        "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\n  maintenance:\n    uploadpurging:\n      enabled: false\n  redirect:\n    disable: true\nhealth:\n  storagedriver:\n    enabled: false\nhttp:\n  addr: {addr}\n  secret: k3-test-registry\n",
         dir.join("data").display()
     );
+    if tls {
+        y.push_str(&format!(
+            "  tls:\n    certificate: {}\n    key: {}\n",
+            dir.join("tls-cert.pem").display(),
+            dir.join("tls-key.pem").display()
+        ));
+    }
     match auth {
         Auth::None => {}
         Auth::Htpasswd => y.push_str(&format!(

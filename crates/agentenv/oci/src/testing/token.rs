@@ -84,21 +84,7 @@ impl Drop for TokenServer {
 }
 
 fn make_key(dir: &Path) -> Result<(Vec<u8>, Vec<u8>), TestRegistryError> {
-    let run = |args: &[&str]| -> Result<(), TestRegistryError> {
-        let o = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .map_err(|e| TestRegistryError::Start(format!("openssl: {e}")))?;
-        if !o.status.success() {
-            return Err(TestRegistryError::Start(format!(
-                "openssl {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&o.stderr)
-            )));
-        }
-        Ok(())
-    };
+    let run = |args: &[&str]| openssl(dir, args);
     run(&[
         "req",
         "-x509",
@@ -126,6 +112,66 @@ fn make_key(dir: &Path) -> Result<(Vec<u8>, Vec<u8>), TestRegistryError> {
         std::fs::read(dir.join("key.der"))?,
         std::fs::read(dir.join("cert.der"))?,
     ))
+}
+
+/// A self-signed P-256 server certificate for `127.0.0.1` (`tls-cert.pem`, `tls-key.pem` in `dir`);
+/// returns its DER.
+pub(crate) fn make_tls_cert(dir: &Path) -> Result<Vec<u8>, TestRegistryError> {
+    std::fs::write(
+        dir.join("tls.cnf"),
+        "[req]\ndistinguished_name = dn\nx509_extensions = ext\nprompt = no\n[dn]\nCN = 127.0.0.1\n\
+         [ext]\nbasicConstraints = critical,CA:FALSE\nsubjectAltName = IP:127.0.0.1\n\
+         keyUsage = critical,digitalSignature\nextendedKeyUsage = serverAuth\n",
+    )?;
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-config",
+            "tls.cnf",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "tls-key.pem",
+            "-out",
+            "tls-cert.pem",
+            "-days",
+            "2",
+        ],
+    )?;
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-in",
+            "tls-cert.pem",
+            "-outform",
+            "DER",
+            "-out",
+            "tls-cert.der",
+        ],
+    )?;
+    Ok(std::fs::read(dir.join("tls-cert.der"))?)
+}
+
+fn openssl(dir: &Path, args: &[&str]) -> Result<(), TestRegistryError> {
+    let o = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .map_err(|e| TestRegistryError::Start(format!("openssl: {e}")))?;
+    if !o.status.success() {
+        return Err(TestRegistryError::Start(format!(
+            "openssl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stderr)
+        )));
+    }
+    Ok(())
 }
 
 /// Answers one request; true when a token was issued.
