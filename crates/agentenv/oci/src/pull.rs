@@ -208,7 +208,7 @@ pub fn resolve(image: &ImageRef, opts: &PullOptions) -> Result<ResolvedImage, Oc
 }
 
 /// Pulls `image` into `dest` (created if missing; must be empty) and returns its digest, config and
-/// layers. `progress` is called on this thread.
+/// layers. `progress` is called on this thread. On error `dest` may hold part of the image: remove it.
 pub fn pull(
     image: &ImageRef,
     dest: &Path,

@@ -323,6 +323,29 @@ fn compressions_and_diff_id_check() {
         assert_eq!(stats.diff_id, Some(Digest::of(&tar)));
         assert_eq!(stats.file_bytes, payload.len() as u64 + 9);
     }
+    // zstd streams of several frames (as chunked encoders write them) decode whole.
+    let (_t, dest) = scratch();
+    let cut = tar.len() / 3;
+    let mut multi = Vec::new();
+    for part in [&tar[..cut], &tar[cut..]] {
+        multi.extend(ruzstd::encoding::compress_to_vec(
+            part,
+            ruzstd::encoding::CompressionLevel::Fastest,
+        ));
+    }
+    let stats = apply_layer(
+        &dest,
+        &multi[..],
+        &ApplyOptions {
+            layer: "multi-frame".into(),
+            compression: Compression::Zstd,
+            diff_id: Some(Digest::of(&tar)),
+            max_file_bytes: u64::MAX,
+        },
+    )
+    .unwrap();
+    assert_eq!(read(&dest.join("p")), payload);
+    assert_eq!(stats.entries, 2);
     // A wrong diff_id is detected after the stream.
     let (_t, dest) = scratch();
     let layer = TestLayer::new(&tar, Compression::Gzip);
