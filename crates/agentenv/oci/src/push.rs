@@ -115,14 +115,47 @@ impl Pusher {
         config: &[u8],
         layers: &[LayerBlob],
     ) -> Result<Descriptor, OciError> {
+        self.push_image_as(
+            reference,
+            manifest::OCI_MANIFEST,
+            manifest::OCI_CONFIG,
+            config,
+            layers,
+        )
+    }
+
+    /// Like [`Pusher::push_image`] as a Docker v2 schema 2 manifest (layers must be Docker gzip layers).
+    pub fn push_docker_image(
+        &self,
+        reference: &str,
+        config: &[u8],
+        layers: &[LayerBlob],
+    ) -> Result<Descriptor, OciError> {
+        self.push_image_as(
+            reference,
+            manifest::DOCKER_MANIFEST,
+            manifest::DOCKER_CONFIG,
+            config,
+            layers,
+        )
+    }
+
+    fn push_image_as(
+        &self,
+        reference: &str,
+        manifest_type: &str,
+        config_type: &str,
+        config: &[u8],
+        layers: &[LayerBlob],
+    ) -> Result<Descriptor, OciError> {
         let mut descs = Vec::with_capacity(layers.len());
         for l in layers {
             descs.push(self.push_blob(&l.media_type, &l.bytes)?);
         }
-        let config = self.push_blob(manifest::OCI_CONFIG, config)?;
+        let config = self.push_blob(config_type, config)?;
         let m = Manifest {
             schema_version: 2,
-            media_type: Some(manifest::OCI_MANIFEST.into()),
+            media_type: Some(manifest_type.into()),
             config,
             layers: descs,
             annotations: Default::default(),
@@ -132,9 +165,9 @@ impl Pusher {
             reference: reference.into(),
             reason: e.to_string(),
         })?;
-        let digest = self.push_manifest(reference, manifest::OCI_MANIFEST, &body)?;
+        let digest = self.push_manifest(reference, manifest_type, &body)?;
         Ok(Descriptor {
-            media_type: manifest::OCI_MANIFEST.into(),
+            media_type: manifest_type.into(),
             digest,
             size: body.len() as u64,
             platform: None,
@@ -148,9 +181,27 @@ impl Pusher {
         reference: &str,
         manifests: &[(Platform, Descriptor)],
     ) -> Result<Digest, OciError> {
+        self.push_list(reference, manifest::OCI_INDEX, manifests)
+    }
+
+    /// Pushes a Docker manifest list (the pre-OCI index) of already pushed Docker manifests.
+    pub fn push_docker_list(
+        &self,
+        reference: &str,
+        manifests: &[(Platform, Descriptor)],
+    ) -> Result<Digest, OciError> {
+        self.push_list(reference, manifest::DOCKER_LIST, manifests)
+    }
+
+    fn push_list(
+        &self,
+        reference: &str,
+        media_type: &str,
+        manifests: &[(Platform, Descriptor)],
+    ) -> Result<Digest, OciError> {
         let index = Index {
             schema_version: 2,
-            media_type: Some(manifest::OCI_INDEX.into()),
+            media_type: Some(media_type.into()),
             manifests: manifests
                 .iter()
                 .map(|(p, d)| Descriptor {
@@ -165,6 +216,6 @@ impl Pusher {
             reference: reference.into(),
             reason: e.to_string(),
         })?;
-        self.push_manifest(reference, manifest::OCI_INDEX, &body)
+        self.push_manifest(reference, media_type, &body)
     }
 }

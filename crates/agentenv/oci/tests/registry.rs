@@ -733,3 +733,48 @@ fn https_with_a_private_root() {
     o.registry.scheme = agentenv_oci::Scheme::Http;
     assert!(pull(&image, &t.path().join("c"), &o, &mut |_| {}).is_err());
 }
+
+#[test]
+fn docker_manifest_list_and_v2_manifests() {
+    let Some(reg) = TestRegistry::start_or_skip("docker_types", None) else {
+        return;
+    };
+    let pusher = Pusher::new(&reg.image("k3/dock"), &reg.options());
+    let mut entries = Vec::new();
+    for arch in ["arm64", "amd64"] {
+        let (img, p) = arch_image(arch, None);
+        let d = img
+            .push_docker(&reg.image(&format!("k3/dock:{arch}")), &reg.options())
+            .unwrap();
+        assert_eq!(d.media_type, agentenv_oci::manifest::DOCKER_MANIFEST);
+        entries.push((p, d));
+    }
+    let list = pusher.push_docker_list("list", &entries).unwrap();
+    let t = tempfile::tempdir().unwrap();
+    let got = pull(
+        &reg.image("k3/dock:list"),
+        &t.path().join("a"),
+        &opts(&reg),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(read(&t.path().join("a/arch")), b"amd64");
+    assert_eq!(got.index_digest, Some(list));
+    assert_eq!(got.digest, entries[1].1.digest);
+    assert_eq!(
+        got.layers[0].media_type,
+        agentenv_oci::manifest::DOCKER_LAYER_GZIP
+    );
+    // The plain Docker manifest by tag too.
+    let got = pull(
+        &reg.image("k3/dock:amd64"),
+        &t.path().join("b"),
+        &opts(&reg),
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(
+        (got.index_digest, got.digest),
+        (None, entries[1].1.digest.clone())
+    );
+}

@@ -586,6 +586,31 @@ impl TestImage {
         Pusher::new(image, opts).push_image(image.reference(), &self.config_json(), &blobs)
     }
 
+    /// Pushes as a Docker v2 schema 2 image: Docker media types for manifest, config and layers
+    /// (gzip layers only, as Docker has no plain or zstd layer type).
+    pub fn push_docker(
+        &self,
+        image: &ImageRef,
+        opts: &RegistryOptions,
+    ) -> Result<Descriptor, OciError> {
+        let blobs: Vec<LayerBlob> = self
+            .layers
+            .iter()
+            .map(|l| {
+                assert_eq!(
+                    l.blob.media_type,
+                    manifest::OCI_LAYER_GZIP,
+                    "Docker layers are gzip"
+                );
+                LayerBlob {
+                    media_type: manifest::DOCKER_LAYER_GZIP.into(),
+                    bytes: l.blob.bytes.clone(),
+                }
+            })
+            .collect();
+        Pusher::new(image, opts).push_docker_image(image.reference(), &self.config_json(), &blobs)
+    }
+
     /// The standard sample: three layers (gzip, plain tar, zstd) covering files, directories with
     /// modes and owners, a symlink, a hard link, a FIFO, a whiteout and an opaque directory, and a
     /// config with Env, WorkingDir, User, Entrypoint and Cmd.
