@@ -7,16 +7,12 @@ use agentenv_oci::manifest::RunConfig;
 use agentenv_oci::push::Pusher;
 use agentenv_oci::testing::{LayerBuilder, TestImage, TestRegistry, read};
 use agentenv_oci::{
-    Compression, Credentials, Digest, ImageRef, OciError, Platform, PullEvent, PullOptions, pull,
+    Compression, Digest, ImageRef, OciError, Platform, PullEvent, PullOptions, pull,
 };
 use rand::Rng;
 
-fn opts(reg: &TestRegistry) -> PullOptions {
-    PullOptions {
-        registry: reg.options(),
-        ..PullOptions::default()
-    }
-}
+mod common;
+use common::{arch_image, opts};
 
 fn random_bytes(n: usize) -> Vec<u8> {
     let mut v = vec![0u8; n];
@@ -232,23 +228,6 @@ fn pull_by_digest_and_blob_cache() {
     );
 }
 
-fn arch_image(arch: &str, variant: Option<&str>) -> (TestImage, Platform) {
-    let p = Platform {
-        architecture: arch.into(),
-        os: "linux".into(),
-        variant: variant.map(Into::into),
-    };
-    let layer = LayerBuilder::new()
-        .file("arch", arch.as_bytes(), 0o644)
-        .tar();
-    (
-        TestImage::new(RunConfig::default())
-            .layer(&layer, Compression::Gzip)
-            .platform(&p),
-        p,
-    )
-}
-
 #[test]
 fn index_picks_the_platform_and_names_the_ones_present() {
     let Some(reg) = TestRegistry::start_or_skip("index_platforms", None) else {
@@ -391,73 +370,6 @@ fn unknown_repository_and_tag_are_not_found() {
 }
 
 #[test]
-fn auth_required_without_and_with_credentials() {
-    let Some(reg) = TestRegistry::start_or_skip("auth", Some(("k3user", "s3cret-pw"))) else {
-        return;
-    };
-    let image = reg.image("k3/private:v1");
-    let (img, _) = arch_image("amd64", None);
-    img.push(&image, &reg.options()).unwrap();
-    let t = tempfile::tempdir().unwrap();
-
-    let anon = PullOptions::default();
-    let err = pull(&image, &t.path().join("a"), &anon, &mut |_| {}).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            OciError::Unauthorized {
-                had_credentials: false,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert!(
-        err.to_string().contains("no credentials were given"),
-        "{err}"
-    );
-
-    let mut wrong = opts(&reg);
-    wrong.registry.credentials = Some(Credentials {
-        username: "k3user".into(),
-        password: "wrong".into(),
-    });
-    let err = pull(&image, &t.path().join("b"), &wrong, &mut |_| {}).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            OciError::Unauthorized {
-                had_credentials: true,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert!(
-        !format!("{wrong:?}").contains("wrong"),
-        "password redacted in Debug"
-    );
-
-    // Push without credentials is refused too.
-    let err = img
-        .push(&reg.image("k3/private:v2"), &Default::default())
-        .unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            OciError::Unauthorized {
-                had_credentials: false,
-                ..
-            }
-        ),
-        "{err}"
-    );
-
-    pull(&image, &t.path().join("c"), &opts(&reg), &mut |_| {}).unwrap();
-    assert_eq!(read(&t.path().join("c/arch")), b"amd64");
-}
-
-#[test]
 fn size_limits_refuse_before_downloading() {
     let Some(reg) = TestRegistry::start_or_skip("size_limits", None) else {
         return;
@@ -584,69 +496,6 @@ fn hostile_layer_through_pull_is_refused() {
 }
 
 #[test]
-fn bearer_token_auth_anonymous_and_with_credentials() {
-    // Anonymous tokens: the client follows the Bearer challenge with no credentials.
-    let Some(reg) = TestRegistry::start_token_or_skip("bearer_anonymous", None) else {
-        return;
-    };
-    let (img, _) = arch_image("amd64", None);
-    let image = reg.image("k3/tokened:v1");
-    img.push(&image, &reg.options()).unwrap();
-    let pushed_with = reg.tokens_issued();
-    assert!(pushed_with >= 1, "push went through the token server");
-    let t = tempfile::tempdir().unwrap();
-    pull(&image, &t.path().join("a"), &opts(&reg), &mut |_| {}).unwrap();
-    assert_eq!(read(&t.path().join("a/arch")), b"amd64");
-    assert!(
-        reg.tokens_issued() > pushed_with,
-        "pull fetched its own token"
-    );
-
-    // Token endpoint behind basic auth: no credentials, wrong ones, right ones.
-    let Some(reg) = TestRegistry::start_token_or_skip("bearer_creds", Some(("tok-user", "tok-pw")))
-    else {
-        return;
-    };
-    let image = reg.image("k3/tokened:v1");
-    img.push(&image, &reg.options()).unwrap();
-    let err = pull(
-        &image,
-        &t.path().join("b"),
-        &PullOptions::default(),
-        &mut |_| {},
-    )
-    .unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            OciError::Unauthorized {
-                had_credentials: false,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    let mut wrong = opts(&reg);
-    wrong.registry.credentials = Some(Credentials {
-        username: "tok-user".into(),
-        password: "nope".into(),
-    });
-    let err = pull(&image, &t.path().join("c"), &wrong, &mut |_| {}).unwrap_err();
-    assert!(
-        matches!(
-            &err,
-            OciError::Unauthorized {
-                had_credentials: true,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    pull(&image, &t.path().join("d"), &opts(&reg), &mut |_| {}).unwrap();
-    assert_eq!(read(&t.path().join("d/arch")), b"amd64");
-}
-
-#[test]
 fn declared_size_must_match_the_blob() {
     let Some(reg) = TestRegistry::start_or_skip("size_mismatch", None) else {
         return;
@@ -707,31 +556,6 @@ fn a_silent_registry_times_out() {
         matches!(&err, OciError::Timeout { method: "GET", .. }),
         "{err}"
     );
-}
-
-#[test]
-fn https_with_a_private_root() {
-    let Some(reg) = TestRegistry::start_tls_or_skip("https") else {
-        return;
-    };
-    let (img, _) = arch_image("amd64", None);
-    let image = reg.image("k3/secure:v1");
-    img.push(&image, &reg.options()).unwrap();
-    let t = tempfile::tempdir().unwrap();
-    pull(&image, &t.path().join("a"), &opts(&reg), &mut |_| {}).unwrap();
-    assert_eq!(read(&t.path().join("a/arch")), b"amd64");
-    // The default (Mozilla) roots do not know this certificate: a transport error, not a silent downgrade.
-    let mut o = opts(&reg);
-    o.registry.root_certificates = None;
-    let err = pull(&image, &t.path().join("b"), &o, &mut |_| {}).unwrap_err();
-    assert!(matches!(&err, OciError::Transport { .. }), "{err}");
-    assert!(
-        err.to_string().to_lowercase().contains("certificate"),
-        "{err}"
-    );
-    // Plain http to the https port is refused by the registry, never answered with content.
-    o.registry.scheme = agentenv_oci::Scheme::Http;
-    assert!(pull(&image, &t.path().join("c"), &o, &mut |_| {}).is_err());
 }
 
 #[test]
