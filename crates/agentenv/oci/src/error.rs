@@ -190,6 +190,14 @@ pub enum OciError {
         /// What is wrong.
         reason: String,
     },
+    /// The config's `User` names a user or group the image does not have.
+    #[error("image user {user:?}: {reason}")]
+    UnknownUser {
+        /// `User` as in the config.
+        user: String,
+        /// What is missing.
+        reason: String,
+    },
     /// Local file i/o.
     #[error("{what} {path}: {source}")]
     Io {

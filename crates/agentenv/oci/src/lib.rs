@@ -16,6 +16,7 @@
 //!   for loopback registries unless [`RegistryOptions::scheme`] says otherwise.
 //! - [`apply_layer`]: tar / gzip / zstd layers with whiteouts, opaque directories, links, devices,
 //!   modes, owners and xattrs; no entry can land outside the destination.
+//! - [`resolve_user`]: the config's `User` against the image's own passwd and group files.
 //! - [`push`]: blob, manifest and index upload (tests, and `aenv` later).
 //! - `testing` (feature `testing`): a real `docker-registry` on loopback and test image builders.
 //!
@@ -30,6 +31,7 @@ pub mod push;
 mod reference;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod user;
 
 pub use apply::{ApplyOptions, ApplyStats, apply_layer};
 pub use client::{Credentials, RegistryOptions, Scheme};
@@ -39,3 +41,4 @@ pub use pull::{
     ImageConfig, PullEvent, PullOptions, PulledImage, PulledLayer, ResolvedImage, pull, resolve,
 };
 pub use reference::{DEFAULT_TAG, DOCKER_HUB, Digest, ImageRef, RefError};
+pub use user::{UserIds, resolve_user};

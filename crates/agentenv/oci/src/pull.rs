@@ -74,6 +74,11 @@ pub struct ImageConfig {
 }
 
 impl ImageConfig {
+    /// uid and gid of `user` in the pulled tree `rootfs` (root when unset).
+    pub fn user_ids(&self, rootfs: &Path) -> Result<crate::UserIds, OciError> {
+        crate::resolve_user(rootfs, self.user.as_deref().unwrap_or(""))
+    }
+
     /// The default start command: Entrypoint followed by Cmd.
     pub fn command(&self) -> Vec<String> {
         self.entrypoint.iter().chain(&self.cmd).cloned().collect()

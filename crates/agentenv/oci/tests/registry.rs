@@ -145,6 +145,8 @@ fn pull_by_tag_applies_layers_and_honours_config() {
     assert_eq!(c.working_dir.as_deref(), Some("/srv/work"));
     assert_eq!(c.user.as_deref(), Some("1000:1000"));
     assert_eq!(c.command(), ["/bin/tool", "--serve", "8080"]);
+    let ids = c.user_ids(&dest).unwrap();
+    assert_eq!((ids.uid, ids.gid), (1000, 1000));
 
     // Events: Resolved first, then per layer start → bytes → downloaded → applying → applied, in order.
     assert!(
