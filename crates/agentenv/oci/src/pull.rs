@@ -9,7 +9,7 @@ use std::sync::mpsc;
 
 use sha2::{Digest as _, Sha256};
 
-use crate::apply::{ApplyOptions, apply_layer};
+use crate::apply::{ApplyOptions, ApplyStats, apply_layer};
 use crate::client::{Body, Client, MAX_DOCUMENT, RegistryOptions, header, read_document};
 use crate::error::{OciError, io};
 use crate::manifest::{
@@ -260,74 +260,85 @@ pub fn pull(
     let mut out = Vec::with_capacity(layers.len());
     let mut downloaded = 0u64;
     let mut unpacked = 0u64;
+    // Three parts: a downloader thread, an applier thread, and this thread, which alone calls
+    // `progress`, so bars move while a layer is being applied.
     let result = std::thread::scope(|s| {
         let (client, cancel, sha_dir) = (&client, &cancel, &sha_dir);
+        let dl_tx = tx.clone();
         s.spawn(move || {
             for (index, l) in layers.iter().enumerate() {
                 if cancel.load(Ordering::Relaxed) {
                     return;
                 }
-                let r = fetch_layer(client, index, l, sha_dir, &tx, cancel);
+                let r = fetch_layer(client, index, l, sha_dir, &dl_tx, cancel);
                 let failed = r.is_err();
-                let _ = tx.send(Msg::Done(index, r));
+                let _ = dl_tx.send(Msg::Done(index, r));
                 if failed {
                     return;
                 }
             }
         });
-        let mut next = 0;
+        let (apply_tx, apply_rx) = mpsc::channel::<(usize, PathBuf)>();
+        let diff_ids = &r.config_blob.rootfs.diff_ids;
+        s.spawn(move || {
+            let mut unpacked = 0u64;
+            for (index, path) in apply_rx {
+                if cancel.load(Ordering::Relaxed) {
+                    return;
+                }
+                let _ = tx.send(Msg::Event(PullEvent::Applying { index }));
+                let res = apply_one(
+                    dest,
+                    &layers[index],
+                    &path,
+                    &diff_ids[index],
+                    opts,
+                    unpacked,
+                );
+                if let Ok(st) = &res {
+                    unpacked += st.file_bytes;
+                }
+                let failed = res.is_err();
+                let _ = tx.send(Msg::Applied(index, res));
+                if failed {
+                    return;
+                }
+            }
+        });
+        let mut cached_of = vec![false; layers.len()];
         let run: Result<(), OciError> = (|| {
-            while next < layers.len() {
+            while out.len() < layers.len() {
                 let msg = rx.recv().map_err(|_| OciError::BadLayer {
-                    layer: layers[next].digest.to_string(),
-                    reason: "download thread ended early".into(),
+                    layer: layers[out.len()].digest.to_string(),
+                    reason: "pull threads ended early".into(),
                 })?;
                 match msg {
                     Msg::Event(e) => progress(&e),
                     Msg::Done(index, res) => {
                         let (path, cached) = res?;
+                        cached_of[index] = cached;
                         if !cached {
                             downloaded += layers[index].size;
                         }
                         progress(&PullEvent::LayerDownloaded { index });
-                        progress(&PullEvent::Applying { index });
-                        let l = &layers[index];
-                        let f = std::fs::File::open(&path).map_err(io("open", &path))?;
-                        let compression = Compression::of_media_type(&l.media_type)
-                            .ok_or_else(|| unsupported(l))?;
-                        let stats = apply_layer(
-                            dest,
-                            f,
-                            &ApplyOptions {
-                                layer: l.digest.to_string(),
-                                compression,
-                                diff_id: Some(r.config_blob.rootfs.diff_ids[index].clone()),
-                                max_file_bytes: opts.max_unpacked_bytes.saturating_sub(unpacked),
-                            },
-                        )
-                        .map_err(|e| match e {
-                            OciError::UnpackedTooLarge { digest, .. } => {
-                                OciError::UnpackedTooLarge {
-                                    digest,
-                                    limit: opts.max_unpacked_bytes,
-                                }
-                            }
-                            e => e,
-                        })?;
+                        let _ = apply_tx.send((index, path));
+                    }
+                    Msg::Applied(index, res) => {
+                        let stats = res?;
                         unpacked += stats.file_bytes;
                         progress(&PullEvent::Applied {
                             index,
                             entries: stats.entries,
                         });
+                        let l = &layers[index];
                         out.push(PulledLayer {
                             digest: l.digest.clone(),
                             media_type: l.media_type.clone(),
                             size: l.size,
-                            diff_id: r.config_blob.rootfs.diff_ids[index].clone(),
+                            diff_id: diff_ids[index].clone(),
                             entries: stats.entries,
-                            cached,
+                            cached: cached_of[index],
                         });
-                        next += 1;
                     }
                 }
             }
@@ -336,6 +347,7 @@ pub fn pull(
         if run.is_err() {
             cancel.store(true, Ordering::Relaxed);
         }
+        drop(apply_tx);
         run
     });
     result?;
@@ -355,6 +367,37 @@ pub fn pull(
 enum Msg {
     Event(PullEvent),
     Done(usize, Result<(PathBuf, bool), OciError>),
+    Applied(usize, Result<ApplyStats, OciError>),
+}
+
+/// Applies one verified layer blob; `unpacked` is what earlier layers wrote.
+fn apply_one(
+    dest: &Path,
+    l: &Descriptor,
+    path: &Path,
+    diff_id: &Digest,
+    opts: &PullOptions,
+    unpacked: u64,
+) -> Result<ApplyStats, OciError> {
+    let f = std::fs::File::open(path).map_err(io("open", path))?;
+    let compression = Compression::of_media_type(&l.media_type).ok_or_else(|| unsupported(l))?;
+    apply_layer(
+        dest,
+        f,
+        &ApplyOptions {
+            layer: l.digest.to_string(),
+            compression,
+            diff_id: Some(diff_id.clone()),
+            max_file_bytes: opts.max_unpacked_bytes.saturating_sub(unpacked),
+        },
+    )
+    .map_err(|e| match e {
+        OciError::UnpackedTooLarge { digest, .. } => OciError::UnpackedTooLarge {
+            digest,
+            limit: opts.max_unpacked_bytes,
+        },
+        e => e,
+    })
 }
 
 struct RemoveOnDrop(PathBuf);

@@ -160,6 +160,18 @@ fn pull_by_tag_applies_layers_and_honours_config() {
         })
         .collect();
     assert_eq!(applied, [0, 1, 2, 3]);
+    // Per layer: start, downloaded, applying, applied, in that order.
+    for i in 0..4 {
+        let at = |want: &dyn Fn(&PullEvent) -> bool| events.iter().position(|e| want(e)).unwrap();
+        let start = at(&|e| matches!(e, PullEvent::LayerStart { index, .. } if *index == i));
+        let done = at(&|e| matches!(e, PullEvent::LayerDownloaded { index } if *index == i));
+        let applying = at(&|e| matches!(e, PullEvent::Applying { index } if *index == i));
+        let applied = at(&|e| matches!(e, PullEvent::Applied { index, .. } if *index == i));
+        assert!(
+            start < done && done < applying && applying < applied,
+            "layer {i}: {events:?}"
+        );
+    }
     for (i, l) in got.layers.iter().enumerate() {
         let last_bytes = events.iter().rev().find_map(|e| match e {
             PullEvent::LayerBytes { index, done, total } if *index == i => Some((*done, *total)),
