@@ -162,7 +162,7 @@ fn pull_by_tag_applies_layers_and_honours_config() {
     assert_eq!(applied, [0, 1, 2, 3]);
     // Per layer: start, downloaded, applying, applied, in that order.
     for i in 0..4 {
-        let at = |want: &dyn Fn(&PullEvent) -> bool| events.iter().position(|e| want(e)).unwrap();
+        let at = |want: &dyn Fn(&PullEvent) -> bool| events.iter().position(want).unwrap();
         let start = at(&|e| matches!(e, PullEvent::LayerStart { index, .. } if *index == i));
         let done = at(&|e| matches!(e, PullEvent::LayerDownloaded { index } if *index == i));
         let applying = at(&|e| matches!(e, PullEvent::Applying { index } if *index == i));
