@@ -51,6 +51,8 @@ pub struct ApplyOptions {
     pub diff_id: Option<Digest>,
     /// At most this many bytes of file content (a decompression-bomb guard).
     pub max_file_bytes: u64,
+    /// At most this many archive entries (an inode-bomb guard).
+    pub max_entries: u64,
 }
 
 /// Applies one layer read from `blob` on top of `dest` (an existing directory).
@@ -90,6 +92,12 @@ pub fn apply_layer(
         for entry in archive.entries().map_err(bad)? {
             let mut entry = entry.map_err(bad)?;
             a.stats.entries += 1;
+            if a.stats.entries > opts.max_entries {
+                return Err(OciError::TooManyEntries {
+                    layer: opts.layer.clone(),
+                    limit: opts.max_entries,
+                });
+            }
             a.entry(&mut entry)?;
         }
         a.finish_dirs();

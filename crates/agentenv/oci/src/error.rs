@@ -148,6 +148,14 @@ pub enum OciError {
         /// The limit.
         limit: u64,
     },
+    /// A layer has more archive entries than `max_layer_entries`.
+    #[error("layer {layer}: more than {limit} archive entries")]
+    TooManyEntries {
+        /// Layer digest.
+        layer: String,
+        /// The limit.
+        limit: u64,
+    },
     /// Content does not hash to its digest.
     #[error("{what} {expected}: content hashes to {actual}")]
     DigestMismatch {

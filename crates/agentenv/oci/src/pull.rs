@@ -30,6 +30,8 @@ pub struct PullOptions {
     pub max_total_bytes: u64,
     /// Refuse an image whose unpacked file content is larger (guards against decompression bombs).
     pub max_unpacked_bytes: u64,
+    /// Refuse a layer with more archive entries (guards against inode bombs).
+    pub max_layer_entries: u64,
     /// Keep verified blobs here (`sha256/<hex>`) and reuse them; `None`: a temporary folder next to the
     /// destination, removed afterwards.
     pub blob_dir: Option<PathBuf>,
@@ -43,6 +45,7 @@ impl Default for PullOptions {
             max_layer_bytes: 4 << 30,
             max_total_bytes: 16 << 30,
             max_unpacked_bytes: 64 << 30,
+            max_layer_entries: 4_000_000,
             blob_dir: None,
         }
     }
@@ -389,6 +392,7 @@ fn apply_one(
             compression,
             diff_id: Some(diff_id.clone()),
             max_file_bytes: opts.max_unpacked_bytes.saturating_sub(unpacked),
+            max_entries: opts.max_layer_entries,
         },
     )
     .map_err(|e| match e {

@@ -22,6 +22,7 @@ fn apply_as(dest: &Path, tar: &[u8], c: Compression) -> Result<ApplyStats, OciEr
             compression: c,
             diff_id: Some(layer.diff_id),
             max_file_bytes: u64::MAX,
+            max_entries: u64::MAX,
         },
     )
 }
@@ -341,6 +342,7 @@ fn compressions_and_diff_id_check() {
             compression: Compression::Zstd,
             diff_id: Some(Digest::of(&tar)),
             max_file_bytes: u64::MAX,
+            max_entries: u64::MAX,
         },
     )
     .unwrap();
@@ -358,12 +360,35 @@ fn compressions_and_diff_id_check() {
             compression: Compression::Gzip,
             diff_id: Some(wrong.clone()),
             max_file_bytes: u64::MAX,
+            max_entries: u64::MAX,
         },
     )
     .unwrap_err();
     assert!(
         matches!(err, OciError::DigestMismatch { what: "layer diff_id", expected, .. } if expected == wrong)
     );
+    // Entry and content limits.
+    let many = (0..5)
+        .fold(LayerBuilder::new(), |b, i| {
+            b.file(&format!("f{i}"), b"", 0o644)
+        })
+        .tar();
+    let (_t, dest) = scratch();
+    let opts = |max_entries, max_file_bytes| ApplyOptions {
+        layer: "limits".into(),
+        compression: Compression::None,
+        diff_id: None,
+        max_file_bytes,
+        max_entries,
+    };
+    let err = apply_layer(&dest, &many[..], &opts(4, u64::MAX)).unwrap_err();
+    assert!(
+        matches!(err, OciError::TooManyEntries { limit: 4, .. }),
+        "{err}"
+    );
+    apply_layer(&dest, &many[..], &opts(5, u64::MAX)).unwrap();
+    let err = apply_layer(&dest, &tar[..], &opts(u64::MAX, payload.len() as u64)).unwrap_err();
+    assert!(matches!(err, OciError::UnpackedTooLarge { .. }), "{err}");
     // Garbage is a bad layer.
     let (_t, dest) = scratch();
     let junk: Vec<u8> = (0..4096).map(|_| rand::rng().random()).collect();
@@ -375,6 +400,7 @@ fn compressions_and_diff_id_check() {
             compression: Compression::Gzip,
             diff_id: None,
             max_file_bytes: u64::MAX,
+            max_entries: u64::MAX,
         },
     )
     .unwrap_err();
