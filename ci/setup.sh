@@ -24,6 +24,15 @@ if ! command -v qemu-img >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends qemu-utils >/dev/null
 fi
 
+# agentenv-oci: Debian's docker-registry (the CNCF distribution server) for the registry tests, which
+# fail instead of skipping when K3_REQUIRE_REGISTRY=1.
+if ! dpkg-query -W -f='${Status}' docker-registry 2>/dev/null | grep -q "ok installed"; then
+  log "apt install docker-registry (agentenv-oci tests)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends docker-registry >/dev/null
+fi
+export K3_REQUIRE_REGISTRY="${K3_REQUIRE_REGISTRY:-1}"
+
 # Rust (the workspace needs 1.95 or newer).
 export PATH="$HOME/.cargo/bin:$PATH"
 if ! command -v cargo >/dev/null; then
