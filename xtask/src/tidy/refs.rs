@@ -27,6 +27,10 @@ pub const SCOPE: &[&str] = &[
     "crates/agentenv/guest",
     "crates/agentenv/mux",
     "crates/agentenv/cli",
+    "crates/agentenv/server",
+    "crates/agentenv/runtime",
+    "crates/agentenv/envd",
+    "crates/agentenv/oci",
 ];
 
 /// Historical records, never rewritten: the reports of past runs quote the notes of their day.

@@ -54,7 +54,7 @@ impl AppState {
     }
 }
 
-/// Control-plane route table (spec §0 lists which SDK uses which route).
+/// Control-plane route table (`docs/specs/e2b-compat.md §0` lists which SDK uses which route).
 fn control_router() -> Router<AppState> {
     Router::new()
         .route(

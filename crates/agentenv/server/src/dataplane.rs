@@ -1,4 +1,4 @@
-//! Data plane on the API port (spec §1, §3): decides whether a request belongs to a sandbox's
+//! Data plane on the API port (`docs/specs/e2b-compat.md §1, §3`): decides whether a request belongs to a sandbox's
 //! envd, checks its access token and forwards it as HTTP/1.1 over one agent stream.
 
 use axum::body::Body;

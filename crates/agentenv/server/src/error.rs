@@ -35,7 +35,7 @@ impl ApiError {
     pub fn conflict(message: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, message)
     }
-    /// Sandbox-proxy error (spec §3): 502; the text decides how the SDK reads it.
+    /// Sandbox-proxy error (`docs/specs/e2b-compat.md §3`): 502; the text decides how the SDK reads it.
     pub fn bad_gateway(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_GATEWAY, message)
     }

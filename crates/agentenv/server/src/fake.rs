@@ -210,3 +210,223 @@ impl VmBackend for FakeBackend {
         })
     }
 }
+
+#[cfg(test)]
+mod fake_tests {
+    //! Millisecond tests of the lifecycle layer over the in-memory fake backend.
+    use super::FakeBackend;
+    use crate::backend::{RecoveredVm, VmBackend, VmState};
+    use crate::metrics::Metrics;
+    use crate::model::{NewSandbox, SandboxState};
+    use crate::sandboxes::*;
+    use crate::store::SandboxStore;
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+
+    async fn open(dir: &std::path::Path, fake: Arc<FakeBackend>) -> Arc<Sandboxes> {
+        Sandboxes::open(
+            fake,
+            SandboxStore::open(dir).unwrap(),
+            Arc::new(Metrics::new()),
+        )
+        .await
+        .unwrap()
+    }
+
+    fn req(template: &str) -> NewSandbox {
+        NewSandbox {
+            template_id: template.into(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn idempotent_creates_make_one_sandbox() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let s = open(dir.path(), fake.clone()).await;
+        let key = format!("k-{}", rand::random::<u32>());
+        let a = s.create(req("base"), Some(key.clone())).await.unwrap();
+        let b = s.create(req("default"), Some(key)).await.unwrap();
+        assert_eq!(a.sandbox_id, b.sandbox_id);
+        assert_eq!(fake.creates.load(Ordering::SeqCst), 1);
+        let c = s.create(req("base"), None).await.unwrap();
+        assert_ne!(a.sandbox_id, c.sandbox_id);
+        assert!(matches!(
+            s.create(req("nope"), None).await,
+            Err(LifecycleError::TemplateNotFound(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn expiry_kills_or_pauses() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let s = open(dir.path(), fake.clone()).await;
+        let kill_me = s
+            .create(
+                NewSandbox {
+                    timeout: Some(0),
+                    ..req("base")
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        let pause_me = s
+            .create(
+                NewSandbox {
+                    timeout: Some(0),
+                    auto_pause: Some(true),
+                    ..req("base")
+                },
+                None,
+            )
+            .await
+            .unwrap();
+        let keep = s.create(req("base"), None).await.unwrap();
+        s.expire_due().await;
+        assert!(s.get(&kill_me.sandbox_id).is_none());
+        assert_eq!(
+            s.get(&pause_me.sandbox_id).unwrap().state,
+            SandboxState::Paused
+        );
+        assert_eq!(
+            s.get(&keep.sandbox_id).unwrap().state,
+            SandboxState::Running
+        );
+        assert_eq!(fake.vm_state(&pause_me.sandbox_id), Some(VmState::Paused));
+        assert!(matches!(
+            s.pause(&pause_me.sandbox_id).await,
+            Err(LifecycleError::AlreadyPaused(_))
+        ));
+        assert!(matches!(
+            s.set_timeout(&pause_me.sandbox_id, 10).await,
+            Err(LifecycleError::Paused(_))
+        ));
+        let (rec, resumed) = s.connect(&pause_me.sandbox_id, Some(60)).await.unwrap();
+        assert!(resumed && rec.state == SandboxState::Running);
+    }
+
+    #[tokio::test]
+    async fn restart_reconciles_records_with_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let s = open(dir.path(), fake.clone()).await;
+        let (a, b, c) = (
+            s.create(req("base"), None).await.unwrap(),
+            s.create(req("base"), None).await.unwrap(),
+            s.create(req("base"), None).await.unwrap(),
+        );
+        s.pause(&b.sandbox_id).await.unwrap();
+        drop(s);
+        // The runtime kept a (running) and b (paused), lost c, and has an orphan VM.
+        let fake2 = Arc::new(FakeBackend::default());
+        let rv = |id: &str, state| RecoveredVm {
+            id: id.into(),
+            template_id: "base".into(),
+            state,
+            detail: String::new(),
+        };
+        *fake2.recovered.lock().unwrap() = vec![
+            rv(&a.sandbox_id, Some(VmState::Running)),
+            rv(&b.sandbox_id, Some(VmState::Paused)),
+            rv(&c.sandbox_id, None),
+            rv("orphan", Some(VmState::Running)),
+        ];
+        let s = open(dir.path(), fake2.clone()).await;
+        assert_eq!(s.get(&a.sandbox_id).unwrap().state, SandboxState::Running);
+        assert_eq!(s.get(&b.sandbox_id).unwrap().state, SandboxState::Paused);
+        assert!(s.get(&c.sandbox_id).is_none());
+        assert_eq!(fake2.vm_state("orphan"), None, "the orphan VM was killed");
+        assert_eq!(s.list(&ListFilter::default()).len(), 2);
+    }
+
+    #[tokio::test]
+    async fn snapshots_name_list_page_and_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let s = open(dir.path(), fake.clone()).await;
+        let a = s.create(req("base"), None).await.unwrap();
+        let b = s.create(req("base"), None).await.unwrap();
+        let s1 = s
+            .snapshot(&a.sandbox_id, Some("app".into()), true)
+            .await
+            .unwrap();
+        let s2 = s
+            .snapshot(&a.sandbox_id, Some("app:v2".into()), true)
+            .await
+            .unwrap();
+        let s3 = s
+            .snapshot(&b.sandbox_id, Some("app".into()), false)
+            .await
+            .unwrap();
+        assert_eq!(s3.names, vec!["app:default".to_string()]);
+        // The name moved from s1 to s3.
+        let of_a = s.snapshots(Some(&a.sandbox_id), None).unwrap();
+        assert_eq!(
+            of_a.iter().map(|x| x.id.clone()).collect::<Vec<_>>(),
+            vec![s1.id.clone(), s2.id.clone()]
+        );
+        assert!(of_a[0].names.is_empty());
+        assert_eq!(s.snapshots(None, Some("app")).unwrap()[0].id, s3.id);
+        assert!(matches!(
+            s.snapshots(None, Some("a/b")),
+            Err(LifecycleError::Invalid(_))
+        ));
+        assert!(matches!(
+            s.snapshot(&a.sandbox_id, Some("bad name".into()), true)
+                .await,
+            Err(LifecycleError::Invalid(_))
+        ));
+        assert!(matches!(
+            s.snapshot("ghost", None, true).await,
+            Err(LifecycleError::SandboxNotFound(_))
+        ));
+        // A snapshot name creates a sandbox.
+        let from = s.create(req("app:v2"), None).await.unwrap();
+        assert_eq!(from.template_id, s2.id);
+        s.delete_snapshot("app:v2").unwrap();
+        assert!(matches!(
+            s.delete_snapshot(&s2.id),
+            Err(LifecycleError::SnapshotNotFound(_))
+        ));
+        assert!(matches!(
+            s.create(req("app:v2"), None).await,
+            Err(LifecycleError::TemplateNotFound(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn fork_checks_count_and_copies_the_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let s = open(dir.path(), fake.clone()).await;
+        let mut r = req("base");
+        r.metadata = Some(BTreeMap::from([("k".to_string(), "v".to_string())]));
+        let src = s.create(r, None).await.unwrap();
+        for bad in [0, MAX_FORKS + 1] {
+            assert!(matches!(
+                s.fork(&src.sandbox_id, Some(bad), None).await,
+                Err(LifecycleError::Invalid(_))
+            ));
+        }
+        assert!(matches!(
+            s.fork("ghost", None, None).await,
+            Err(LifecycleError::SandboxNotFound(_))
+        ));
+        let n = rand::random_range(1..=MAX_FORKS);
+        let forks = s.fork(&src.sandbox_id, Some(n), Some(30)).await.unwrap();
+        assert_eq!(forks.len(), n as usize);
+        let mut ids = std::collections::BTreeSet::new();
+        for f in forks {
+            let f = f.unwrap();
+            assert_eq!(f.metadata, src.metadata);
+            assert_ne!(f.access_token, src.access_token);
+            assert!(ids.insert(f.sandbox_id.clone()));
+            assert_eq!(s.get(&f.sandbox_id).unwrap().state, SandboxState::Running);
+        }
+        assert_eq!(s.list(&ListFilter::default()).len(), n as usize + 1);
+    }
+}

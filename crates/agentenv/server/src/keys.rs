@@ -1,4 +1,4 @@
-//! API key (`e2b_` + 40 lowercase hex, spec §0) and per-sandbox envd access tokens.
+//! API key (`e2b_` + 40 lowercase hex, `docs/specs/e2b-compat.md §0`) and per-sandbox envd access tokens.
 
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};

@@ -1,4 +1,4 @@
-//! E2B control-plane JSON objects (spec `e2b-compat.md` §4.2). Only this crate knows this JSON.
+//! E2B control-plane JSON objects (`docs/specs/e2b-compat.md §4.2`). Only this crate knows this JSON.
 
 use std::collections::BTreeMap;
 

@@ -20,7 +20,7 @@ impl utoipa::Modify for ApiKeyScheme {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "agentenv", description = "E2B-compatible sandbox API. Data-plane (envd) requests share this port: \
-        they carry `E2b-Sandbox-Id` and an envd path, and are forwarded to the sandbox (see e2b-compat.md §1)."),
+        they carry `E2b-Sandbox-Id` and an envd path, and are forwarded to the sandbox (see docs/specs/e2b-compat.md §1)."),
     paths(
         routes::create_v2, routes::create_v1, routes::list_v2, routes::list_v1, routes::get_sandbox,
         routes::kill_sandbox, routes::set_timeout, routes::pause, routes::connect_v2, routes::connect_v1,

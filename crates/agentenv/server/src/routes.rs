@@ -1,4 +1,4 @@
-//! Control-plane handlers (spec §4). The route table is in [`crate::app::control_router`].
+//! Control-plane handlers (`docs/specs/e2b-compat.md §4`). The route table is in [`crate::app::control_router`].
 
 use axum::Json;
 use axum::extract::{Path, RawQuery, State};

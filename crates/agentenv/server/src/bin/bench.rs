@@ -147,7 +147,12 @@ async fn snapshot_figures(http: &Http, n: usize) -> anyhow::Result<Vec<Figure>> 
     for _ in 0..n {
         let t = Instant::now();
         let s = http
-            .json(Method::POST, &format!("/sandboxes/{src}/snapshots"), json!({}), 201)
+            .json(
+                Method::POST,
+                &format!("/sandboxes/{src}/snapshots"),
+                json!({}),
+                201,
+            )
             .await?;
         snap.push(ms(t));
         snap_ids.push(s["snapshotID"].as_str().context("snapshotID")?.to_string());
@@ -177,7 +182,10 @@ async fn snapshot_figures(http: &Http, n: usize) -> anyhow::Result<Vec<Figure>> 
             .iter()
             .map(|f| {
                 let sb = &f["sandbox"];
-                Some((sb["sandboxID"].as_str()?.to_string(), sb["envdAccessToken"].as_str()?.to_string()))
+                Some((
+                    sb["sandboxID"].as_str()?.to_string(),
+                    sb["envdAccessToken"].as_str()?.to_string(),
+                ))
             })
             .collect::<Option<_>>()
             .context("a fork failed")?;
@@ -186,7 +194,11 @@ async fn snapshot_figures(http: &Http, n: usize) -> anyhow::Result<Vec<Figure>> 
         fork8.push(ms(t));
         answered.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
         if round == 0 {
-            pss_kib = ids.iter().filter_map(|(id, _)| qemu_pss_kib(id)).map(|k| k as f64).collect();
+            pss_kib = ids
+                .iter()
+                .filter_map(|(id, _)| qemu_pss_kib(id))
+                .map(|k| k as f64)
+                .collect();
         }
         for (id, _) in ids {
             kill(id).await?;
@@ -206,22 +218,46 @@ async fn snapshot_figures(http: &Http, n: usize) -> anyhow::Result<Vec<Figure>> 
         }
     }
     for id in &snap_ids {
-        http.send(Method::DELETE, &format!("/templates/{id}"), &[], vec![]).await?;
+        http.send(Method::DELETE, &format!("/templates/{id}"), &[], vec![])
+            .await?;
     }
     kill(src).await?;
     let pss_med = k3_common::Stats::from_samples(&pss_kib).map_or(f64::NAN, |s| s.median);
-    let fit = if pss_med > 0.0 { (16.0 * 1024.0 * 1024.0 / pss_med).floor() } else { f64::NAN };
+    let fit = if pss_med > 0.0 {
+        (16.0 * 1024.0 * 1024.0 / pss_med).floor()
+    } else {
+        f64::NAN
+    };
     Ok(vec![
-        Figure::timing("snapshot of a running 256 MiB sandbox (POST /sandboxes/{id}/snapshots)", &snap, "ms")
-            .baseline("issue #8 target", 100.0, false),
-        Figure::timing("create from a snapshot in the local cache (POST /v2/sandboxes)", &from_snap, "ms")
-            .baseline("issue #8 target", 60.0, false),
-        Figure::timing("fork x8 until all eight answer a command (POST /sandboxes/{id}/fork)", &fork8, "ms")
-            .baseline("issue #8 target", 500.0, false),
-        Figure::timing("8 concurrent creates, each until envd answers", &conc, "ms")
-            .baseline("issue #8 target", 250.0, false),
-        Figure::timing("PSS per idle fork (QEMU process, smaps_rollup)", &pss_kib, "KiB")
-            .param("idle forks in 16 GiB", fit),
+        Figure::timing(
+            "snapshot of a running 256 MiB sandbox (POST /sandboxes/{id}/snapshots)",
+            &snap,
+            "ms",
+        )
+        .baseline("issue #8 target", 100.0, false),
+        Figure::timing(
+            "create from a snapshot in the local cache (POST /v2/sandboxes)",
+            &from_snap,
+            "ms",
+        )
+        .baseline("issue #8 target", 60.0, false),
+        Figure::timing(
+            "fork x8 until all eight answer a command (POST /sandboxes/{id}/fork)",
+            &fork8,
+            "ms",
+        )
+        .baseline("issue #8 target", 500.0, false),
+        Figure::timing("8 concurrent creates, each until envd answers", &conc, "ms").baseline(
+            "issue #8 target",
+            250.0,
+            false,
+        ),
+        Figure::timing(
+            "PSS per idle fork (QEMU process, smaps_rollup)",
+            &pss_kib,
+            "KiB",
+        )
+        .param("idle forks in 16 GiB", fit),
     ])
 }
 
@@ -229,7 +265,10 @@ async fn snapshot_figures(http: &Http, n: usize) -> anyhow::Result<Vec<Figure>> 
 fn qemu_pss_kib(id: &str) -> Option<u64> {
     for e in std::fs::read_dir("/proc").ok()?.flatten() {
         let pid = e.file_name();
-        let Some(pid) = pid.to_str().filter(|p| p.bytes().all(|b| b.is_ascii_digit())) else {
+        let Some(pid) = pid
+            .to_str()
+            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+        else {
             continue;
         };
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();

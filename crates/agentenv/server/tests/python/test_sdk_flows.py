@@ -1,4 +1,4 @@
-"""Spec e2b-compat.md §7 flows through the stock `e2b` SDK against a real agentenv server."""
+"""docs/specs/e2b-compat.md §7: flows through the stock `e2b` SDK against a real agentenv server."""
 
 import secrets
 import time
