@@ -10,7 +10,8 @@
 //! - [`ep`]: [`ep::EpBuffer`], the collective dispatch/combine engine and its backward.
 //! - [`baseline`]: permute + grouped send/recv all-to-all-v + unpermute.
 //! - [`bench`]: `run_nvlink`, called by `moonep-bench --tier nvlink`.
-//! - [`selftest`]: the rank-side GPU correctness checks (run by `tests/gpu_ep.rs` and on the device);
+//! - [`selftest`], [`selftest_backward`]: the rank-side GPU correctness checks, forward and
+//!   backward (run by `tests/gpu_ep.rs` and on the device);
 //!   [`workload`]: their seeded routings and data.
 //!
 //! Only this module imports `cudarc`. Without nvcc at build time the kernels are absent and every
@@ -25,6 +26,7 @@ pub mod launch;
 pub mod nccl;
 pub mod rank;
 pub mod selftest;
+pub mod selftest_backward;
 pub mod store;
 pub mod symm;
 pub mod workload;

@@ -53,14 +53,21 @@ pub struct Rank {
 }
 
 impl Rank {
-    /// Opens device `LOCAL_RANK % devices`, starts/joins the store and, when no two ranks share
+    /// Opens device `MOONEP_DEVICE` or `LOCAL_RANK % devices`, starts/joins the store and, when no two ranks share
     /// a device, exchanges the NCCL id and inits NCCL.
     pub fn init(env: RankEnv) -> Result<Rank, GpuError> {
         let n_devices = device_count()?;
         if n_devices == 0 {
             return Err(GpuError::Env("no CUDA device".into()));
         }
-        let dev = Device::open(env.local_rank % n_devices)?;
+        // MOONEP_DEVICE pins every rank to one GPU (the two-ranks-on-one-GPU tests).
+        let ordinal = match std::env::var("MOONEP_DEVICE") {
+            Ok(v) => v
+                .parse::<usize>()
+                .map_err(|_| GpuError::Env(format!("MOONEP_DEVICE={v} is not a number")))?,
+            Err(_) => env.local_rank % n_devices,
+        };
+        let dev = Device::open(ordinal)?;
         let server = if env.rank == 0 {
             Some(StoreServer::start(env.port)?)
         } else {
