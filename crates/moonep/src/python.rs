@@ -65,7 +65,7 @@ impl Buffer {
     /// 0) and allocates the buffers. The device is `MOONEP_DEVICE` or `LOCAL_RANK % devices`.
     #[new]
     #[pyo3(signature = (rank, world, local_rank, store_port, experts, top_k, capacity_s, hidden,
-        padding=128, num_blocks=32, dedup=true, grad_elems=0))]
+        padding=128, num_blocks=32, dedup=true, grad_elems=0, expert_bytes=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         rank: usize,
@@ -80,6 +80,7 @@ impl Buffer {
         num_blocks: u32,
         dedup: bool,
         grad_elems: usize,
+        expert_bytes: usize,
     ) -> PyResult<Buffer> {
         if rank >= world {
             return Err(PyValueError::new_err(format!(
@@ -98,6 +99,7 @@ impl Buffer {
         cfg.num_blocks = num_blocks;
         cfg.dedup = dedup;
         cfg.grad_elems = grad_elems;
+        cfg.expert_bytes = expert_bytes;
         let buf = EpBuffer::new(&mut r, cfg).map_err(to_py)?;
         if buf.transport != Transport::Nvlink {
             return Err(PyRuntimeError::new_err(
@@ -162,14 +164,19 @@ impl Buffer {
         })
     }
 
+    /// Home ranks push `local_weights` (`[epn][expert_bytes]`) into every replica's prefetch slot.
+    fn prefetch(&self, local_weights: u64, stream: usize) -> PyResult<()> {
+        self.on_stream(Some(stream), |rank, buf| buf.prefetch(&rank.dev, local_weights))
+    }
+
     /// Waits for this rank's stream and raises on a device status error.
     fn check(&self, stream: usize) -> PyResult<()> {
         self.on_stream(Some(stream), |rank, buf| buf.check(&rank.dev))
     }
 
     /// Device pointers and sizes for zero-copy views:
-    /// `(hidden, wts, cu_seqlens, dst, reduce, shard_slots, step_slots)`.
-    fn layout(&self) -> (u64, u64, u64, u64, u64, usize, usize) {
+    /// `(hidden, wts, cu_seqlens, dst, reduce, shard_slots, step_slots, pool)` (0 = absent).
+    fn layout(&self) -> (u64, u64, u64, u64, u64, usize, usize, u64) {
         let guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let b = &guard.buf;
         (
@@ -180,6 +187,7 @@ impl Buffer {
             b.reduce.as_ref().map_or(0, |r| r.ptr()),
             b.shard_slots(),
             b.step_slots(),
+            b.pool.as_ref().map_or(0, |p| p.ptr()),
         )
     }
 

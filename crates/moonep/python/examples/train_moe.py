@@ -3,10 +3,13 @@
     torchrun --nproc_per_node=2 train_moe.py [--steps 300] [--skew 3]   (MOONEP_DEVICE=0: one GPU)
 
 Router (softmax top-k) + experts (SiLU FFN, a gathered batched GEMM per slot row) on bf16 tokens.
-Expert weights are replicated on every rank and their gradients all-reduced (gloo), so moonep's
-replica rows (the planner moves hot-expert rows to the cold rank) use the same weights as the
-reference. Skew: a logit bias on rank 0's home experts. Prints per-step losses of both runs, the
-largest relative loss gap and the mean iteration time; exit 1 if the gap exceeds 2%.
+moonep run, MoonEP's protocol: each rank owns only its home experts; after dispatch the home ranks
+`prefetch` replica weights into the ranks the planner moved hot-expert rows to, and after backward
+`reduce_grad` sums the replicas' weight gradients into the owners' grads (only the small router is
+all-reduced, over gloo). Reference run: every rank holds all experts, computes its own tokens
+densely (no dispatch) and all-reduces every gradient. Skew: a logit bias on rank 0's home experts.
+Prints the losses of both runs, the largest relative loss gap and the median iteration time; exit
+1 if the gap exceeds 2% or the loss did not fall.
 """
 
 import argparse
@@ -42,20 +45,27 @@ def ffn(p, h, eid):
     return torch.bmm(z, p["w2"][eid]).squeeze(1)
 
 
-def moonep_layer(buf, p, x, bias, world, rank):
-    w, topk = route(p, x, bias)
+def ffn_flat(w, h):
+    """SiLU FFN with per-row flat weights w `[rows, 2*H*F]` (w1 then w2)."""
+    w1, w2 = w[:, : H * F].view(-1, H, F), w[:, H * F :].view(-1, F, H)
+    return torch.bmm(torch.nn.functional.silu(torch.bmm(h.float().unsqueeze(1), w1)), w2).squeeze(1)
+
+
+def moonep_layer(buf, router, home, x, bias, world):
+    """Returns (out, replica leaf): slot groups 0..epn use `home`, epn..2epn the prefetched replicas."""
+    w, topk = route({"router": router}, x, bias)
     hidden, wts, cu = moonep.dispatch(buf, x, topk, w)
+    buf.prefetch(home.detach())
+    replica = buf.replica_weights().clone().requires_grad_(True)
     epn = E // world
-    etc = buf._raw.experts_to_copy(torch.cuda.current_stream().cuda_stream)
-    groups = [rank * epn + g for g in range(epn)] + [max(e, 0) for e in etc[rank * epn : (rank + 1) * epn]]
     rows = torch.arange(hidden.shape[0], device=x.device)
     valid = (rows < cu[-1].long()).unsqueeze(-1)
     grp = torch.searchsorted(cu.long(), rows, right=True).clamp(max=2 * epn - 1)
-    eid = torch.tensor(groups, device=x.device)[grp]
     # Rows past the groups are undefined (maybe NaN): keep them out of every product.
     h = torch.where(valid, hidden, 0)
-    y = (ffn(p, h, eid) * torch.where(valid.squeeze(-1), wts, 0).unsqueeze(-1)).to(torch.bfloat16)
-    return moonep.combine(buf, y)
+    y = ffn_flat(torch.cat([home, replica])[grp], h)
+    y = (y * torch.where(valid.squeeze(-1), wts, 0).unsqueeze(-1)).to(torch.bfloat16)
+    return moonep.combine(buf, y), replica
 
 
 def dense_layer(p, x, bias):
@@ -65,14 +75,28 @@ def dense_layer(p, x, bias):
     return (y * w.unsqueeze(-1)).to(torch.bfloat16).float().sum(1).to(torch.bfloat16)
 
 
+def sgd(t, g, world, lr):
+    with torch.no_grad():
+        t -= lr * g / world
+    t.grad = None
+
+
 def step(params, loss, world, lr):
     loss.backward()
     for t in params.values():
         g = t.grad.detach().cpu()
         dist.all_reduce(g)
-        with torch.no_grad():
-            t -= lr * g.to(t.device) / world
-        t.grad = None
+        sgd(t, g.to(t.device), world, lr)
+
+
+def moonep_step(buf, router, home, replica, loss, world, lr):
+    loss.backward()
+    buf.reduce_slots().copy_(replica.grad)
+    buf.reduce_grad(home.grad)
+    g = router.grad.detach().cpu()
+    dist.all_reduce(g)
+    sgd(router, g.to(router.device), world, lr)
+    sgd(home, home.grad, world, lr)
 
 
 def main():
@@ -85,11 +109,19 @@ def main():
     dev = torch.device("cuda", int(os.environ.get("MOONEP_DEVICE", os.environ.get("LOCAL_RANK", 0))))
     torch.cuda.set_device(dev)
     dist.init_process_group("gloo")
-    buf = moonep.Buffer(experts=E, top_k=K, capacity_s=S, hidden=H, padding=8, num_blocks=8)
+    epn = E // world
+    buf = moonep.Buffer(experts=E, top_k=K, capacity_s=S, hidden=H, padding=8, num_blocks=8,
+                        grad_elems=2 * H * F, expert_bytes=2 * H * F * 4)
+    buf.replica_weights().zero_()
     bias = torch.zeros(E, device=dev)
-    bias[: E // world] = a.skew
-    pm = {k: v.to(dev).requires_grad_(True) for k, v in init_params(0).items()}
-    pr = {k: v.to(dev).requires_grad_(True) for k, v in init_params(0).items()}
+    bias[:epn] = a.skew
+    full = init_params(0)
+    mine = slice(rank * epn, (rank + 1) * epn)
+    home = torch.cat([full["w1"][mine].flatten(1), full["w2"][mine].flatten(1)], 1).to(dev).contiguous()
+    home.requires_grad_(True)
+    router = full["router"].to(dev).requires_grad_(True)
+    pr = {k: v.to(dev).requires_grad_(True) for k, v in full.items()}
+    replicas_seen = 0
     teacher = torch.randn(H, H, generator=torch.Generator().manual_seed(99)).to(dev) / H**0.5
     data = torch.Generator(device=dev).manual_seed(1000 + rank)
     gap, times, losses = 0.0, [], []
@@ -98,8 +130,9 @@ def main():
         target = torch.tanh(x.float() @ teacher)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        lm = torch.nn.functional.mse_loss(moonep_layer(buf, pm, x, bias, world, rank).float(), target)
-        step(pm, lm, world, a.lr)
+        out, replica = moonep_layer(buf, router, home, x, bias, world)
+        lm = torch.nn.functional.mse_loss(out.float(), target)
+        moonep_step(buf, router, home, replica, lm, world, a.lr)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         lr_ = torch.nn.functional.mse_loss(dense_layer(pr, x, bias).float(), target)
@@ -109,12 +142,14 @@ def main():
         both /= world
         losses.append(both)
         gap = max(gap, abs(both[0] - both[1]).item() / both[1].item())
+        if i == 0:
+            replicas_seen = sum(e >= 0 for e in buf._raw.experts_to_copy(torch.cuda.current_stream().cuda_stream))
         if rank == 0 and (i % 50 == 0 or i == a.steps - 1):
             print(f"step {i:4d} loss moonep {both[0]:.5f} reference {both[1]:.5f}", flush=True)
     buf.check()
     med = sorted(times[10:])[len(times[10:]) // 2] * 1e3 if len(times) > 10 else float("nan")
     if rank == 0:
-        print(f"skew {a.skew}: first loss {losses[0][1]:.5f} last {losses[-1][1]:.5f}; largest relative loss gap "
+        print(f"skew {a.skew}: {replicas_seen} replica(s) in step 0; first loss {losses[0][1]:.5f} last {losses[-1][1]:.5f}; largest relative loss gap "
               f"{gap:.2e}; median moonep iteration {med:.2f} ms (incl. gloo all-reduce; ranks time-slice one GPU)")
     dist.destroy_process_group()
     sys.exit(0 if gap < 0.02 and losses[-1][0] < losses[0][0] else 1)

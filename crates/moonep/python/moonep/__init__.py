@@ -44,7 +44,7 @@ class Buffer:
     """One rank's symmetric buffers, sized once per (S, K, H, E)."""
 
     def __init__(self, experts, top_k, capacity_s, hidden, padding=128, num_blocks=32, dedup=True,
-                 grad_elems=0, rank=None, world_size=None, store_port=None):
+                 grad_elems=0, expert_bytes=0, rank=None, world_size=None, store_port=None):
         env = os.environ
         rank = int(env["RANK"]) if rank is None else rank
         world = int(env["WORLD_SIZE"]) if world_size is None else world_size
@@ -57,7 +57,9 @@ class Buffer:
         self.device = torch.device("cuda", int(env["MOONEP_DEVICE"]))
         self._raw = _RawBuffer(rank, world, local, store_port, experts, top_k, capacity_s, hidden,
                                padding=padding, num_blocks=num_blocks, dedup=dedup,
-                               grad_elems=grad_elems)
+                               grad_elems=grad_elems, expert_bytes=expert_bytes)
+        self.grad_elems, self.expert_bytes = grad_elems, expert_bytes
+        self.epn = experts // world
         self.s = 0
 
     def _check_tokens(self, x, topk, w):
@@ -90,7 +92,7 @@ class Buffer:
 
     def views(self):
         """Zero-copy (hidden bf16 [nvs_s, H], wts f32 [nvs_s], cu_seqlens i32 [2*epn])."""
-        hid, wts, cu, _dst, _red, _nvs, nvs_s = self._raw.layout()
+        hid, wts, cu, _dst, _red, _nvs, nvs_s, _pool = self._raw.layout()
         epn = self.experts // self.world
         h = torch.as_tensor(_DeviceArray(hid, (nvs_s, self.hidden), "<i2", self), device=self.device)
         return (h.view(torch.bfloat16),
@@ -115,6 +117,39 @@ class Buffer:
         dw = torch.empty(self.s, self.top_k, dtype=torch.float32, device=self.device)
         self._raw.dispatch_backward(dx.data_ptr(), dw.data_ptr(), _stream())
         return dx, dw
+
+    def prefetch(self, home_weights):
+        """Pushes this rank's home experts (`[epn, expert_bytes]` as any contiguous dtype) into
+        the prefetch slot of every rank that holds a replica of them (latest plan)."""
+        if not home_weights.is_contiguous() or home_weights.numel() * home_weights.element_size() != self.epn * self.expert_bytes:
+            raise ValueError(f"home_weights must be contiguous with {self.epn} x {self.expert_bytes} bytes")
+        self._raw.prefetch(home_weights.data_ptr(), _stream())
+
+    def replica_weights(self, dtype=torch.float32):
+        """Zero-copy view of the prefetch slots: `[epn, expert_bytes / itemsize]` of `dtype`;
+        slot b holds expert `experts_to_copy[rank][b]` after `prefetch`."""
+        typestr = {torch.float32: "<f4", torch.bfloat16: "<i2"}[dtype]
+        item = 4 if dtype == torch.float32 else 2
+        pool = self._raw.layout()[7]
+        if pool == 0:
+            raise ValueError("Buffer was built with expert_bytes=0")
+        t = torch.as_tensor(_DeviceArray(pool, (self.epn, self.expert_bytes // item), typestr, self), device=self.device)
+        return t.view(dtype)
+
+    def reduce_slots(self):
+        """Zero-copy view of the reduce slots `[epn, grad_elems]` f32: replica weight grads."""
+        red = self._raw.layout()[4]
+        if red == 0:
+            raise ValueError("Buffer was built with grad_elems=0")
+        return torch.as_tensor(_DeviceArray(red, (self.epn, self.grad_elems), "<f4", self), device=self.device)
+
+    def reduce_grad(self, home_grads):
+        """Adds every replica's reduce slot of this rank's experts into `home_grads`
+        (`[epn, grad_elems]` f32, in place) and zeroes the consumed slots."""
+        if home_grads.dtype != torch.float32 or not home_grads.is_contiguous() or \
+                tuple(home_grads.shape) != (self.epn, self.grad_elems):
+            raise ValueError(f"home_grads must be contiguous f32 [{self.epn}, {self.grad_elems}]")
+        self._raw.reduce_grad(home_grads.data_ptr(), _stream())
 
     def check(self):
         """Waits for the stream; raises on a device status error (barrier timeout, bad input)."""

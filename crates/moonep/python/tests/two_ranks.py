@@ -57,7 +57,7 @@ def main():
     dev = torch.device("cuda", int(os.environ.get("MOONEP_DEVICE", os.environ.get("LOCAL_RANK", 0))))
     torch.cuda.set_device(dev)
     buf = moonep.Buffer(experts=E, top_k=K, capacity_s=S, hidden=H, padding=P, num_blocks=8)
-    hid, wts, _cu, _dst, _red, nvs, _ = buf._raw.layout()
+    hid, wts, _cu, _dst, _red, nvs, _, _pool = buf._raw.layout()
     shard = torch.as_tensor(moonep._DeviceArray(hid, (nvs, H), "<i2", buf), device=dev).view(torch.bfloat16)
     shard.fill_(float("nan"))
     failures = []
