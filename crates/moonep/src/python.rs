@@ -166,7 +166,9 @@ impl Buffer {
 
     /// Home ranks push `local_weights` (`[epn][expert_bytes]`) into every replica's prefetch slot.
     fn prefetch(&self, local_weights: u64, stream: usize) -> PyResult<()> {
-        self.on_stream(Some(stream), |rank, buf| buf.prefetch(&rank.dev, local_weights))
+        self.on_stream(Some(stream), |rank, buf| {
+            buf.prefetch(&rank.dev, local_weights)
+        })
     }
 
     /// Waits for this rank's stream and raises on a device status error.
