@@ -337,8 +337,9 @@ impl EpBuffer {
         Ok(())
     }
 
-    /// Plans this call: all-gathers `tpe` (device `i32[E]`) over NCCL and runs the planning
-    /// kernels on `topk` (device `i32[s*K]`). `total_tokens` is `Some(T)` in per-rank mode.
+    /// Plans this call: all-gathers `tpe` (device `i32[E]`; through the IPC tables and a barrier,
+    /// or NCCL on the fallback) and runs the planning kernels on `topk` (device `i32[s*K]`).
+    /// `total_tokens` is `Some(T)` in per-rank mode.
     pub fn plan(
         &mut self,
         rank: &Rank,
