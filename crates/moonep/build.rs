@@ -1,11 +1,11 @@
-//! Compiles `kernels/moonep.cu` ahead of time for sm_90a when nvcc is found (NVCC, CUDA_HOME, PATH
+//! Compiles `kernels/moonep.cu` (which includes one file per phase) ahead of time for sm_90a when nvcc is found (NVCC, CUDA_HOME, PATH
 //! or /opt/cuda13/nvidia/cu13). Without nvcc the cubin is empty and GPU entry points return
 //! `GpuError::NoKernels`.
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
-    println!("cargo:rerun-if-changed=kernels/moonep.cu");
+    println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR")).join("moonep.sm_90a.cubin");

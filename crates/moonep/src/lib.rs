@@ -5,12 +5,15 @@
 //! - [`router`]: seeded workload generators (spec §6.2).
 //! - [`reference`]: the CPU reference cluster (R virtual ranks) and the dense MoE oracle.
 //! - [`sim`]: the cluster-scale load simulator behind `moonep-sim` and the bench's cpu tier.
+//! - `python` (feature `python`): the `moonep._moonep` module under the torch package `python/moonep`.
 
 // Index loops mirror the spec's formulas (and the CUDA port) more plainly than iterator chains.
 #![allow(clippy::needless_range_loop)]
 
 pub mod gpu;
 pub mod plan;
+#[cfg(feature = "python")]
+mod python;
 pub mod reference;
 pub mod router;
 pub mod sim;

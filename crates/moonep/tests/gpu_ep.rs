@@ -1,8 +1,10 @@
-//! GPU checks on 2 GPUs with peer access: planning kernel bit-exact with the CPU planner,
-//! dispatch/combine (NVLink and NCCL fallback) exactly equal to the reference on random and
-//! extreme routings with poisoned buffers, baseline, prefetch, barrier timeouts. They run as two
-//! processes (`moonep-launch -n 2 -- moonep-gpu-rank selftest`); skipped with a printed reason
-//! where the machine has no such GPUs. `MOONEP_BIN_DIR` overrides where the binaries are found.
+//! GPU checks: planning kernel bit-exact with the CPU planner, dispatch/combine and their backward
+//! (combine-backward, dispatch-backward, reduce_grad) exactly equal to the reference on random and
+//! extreme routings with poisoned buffers, prefetch, barrier timeouts; on 2 GPUs also the NCCL
+//! fallback and the baseline. They run as two processes (`moonep-launch -n 2 -- moonep-gpu-rank
+//! selftest`): on two GPUs with peer access, and as two ranks sharing one GPU over CUDA IPC (no
+//! NCCL). Skipped with a printed reason where no GPU is; under `K3_REQUIRE_GPU=1` a missing GPU
+//! fails. `MOONEP_BIN_DIR` overrides where the binaries are found.
 
 use std::path::PathBuf;
 
@@ -19,6 +21,45 @@ fn bin_dir() -> PathBuf {
         .and_then(|p| p.parent())
         .expect("target dir")
         .to_path_buf()
+}
+
+fn require_gpu() -> bool {
+    std::env::var("K3_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// Why no single GPU can run the checks, or None.
+fn one_gpu_unavailable() -> Option<String> {
+    if !moonep::gpu::driver::kernels_embedded() {
+        return Some(moonep::gpu::GpuError::NoKernels.to_string());
+    }
+    match moonep::gpu::driver::device_count() {
+        Err(e) => Some(e.to_string()),
+        Ok(0) => Some("no CUDA device".into()),
+        Ok(_) => None,
+    }
+}
+
+#[test]
+fn sm90_two_ranks_on_one_gpu_match_reference_forward_and_backward() {
+    if let Some(reason) = one_gpu_unavailable() {
+        assert!(!require_gpu(), "K3_REQUIRE_GPU=1 but: {reason}");
+        eprintln!("skip sm90: {reason}");
+        return;
+    }
+    let rank_bin = bin_dir().join("moonep-gpu-rank");
+    assert!(
+        rank_bin.exists(),
+        "{} missing (build the bins or set MOONEP_BIN_DIR)",
+        rank_bin.display()
+    );
+    moonep::gpu::launch::launch_with_env(
+        2,
+        &rank_bin,
+        &["selftest".to_string()],
+        0,
+        &[("MOONEP_DEVICE", "0")],
+    )
+    .unwrap_or_else(|e| panic!("GPU selftest (two ranks on GPU 0) failed: {e}"));
 }
 
 #[test]

@@ -4,100 +4,16 @@
 
 use half::bf16;
 use moonep::reference::{
-    ClusterPlan, ExpertBank, POISON, ReplicaPools, VirtualCluster, combine, dense_backward,
-    dense_forward, dyadic_router_weights, dyadic_tokens, expert_backward_on_slots, gather_slots,
-    moe_forward, prefetch, random_router_weights, random_tokens, reduce_grad,
+    ClusterPlan, ExpertBank, POISON, VirtualCluster, combine, dense_backward, dense_forward,
+    dyadic_router_weights, dyadic_tokens, moe_backward, moe_forward, random_router_weights,
+    random_tokens,
 };
-use moonep::router::{Placement, Routing, Skew, WorkloadSpec, generate};
+use moonep::router::{Placement, Skew};
 use proptest::prelude::*;
 
-const H: usize = 8;
+mod common;
 
-#[derive(Debug, Clone)]
-struct Shape {
-    ranks: usize,
-    epn: usize,
-    top_k: usize,
-    tokens: Vec<u32>,
-    padding: u32,
-    skew: Skew,
-    placement: Placement,
-    seed: u64,
-}
-
-fn skew() -> impl Strategy<Value = Skew> {
-    prop_oneof![
-        Just(Skew::Uniform),
-        (0.0f64..4.0).prop_map(|m| Skew::Zipf { maxvio: m }),
-        (0.0f64..1.5).prop_map(|s| Skew::Lognormal { sigma: s }),
-        Just(Skew::SingleHotExpert),
-        Just(Skew::HotHomeGroup),
-        Just(Skew::HotSourceRank),
-        Just(Skew::HalfExpertsEmpty),
-        Just(Skew::IntraGroupSkew),
-        (0.5f64..0.95).prop_map(|s| Skew::RankShare { share: s }),
-    ]
-}
-
-fn shape() -> impl Strategy<Value = Shape> {
-    (
-        1usize..=16,
-        1usize..=8,
-        1usize..=8,
-        1u32..=64,
-        prop_oneof![Just(1u32), Just(8), Just(128)],
-    )
-        .prop_flat_map(|(ranks, epn, k, s, padding)| {
-            let tokens = prop_oneof![
-                Just(vec![s; ranks]),
-                proptest::collection::vec(1u32..=64, ranks..=ranks)
-            ];
-            let placement = prop_oneof![
-                Just(Placement::Clustered),
-                Just(Placement::Random),
-                Just(Placement::Spread)
-            ];
-            (
-                Just((ranks, epn, k.min(ranks * epn), padding)),
-                tokens,
-                skew(),
-                placement,
-                any::<u64>(),
-            )
-        })
-        .prop_map(
-            |((ranks, epn, top_k, padding), tokens, skew, placement, seed)| Shape {
-                ranks,
-                epn,
-                top_k,
-                tokens,
-                padding,
-                skew,
-                placement,
-                seed,
-            },
-        )
-}
-
-fn plan_for(s: &Shape) -> (Routing, Vec<Vec<u32>>, ClusterPlan) {
-    let spec = WorkloadSpec {
-        experts: s.ranks * s.epn,
-        top_k: s.top_k,
-        tokens: s.tokens.clone(),
-        skew: s.skew,
-        placement: s.placement,
-        seed: s.seed,
-    };
-    let routing = generate(&spec).unwrap();
-    let topk: Vec<Vec<u32>> = (0..s.ranks).map(|r| routing.topk(r, s.seed)).collect();
-    let cfg = routing.plan_config(*s.tokens.iter().max().unwrap(), s.padding);
-    let plan = ClusterPlan::new(&cfg, &routing.tpe, &topk).unwrap();
-    (routing, topk, plan)
-}
-
-fn bits(v: &[bf16]) -> Vec<u16> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
+use common::{H, Shape, bits, plan_for, shape};
 
 /// Rows past the last group stay poisoned; padding rows are zero.
 fn assert_poison_and_padding(plan: &ClusterPlan, cluster: &VirtualCluster) {
@@ -217,36 +133,8 @@ fn check_gradients(s: &Shape) -> Result<(), TestCaseError> {
         .map(|(r, &n)| dyadic_router_weights(n as usize * k, s.seed ^ r as u64))
         .collect();
 
-    let nvs = plan.global.shard_slots as usize;
-    let mut fwd = VirtualCluster::new(r_n, nvs, H);
-    fwd.dispatch(&plan, &x, Some(&w)).unwrap();
-    let mut grad = VirtualCluster::new(r_n, nvs, H);
-    grad.dispatch(&plan, &g, None).unwrap();
-    let mut pools = ReplicaPools::filled(r_n, epn, H, POISON);
-    prefetch(&plan, &bank, &mut pools);
-    let mut reduce = ReplicaPools::filled(r_n, epn, H, 0.0);
-    let mut home: Vec<Vec<Vec<f32>>> = vec![vec![vec![0.0; H * H]; epn]; r_n];
-    let mut dx_slots = vec![vec![bf16::from_f32(POISON); nvs * H]; r_n];
-    let mut dw_slots = vec![vec![POISON; nvs]; r_n];
-    for d in 0..r_n {
-        expert_backward_on_slots(
-            &plan,
-            &bank,
-            &pools,
-            d,
-            &fwd.shards[d],
-            &grad.shards[d],
-            &fwd.wts[d],
-            &mut dx_slots[d],
-            &mut dw_slots[d],
-            &mut home[d],
-            &mut reduce,
-        );
-    }
-    let dx = combine(&plan, &dx_slots, H);
-    let dw = gather_slots(&plan, &dw_slots);
-    reduce_grad(&plan, &mut home, &mut reduce);
-
+    let got = moe_backward(&plan, &bank, &x, &w, &g).unwrap();
+    let (dx, dw, reduce) = (&got.dx, &got.dw, &got.reduce);
     let mut d_weights = vec![vec![0f32; H * H]; e_n];
     for r in 0..r_n {
         let want = dense_backward(&bank, &x[r], &w[r], &topk[r], k, &g[r], &mut d_weights);
@@ -254,7 +142,7 @@ fn check_gradients(s: &Shape) -> Result<(), TestCaseError> {
         prop_assert_eq!(&dw[r], &want.dw, "dw rank {}", r);
     }
     for e in 0..e_n {
-        prop_assert_eq!(&home[e / epn][e % epn], &d_weights[e], "dW expert {}", e);
+        prop_assert_eq!(&got.d_weights[e], &d_weights[e], "dW expert {}", e);
     }
     for d in 0..r_n {
         for (b, &e) in plan.global.layouts[d].experts_to_copy.iter().enumerate() {

@@ -5,8 +5,11 @@
 //! sums the K copies in f32 (ascending k, one bf16 rounding), like moonep's combine.
 
 use super::GpuError;
-use super::driver::{Args, DevBuf, read_ptr};
-use super::ep::{Dims, EpConfig, Tokens};
+use super::driver::{DevBuf, read_ptr};
+use super::ep::{EpConfig, Tokens};
+use super::kernels::{
+    BaseLayout, BasePermute1, BasePermute2, BaseUnpermute1, Dims, Grid, PlanHist,
+};
 use super::nccl::{self, Dtype};
 use super::rank::Rank;
 
@@ -131,51 +134,54 @@ impl Baseline {
         let d = self.dims;
         let n = s * self.cfg.top_k;
         let nblk = n.div_ceil(HIST_BLOCK);
-        rank.comm
+        rank.comm()?
             .all_gather(tpe, self.tpe_all.ptr, e, Dtype::I32, dev.stream)?;
-        let args = Args::new()
-            .arg(topk)
-            .arg(n as i64)
-            .arg(e as i64)
-            .arg(self.ord.ptr)
-            .arg(self.hist.ptr)
-            .arg(self.status.ptr);
-        // SAFETY: matches moonep_plan_hist.
+        let (local, warps) = (Grid::new(1, 1024), Grid::new(self.grid, 512));
+        // SAFETY (all launches below): every buffer was sized in `new` for S*K entries, R*S*K
+        // received rows and R*E counts.
         unsafe {
-            dev.launch(
-                "moonep_plan_hist",
-                nblk as u32,
-                HIST_BLOCK as u32,
-                (HIST_BLOCK / 32 * e * 4) as u32,
-                args,
-            )?
-        };
-        let args = Args::new()
-            .arg(d)
-            .arg(self.tpe_all.ptr)
-            .arg(self.hist.ptr)
-            .arg(nblk as i64)
-            .arg(self.e_base.ptr)
-            .arg(self.src_major.ptr)
-            .arg(self.exp_major.ptr);
-        // SAFETY: matches moonep_base_layout.
-        unsafe { dev.launch("moonep_base_layout", 1, 1024, 0, args)? };
+            PlanHist {
+                topk,
+                n: n as i64,
+                experts: e as i64,
+                ord: self.ord.ptr,
+                hist: self.hist.ptr,
+                status: self.status.ptr,
+            }
+            .launch(
+                dev,
+                Grid::new(nblk as u32, HIST_BLOCK as u32).smem(HIST_BLOCK / 32 * e * 4),
+            )?;
+            BaseLayout {
+                dims: d,
+                tpe: self.tpe_all.ptr,
+                hist: self.hist.ptr,
+                nblk: nblk as i64,
+                e_base: self.e_base.ptr,
+                src_major: self.src_major.ptr,
+                exp_major: self.exp_major.ptr,
+            }
+            .launch(dev, local)?;
+        }
         // The data-dependent split sizes go to the host (the per-call sync the baseline pays).
         dev.sync()?;
         self.tpe_host = read_ptr(self.tpe_all.ptr, r * e)?;
-        let args = Args::new()
-            .arg(d)
-            .arg(x)
-            .arg(w)
-            .arg(topk)
-            .arg(self.ord.ptr)
-            .arg(self.hist.ptr)
-            .arg(self.e_base.ptr)
-            .arg(self.send.ptr)
-            .arg(self.send_w.ptr)
-            .arg(self.pos_of.ptr);
-        // SAFETY: matches moonep_base_permute1.
-        unsafe { dev.launch("moonep_base_permute1", self.grid, 512, 0, args)? };
+        // SAFETY: as above.
+        unsafe {
+            BasePermute1 {
+                dims: d,
+                x,
+                w,
+                topk,
+                ord: self.ord.ptr,
+                hist: self.hist.ptr,
+                e_base: self.e_base.ptr,
+                send: self.send.ptr,
+                send_w: self.send_w.ptr,
+                pos_of: self.pos_of.ptr,
+            }
+            .launch(dev, warps)?
+        };
         let (sends, recvs) = self.splits();
         self.exchange(
             rank,
@@ -185,18 +191,21 @@ impl Baseline {
             &recvs,
         )?;
         let rows = self.received_rows();
-        let args = Args::new()
-            .arg(d)
-            .arg(self.src_major.ptr)
-            .arg(self.exp_major.ptr)
-            .arg(rows as i64)
-            .arg(self.recv.ptr)
-            .arg(self.perm.ptr)
-            .arg(self.recv_w.ptr)
-            .arg(self.perm_w.ptr)
-            .arg(0i32);
-        // SAFETY: matches moonep_base_permute2.
-        unsafe { dev.launch("moonep_base_permute2", self.grid, 512, 0, args) }
+        // SAFETY: as above.
+        unsafe {
+            BasePermute2 {
+                dims: d,
+                src_major: self.src_major.ptr,
+                exp_major: self.exp_major.ptr,
+                nrows: rows as i64,
+                from: self.recv.ptr,
+                to: self.perm.ptr,
+                from_w: self.recv_w.ptr,
+                to_w: self.perm_w.ptr,
+                reverse: 0,
+            }
+            .launch(dev, warps)
+        }
     }
 
     /// Combine of the expert outputs in [`Baseline::perm`] into `out` bf16 `[s,H]`.
@@ -204,27 +213,34 @@ impl Baseline {
         let dev = &rank.dev;
         let d = self.dims;
         let rows = self.received_rows();
-        let args = Args::new()
-            .arg(d)
-            .arg(self.src_major.ptr)
-            .arg(self.exp_major.ptr)
-            .arg(rows as i64)
-            .arg(self.perm.ptr)
-            .arg(self.recv.ptr)
-            .arg(0u64)
-            .arg(0u64)
-            .arg(1i32);
-        // SAFETY: matches moonep_base_permute2 (reverse, no weights).
-        unsafe { dev.launch("moonep_base_permute2", self.grid, 512, 0, args)? };
+        let warps = Grid::new(self.grid, 512);
+        // SAFETY: buffers sized in `new`; reverse permute without weights.
+        unsafe {
+            BasePermute2 {
+                dims: d,
+                src_major: self.src_major.ptr,
+                exp_major: self.exp_major.ptr,
+                nrows: rows as i64,
+                from: self.perm.ptr,
+                to: self.recv.ptr,
+                from_w: 0,
+                to_w: 0,
+                reverse: 1,
+            }
+            .launch(dev, warps)?
+        };
         let (sends, recvs) = self.splits();
         self.exchange_rows(rank, self.recv.ptr, &recvs, self.send.ptr, &sends)?;
-        let args = Args::new()
-            .arg(d)
-            .arg(self.send.ptr)
-            .arg(self.pos_of.ptr)
-            .arg(out);
-        // SAFETY: matches moonep_base_unpermute1.
-        unsafe { dev.launch("moonep_base_unpermute1", self.grid, 512, 0, args) }
+        // SAFETY: as above.
+        unsafe {
+            BaseUnpermute1 {
+                dims: d,
+                back: self.send.ptr,
+                pos_of: self.pos_of.ptr,
+                out,
+            }
+            .launch(dev, warps)
+        }
     }
 
     fn exchange(
@@ -269,10 +285,9 @@ impl Baseline {
             if p == self.me {
                 dev.copy_d2d(b, a, sends[p] * unit)?;
             } else {
-                rank.comm
-                    .send(a, sends[p] * unit, Dtype::U8, p, dev.stream)?;
-                rank.comm
-                    .recv(b, recvs[p] * unit, Dtype::U8, p, dev.stream)?;
+                let comm = rank.comm()?;
+                comm.send(a, sends[p] * unit, Dtype::U8, p, dev.stream)?;
+                comm.recv(b, recvs[p] * unit, Dtype::U8, p, dev.stream)?;
             }
             so += sends[p];
             ro += recvs[p];

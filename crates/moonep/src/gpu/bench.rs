@@ -497,7 +497,7 @@ fn section(
         notes: vec![
             format!("command: moonep-launch -n {} -- {cmd}", rank.env.world),
             format!(
-                "backend: CUDA IPC symmetric buffers + sm_90a kernels ({} blocks x 512 threads for comm kernels, {} SMs per GPU), NCCL for the tpe all-gather; baseline: grouped ncclSend/ncclRecv + permute kernels, host sync for split sizes",
+                "backend: CUDA IPC symmetric buffers + sm_90a kernels ({} blocks x 512 threads for comm kernels, {} SMs per GPU), tpe all-gathered through the IPC tables; baseline: grouped ncclSend/ncclRecv + permute kernels, host sync for split sizes",
                 opts.num_blocks, dev.num_sms
             ),
             format!("timing: CUDA events, warmup {} + {} iterations, host + device barrier before each; value = median over iterations of the slowest rank", opts.warmup, opts.iters),

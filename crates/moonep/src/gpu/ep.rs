@@ -1,10 +1,23 @@
 //! [`EpBuffer`]: the collective dispatch/combine engine of one rank (spec §3, §5).
 //!
 //! Every call is collective: all ranks issue the same sequence on their stream. The buffer keeps
-//! the latest plan on the device (dispatch plans, combine and prefetch reuse it). No host sync
-//! happens on the NVLink path; the NCCL fallback copies the `[R,R]` count matrix to the host.
+//! the latest plan on the device (dispatch plans; combine, prefetch and the backward reuse it).
+//! No host sync and no NCCL happen on the IPC path (`tpe` is all-gathered through the peer-mapped
+//! tables), so it also runs with several ranks on one GPU; the NCCL fallback copies the `[R,R]`
+//! count matrix to the host.
+//!
+//! Backward (spec §3): [`EpBuffer::combine_backward`] is a dispatch of the token gradients with
+//! the saved plan, [`EpBuffer::dispatch_backward`] a combine of the slot gradients, and
+//! [`EpBuffer::reduce_grad`] sums replica weight gradients into their owners.
 
-use super::driver::{Args, DevBuf, Device, read_ptr};
+mod backward;
+
+use super::driver::{DevBuf, Device, read_ptr};
+pub use super::kernels::Dims;
+use super::kernels::{
+    Barrier, Combine, Dispatch, FbCount, FbGather, FbPack, FbUnpack, Grid, PlanDst, PlanGlobal,
+    PlanHist, Prefetch, Replicate, TpePush, ZeroPad,
+};
 use super::nccl::{self, Dtype};
 use super::rank::Rank;
 use super::symm::{SymmBuf, peer_access_all};
@@ -33,6 +46,8 @@ pub struct EpConfig {
     pub force_fallback: bool,
     /// Bytes of one expert's weights for `prefetch` (0: no prefetch pool).
     pub expert_bytes: usize,
+    /// f32 elements of one expert's weight gradient for `reduce_grad` (0: no reduce slots).
+    pub grad_elems: usize,
     /// Device barrier timeout.
     pub barrier_timeout_ns: u64,
 }
@@ -50,34 +65,17 @@ impl EpConfig {
             dedup: true,
             force_fallback: false,
             expert_bytes: 0,
+            grad_elems: 0,
             barrier_timeout_ns: 10_000_000_000,
         }
     }
 }
 
-/// Kernel-side sizes (mirrors `struct Dims` in kernels/moonep.cu).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct Dims {
-    pub r: i64,
-    pub me: i64,
-    pub e: i64,
-    pub epn: i64,
-    pub k: i64,
-    pub s: i64,
-    pub p: i64,
-    pub t: i64,
-    pub nvs: i64,
-    pub nvs_s: i64,
-    pub h: i64,
-    pub cap_s: i64,
-    pub uniform: i64,
-}
-
 /// Which transport moves rows between ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
-    /// Peer-mapped IPC buffers: zero-copy stores and pulls over NVLink.
+    /// Peer-mapped IPC buffers: zero-copy stores and pulls over NVLink (or within one GPU when
+    /// ranks share it).
     Nvlink,
     /// `ncclSend`/`ncclRecv` through staging buffers (no peer access).
     NcclFallback,
@@ -134,6 +132,11 @@ pub struct EpBuffer {
     dup: SymmBuf,
     ctrl: SymmBuf,
     pub pool: Option<SymmBuf>,
+    /// Reduce slots `[epn][grad_elems]` f32 (replica weight gradients), when configured.
+    pub reduce: Option<SymmBuf>,
+    /// IPC path: two `[R][E]` i32 tpe tables, alternating per plan call.
+    tpe_sym: Option<SymmBuf>,
+    plan_calls: u64,
     tpe_all: DevBuf,
     ord: DevBuf,
     hist: DevBuf,
@@ -191,6 +194,18 @@ impl EpBuffer {
         } else {
             None
         };
+        let reduce = if cfg.grad_elems > 0 {
+            let b = SymmBuf::new(dev, st, me, epn * cfg.grad_elems * 4, map)?;
+            dev.memset_u32(b.ptr(), 0, epn * cfg.grad_elems)?;
+            Some(b)
+        } else {
+            None
+        };
+        let tpe_sym = if map {
+            Some(SymmBuf::new(dev, st, me, 2 * r * cfg.experts * 4, true)?)
+        } else {
+            None
+        };
         dev.memset_u32(dup.ptr(), u32::MAX, nvs)?;
         dev.memset_u8(ctrl.ptr(), 0, ctrl_words(r) * 8)?;
         let n = cfg.capacity_s * cfg.top_k;
@@ -224,6 +239,9 @@ impl EpBuffer {
             dup,
             ctrl,
             pool,
+            reduce,
+            tpe_sym,
+            plan_calls: 0,
             tpe_all: dev.alloc(r * e * 4)?,
             ord: dev.alloc(n * 4)?,
             hist: dev.alloc(nblk * e * 4)?,
@@ -270,41 +288,22 @@ impl EpBuffer {
         if self.transport != Transport::Nvlink {
             return Ok(());
         }
-        let args = Args::new()
-            .arg(self.ctrl.ptr())
-            .arg(self.ctrl.table.ptr)
-            .arg(self.me as i64)
-            .arg(self.ranks as i64)
-            .arg(self.cfg.barrier_timeout_ns);
-        // SAFETY: argument list matches moonep_barrier; ctrl chunks hold R+2 words on every rank.
-        unsafe {
-            dev.launch(
-                "moonep_barrier",
-                1,
-                32 * self.ranks.div_ceil(32) as u32,
-                0,
-                args,
-            )
-        }
+        self.barrier_with_timeout(dev, self.cfg.barrier_timeout_ns)
     }
 
     /// Barrier with an explicit timeout (tests use it to provoke a timeout).
     pub fn barrier_with_timeout(&self, dev: &Device, timeout_ns: u64) -> Result<(), GpuError> {
-        let args = Args::new()
-            .arg(self.ctrl.ptr())
-            .arg(self.ctrl.table.ptr)
-            .arg(self.me as i64)
-            .arg(self.ranks as i64)
-            .arg(timeout_ns);
-        // SAFETY: as in `barrier`.
+        let threads = 32 * self.ranks.div_ceil(32) as u32;
+        // SAFETY: ctrl chunks hold R+2 words on every rank; the table holds R mapped pointers.
         unsafe {
-            dev.launch(
-                "moonep_barrier",
-                1,
-                32 * self.ranks.div_ceil(32) as u32,
-                0,
-                args,
-            )
+            Barrier {
+                ctrl: self.ctrl.ptr(),
+                peer_ctrl: self.ctrl.table.ptr,
+                me: self.me as i64,
+                ranks: self.ranks as i64,
+                timeout_ns,
+            }
+            .launch(dev, Grid::new(1, threads))
         }
     }
 
@@ -338,8 +337,9 @@ impl EpBuffer {
         Ok(())
     }
 
-    /// Plans this call: all-gathers `tpe` (device `i32[E]`) over NCCL and runs the planning
-    /// kernels on `topk` (device `i32[s*K]`). `total_tokens` is `Some(T)` in per-rank mode.
+    /// Plans this call: all-gathers `tpe` (device `i32[E]`; through the IPC tables and a barrier,
+    /// or NCCL on the fallback) and runs the planning kernels on `topk` (device `i32[s*K]`).
+    /// `total_tokens` is `Some(T)` in per-rank mode.
     pub fn plan(
         &mut self,
         rank: &Rank,
@@ -358,58 +358,80 @@ impl EpBuffer {
         self.dims = dims_of(&self.cfg, self.ranks, self.me, s, total_tokens);
         let d = self.dims;
         let e = self.cfg.experts;
-        rank.comm
-            .all_gather(tpe, self.tpe_all.ptr, e, Dtype::I32, dev.stream)?;
+        let tpe_all = match &self.tpe_sym {
+            Some(table) => {
+                // Alternating tables: a peer may still read the previous call's table until it
+                // reaches the barrier below.
+                let base = (self.plan_calls % 2) as usize * self.ranks * e;
+                self.plan_calls += 1;
+                // SAFETY: every rank's table holds 2*R*E i32; tpe holds E i32.
+                unsafe {
+                    TpePush {
+                        dims: d,
+                        tpe,
+                        peer_tpe: table.table.ptr,
+                        base: base as i64,
+                    }
+                    .launch(dev, Grid::new(self.ranks as u32, 256))?
+                };
+                self.barrier(dev)?;
+                table.ptr() + (base * 4) as u64
+            }
+            None => {
+                rank.comm()?
+                    .all_gather(tpe, self.tpe_all.ptr, e, Dtype::I32, dev.stream)?;
+                self.tpe_all.ptr
+            }
+        };
         let n = s * self.cfg.top_k;
         let nblk = n.div_ceil(HIST_BLOCK);
-        let st = self.status_ptr();
-        let args = Args::new()
-            .arg(topk)
-            .arg(n as i64)
-            .arg(e as i64)
-            .arg(self.ord.ptr)
-            .arg(self.hist.ptr)
-            .arg(st);
-        // SAFETY: matches moonep_plan_hist; ord/hist sized for S*K entries and ceil(S*K/256)*E.
-        unsafe {
-            dev.launch(
-                "moonep_plan_hist",
-                nblk as u32,
-                HIST_BLOCK as u32,
-                (HIST_BLOCK / 32 * e * 4) as u32,
-                args,
-            )?
-        };
+        let status = self.status_ptr();
         let smem = (MAX_R + MAX_R * MAX_R + 2 * e) * 8;
-        let args = Args::new()
-            .arg(d)
-            .arg(self.tpe_all.ptr)
-            .arg(self.hist.ptr)
-            .arg(nblk as i64)
-            .arg(self.alloc.ptr)
-            .arg(self.alloc_cum.ptr)
-            .arg(self.src_off.ptr)
-            .arg(self.grp_start.ptr)
-            .arg(self.etc.ptr)
-            .arg(self.counts.ptr)
-            .arg(self.cu.ptr)
-            .arg(self.zfill.ptr)
-            .arg(st);
-        // SAFETY: matches moonep_plan_global; every array sized in `new`.
-        unsafe { dev.launch("moonep_plan_global", 1, 1024, smem as u32, args)? };
-        let args = Args::new()
-            .arg(d)
-            .arg(topk)
-            .arg(n as i64)
-            .arg(self.ord.ptr)
-            .arg(self.hist.ptr)
-            .arg(self.alloc_cum.ptr)
-            .arg(self.src_off.ptr)
-            .arg(self.grp_start.ptr)
-            .arg(self.dst.ptr)
-            .arg(st);
-        // SAFETY: matches moonep_plan_dst.
-        unsafe { dev.launch("moonep_plan_dst", nblk as u32, HIST_BLOCK as u32, 0, args) }
+        // SAFETY: ord/hist are sized for S*K entries and ceil(S*K/256)*E counts, every plan array
+        // in `new`; topk holds s*K ids.
+        unsafe {
+            PlanHist {
+                topk,
+                n: n as i64,
+                experts: e as i64,
+                ord: self.ord.ptr,
+                hist: self.hist.ptr,
+                status,
+            }
+            .launch(
+                dev,
+                Grid::new(nblk as u32, HIST_BLOCK as u32).smem(HIST_BLOCK / 32 * e * 4),
+            )?;
+            PlanGlobal {
+                dims: d,
+                tpe: tpe_all,
+                hist: self.hist.ptr,
+                nblk: nblk as i64,
+                alloc: self.alloc.ptr,
+                alloc_cum: self.alloc_cum.ptr,
+                src_off: self.src_off.ptr,
+                grp_start: self.grp_start.ptr,
+                etc: self.etc.ptr,
+                counts: self.counts.ptr,
+                cu: self.cu.ptr,
+                zfill: self.zfill.ptr,
+                status,
+            }
+            .launch(dev, Grid::new(1, 1024).smem(smem))?;
+            PlanDst {
+                dims: d,
+                topk,
+                n: n as i64,
+                ord: self.ord.ptr,
+                hist: self.hist.ptr,
+                alloc_cum: self.alloc_cum.ptr,
+                src_off: self.src_off.ptr,
+                grp_start: self.grp_start.ptr,
+                dst: self.dst.ptr,
+                status,
+            }
+            .launch(dev, Grid::new(nblk as u32, HIST_BLOCK as u32))
+        }
     }
 
     /// Plans and dispatches: every entry's row of `x` (device bf16 `[s,H]`) lands in its final
@@ -417,7 +439,8 @@ impl EpBuffer {
     pub fn dispatch(&mut self, rank: &Rank, t: &Tokens) -> Result<(), GpuError> {
         self.plan(rank, t.topk, t.tpe, t.s, t.total_tokens)?;
         match self.transport {
-            Transport::Nvlink => self.dispatch_nvlink(&rank.dev, t.x, t.w),
+            // The planning barrier already separates this call from the previous readers.
+            Transport::Nvlink => self.dispatch_nvlink(&rank.dev, t.x, t.w, true, false),
             Transport::NcclFallback => self.dispatch_fallback(rank, t.x, t.w),
         }
     }
@@ -426,32 +449,49 @@ impl EpBuffer {
         (self.cfg.num_blocks, 512)
     }
 
-    fn dispatch_nvlink(&self, dev: &Device, x: u64, w: u64) -> Result<(), GpuError> {
-        self.barrier(dev)?;
+    fn dispatch_nvlink(
+        &self,
+        dev: &Device,
+        x: u64,
+        w: u64,
+        write_wts: bool,
+        entry_barrier: bool,
+    ) -> Result<(), GpuError> {
+        if entry_barrier {
+            self.barrier(dev)?;
+        }
         let (g, b) = self.warps_grid();
-        let args = Args::new()
-            .arg(self.dims)
-            .arg(x)
-            .arg(w)
-            .arg(self.dst.ptr)
-            .arg(self.hidden.table.ptr)
-            .arg(self.wts.table.ptr)
-            .arg(self.dup.table.ptr)
-            .arg(self.zfill.ptr)
-            .arg(self.cfg.dedup as i32)
-            .arg(self.status_ptr());
-        // SAFETY: matches moonep_dispatch; tables hold R mapped shard pointers.
-        unsafe { dev.launch("moonep_dispatch", g, b, 0, args)? };
+        let status = self.status_ptr();
+        // SAFETY: x holds s rows of H bf16, w s*K f32 (or 0); the tables hold R mapped shards.
+        unsafe {
+            Dispatch {
+                dims: self.dims,
+                x,
+                w,
+                dst: self.dst.ptr,
+                peer_hidden: self.hidden.table.ptr,
+                peer_wts: self.wts.table.ptr,
+                peer_dup: self.dup.table.ptr,
+                zfill: self.zfill.ptr,
+                dedup: self.cfg.dedup as i32,
+                write_wts: write_wts as i32,
+                status,
+            }
+            .launch(dev, Grid::new(g, b))?
+        };
         self.barrier(dev)?;
         if self.cfg.dedup {
-            let args = Args::new()
-                .arg(self.dims)
-                .arg(self.hidden.ptr())
-                .arg(self.dup.ptr())
-                .arg(self.cu.ptr)
-                .arg(self.status_ptr());
-            // SAFETY: matches moonep_replicate; own shard and dup array of NvS rows.
-            unsafe { dev.launch("moonep_replicate", dev.num_sms * 2, 512, 0, args)? };
+            // SAFETY: own shard and dup array of NvS rows.
+            unsafe {
+                Replicate {
+                    dims: self.dims,
+                    hidden: self.hidden.ptr(),
+                    dup: self.dup.ptr(),
+                    cu: self.cu.ptr,
+                    status,
+                }
+                .launch(dev, Grid::new(dev.num_sms * 2, 512))?
+            };
         }
         Ok(())
     }
@@ -466,41 +506,48 @@ impl EpBuffer {
         let st = self.ctrl.ptr() + (r as u64 + 1) * 8;
         dev.memset_u32(fb.cnt.ptr, 0, r)?;
         dev.memset_u32(fb.fill.ptr, 0, r)?;
-        let args = Args::new()
-            .arg(self.dims)
-            .arg(self.dst.ptr)
-            .arg(fb.cnt.ptr)
-            .arg(st);
-        // SAFETY: matches moonep_fb_count.
-        unsafe { dev.launch("moonep_fb_count", 64, 256, 0, args)? };
-        rank.comm
+        // SAFETY: dst holds s*K slots, cnt R ints.
+        unsafe {
+            FbCount {
+                dims: self.dims,
+                dst: self.dst.ptr,
+                cnt: fb.cnt.ptr,
+                status: st,
+            }
+            .launch(dev, Grid::new(64, 256))?
+        };
+        rank.comm()?
             .all_gather(fb.cnt.ptr, fb.cnt_all.ptr, r, Dtype::I32, dev.stream)?;
         dev.sync()?;
         fb.counts = read_ptr(fb.cnt_all.ptr, r * r)?;
         let (g, b) = (self.cfg.num_blocks, 512);
-        let args = Args::new()
-            .arg(self.dims)
-            .arg(x)
-            .arg(w)
-            .arg(self.dst.ptr)
-            .arg(fb.cnt.ptr)
-            .arg(fb.fill.ptr)
-            .arg(self.hidden.ptr())
-            .arg(self.wts.ptr())
-            .arg(fb.stage_send.ptr)
-            .arg(fb.meta_send.ptr)
-            .arg(fb.pos_of.ptr)
-            .arg(st);
-        // SAFETY: matches moonep_fb_pack; staging sized for S*K rows.
-        unsafe { dev.launch("moonep_fb_pack", g, b, 0, args)? };
-        let args = Args::new()
-            .arg(self.dims)
-            .arg(self.hidden.ptr())
-            .arg(self.wts.ptr())
-            .arg(self.zfill.ptr)
-            .arg(st);
-        // SAFETY: matches moonep_zero_pad.
-        unsafe { dev.launch("moonep_zero_pad", g, b, 0, args)? };
+        // SAFETY: staging sized for S*K rows; own shard NvS rows.
+        unsafe {
+            FbPack {
+                dims: self.dims,
+                x,
+                w,
+                dst: self.dst.ptr,
+                cnt: fb.cnt.ptr,
+                fill: fb.fill.ptr,
+                own_hidden: self.hidden.ptr(),
+                own_wts: self.wts.ptr(),
+                stage: fb.stage_send.ptr,
+                meta: fb.meta_send.ptr,
+                pos_of: fb.pos_of.ptr,
+                status: st,
+            }
+            .launch(dev, Grid::new(g, b))?;
+            ZeroPad {
+                dims: self.dims,
+                own_hidden: self.hidden.ptr(),
+                own_wts: self.wts.ptr(),
+                zfill: self.zfill.ptr,
+                status: st,
+            }
+            .launch(dev, Grid::new(g, b))?;
+        }
+        let comm = rank.comm()?;
         let row = self.cfg.hidden * 2;
         let c = &fb.counts;
         nccl::group_start()?;
@@ -510,28 +557,28 @@ impl EpBuffer {
                 continue;
             }
             let (ns, nr) = (c[me * r + p] as usize, c[p * r + me] as usize);
-            rank.comm.send(
+            comm.send(
                 fb.stage_send.ptr + (sb * row) as u64,
                 ns * row,
                 Dtype::U8,
                 p,
                 dev.stream,
             )?;
-            rank.comm.send(
+            comm.send(
                 fb.meta_send.ptr + (sb * 8) as u64,
                 ns * 8,
                 Dtype::U8,
                 p,
                 dev.stream,
             )?;
-            rank.comm.recv(
+            comm.recv(
                 fb.stage_recv.ptr + (rb * row) as u64,
                 nr * row,
                 Dtype::U8,
                 p,
                 dev.stream,
             )?;
-            rank.comm.recv(
+            comm.recv(
                 fb.meta_recv.ptr + (rb * 8) as u64,
                 nr * 8,
                 Dtype::U8,
@@ -542,16 +589,19 @@ impl EpBuffer {
             rb += nr;
         }
         nccl::group_end()?;
-        let args = Args::new()
-            .arg(self.dims)
-            .arg(fb.stage_recv.ptr)
-            .arg(fb.meta_recv.ptr)
-            .arg(rb as i64)
-            .arg(self.hidden.ptr())
-            .arg(self.wts.ptr())
-            .arg(st);
-        // SAFETY: matches moonep_fb_unpack; rb rows received.
-        unsafe { dev.launch("moonep_fb_unpack", g, b, 0, args) }
+        // SAFETY: rb rows received into staging sized for S*K rows.
+        unsafe {
+            FbUnpack {
+                dims: self.dims,
+                stage: fb.stage_recv.ptr,
+                meta: fb.meta_recv.ptr,
+                nrows: rb as i64,
+                own_hidden: self.hidden.ptr(),
+                own_wts: self.wts.ptr(),
+                status: st,
+            }
+            .launch(dev, Grid::new(g, b))
+        }
     }
 
     /// Combine: `out[t] = Σ_k y[dst(t,k)]` (f32 in ascending k, one bf16 rounding) from the slot
@@ -567,19 +617,22 @@ impl EpBuffer {
             }
             Transport::NcclFallback => self.combine_fallback_exchange(rank)?,
         };
-        let args = Args::new()
-            .arg(self.dims)
-            .arg(out)
-            .arg(w_out)
-            .arg(self.dst.ptr)
-            .arg(self.hidden.table.ptr)
-            .arg(self.wts.table.ptr)
-            .arg(back)
-            .arg(back_w)
-            .arg(back_pos)
-            .arg(st);
-        // SAFETY: matches moonep_combine.
-        unsafe { dev.launch("moonep_combine", g, b, 0, args) }
+        // SAFETY: out holds s rows, w_out s*K f32 (or 0); tables hold R mapped shards.
+        unsafe {
+            Combine {
+                dims: self.dims,
+                out,
+                w_out,
+                dst: self.dst.ptr,
+                peer_hidden: self.hidden.table.ptr,
+                peer_wts: self.wts.table.ptr,
+                back,
+                back_w,
+                back_pos,
+                status: st,
+            }
+            .launch(dev, Grid::new(g, b))
+        }
     }
 
     fn combine_fallback_exchange(&mut self, rank: &Rank) -> Result<(u64, u64, u64), GpuError> {
@@ -595,17 +648,21 @@ impl EpBuffer {
             .filter(|&p| p != me)
             .map(|p| c[p * r + me] as usize)
             .sum();
-        let args = Args::new()
-            .arg(self.dims)
-            .arg(fb.meta_recv.ptr)
-            .arg(nrecv as i64)
-            .arg(self.hidden.ptr())
-            .arg(self.wts.ptr())
-            .arg(fb.stage_recv.ptr)
-            .arg(fb.recv_w.ptr)
-            .arg(st);
-        // SAFETY: matches moonep_fb_gather.
-        unsafe { dev.launch("moonep_fb_gather", self.cfg.num_blocks, 512, 0, args)? };
+        // SAFETY: nrecv rows of meta received in dispatch; staging sized for S*K rows.
+        unsafe {
+            FbGather {
+                dims: self.dims,
+                meta: fb.meta_recv.ptr,
+                nrows: nrecv as i64,
+                own_hidden: self.hidden.ptr(),
+                own_wts: self.wts.ptr(),
+                out_rows: fb.stage_recv.ptr,
+                out_w: fb.recv_w.ptr,
+                status: st,
+            }
+            .launch(dev, Grid::new(self.cfg.num_blocks, 512))?
+        };
+        let comm = rank.comm()?;
         let row = self.cfg.hidden * 2;
         nccl::group_start()?;
         let (mut sb, mut rb) = (0usize, 0usize);
@@ -614,28 +671,28 @@ impl EpBuffer {
                 continue;
             }
             let (back_n, mine_n) = (c[p * r + me] as usize, c[me * r + p] as usize);
-            rank.comm.send(
+            comm.send(
                 fb.stage_recv.ptr + (rb * row) as u64,
                 back_n * row,
                 Dtype::U8,
                 p,
                 dev.stream,
             )?;
-            rank.comm.send(
+            comm.send(
                 fb.recv_w.ptr + (rb * 4) as u64,
                 back_n * 4,
                 Dtype::U8,
                 p,
                 dev.stream,
             )?;
-            rank.comm.recv(
+            comm.recv(
                 fb.back.ptr + (sb * row) as u64,
                 mine_n * row,
                 Dtype::U8,
                 p,
                 dev.stream,
             )?;
-            rank.comm.recv(
+            comm.recv(
                 fb.back_w.ptr + (sb * 4) as u64,
                 mine_n * 4,
                 Dtype::U8,
@@ -663,22 +720,17 @@ impl EpBuffer {
         }
         self.barrier(dev)?;
         let epn = self.cfg.experts / self.ranks;
-        let args = Args::new()
-            .arg(self.dims)
-            .arg(self.etc.ptr)
-            .arg(local_weights)
-            .arg(pool.table.ptr)
-            .arg(self.cfg.expert_bytes as i64)
-            .arg(self.status_ptr());
-        // SAFETY: matches moonep_prefetch; pool chunks hold epn experts on every rank.
+        // SAFETY: pool chunks hold epn experts on every rank, local_weights epn experts.
         unsafe {
-            dev.launch(
-                "moonep_prefetch",
-                (self.ranks * epn).min(1024) as u32,
-                512,
-                0,
-                args,
-            )?
+            Prefetch {
+                dims: self.dims,
+                etc: self.etc.ptr,
+                local_w: local_weights,
+                peer_pool: pool.table.ptr,
+                wbytes: self.cfg.expert_bytes as i64,
+                status: self.status_ptr(),
+            }
+            .launch(dev, Grid::new((self.ranks * epn).min(1024) as u32, 512))?
         };
         self.barrier(dev)
     }

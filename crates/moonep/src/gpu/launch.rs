@@ -30,6 +30,17 @@ pub fn free_port() -> Result<u16, LaunchError> {
 
 /// Runs `program args` as `n` ranks and waits for all of them. `port` 0 picks a free port.
 pub fn launch(n: usize, program: &Path, args: &[String], port: u16) -> Result<(), LaunchError> {
+    launch_with_env(n, program, args, port, &[])
+}
+
+/// [`launch`] with extra environment variables for every rank.
+pub fn launch_with_env(
+    n: usize,
+    program: &Path,
+    args: &[String],
+    port: u16,
+    env: &[(&str, &str)],
+) -> Result<(), LaunchError> {
     let port = if port == 0 { free_port()? } else { port };
     let mut children: Vec<Option<Child>> = Vec::with_capacity(n);
     for rank in 0..n {
@@ -41,6 +52,7 @@ pub fn launch(n: usize, program: &Path, args: &[String], port: u16) -> Result<()
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
             .env("NCCL_NVLS_ENABLE", "0")
+            .envs(env.iter().copied())
             .spawn();
         match child {
             Ok(c) => children.push(Some(c)),

@@ -6,10 +6,12 @@
 //! - [`store`]: loopback TCP key/value store (NCCL id exchange, host barriers, small all-gathers).
 //! - [`launch`]: `moonep-launch -n R -- <bin> args` (one process per GPU, kill all if one fails).
 //! - [`driver`], [`nccl`]: thin raw wrappers over cudarc's driver and NCCL bindings.
-//! - [`ep`]: [`ep::EpBuffer`], the collective dispatch/combine engine.
+//! - [`kernels`]: one typed launcher per kernel of `kernels/*.cu` (one file per phase).
+//! - [`ep`]: [`ep::EpBuffer`], the collective dispatch/combine engine and its backward.
 //! - [`baseline`]: permute + grouped send/recv all-to-all-v + unpermute.
 //! - [`bench`]: `run_nvlink`, called by `moonep-bench --tier nvlink`.
-//! - [`selftest`]: the rank-side GPU correctness checks (run by `tests/gpu_ep.rs` and on the device);
+//! - [`selftest`], [`selftest_backward`]: the rank-side GPU correctness checks, forward and
+//!   backward (run by `tests/gpu_ep.rs` and on the device);
 //!   [`workload`]: their seeded routings and data.
 //!
 //! Only this module imports `cudarc`. Without nvcc at build time the kernels are absent and every
@@ -19,10 +21,12 @@ pub mod baseline;
 pub mod bench;
 pub mod driver;
 pub mod ep;
+pub mod kernels;
 pub mod launch;
 pub mod nccl;
 pub mod rank;
 pub mod selftest;
+pub mod selftest_backward;
 pub mod store;
 pub mod symm;
 pub mod workload;
@@ -63,6 +67,8 @@ pub enum GpuError {
     NoDriver,
     #[error("NCCL library not found (libnccl.so; see notes/gpu-workflow.md for the symlink)")]
     NoNccl,
+    #[error("no NCCL communicator: ranks share a GPU (NCCL refuses that); only the IPC path runs")]
+    NoComm,
     #[error("CUDA {what}: {code}")]
     Cuda { what: &'static str, code: String },
     #[error("NCCL {what}: {code}")]

@@ -1,10 +1,12 @@
-//! One rank's bootstrap: environment from the launcher, device, store, NCCL communicator.
+//! One rank's bootstrap: environment from the launcher, device, store, and an NCCL communicator
+//! when every rank has its own GPU. Ranks sharing a GPU (the single-GPU test mode: NCCL refuses
+//! two ranks on one device) get none; the IPC path needs only the store.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use super::GpuError;
-use super::driver::Device;
+use super::driver::{Device, device_count};
 use super::nccl::{self, Comm};
 use super::store::{StoreClient, StoreServer};
 
@@ -46,14 +48,26 @@ pub struct Rank {
     pub env: RankEnv,
     pub dev: Device,
     pub store: StoreClient,
-    pub comm: Comm,
+    comm: Option<Comm>,
     _server: Option<StoreServer>,
 }
 
 impl Rank {
-    /// Opens `LOCAL_RANK`'s device, starts/joins the store, exchanges the NCCL id, inits NCCL.
+    /// Opens device `MOONEP_DEVICE` or `LOCAL_RANK % devices`, starts/joins the store and, when no two ranks share
+    /// a device, exchanges the NCCL id and inits NCCL.
     pub fn init(env: RankEnv) -> Result<Rank, GpuError> {
-        let dev = Device::open(env.local_rank)?;
+        let n_devices = device_count()?;
+        if n_devices == 0 {
+            return Err(GpuError::Env("no CUDA device".into()));
+        }
+        // MOONEP_DEVICE pins every rank to one GPU (the two-ranks-on-one-GPU tests).
+        let ordinal = match std::env::var("MOONEP_DEVICE") {
+            Ok(v) => v
+                .parse::<usize>()
+                .map_err(|_| GpuError::Env(format!("MOONEP_DEVICE={v} is not a number")))?,
+            Err(_) => env.local_rank % n_devices,
+        };
+        let dev = Device::open(ordinal)?;
         let server = if env.rank == 0 {
             Some(StoreServer::start(env.port)?)
         } else {
@@ -61,16 +75,24 @@ impl Rank {
         };
         let addr = SocketAddr::from(([127, 0, 0, 1], env.port));
         let mut store = StoreClient::connect(addr, env.rank, env.world, Duration::from_secs(60))?;
-        let id = if env.rank == 0 {
-            nccl::unique_id()?.to_vec()
+        let ordinals = store.all_gather(&(dev.ordinal as u32).to_le_bytes())?;
+        let mut distinct = ordinals.clone();
+        distinct.sort();
+        distinct.dedup();
+        let comm = if distinct.len() == ordinals.len() {
+            let id = if env.rank == 0 {
+                nccl::unique_id()?.to_vec()
+            } else {
+                Vec::new()
+            };
+            let id = store.broadcast0(&id)?;
+            let id: [u8; 128] = id
+                .try_into()
+                .map_err(|_| GpuError::Env("NCCL id is not 128 bytes".into()))?;
+            Some(Comm::init(&id, env.rank, env.world)?)
         } else {
-            Vec::new()
+            None
         };
-        let id = store.broadcast0(&id)?;
-        let id: [u8; 128] = id
-            .try_into()
-            .map_err(|_| GpuError::Env("NCCL id is not 128 bytes".into()))?;
-        let comm = Comm::init(&id, env.rank, env.world)?;
         Ok(Rank {
             env,
             dev,
@@ -78,5 +100,15 @@ impl Rank {
             comm,
             _server: server,
         })
+    }
+
+    /// The NCCL communicator (absent when ranks share a GPU).
+    pub fn comm(&self) -> Result<&Comm, GpuError> {
+        self.comm.as_ref().ok_or(GpuError::NoComm)
+    }
+
+    /// True when two ranks share a device (no NCCL; the IPC path only).
+    pub fn shares_device(&self) -> bool {
+        self.comm.is_none()
     }
 }

@@ -33,7 +33,7 @@ pub struct Case {
     pub fallback: bool,
 }
 
-fn mismatch<T: PartialEq + std::fmt::Debug>(
+pub(crate) fn mismatch<T: PartialEq + std::fmt::Debug>(
     what: &str,
     got: &[T],
     want: &[T],
@@ -226,6 +226,9 @@ pub fn run_case(rank: &mut Rank, c: &Case, seed: u64) -> Result<(), String> {
         &want_wout[me],
     )?;
     rank.store.barrier().map_err(|x| x.to_string())?;
+    if buf.transport == Transport::Nvlink {
+        super::selftest_backward::check_case_backward(rank, &mut buf, c, seed, &plan, &cluster)?;
+    }
     Ok(())
 }
 
@@ -648,8 +651,19 @@ pub fn cases(world: usize) -> Vec<Case> {
 }
 
 /// Runs every check; prints one line per check on rank 0; returns the number of failures.
+/// Ranks sharing a GPU have no NCCL: the fallback and baseline cases are left out (and say so).
 pub fn run_all(rank: &mut Rank) -> Result<usize, GpuError> {
     let world = rank.env.world;
+    let nccl = !rank.shares_device();
+    if rank.env.rank == 0 {
+        if nccl {
+            println!("mode: {world} ranks on {world} GPUs (IPC + NCCL)");
+        } else {
+            println!(
+                "mode: {world} ranks sharing a GPU (IPC only; NCCL fallback and baseline cases not run)"
+            );
+        }
+    }
     let mut failures = 0;
     let mut report =
         |rank: &mut Rank, name: String, res: Result<(), String>| -> Result<(), GpuError> {
@@ -677,19 +691,29 @@ pub fn run_all(rank: &mut Rank) -> Result<usize, GpuError> {
             Ok(())
         };
     for (i, c) in cases(world).iter().enumerate() {
+        if c.fallback && !nccl {
+            continue;
+        }
         let res = run_case(rank, c, 1000 + i as u64);
         report(
             rank,
             format!(
-                "dispatch/combine {} (E={} K={} s={} H={} P={} dedup={})",
-                c.name, c.experts, c.k, c.s, c.h, c.p, c.dedup
+                "dispatch/combine{} {} (E={} K={} s={} H={} P={} dedup={})",
+                if c.fallback { "" } else { " + backward" },
+                c.name,
+                c.experts,
+                c.k,
+                c.s,
+                c.h,
+                c.p,
+                c.dedup
             ),
             res,
         )?;
     }
     for (i, c) in cases(world)
         .iter()
-        .filter(|c| !c.fallback)
+        .filter(|c| !c.fallback && nccl)
         .take(6)
         .enumerate()
     {
@@ -698,6 +722,14 @@ pub fn run_all(rank: &mut Rank) -> Result<usize, GpuError> {
     }
     let res = run_prefetch_case(rank, 3000);
     report(rank, "prefetch replicas".into(), res)?;
+    for (i, share) in [0.75, 0.95].into_iter().enumerate() {
+        let res = super::selftest_backward::run_reduce_grad_case(
+            rank,
+            Routing::Clustered(share),
+            3100 + i as u64,
+        );
+        report(rank, format!("reduce_grad clustered {share}"), res)?;
+    }
     let res = run_error_cases(rank, 4000);
     report(
         rank,

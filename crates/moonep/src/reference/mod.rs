@@ -2,13 +2,18 @@
 //!
 //! Dispatch, combine, weight prefetch and `reduce_grad` follow spec §3 as plain loops. Every
 //! shard starts poisoned (NaN) and only real rows and padding rows (zero-filled) are written, so a
-//! consumer reading past `cu_seqlens` sees NaN. The GPU tests compare their output to this
-//! module exactly.
+//! consumer reading past `cu_seqlens` sees NaN. The backward ops (dispatch-backward,
+//! combine-backward, the layer backward) live in `backward.rs`. The GPU tests compare their
+//! output to this module exactly.
 
+mod backward;
 mod data;
 mod experts;
 mod oracle;
 
+pub use backward::{
+    DispatchGrads, LayerGrads, combine_backward, dense_loss_f64, dispatch_backward, moe_backward,
+};
 pub use data::{dyadic_router_weights, dyadic_tokens, random_router_weights, random_tokens};
 pub use experts::{
     ExpertBank, ReplicaPools, expert_backward_on_slots, expert_forward_on_slots, prefetch,
