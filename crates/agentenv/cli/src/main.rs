@@ -151,6 +151,16 @@ enum TemplateCmd {
         memory_mb: Option<u32>,
         #[arg(long)]
         disk_mb: Option<u32>,
+        /// Build from an OCI image (`registry[:port]/repo[:tag|@sha256:...]`): its Env, WorkingDir, User and
+        /// Entrypoint/Cmd become the sandboxes' defaults and start command.
+        #[arg(long)]
+        from_image: Option<String>,
+        /// Registry user name for --from-image.
+        #[arg(long, requires = "from_image")]
+        registry_user: Option<String>,
+        /// Registry password or token for --from-image.
+        #[arg(long, env = "AENV_REGISTRY_PASSWORD", hide_env_values = true, requires = "registry_user")]
+        registry_password: Option<String>,
     },
 }
 
@@ -264,9 +274,17 @@ async fn run(cli: &Cli, api: &ApiClient) -> anyhow::Result<i32> {
             cpus,
             memory_mb,
             disk_mb,
+            from_image,
+            registry_user,
+            registry_password,
         }) => {
-            let pb = spinner(&format!("building template {id}"));
-            let body = json!({"templateID": id, "aliases": aliases, "cpuCount": cpus, "memoryMB": memory_mb, "diskSizeMB": disk_mb});
+            let what = from_image
+                .as_ref()
+                .map_or(String::new(), |i| format!(" from {i} (pull, unpack, boot, snapshot)"));
+            let pb = spinner(&format!("building template {id}{what}"));
+            let body = json!({"templateID": id, "aliases": aliases, "cpuCount": cpus, "memoryMB": memory_mb,
+                "diskSizeMB": disk_mb, "fromImage": from_image, "registryUsername": registry_user,
+                "registryPassword": registry_password});
             let res = api.call(Method::POST, "/templates", Some(body)).await;
             pb.finish_and_clear();
             let (_, t) = res?;

@@ -64,7 +64,14 @@ pub struct InitRequest {
     /// by a CRNG reseed, so machines restored from one snapshot draw distinct random streams.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub entropy: Option<String>,
+    /// A template's start command (argv), started once as a background process with tag [`START_TAG`],
+    /// the default user, folder and environment; it then runs in every sandbox made from the template.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub start: Option<Vec<String>>,
 }
+
+/// Process tag of a template's start command.
+pub const START_TAG: &str = "start";
 
 /// Hex encoding of bytes (for [`InitRequest::entropy`]).
 pub fn hex(bytes: &[u8]) -> String {

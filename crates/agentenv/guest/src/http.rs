@@ -287,6 +287,7 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
             }
         }
     }
+    let start = r.start.clone();
     agent.update_settings(|s| {
         if let Some(env) = r.env_vars {
             s.env_vars.extend(env);
@@ -301,6 +302,36 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
             s.default_workdir = Some(w.into());
         }
     });
+    if let Some(argv) = start.filter(|a| !a.is_empty()) {
+        let settings = agent.settings();
+        let Some(user) = users::lookup(&settings.default_user) else {
+            return http_error(StatusCode::BAD_REQUEST, format!("user '{}' does not exist", settings.default_user));
+        };
+        let spec = crate::process::SpawnSpec {
+            config: crate::envd::ProcessConfig {
+                cmd: argv[0].clone(),
+                args: argv[1..].to_vec(),
+                envs: Default::default(),
+                cwd: None,
+            },
+            tag: Some(agentenv_envd::START_TAG.into()),
+            pty: None,
+            stdin: false,
+            user,
+            base_env: settings.env_vars,
+            default_cwd: settings.default_workdir,
+            timeout: None,
+        };
+        match agent.procs.spawn(spec) {
+            Ok((proc, rx)) => {
+                tracing::info!(pid = proc.pid, cmd = %argv.join(" "), "template start command running");
+                drop(rx);
+            }
+            Err(e) => {
+                return http_error(StatusCode::BAD_REQUEST, format!("start command {:?}: {}", argv, e.message));
+            }
+        }
+    }
     Response::builder()
         .status(StatusCode::NO_CONTENT)
         .body(full(Bytes::new()))

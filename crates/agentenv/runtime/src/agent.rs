@@ -162,7 +162,15 @@ pub async fn init(
         entropy: Some(agentenv_envd::hex(&host_entropy())),
         ..Default::default()
     };
-    let body = serde_json::to_string(&body).map_err(|e| AgentError::Http {
+    configure(link, &body).await
+}
+
+/// Sends one `/init` body as it is.
+pub async fn configure(
+    link: &AgentLink,
+    body: &agentenv_envd::InitRequest,
+) -> Result<(), AgentError> {
+    let body = serde_json::to_string(body).map_err(|e| AgentError::Http {
         what: "encode /init".into(),
         detail: e.to_string(),
     })?;

@@ -34,6 +34,9 @@ pub enum TemplateError {
     /// The spec asks for an impossible machine.
     #[error("invalid template spec: {0}")]
     InvalidSpec(String),
+    /// The OCI image could not be resolved or pulled (bad reference, auth, platform, size, digest).
+    #[error("image: {0}")]
+    Image(String),
     /// The root filesystem could not be built.
     #[error(transparent)]
     Rootfs(#[from] RootfsError),

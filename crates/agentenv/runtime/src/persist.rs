@@ -52,6 +52,9 @@ pub struct TemplateInfo {
     pub built_at: String,
     /// envd protocol version the guest agent implements (E2B `envdVersion`).
     pub envd_version: String,
+    /// The OCI image it was built from (`reference@digest`), if any.
+    #[serde(default)]
+    pub from_image: Option<String>,
 }
 
 /// The VM shape shared by a template's base snapshot and every sandbox restored from it.

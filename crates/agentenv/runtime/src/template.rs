@@ -37,8 +37,21 @@ pub struct TemplateSpec {
     pub vcpus: u32,
     /// Guest RAM in MiB.
     pub memory_mib: u64,
-    /// Root disk size in MiB (sparse).
+    /// Root disk size in MiB (sparse); grown to fit an image.
     pub disk_mib: u64,
+    /// Build the root file system from this OCI image instead of Debian's minbase.
+    pub from_image: Option<ImageSource>,
+}
+
+/// An OCI image to build a template from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ImageSource {
+    /// `registry[:port]/repo[:tag|@sha256:...]` (Docker Hub defaults).
+    pub reference: String,
+    /// Basic or token-service credentials.
+    pub username: Option<String>,
+    /// Password or token.
+    pub password: Option<String>,
 }
 
 impl TemplateSpec {
@@ -50,6 +63,7 @@ impl TemplateSpec {
             vcpus: 1,
             memory_mib: 256,
             disk_mib: 1024,
+            from_image: None,
         }
     }
 }
@@ -61,6 +75,8 @@ pub enum BuildStep {
     Cached,
     /// debootstrap (cached after the first run).
     Userland,
+    /// Pulling and unpacking an OCI image (detail: layer progress).
+    Pull,
     /// mkfs.ext4 of the root image.
     Image,
     /// Cold boot of the template VM until the guest agent answers.
@@ -104,7 +120,11 @@ pub(crate) async fn build(
         vcpus: spec.vcpus,
         memory_mib: spec.memory_mib,
     };
-    let key = build_key(inner, &spec, &machine, &guest_bin)?;
+    let image = match &spec.from_image {
+        Some(src) => Some(resolve_image(src).await?),
+        None => None,
+    };
+    let key = build_key(inner, &spec, &machine, &guest_bin, image.as_ref())?;
     let cached = inner.cache.join("templates").join(&key);
     let lock_path = inner.cache.join("templates").join(format!("{key}.lock"));
     let lock = tokio::task::spawn_blocking(move || BuildLock::take(&lock_path))
@@ -117,7 +137,7 @@ pub(crate) async fn build(
     if cached.join("complete").exists() {
         say(BuildStep::Cached, format!("reusing {}", cached.display()));
     } else {
-        build_into_cache(inner, &spec, &machine, &guest_bin, &cached, &say).await?;
+        build_into_cache(inner, &spec, &machine, &guest_bin, image.as_ref(), &cached, &say).await?;
     }
     drop(lock);
 
@@ -150,6 +170,7 @@ pub(crate) async fn build(
             disk_mib: spec.disk_mib,
             built_at: k3_common::time::now_rfc3339(),
             envd_version: ENVD_VERSION.into(),
+            from_image: image.as_ref().map(|i| format!("{}@{}", i.reference, i.digest)),
         },
         machine,
         base_disk: dir.join("base.ext4"),
@@ -174,6 +195,7 @@ async fn build_into_cache(
     spec: &TemplateSpec,
     machine: &MachineRecord,
     guest_bin: &Path,
+    image: Option<&ResolvedSource>,
     cached: &Path,
     say: &(dyn Fn(BuildStep, String) + Send + Sync),
 ) -> Result<(), TemplateError> {
@@ -186,25 +208,45 @@ async fn build_into_cache(
         source: e,
     })?;
 
-    say(
-        BuildStep::Userland,
-        "debootstrap --variant=minbase bookworm (cached after the first run)".into(),
-    );
-    let cache = inner.cache.clone();
-    let gb = guest_bin.to_owned();
-    let tree = blocking(move || {
-        let tree = rootfs::debootstrap(&cache)?;
-        rootfs::customize(&tree, &gb)?;
-        Ok(tree)
-    })
-    .await?;
+    let mut start = agentenv_envd::InitRequest::default();
+    let (tree, disk_mib) = match image {
+        None => {
+            say(
+                BuildStep::Userland,
+                "debootstrap --variant=minbase bookworm (cached after the first run)".into(),
+            );
+            let cache = inner.cache.clone();
+            let gb = guest_bin.to_owned();
+            let tree = blocking(move || {
+                let tree = rootfs::debootstrap(&cache)?;
+                rootfs::customize(&tree, &gb)?;
+                Ok(tree)
+            })
+            .await?;
+            (tree, spec.disk_mib)
+        }
+        Some(img) => {
+            let tree = partial.join("rootfs");
+            let config = pull_image(img, &tree, say).await?;
+            let gb = guest_bin.to_owned();
+            let t = tree.clone();
+            blocking(move || rootfs::customize(&t, &gb)).await?;
+            start = image_defaults(&config, &tree)?;
+            let used = dir_bytes(&tree) >> 20;
+            (tree, spec.disk_mib.max(used * 2 + 256))
+        }
+    };
     say(
         BuildStep::Image,
-        format!("mkfs.ext4 -d {} ({} MiB)", tree.display(), spec.disk_mib),
+        format!("mkfs.ext4 -d {} ({} MiB)", tree.display(), disk_mib),
     );
     let disk = partial.join("base.ext4");
-    let (d, size) = (disk.clone(), spec.disk_mib);
-    blocking(move || rootfs::make_ext4(&tree, &d, size)).await?;
+    let d = disk.clone();
+    let t = tree.clone();
+    blocking(move || rootfs::make_ext4(&t, &d, disk_mib)).await?;
+    if image.is_some() {
+        let _ = std::fs::remove_dir_all(&tree);
+    }
 
     say(
         BuildStep::Boot,
@@ -230,6 +272,16 @@ async fn build_into_cache(
             });
         }
     };
+    if start != agentenv_envd::InitRequest::default() {
+        say(
+            BuildStep::Boot,
+            format!("image defaults: user {:?}, workdir {:?}, start {:?}", start.default_user, start.default_workdir, start.start),
+        );
+        if let Err(e) = agent::configure(&link, &start).await {
+            let _ = vm.kill().await;
+            return Err(TemplateError::InvalidSpec(format!("applying the image config: {e}")));
+        }
+    }
     say(
         BuildStep::Snapshot,
         "stop + device state (x-ignore-shared)".into(),
@@ -276,6 +328,7 @@ fn build_key(
     spec: &TemplateSpec,
     machine: &MachineRecord,
     guest_bin: &Path,
+    image: Option<&ResolvedSource>,
 ) -> Result<String, TemplateError> {
     let bin = std::fs::read(guest_bin).map_err(|e| TemplateError::Io {
         what: "read",
@@ -295,6 +348,7 @@ fn build_key(
     )
         .hash(&mut h);
     (inner.vmm.accel().as_str(), inner.cfg.qemu_bin.as_os_str()).hash(&mut h);
+    image.map(|i| i.digest.as_str()).hash(&mut h);
     Ok(format!("{:016x}", h.finish()))
 }
 
@@ -361,4 +415,131 @@ impl BuildLock {
         }
         Ok(BuildLock { _file: f })
     }
+}
+
+/// An image reference resolved to its manifest digest (the cache key of its build).
+pub(crate) struct ResolvedSource {
+    reference: String,
+    digest: String,
+    image: agentenv_oci::ImageRef,
+    options: agentenv_oci::PullOptions,
+}
+
+fn pull_options(src: &ImageSource) -> agentenv_oci::PullOptions {
+    let mut o = agentenv_oci::PullOptions::default();
+    if let (Some(u), Some(p)) = (&src.username, &src.password) {
+        o.registry.credentials = Some(agentenv_oci::Credentials {
+            username: u.clone(),
+            password: p.clone(),
+        });
+    }
+    o
+}
+
+async fn resolve_image(src: &ImageSource) -> Result<ResolvedSource, TemplateError> {
+    let image = agentenv_oci::ImageRef::parse(&src.reference)
+        .map_err(|e| TemplateError::InvalidSpec(format!("image reference {:?}: {e}", src.reference)))?;
+    let options = pull_options(src);
+    let (i, o) = (image.clone(), options.clone());
+    let resolved = tokio::task::spawn_blocking(move || agentenv_oci::resolve(&i, &o))
+        .await
+        .map_err(|e| TemplateError::Image(e.to_string()))?
+        .map_err(|e| TemplateError::Image(e.to_string()))?;
+    Ok(ResolvedSource {
+        reference: src.reference.clone(),
+        digest: resolved.digest.to_string(),
+        image,
+        options,
+    })
+}
+
+async fn pull_image(
+    img: &ResolvedSource,
+    tree: &Path,
+    say: &(dyn Fn(BuildStep, String) + Send + Sync),
+) -> Result<agentenv_oci::ImageConfig, TemplateError> {
+    let _ = std::fs::remove_dir_all(tree);
+    std::fs::create_dir_all(tree).map_err(|e| TemplateError::Io {
+        what: "create",
+        path: tree.to_owned(),
+        source: e,
+    })?;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let (i, o, t) = (img.image.clone(), img.options.clone(), tree.to_owned());
+    let job = tokio::task::spawn_blocking(move || {
+        agentenv_oci::pull(&i, &t, &o, &mut |e| {
+            let _ = tx.send(format!("{e:?}"));
+        })
+    });
+    let mut job = std::pin::pin!(job);
+    let pulled = loop {
+        tokio::select! {
+            Some(ev) = rx.recv() => say(BuildStep::Pull, ev),
+            r = &mut job => break r,
+        }
+    };
+    while let Ok(ev) = rx.try_recv() {
+        say(BuildStep::Pull, ev);
+    }
+    let pulled = pulled
+        .map_err(|e| TemplateError::Image(e.to_string()))?
+        .map_err(|e| TemplateError::Image(e.to_string()))?;
+    say(
+        BuildStep::Pull,
+        format!("{} ({} layers, {} bytes)", pulled.digest, pulled.layers.len(), pulled.bytes),
+    );
+    Ok(pulled.config)
+}
+
+/// The image's Env, User, WorkingDir and Entrypoint+Cmd as the template's `/init` defaults.
+fn image_defaults(
+    c: &agentenv_oci::ImageConfig,
+    tree: &Path,
+) -> Result<agentenv_envd::InitRequest, TemplateError> {
+    let env: std::collections::BTreeMap<String, String> = c
+        .env
+        .iter()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    let user = match c.user.as_deref().map(|u| u.split(':').next().unwrap_or(u)) {
+        None | Some("") => "root".to_owned(),
+        Some(u) => user_name(tree, u).ok_or_else(|| {
+            TemplateError::InvalidSpec(format!("image user {u:?} is not in the image's /etc/passwd"))
+        })?,
+    };
+    let command = c.command();
+    Ok(agentenv_envd::InitRequest {
+        env_vars: (!env.is_empty()).then_some(env),
+        default_user: Some(user),
+        default_workdir: c.working_dir.clone(),
+        start: (!command.is_empty()).then_some(command),
+        ..Default::default()
+    })
+}
+
+/// `u` (a name or a uid) as a user name from `tree`'s /etc/passwd.
+fn user_name(tree: &Path, u: &str) -> Option<String> {
+    let passwd = std::fs::read_to_string(tree.join("etc/passwd")).ok()?;
+    passwd.lines().find_map(|l| {
+        let mut f = l.split(':');
+        let (name, _, uid) = (f.next()?, f.next()?, f.next()?);
+        (name == u || uid == u).then(|| name.to_owned())
+    })
+}
+
+/// Bytes of file data under `dir` (not following links).
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => total += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    total
 }

@@ -28,6 +28,7 @@ fn template() -> TemplateInfo {
         disk_mib: 2048,
         built_at: "2026-12-01T00:00:00Z".into(),
         envd_version: agentenv_envd::ENVD_VERSION.into(),
+        from_image: None,
     }
 }
 

@@ -172,6 +172,9 @@ pub struct TemplateView {
     pub envd_version: String,
     /// RFC 3339 UTC.
     pub built_at: String,
+    /// `reference@digest` of the OCI image it was built from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_image: Option<String>,
 }
 
 /// Body of `POST /templates`: build a template through the runtime.
@@ -190,6 +193,15 @@ pub struct BuildTemplateRequest {
     pub memory_mb: Option<u32>,
     #[serde(default, rename = "diskSizeMB")]
     pub disk_size_mb: Option<u32>,
+    /// Build from this OCI image (`registry[:port]/repo[:tag|@sha256:...]`) instead of Debian minbase.
+    #[serde(default)]
+    pub from_image: Option<String>,
+    /// Registry user name for `fromImage`.
+    #[serde(default)]
+    pub registry_username: Option<String>,
+    /// Registry password or token for `fromImage`.
+    #[serde(default)]
+    pub registry_password: Option<String>,
 }
 
 /// Body of `POST /sandboxes/{id}/snapshots`.

@@ -269,6 +269,13 @@ pub async fn build_template(
         vcpus: req.cpu_count.unwrap_or(base.vcpus),
         memory_mib: req.memory_mb.map_or(base.memory_mib, u64::from),
         disk_mib: req.disk_size_mb.map_or(base.disk_mib, u64::from),
+        from_image: req
+            .from_image
+            .map(|reference| agentenv_runtime::template::ImageSource {
+                reference,
+                username: req.registry_username,
+                password: req.registry_password,
+            }),
     };
     let t = s
         .sandboxes

@@ -74,6 +74,7 @@ pub fn template(t: &TemplateInfo) -> TemplateView {
         disk_size_mb: u32::try_from(t.disk_mib).unwrap_or(u32::MAX),
         envd_version: t.envd_version.clone(),
         built_at: t.built_at.clone(),
+        from_image: t.from_image.clone(),
     }
 }
 
