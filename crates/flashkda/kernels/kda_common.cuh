@@ -26,6 +26,9 @@ struct KdaParams {
   float scale;
   float lower_bound;
   void* ws;                // kda_fwd_ws.cu: the per-(chunk slot, head) record workspace
+  int seg_chunks;          // kda_fwd_ws.cu state passes: >0 splits each fixed-length sequence into
+                           // segments of seg_chunks chunks (then sequence index = segment index)
+  int segs_per_seq;        // ceil(chunks per sequence / seg_chunks) when seg_chunks > 0
 };
 
 #define KD 128

@@ -121,3 +121,28 @@ fn kernels_compiled_when_required() {
         );
     }
 }
+
+#[test]
+fn segmented_form_matches_recurrence() {
+    // ragged tails, one-chunk segments, segments longer than the sequence, zero-length sequences
+    let mut p = KdaProblem::random(&[1, 37, 100, 0, 64], 2, true, seed());
+    let r = recurrence_f64(&p);
+    for seg in [16, 48, 7, 1, 1000] {
+        let s = flashkda::reference::segmented_f64(&p, seg);
+        let (eo, es) = (
+            rel_frobenius(&s.out, &r.out),
+            rel_frobenius(&s.final_state, &r.final_state),
+        );
+        println!("segments of {seg}: out {eo:e} state {es:e}");
+        assert!(
+            eo < 1e-12 && es < 1e-12,
+            "segments of {seg}: out {eo:e} state {es:e}"
+        );
+    }
+    // without an initial state as well
+    p.initial_state = None;
+    let r = recurrence_f64(&p);
+    let s = flashkda::reference::segmented_f64(&p, 32);
+    assert!(rel_frobenius(&s.out, &r.out) < 1e-12);
+    assert!(rel_frobenius(&s.final_state, &r.final_state) < 1e-12);
+}

@@ -12,8 +12,10 @@
 mod chunked;
 pub mod emulated;
 pub mod metrics;
+mod segmented;
 
 pub use chunked::chunked_f64;
+pub use segmented::segmented_f64;
 
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
