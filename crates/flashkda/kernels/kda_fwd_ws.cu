@@ -518,7 +518,11 @@ extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p
 static_assert(STATE_SMEM(1, 2) == 29584, "update launch.rs");
 static_assert(STATE_SMEM(2, 4) == 61216, "update launch.rs");
 static_assert(STATE_SMEM(4, 4) == 66848, "update launch.rs");
+static_assert(STATE_SMEM(4, 3) == 50904, "update launch.rs");
 extern "C" __global__ void __launch_bounds__(32) kda_state_w1(const KdaParams p) { state_body<1, 2, false>(p); }
 extern "C" __global__ void __launch_bounds__(64) kda_state_w2(const KdaParams p) { state_body<2, 4, false>(p); }
 extern "C" __global__ void __launch_bounds__(128) kda_state_w4(const KdaParams p) { state_body<4, 4, false>(p); }
 extern "C" __global__ void __launch_bounds__(128) kda_cp_transition_w4(const KdaParams p) { state_body<4, 4, true>(p); }
+// 3 stages: 4 blocks fit one SM's shared memory (the segmented passes run many blocks per SM)
+extern "C" __global__ void __launch_bounds__(128, 4) kda_cp_transition_w4s3(const KdaParams p) { state_body<4, 3, true>(p); }
+extern "C" __global__ void __launch_bounds__(128, 4) kda_cp_state_w4s3(const KdaParams p) { state_body<4, 3, false>(p); }

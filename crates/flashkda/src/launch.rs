@@ -204,7 +204,8 @@ pub struct KdaKernels {
     prep: CudaFunction,
     /// `kda_state_w{1,2,4}`: 1, 2 and 4 warps per block.
     state: [CudaFunction; 3],
-    transition: CudaFunction,
+    /// Segmented passes (context parallelism): (transition, output pass, dynamic smem bytes).
+    segmented: (CudaFunction, CudaFunction, u32),
     scan: CudaFunction,
     /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
     /// outside graph capture only.
@@ -230,6 +231,8 @@ struct PooledBuffer {
 const PIPE_SMEM_BYTES: u32 = 65344;
 /// Dynamic shared memory of `kda_state_w{1,2,4}` (`STATE_SMEM` in kda_fwd_ws.cu, checked there).
 const STATE_SMEM_BYTES: [u32; 3] = [29584, 61216, 66848];
+/// Dynamic shared memory of the 3-stage segmented passes (`STATE_SMEM(4, 3)`).
+const CP_SMEM_BYTES: u32 = 50904;
 /// `Auto` uses the workspace schedule only while its workspace stays below this size.
 pub const WORKSPACE_AUTO_LIMIT: usize = 16 << 30;
 
@@ -296,7 +299,20 @@ impl KdaKernels {
             load_state("kda_state_w2", STATE_SMEM_BYTES[1])?,
             load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
         ];
-        let transition = load_state("kda_cp_transition_w4", STATE_SMEM_BYTES[2])?;
+        // FLASHKDA_CP_STAGES=4 (tuning only): the 4-stage kernels, 3 blocks per SM instead of 4
+        let segmented = if std::env::var("FLASHKDA_CP_STAGES").is_ok_and(|v| v == "4") {
+            (
+                load_state("kda_cp_transition_w4", STATE_SMEM_BYTES[2])?,
+                load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
+                STATE_SMEM_BYTES[2],
+            )
+        } else {
+            (
+                load_state("kda_cp_transition_w4s3", CP_SMEM_BYTES)?,
+                load_state("kda_cp_state_w4s3", CP_SMEM_BYTES)?,
+                CP_SMEM_BYTES,
+            )
+        };
         let scan = module
             .load_function("kda_cp_scan")
             .during("loading kda_cp_scan")?;
@@ -312,7 +328,7 @@ impl KdaKernels {
             pipelined,
             prep,
             state,
-            transition,
+            segmented,
             scan,
             workspaces: Mutex::new(WorkspacePool::default()),
             sm_count,
@@ -652,12 +668,13 @@ fn launch_workspace_schedule(
         ht: pm,
         ..seg_params
     };
+    let (transition, out_kernel, smem) = &kernels.segmented;
     let cfg = LaunchConfig {
         grid_dim: (n_segs * 4, 1, 1),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: STATE_SMEM_BYTES[2],
+        shared_mem_bytes: *smem,
     };
-    let mut launch = stream.launch_builder(&kernels.transition);
+    let mut launch = stream.launch_builder(transition);
     launch.arg(&trans);
     // SAFETY: reads the records and v; writes P and M of every segment inside the workspace.
     unsafe { launch.launch(cfg) }.during("launching kda_cp_transition")?;
@@ -689,9 +706,9 @@ fn launch_workspace_schedule(
     let cfg = LaunchConfig {
         grid_dim: (n_segs * 2, 1, 1),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: STATE_SMEM_BYTES[2],
+        shared_mem_bytes: *smem,
     };
-    let mut launch = stream.launch_builder(&kernels.state[2]);
+    let mut launch = stream.launch_builder(out_kernel);
     launch.arg(&out_pass);
     // SAFETY: reads the records, v and the start states; writes out.
     unsafe { launch.launch(cfg) }.during("launching kda_state (segments)")?;

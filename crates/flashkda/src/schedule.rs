@@ -14,6 +14,12 @@ pub const MIN_SEGMENT_CHUNKS: usize = 16;
 /// Below this many segments per sequence the two passes cost more than the shorter chains save
 /// (each segment is walked three times: P, M and the output pass).
 pub const MIN_SEGMENTS: usize = 4;
+/// Segments are made at most this long once the GPU is full (more, shorter segments keep every
+/// SM busy to the end; H200, run 4: 128-256 chunks were best for H = 16, 32 at T = 64K).
+pub const MAX_SEGMENT_CHUNKS: usize = 256;
+/// At most this many segments per sequence: the scan over segments is serial (H200, run 4:
+/// 512-chunk segments beat 256 at T = 256K, H = 4, where 256 means 64 scan steps).
+pub const MAX_SEGMENTS: usize = 32;
 /// Blocks of the transition pass (4 per segment and head) resident at once per SM.
 pub const TRANSITION_BLOCKS_PER_SM: usize = 3;
 
@@ -52,10 +58,13 @@ impl Segments {
 /// The automatic split for `num_seqs` sequences of `seq_len` tokens (fixed length) with `heads`
 /// heads on `sm_count` SMs. Varlen calls are never split (their lengths live on the device).
 ///
-/// Rule: a call whose normal pass (2 blocks per chain) already has a block for every SM stays
-/// whole. Otherwise pick as many segments as one wave of the transition pass holds
-/// (`TRANSITION_BLOCKS_PER_SM * sm_count` blocks, 4 per segment and head), keep segments at
-/// least [`MIN_SEGMENT_CHUNKS`] long, and split only when that gives [`MIN_SEGMENTS`] or more.
+/// Rule: splitting walks every token three times (P, M, output), so it needs the unsplit pass
+/// (2 blocks per chain) to leave at least 6x its blocks idle: `12 * chains <=
+/// TRANSITION_BLOCKS_PER_SM * sm_count` (H200: up to 33 chains; measured 1.47x at H = 32, while
+/// H = 64, T = 8192 stays whole). Then take enough segments for one wave of the transition pass
+/// (4 blocks per segment and head), or more when segments would exceed [`MAX_SEGMENT_CHUNKS`],
+/// at most [`MAX_SEGMENTS`], each at least [`MIN_SEGMENT_CHUNKS`] long, and split only into
+/// [`MIN_SEGMENTS`] or more.
 pub fn plan_segments(
     num_seqs: usize,
     seq_len: usize,
@@ -64,13 +73,17 @@ pub fn plan_segments(
     sm_count: usize,
 ) -> Segments {
     let chains = num_seqs * heads;
-    if varlen || chains == 0 || 2 * chains >= sm_count {
+    let slots = TRANSITION_BLOCKS_PER_SM * sm_count;
+    if varlen || chains == 0 || 12 * chains > slots {
         return Segments::NONE;
     }
     let chunks = seq_len.div_ceil(CHUNK);
-    let by_sms = TRANSITION_BLOCKS_PER_SM * sm_count / (4 * chains);
+    let fill = slots / (4 * chains);
     let by_len = chunks / MIN_SEGMENT_CHUNKS;
-    let segs = by_sms.min(by_len);
+    let segs = fill
+        .max(chunks.div_ceil(MAX_SEGMENT_CHUNKS))
+        .min(MAX_SEGMENTS)
+        .min(by_len);
     if segs < MIN_SEGMENTS {
         return Segments::NONE;
     }
@@ -140,23 +153,35 @@ mod tests {
     }
 
     #[test]
-    fn long_single_sequences_split_into_one_wave_of_segments() {
+    fn long_single_sequences_split_as_measured_best() {
         // H=4, T=64K: 4 chains fill 8 of 132 SMs; one transition wave holds 396 blocks = 24 segments
         let s = plan_segments(1, 65536, 4, false, H200_SMS);
         assert_eq!(s.segs_per_seq, 24, "{s:?}");
         assert_eq!(s.seg_chunks, 4096usize.div_ceil(24));
-        // H=16: 6 segments; H=32: 3 would be too few to pay for the extra passes
-        assert_eq!(plan_segments(1, 65536, 16, false, H200_SMS).segs_per_seq, 6);
-        assert_eq!(plan_segments(1, 65536, 32, false, H200_SMS), Segments::NONE);
-        assert_eq!(
-            plan_segments(1, 262144, 4, false, H200_SMS).segs_per_seq,
-            24
-        );
+        // H=16, 32 at T=64K: more than one wave, segments of 256 chunks
+        for h in [16, 32] {
+            let s = plan_segments(1, 65536, h, false, H200_SMS);
+            assert_eq!((s.segs_per_seq, s.seg_chunks), (16, 256), "H={h}");
+        }
+        // T=256K: capped at 32 segments (512 chunks), whatever H
+        for h in [4, 16, 32] {
+            let s = plan_segments(1, 262144, h, false, H200_SMS);
+            assert_eq!((s.segs_per_seq, s.seg_chunks), (32, 512), "H={h}");
+        }
+        // H=33 still splits, H=34 does not
+        assert!(plan_segments(1, 65536, 33, false, H200_SMS).active());
+        assert_eq!(plan_segments(1, 65536, 34, false, H200_SMS), Segments::NONE);
     }
 
     #[test]
     fn anchor_shapes_and_short_batches_stay_whole() {
-        for (b, t, h) in [(1, 8192, 96), (1, 8192, 64), (8, 1024, 64), (8, 1024, 96)] {
+        for (b, t, h) in [
+            (1, 8192, 96),
+            (1, 8192, 64),
+            (8, 1024, 64),
+            (8, 1024, 96),
+            (8, 1024, 4),
+        ] {
             assert_eq!(
                 plan_segments(b, t, h, false, H200_SMS),
                 Segments::NONE,
@@ -190,9 +215,8 @@ mod tests {
             for t in [4096, 30000, 65536, 1 << 18] {
                 let s = plan_segments(1, t, h, false, H200_SMS);
                 if s.active() {
-                    assert!(s.segs_per_seq >= MIN_SEGMENTS);
+                    assert!((MIN_SEGMENTS..=MAX_SEGMENTS).contains(&s.segs_per_seq));
                     assert!(s.seg_chunks >= MIN_SEGMENT_CHUNKS, "H={h} T={t} {s:?}");
-                    assert!(4 * h * s.segs_per_seq <= TRANSITION_BLOCKS_PER_SM * H200_SMS);
                 }
             }
         }

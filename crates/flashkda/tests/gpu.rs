@@ -20,13 +20,19 @@ const BAR_F64: f64 = 6e-3;
 /// Against the emulation of the kernel's own rounding.
 const BAR_EMULATED: f64 = 3e-3;
 
+/// `K3_REQUIRE_GPU=1` (GPU runners, device runs) turns a skip into a failure.
+fn skip(why: String) -> Option<(KdaKernels, Arc<CudaStream>)> {
+    if std::env::var("K3_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("K3_REQUIRE_GPU=1 but {why}");
+    }
+    println!("SKIPPED: {why}");
+    None
+}
+
 fn gpu() -> Option<(KdaKernels, Arc<CudaStream>)> {
     let ctx = match open_device(0) {
         Ok(c) => c,
-        Err(e) => {
-            println!("SKIPPED: no CUDA device ({e})");
-            return None;
-        }
+        Err(e) => return skip(format!("no CUDA device ({e})")),
     };
     match KdaKernels::load(&ctx) {
         Ok(k) => {
@@ -34,8 +40,7 @@ fn gpu() -> Option<(KdaKernels, Arc<CudaStream>)> {
             Some((k, stream))
         }
         Err(FlashKdaError::Arch { major, minor, .. }) => {
-            println!("SKIPPED: GPU is sm_{major}{minor}, kernels need sm_90");
-            None
+            skip(format!("GPU is sm_{major}{minor}, kernels need sm_90"))
         }
         Err(e) => panic!("a CUDA device is present but the kernels cannot be loaded: {e}"),
     }
