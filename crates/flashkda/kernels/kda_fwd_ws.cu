@@ -468,14 +468,33 @@ struct ScanParams {
 };
 
 #define SCAN_ROWS 16
+// dynamic shared memory of kda_cp_scan: M and P rows of two segments (double buffer) + the rows
+#define SCAN_SMEM ((2 * (KD * KD + SCAN_ROWS * KD) + SCAN_ROWS * KD) * 4)
 extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p) {
-  __shared__ float srow[SCAN_ROWS][KD];
+  extern __shared__ __align__(16) float scan_smem[];
+  float* mbuf = scan_smem;                          // [2][KD][KD]
+  float* pbuf = mbuf + 2 * KD * KD;                 // [2][SCAN_ROWS][KD]
+  float (*srow)[KD] = reinterpret_cast<float (*)[KD]>(pbuf + 2 * SCAN_ROWS * KD);
   constexpr int RPT = SCAN_ROWS / 2;  // rows per thread
   const int tid = threadIdx.x, c = tid & (KD - 1), rg = tid >> 7;
   const int H = p.num_heads;
   const int bh = blockIdx.x, h = bh % H, b = bh / H;
-  const int row0 = blockIdx.y * SCAN_ROWS + rg * RPT;
+  const int rowb = blockIdx.y * SCAN_ROWS;
+  const int row0 = rowb + rg * RPT;
   const size_t hd2 = (size_t)KD * KD;
+  // M_s and this block's rows of P_s into buffer s & 1 (16-byte cp.async, all threads)
+  auto prefetch = [&](int s) {
+    const size_t seg = (size_t)b * p.segs + s;
+    const float* P = p.pm + ((seg * H + h) * 2) * hd2;
+    const float* M = P + hd2;
+    float* md = mbuf + (s & 1) * KD * KD;
+    float* pd = pbuf + (s & 1) * SCAN_ROWS * KD;
+    for (int i = tid; i < KD * KD / 4; i += 256) cp_async16(md + 4 * i, M + 4 * i, 16);
+    for (int i = tid; i < SCAN_ROWS * KD / 4; i += 256) cp_async16(pd + 4 * i, P + (size_t)rowb * KD + 4 * i, 16);
+    cp_async_commit();
+  };
+  const int last = p.ht == nullptr ? p.segs - 1 : p.segs;  // steps that need M and P
+  if (last > 0) prefetch(0);
   float acc[RPT];
 #pragma unroll
   for (int r = 0; r < RPT; ++r) {
@@ -491,19 +510,21 @@ extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p
       p.starts[(seg * H + h) * hd2 + (size_t)(row0 + r) * KD + c] = acc[r];
       srow[rg * RPT + r][c] = acc[r];
     }
-    if (s + 1 == p.segs && p.ht == nullptr) break;
-    __syncthreads();
-    const float* P = p.pm + ((seg * H + h) * 2) * hd2;
-    const float* M = P + hd2;
+    if (s >= last) break;
+    cp_async_wait_all();
+    __syncthreads();  // buffer s & 1 and srow visible; buffer (s + 1) & 1 free
+    if (s + 1 < last) prefetch(s + 1);
+    const float* md = mbuf + (s & 1) * KD * KD;
+    const float* pd = pbuf + (s & 1) * SCAN_ROWS * KD;
 #pragma unroll
-    for (int r = 0; r < RPT; ++r) acc[r] = P[(size_t)(row0 + r) * KD + c];
-#pragma unroll 8
+    for (int r = 0; r < RPT; ++r) acc[r] = pd[(rg * RPT + r) * KD + c];
+#pragma unroll 16
     for (int k = 0; k < KD; ++k) {
-      const float m = __ldg(M + (size_t)k * KD + c);
+      const float m = md[k * KD + c];
 #pragma unroll
       for (int r = 0; r < RPT; ++r) acc[r] = fmaf(srow[rg * RPT + r][k], m, acc[r]);
     }
-    __syncthreads();
+    __syncthreads();  // srow and buffer s & 1 reused next step
   }
   if (p.ht != nullptr) {
 #pragma unroll
@@ -514,6 +535,7 @@ extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p
     }
   }
 }
+static_assert(SCAN_SMEM == 155648, "update launch.rs");
 
 static_assert(STATE_SMEM(1, 2) == 29584, "update launch.rs");
 static_assert(STATE_SMEM(2, 4) == 61216, "update launch.rs");

@@ -119,6 +119,23 @@ def reference_f64(inp):
     return out, S
 
 
+def profile_kernels(fn, n=5):
+    """Mean device time per call of every kernel `fn` launches (torch.profiler, CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            out[e.key] = round(t / n / 1000.0, 4)  # ms per call
+    return out
+
+
 def rel(x, r):
     x, r = x.double().reshape(r.shape), r.double()
     return float((x - r).norm() / r.norm())
@@ -152,7 +169,7 @@ def graph_check(inp, res_row, warmup, iters, repeats):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sets", default="anchors,long", help="anchors, long")
+    ap.add_argument("--sets", default="anchors,mid,long", help="anchors, mid, long")
     ap.add_argument("--heads", default="96,64")
     ap.add_argument("--long-heads", default="4,16,32")
     ap.add_argument("--long-t", default="65536,262144")
@@ -187,6 +204,9 @@ def main():
         for H in [int(h) for h in args.heads.split(",") if h]:
             for name, lens in ANCHORS:
                 shapes.append((f"H={H} {name}", 1, lens, H, False))
+    if "mid" in args.sets:  # shorter inputs where the split also engages: never slower than unsplit
+        for B, T, H in [(1, 8192, 4), (2, 4096, 4), (1, 8192, 16), (1, 16384, 32)]:
+            shapes.append((f"B={B} T={T} H={H}", B, [T], H, True))
     if "long" in args.sets:
         for T in [int(t) for t in args.long_t.split(",") if t]:
             for H in [int(h) for h in args.long_heads.split(",") if h]:
@@ -208,6 +228,9 @@ def main():
                     r = time_fn(lambda: call_flashkda(inp, out, ht, segment_chunks=sc), w, it, rp)
                     row[f"flashkda_seg{sc}"] = r
                     log(f"{label}: flashkda segment_chunks={sc} {r['median_ms']:.4f} ms")
+            if is_long and H in (4, 32) and sum(lens) == 65536:
+                row["kernels_ms"] = profile_kernels(lambda: call_flashkda(inp, out, ht))
+                log(f"{label}: kernels {row['kernels_ms']}")
             if not args.no_flash_kda:
                 best = None
                 for st in ("fp32", "bf16"):

@@ -93,6 +93,8 @@ unsafe impl DeviceRepr for ScanParams {}
 
 /// Rows of the state one `kda_cp_scan` block carries (`SCAN_ROWS` in the .cu).
 const SCAN_ROWS: u32 = 16;
+/// Dynamic shared memory of `kda_cp_scan` (`SCAN_SMEM`: double-buffered M and P rows).
+const SCAN_SMEM_BYTES: u32 = 155648;
 
 /// How many blocks share one (sequence, head): each owns a slice of the 128 value rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -313,9 +315,7 @@ impl KdaKernels {
                 CP_SMEM_BYTES,
             )
         };
-        let scan = module
-            .load_function("kda_cp_scan")
-            .during("loading kda_cp_scan")?;
+        let scan = load_state("kda_cp_scan", SCAN_SMEM_BYTES)?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -691,7 +691,7 @@ fn launch_workspace_schedule(
     let cfg = LaunchConfig {
         grid_dim: (chains, 128 / SCAN_ROWS, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: SCAN_SMEM_BYTES,
     };
     let mut launch = stream.launch_builder(&kernels.scan);
     launch.arg(&scan);
