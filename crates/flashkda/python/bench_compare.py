@@ -205,7 +205,7 @@ def main():
             for name, lens in ANCHORS:
                 shapes.append((f"H={H} {name}", 1, lens, H, False))
     if "mid" in args.sets:  # shorter inputs where the split also engages: never slower than unsplit
-        for B, T, H in [(1, 8192, 4), (2, 4096, 4), (1, 8192, 16), (1, 16384, 32)]:
+        for B, T, H in [(1, 8192, 4), (2, 4096, 4), (8, 1024, 4), (1, 8192, 16), (1, 16384, 32)]:
             shapes.append((f"B={B} T={T} H={H}", B, [T], H, True))
     if "long" in args.sets:
         for T in [int(t) for t in args.long_t.split(",") if t]:

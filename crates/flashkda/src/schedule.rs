@@ -15,13 +15,19 @@ pub const MIN_SEGMENT_CHUNKS: usize = 16;
 /// (each segment is walked three times: P, M and the output pass).
 pub const MIN_SEGMENTS: usize = 4;
 /// Segments are made at most this long once the GPU is full (more, shorter segments keep every
-/// SM busy to the end; H200, run 4: 128-256 chunks were best for H = 16, 32 at T = 64K).
-pub const MAX_SEGMENT_CHUNKS: usize = 256;
-/// At most this many segments per sequence: the scan over segments is serial (H200, run 4:
-/// 512-chunk segments beat 256 at T = 256K, H = 4, where 256 means 64 scan steps).
-pub const MAX_SEGMENTS: usize = 32;
-/// Blocks of the transition pass (4 per segment and head) resident at once per SM.
-pub const TRANSITION_BLOCKS_PER_SM: usize = 3;
+/// SM busy to the end; H200, run 4c: 128 chunks best or within 2 % at T = 64K for H = 4, 16, 32).
+pub const MAX_SEGMENT_CHUNKS: usize = 128;
+/// At most this many segments per sequence: the fp32 scan over segments is serial (run 4c: 256
+/// chunks = 64 segments best at T = 256K for H = 4, 16).
+pub const MAX_SEGMENTS: usize = 64;
+/// Blocks of the transition pass (4 per segment and head; 3-stage kernels) resident per SM.
+pub const TRANSITION_BLOCKS_PER_SM: usize = 4;
+/// The transition pass is kept within this many waves (run 4c: H = 32, T = 256K was 7 % slower
+/// at 16 waves than at 8).
+pub const MAX_TRANSITION_WAVES: usize = 8;
+/// Splitting walks every token three times (P, M, output): it needs the unsplit pass to leave
+/// most of the GPU idle. Measured gains up to 32 chains (1.7x at H = 32); H = 64 stays whole.
+pub const MAX_SPLIT_CHAINS_PER_SM: f64 = 0.25;
 
 /// How one call is split: `seg_chunks == 0` runs every sequence as one chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,13 +64,11 @@ impl Segments {
 /// The automatic split for `num_seqs` sequences of `seq_len` tokens (fixed length) with `heads`
 /// heads on `sm_count` SMs. Varlen calls are never split (their lengths live on the device).
 ///
-/// Rule: splitting walks every token three times (P, M, output), so it needs the unsplit pass
-/// (2 blocks per chain) to leave at least 6x its blocks idle: `12 * chains <=
-/// TRANSITION_BLOCKS_PER_SM * sm_count` (H200: up to 33 chains; measured 1.47x at H = 32, while
-/// H = 64, T = 8192 stays whole). Then take enough segments for one wave of the transition pass
-/// (4 blocks per segment and head), or more when segments would exceed [`MAX_SEGMENT_CHUNKS`],
-/// at most [`MAX_SEGMENTS`], each at least [`MIN_SEGMENT_CHUNKS`] long, and split only into
-/// [`MIN_SEGMENTS`] or more.
+/// Rule: split only when `chains <= MAX_SPLIT_CHAINS_PER_SM * sm_count` (33 on an H200). Take
+/// enough segments for one wave of the transition pass (4 blocks per segment and head), or more
+/// when segments would exceed [`MAX_SEGMENT_CHUNKS`]; at most [`MAX_SEGMENTS`] and
+/// [`MAX_TRANSITION_WAVES`] waves, each segment at least [`MIN_SEGMENT_CHUNKS`] long; split only
+/// into [`MIN_SEGMENTS`] or more.
 pub fn plan_segments(
     num_seqs: usize,
     seq_len: usize,
@@ -73,17 +77,16 @@ pub fn plan_segments(
     sm_count: usize,
 ) -> Segments {
     let chains = num_seqs * heads;
-    let slots = TRANSITION_BLOCKS_PER_SM * sm_count;
-    if varlen || chains == 0 || 12 * chains > slots {
+    if varlen || chains == 0 || chains as f64 > MAX_SPLIT_CHAINS_PER_SM * sm_count as f64 {
         return Segments::NONE;
     }
     let chunks = seq_len.div_ceil(CHUNK);
-    let fill = slots / (4 * chains);
-    let by_len = chunks / MIN_SEGMENT_CHUNKS;
-    let segs = fill
+    let wave = TRANSITION_BLOCKS_PER_SM * sm_count / (4 * chains);
+    let segs = wave
         .max(chunks.div_ceil(MAX_SEGMENT_CHUNKS))
         .min(MAX_SEGMENTS)
-        .min(by_len);
+        .min(MAX_TRANSITION_WAVES * wave)
+        .min(chunks / MIN_SEGMENT_CHUNKS);
     if segs < MIN_SEGMENTS {
         return Segments::NONE;
     }
@@ -154,20 +157,26 @@ mod tests {
 
     #[test]
     fn long_single_sequences_split_as_measured_best() {
-        // H=4, T=64K: 4 chains fill 8 of 132 SMs; one transition wave holds 396 blocks = 24 segments
-        let s = plan_segments(1, 65536, 4, false, H200_SMS);
-        assert_eq!(s.segs_per_seq, 24, "{s:?}");
-        assert_eq!(s.seg_chunks, 4096usize.div_ceil(24));
-        // H=16, 32 at T=64K: more than one wave, segments of 256 chunks
-        for h in [16, 32] {
-            let s = plan_segments(1, 65536, h, false, H200_SMS);
-            assert_eq!((s.segs_per_seq, s.seg_chunks), (16, 256), "H={h}");
-        }
-        // T=256K: capped at 32 segments (512 chunks), whatever H
-        for h in [4, 16, 32] {
-            let s = plan_segments(1, 262144, h, false, H200_SMS);
-            assert_eq!((s.segs_per_seq, s.seg_chunks), (32, 512), "H={h}");
-        }
+        let check = |h: usize, t: usize, segs: usize, seg_chunks: usize| {
+            let s = plan_segments(1, t, h, false, H200_SMS);
+            assert_eq!(
+                (s.segs_per_seq, s.seg_chunks),
+                (segs, seg_chunks),
+                "H={h} T={t}"
+            );
+        };
+        // H=4, T=64K: one wave of 528 transition blocks = 33 segments of 125 chunks
+        check(4, 65536, 33, 125);
+        // H=16, 32 at T=64K: 128-chunk segments
+        check(16, 65536, 32, 128);
+        check(32, 65536, 32, 128);
+        // T=256K: 64 segments of 256 chunks; H=32 kept within 8 waves (32 segments)
+        check(4, 262144, 64, 256);
+        check(16, 262144, 64, 256);
+        check(32, 262144, 32, 512);
+        // mid sizes: B=1 T=8192 H=16 -> 8 x 64 chunks, T=16384 H=32 -> 8 x 128
+        check(16, 8192, 8, 64);
+        check(32, 16384, 8, 128);
         // H=33 still splits, H=34 does not
         assert!(plan_segments(1, 65536, 33, false, H200_SMS).active());
         assert_eq!(plan_segments(1, 65536, 34, false, H200_SMS), Segments::NONE);
@@ -180,7 +189,7 @@ mod tests {
             (1, 8192, 64),
             (8, 1024, 64),
             (8, 1024, 96),
-            (8, 1024, 4),
+            (8, 1024, 8),
         ] {
             assert_eq!(
                 plan_segments(b, t, h, false, H200_SMS),
