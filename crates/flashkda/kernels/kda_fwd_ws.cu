@@ -103,13 +103,16 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
   const long long t0 = si.bos + c * CH;
   const long long hs = (long long)H * KD;
   const long long hoff = (long long)h * KD;
+  const long long qhs = (long long)p.qk_heads * KD;                // GVA: q/k of head h / group
+  const long long qhoff = (long long)(h / (H / p.qk_heads)) * KD;
 
   for (int i = tid; i < 3 * 256; i += NT) {
     const int which = i >> 8, r = (i >> 4) & 15, cc = i & 15;
     const bf16* src = which == 0 ? p.q : (which == 1 ? p.k : p.g);
     bf16* dst = which == 0 ? &sm.q[r][cc * 8] : (which == 1 ? &sm.k[r][cc * 8] : &sm.g[r][cc * 8]);
     const bool ok = r < nv;
-    cp_async16(dst, ok ? src + (t0 + r) * hs + hoff + cc * 8 : src, ok ? 16 : 0);
+    const long long off = which == 2 ? (t0 + r) * hs + hoff : (t0 + r) * qhs + qhoff;
+    cp_async16(dst, ok ? src + off + cc * 8 : src, ok ? 16 : 0);
   }
   cp_async_commit();
   const float beta_raw = (tid < nv) ? __bfloat162float(p.beta[(t0 + tid) * H + h]) : 0.f;

@@ -58,6 +58,15 @@ pub enum FlashKdaError {
          before capturing so the stream's pooled workspace is large enough"
     )]
     NotCapturable { need: usize },
+    #[error(
+        "{heads} value heads over {qk_heads} query/key heads (GVA) run only on the workspace schedule, \
+         not {schedule}"
+    )]
+    GvaSchedule {
+        heads: usize,
+        qk_heads: usize,
+        schedule: String,
+    },
     #[error("workspace of {have} bytes is too small: this call needs {need} bytes")]
     WorkspaceTooSmall { need: usize, have: usize },
     #[error(

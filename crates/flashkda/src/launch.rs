@@ -70,6 +70,8 @@ struct KernelParams {
     ws: u64,
     seg_chunks: i32,
     segs_per_seq: i32,
+    qk_heads: i32,
+    pad: i32,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (checked by a test on its size).
@@ -407,6 +409,8 @@ impl KdaKernels {
             }
         };
         let schedule = match opts.schedule {
+            // GVA runs only on the workspace schedule
+            KernelSchedule::Auto if plan.qk_heads != plan.heads => KernelSchedule::Workspace,
             KernelSchedule::Auto => {
                 let segments = auto_segments();
                 self.auto_schedule(workspace_layout(plan, segments).total_bytes)
@@ -498,6 +502,13 @@ pub fn fwd_validated(
         check_cu_seqlens(&host, total)?;
     }
     let call = kernels.call_plan(plan, opts);
+    if plan.qk_heads != plan.heads && call.schedule != KernelSchedule::Workspace {
+        return Err(FlashKdaError::GvaSchedule {
+            heads: plan.heads,
+            qk_heads: plan.qk_heads,
+            schedule: format!("{:?}", call.schedule),
+        });
+    }
     let chains = plan.num_seqs * plan.heads;
     if chains == 0 {
         return Ok(call);
@@ -524,6 +535,8 @@ pub fn fwd_validated(
         ws: 0,
         seg_chunks: 0,
         segs_per_seq: 1,
+        qk_heads: plan.qk_heads as i32,
+        pad: 0,
     };
     if call.schedule == KernelSchedule::Workspace {
         let slots = workspace_slots(plan);
@@ -720,7 +733,7 @@ mod tests {
     #[test]
     fn params_layout_matches_the_c_struct() {
         // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, the ws pointer, 2 int32.
-        assert_eq!(std::mem::size_of::<super::KernelParams>(), 144);
+        assert_eq!(std::mem::size_of::<super::KernelParams>(), 152);
         assert_eq!(std::mem::size_of::<super::ScanParams>(), 48);
         assert_eq!(std::mem::align_of::<super::KernelParams>(), 8);
     }

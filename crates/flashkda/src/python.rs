@@ -218,6 +218,7 @@ fn workspace_bytes(
         batch,
         seq_len,
         heads,
+        qk_heads: heads, // the workspace does not depend on the q/k heads
         num_seqs,
         varlen,
         state: None,

@@ -148,6 +148,7 @@ mod tests {
             batch,
             seq_len,
             heads,
+            qk_heads: heads,
             num_seqs,
             varlen,
             state: None,

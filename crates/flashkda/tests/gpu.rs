@@ -125,13 +125,15 @@ struct Case<'a> {
     split: ValueSplit,
     /// Overrides every variant's segment choice.
     segments: Option<usize>,
+    /// Query/key heads (GVA when fewer than `heads`).
+    qk_heads: usize,
 }
 
 /// Runs one case with every kernel schedule on the same inputs against one reference.
 fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     let (kernels, stream) = gpu;
     let s = seed();
-    let mut p = KdaProblem::random(&c.seq_lens, c.heads, c.state.initial, s);
+    let mut p = KdaProblem::random_gva(&c.seq_lens, c.heads, c.qk_heads, c.state.initial, s);
     if !c.state.initial {
         p.initial_state = None;
     }
@@ -147,6 +149,19 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             ..Default::default()
         };
         let name = format!("{} [{variant}]", c.name);
+        if c.qk_heads != c.heads
+            && matches!(
+                schedule,
+                KernelSchedule::Sequential | KernelSchedule::Pipelined
+            )
+        {
+            let err = fwd(kernels, stream, &dev.args(), &opts).unwrap_err();
+            assert!(
+                matches!(err, FlashKdaError::GvaSchedule { .. }),
+                "{name}: {err}"
+            );
+            continue;
+        }
         let call = kernels.call_plan(&flashkda::validate(&dev.args()).unwrap(), &opts);
         fwd(kernels, stream, &dev.args(), &opts)
             .unwrap_or_else(|e| panic!("{name}: fwd failed: {e}"));
@@ -231,6 +246,7 @@ fn case(name: &str, seq_lens: Vec<usize>, heads: usize, state: StateIo) -> Case<
         emulate: true,
         split: ValueSplit::Auto,
         segments: None,
+        qk_heads: heads,
     }
 }
 
@@ -448,6 +464,7 @@ fn cp_long_sequences_match_float64() {
         batch: 1,
         seq_len: 30001,
         heads: 2,
+        qk_heads: 2,
         num_seqs: 1,
         varlen: false,
         state: None,
@@ -488,6 +505,35 @@ fn cp_long_sequences_match_float64() {
             batched: true,
             segments: Some(5),
             ..only_default(case("cp-batched-B2", vec![3001, 3001], 2, fp32))
+        },
+    );
+}
+
+/// GVA (more value heads than query/key heads, as fla): value head h reads q/k head
+/// h / (H / H_qk). Workspace-schedule variants against float64; the others refuse it.
+#[test]
+fn gva_matches_float64() {
+    let Some(g) = gpu() else { return };
+    let fp32 = StateIo::both(true);
+    for (name, lens, h, hq) in [
+        ("gva-8-over-2", vec![100, 37], 8, 2),
+        ("gva-4-over-1", vec![300], 4, 1),
+        ("gva-6-over-3-long", vec![5000], 6, 3),
+    ] {
+        check(
+            &g,
+            &Case {
+                qk_heads: hq,
+                ..case(name, lens, h, fp32)
+            },
+        );
+    }
+    check(
+        &g,
+        &Case {
+            qk_heads: 2,
+            batched: true,
+            ..case("gva-batched-B2", vec![3001, 3001], 4, StateIo::both(false))
         },
     );
 }

@@ -146,3 +146,29 @@ fn segmented_form_matches_recurrence() {
     assert!(rel_frobenius(&s.out, &r.out) < 1e-12);
     assert!(rel_frobenius(&s.final_state, &r.final_state) < 1e-12);
 }
+
+#[test]
+fn gva_equals_repeated_query_key_heads() {
+    // value head h of a GVA problem reads q/k head h / (H / H_qk): the same as repeating them
+    let g = KdaProblem::random_gva(&[40, 17], 6, 2, true, seed());
+    let mut full = g.clone();
+    full.qk_heads = 6;
+    let t = g.tokens();
+    let (mut q, mut k) = (Vec::new(), Vec::new());
+    for tok in 0..t {
+        for h in 0..6 {
+            let o = g.qk_offset(tok, h);
+            q.extend_from_slice(&g.q[o..o + HEAD_DIM]);
+            k.extend_from_slice(&g.k[o..o + HEAD_DIM]);
+        }
+    }
+    full.q = q;
+    full.k = k;
+    let (a, b) = (recurrence_f64(&g), recurrence_f64(&full));
+    assert_eq!(a.out, b.out);
+    assert_eq!(a.final_state, b.final_state);
+    let (ea, eb) = (emulated(&g), emulated(&full));
+    assert_eq!(ea.out, eb.out);
+    let c = chunked_f64(&g, 16);
+    assert!(rel_frobenius(&c.out, &a.out) < 1e-12);
+}
