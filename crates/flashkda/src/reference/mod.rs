@@ -9,11 +9,13 @@
 // Index loops mirror the math (and the kernel) more readably than iterator chains.
 #![allow(clippy::needless_range_loop)]
 
+mod backward;
 mod chunked;
 pub mod emulated;
 pub mod metrics;
 mod segmented;
 
+pub use backward::{KdaGrads, recurrence_grad_f64};
 pub use chunked::chunked_f64;
 pub use segmented::segmented_f64;
 
