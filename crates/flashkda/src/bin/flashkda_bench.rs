@@ -22,6 +22,9 @@ use flashkda::{FwdArgs, FwdOptions, KdaKernels, KernelSchedule, ValueSplit, fwd,
 use k3_common::Figure;
 use k3_common::report::{Machine, Plot, PlotKind, Report, Section, Series, Skipped, Tier};
 
+#[path = "flashkda_bench/compare.rs"]
+mod compare;
+
 /// `python/bench_fla.py`, embedded so the bundled binary needs no source tree.
 const BENCH_FLA_PY: &str = include_str!("../../python/bench_fla.py");
 
@@ -30,6 +33,10 @@ const BENCH_FLA_PY: &str = include_str!("../../python/bench_fla.py");
 struct Args {
     #[arg(long)]
     tier: Tier,
+    /// With `--tier sm90`: build the section from a `python/bench_compare.py` result instead of
+    /// measuring (no GPU needed).
+    #[arg(long)]
+    from_compare: Option<PathBuf>,
     #[arg(long)]
     out: PathBuf,
     /// fla timing script (spawned for the same-run baseline); default: the copy embedded in this
@@ -605,7 +612,10 @@ fn main() -> Result<()> {
             report.machines.push(machine(vec![], BTreeMap::new()));
             run_cpu(&mut report);
         }
-        Tier::Sm90 => run_sm90(&a, &mut report)?,
+        Tier::Sm90 => match &a.from_compare {
+            Some(path) => compare::add_compare_section(path, &mut report)?,
+            None => run_sm90(&a, &mut report)?,
+        },
         t => report.skipped.push(Skipped {
             tier: t,
             machine: hostname(),
