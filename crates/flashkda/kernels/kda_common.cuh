@@ -26,6 +26,12 @@ struct KdaParams {
   float scale;
   float lower_bound;
   void* ws;                // kda_fwd_ws.cu: the per-(chunk slot, head) record workspace
+  int seg_chunks;          // kda_fwd_ws.cu state passes: >0 splits each fixed-length sequence into
+                           // segments of seg_chunks chunks (then sequence index = segment index)
+  int segs_per_seq;        // ceil(chunks per sequence / seg_chunks) when seg_chunks > 0
+  int qk_heads;            // q/k heads (GVA: num_heads is a multiple; value head h reads q/k head
+                           // h / (num_heads / qk_heads)); kda_fwd_ws.cu only
+  int pad_;
 };
 
 #define KD 128

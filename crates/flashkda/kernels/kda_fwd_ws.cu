@@ -44,6 +44,16 @@ __device__ __forceinline__ SeqInfo seq_info(const KdaParams& p, int n) {
     s.bos = a;
     s.len = e - a;
     s.slot0 = a / CH + n;
+  } else if (p.seg_chunks > 0) {
+    // segment n of a fixed-length batch: same slots as the unsegmented layout
+    const long long cps = (p.seq_len + CH - 1) / CH;
+    const long long b = n / p.segs_per_seq, sg = n % p.segs_per_seq;
+    const long long off = sg * p.seg_chunks * CH;
+    const long long rem = p.seq_len - off;
+    const long long sl = (long long)p.seg_chunks * CH;
+    s.bos = b * p.seq_len + off;
+    s.len = rem < 0 ? 0 : (rem < sl ? rem : sl);
+    s.slot0 = b * cps + sg * p.seg_chunks;
   } else {
     const long long cps = (p.seq_len + CH - 1) / CH;
     s.bos = (long long)n * p.seq_len;
@@ -93,13 +103,16 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
   const long long t0 = si.bos + c * CH;
   const long long hs = (long long)H * KD;
   const long long hoff = (long long)h * KD;
+  const long long qhs = (long long)p.qk_heads * KD;                // GVA: q/k of head h / group
+  const long long qhoff = (long long)(h / (H / p.qk_heads)) * KD;
 
   for (int i = tid; i < 3 * 256; i += NT) {
     const int which = i >> 8, r = (i >> 4) & 15, cc = i & 15;
     const bf16* src = which == 0 ? p.q : (which == 1 ? p.k : p.g);
     bf16* dst = which == 0 ? &sm.q[r][cc * 8] : (which == 1 ? &sm.k[r][cc * 8] : &sm.g[r][cc * 8]);
     const bool ok = r < nv;
-    cp_async16(dst, ok ? src + (t0 + r) * hs + hoff + cc * 8 : src, ok ? 16 : 0);
+    const long long off = which == 2 ? (t0 + r) * hs + hoff : (t0 + r) * qhs + qhoff;
+    cp_async16(dst, ok ? src + off + cc * 8 : src, ok ? 16 : 0);
   }
   cp_async_commit();
   const float beta_raw = (tid < nv) ? __bfloat162float(p.beta[(t0 + tid) * H + h]) : 0.f;
@@ -277,10 +290,15 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
 // dynamic shared memory of kda_state_w<NW> (mirrored in launch.rs)
 #define STATE_SMEM(NW, ST) ((ST) * (REC_BYTES + CH * 16 * (NW) * 2) + (NW) * CH * TS * 2 + 8 * (ST))
 
-template <int NW, int ST>
+// TRANS (context parallelism, first pass): each segment runs twice from its start, as blocks
+// [0, SLICES) with the real v from a zero state (the particular solution P) and as blocks
+// [SLICES, 2 SLICES) with v = 0 from the identity (the transition M: S_end = S_start M + P);
+// no output; both land in ht as [segment, H, 2, 128, 128] fp32.
+template <int NW, int ST, bool TRANS>
 __device__ __forceinline__ void state_body(const KdaParams& p) {
   constexpr int VS = 16 * NW;
   constexpr int SLICES = KD / VS;
+  constexpr int PARTS = TRANS ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* recs = smem_raw;                                      // [ST][REC_BYTES]
   bf16* vs = reinterpret_cast<bf16*>(smem_raw + ST * REC_BYTES);       // [ST][CH][VS]
@@ -292,8 +310,9 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
   const int H = p.num_heads;
   const long long bid = blockIdx.x;
   const int slice = static_cast<int>(bid % SLICES);
-  const int h = static_cast<int>((bid / SLICES) % H);
-  const int n = static_cast<int>(bid / (SLICES * (long long)H));
+  const int part = static_cast<int>((bid / SLICES) % PARTS);  // 1: the transition M
+  const int h = static_cast<int>((bid / (SLICES * PARTS)) % H);
+  const int n = static_cast<int>(bid / (SLICES * PARTS * (long long)H));
   const SeqInfo si = seq_info(p, n);
   const long long bos = si.bos, len = si.len;
   const int v0 = slice * VS;
@@ -311,10 +330,12 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
   auto issue = [&](int c) {
     const int st = c % ST, nv = nvalid(c);
     const uint32_t bar = smem_u32(&bars[st]);
-    mbar_expect_tx(bar, REC_BYTES + nv * VS * 2);
+    const bool with_v = part == 0;
+    mbar_expect_tx(bar, REC_BYTES + (with_v ? nv * VS * 2 : 0));
     bulk_g2s(smem_u32(recs + st * REC_BYTES), ws + (size_t)((si.slot0 + c) * H + h) * REC_BYTES, REC_BYTES, bar);
     const long long t0 = bos + (long long)c * CH;
-    for (int r = 0; r < nv; ++r)
+    if (with_v)
+      for (int r = 0; r < nv; ++r)
       bulk_g2s(smem_u32(vs + (st * CH + r) * VS), p.v + (t0 + r) * hs + hoff + v0, VS * 2, bar);
   };
 
@@ -327,8 +348,20 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     for (int c = 0; c < ST && c < nchunks; ++c) issue(c);
 
   float S[16][4];
-  const size_t sbase = ((size_t)n * H + h) * KD * KD;
-  load_state(S, p, sbase, vw + gq, tq);
+  const size_t sbase = (((size_t)n * H + h) * PARTS + part) * KD * KD;
+  if (TRANS) {
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int col = nt * 8 + 2 * tq, r0 = vw + gq;
+      const float one = part == 1 ? 1.f : 0.f;
+      S[nt][0] = r0 == col ? one : 0.f;
+      S[nt][1] = r0 == col + 1 ? one : 0.f;
+      S[nt][2] = r0 + 8 == col ? one : 0.f;
+      S[nt][3] = r0 + 8 == col + 1 ? one : 0.f;
+    }
+  } else {
+    load_state(S, p, sbase, vw + gq, tq);
+  }
 
   const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
   bf16(*ow)[TS] = reinterpret_cast<bf16(*)[TS]>(os + warp * CH * TS);
@@ -374,7 +407,7 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = nt * 8 + 2 * tq + (e & 1);
-        const float vv = __bfloat162float(vst[tok * VS + vl + 8 * (e >> 1)]);
+        const float vv = part == 0 ? __bfloat162float(vst[tok * VS + vl + 8 * (e >> 1)]) : 0.f;
         vb[nt][e] = tok < nv ? (vv - W[nt][e]) * b[tok] : 0.f;
       }
     const uint32_t va0 = pack(vb[0][0], vb[0][1]), va1 = pack(vb[0][2], vb[0][3]);
@@ -389,7 +422,7 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     const uint32_t ua2 = pack(U[1][0], U[1][1]), ua3 = pack(U[1][2], U[1][3]);
     // out = O1 + M U
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < 2 && !TRANS; ++nt) {
       const int ir = nt * 8 + gq;
       float O[4];
       mma(O, ua0, ua1, ua2, ua3, ld32(&mm[swz16(ir, 2 * tq)]), ld32(&mm[swz16(ir, 2 * tq + 8)]), O1[nt]);
@@ -411,7 +444,7 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     __syncwarp();
     {
       const int tok = lane >> 1, half = lane & 1;
-      if (tok < nv) {
+      if (!TRANS && tok < nv) {
         const uint4 val = *reinterpret_cast<const uint4*>(&ow[tok][8 * half]);
         *reinterpret_cast<uint4*>(p.out + (bos + (long long)c * CH + tok) * hs + hoff + vw + 8 * half) = val;
       }
@@ -424,9 +457,97 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
   if (p.ht != nullptr) store_state(S, p, sbase, vw + gq, tq);
 }
 
+// Context-parallel scan: S_start(segment 0) = h0 (or 0), S_start(s + 1) = S_start(s) M_s + P_s,
+// in fp32, for SCAN_ROWS value rows of one (sequence, head) per block; writes every segment's
+// start state (fp32, read by the second state pass) and the final state (ht, in its dtype).
+struct ScanParams {
+  const float* pm;   // [B * segs, H, 2, 128, 128]: P then M
+  float* starts;     // [B * segs, H, 128, 128]
+  const void* h0;    // [B, H, 128, 128] or null
+  void* ht;          // [B, H, 128, 128] or null
+  int state_fp32;
+  int num_heads;
+  int segs;
+};
+
+#define SCAN_ROWS 16
+// dynamic shared memory of kda_cp_scan: M and P rows of two segments (double buffer) + the rows
+#define SCAN_SMEM ((2 * (KD * KD + SCAN_ROWS * KD) + SCAN_ROWS * KD) * 4)
+extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p) {
+  extern __shared__ __align__(16) float scan_smem[];
+  float* mbuf = scan_smem;                          // [2][KD][KD]
+  float* pbuf = mbuf + 2 * KD * KD;                 // [2][SCAN_ROWS][KD]
+  float (*srow)[KD] = reinterpret_cast<float (*)[KD]>(pbuf + 2 * SCAN_ROWS * KD);
+  constexpr int RPT = SCAN_ROWS / 2;  // rows per thread
+  const int tid = threadIdx.x, c = tid & (KD - 1), rg = tid >> 7;
+  const int H = p.num_heads;
+  const int bh = blockIdx.x, h = bh % H, b = bh / H;
+  const int rowb = blockIdx.y * SCAN_ROWS;
+  const int row0 = rowb + rg * RPT;
+  const size_t hd2 = (size_t)KD * KD;
+  // M_s and this block's rows of P_s into buffer s & 1 (16-byte cp.async, all threads)
+  auto prefetch = [&](int s) {
+    const size_t seg = (size_t)b * p.segs + s;
+    const float* P = p.pm + ((seg * H + h) * 2) * hd2;
+    const float* M = P + hd2;
+    float* md = mbuf + (s & 1) * KD * KD;
+    float* pd = pbuf + (s & 1) * SCAN_ROWS * KD;
+    for (int i = tid; i < KD * KD / 4; i += 256) cp_async16(md + 4 * i, M + 4 * i, 16);
+    for (int i = tid; i < SCAN_ROWS * KD / 4; i += 256) cp_async16(pd + 4 * i, P + (size_t)rowb * KD + 4 * i, 16);
+    cp_async_commit();
+  };
+  const int last = p.ht == nullptr ? p.segs - 1 : p.segs;  // steps that need M and P
+  if (last > 0) prefetch(0);
+  float acc[RPT];
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    const size_t i = (size_t)bh * hd2 + (size_t)(row0 + r) * KD + c;
+    if (p.h0 == nullptr) acc[r] = 0.f;
+    else if (p.state_fp32) acc[r] = static_cast<const float*>(p.h0)[i];
+    else acc[r] = __bfloat162float(static_cast<const bf16*>(p.h0)[i]);
+  }
+  for (int s = 0; s < p.segs; ++s) {
+    const size_t seg = (size_t)b * p.segs + s;
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      p.starts[(seg * H + h) * hd2 + (size_t)(row0 + r) * KD + c] = acc[r];
+      srow[rg * RPT + r][c] = acc[r];
+    }
+    if (s >= last) break;
+    cp_async_wait_all();
+    __syncthreads();  // buffer s & 1 and srow visible; buffer (s + 1) & 1 free
+    if (s + 1 < last) prefetch(s + 1);
+    const float* md = mbuf + (s & 1) * KD * KD;
+    const float* pd = pbuf + (s & 1) * SCAN_ROWS * KD;
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) acc[r] = pd[(rg * RPT + r) * KD + c];
+#pragma unroll 16
+    for (int k = 0; k < KD; ++k) {
+      const float m = md[k * KD + c];
+#pragma unroll
+      for (int r = 0; r < RPT; ++r) acc[r] = fmaf(srow[rg * RPT + r][k], m, acc[r]);
+    }
+    __syncthreads();  // srow and buffer s & 1 reused next step
+  }
+  if (p.ht != nullptr) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const size_t i = (size_t)bh * hd2 + (size_t)(row0 + r) * KD + c;
+      if (p.state_fp32) static_cast<float*>(p.ht)[i] = acc[r];
+      else static_cast<bf16*>(p.ht)[i] = __float2bfloat16_rn(acc[r]);
+    }
+  }
+}
+static_assert(SCAN_SMEM == 155648, "update launch.rs");
+
 static_assert(STATE_SMEM(1, 2) == 29584, "update launch.rs");
 static_assert(STATE_SMEM(2, 4) == 61216, "update launch.rs");
 static_assert(STATE_SMEM(4, 4) == 66848, "update launch.rs");
-extern "C" __global__ void __launch_bounds__(32) kda_state_w1(const KdaParams p) { state_body<1, 2>(p); }
-extern "C" __global__ void __launch_bounds__(64) kda_state_w2(const KdaParams p) { state_body<2, 4>(p); }
-extern "C" __global__ void __launch_bounds__(128) kda_state_w4(const KdaParams p) { state_body<4, 4>(p); }
+static_assert(STATE_SMEM(4, 3) == 50904, "update launch.rs");
+extern "C" __global__ void __launch_bounds__(32) kda_state_w1(const KdaParams p) { state_body<1, 2, false>(p); }
+extern "C" __global__ void __launch_bounds__(64) kda_state_w2(const KdaParams p) { state_body<2, 4, false>(p); }
+extern "C" __global__ void __launch_bounds__(128) kda_state_w4(const KdaParams p) { state_body<4, 4, false>(p); }
+extern "C" __global__ void __launch_bounds__(128) kda_cp_transition_w4(const KdaParams p) { state_body<4, 4, true>(p); }
+// 3 stages: 4 blocks fit one SM's shared memory (the segmented passes run many blocks per SM)
+extern "C" __global__ void __launch_bounds__(128, 4) kda_cp_transition_w4s3(const KdaParams p) { state_body<4, 3, true>(p); }
+extern "C" __global__ void __launch_bounds__(128, 4) kda_cp_state_w4s3(const KdaParams p) { state_body<4, 3, false>(p); }

@@ -53,10 +53,22 @@ pub enum FlashKdaError {
     #[error("problem too large: {0}")]
     TooLarge(String),
     #[error(
-        "the workspace schedule cannot run while the stream is being captured into a CUDA graph \
-         (its workspace may be reallocated later); use the Auto or Pipelined schedule"
+        "capturing into a CUDA graph needs a workspace of {need} bytes that outlives the graph: pass one \
+         (FwdOptions::workspace; in Python the default call does this), or call once on this stream \
+         before capturing so the stream's pooled workspace is large enough"
     )]
-    NotCapturable,
+    NotCapturable { need: usize },
+    #[error(
+        "{heads} value heads over {qk_heads} query/key heads (GVA) run only on the workspace schedule, \
+         not {schedule}"
+    )]
+    GvaSchedule {
+        heads: usize,
+        qk_heads: usize,
+        schedule: String,
+    },
+    #[error("workspace of {have} bytes is too small: this call needs {need} bytes")]
+    WorkspaceTooSmall { need: usize, have: usize },
     #[error(
         "flashkda CUDA kernels were not built ({0}); install nvcc (e.g. `pip install --target /opt/cuda13 \
          \"cuda-toolkit[nvcc,crt,nvvm,cudart,cccl]==13.0.2\"`), set CUDA_HOME=/opt/cuda13/nvidia/cu13 and rebuild"

@@ -54,6 +54,7 @@ pub struct DeviceProblem {
     batch: usize,
     seq_len: usize,
     heads: usize,
+    qk_heads: usize,
     num_seqs: usize,
     q: CudaSlice<u16>,
     k: CudaSlice<u16>,
@@ -135,6 +136,7 @@ impl DeviceProblem {
             batch,
             seq_len,
             heads: p.heads,
+            qk_heads: p.qk_heads,
             num_seqs: n,
             q: up16(&p.q)?,
             k: up16(&p.k)?,
@@ -166,6 +168,7 @@ impl DeviceProblem {
     /// The call's arguments.
     pub fn args(&self) -> FwdArgs {
         let act = [self.batch, self.seq_len, self.heads, HEAD_DIM];
+        let qk = [self.batch, self.seq_len, self.qk_heads, HEAD_DIM];
         let st = [self.num_seqs, self.heads, HEAD_DIM, HEAD_DIM];
         let state = |b: &Option<CudaSlice<u16>>, f: &Option<CudaSlice<f32>>| {
             b.as_ref()
@@ -173,8 +176,8 @@ impl DeviceProblem {
                 .or_else(|| f.as_ref().map(|x| self.view(x, DType::F32, &st)))
         };
         FwdArgs {
-            q: self.view(&self.q, DType::BF16, &act),
-            k: self.view(&self.k, DType::BF16, &act),
+            q: self.view(&self.q, DType::BF16, &qk),
+            k: self.view(&self.k, DType::BF16, &qk),
             v: self.view(&self.v, DType::BF16, &act),
             g: self.view(&self.g, DType::BF16, &act),
             beta: self.view(&self.beta, DType::BF16, &act[..3]),

@@ -9,8 +9,12 @@ use cudarc::driver::{
 };
 
 use crate::error::{DriverContext, FlashKdaError};
-use crate::reference::CHUNK;
+use crate::schedule::{
+    Segments, WorkspaceLayout, plan_segments, workspace_layout, workspace_slots,
+};
 use crate::validate::{FwdArgs, FwdPlan, StateDType, check_cu_seqlens, validate};
+
+pub use crate::schedule::WORKSPACE_RECORD_BYTES;
 
 mod built {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -64,10 +68,35 @@ struct KernelParams {
     scale: f32,
     lower_bound: f32,
     ws: u64,
+    seg_chunks: i32,
+    segs_per_seq: i32,
+    qk_heads: i32,
+    pad: i32,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (checked by a test on its size).
 unsafe impl DeviceRepr for KernelParams {}
+
+/// Mirror of `struct ScanParams` in `kernels/kda_fwd_ws.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct ScanParams {
+    pm: u64,
+    starts: u64,
+    h0: u64,
+    ht: u64,
+    state_fp32: i32,
+    num_heads: i32,
+    segs: i32,
+}
+
+// SAFETY: plain-old-data, layout identical to the C struct.
+unsafe impl DeviceRepr for ScanParams {}
+
+/// Rows of the state one `kda_cp_scan` block carries (`SCAN_ROWS` in the .cu).
+const SCAN_ROWS: u32 = 16;
+/// Dynamic shared memory of `kda_cp_scan` (`SCAN_SMEM`: double-buffered M and P rows).
+const SCAN_SMEM_BYTES: u32 = 155648;
 
 /// How many blocks share one (sequence, head): each owns a slice of the 128 value rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -101,14 +130,28 @@ pub enum KernelSchedule {
     Workspace,
 }
 
+/// A caller-owned device buffer for a call's workspace (size: [`workspace_bytes`]). It must stay
+/// allocated until the stream has run the call (for a captured graph: as long as the graph).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Workspace {
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
 /// Launch options.
 #[derive(Debug, Clone, Copy)]
 pub struct FwdOptions {
     pub value_split: ValueSplit,
     pub schedule: KernelSchedule,
-    /// Copy `cu_seqlens` to the host and check it (one small sync). Turn off only while
-    /// capturing a CUDA graph; the kernel clamps bad offsets either way, never reading out of bounds.
+    /// Copy `cu_seqlens` to the host and check it (one small sync). Skipped automatically while
+    /// the stream is being captured into a CUDA graph; the kernels clamp bad offsets either way,
+    /// never reading out of bounds.
     pub check_cu_seqlens: bool,
+    /// Context parallelism: `None` = [`plan_segments`], `Some(0)` = off, `Some(c)` = segments of
+    /// `c` chunks (fixed-length calls of the `Workspace` schedule only).
+    pub segment_chunks: Option<usize>,
+    /// The caller's workspace; `None` takes the stream's pooled one from [`KdaKernels`].
+    pub workspace: Option<Workspace>,
 }
 
 impl Default for FwdOptions {
@@ -117,25 +160,27 @@ impl Default for FwdOptions {
             value_split: ValueSplit::Auto,
             schedule: KernelSchedule::Auto,
             check_cu_seqlens: true,
+            segment_chunks: None,
+            workspace: None,
         }
     }
 }
 
 /// One device allocation, freed on drop.
 #[derive(Debug)]
-struct Workspace {
+struct OwnedBuffer {
     ctx: Arc<CudaContext>,
     ptr: cudarc::driver::sys::CUdeviceptr,
     bytes: usize,
 }
 
-impl Workspace {
+impl OwnedBuffer {
     fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, FlashKdaError> {
         ctx.bind_to_thread().during("binding the context")?;
         // SAFETY: a plain allocation on the bound context.
         let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
             .during("allocating the workspace")?;
-        Ok(Workspace {
+        Ok(OwnedBuffer {
             ctx: ctx.clone(),
             ptr,
             bytes,
@@ -143,7 +188,7 @@ impl Workspace {
     }
 }
 
-impl Drop for Workspace {
+impl Drop for OwnedBuffer {
     fn drop(&mut self) {
         // cuMemFree waits for work still using the allocation; errors cannot be reported here.
         if self.ctx.bind_to_thread().is_ok() {
@@ -163,20 +208,37 @@ pub struct KdaKernels {
     prep: CudaFunction,
     /// `kda_state_w{1,2,4}`: 1, 2 and 4 warps per block.
     state: [CudaFunction; 3],
-    /// Workspaces of the `Workspace` schedule, one per stream (so calls on different streams
-    /// never share one), grown on demand; plain device allocations (no events: graph-capturable).
-    workspaces: Mutex<HashMap<usize, Workspace>>,
+    /// Segmented passes (context parallelism): (transition, output pass, dynamic smem bytes).
+    segmented: (CudaFunction, CudaFunction, u32),
+    scan: CudaFunction,
+    /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
+    /// outside graph capture only.
+    workspaces: Mutex<WorkspacePool>,
     sm_count: usize,
+}
+
+#[derive(Debug, Default)]
+struct WorkspacePool {
+    by_stream: HashMap<usize, PooledBuffer>,
+    /// Buffers replaced after a graph captured them: kept until the kernels are dropped, since a
+    /// graph may still replay with their address.
+    retired: Vec<OwnedBuffer>,
+}
+
+#[derive(Debug)]
+struct PooledBuffer {
+    buf: OwnedBuffer,
+    captured: bool,
 }
 
 /// Dynamic shared memory of `kda_fwd_pipe_w4` (`PIPE_SMEM_BYTES` in the .cu, checked there).
 const PIPE_SMEM_BYTES: u32 = 65344;
 /// Dynamic shared memory of `kda_state_w{1,2,4}` (`STATE_SMEM` in kda_fwd_ws.cu, checked there).
 const STATE_SMEM_BYTES: [u32; 3] = [29584, 61216, 66848];
-/// Bytes of one workspace record (one 16-token chunk slot of one head).
-pub const WORKSPACE_RECORD_BYTES: usize = 13888;
+/// Dynamic shared memory of the 3-stage segmented passes (`STATE_SMEM(4, 3)`).
+const CP_SMEM_BYTES: u32 = 50904;
 /// `Auto` uses the workspace schedule only while its workspace stays below this size.
-pub const WORKSPACE_AUTO_LIMIT: usize = 4 << 30;
+pub const WORKSPACE_AUTO_LIMIT: usize = 16 << 30;
 
 impl KdaKernels {
     /// Loads the cubins into `ctx` (the device's primary context, shared with torch).
@@ -241,6 +303,21 @@ impl KdaKernels {
             load_state("kda_state_w2", STATE_SMEM_BYTES[1])?,
             load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
         ];
+        // FLASHKDA_CP_STAGES=4 (tuning only): the 4-stage kernels, 3 blocks per SM instead of 4
+        let segmented = if std::env::var("FLASHKDA_CP_STAGES").is_ok_and(|v| v == "4") {
+            (
+                load_state("kda_cp_transition_w4", STATE_SMEM_BYTES[2])?,
+                load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
+                STATE_SMEM_BYTES[2],
+            )
+        } else {
+            (
+                load_state("kda_cp_transition_w4s3", CP_SMEM_BYTES)?,
+                load_state("kda_cp_state_w4s3", CP_SMEM_BYTES)?,
+                CP_SMEM_BYTES,
+            )
+        };
+        let scan = load_state("kda_cp_scan", SCAN_SMEM_BYTES)?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -253,7 +330,9 @@ impl KdaKernels {
             pipelined,
             prep,
             state,
-            workspaces: Mutex::new(HashMap::new()),
+            segmented,
+            scan,
+            workspaces: Mutex::new(WorkspacePool::default()),
             sm_count,
         })
     }
@@ -294,18 +373,94 @@ impl KdaKernels {
     }
 }
 
-/// Chunk slots of the workspace: `batch * ceil(seq_len / 16)` without `cu_seqlens`, else
-/// `T / 16 + N` (sequence `n` starts at slot `cu[n] / 16 + n`; see kda_fwd_ws.cu).
-pub fn workspace_slots(plan: &FwdPlan) -> usize {
-    if plan.varlen {
-        plan.seq_len / CHUNK + plan.num_seqs
-    } else {
-        plan.batch * plan.seq_len.div_ceil(CHUNK)
+/// What one call runs: the schedule, value split and segments picked for it, and its workspace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallPlan {
+    pub schedule: KernelSchedule,
+    pub split: ValueSplit,
+    pub segments: Segments,
+    /// Zero for the schedules without a workspace.
+    pub workspace: WorkspaceLayout,
+}
+
+const NO_WORKSPACE: WorkspaceLayout = WorkspaceLayout {
+    records_bytes: 0,
+    pm_offset: 0,
+    starts_offset: 0,
+    total_bytes: 0,
+};
+
+impl KdaKernels {
+    /// The schedule, split, segments and workspace of a validated call (pure: no device access).
+    pub fn call_plan(&self, plan: &FwdPlan, opts: &FwdOptions) -> CallPlan {
+        let auto_segments = || {
+            if plan.varlen {
+                return Segments::NONE;
+            }
+            match opts.segment_chunks {
+                None => plan_segments(
+                    plan.num_seqs,
+                    plan.seq_len,
+                    plan.heads,
+                    plan.varlen,
+                    self.sm_count,
+                ),
+                Some(c) => Segments::with_chunks(plan.seq_len, c),
+            }
+        };
+        let schedule = match opts.schedule {
+            // GVA runs only on the workspace schedule
+            KernelSchedule::Auto if plan.qk_heads != plan.heads => KernelSchedule::Workspace,
+            KernelSchedule::Auto => {
+                let segments = auto_segments();
+                self.auto_schedule(workspace_layout(plan, segments).total_bytes)
+            }
+            s => s,
+        };
+        let split = match (opts.value_split, schedule) {
+            (ValueSplit::Auto, KernelSchedule::Workspace) => {
+                self.auto_workspace_split(plan.num_seqs * plan.heads)
+            }
+            (ValueSplit::Auto, _) => self.auto_split(plan.num_seqs * plan.heads),
+            (s, _) => s,
+        };
+        if schedule != KernelSchedule::Workspace {
+            return CallPlan {
+                schedule,
+                split,
+                segments: Segments::NONE,
+                workspace: NO_WORKSPACE,
+            };
+        }
+        let segments = auto_segments();
+        // the segmented passes run with two 4-warp blocks per segment and head
+        let split = if segments.active() {
+            ValueSplit::Two
+        } else {
+            split
+        };
+        CallPlan {
+            schedule,
+            split,
+            segments,
+            workspace: workspace_layout(plan, segments),
+        }
     }
 }
 
-/// Validates `args`, checks `cu_seqlens` (unless disabled) and enqueues the forward on `stream`.
-/// Device pointers in `args` must stay valid until the stream has run the kernel.
+/// Workspace bytes a call with `args` and `opts` needs (0 for schedules without one).
+pub fn workspace_bytes(
+    kernels: &KdaKernels,
+    args: &FwdArgs,
+    opts: &FwdOptions,
+) -> Result<usize, FlashKdaError> {
+    let plan = validate(args)?;
+    Ok(kernels.call_plan(&plan, opts).workspace.total_bytes)
+}
+
+/// Validates `args`, checks `cu_seqlens` (unless disabled or capturing) and enqueues the forward
+/// on `stream`. Device pointers in `args` (and the workspace) must stay valid until the stream
+/// has run the call.
 pub fn fwd(
     kernels: &KdaKernels,
     stream: &CudaStream,
@@ -313,6 +468,18 @@ pub fn fwd(
     opts: &FwdOptions,
 ) -> Result<FwdPlan, FlashKdaError> {
     let plan = validate(args)?;
+    fwd_validated(kernels, stream, args, &plan, opts)?;
+    Ok(plan)
+}
+
+/// [`fwd`] for arguments [`validate`] already accepted as `plan` (validated once per call).
+pub fn fwd_validated(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+    args: &FwdArgs,
+    plan: &FwdPlan,
+    opts: &FwdOptions,
+) -> Result<CallPlan, FlashKdaError> {
     if plan.ordinal != kernels.ctx.ordinal() {
         return Err(FlashKdaError::Device {
             tensor: "q",
@@ -320,40 +487,32 @@ pub fn fwd(
             found: format!("cuda:{}", plan.ordinal),
         });
     }
+    kernels.ctx.bind_to_thread().during("binding the context")?;
+    // SAFETY: queries the capture status of the caller's live stream.
+    let capturing = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
+        .during("querying the stream's capture status")?
+        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let total = plan.batch * plan.seq_len;
-    if let (Some(cu), true) = (&args.cu_seqlens, opts.check_cu_seqlens) {
+    if let (Some(cu), true, false) = (&args.cu_seqlens, opts.check_cu_seqlens, capturing) {
         let mut host = vec![0i64; plan.num_seqs + 1];
-        kernels.ctx.bind_to_thread().during("binding the context")?;
         // SAFETY: `cu` was validated as num_seqs + 1 contiguous int64 on this device.
         unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host, cu.ptr, stream.cu_stream()) }
             .during("copying cu_seqlens to the host")?;
         stream.synchronize().during("waiting for cu_seqlens")?;
         check_cu_seqlens(&host, total)?;
     }
+    let call = kernels.call_plan(plan, opts);
+    if plan.qk_heads != plan.heads && call.schedule != KernelSchedule::Workspace {
+        return Err(FlashKdaError::GvaSchedule {
+            heads: plan.heads,
+            qk_heads: plan.qk_heads,
+            schedule: format!("{:?}", call.schedule),
+        });
+    }
     let chains = plan.num_seqs * plan.heads;
     if chains == 0 {
-        return Ok(plan);
+        return Ok(call);
     }
-    let slots = workspace_slots(&plan);
-    let ws_bytes = slots * plan.heads * WORKSPACE_RECORD_BYTES;
-    kernels.ctx.bind_to_thread().during("binding the context")?;
-    // SAFETY: queries the capture status of the caller's live stream.
-    let capturing = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
-        .during("querying the stream's capture status")?
-        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    let schedule = match opts.schedule {
-        // graphs bake in pointers: a workspace grown (reallocated) later would dangle
-        KernelSchedule::Auto if capturing => KernelSchedule::Pipelined,
-        // see `auto_schedule` for the measurement behind it
-        KernelSchedule::Auto => kernels.auto_schedule(ws_bytes),
-        KernelSchedule::Workspace if capturing => return Err(FlashKdaError::NotCapturable),
-        s => s,
-    };
-    let split = match (opts.value_split, schedule) {
-        (ValueSplit::Auto, KernelSchedule::Workspace) => kernels.auto_workspace_split(chains),
-        (ValueSplit::Auto, _) => kernels.auto_split(chains),
-        (s, _) => s,
-    };
     let mut params = KernelParams {
         q: args.q.ptr,
         k: args.k.ptr,
@@ -374,58 +533,42 @@ pub fn fwd(
         scale: args.scale,
         lower_bound: args.lower_bound,
         ws: 0,
+        seg_chunks: 0,
+        segs_per_seq: 1,
+        qk_heads: plan.qk_heads as i32,
+        pad: 0,
     };
-    if schedule == KernelSchedule::Workspace {
-        if slots > i32::MAX as usize {
+    if call.schedule == KernelSchedule::Workspace {
+        let slots = workspace_slots(plan);
+        let blocks = chains as u64 * call.segments.segs_per_seq as u64 * 8;
+        if slots > i32::MAX as usize || blocks > i32::MAX as u64 {
             return Err(FlashKdaError::TooLarge(format!(
-                "{slots} chunk slots exceed the prep kernel's grid"
+                "{slots} chunk slots or {blocks} blocks exceed a kernel grid"
             )));
         }
-        let (index, slices) = match split {
-            ValueSplit::Eight => (0, 8u32),
-            ValueSplit::Four => (1, 4),
-            _ => (2, 2),
-        };
-        let need = ws_bytes.max(1);
-        let mut map = kernels.workspaces.lock().unwrap_or_else(|p| p.into_inner());
-        let key = stream.cu_stream() as usize;
-        if map.get(&key).is_some_and(|w| w.bytes < need) {
-            // the old one may still be read by this stream's previous call
-            stream
-                .synchronize()
-                .during("waiting before growing the workspace")?;
-            map.remove(&key);
-        }
-        let ws = match map.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(Workspace::new(&kernels.ctx, need)?)
+        let need = call.workspace.total_bytes.max(1);
+        let ws = match opts.workspace {
+            Some(w) if w.bytes < need => {
+                return Err(FlashKdaError::WorkspaceTooSmall {
+                    need,
+                    have: w.bytes,
+                });
             }
+            Some(w) if w.ptr == 0 || !w.ptr.is_multiple_of(16) => {
+                return Err(FlashKdaError::Misaligned {
+                    tensor: "workspace",
+                    ptr: w.ptr,
+                    align: 16,
+                });
+            }
+            Some(w) => w.ptr,
+            None => pooled_workspace(kernels, stream, need, capturing)?,
         };
-        params.ws = ws.ptr;
-        if slots > 0 {
-            let cfg = LaunchConfig {
-                grid_dim: (slots as u32, plan.heads as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut launch = stream.launch_builder(&kernels.prep);
-            launch.arg(&params);
-            // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace.
-            unsafe { launch.launch(cfg) }.during("launching kda_prep")?;
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (chains as u32 * slices, 1, 1),
-            block_dim: (256 / slices, 1, 1),
-            shared_mem_bytes: STATE_SMEM_BYTES[index],
-        };
-        let mut launch = stream.launch_builder(&kernels.state[index]);
-        launch.arg(&params);
-        // SAFETY: reads the records written above and the validated tensors.
-        unsafe { launch.launch(cfg) }.during("launching kda_state")?;
-        return Ok(plan);
+        params.ws = ws;
+        launch_workspace_schedule(kernels, stream, plan, &call, params, slots)?;
+        return Ok(call);
     }
-    let (func, slices, threads, smem) = match (schedule, split) {
+    let (func, slices, threads, smem) = match (call.schedule, call.split) {
         (KernelSchedule::Pipelined, _) => (&kernels.pipelined, 2u32, 128u32, PIPE_SMEM_BYTES),
         (_, ValueSplit::Four | ValueSplit::Eight) => (&kernels.two_warps, 4, 64, 0),
         _ => (&kernels.four_warps, 2, 128, 0),
@@ -439,15 +582,159 @@ pub fn fwd(
     launch.arg(&params);
     // SAFETY: the kernel reads/writes only the validated tensors described by `params`.
     unsafe { launch.launch(cfg) }.during("launching kda_fwd")?;
-    Ok(plan)
+    Ok(call)
+}
+
+/// The stream's pooled workspace of at least `need` bytes. Grows only outside capture; a buffer
+/// a graph captured is retired (kept alive), never freed, when it is replaced.
+fn pooled_workspace(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+    need: usize,
+    capturing: bool,
+) -> Result<u64, FlashKdaError> {
+    let mut pool = kernels.workspaces.lock().unwrap_or_else(|p| p.into_inner());
+    let key = stream.cu_stream() as usize;
+    if let Some(b) = pool.by_stream.get_mut(&key)
+        && b.buf.bytes >= need
+    {
+        b.captured |= capturing;
+        return Ok(b.buf.ptr);
+    }
+    if capturing {
+        return Err(FlashKdaError::NotCapturable { need });
+    }
+    if let Some(old) = pool.by_stream.remove(&key) {
+        // the old one may still be read by this stream's previous call
+        stream
+            .synchronize()
+            .during("waiting before growing the workspace")?;
+        if old.captured {
+            pool.retired.push(old.buf);
+        }
+    }
+    let buf = OwnedBuffer::new(&kernels.ctx, need)?;
+    let ptr = buf.ptr;
+    pool.by_stream.insert(
+        key,
+        PooledBuffer {
+            buf,
+            captured: false,
+        },
+    );
+    Ok(ptr)
+}
+
+/// Prep, then either the state pass, or (context parallelism) the transition pass, the scan and
+/// the segmented state pass.
+fn launch_workspace_schedule(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+    plan: &FwdPlan,
+    call: &CallPlan,
+    params: KernelParams,
+    slots: usize,
+) -> Result<(), FlashKdaError> {
+    let chains = (plan.num_seqs * plan.heads) as u32;
+    if slots > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: (slots as u32, plan.heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(&kernels.prep);
+        launch.arg(&params);
+        // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace.
+        unsafe { launch.launch(cfg) }.during("launching kda_prep")?;
+    }
+    let segs = call.segments;
+    if !segs.active() {
+        let (index, slices) = match call.split {
+            ValueSplit::Eight => (0, 8u32),
+            ValueSplit::Four => (1, 4),
+            _ => (2, 2),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (chains * slices, 1, 1),
+            block_dim: (256 / slices, 1, 1),
+            shared_mem_bytes: STATE_SMEM_BYTES[index],
+        };
+        let mut launch = stream.launch_builder(&kernels.state[index]);
+        launch.arg(&params);
+        // SAFETY: reads the records written above and the validated tensors.
+        unsafe { launch.launch(cfg) }.during("launching kda_state")?;
+        return Ok(());
+    }
+    let n_segs = chains * segs.segs_per_seq as u32;
+    let pm = params.ws + call.workspace.pm_offset as u64;
+    let starts = params.ws + call.workspace.starts_offset as u64;
+    let seg_params = KernelParams {
+        seg_chunks: segs.seg_chunks as i32,
+        segs_per_seq: segs.segs_per_seq as i32,
+        num_seqs: (plan.num_seqs * segs.segs_per_seq) as i32,
+        state_fp32: 1,
+        ..params
+    };
+    // 1. every segment from zero (P) and from the identity with v = 0 (M)
+    let trans = KernelParams {
+        h0: 0,
+        ht: pm,
+        ..seg_params
+    };
+    let (transition, out_kernel, smem) = &kernels.segmented;
+    let cfg = LaunchConfig {
+        grid_dim: (n_segs * 4, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: *smem,
+    };
+    let mut launch = stream.launch_builder(transition);
+    launch.arg(&trans);
+    // SAFETY: reads the records and v; writes P and M of every segment inside the workspace.
+    unsafe { launch.launch(cfg) }.during("launching kda_cp_transition")?;
+    // 2. start state of every segment, and the final state
+    let scan = ScanParams {
+        pm,
+        starts,
+        h0: params.h0,
+        ht: params.ht,
+        state_fp32: params.state_fp32,
+        num_heads: plan.heads as i32,
+        segs: segs.segs_per_seq as i32,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (chains, 128 / SCAN_ROWS, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: SCAN_SMEM_BYTES,
+    };
+    let mut launch = stream.launch_builder(&kernels.scan);
+    launch.arg(&scan);
+    // SAFETY: reads P, M and h0; writes the start states (workspace) and ht.
+    unsafe { launch.launch(cfg) }.during("launching kda_cp_scan")?;
+    // 3. the outputs of every segment from its start state
+    let out_pass = KernelParams {
+        h0: starts,
+        ht: 0,
+        ..seg_params
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (n_segs * 2, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: *smem,
+    };
+    let mut launch = stream.launch_builder(out_kernel);
+    launch.arg(&out_pass);
+    // SAFETY: reads the records, v and the start states; writes out.
+    unsafe { launch.launch(cfg) }.during("launching kda_state (segments)")?;
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, then the ws pointer.
-        assert_eq!(std::mem::size_of::<super::KernelParams>(), 136);
+        // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, the ws pointer, 2 int32.
+        assert_eq!(std::mem::size_of::<super::KernelParams>(), 152);
+        assert_eq!(std::mem::size_of::<super::ScanParams>(), 48);
         assert_eq!(std::mem::align_of::<super::KernelParams>(), 8);
     }
 }

@@ -17,12 +17,15 @@ pub mod launch;
 #[cfg(feature = "python")]
 mod python;
 pub mod reference;
+pub mod schedule;
 pub mod validate;
 
 pub use error::FlashKdaError;
 pub use launch::{
-    FwdOptions, KdaKernels, KernelSchedule, ValueSplit, fwd, kernels_built, open_device,
+    CallPlan, FwdOptions, KdaKernels, KernelSchedule, ValueSplit, Workspace, fwd, fwd_validated,
+    kernels_built, open_device, workspace_bytes,
 };
+pub use schedule::{Segments, plan_segments};
 pub use validate::{DType, Device, FwdArgs, FwdPlan, StateDType, TensorView, validate};
 
 /// "1" when build.rs compiled the kernels, "0" otherwise (CI asserts "1" with K3_REQUIRE_KERNELS=1).

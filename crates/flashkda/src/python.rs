@@ -9,7 +9,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::error::FlashKdaError;
-use crate::launch::{FwdOptions, KdaKernels, ValueSplit, fwd as launch_fwd, open_device};
+use crate::launch::{FwdOptions, KdaKernels, ValueSplit, Workspace, fwd_validated, open_device};
 use crate::validate::{DType, Device, FwdArgs, TensorView};
 
 fn to_py(e: FlashKdaError) -> PyErr {
@@ -40,6 +40,7 @@ fn dtype_of(name: &str) -> DType {
         "torch.float16" => DType::Other("float16"),
         "torch.float64" => DType::Other("float64"),
         "torch.int32" => DType::Other("int32"),
+        "torch.uint8" => DType::Other("uint8"),
         _ => DType::Other("an unsupported dtype"),
     }
 }
@@ -99,10 +100,12 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// stream of the tensors' device. Shapes: q, k, v, g, out `[B, T, H, 128]` bf16; beta `[B, T, H]`
 /// bf16 logits; A_log `[H]`, dt_bias `[H, 128]` fp32; states `[N, H, 128, 128]` (row = value
 /// channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
-/// host copy of cu_seqlens (for CUDA-graph capture, where the kernel without workspace runs);
-/// `value_split` is None, 2, 4 or 8.
+/// host copy of cu_seqlens (it is skipped anyway while the stream is being captured);
+/// `value_split` is None, 2, 4 or 8; `segment_chunks` None (automatic), 0 (off) or the segment
+/// length in 16-token chunks; `workspace` a contiguous uint8 CUDA tensor of at least
+/// `workspace_bytes(...)` bytes (None: the stream's pooled one).
 #[pyfunction]
-#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None))]
+#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
 fn fwd(
     py: Python<'_>,
@@ -121,6 +124,8 @@ fn fwd(
     cu_seqlens: Option<&Bound<'_, PyAny>>,
     check_cu_seqlens: bool,
     value_split: Option<u32>,
+    segment_chunks: Option<usize>,
+    workspace: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let args = FwdArgs {
         q: view("q", q)?,
@@ -138,6 +143,27 @@ fn fwd(
         lower_bound,
     };
     let plan = crate::validate::validate(&args).map_err(to_py)?;
+    let workspace = match opt_view("workspace", workspace)? {
+        None => None,
+        Some(w) => {
+            if w.dtype != DType::Other("uint8") {
+                return Err(PyTypeError::new_err(format!(
+                    "workspace: expected dtype uint8, got {}",
+                    w.dtype.name()
+                )));
+            }
+            if w.device != Device::Cuda(plan.ordinal) || w.shape.len() != 1 || w.strides != [1] {
+                return Err(PyValueError::new_err(format!(
+                    "workspace: expected a contiguous 1-D uint8 tensor on cuda:{}, got shape {:?} strides {:?} on {:?}",
+                    plan.ordinal, w.shape, w.strides, w.device
+                )));
+            }
+            Some(Workspace {
+                ptr: w.ptr,
+                bytes: w.shape[0],
+            })
+        }
+    };
     let split = match value_split {
         None => ValueSplit::Auto,
         Some(2) => ValueSplit::Two,
@@ -166,10 +192,43 @@ fn fwd(
     let opts = FwdOptions {
         value_split: split,
         check_cu_seqlens,
+        segment_chunks,
+        workspace,
         ..Default::default()
     };
-    launch_fwd(&kernels, &stream, &args, &opts).map_err(to_py)?;
-    Ok(())
+    py.detach(|| fwd_validated(&kernels, &stream, &args, &plan, &opts).map(|_| ()))
+        .map_err(to_py)
+}
+
+/// Workspace bytes of a default `fwd` call with these sizes on cuda:`device` (0 when the call
+/// needs none): `batch, seq_len, heads` of q, `num_seqs` = len(cu_seqlens) - 1 or batch.
+#[pyfunction]
+#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None))]
+fn workspace_bytes(
+    batch: usize,
+    seq_len: usize,
+    heads: usize,
+    num_seqs: usize,
+    varlen: bool,
+    device: usize,
+    segment_chunks: Option<usize>,
+) -> PyResult<usize> {
+    let kernels = kernels_for(device).map_err(to_py)?;
+    let plan = crate::validate::FwdPlan {
+        batch,
+        seq_len,
+        heads,
+        qk_heads: heads, // the workspace does not depend on the q/k heads
+        num_seqs,
+        varlen,
+        state: None,
+        ordinal: device,
+    };
+    let opts = FwdOptions {
+        segment_chunks,
+        ..Default::default()
+    };
+    Ok(kernels.call_plan(&plan, &opts).workspace.total_bytes)
 }
 
 /// Whether this build embeds the sm_90a kernels.
@@ -182,6 +241,7 @@ fn kernels_built() -> bool {
 fn _flashkda(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fwd, m)?)?;
     m.add_function(wrap_pyfunction!(kernels_built, m)?)?;
+    m.add_function(wrap_pyfunction!(workspace_bytes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

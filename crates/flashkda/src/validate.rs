@@ -107,7 +107,11 @@ pub struct FwdPlan {
     pub batch: usize,
     /// Tokens per batch row (the packed total with `cu_seqlens`).
     pub seq_len: usize,
+    /// Value heads (of v, g, beta, out, states).
     pub heads: usize,
+    /// Query/key heads: `heads` is a multiple (GVA when larger; value head `h` reads q/k head
+    /// `h / (heads / qk_heads)`, as fla).
+    pub qk_heads: usize,
     /// Sequences: `B` without `cu_seqlens`, `len(cu_seqlens) - 1` with it.
     pub num_seqs: usize,
     pub varlen: bool,
@@ -224,23 +228,38 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
             found: s.clone(),
         });
     }
-    let (batch, seq_len, heads) = (s[0], s[1], s[2]);
-    if heads == 0 {
+    let (batch, seq_len, qk_heads) = (s[0], s[1], s[2]);
+    if qk_heads == 0 {
         return Err(FlashKdaError::Shape {
             tensor: "q",
             expected: "H >= 1".into(),
             found: s.clone(),
         });
     }
+    // value heads from v (GVA: a multiple of q's heads); a malformed v fails its layout check
+    let vs = &args.v.shape;
+    let heads = if vs.len() == 4 && vs[0] == batch && vs[1] == seq_len && vs[3] == HEAD_DIM {
+        vs[2]
+    } else {
+        qk_heads
+    };
+    if heads == 0 || !heads.is_multiple_of(qk_heads) {
+        return Err(FlashKdaError::Shape {
+            tensor: "v",
+            expected: format!("[B, T, H, {HEAD_DIM}] with H a multiple of q's {qk_heads} heads"),
+            found: vs.clone(),
+        });
+    }
+    let qk = [batch, seq_len, qk_heads, HEAD_DIM];
     let act = [batch, seq_len, heads, HEAD_DIM];
-    for (name, t) in [
-        ("q", &args.q),
-        ("k", &args.k),
-        ("v", &args.v),
-        ("g", &args.g),
-        ("out", &args.out),
+    for (name, t, shape) in [
+        ("q", &args.q, &qk),
+        ("k", &args.k, &qk),
+        ("v", &args.v, &act),
+        ("g", &args.g, &act),
+        ("out", &args.out, &act),
     ] {
-        check_layout(name, t, &act, ordinal, 16)?;
+        check_layout(name, t, shape, ordinal, 16)?;
     }
     check_layout("beta", &args.beta, &[batch, seq_len, heads], ordinal, 2)?;
     check_layout("A_log", &args.a_log, &[heads], ordinal, 4)?;
@@ -322,6 +341,7 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
         batch,
         seq_len,
         heads,
+        qk_heads,
         num_seqs,
         varlen: args.cu_seqlens.is_some(),
         state,

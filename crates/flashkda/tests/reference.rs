@@ -121,3 +121,117 @@ fn kernels_compiled_when_required() {
         );
     }
 }
+
+#[test]
+fn segmented_form_matches_recurrence() {
+    // ragged tails, one-chunk segments, segments longer than the sequence, zero-length sequences
+    let mut p = KdaProblem::random(&[1, 37, 100, 0, 64], 2, true, seed());
+    let r = recurrence_f64(&p);
+    for seg in [16, 48, 7, 1, 1000] {
+        let s = flashkda::reference::segmented_f64(&p, seg);
+        let (eo, es) = (
+            rel_frobenius(&s.out, &r.out),
+            rel_frobenius(&s.final_state, &r.final_state),
+        );
+        println!("segments of {seg}: out {eo:e} state {es:e}");
+        assert!(
+            eo < 1e-12 && es < 1e-12,
+            "segments of {seg}: out {eo:e} state {es:e}"
+        );
+    }
+    // without an initial state as well
+    p.initial_state = None;
+    let r = recurrence_f64(&p);
+    let s = flashkda::reference::segmented_f64(&p, 32);
+    assert!(rel_frobenius(&s.out, &r.out) < 1e-12);
+    assert!(rel_frobenius(&s.final_state, &r.final_state) < 1e-12);
+}
+
+#[test]
+fn gva_equals_repeated_query_key_heads() {
+    // value head h of a GVA problem reads q/k head h / (H / H_qk): the same as repeating them
+    let g = KdaProblem::random_gva(&[40, 17], 6, 2, true, seed());
+    let mut full = g.clone();
+    full.qk_heads = 6;
+    let t = g.tokens();
+    let (mut q, mut k) = (Vec::new(), Vec::new());
+    for tok in 0..t {
+        for h in 0..6 {
+            let o = g.qk_offset(tok, h);
+            q.extend_from_slice(&g.q[o..o + HEAD_DIM]);
+            k.extend_from_slice(&g.k[o..o + HEAD_DIM]);
+        }
+    }
+    full.q = q;
+    full.k = k;
+    let (a, b) = (recurrence_f64(&g), recurrence_f64(&full));
+    assert_eq!(a.out, b.out);
+    assert_eq!(a.final_state, b.final_state);
+    let (ea, eb) = (emulated(&g), emulated(&full));
+    assert_eq!(ea.out, eb.out);
+    let c = chunked_f64(&g, 16);
+    assert!(rel_frobenius(&c.out, &a.out) < 1e-12);
+}
+
+/// `<dout, out> + <dfinal, final_state>` of the float64 recurrence.
+fn loss(p: &KdaProblem, dout: &[f64], dfinal: &[f64]) -> f64 {
+    let r = recurrence_f64(p);
+    let a: f64 = r.out.iter().zip(dout).map(|(x, y)| x * y).sum();
+    let b: f64 = r.final_state.iter().zip(dfinal).map(|(x, y)| x * y).sum();
+    a + b
+}
+
+#[test]
+fn reference_gradient_matches_finite_differences() {
+    use flashkda::reference::recurrence_grad_f64;
+    use rand::{Rng, SeedableRng};
+    let s = seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(s);
+    // GVA (2 value heads over 1 q/k head), two sequences, an initial state
+    let p = KdaProblem::random_gva(&[6, 3], 2, 1, true, s);
+    let n_out = p.tokens() * p.heads * HEAD_DIM;
+    let n_st = p.seq_lens.len() * p.heads * HEAD_DIM * HEAD_DIM;
+    let dout: Vec<f64> = (0..n_out).map(|_| rng.random::<f64>() - 0.5).collect();
+    let dfinal: Vec<f64> = (0..n_st).map(|_| rng.random::<f64>() - 0.5).collect();
+    let g = recurrence_grad_f64(&p, &dout, Some(&dfinal));
+    // central differences with a step exact in f32 (inputs are bf16-representable, |x| < 2^13)
+    let step = 2f32.powi(-10);
+    type Field = fn(&mut KdaProblem) -> &mut Vec<f32>;
+    let fields: [(&str, Field, &[f64]); 7] = [
+        ("q", |p| &mut p.q, &g.dq),
+        ("k", |p| &mut p.k, &g.dk),
+        ("v", |p| &mut p.v, &g.dv),
+        ("g", |p| &mut p.g, &g.dg),
+        ("beta", |p| &mut p.beta, &g.dbeta),
+        ("A_log", |p| &mut p.a_log, &g.da_log),
+        ("dt_bias", |p| &mut p.dt_bias, &g.ddt_bias),
+    ];
+    let mut check =
+        |name: &str, set: &dyn Fn(&mut KdaProblem, usize, f32), len: usize, an: &[f64]| {
+            let (mut num, mut den) = (0.0f64, 0.0f64);
+            for _ in 0..8 {
+                let i = rng.random_range(0..len);
+                let mut hi = p.clone();
+                set(&mut hi, i, step);
+                let mut lo = p.clone();
+                set(&mut lo, i, -step);
+                let fd = (loss(&hi, &dout, &dfinal) - loss(&lo, &dout, &dfinal))
+                    / (2.0 * f64::from(step));
+                num += (fd - an[i]).powi(2);
+                den += an[i].powi(2);
+            }
+            let rel = (num / den.max(1e-300)).sqrt();
+            println!("d{name}: rel error vs finite differences {rel:e}");
+            assert!(rel < 1e-4, "d{name}: rel error {rel:e} (seed {s})");
+        };
+    for (name, field, an) in fields {
+        let len = field(&mut p.clone()).len();
+        check(name, &|q: &mut KdaProblem, i, d| field(q)[i] += d, len, an);
+    }
+    check(
+        "initial_state",
+        &|q: &mut KdaProblem, i, d| q.initial_state.as_mut().unwrap()[i] += d,
+        n_st,
+        &g.dinitial_state,
+    );
+}

@@ -33,8 +33,8 @@ def _verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
         return False, "flashkda needs an sm_90 (Hopper) CUDA device"
     if q.dtype != torch.bfloat16 or q.shape[-1] != 128 or v.shape[-1] != 128:
         return False, "flashkda needs bf16 and K = V = 128"
-    if v.shape[2] != q.shape[2]:
-        return False, "flashkda does not support GVA"
+    if v.shape[2] % q.shape[2] != 0:
+        return False, "GVA needs the value heads to be a multiple of the query/key heads"
     if not (use_gate_in_kernel and use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and safe_gate):
         return False, "flashkda needs the fused gate, q/k L2 norm, beta sigmoid and safe_gate"
     if allow_neg_eigval or return_intermediate_states or cp_context is not None:

@@ -3,7 +3,7 @@
 //! - cpu: reference timings (float64 recurrence vs chunked vs kernel-rounding emulation).
 //! - sm90: our kernel on the six anchor shapes (T = 8192, H in {96, 64}, fixed / varlen6 /
 //!   1024x8), CUDA-event timed, then fla's Triton `chunk_kda` timed in the same run by spawning
-//!   `python3 crates/flashkda/python/bench_fla.py` (which also times the wheel and checks the fla
+//!   `python3 bench_fla.py` (embedded in the binary; it also times the wheel and checks the fla
 //!   backend hookup); anchor figures of the public FlashKDA are quoted as baselines.
 //! - nvlink, kvm: flashkda has no figures there (a `skipped` entry).
 
@@ -22,16 +22,27 @@ use flashkda::{FwdArgs, FwdOptions, KdaKernels, KernelSchedule, ValueSplit, fwd,
 use k3_common::Figure;
 use k3_common::report::{Machine, Plot, PlotKind, Report, Section, Series, Skipped, Tier};
 
+#[path = "flashkda_bench/compare.rs"]
+mod compare;
+
+/// `python/bench_fla.py`, embedded so the bundled binary needs no source tree.
+const BENCH_FLA_PY: &str = include_str!("../../python/bench_fla.py");
+
 #[derive(Parser, Debug)]
 #[command(about = "flashkda benchmarks (writes a k3 report)")]
 struct Args {
     #[arg(long)]
     tier: Tier,
+    /// With `--tier sm90`: build the section from a `python/bench_compare.py` result instead of
+    /// measuring (no GPU needed).
+    #[arg(long)]
+    from_compare: Option<PathBuf>,
     #[arg(long)]
     out: PathBuf,
-    /// fla timing script (spawned for the same-run baseline).
-    #[arg(long, default_value = "crates/flashkda/python/bench_fla.py")]
-    fla_script: PathBuf,
+    /// fla timing script (spawned for the same-run baseline); default: the copy embedded in this
+    /// binary, so a bundle runs from any folder.
+    #[arg(long)]
+    fla_script: Option<PathBuf>,
     #[arg(long, default_value = "python3")]
     python: String,
     /// Skip the fla baseline.
@@ -376,8 +387,17 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
             &a.fla_heads
         };
         let heads: Vec<String> = fla_heads.iter().map(|h| h.to_string()).collect();
+        let script = match &a.fla_script {
+            Some(p) => p.clone(),
+            None => {
+                let p = std::env::temp_dir()
+                    .join(format!("flashkda_bench_fla_{}.py", std::process::id()));
+                std::fs::write(&p, BENCH_FLA_PY).context("writing the embedded bench_fla.py")?;
+                p
+            }
+        };
         let status = std::process::Command::new(&a.python)
-            .arg(&a.fla_script)
+            .arg(&script)
             .args(["--out".as_ref(), json.as_os_str()])
             .args(["--heads", &heads.join(","), "--cases", &a.fla_cases])
             .args(if a.no_fla_wheel {
@@ -394,10 +414,11 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
                 &a.repeats.to_string(),
             ])
             .status();
-        match status
-            .map_err(anyhow::Error::from)
-            .and_then(|_| Ok(std::fs::read_to_string(&json)?))
-        {
+        // a requested baseline that did not run is an error, not a missing column
+        let status =
+            status.with_context(|| format!("spawning {} {}", a.python, script.display()))?;
+        anyhow::ensure!(status.success(), "fla baseline script failed: {status}");
+        match std::fs::read_to_string(&json).map_err(anyhow::Error::from) {
             Ok(text) => {
                 let v: serde_json::Value =
                     serde_json::from_str(&text).context("parsing bench_fla.py output")?;
@@ -420,7 +441,7 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
                         fla.insert((h, case.clone()), median(&fs));
                         notes.push(format!("H={h} {case} fla chunk_kda (same run): median {:.4} ms, block medians {:?}, first call {:.1} s", median(&fs), row["fla"]["block_medians_ms"], row["fla_first_call_s"].as_f64().unwrap_or(0.0)));
                     } else {
-                        notes.push(format!("H={h} {case} fla failed: {}", row["fla_error"]));
+                        anyhow::bail!("fla baseline failed on H={h} {case}: {}", row["fla_error"]);
                     }
                     let ws = samples("flashkda_wheel");
                     if !ws.is_empty() {
@@ -441,7 +462,7 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
                 }
                 notes.push(format!("fla backend hookup check: {}", v["hookup"]));
             }
-            Err(e) => notes.push(format!("fla baseline not measured: {e:#}")),
+            Err(e) => return Err(e.context("reading the fla baseline's results")),
         }
     }
     // fla from an earlier run's report (when this run could not afford fla's autotuning)
@@ -591,7 +612,10 @@ fn main() -> Result<()> {
             report.machines.push(machine(vec![], BTreeMap::new()));
             run_cpu(&mut report);
         }
-        Tier::Sm90 => run_sm90(&a, &mut report)?,
+        Tier::Sm90 => match &a.from_compare {
+            Some(path) => compare::add_compare_section(path, &mut report)?,
+            None => run_sm90(&a, &mut report)?,
+        },
         t => report.skipped.push(Skipped {
             tier: t,
             machine: hostname(),

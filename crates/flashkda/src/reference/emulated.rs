@@ -56,8 +56,9 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
             let b: Vec<f32> = (0..n)
                 .map(|i| sigmoid32(p.beta[(bos + c0 + i) * p.heads + h]))
                 .collect();
-            let qs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.q, i)).collect();
-            let ks: Vec<Vec<f32>> = (0..n).map(|i| row(&p.k, i)).collect();
+            let qk_row = |x: &[f32], i: usize| x[p.qk_offset(bos + c0 + i, h)..][..D].to_vec();
+            let qs: Vec<Vec<f32>> = (0..n).map(|i| qk_row(&p.q, i)).collect();
+            let ks: Vec<Vec<f32>> = (0..n).map(|i| qk_row(&p.k, i)).collect();
             let gs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.g, i)).collect();
             let rnq: Vec<f32> = qs.iter().map(|x| rn(x)).collect();
             let rnk: Vec<f32> = ks.iter().map(|x| rn(x)).collect();

@@ -9,11 +9,15 @@
 // Index loops mirror the math (and the kernel) more readably than iterator chains.
 #![allow(clippy::needless_range_loop)]
 
+mod backward;
 mod chunked;
 pub mod emulated;
 pub mod metrics;
+mod segmented;
 
+pub use backward::{KdaGrads, recurrence_grad_f64};
 pub use chunked::chunked_f64;
+pub use segmented::segmented_f64;
 
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, StandardNormal};
@@ -29,7 +33,10 @@ pub const NORM_EPS: f64 = 1e-6;
 /// (inputs), so the float64 reference sees exactly what the kernel sees.
 #[derive(Debug, Clone)]
 pub struct KdaProblem {
+    /// Value heads (v, g, beta, states, output).
     pub heads: usize,
+    /// Query/key heads (`heads` is a multiple; GVA when smaller): q, k are `[T, qk_heads, 128]`.
+    pub qk_heads: usize,
     /// Length of every sequence, packed in order (`cu_seqlens` = prefix sums).
     pub seq_lens: Vec<usize>,
     pub q: Vec<f32>,
@@ -99,10 +106,25 @@ impl KdaProblem {
     /// beta logits, `U(0,1)` A_log and dt_bias, scale `1/sqrt(128)`, lower bound -5, and (when
     /// `with_state`) an initial state `0.1 * randn` rounded to bf16.
     pub fn random(seq_lens: &[usize], heads: usize, with_state: bool, seed: u64) -> Self {
+        Self::random_gva(seq_lens, heads, heads, with_state, seed)
+    }
+
+    /// [`Self::random`] with `qk_heads` query/key heads (GVA when fewer than `heads`).
+    pub fn random_gva(
+        seq_lens: &[usize],
+        heads: usize,
+        qk_heads: usize,
+        with_state: bool,
+        seed: u64,
+    ) -> Self {
+        assert!(
+            qk_heads > 0 && heads.is_multiple_of(qk_heads),
+            "heads must be a multiple of qk_heads"
+        );
         let t: usize = seq_lens.iter().sum();
         let act = t * heads * HEAD_DIM;
-        let q = randn_bf16(act, 1.0, seed, 1);
-        let k = randn_bf16(act, 1.0, seed, 2);
+        let q = randn_bf16(t * qk_heads * HEAD_DIM, 1.0, seed, 1);
+        let k = randn_bf16(t * qk_heads * HEAD_DIM, 1.0, seed, 2);
         let v = randn_bf16(act, 1.0, seed, 3);
         let g = randn_bf16(act, 1.0, seed, 4);
         let beta = randn_bf16(t * heads, 1.0, seed, 5);
@@ -113,6 +135,7 @@ impl KdaProblem {
         let dt_bias = (0..heads * HEAD_DIM).map(|_| rng.random::<f32>()).collect();
         KdaProblem {
             heads,
+            qk_heads,
             seq_lens: seq_lens.to_vec(),
             q,
             k,
@@ -125,6 +148,11 @@ impl KdaProblem {
             lower_bound: -5.0,
             initial_state,
         }
+    }
+
+    /// Offset of the q/k row that value head `h` of token `t` reads.
+    pub fn qk_offset(&self, t: usize, h: usize) -> usize {
+        (t * self.qk_heads + h / (self.heads / self.qk_heads)) * HEAD_DIM
     }
 
     /// Total tokens.
@@ -162,6 +190,7 @@ pub(crate) fn sigmoid(x: f64) -> f64 {
 
 pub(crate) fn token_acts(p: &KdaProblem, t: usize, h: usize) -> TokenActs {
     let base = (t * p.heads + h) * HEAD_DIM;
+    let qk = p.qk_offset(t, h);
     let l2 = |x: &[f32]| -> [f64; HEAD_DIM] {
         let ss: f64 = x.iter().map(|&a| f64::from(a) * f64::from(a)).sum();
         let inv = 1.0 / (ss + NORM_EPS).sqrt();
@@ -170,8 +199,8 @@ pub(crate) fn token_acts(p: &KdaProblem, t: usize, h: usize) -> TokenActs {
     let a = f64::from(p.a_log[h]).exp();
     let lb = f64::from(p.lower_bound);
     TokenActs {
-        q: l2(&p.q[base..base + HEAD_DIM]),
-        k: l2(&p.k[base..base + HEAD_DIM]),
+        q: l2(&p.q[qk..qk + HEAD_DIM]),
+        k: l2(&p.k[qk..qk + HEAD_DIM]),
         gamma: std::array::from_fn(|c| {
             let x = f64::from(p.g[base + c]) + f64::from(p.dt_bias[h * HEAD_DIM + c]);
             lb * sigmoid(a * x)

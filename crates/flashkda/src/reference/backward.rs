@@ -1,0 +1,179 @@
+//! Float64 reference gradient of the token recurrence (spec §1.3), by hand-written reverse mode
+//! through every token, the fused gate, the L2 norms and the beta sigmoid: the ground truth for a
+//! backward kernel (issue 13). Keeps every per-token state, so it is for test-sized problems.
+
+use super::{HEAD_DIM, KdaProblem, NORM_EPS, initial_state_f64, sigmoid};
+
+const D: usize = HEAD_DIM;
+
+/// Gradients of `L = <dout, out> + <dfinal, final_state>` with respect to every input.
+#[derive(Debug, Clone)]
+pub struct KdaGrads {
+    /// `[T, H_qk, 128]` (summed over the value heads of a GVA group).
+    pub dq: Vec<f64>,
+    pub dk: Vec<f64>,
+    /// `[T, H, 128]`.
+    pub dv: Vec<f64>,
+    /// `[T, H, 128]`, for the raw gate input `g`.
+    pub dg: Vec<f64>,
+    /// `[T, H]`, for the beta logits.
+    pub dbeta: Vec<f64>,
+    /// `[H]`.
+    pub da_log: Vec<f64>,
+    /// `[H, 128]`.
+    pub ddt_bias: Vec<f64>,
+    /// `[N, H, 128, 128]` (zeros when the problem has no initial state).
+    pub dinitial_state: Vec<f64>,
+}
+
+fn l2(x: &[f32]) -> ([f64; D], f64) {
+    let ss: f64 = x.iter().map(|&a| f64::from(a) * f64::from(a)).sum();
+    let r = 1.0 / (ss + NORM_EPS).sqrt();
+    (std::array::from_fn(|c| f64::from(x[c]) * r), r)
+}
+
+/// `dx` of `x_hat = x * r` with `r = (sum x^2 + eps)^(-1/2)`, given `d x_hat`.
+fn l2_backward(x: &[f32], r: f64, dxh: &[f64; D]) -> [f64; D] {
+    let dot: f64 = (0..D).map(|c| f64::from(x[c]) * dxh[c]).sum();
+    std::array::from_fn(|c| r * dxh[c] - f64::from(x[c]) * r * r * r * dot)
+}
+
+/// Reference gradient for upstream gradients `dout` (`[T, H, 128]`) and `dfinal`
+/// (`[N, H, 128, 128]`, or none).
+pub fn recurrence_grad_f64(p: &KdaProblem, dout: &[f64], dfinal: Option<&[f64]>) -> KdaGrads {
+    let (h_n, hq) = (p.heads, p.qk_heads);
+    let t_all = p.tokens();
+    let mut g = KdaGrads {
+        dq: vec![0.0; t_all * hq * D],
+        dk: vec![0.0; t_all * hq * D],
+        dv: vec![0.0; t_all * h_n * D],
+        dg: vec![0.0; t_all * h_n * D],
+        dbeta: vec![0.0; t_all * h_n],
+        da_log: vec![0.0; h_n],
+        ddt_bias: vec![0.0; h_n * D],
+        dinitial_state: vec![0.0; p.seq_lens.len() * h_n * D * D],
+    };
+    let scale = f64::from(p.scale);
+    let lb = f64::from(p.lower_bound);
+    let cu = p.cu_seqlens();
+    for n in 0..p.seq_lens.len() {
+        let (bos, len) = (cu[n] as usize, p.seq_lens[n]);
+        for h in 0..h_n {
+            let a = f64::from(p.a_log[h]).exp();
+            // forward, keeping the state before every token
+            let mut s = initial_state_f64(p, n, h);
+            let mut states = Vec::with_capacity(len);
+            for t in bos..bos + len {
+                states.push(s.clone());
+                step(p, t, h, a, lb, &mut s);
+            }
+            // backward
+            let sb = (n * h_n + h) * D * D;
+            let mut ds: Vec<f64> = match dfinal {
+                Some(df) => df[sb..sb + D * D].to_vec(),
+                None => vec![0.0; D * D],
+            };
+            for (i, t) in (bos..bos + len).enumerate().rev() {
+                let s0 = &states[i];
+                let base = (t * h_n + h) * D;
+                let qo = p.qk_offset(t, h);
+                let (qh, rq) = l2(&p.q[qo..qo + D]);
+                let (kh, rk) = l2(&p.k[qo..qo + D]);
+                let x: [f64; D] = std::array::from_fn(|c| {
+                    a * (f64::from(p.g[base + c]) + f64::from(p.dt_bias[h * D + c]))
+                });
+                let sig: [f64; D] = std::array::from_fn(|c| sigmoid(x[c]));
+                let alpha: [f64; D] = std::array::from_fn(|c| (lb * sig[c]).exp());
+                let beta = sigmoid(f64::from(p.beta[t * h_n + h]));
+                let vrow = &p.v[base..base + D];
+                // recompute this token's intermediates
+                let mut s1 = vec![0.0; D * D];
+                let mut pred = [0.0f64; D];
+                for vi in 0..D {
+                    for c in 0..D {
+                        s1[vi * D + c] = s0[vi * D + c] * alpha[c];
+                        pred[vi] += s1[vi * D + c] * kh[c];
+                    }
+                }
+                let u: [f64; D] = std::array::from_fn(|vi| beta * (f64::from(vrow[vi]) - pred[vi]));
+                // o = scale * S2 q_hat, S2 = S1 + u k_hat^T
+                let dout_t = &dout[base..base + D];
+                let mut dqh = [0.0f64; D];
+                for vi in 0..D {
+                    for c in 0..D {
+                        let s2 = s1[vi * D + c] + u[vi] * kh[c];
+                        dqh[c] += scale * s2 * dout_t[vi];
+                        ds[vi * D + c] += scale * dout_t[vi] * qh[c];
+                    }
+                }
+                // dS2 = ds; du = dS2 k_hat; dk_hat = dS2^T u + S1^T dp
+                let mut dkh = [0.0f64; D];
+                let mut du = [0.0f64; D];
+                for vi in 0..D {
+                    for c in 0..D {
+                        du[vi] += ds[vi * D + c] * kh[c];
+                        dkh[c] += ds[vi * D + c] * u[vi];
+                    }
+                }
+                let mut dbeta = 0.0;
+                let mut dp = [0.0f64; D];
+                for vi in 0..D {
+                    g.dv[base + vi] += beta * du[vi];
+                    dbeta += du[vi] * (f64::from(vrow[vi]) - pred[vi]);
+                    dp[vi] = -beta * du[vi];
+                }
+                // dS1 = dS2 + dp k_hat^T; dS = dS1 diag(alpha); dalpha = sum_v dS1 * S
+                let mut dalpha = [0.0f64; D];
+                for vi in 0..D {
+                    for c in 0..D {
+                        let ds1 = ds[vi * D + c] + dp[vi] * kh[c];
+                        dkh[c] += s1[vi * D + c] * dp[vi];
+                        dalpha[c] += ds1 * s0[vi * D + c];
+                        ds[vi * D + c] = ds1 * alpha[c];
+                    }
+                }
+                // alpha = exp(lb * sigmoid(x)), x = a (g + dt_bias), a = exp(A_log)
+                for c in 0..D {
+                    let dx = dalpha[c] * alpha[c] * lb * sig[c] * (1.0 - sig[c]);
+                    g.dg[base + c] += dx * a;
+                    g.ddt_bias[h * D + c] += dx * a;
+                    g.da_log[h] += dx * x[c]; // dx / dA_log = x
+                }
+                g.dbeta[t * h_n + h] += dbeta * beta * (1.0 - beta);
+                let dq = l2_backward(&p.q[qo..qo + D], rq, &dqh);
+                let dk = l2_backward(&p.k[qo..qo + D], rk, &dkh);
+                for c in 0..D {
+                    g.dq[qo + c] += dq[c];
+                    g.dk[qo + c] += dk[c];
+                }
+            }
+            if p.initial_state.is_some() {
+                g.dinitial_state[sb..sb + D * D].copy_from_slice(&ds);
+            }
+        }
+    }
+    g
+}
+
+/// One token of the recurrence on state `s` (`[v][k]`), as `recurrence_f64`.
+fn step(p: &KdaProblem, t: usize, h: usize, a: f64, lb: f64, s: &mut [f64]) {
+    let base = (t * p.heads + h) * D;
+    let qo = p.qk_offset(t, h);
+    let (kh, _) = l2(&p.k[qo..qo + D]);
+    let alpha: [f64; D] = std::array::from_fn(|c| {
+        let x = a * (f64::from(p.g[base + c]) + f64::from(p.dt_bias[h * D + c]));
+        (lb * sigmoid(x)).exp()
+    });
+    let beta = sigmoid(f64::from(p.beta[t * p.heads + h]));
+    for (vi, row) in s.chunks_exact_mut(D).enumerate() {
+        let mut pred = 0.0;
+        for c in 0..D {
+            row[c] *= alpha[c];
+            pred += row[c] * kh[c];
+        }
+        let u = beta * (f64::from(p.v[base + vi]) - pred);
+        for c in 0..D {
+            row[c] += u * kh[c];
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! Pure choices of a call's schedule: whether and how to split long sequences into segments
+//! (intra-card context parallelism) and the workspace layout that follows. No device access, so
+//! CPU tests pin every choice.
+
+use crate::reference::{CHUNK, HEAD_DIM};
+use crate::validate::FwdPlan;
+
+/// Bytes of one prep record (one 16-token chunk slot of one head).
+pub const WORKSPACE_RECORD_BYTES: usize = 13888;
+/// Bytes of one fp32 128x128 state.
+const STATE_F32_BYTES: usize = HEAD_DIM * HEAD_DIM * 4;
+/// Segments shorter than this many chunks cost more in the scan and second pass than they save
+/// (H200, run 4d: B=8 T=1024 H=4 in 16-chunk segments was 3 % slower than unsplit).
+pub const MIN_SEGMENT_CHUNKS: usize = 32;
+/// Below this many segments per sequence the two passes cost more than the shorter chains save
+/// (each segment is walked three times: P, M and the output pass).
+pub const MIN_SEGMENTS: usize = 4;
+/// Segments are made at most this long once the GPU is full (more, shorter segments keep every
+/// SM busy to the end; H200, run 4c: 128 chunks best or within 2 % at T = 64K for H = 4, 16, 32).
+pub const MAX_SEGMENT_CHUNKS: usize = 128;
+/// At most this many segments per sequence: the fp32 scan over segments is serial (run 4c: 256
+/// chunks = 64 segments best at T = 256K for H = 4, 16).
+pub const MAX_SEGMENTS: usize = 64;
+/// Blocks of the transition pass (4 per segment and head; 3-stage kernels) resident per SM.
+pub const TRANSITION_BLOCKS_PER_SM: usize = 4;
+/// The transition pass is kept within this many waves (run 4c: H = 32, T = 256K was 7 % slower
+/// at 16 waves than at 8).
+pub const MAX_TRANSITION_WAVES: usize = 8;
+/// Splitting walks every token three times (P, M, output): it needs the unsplit pass to leave
+/// most of the GPU idle. Measured gains up to 32 chains (1.7x at H = 32); H = 64 stays whole.
+pub const MAX_SPLIT_CHAINS_PER_SM: f64 = 0.25;
+
+/// How one call is split: `seg_chunks == 0` runs every sequence as one chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segments {
+    /// Chunks per segment (0: no context parallelism).
+    pub seg_chunks: usize,
+    /// Segments per sequence (1 without context parallelism).
+    pub segs_per_seq: usize,
+}
+
+impl Segments {
+    pub const NONE: Segments = Segments {
+        seg_chunks: 0,
+        segs_per_seq: 1,
+    };
+
+    pub fn active(&self) -> bool {
+        self.seg_chunks > 0
+    }
+
+    /// Segments of `seg_chunks` over fixed-length sequences of `seq_len` tokens.
+    pub fn with_chunks(seq_len: usize, seg_chunks: usize) -> Segments {
+        let chunks = seq_len.div_ceil(CHUNK);
+        if seg_chunks == 0 || chunks == 0 {
+            return Segments::NONE;
+        }
+        Segments {
+            seg_chunks,
+            segs_per_seq: chunks.div_ceil(seg_chunks),
+        }
+    }
+}
+
+/// The automatic split for `num_seqs` sequences of `seq_len` tokens (fixed length) with `heads`
+/// heads on `sm_count` SMs. Varlen calls are never split (their lengths live on the device).
+///
+/// Rule: split only when `chains <= MAX_SPLIT_CHAINS_PER_SM * sm_count` (33 on an H200). Take
+/// enough segments for one wave of the transition pass (4 blocks per segment and head), or more
+/// when segments would exceed [`MAX_SEGMENT_CHUNKS`]; at most [`MAX_SEGMENTS`] and
+/// [`MAX_TRANSITION_WAVES`] waves, each segment at least [`MIN_SEGMENT_CHUNKS`] long; split only
+/// into [`MIN_SEGMENTS`] or more.
+pub fn plan_segments(
+    num_seqs: usize,
+    seq_len: usize,
+    heads: usize,
+    varlen: bool,
+    sm_count: usize,
+) -> Segments {
+    let chains = num_seqs * heads;
+    if varlen || chains == 0 || chains as f64 > MAX_SPLIT_CHAINS_PER_SM * sm_count as f64 {
+        return Segments::NONE;
+    }
+    let chunks = seq_len.div_ceil(CHUNK);
+    let wave = TRANSITION_BLOCKS_PER_SM * sm_count / (4 * chains);
+    let segs = wave
+        .max(chunks.div_ceil(MAX_SEGMENT_CHUNKS))
+        .min(MAX_SEGMENTS)
+        .min(MAX_TRANSITION_WAVES * wave)
+        .min(chunks / MIN_SEGMENT_CHUNKS);
+    if segs < MIN_SEGMENTS {
+        return Segments::NONE;
+    }
+    Segments::with_chunks(seq_len, chunks.div_ceil(segs))
+}
+
+/// Byte offsets of the workspace regions of one call (all 16-byte aligned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkspaceLayout {
+    /// Prep records at offset 0: `slots * heads` records.
+    pub records_bytes: usize,
+    /// `[B * segs, H, 2, 128, 128]` fp32 (P then M of every segment).
+    pub pm_offset: usize,
+    /// `[B * segs, H, 128, 128]` fp32 start state of every segment.
+    pub starts_offset: usize,
+    pub total_bytes: usize,
+}
+
+/// Chunk slots of the prep records: `batch * ceil(seq_len / 16)` without `cu_seqlens`, else
+/// `T / 16 + N` (sequence `n` starts at slot `cu[n] / 16 + n`; see kda_fwd_ws.cu).
+pub fn workspace_slots(plan: &FwdPlan) -> usize {
+    if plan.varlen {
+        plan.seq_len / CHUNK + plan.num_seqs
+    } else {
+        plan.batch * plan.seq_len.div_ceil(CHUNK)
+    }
+}
+
+/// The workspace of the `Workspace` schedule for `plan` split as `segs`.
+pub fn workspace_layout(plan: &FwdPlan, segs: Segments) -> WorkspaceLayout {
+    let records_bytes = workspace_slots(plan) * plan.heads * WORKSPACE_RECORD_BYTES;
+    if !segs.active() {
+        return WorkspaceLayout {
+            records_bytes,
+            pm_offset: records_bytes,
+            starts_offset: records_bytes,
+            total_bytes: records_bytes,
+        };
+    }
+    let states = plan.num_seqs * segs.segs_per_seq * plan.heads;
+    let pm_offset = records_bytes;
+    let starts_offset = pm_offset + 2 * states * STATE_F32_BYTES;
+    WorkspaceLayout {
+        records_bytes,
+        pm_offset,
+        starts_offset,
+        total_bytes: starts_offset + states * STATE_F32_BYTES,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H200_SMS: usize = 132;
+
+    fn plan(batch: usize, seq_len: usize, heads: usize, num_seqs: usize, varlen: bool) -> FwdPlan {
+        FwdPlan {
+            batch,
+            seq_len,
+            heads,
+            qk_heads: heads,
+            num_seqs,
+            varlen,
+            state: None,
+            ordinal: 0,
+        }
+    }
+
+    #[test]
+    fn long_single_sequences_split_as_measured_best() {
+        let check = |h: usize, t: usize, segs: usize, seg_chunks: usize| {
+            let s = plan_segments(1, t, h, false, H200_SMS);
+            assert_eq!(
+                (s.segs_per_seq, s.seg_chunks),
+                (segs, seg_chunks),
+                "H={h} T={t}"
+            );
+        };
+        // H=4, T=64K: one wave of 528 transition blocks = 33 segments of 125 chunks
+        check(4, 65536, 33, 125);
+        // H=16, 32 at T=64K: 128-chunk segments
+        check(16, 65536, 32, 128);
+        check(32, 65536, 32, 128);
+        // T=256K: 64 segments of 256 chunks; H=32 kept within 8 waves (32 segments)
+        check(4, 262144, 64, 256);
+        check(16, 262144, 64, 256);
+        check(32, 262144, 32, 512);
+        // mid sizes: B=1 T=8192 H=16 -> 8 x 64 chunks, T=16384 H=32 -> 8 x 128
+        check(16, 8192, 8, 64);
+        check(32, 16384, 8, 128);
+        // H=33 still splits, H=34 does not
+        assert!(plan_segments(1, 65536, 33, false, H200_SMS).active());
+        assert_eq!(plan_segments(1, 65536, 34, false, H200_SMS), Segments::NONE);
+    }
+
+    #[test]
+    fn anchor_shapes_and_short_batches_stay_whole() {
+        for (b, t, h) in [
+            (1, 8192, 96),
+            (1, 8192, 64),
+            (8, 1024, 64),
+            (8, 1024, 96),
+            (8, 1024, 8),
+            (8, 1024, 4),
+        ] {
+            assert_eq!(
+                plan_segments(b, t, h, false, H200_SMS),
+                Segments::NONE,
+                "B={b} T={t} H={h}"
+            );
+        }
+        // short sequences: segments would fall under the minimum length
+        assert_eq!(plan_segments(1, 512, 1, false, H200_SMS), Segments::NONE);
+        // varlen is never split, however long
+        assert_eq!(plan_segments(1, 1 << 20, 4, true, H200_SMS), Segments::NONE);
+        assert_eq!(
+            plan_segments(0, 1 << 20, 4, false, H200_SMS),
+            Segments::NONE
+        );
+    }
+
+    #[test]
+    fn segments_cover_every_chunk_exactly_once() {
+        for seq_len in [1, 15, 16, 17, 1000, 65535, 65536, 65537] {
+            for seg_chunks in [1, 3, 16, 64, 5000] {
+                let s = Segments::with_chunks(seq_len, seg_chunks);
+                let chunks = seq_len.div_ceil(CHUNK);
+                assert!(s.segs_per_seq * s.seg_chunks >= chunks);
+                assert!(
+                    (s.segs_per_seq - 1) * s.seg_chunks < chunks,
+                    "{seq_len} {seg_chunks}"
+                );
+            }
+        }
+        for h in [1, 2, 4, 8, 16] {
+            for t in [4096, 30000, 65536, 1 << 18] {
+                let s = plan_segments(1, t, h, false, H200_SMS);
+                if s.active() {
+                    assert!((MIN_SEGMENTS..=MAX_SEGMENTS).contains(&s.segs_per_seq));
+                    assert!(s.seg_chunks >= MIN_SEGMENT_CHUNKS, "H={h} T={t} {s:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn workspace_layout_adds_segment_states() {
+        let p = plan(1, 65536, 4, 1, false);
+        let none = workspace_layout(&p, Segments::NONE);
+        assert_eq!(none.total_bytes, 4096 * 4 * WORKSPACE_RECORD_BYTES);
+        let s = Segments::with_chunks(65536, 171);
+        let l = workspace_layout(&p, s);
+        assert_eq!(l.pm_offset, none.total_bytes);
+        assert_eq!(l.starts_offset - l.pm_offset, 2 * 24 * 4 * STATE_F32_BYTES);
+        assert_eq!(l.total_bytes - l.starts_offset, 24 * 4 * STATE_F32_BYTES);
+        assert!(l.pm_offset.is_multiple_of(16) && l.starts_offset.is_multiple_of(16));
+        let v = plan(1, 345, 8, 2, true);
+        assert_eq!(workspace_slots(&v), 345 / 16 + 2);
+    }
+}
