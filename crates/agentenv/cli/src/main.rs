@@ -159,7 +159,12 @@ enum TemplateCmd {
         #[arg(long, requires = "from_image")]
         registry_user: Option<String>,
         /// Registry password or token for --from-image.
-        #[arg(long, env = "AENV_REGISTRY_PASSWORD", hide_env_values = true, requires = "registry_user")]
+        #[arg(
+            long,
+            env = "AENV_REGISTRY_PASSWORD",
+            hide_env_values = true,
+            requires = "registry_user"
+        )]
         registry_password: Option<String>,
     },
 }
@@ -278,9 +283,9 @@ async fn run(cli: &Cli, api: &ApiClient) -> anyhow::Result<i32> {
             registry_user,
             registry_password,
         }) => {
-            let what = from_image
-                .as_ref()
-                .map_or(String::new(), |i| format!(" from {i} (pull, unpack, boot, snapshot)"));
+            let what = from_image.as_ref().map_or(String::new(), |i| {
+                format!(" from {i} (pull, unpack, boot, snapshot)")
+            });
             let pb = spinner(&format!("building template {id}{what}"));
             let body = json!({"templateID": id, "aliases": aliases, "cpuCount": cpus, "memoryMB": memory_mb,
                 "diskSizeMB": disk_mb, "fromImage": from_image, "registryUsername": registry_user,

@@ -305,7 +305,10 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
     if let Some(argv) = start.filter(|a| !a.is_empty()) {
         let settings = agent.settings();
         let Some(user) = users::lookup(&settings.default_user) else {
-            return http_error(StatusCode::BAD_REQUEST, format!("user '{}' does not exist", settings.default_user));
+            return http_error(
+                StatusCode::BAD_REQUEST,
+                format!("user '{}' does not exist", settings.default_user),
+            );
         };
         let spec = crate::process::SpawnSpec {
             config: crate::envd::ProcessConfig {
@@ -328,7 +331,10 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
                 drop(rx);
             }
             Err(e) => {
-                return http_error(StatusCode::BAD_REQUEST, format!("start command {:?}: {}", argv, e.message));
+                return http_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("start command {:?}: {}", argv, e.message),
+                );
             }
         }
     }

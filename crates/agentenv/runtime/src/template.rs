@@ -137,7 +137,16 @@ pub(crate) async fn build(
     if cached.join("complete").exists() {
         say(BuildStep::Cached, format!("reusing {}", cached.display()));
     } else {
-        build_into_cache(inner, &spec, &machine, &guest_bin, image.as_ref(), &cached, &say).await?;
+        build_into_cache(
+            inner,
+            &spec,
+            &machine,
+            &guest_bin,
+            image.as_ref(),
+            &cached,
+            &say,
+        )
+        .await?;
     }
     drop(lock);
 
@@ -170,7 +179,9 @@ pub(crate) async fn build(
             disk_mib: spec.disk_mib,
             built_at: k3_common::time::now_rfc3339(),
             envd_version: ENVD_VERSION.into(),
-            from_image: image.as_ref().map(|i| format!("{}@{}", i.reference, i.digest)),
+            from_image: image
+                .as_ref()
+                .map(|i| format!("{}@{}", i.reference, i.digest)),
         },
         machine,
         base_disk: dir.join("base.ext4"),
@@ -230,7 +241,26 @@ async fn build_into_cache(
             let config = pull_image(img, &tree, say).await?;
             let gb = guest_bin.to_owned();
             let t = tree.clone();
-            blocking(move || rootfs::customize(&t, &gb)).await?;
+            blocking(move || {
+                // Images may ship no account files at all (distroless); the agent needs them.
+                for (f, root) in [
+                    ("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"),
+                    ("etc/group", "root:x:0:\n"),
+                    ("etc/shadow", "root:*:20000:0:99999:7:::\n"),
+                ] {
+                    let p = t.join(f);
+                    if std::fs::symlink_metadata(&p).is_err() {
+                        let _ = std::fs::create_dir_all(t.join("etc"));
+                        std::fs::write(&p, root).map_err(|e| rootfs::RootfsError::Io {
+                            what: "write",
+                            path: p.clone(),
+                            source: e,
+                        })?;
+                    }
+                }
+                rootfs::customize(&t, &gb)
+            })
+            .await?;
             start = image_defaults(&config, &tree)?;
             let used = dir_bytes(&tree) >> 20;
             (tree, spec.disk_mib.max(used * 2 + 256))
@@ -275,11 +305,16 @@ async fn build_into_cache(
     if start != agentenv_envd::InitRequest::default() {
         say(
             BuildStep::Boot,
-            format!("image defaults: user {:?}, workdir {:?}, start {:?}", start.default_user, start.default_workdir, start.start),
+            format!(
+                "image defaults: user {:?}, workdir {:?}, start {:?}",
+                start.default_user, start.default_workdir, start.start
+            ),
         );
         if let Err(e) = agent::configure(&link, &start).await {
             let _ = vm.kill().await;
-            return Err(TemplateError::InvalidSpec(format!("applying the image config: {e}")));
+            return Err(TemplateError::InvalidSpec(format!(
+                "applying the image config: {e}"
+            )));
         }
     }
     say(
@@ -437,8 +472,9 @@ fn pull_options(src: &ImageSource) -> agentenv_oci::PullOptions {
 }
 
 async fn resolve_image(src: &ImageSource) -> Result<ResolvedSource, TemplateError> {
-    let image = agentenv_oci::ImageRef::parse(&src.reference)
-        .map_err(|e| TemplateError::InvalidSpec(format!("image reference {:?}: {e}", src.reference)))?;
+    let image = agentenv_oci::ImageRef::parse(&src.reference).map_err(|e| {
+        TemplateError::InvalidSpec(format!("image reference {:?}: {e}", src.reference))
+    })?;
     let options = pull_options(src);
     let (i, o) = (image.clone(), options.clone());
     let resolved = tokio::task::spawn_blocking(move || agentenv_oci::resolve(&i, &o))
@@ -486,7 +522,12 @@ async fn pull_image(
         .map_err(|e| TemplateError::Image(e.to_string()))?;
     say(
         BuildStep::Pull,
-        format!("{} ({} layers, {} bytes)", pulled.digest, pulled.layers.len(), pulled.bytes),
+        format!(
+            "{} ({} layers, {} bytes)",
+            pulled.digest,
+            pulled.layers.len(),
+            pulled.bytes
+        ),
     );
     Ok(pulled.config)
 }
@@ -505,7 +546,9 @@ fn image_defaults(
     let user = match c.user.as_deref().map(|u| u.split(':').next().unwrap_or(u)) {
         None | Some("") => "root".to_owned(),
         Some(u) => user_name(tree, u).ok_or_else(|| {
-            TemplateError::InvalidSpec(format!("image user {u:?} is not in the image's /etc/passwd"))
+            TemplateError::InvalidSpec(format!(
+                "image user {u:?} is not in the image's /etc/passwd"
+            ))
         })?,
     };
     let command = c.command();

@@ -284,9 +284,8 @@ pub async fn build_template(
         .await
         .map_err(|e| match e {
             agentenv_runtime::TemplateError::InvalidId(_)
-            | agentenv_runtime::TemplateError::InvalidSpec(_) => {
-                ApiError::bad_request(e.to_string())
-            }
+            | agentenv_runtime::TemplateError::InvalidSpec(_)
+            | agentenv_runtime::TemplateError::Image(_) => ApiError::bad_request(e.to_string()),
             e => {
                 tracing::error!(error = %e, "template build failed");
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())

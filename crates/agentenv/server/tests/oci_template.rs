@@ -1,0 +1,155 @@
+//! Templates from OCI images, end to end: a real registry on loopback holds an image this test builds
+//! (host glibc + bash + busybox, files, a whiteout, a config with Env/WorkingDir/User/Entrypoint/Cmd);
+//! `POST /templates` with `fromImage` pulls it, boots it once and keeps the base snapshot; a sandbox made
+//! from it has the image's files, environment, folder, user and running start command.
+
+mod common;
+
+use agentenv_oci::manifest::{Compression, RunConfig};
+use agentenv_oci::testing::{LayerBuilder, TestImage, TestRegistry};
+use common::{TestServer, state_dir};
+use hyper::{Method, StatusCode};
+use serde_json::json;
+
+fn host_file(path: &str) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn image(token: &str) -> TestImage {
+    let mut base = LayerBuilder::new()
+        .dir("bin", 0o755)
+        .dir("lib/x86_64-linux-gnu", 0o755)
+        .dir("lib64", 0o755)
+        .dir("etc", 0o755)
+        .dir("tmp", 0o1777)
+        .dir("app", 0o755)
+        .file("bin/busybox", &host_file("/bin/busybox"), 0o755)
+        .file("bin/bash", &host_file("/bin/bash"), 0o755)
+        .file(
+            "lib64/ld-linux-x86-64.so.2",
+            &host_file("/lib64/ld-linux-x86-64.so.2"),
+            0o755,
+        );
+    for lib in ["libc.so.6", "libm.so.6", "libgcc_s.so.1", "libtinfo.so.6"] {
+        base = base.file(
+            &format!("lib/x86_64-linux-gnu/{lib}"),
+            &host_file(&format!("/lib/x86_64-linux-gnu/{lib}")),
+            0o755,
+        );
+    }
+    for applet in ["sh", "sleep", "cat", "ps", "id", "pwd", "env", "test", "ls"] {
+        base = base.symlink(&format!("bin/{applet}"), "busybox");
+    }
+    let base = base
+        .file(
+            "etc/passwd",
+            b"root:x:0:0:root:/root:/bin/sh\napp:x:1001:1001:app:/app:/bin/sh\n",
+            0o644,
+        )
+        .file("etc/group", b"root:x:0:\napp:x:1001:\n", 0o644)
+        .file_owned("app/hello.txt", token.as_bytes(), 0o644, 1001, 1001)
+        .file("app/old.txt", b"removed by the next layer", 0o644)
+        .tar();
+    let top = LayerBuilder::new().whiteout("app/old.txt").tar();
+    TestImage::new(RunConfig {
+        user: Some("app".into()),
+        env: Some(vec!["GREETING=hello-oci".into(), "PATH=/bin".into()]),
+        entrypoint: Some(vec!["/bin/sleep".into()]),
+        cmd: Some(vec!["4242".into()]),
+        working_dir: Some("/app".into()),
+        ..RunConfig::default()
+    })
+    .layer(&base, Compression::Gzip)
+    .layer(&top, Compression::None)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn template_from_an_oci_image_honours_its_config() {
+    common::ensure_guest_binary();
+    let Some(registry) = TestRegistry::start_or_skip("template_from_an_oci_image", None) else {
+        return;
+    };
+    let token = format!("t{}", rand::random::<u64>());
+    let reference = registry.image("k3/oci-template:v1");
+    image(&token)
+        .push(&reference, &registry.options())
+        .expect("push the test image");
+    let dir = state_dir();
+    let server = TestServer::start(dir.path()).await;
+    let api = server.client();
+
+    let r = api
+        .call(
+            Method::POST,
+            "/templates",
+            Some(json!({"templateID": "oci-test", "fromImage": reference.to_string()})),
+        )
+        .await;
+    assert_eq!(
+        r.status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&r.body)
+    );
+    let t = r.json();
+    assert!(
+        t["fromImage"]
+            .as_str()
+            .is_some_and(|f| f.contains("@sha256:")),
+        "{t}"
+    );
+
+    let c = api
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "oci-test"})),
+        )
+        .await;
+    assert_eq!(
+        c.status,
+        StatusCode::CREATED,
+        "{}",
+        String::from_utf8_lossy(&c.body)
+    );
+    let c = c.json();
+    let (id, tok) = (
+        c["sandboxID"].as_str().unwrap(),
+        c["envdAccessToken"].as_str().unwrap(),
+    );
+    let run = |cmd: &'static str| api.run(id, tok, cmd);
+    assert_eq!(run("cat /app/hello.txt").await.unwrap().0, token);
+    assert_eq!(
+        run("test -e /app/old.txt; echo $?").await.unwrap().0,
+        "1\n",
+        "whiteout applied"
+    );
+    assert_eq!(run("echo $GREETING").await.unwrap().0, "hello-oci\n");
+    assert_eq!(run("pwd").await.unwrap().0, "/app\n");
+    assert_eq!(run("id -u").await.unwrap().0, "1001\n");
+    let ps = run("ps -o args").await.unwrap().0;
+    assert!(
+        ps.contains("/bin/sleep 4242"),
+        "start command runs in the sandbox: {ps}"
+    );
+
+    for (body, want) in [
+        (
+            json!({"templateID": "bad-ref", "fromImage": "Not A Reference"}),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            json!({"templateID": "no-tag", "fromImage": registry.image("k3/oci-template:missing").to_string()}),
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let r = api.call(Method::POST, "/templates", Some(body)).await;
+        assert_eq!(r.status, want, "{}", String::from_utf8_lossy(&r.body));
+        assert!(
+            r.json()["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("image"))
+        );
+    }
+    server.stop();
+}
