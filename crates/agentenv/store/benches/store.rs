@@ -1,0 +1,242 @@
+//! Chunk store figures: ingest / incremental ingest / materialize of a 256 MiB RAM-like sparse file per
+//! chunk size, zstd on/off, and a cold restore from a real S3 server (SeaweedFS on loopback, if present).
+//!
+//! `cargo bench -p agentenv-store --bench store` (`K3_BENCH_RAM=<file>` adds a real RAM file; `K3_BENCH_QUICK=1`
+//! runs 1 repeat). Medians of the repeats; ingest runs on one core (current-thread runtime, one blocking worker).
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use agentenv_store::testing::{Weed, fill_random};
+use agentenv_store::{ChunkStore, Compression, StoreConfig};
+
+const MIB: u64 = 1 << 20;
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1e3)
+}
+
+fn cpu_s() -> f64 {
+    // SAFETY: getrusage fills a zeroed struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// 256 MiB, ~80 MB of data in 4 KiB-aligned extents: half random pages, half low-entropy pages
+/// (repeated words, like kernel and heap data), the rest holes.
+fn ram_like(path: &Path, seed: u64) {
+    let f = std::fs::File::create(path).unwrap();
+    f.set_len(256 * MIB).unwrap();
+    let mut x = seed | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut total = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    while total < 80_000_000 {
+        let off = (next() % ((255 * MIB) / 4096)) * 4096;
+        let n = ((next() % 256) as usize + 1) * 4096;
+        let page = &mut buf[..n];
+        if next() % 2 == 0 {
+            fill_random(page, next());
+        } else {
+            let w = next().to_le_bytes();
+            for (i, b) in page.iter_mut().enumerate() {
+                *b = w[i % 8] ^ ((i / 64) as u8 & 3);
+            }
+        }
+        f.write_all_at(page, off).unwrap();
+        total += n as u64;
+    }
+}
+
+fn scratch_dir() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    let base = if shm.is_dir() {
+        shm.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    };
+    let d = base.join(format!("k3-store-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+async fn fresh(dir: &Path, chunk: usize, compression: Compression) -> ChunkStore {
+    let _ = std::fs::remove_dir_all(dir);
+    let mut cfg = StoreConfig::local(dir, 1 << 40);
+    cfg.chunk_size = chunk;
+    cfg.compression = compression;
+    ChunkStore::open(cfg).await.unwrap()
+}
+
+struct Row {
+    label: String,
+    data_mb: f64,
+    ingest: Duration,
+    ingest_cpu_s: f64,
+    incr_contig_new: u64,
+    incr_pages_new: u64,
+    incr_time: Duration,
+    written_mb: f64,
+    materialize: Duration,
+    manifest_kb: f64,
+}
+
+async fn measure(
+    input: &Path,
+    work: &Path,
+    chunk: usize,
+    compression: Compression,
+    reps: usize,
+) -> Row {
+    let store_dir = work.join("store");
+    let copy = work.join("input.copy");
+    let (mut ingest, mut cpu, mut incr, mut mat) = (vec![], 0.0, vec![], vec![]);
+    let (mut contig, mut pages, mut written, mut data, mut mkb) = (0, 0, 0, 0, 0.0);
+    for rep in 0..reps {
+        std::fs::copy(input, &copy).unwrap();
+        let store = fresh(&store_dir, chunk, compression).await;
+        let c0 = cpu_s();
+        let (m, st) = store.ingest(&copy).await.unwrap();
+        cpu += cpu_s() - c0;
+        ingest.push(st.elapsed);
+        written = st.bytes_written;
+        data = st.bytes_data;
+        mkb = m.to_bytes().len() as f64 / 1024.0;
+        // 1 MiB contiguous change.
+        let f = std::fs::OpenOptions::new().write(true).open(&copy).unwrap();
+        let mut buf = vec![0u8; MIB as usize];
+        fill_random(&mut buf, rep as u64 + 11);
+        f.write_all_at(&buf, 100 * MIB + 12345).unwrap();
+        let (_, s2) = store.ingest(&copy).await.unwrap();
+        contig = s2.bytes_new;
+        incr.push(s2.elapsed);
+        // 256 scattered 4 KiB pages (1 MiB total), like a guest dirtying memory.
+        for k in 0..256u64 {
+            let off = ((k * 7919 + rep as u64 * 13) % (256 * 256 - 1)) * 4096;
+            f.write_all_at(&buf[..4096], off).unwrap();
+        }
+        let (m3, s3) = store.ingest(&copy).await.unwrap();
+        pages = s3.bytes_new;
+        let out = work.join("out.mem");
+        let ms = store.materialize(&m3, &out).await.unwrap();
+        mat.push(ms.elapsed);
+        let _ = std::fs::remove_file(out);
+    }
+    let label = match compression {
+        Compression::None => format!("{} KiB", chunk >> 10),
+        Compression::Zstd { level } => format!("{} KiB zstd-{level}", chunk >> 10),
+    };
+    Row {
+        label,
+        data_mb: data as f64 / 1e6,
+        ingest: median(ingest),
+        ingest_cpu_s: cpu / reps as f64,
+        incr_contig_new: contig,
+        incr_pages_new: pages,
+        incr_time: median(incr),
+        written_mb: written as f64 / 1e6,
+        materialize: median(mat),
+        manifest_kb: mkb,
+    }
+}
+
+async fn s3_restore(input: &Path, work: &Path, reps: usize) -> Option<String> {
+    let weed = match Weed::start(work) {
+        Ok(w) => w,
+        Err(e) => return Some(format!("S3 restore: skipped ({e})")),
+    };
+    let (mut up, mut down) = (vec![], vec![]);
+    let (mut up_b, mut down_b) = (0, 0);
+    for rep in 0..reps {
+        let bucket = format!("k3-bench-{}-{rep}", std::process::id());
+        let a_dir = work.join("s3a");
+        let b_dir = work.join("s3b");
+        let _ = std::fs::remove_dir_all(&a_dir);
+        let _ = std::fs::remove_dir_all(&b_dir);
+        let a =
+            ChunkStore::open(StoreConfig::local(&a_dir, 1 << 40).with_remote(weed.remote(&bucket)))
+                .await
+                .unwrap();
+        let (m, st) = a.ingest(input).await.unwrap();
+        up.push(st.elapsed);
+        up_b = st.bytes_uploaded;
+        let b =
+            ChunkStore::open(StoreConfig::local(&b_dir, 1 << 40).with_remote(weed.remote(&bucket)))
+                .await
+                .unwrap();
+        let t0 = Instant::now();
+        let m = b.manifest(&m.id()).await.unwrap();
+        let out = work.join("s3-out.mem");
+        let r = b.materialize(&m, &out).await.unwrap();
+        down.push(t0.elapsed());
+        down_b = r.bytes_fetched_remote;
+        let _ = std::fs::remove_file(out);
+    }
+    let (u, d) = (median(up), median(down));
+    Some(format!(
+        "S3 (SeaweedFS loopback, 64 KiB chunks, 16 in flight): ingest+upload {} ms ({:.1} MB, {:.0} MB/s); \
+         cold restore on a second store {} ms ({:.1} MB fetched, {:.0} MB/s)",
+        ms(u),
+        up_b as f64 / 1e6,
+        up_b as f64 / 1e6 / u.as_secs_f64(),
+        ms(d),
+        down_b as f64 / 1e6,
+        down_b as f64 / 1e6 / d.as_secs_f64()
+    ))
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(1)
+        .build()
+        .unwrap();
+    let reps = if std::env::var("K3_BENCH_QUICK").is_ok() {
+        1
+    } else {
+        5
+    };
+    let work = scratch_dir();
+    let input = work.join("ram-like.mem");
+    ram_like(&input, 0x5eed);
+    let mut inputs = vec![("synthetic RAM-like 256 MiB", input.clone())];
+    if let Some(p) = std::env::var_os("K3_BENCH_RAM") {
+        inputs.push(("K3_BENCH_RAM", PathBuf::from(p)));
+    }
+    rt.block_on(async {
+        for (name, path) in &inputs {
+            println!("\n### {name} ({})\n", path.display());
+            println!("| chunk | data MB | ingest ms (cold) | CPU s | +1 MiB contiguous: new bytes | +256 x 4 KiB pages: new bytes | incremental ingest ms | stored MB | materialize ms | manifest KiB |");
+            println!("|---|---|---|---|---|---|---|---|---|---|");
+            let mut cases: Vec<(usize, Compression)> =
+                [16usize, 64, 256, 1024].iter().map(|k| (k << 10, Compression::None)).collect();
+            cases.push((64 << 10, Compression::Zstd { level: 1 }));
+            cases.push((64 << 10, Compression::Zstd { level: 3 }));
+            for (chunk, comp) in cases {
+                let r = measure(path, &work, chunk, comp, reps).await;
+                println!(
+                    "| {} | {:.1} | {} | {:.2} | {} | {} | {} | {:.1} | {} | {:.0} |",
+                    r.label, r.data_mb, ms(r.ingest), r.ingest_cpu_s, r.incr_contig_new, r.incr_pages_new,
+                    ms(r.incr_time), r.written_mb, ms(r.materialize), r.manifest_kb
+                );
+            }
+        }
+        if let Some(line) = s3_restore(&input, &work, reps.min(3)).await {
+            println!("\n{line}");
+        }
+    });
+    let _ = std::fs::remove_dir_all(&work);
+}
