@@ -61,6 +61,34 @@ fn ram_like(path: &Path, seed: u64) {
     }
 }
 
+/// Copies only the data extents (holes stay holes, also across filesystems).
+fn sparse_copy(src: &Path, dst: &Path) {
+    use std::os::fd::AsRawFd;
+    let from = std::fs::File::open(src).unwrap();
+    let to = std::fs::File::create(dst).unwrap();
+    let len = from.metadata().unwrap().len();
+    to.set_len(len).unwrap();
+    let mut pos = 0i64;
+    let mut buf = vec![0u8; 1 << 20];
+    while (pos as u64) < len {
+        // SAFETY: lseek on an owned fd.
+        let data = unsafe { libc::lseek(from.as_raw_fd(), pos, libc::SEEK_DATA) };
+        if data < 0 {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(from.as_raw_fd(), data, libc::SEEK_HOLE) };
+        let mut off = data as u64;
+        while off < hole as u64 {
+            let n = ((hole as u64 - off) as usize).min(buf.len());
+            from.read_exact_at(&mut buf[..n], off).unwrap();
+            to.write_all_at(&buf[..n], off).unwrap();
+            off += n as u64;
+        }
+        pos = hole;
+    }
+}
+
 fn scratch_dir() -> PathBuf {
     let shm = Path::new("/dev/shm");
     let base = if shm.is_dir() {
@@ -106,7 +134,7 @@ async fn measure(
     let (mut ingest, mut cpu, mut incr, mut mat) = (vec![], 0.0, vec![], vec![]);
     let (mut contig, mut pages, mut written, mut data, mut mkb) = (0, 0, 0, 0, 0.0);
     for rep in 0..reps {
-        std::fs::copy(input, &copy).unwrap();
+        sparse_copy(input, &copy);
         let store = fresh(&store_dir, chunk, compression).await;
         let c0 = cpu_s();
         let (m, st) = store.ingest(&copy).await.unwrap();
@@ -161,22 +189,22 @@ async fn s3_restore(input: &Path, work: &Path, reps: usize) -> Option<String> {
     let (mut up, mut down) = (vec![], vec![]);
     let (mut up_b, mut down_b) = (0, 0);
     for rep in 0..reps {
-        let bucket = format!("k3-bench-{}-{rep}", std::process::id());
+        // One bucket (each new bucket costs weed fresh volumes), a prefix per repeat.
+        let mut remote = weed.remote(&format!("k3-bench-{}", std::process::id()));
+        remote.prefix = format!("rep{rep}/");
         let a_dir = work.join("s3a");
         let b_dir = work.join("s3b");
         let _ = std::fs::remove_dir_all(&a_dir);
         let _ = std::fs::remove_dir_all(&b_dir);
-        let a =
-            ChunkStore::open(StoreConfig::local(&a_dir, 1 << 40).with_remote(weed.remote(&bucket)))
-                .await
-                .unwrap();
+        let a = ChunkStore::open(StoreConfig::local(&a_dir, 1 << 40).with_remote(remote.clone()))
+            .await
+            .unwrap();
         let (m, st) = a.ingest(input).await.unwrap();
         up.push(st.elapsed);
         up_b = st.bytes_uploaded;
-        let b =
-            ChunkStore::open(StoreConfig::local(&b_dir, 1 << 40).with_remote(weed.remote(&bucket)))
-                .await
-                .unwrap();
+        let b = ChunkStore::open(StoreConfig::local(&b_dir, 1 << 40).with_remote(remote.clone()))
+            .await
+            .unwrap();
         let t0 = Instant::now();
         let m = b.manifest(&m.id()).await.unwrap();
         let out = work.join("s3-out.mem");

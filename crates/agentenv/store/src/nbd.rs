@@ -343,6 +343,27 @@ async fn read_range(
     let cs = m.chunk_size as u64;
     let mut out = vec![0u8; len];
     let end = off + len as u64;
+    // Fetch the request's chunks that are not in the connection cache concurrently.
+    let mut need: Vec<ChunkId> = (off / cs..end.div_ceil(cs))
+        .filter_map(|i| m.chunk_at(i))
+        .filter(|id| !cache.iter().any(|(c, _)| c == id))
+        .collect();
+    need.dedup();
+    if need.len() > 1 {
+        use futures_util::StreamExt;
+        let got: Vec<Result<(ChunkId, Vec<u8>)>> = futures_util::stream::iter(need)
+            .map(|id| async move { ex.store.chunk(&id).await.map(|d| (id, d)) })
+            .buffered(ex.store.config().remote_concurrency)
+            .collect()
+            .await;
+        for g in got {
+            let (id, d) = g?;
+            if cache.len() >= CONN_CACHE.max(len.div_ceil(cs as usize) + 1) {
+                cache.pop_front();
+            }
+            cache.push_back((id, Arc::new(d)));
+        }
+    }
     let mut pos = off;
     while pos < end {
         let idx = pos / cs;
@@ -353,7 +374,7 @@ async fn read_range(
                 Some((_, d)) => d.clone(),
                 None => {
                     let d = Arc::new(ex.store.chunk(&id).await?);
-                    if cache.len() >= CONN_CACHE {
+                    if cache.len() >= CONN_CACHE.max(len.div_ceil(cs as usize) + 1) {
                         cache.pop_front();
                     }
                     cache.push_back((id, d.clone()));

@@ -52,16 +52,25 @@ mod tempfile_dir {
     }
 }
 
-/// A port `p` with `p` and `p + 10000` (weed's gRPC port) both free now.
-fn free_port_pair() -> u16 {
-    loop {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
-        let p = l.local_addr().map(|a| a.port()).unwrap_or(0);
-        drop(l);
-        if (1024..55000).contains(&p) && TcpListener::bind(("127.0.0.1", p + 10000)).is_ok() {
-            return p;
+/// `n` distinct ports `p`, each with `p` and `p + 10000` (weed's gRPC port) free now.
+fn free_ports(n: usize) -> Result<Vec<u16>, String> {
+    let mut held = Vec::new();
+    let mut ports = Vec::new();
+    for _ in 0..1000 {
+        if ports.len() == n {
+            return Ok(ports);
         }
+        let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("bind loopback: {e}"))?;
+        let p = l.local_addr().map(|a| a.port()).unwrap_or(0);
+        if (1024..55000).contains(&p)
+            && let Ok(g) = TcpListener::bind(("127.0.0.1", p + 10000))
+        {
+            ports.push(p);
+            held.push(g);
+        }
+        held.push(l);
     }
+    Err("no free loopback ports".into())
 }
 
 impl Weed {
@@ -69,7 +78,8 @@ impl Weed {
     /// until S3 answers.
     pub fn start(parent: &Path) -> Result<Weed, String> {
         let weed = find_weed()?;
-        let dir = parent.join(format!("weed-{}-{}", std::process::id(), free_port_pair()));
+        let ports = free_ports(4)?;
+        let dir = parent.join(format!("weed-{}-{}", std::process::id(), ports[3]));
         std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let dir = tempfile_dir::Dir(dir);
         let cfg = dir.0.join("s3.json");
@@ -77,7 +87,6 @@ impl Weed {
             r#"{{"identities":[{{"name":"k3","credentials":[{{"accessKey":"{ACCESS_KEY}","secretKey":"{SECRET_KEY}"}}],"actions":["Admin","Read","Write","List","Tagging"]}}]}}"#
         );
         std::fs::write(&cfg, ident).map_err(|e| e.to_string())?;
-        let ports: Vec<u16> = (0..4).map(|_| free_port_pair()).collect();
         let log = std::fs::File::create(dir.0.join("weed.log")).map_err(|e| e.to_string())?;
         let child = Command::new(&weed)
             .arg("server")
