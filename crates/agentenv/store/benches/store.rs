@@ -1,8 +1,10 @@
 //! Chunk store figures: ingest / incremental ingest / materialize of a 256 MiB RAM-like sparse file per
-//! chunk size, zstd on/off, and a cold restore from a real S3 server (SeaweedFS on loopback, if present).
+//! chunk size, zstd on/off, a cold restore from a real S3 server (SeaweedFS on loopback, if present), and a
+//! disk image read through the NBD export cold (from the bucket) and warm.
 //!
-//! `cargo bench -p agentenv-store --bench store` (`K3_BENCH_RAM=<file>` adds a real RAM file; `K3_BENCH_QUICK=1`
-//! runs 1 repeat). Medians of the repeats; ingest runs on one core (current-thread runtime, one blocking worker).
+//! `cargo bench -p agentenv-store --bench store`; `K3_BENCH_RAM=<file>` adds a real RAM file,
+//! `K3_BENCH_DISK=<image>` reads that image through NBD, `K3_BENCH_QUICK=1` runs 1 repeat. Medians of the
+//! repeats; ingest runs on one core (current-thread runtime, one blocking worker).
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -181,11 +183,80 @@ async fn measure(
     }
 }
 
+/// Reads a disk image through the NBD export with `qemu-img convert`: from a cold node (every chunk
+/// fetched from the bucket) and again warm (chunks local), plus the first 4 KiB block on another cold node.
+async fn nbd_cold_warm(disk: &Path, work: &Path, weed: &Weed) -> String {
+    use agentenv_store::nbd::NbdServer;
+    let mut remote = weed.remote(&format!("k3-bench-{}", std::process::id()));
+    remote.prefix = "nbd/".into();
+    let open = |d: &str| {
+        let _ = std::fs::remove_dir_all(work.join(d));
+        ChunkStore::open(StoreConfig::local(work.join(d), 1 << 40).with_remote(remote.clone()))
+    };
+    let a = open("nbd-a").await.unwrap();
+    let (m, st) = a.ingest(disk).await.unwrap();
+    drop(a);
+    let run = |args: Vec<String>| async move {
+        let t0 = Instant::now();
+        let o = tokio::process::Command::new(&args[0])
+            .args(&args[1..])
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        t0.elapsed()
+    };
+    let out = work.join("nbd-out.raw");
+    let mut times = Vec::new();
+    for (k, d) in ["nbd-b", "nbd-c"].iter().enumerate() {
+        let b = open(d).await.unwrap();
+        let m = b.manifest(&m.id()).await.unwrap();
+        let sock = work.join(format!("{d}.sock"));
+        let srv = NbdServer::serve(b.clone(), m, "disk", &sock).await.unwrap();
+        if k == 0 {
+            for _ in 0..2 {
+                let args = [
+                    "qemu-img",
+                    "convert",
+                    "-f",
+                    "raw",
+                    "-O",
+                    "raw",
+                    &srv.uri(),
+                    out.to_str().unwrap(),
+                ];
+                times.push(run(args.iter().map(|s| s.to_string()).collect()).await);
+            }
+        } else {
+            let args = ["qemu-io", "-r", "-f", "raw", &srv.uri(), "-c", "read 0 4k"];
+            times.push(run(args.iter().map(|s| s.to_string()).collect()).await);
+        }
+        srv.shutdown().await;
+    }
+    let _ = std::fs::remove_file(out);
+    format!(
+        "NBD export of {} ({:.0} MB data, {} MiB image): qemu-img convert cold from S3 {} ms, warm {} ms; \
+         first 4 KiB block on a cold node (qemu-io, incl. its start-up) {} ms",
+        disk.display(),
+        st.bytes_data as f64 / 1e6,
+        st.bytes_total >> 20,
+        ms(times[0]),
+        ms(times[1]),
+        ms(times[2])
+    )
+}
+
 async fn s3_restore(input: &Path, work: &Path, reps: usize) -> Option<String> {
     let weed = match Weed::start(work) {
         Ok(w) => w,
         Err(e) => return Some(format!("S3 restore: skipped ({e})")),
     };
+    let disk = std::env::var_os("K3_BENCH_DISK").map_or_else(|| input.to_path_buf(), PathBuf::from);
+    let nbd = nbd_cold_warm(&disk, work, &weed).await;
     let (mut up, mut down) = (vec![], vec![]);
     let (mut up_b, mut down_b) = (0, 0);
     for rep in 0..reps {
@@ -215,7 +286,7 @@ async fn s3_restore(input: &Path, work: &Path, reps: usize) -> Option<String> {
     }
     let (u, d) = (median(up), median(down));
     Some(format!(
-        "S3 (SeaweedFS loopback, 64 KiB chunks, 16 in flight): ingest+upload {} ms ({:.1} MB, {:.0} MB/s); \
+        "{nbd}\n\nS3 (SeaweedFS loopback, 64 KiB chunks, 16 in flight): ingest+upload {} ms ({:.1} MB, {:.0} MB/s); \
          cold restore on a second store {} ms ({:.1} MB fetched, {:.0} MB/s)",
         ms(u),
         up_b as f64 / 1e6,
