@@ -207,3 +207,118 @@ async fn a_cold_node_serves_a_disk_larger_than_its_cache_from_the_bucket() {
     assert!(st.bytes <= 8 * MIB, "cache over its bound: {st:?}");
     assert!(st.chunks > 0, "nothing cached");
 }
+
+/// Minimal NBD client steps for protocol checks.
+mod wire {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixStream;
+
+    pub const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
+
+    /// Handshake up to option haggling (fixed newstyle, no zeroes).
+    pub async fn hello(s: &mut UnixStream) {
+        assert_eq!(s.read_u64().await.unwrap(), 0x4e42_444d_4147_4943);
+        assert_eq!(s.read_u64().await.unwrap(), IHAVEOPT);
+        assert_eq!(s.read_u16().await.unwrap() & 1, 1);
+        s.write_u32(3).await.unwrap();
+    }
+
+    /// Sends `NBD_OPT_GO` for `name`; returns the reply types up to the final one, and the export size.
+    pub async fn go(s: &mut UnixStream, name: &str) -> (Vec<u32>, Option<u64>) {
+        s.write_u64(IHAVEOPT).await.unwrap();
+        s.write_u32(7).await.unwrap();
+        s.write_u32(4 + name.len() as u32 + 2).await.unwrap();
+        s.write_u32(name.len() as u32).await.unwrap();
+        s.write_all(name.as_bytes()).await.unwrap();
+        s.write_u16(0).await.unwrap();
+        let (mut kinds, mut size) = (Vec::new(), None);
+        loop {
+            assert_eq!(s.read_u64().await.unwrap(), 0x0003_e889_0455_65a9);
+            assert_eq!(s.read_u32().await.unwrap(), 7);
+            let kind = s.read_u32().await.unwrap();
+            let len = s.read_u32().await.unwrap();
+            let mut d = vec![0u8; len as usize];
+            s.read_exact(&mut d).await.unwrap();
+            kinds.push(kind);
+            if kind == 3 && d[..2] == [0, 0] {
+                size = Some(u64::from_be_bytes(d[2..10].try_into().unwrap()));
+            }
+            if kind != 3 {
+                return (kinds, size);
+            }
+        }
+    }
+
+    /// Sends one request; returns (error, data for a successful read).
+    pub async fn request(
+        s: &mut UnixStream,
+        kind: u16,
+        handle: u64,
+        off: u64,
+        len: u32,
+    ) -> (u32, Vec<u8>) {
+        s.write_u32(0x2560_9513).await.unwrap();
+        s.write_u16(0).await.unwrap();
+        s.write_u16(kind).await.unwrap();
+        s.write_u64(handle).await.unwrap();
+        s.write_u64(off).await.unwrap();
+        s.write_u32(len).await.unwrap();
+        if kind == 1 {
+            s.write_all(&vec![0x5a; len as usize]).await.unwrap();
+        }
+        assert_eq!(s.read_u32().await.unwrap(), 0x6744_6698);
+        let err = s.read_u32().await.unwrap();
+        assert_eq!(s.read_u64().await.unwrap(), handle);
+        let mut d = Vec::new();
+        if err == 0 && kind == 0 {
+            d.resize(len as usize, 0);
+            s.read_exact(&mut d).await.unwrap();
+        }
+        (err, d)
+    }
+}
+
+#[tokio::test]
+async fn nbd_protocol_refuses_unknown_exports_writes_and_reads_past_the_end() {
+    let s = seed("nbd-wire");
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("disk.raw");
+    let len = 8 * MIB + 4096;
+    sparse_file(&src, len, &[(4096, 3 * MIB as usize), (len - 100, 100)], s);
+    let store = ChunkStore::open(StoreConfig::local(dir.path().join("store"), 1 << 40))
+        .await
+        .unwrap();
+    let (m, _) = store.ingest(&src).await.unwrap();
+    let sock = dir.path().join("w.sock");
+    let _srv = NbdServer::serve(store, m, "disk", &sock).await.unwrap();
+    let mut c = tokio::net::UnixStream::connect(&sock).await.unwrap();
+    wire::hello(&mut c).await;
+    let (kinds, _) = wire::go(&mut c, "nope").await;
+    assert_eq!(kinds, [(1 << 31) + 6], "unknown export not refused");
+    let (kinds, size) = wire::go(&mut c, "disk").await;
+    assert_eq!((kinds.last().copied(), size), (Some(1), Some(len)));
+    let want = std::fs::read(&src).unwrap();
+    let off = 4000 + s % 60_000;
+    let (err, d) = wire::request(&mut c, 0, 1, off, 200_000).await;
+    assert_eq!(err, 0);
+    assert!(
+        d == want[off as usize..off as usize + 200_000],
+        "read through NBD differs"
+    );
+    let (err, d) = wire::request(&mut c, 0, 2, len - 100, 100).await;
+    assert_eq!((err, d.as_slice()), (0, &want[len as usize - 100..]));
+    assert_eq!(
+        wire::request(&mut c, 0, 3, len - 100, 101).await.0,
+        22,
+        "read past the end"
+    );
+    assert_eq!(
+        wire::request(&mut c, 1, 4, 0, 4096).await.0,
+        1,
+        "write on a read-only export"
+    );
+    assert_eq!(wire::request(&mut c, 3, 5, 0, 0).await.0, 0, "flush");
+    // Still serving after the refusals.
+    let (err, d) = wire::request(&mut c, 0, 6, 0, 8192).await;
+    assert_eq!((err, d.as_slice()), (0, &want[..8192]));
+}
