@@ -39,6 +39,7 @@ pub struct Weed {
     child: Child,
     /// `http://127.0.0.1:<port>`.
     pub endpoint: String,
+    ports: Vec<u16>,
     _dir: tempfile_dir::Dir,
 }
 
@@ -89,6 +90,7 @@ impl Weed {
         std::fs::write(&cfg, ident).map_err(|e| e.to_string())?;
         let log = std::fs::File::create(dir.0.join("weed.log")).map_err(|e| e.to_string())?;
         let child = Command::new(&weed)
+            .arg("-logtostderr")
             .arg("server")
             .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
             .arg(format!("-dir={}", dir.0.display()))
@@ -103,6 +105,14 @@ impl Weed {
                 "-master.volumeSizeLimitMB=256",
             ])
             .arg(format!("-s3.config={}", cfg.display()))
+            .arg(format!(
+                "-filer.localSocket={}",
+                dir.0.join("filer.sock").display()
+            ))
+            .arg(format!(
+                "-s3.localSocket={}",
+                dir.0.join("s3.sock").display()
+            ))
             .stdin(Stdio::null())
             .stdout(log.try_clone().map_err(|e| e.to_string())?)
             .stderr(log)
@@ -111,6 +121,7 @@ impl Weed {
         let mut w = Weed {
             child,
             endpoint: format!("http://127.0.0.1:{}", ports[3]),
+            ports: ports.clone(),
             _dir: dir,
         };
         w.wait_ready(ports[3], Duration::from_secs(60))?;
@@ -150,6 +161,17 @@ impl Drop for Weed {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // gRPC unix sockets weed puts in /tmp whatever the flags say.
+        for p in &self.ports {
+            for (kind, port) in [
+                ("master-grpc", p + 10000),
+                ("volume-grpc", p + 10000),
+                ("filer-grpc", p + 10000),
+                ("s3-grpc", p + 10000),
+            ] {
+                let _ = std::fs::remove_file(format!("/tmp/seaweedfs-{kind}-{port}.sock"));
+            }
+        }
     }
 }
 
