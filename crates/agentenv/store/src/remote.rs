@@ -12,8 +12,8 @@ use object_store::{ObjectStore, ObjectStoreExt};
 
 use crate::error::{Result, StoreError};
 
-/// Where the bucket is and how to reach it.
-#[derive(Debug, Clone)]
+/// Where the bucket is and how to reach it (`Debug` hides the secret key).
+#[derive(Clone)]
 pub struct RemoteConfig {
     /// `http://127.0.0.1:8333` or `https://s3.example.com`; empty for AWS.
     pub endpoint: String,
@@ -31,6 +31,21 @@ pub struct RemoteConfig {
     pub allow_http: bool,
     /// Deadline of every single remote call.
     pub timeout: Duration,
+}
+
+impl std::fmt::Debug for RemoteConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteConfig")
+            .field("endpoint", &self.endpoint)
+            .field("bucket", &self.bucket)
+            .field("region", &self.region)
+            .field("access_key_id", &self.access_key_id)
+            .field("secret_access_key", &"<redacted>")
+            .field("prefix", &self.prefix)
+            .field("allow_http", &self.allow_http)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl RemoteConfig {
@@ -187,5 +202,21 @@ impl Remote {
             Ok(out)
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn debug_output_hides_the_secret_key() {
+        let secret = format!("s{}", rand::random::<u64>());
+        let cfg = super::RemoteConfig::new("http://127.0.0.1:9", "b", "AKID", &secret);
+        let shown = format!("{cfg:?}");
+        assert!(
+            !shown.contains(&secret) && shown.contains("AKID"),
+            "{shown}"
+        );
+        assert!(cfg.allow_http, "loopback endpoints may use plain HTTP");
+        assert!(!super::RemoteConfig::new("http://s3.example.com", "b", "a", "s").allow_http);
     }
 }
