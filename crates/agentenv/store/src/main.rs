@@ -38,7 +38,7 @@ enum Cmd {
     Gc,
     /// Serve manifest ID read-only over NBD on SOCKET until killed.
     ServeNbd { id: String, socket: PathBuf },
-    /// Forever: fill FILE (MIB MiB) from seed SEED+k, ingest it, print `committed <k> <id>`.
+    /// Forever: fill FILE (MIB MiB) from seed SEED+k, print `ingesting <k>`, ingest, print `committed <k> <id>`.
     ChurnIngest {
         file: PathBuf,
         #[arg(long, default_value_t = 32)]
@@ -113,6 +113,7 @@ async fn main() -> Result<()> {
             for k in 0u64.. {
                 agentenv_store::testing::fill_random(&mut buf, seed + k);
                 std::fs::write(&file, &buf).with_context(|| format!("write {}", file.display()))?;
+                println!("ingesting {k}");
                 let (m, _) = store.ingest(&file).await?;
                 println!("committed {k} {}", m.id());
             }

@@ -36,18 +36,58 @@ fn spawn(args: &[&str]) -> (Child, mpsc::Receiver<String>) {
     (child, rx)
 }
 
-fn kill9_after(child: &mut Child, rx: &mpsc::Receiver<String>, rng: &mut StdRng) -> Vec<String> {
-    let first = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("the child made no progress within 120 s");
-    std::thread::sleep(Duration::from_millis(rng.random_range(0..400)));
+fn next_line(rx: &mpsc::Receiver<String>) -> String {
+    rx.recv_timeout(Duration::from_secs(120))
+        .expect("the child made no progress within 120 s")
+}
+
+/// Waits for a line starting with `start`, then kills the child with SIGKILL `delay` later; returns every
+/// line seen.
+fn kill9_after_line(
+    child: &mut Child,
+    rx: &mpsc::Receiver<String>,
+    mut seen: Vec<String>,
+    start: &str,
+    delay: Duration,
+) -> Vec<String> {
+    loop {
+        let l = next_line(rx);
+        let hit = l.starts_with(start);
+        seen.push(l);
+        if hit {
+            break;
+        }
+    }
+    std::thread::sleep(delay);
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
-    let mut lines = vec![first];
     while let Ok(l) = rx.recv_timeout(Duration::from_secs(5)) {
-        lines.push(l);
+        seen.push(l);
     }
-    lines
+    seen
+}
+
+/// Times the gap between a line starting with `from` and the next starting with `to`.
+fn time_between(
+    rx: &mpsc::Receiver<String>,
+    seen: &mut Vec<String>,
+    from: &str,
+    to: &str,
+) -> Duration {
+    let mut t0: Option<std::time::Instant> = None;
+    loop {
+        let l = next_line(rx);
+        if let Some(t0) = t0
+            && l.starts_with(to)
+        {
+            seen.push(l);
+            return t0.elapsed();
+        }
+        if l.starts_with(from) {
+            t0 = Some(std::time::Instant::now());
+        }
+        seen.push(l);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,16 +111,17 @@ async fn kill9_mid_ingest_leaves_whole_chunks_and_restorable_manifests() {
             &base.to_string(),
         ];
         let (mut child, rx) = spawn(&args);
-        let lines = kill9_after(&mut child, &rx, &mut rng);
-        for l in &lines {
+        // Time one whole ingest, then kill the next one at a random point inside it.
+        let mut seen = Vec::new();
+        let d = time_between(&rx, &mut seen, "ingesting", "committed");
+        let at = d.mul_f64(rng.random_range(0.0..1.0));
+        let lines = kill9_after_line(&mut child, &rx, seen, "ingesting", at);
+        eprintln!("round {round}: killed {at:?} into an ingest that took {d:?} before");
+        for l in lines.iter().filter(|l| l.starts_with("committed")) {
             let mut it = l.split_whitespace().skip(1);
             let k: u64 = it.next().unwrap().parse().unwrap();
             committed.push((base + k, ManifestId::from_hex(it.next().unwrap()).unwrap()));
         }
-        eprintln!(
-            "round {round}: killed after {} committed ingests",
-            lines.len()
-        );
     }
     let store = ChunkStore::open(StoreConfig::local(&store_dir, 1 << 40))
         .await
@@ -150,8 +191,12 @@ async fn kill9_mid_materialize_leaves_the_old_file_whole() {
             dest.to_str().unwrap(),
         ];
         let (mut child, rx) = spawn(&args);
-        let lines = kill9_after(&mut child, &rx, &mut rng);
-        eprintln!("round {round}: killed after {} materializes", lines.len());
+        // Time one whole materialize, then kill the next one at a random point inside it.
+        let mut seen = Vec::new();
+        let d = time_between(&rx, &mut seen, "materialized", "materialized");
+        let at = d.mul_f64(rng.random_range(0.0..1.0));
+        kill9_after_line(&mut child, &rx, seen, "materialized", at);
+        eprintln!("round {round}: killed {at:?} into a materialize that took {d:?} before");
         assert_eq!(file_hash(&dest), want, "dest torn by a kill -9");
     }
     // The next materialize sweeps temp files of dead processes.
