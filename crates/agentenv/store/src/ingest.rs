@@ -1,0 +1,199 @@
+//! Ingest: a file into chunks and a manifest, storing only chunks the store does not hold yet.
+
+use std::collections::HashSet;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+
+use crate::chunk::{self, ChunkId};
+use crate::error::{Result, StoreError};
+use crate::manifest::{MANIFEST_VERSION, Manifest};
+use crate::sparse;
+use crate::store::{ChunkStore, blocking, chunk_key};
+
+/// What one [`ChunkStore::ingest`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IngestStats {
+    /// File length.
+    pub bytes_total: u64,
+    /// Bytes in non-zero chunks.
+    pub bytes_data: u64,
+    /// Raw bytes of chunks the store did not hold before (what this ingest added).
+    pub bytes_new: u64,
+    /// Stored (possibly compressed) bytes written to the local folder.
+    pub bytes_written: u64,
+    /// Stored bytes uploaded to the bucket.
+    pub bytes_uploaded: u64,
+    /// New distinct chunks.
+    pub chunks_new: u64,
+    /// Data chunks the store already held (including repeats within the file).
+    pub chunks_reused: u64,
+    /// All-zero chunks and holes (not stored).
+    pub chunks_zero: u64,
+    /// Wall time.
+    pub elapsed: Duration,
+    /// Part of it spent making chunks and manifest durable (syncfs, manifest writes).
+    pub elapsed_commit: Duration,
+}
+
+/// Takes chunk protections back when an ingest ends, whichever way.
+struct Protection<'a> {
+    store: &'a ChunkStore,
+    ids: Vec<ChunkId>,
+}
+
+impl Drop for Protection<'_> {
+    fn drop(&mut self) {
+        self.store.index().protect(&self.ids, false);
+    }
+}
+
+struct Scanned {
+    manifest: Manifest,
+    stats: IngestStats,
+    /// Distinct ids this ingest protected.
+    protected: Vec<ChunkId>,
+    /// Chunks to upload.
+    upload: Vec<ChunkId>,
+}
+
+impl ChunkStore {
+    /// Splits `path` into chunks, stores the new ones (locally, and in the bucket when there is one) and
+    /// then the manifest. Holes and all-zero chunks are not stored. The manifest is written only after
+    /// all its chunks are durable.
+    pub async fn ingest(&self, path: &Path) -> Result<(Manifest, IngestStats)> {
+        let t0 = Instant::now();
+        let me = self.clone();
+        let p: PathBuf = path.to_owned();
+        let Scanned {
+            manifest,
+            mut stats,
+            protected,
+            upload,
+        } = blocking("ingest", move || me.scan_and_store(&p)).await?;
+        let _guard = Protection {
+            store: self,
+            ids: protected,
+        };
+        if let Some(r) = &self.inner.remote {
+            let mut s = futures_util::stream::iter(upload)
+                .map(|id| async move {
+                    let stored = self.inner.dir.read_chunk(&id)?.ok_or_else(|| {
+                        StoreError::MissingChunk {
+                            id: id.to_hex(),
+                            detail: "written by this ingest, gone before upload".into(),
+                        }
+                    })?;
+                    let n = stored.len() as u64;
+                    r.put(&chunk_key(&id), stored.into()).await?;
+                    Ok::<u64, StoreError>(n)
+                })
+                .buffer_unordered(self.inner.cfg.remote_concurrency);
+            while let Some(n) = s.next().await {
+                stats.bytes_uploaded += n?;
+            }
+        }
+        let t_commit = Instant::now();
+        self.commit_manifest(&manifest).await?;
+        stats.elapsed_commit = t_commit.elapsed();
+        drop(_guard);
+        let me = self.clone();
+        blocking("evict", move || Ok(me.evict())).await?;
+        stats.elapsed = t0.elapsed();
+        Ok((manifest, stats))
+    }
+
+    fn scan_and_store(&self, path: &Path) -> Result<Scanned> {
+        let f = std::fs::File::open(path).map_err(StoreError::io("open", path))?;
+        let len = f.metadata().map_err(StoreError::io("stat", path))?.len();
+        let cs = self.inner.cfg.chunk_size as u64;
+        let ranges = sparse::data_ranges(&f, len).map_err(StoreError::io("seek data in", path))?;
+        let idxs = sparse::chunk_indices(&ranges, cs);
+        let has_remote = self.inner.remote.is_some();
+        let compression = self.inner.cfg.compression;
+        let mut stats = IngestStats {
+            bytes_total: len,
+            chunks_zero: len.div_ceil(cs) - idxs.len() as u64,
+            ..Default::default()
+        };
+        let mut chunks = Vec::new();
+        let mut seen: HashSet<ChunkId> = HashSet::new();
+        let mut protected = Vec::new();
+        let mut upload = Vec::new();
+        let mut buf = vec![0u8; cs as usize];
+        // Protections are taken as chunks are seen; on error the guard in the caller never exists, so undo here.
+        let undo = |protected: &Vec<ChunkId>| self.index().protect(protected, false);
+        let mut since_evict = 0u32;
+        for idx in idxs {
+            let off = idx * cs;
+            let n = (len - off).min(cs) as usize;
+            let data = &mut buf[..n];
+            if let Err(e) = f.read_exact_at(data, off) {
+                undo(&protected);
+                return Err(StoreError::io("read", path)(e));
+            }
+            if chunk::is_zero(data) {
+                stats.chunks_zero += 1;
+                continue;
+            }
+            stats.bytes_data += n as u64;
+            let id = ChunkId::of(data);
+            chunks.push((idx, id));
+            if !seen.insert(id) {
+                stats.chunks_reused += 1;
+                continue;
+            }
+            let (local, durable) = {
+                let mut ix = self.index();
+                ix.protect(&[id], true);
+                // With a remote, a chunk some manifest references is in the bucket.
+                (
+                    ix.has(&id),
+                    if has_remote {
+                        ix.referenced(&id)
+                    } else {
+                        ix.has(&id)
+                    },
+                )
+            };
+            protected.push(id);
+            if durable {
+                stats.chunks_reused += 1;
+                continue;
+            }
+            stats.chunks_new += 1;
+            stats.bytes_new += n as u64;
+            if !local {
+                let stored = chunk::encode(data, compression);
+                if let Err(e) = self.inner.dir.write_chunk(&id, &stored) {
+                    undo(&protected);
+                    return Err(e);
+                }
+                stats.bytes_written += stored.len() as u64;
+                self.index().insert(id, stored.len() as u64);
+                since_evict += 1;
+                if since_evict >= 64 {
+                    since_evict = 0;
+                    self.evict();
+                }
+            }
+            if has_remote {
+                upload.push(id);
+            }
+        }
+        let manifest = Manifest {
+            version: MANIFEST_VERSION,
+            len,
+            chunk_size: cs as u32,
+            chunks,
+        };
+        Ok(Scanned {
+            manifest,
+            stats,
+            protected,
+            upload,
+        })
+    }
+}

@@ -1,0 +1,403 @@
+//! The local folder: chunk files, metadata files, pin files, and the in-memory index (sizes, LRU order,
+//! references from manifests, pins) that eviction and gc decide from.
+//!
+//! Layout: `chunks/<2 hex>/<64 hex>` (stored encoding), `meta/<key with '/' as '%'>`,
+//! `pins/<manifest hex>@<holder>`, `tmp/` (temp files; emptied on open), `LOCK` (flock: one process per folder).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::chunk::ChunkId;
+use crate::error::{Result, StoreError};
+use crate::manifest::{Manifest, ManifestId};
+
+/// Paths of one store folder.
+#[derive(Debug, Clone)]
+pub(crate) struct LocalDir {
+    pub(crate) root: PathBuf,
+}
+
+static TMP_SEQ: AtomicU64 = AtomicU64::new(0);
+
+impl LocalDir {
+    pub(crate) fn chunk_path(&self, id: &ChunkId) -> PathBuf {
+        let hex = id.to_hex();
+        self.root.join("chunks").join(&hex[..2]).join(hex)
+    }
+
+    pub(crate) fn meta_path(&self, key: &str) -> PathBuf {
+        self.root.join("meta").join(key.replace('/', "%"))
+    }
+
+    pub(crate) fn pin_path(&self, id: &ManifestId, holder: &str) -> PathBuf {
+        self.root
+            .join("pins")
+            .join(format!("{}@{holder}", id.to_hex()))
+    }
+
+    pub(crate) fn tmp_path(&self, what: &str) -> PathBuf {
+        let seq = TMP_SEQ.fetch_add(1, Ordering::Relaxed);
+        self.root
+            .join("tmp")
+            .join(format!("{what}.{}.{seq}", std::process::id()))
+    }
+
+    /// Creates the folders, takes the folder lock and empties `tmp/`.
+    pub(crate) fn prepare(&self) -> Result<std::fs::File> {
+        for sub in ["chunks", "meta", "pins", "tmp"] {
+            let p = self.root.join(sub);
+            std::fs::create_dir_all(&p).map_err(StoreError::io("create", &p))?;
+        }
+        let lock_path = self.root.join("LOCK");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(StoreError::io("open", &lock_path))?;
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(StoreError::Io {
+                what: "lock (another process has this store open)",
+                path: lock_path,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let tmp = self.root.join("tmp");
+        for e in std::fs::read_dir(&tmp)
+            .map_err(StoreError::io("read", &tmp))?
+            .flatten()
+        {
+            let _ = std::fs::remove_file(e.path());
+        }
+        Ok(lock)
+    }
+
+    /// Writes a chunk file (temp, rename; no fsync: [`LocalDir::sync`] makes a batch durable).
+    pub(crate) fn write_chunk(&self, id: &ChunkId, stored: &[u8]) -> Result<()> {
+        let dst = self.chunk_path(id);
+        let tmp = self.tmp_path("chunk");
+        let mut f = std::fs::File::create(&tmp).map_err(StoreError::io("create", &tmp))?;
+        f.write_all(stored).map_err(StoreError::io("write", &tmp))?;
+        drop(f);
+        if let Err(e) = std::fs::rename(&tmp, &dst) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(StoreError::io("rename to", &dst)(e));
+            }
+            let parent = dst.parent().unwrap_or(&self.root);
+            std::fs::create_dir_all(parent).map_err(StoreError::io("create", parent))?;
+            std::fs::rename(&tmp, &dst).map_err(StoreError::io("rename to", &dst))?;
+        }
+        Ok(())
+    }
+
+    /// Reads a chunk file's stored bytes; `Ok(None)` when absent.
+    pub(crate) fn read_chunk(&self, id: &ChunkId) -> Result<Option<Vec<u8>>> {
+        let p = self.chunk_path(id);
+        match std::fs::read(&p) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::io("read", &p)(e)),
+        }
+    }
+
+    /// Flushes every file of the store's filesystem (one `syncfs` instead of an fsync per chunk).
+    pub(crate) fn sync(&self) -> Result<()> {
+        let d = std::fs::File::open(&self.root).map_err(StoreError::io("open", &self.root))?;
+        // SAFETY: syncfs on an fd we own.
+        if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+            return Err(StoreError::io("syncfs", &self.root)(
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every chunk file with its size and mtime (seconds).
+    pub(crate) fn scan_chunks(&self) -> Result<Vec<(ChunkId, u64, i64)>> {
+        use std::os::unix::fs::MetadataExt;
+        let mut out = Vec::new();
+        let root = self.root.join("chunks");
+        for sub in std::fs::read_dir(&root)
+            .map_err(StoreError::io("read", &root))?
+            .flatten()
+        {
+            let Ok(files) = std::fs::read_dir(sub.path()) else {
+                continue;
+            };
+            for f in files.flatten() {
+                let name = f.file_name();
+                let (Some(id), Ok(md)) = (ChunkId::from_hex(&name.to_string_lossy()), f.metadata())
+                else {
+                    continue;
+                };
+                out.push((id, md.len(), md.mtime()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Metadata keys present locally.
+    pub(crate) fn meta_keys(&self) -> Result<Vec<String>> {
+        let root = self.root.join("meta");
+        let mut keys: Vec<String> = std::fs::read_dir(&root)
+            .map_err(StoreError::io("read", &root))?
+            .flatten()
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| !n.starts_with('.'))
+            .map(|n| n.replace('%', "/"))
+            .collect();
+        keys.sort();
+        Ok(keys)
+    }
+
+    /// `(manifest, holder)` of every pin file.
+    pub(crate) fn scan_pins(&self) -> Result<Vec<(ManifestId, String)>> {
+        let root = self.root.join("pins");
+        Ok(std::fs::read_dir(&root)
+            .map_err(StoreError::io("read", &root))?
+            .flatten()
+            .filter_map(|e| {
+                let n = e.file_name().into_string().ok()?;
+                let (m, h) = n.split_once('@')?;
+                Some((ManifestId::from_hex(m)?, h.to_owned()))
+            })
+            .collect())
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    stored_len: u64,
+    tick: u64,
+}
+
+/// In-memory view of the folder: what is cached, in which LRU order, and what must not go.
+#[derive(Debug, Default)]
+pub(crate) struct Index {
+    chunks: HashMap<ChunkId, Entry>,
+    lru: BTreeMap<u64, ChunkId>,
+    tick: u64,
+    total: u64,
+    /// Number of known manifests that reference each chunk.
+    refs: HashMap<ChunkId, u32>,
+    pub(crate) manifests: HashMap<ManifestId, Arc<Manifest>>,
+    pub(crate) pins: HashMap<ManifestId, BTreeSet<String>>,
+    /// Number of pinned manifests that reference each chunk.
+    pinned: HashMap<ChunkId, u32>,
+    /// Chunks of running ingests (not yet covered by a manifest).
+    protected: HashMap<ChunkId, u32>,
+}
+
+fn bump(map: &mut HashMap<ChunkId, u32>, id: ChunkId, up: bool) {
+    if up {
+        *map.entry(id).or_default() += 1;
+    } else if let Some(n) = map.get_mut(&id) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&id);
+        }
+    }
+}
+
+/// Distinct chunk ids of a manifest.
+fn distinct(m: &Manifest) -> BTreeSet<ChunkId> {
+    m.chunks.iter().map(|&(_, id)| id).collect()
+}
+
+impl Index {
+    pub(crate) fn total_bytes(&self) -> u64 {
+        self.total
+    }
+
+    pub(crate) fn n_chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    pub(crate) fn has(&self, id: &ChunkId) -> bool {
+        self.chunks.contains_key(id)
+    }
+
+    /// True when some known manifest references `id`.
+    pub(crate) fn referenced(&self, id: &ChunkId) -> bool {
+        self.refs.contains_key(id)
+    }
+
+    /// Records a chunk file as present (newest in LRU order) or refreshes its LRU position.
+    pub(crate) fn insert(&mut self, id: ChunkId, stored_len: u64) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(e) = self.chunks.get_mut(&id) {
+            self.lru.remove(&e.tick);
+            e.tick = tick;
+        } else {
+            self.chunks.insert(id, Entry { stored_len, tick });
+            self.total += stored_len;
+        }
+        self.lru.insert(tick, id);
+    }
+
+    /// Marks a use (LRU refresh) if present.
+    pub(crate) fn touch(&mut self, id: &ChunkId) {
+        if let Some(len) = self.chunks.get(id).map(|e| e.stored_len) {
+            self.insert(*id, len);
+        }
+    }
+
+    pub(crate) fn remove(&mut self, id: &ChunkId) -> Option<u64> {
+        let e = self.chunks.remove(id)?;
+        self.lru.remove(&e.tick);
+        self.total -= e.stored_len;
+        Some(e.stored_len)
+    }
+
+    pub(crate) fn add_manifest(&mut self, id: ManifestId, m: Arc<Manifest>) {
+        if self.manifests.contains_key(&id) {
+            return;
+        }
+        for c in distinct(&m) {
+            bump(&mut self.refs, c, true);
+        }
+        if self.pins.contains_key(&id) {
+            for c in distinct(&m) {
+                bump(&mut self.pinned, c, true);
+            }
+        }
+        self.manifests.insert(id, m);
+    }
+
+    pub(crate) fn remove_manifest(&mut self, id: &ManifestId) {
+        if let Some(m) = self.manifests.remove(id) {
+            for c in distinct(&m) {
+                bump(&mut self.refs, c, false);
+            }
+        }
+    }
+
+    /// Adds a pin; the manifest's chunks count as pinned once per manifest, however many holders.
+    pub(crate) fn pin(&mut self, id: ManifestId, holder: String) {
+        let first = !self.pins.contains_key(&id);
+        self.pins.entry(id).or_default().insert(holder);
+        if first && let Some(m) = self.manifests.get(&id).cloned() {
+            for c in distinct(&m) {
+                bump(&mut self.pinned, c, true);
+            }
+        }
+    }
+
+    pub(crate) fn unpin(&mut self, id: &ManifestId, holder: &str) {
+        let Some(hs) = self.pins.get_mut(id) else {
+            return;
+        };
+        hs.remove(holder);
+        if hs.is_empty() {
+            self.pins.remove(id);
+            if let Some(m) = self.manifests.get(id).cloned() {
+                for c in distinct(&m) {
+                    bump(&mut self.pinned, c, false);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn protect(&mut self, ids: &[ChunkId], up: bool) {
+        for id in ids {
+            bump(&mut self.protected, *id, up);
+        }
+    }
+
+    /// Whether a chunk may leave the local folder: with a remote, anything not pinned (the bucket keeps it);
+    /// local only, nothing a manifest references. Chunks of running ingests never.
+    fn evictable(&self, id: &ChunkId, has_remote: bool) -> bool {
+        !self.protected.contains_key(id)
+            && if has_remote {
+                !self.pinned.contains_key(id)
+            } else {
+                !self.refs.contains_key(id)
+            }
+    }
+
+    /// Picks the least recently used evictable chunks until the cache is at most `max_bytes`, removing
+    /// them from the index; the caller deletes their files.
+    pub(crate) fn evict_to(&mut self, max_bytes: u64, has_remote: bool) -> Vec<ChunkId> {
+        let mut victims = Vec::new();
+        if self.total <= max_bytes {
+            return victims;
+        }
+        let mut freed = 0u64;
+        for id in self.lru.values() {
+            if self.total - freed <= max_bytes {
+                break;
+            }
+            if self.evictable(id, has_remote) {
+                freed += self.chunks[id].stored_len;
+                victims.push(*id);
+            }
+        }
+        for id in &victims {
+            self.remove(id);
+        }
+        victims
+    }
+
+    /// Local chunks no known manifest references (and no running ingest holds), removed from the index.
+    pub(crate) fn take_unreferenced(&mut self) -> Vec<(ChunkId, u64)> {
+        let ids: Vec<ChunkId> = self
+            .chunks
+            .keys()
+            .filter(|id| !self.refs.contains_key(id) && !self.protected.contains_key(id))
+            .copied()
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| self.remove(&id).map(|n| (id, n)))
+            .collect()
+    }
+
+    /// Union of the chunk ids of every known manifest.
+    pub(crate) fn referenced_set(&self) -> std::collections::HashSet<ChunkId> {
+        self.refs.keys().copied().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::MANIFEST_VERSION;
+
+    fn id(n: u32) -> ChunkId {
+        ChunkId::of(&n.to_le_bytes())
+    }
+
+    #[test]
+    fn eviction_takes_oldest_first_and_spares_pinned_and_referenced() {
+        let mut ix = Index::default();
+        for n in 0..10 {
+            ix.insert(id(n), 100);
+        }
+        ix.touch(&id(0)); // 0 is now the newest
+        let m = Manifest {
+            version: MANIFEST_VERSION,
+            len: 1 << 20,
+            chunk_size: 1 << 16,
+            chunks: vec![(0, id(1)), (1, id(2))],
+        };
+        let mid = m.id();
+        ix.add_manifest(mid, Arc::new(m));
+        ix.pin(mid, "sbx-a".into());
+        // With a remote: pinned 1 and 2 stay; 3,4,5 are the oldest others.
+        let v = ix.evict_to(700, true);
+        assert_eq!(v, vec![id(3), id(4), id(5)]);
+        assert_eq!(ix.total_bytes(), 700);
+        // Local only: referenced chunks stay even when unpinned.
+        ix.unpin(&mid, "sbx-a");
+        let v = ix.evict_to(200, false);
+        assert_eq!(v, vec![id(6), id(7), id(8), id(9), id(0)]);
+        assert!(ix.has(&id(1)) && ix.has(&id(2)));
+        assert_eq!(ix.total_bytes(), 200);
+    }
+}

@@ -1,0 +1,193 @@
+//! Against a real S3 server (SeaweedFS on loopback): restore on another machine, incremental uploads,
+//! the cache bound with pins, remote corruption, remote gc.
+
+mod common;
+
+use std::time::Duration;
+
+use agentenv_store::{ChunkStore, StoreConfig, StoreError};
+use common::{file_hash, overwrite, seed, sparse_file};
+use object_store::{ObjectStore, ObjectStoreExt};
+
+const MIB: u64 = 1 << 20;
+
+fn bucket(tag: &str, s: u64) -> String {
+    format!("k3-{tag}-{}", s % 1_000_000_000)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_server_with_a_cold_cache_finds_and_restores_a_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(weed) = common::weed("s3-restore", dir.path()) else {
+        return;
+    };
+    let s = seed("s3-restore");
+    let b = bucket("restore", s);
+    let src = dir.path().join("ram.mem");
+    sparse_file(
+        &src,
+        128 * MIB,
+        &[(0, 16 * MIB as usize), (64 * MIB + 4096, 8 * MIB as usize)],
+        s,
+    );
+    let a = ChunkStore::open(
+        StoreConfig::local(dir.path().join("a"), 1 << 40).with_remote(weed.remote(&b)),
+    )
+    .await
+    .unwrap();
+    let (m1, st1) = a.ingest(&src).await.unwrap();
+    eprintln!("server A first ingest: {st1:?}");
+    assert_eq!(st1.bytes_uploaded, st1.bytes_written);
+    a.put_meta("snapshots/snap-1", m1.id().to_hex().as_bytes())
+        .await
+        .unwrap();
+
+    // Server B: its own empty folder, the same bucket.
+    let bs = ChunkStore::open(
+        StoreConfig::local(dir.path().join("b"), 1 << 40).with_remote(weed.remote(&b)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        bs.list_meta("snapshots/").await.unwrap(),
+        ["snapshots/snap-1"]
+    );
+    let id = bs.get_meta("snapshots/snap-1").await.unwrap().unwrap();
+    let id = agentenv_store::ManifestId::from_hex(std::str::from_utf8(&id).unwrap()).unwrap();
+    let m = bs.manifest(&id).await.unwrap();
+    assert_eq!(m, m1);
+    let out = dir.path().join("restored.mem");
+    let r1 = bs.materialize(&m, &out).await.unwrap();
+    eprintln!("server B cold restore: {r1:?}");
+    assert_eq!(file_hash(&out), file_hash(&src));
+    assert_eq!(
+        (r1.bytes_local, r1.bytes_fetched_remote),
+        (0, st1.bytes_uploaded)
+    );
+    let r2 = bs.materialize(&m, &out).await.unwrap();
+    assert_eq!(
+        (r2.bytes_fetched_remote, r2.bytes_local),
+        (0, m.data_bytes()),
+        "second restore not local"
+    );
+
+    // Incremental: A uploads only the change; B fetches only the change.
+    overwrite(&src, 70 * MIB + 1000, MIB as usize, s + 9);
+    let (m2, st2) = a.ingest(&src).await.unwrap();
+    eprintln!("server A after a 1 MiB change: {st2:?}");
+    assert!(
+        st2.bytes_uploaded <= MIB + 2 * 65537 && st2.bytes_uploaded >= MIB,
+        "{st2:?}"
+    );
+    let m2b = bs.manifest(&m2.id()).await.unwrap();
+    let r3 = bs.materialize(&m2b, &out).await.unwrap();
+    assert_eq!(r3.bytes_fetched_remote, st2.bytes_uploaded);
+    assert_eq!(file_hash(&out), file_hash(&src));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cache_stays_within_its_bound_keeps_pinned_chunks_and_refetches_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(weed) = common::weed("s3-bound", dir.path()) else {
+        return;
+    };
+    let s = seed("s3-bound");
+    let b = bucket("bound", s);
+    let store = ChunkStore::open(
+        StoreConfig::local(dir.path().join("a"), 8 * MIB).with_remote(weed.remote(&b)),
+    )
+    .await
+    .unwrap();
+    let mut ms = Vec::new();
+    for k in 0..4 {
+        let f = dir.path().join(format!("f{k}"));
+        sparse_file(&f, 6 * MIB, &[(0, 6 * MIB as usize)], s + k);
+        let (m, _) = store.ingest(&f).await.unwrap();
+        assert!(
+            store.local_stats().bytes <= 8 * MIB,
+            "{:?}",
+            store.local_stats()
+        );
+        if k == 2 {
+            store.pin(&m.id(), "sbx-2").await.unwrap();
+        }
+        ms.push((m, f));
+    }
+    let pinned = &ms[2].0;
+    assert!(
+        pinned.chunks.iter().all(|(_, c)| store.has_local(c)),
+        "a pinned chunk was evicted"
+    );
+    let out = dir.path().join("out");
+    let r = store.materialize(&ms[0].0, &out).await.unwrap();
+    assert!(r.bytes_fetched_remote > 0);
+    assert_eq!(file_hash(&out), file_hash(&ms[0].1));
+    assert!(store.local_stats().bytes <= 8 * MIB);
+    assert!(pinned.chunks.iter().all(|(_, c)| store.has_local(c)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(weed) = common::weed("s3-tamper", dir.path()) else {
+        return;
+    };
+    let s = seed("s3-tamper");
+    let b = bucket("tamper", s);
+    let mut cfg = StoreConfig::local(dir.path().join("a"), 1 << 40).with_remote(weed.remote(&b));
+    cfg.remote_gc_grace = Duration::ZERO;
+    let a = ChunkStore::open(cfg).await.unwrap();
+    let (f, g) = (dir.path().join("f"), dir.path().join("g"));
+    sparse_file(&f, 4 * MIB, &[(0, 4 * MIB as usize)], s);
+    sparse_file(&g, 2 * MIB, &[(0, 2 * MIB as usize)], s + 1);
+    let (mf, _) = a.ingest(&f).await.unwrap();
+    let (mg, _) = a.ingest(&g).await.unwrap();
+
+    // Tamper with one of f's objects behind the store's back.
+    let raw = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(&weed.endpoint)
+        .with_bucket_name(&b)
+        .with_region("us-east-1")
+        .with_access_key_id(agentenv_store::testing::ACCESS_KEY)
+        .with_secret_access_key(agentenv_store::testing::SECRET_KEY)
+        .with_allow_http(true)
+        .build()
+        .unwrap();
+    let victim = mf.chunks[(s % 64) as usize].1;
+    let key = object_store::path::Path::from(format!("chunks/{}", victim.to_hex()));
+    let mut bytes = raw.get(&key).await.unwrap().bytes().await.unwrap().to_vec();
+    bytes[1 + (s as usize % 65536)] ^= 0x80;
+    raw.put(&key, bytes.into()).await.unwrap();
+
+    let cold = ChunkStore::open(
+        StoreConfig::local(dir.path().join("b"), 1 << 40).with_remote(weed.remote(&b)),
+    )
+    .await
+    .unwrap();
+    let out = dir.path().join("out");
+    let err = cold.materialize(&mf, &out).await.unwrap_err();
+    assert!(
+        matches!(err, StoreError::Corrupt { ref id, .. } if *id == victim.to_hex()),
+        "{err}"
+    );
+    assert!(!out.exists());
+    drop(cold);
+
+    a.delete_manifest(&mf.id()).await.unwrap();
+    let st = a.gc().await.unwrap();
+    assert_eq!(st.remote_chunks, mf.chunks.len(), "{st:?}");
+    let mut left = 0;
+    let mut l = raw.list(Some(&object_store::path::Path::from("chunks")));
+    while let Some(o) = futures_util::StreamExt::next(&mut l).await {
+        o.unwrap();
+        left += 1;
+    }
+    assert_eq!(left, mg.chunks.len());
+    let cold = ChunkStore::open(
+        StoreConfig::local(dir.path().join("c"), 1 << 40).with_remote(weed.remote(&b)),
+    )
+    .await
+    .unwrap();
+    cold.materialize(&mg, &out).await.unwrap();
+    assert_eq!(file_hash(&out), file_hash(&g));
+}
