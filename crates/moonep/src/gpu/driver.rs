@@ -19,8 +19,7 @@ pub fn kernels_embedded() -> bool {
 
 /// Initialises the driver and returns the device count (error when libcuda is absent).
 pub fn device_count() -> Result<usize, GpuError> {
-    // SAFETY: probing the loader has no preconditions.
-    if !unsafe { sys::is_culib_present() } {
+    if !k3_common::cuda::driver_loadable() {
         return Err(GpuError::NoDriver);
     }
     // SAFETY: plain driver calls with valid out-pointers.
