@@ -1,5 +1,5 @@
-// Planning (spec §2): stage-D histograms, stages A-C in one block, stage-D slots, and the
-// IPC all-gather of tpe that feeds them.
+// Planning (docs/specs/moonep.md §2): stage-D histograms, stages A-C in one block, stage-D slots,
+// and the IPC all-gather of tpe that feeds them.
 #include "common.cuh"
 
 // Planning, stage D part 1: per block of HIST_BLOCK entries, the stable ordinal of each entry among

@@ -3,10 +3,13 @@
 //! extreme routings with poisoned buffers, prefetch, barrier timeouts; on 2 GPUs also the NCCL
 //! fallback and the baseline. They run as two processes (`moonep-launch -n 2 -- moonep-gpu-rank
 //! selftest`): on two GPUs with peer access, and as two ranks sharing one GPU over CUDA IPC (no
-//! NCCL). Skipped with a printed reason where no GPU is; under `K3_REQUIRE_GPU=1` a missing GPU
-//! fails. `MOONEP_BIN_DIR` overrides where the binaries are found.
+//! NCCL). Skipped with a printed reason where the GPUs are missing; under `K3_REQUIRE_GPU=1` that
+//! fails (`k3_common::require`). `MOONEP_BIN_DIR` overrides where the binaries are found.
 
 use std::path::PathBuf;
+
+use k3_common::Tier;
+use k3_common::require::skip_or_fail;
 
 fn bin_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("MOONEP_BIN_DIR") {
@@ -21,10 +24,6 @@ fn bin_dir() -> PathBuf {
         .and_then(|p| p.parent())
         .expect("target dir")
         .to_path_buf()
-}
-
-fn require_gpu() -> bool {
-    std::env::var("K3_REQUIRE_GPU").is_ok_and(|v| v == "1")
 }
 
 /// Why no single GPU can run the checks, or None.
@@ -42,8 +41,7 @@ fn one_gpu_unavailable() -> Option<String> {
 #[test]
 fn sm90_two_ranks_on_one_gpu_match_reference_forward_and_backward() {
     if let Some(reason) = one_gpu_unavailable() {
-        assert!(!require_gpu(), "K3_REQUIRE_GPU=1 but: {reason}");
-        eprintln!("skip sm90: {reason}");
+        skip_or_fail(Tier::Sm90, reason);
         return;
     }
     let rank_bin = bin_dir().join("moonep-gpu-rank");
@@ -63,9 +61,9 @@ fn sm90_two_ranks_on_one_gpu_match_reference_forward_and_backward() {
 }
 
 #[test]
-fn gpu_plan_dispatch_combine_prefetch_baseline_and_timeouts_match_reference() {
+fn nvlink_plan_dispatch_combine_prefetch_baseline_and_timeouts_match_reference() {
     if let Some(reason) = moonep::gpu::bench::unavailable_reason() {
-        eprintln!("skipping GPU checks: {reason}");
+        skip_or_fail(Tier::Nvlink, reason);
         return;
     }
     let dir = bin_dir();

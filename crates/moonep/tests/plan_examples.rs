@@ -1,4 +1,4 @@
-//! Hand-worked planner examples (values derived on paper from spec §2.2).
+//! Hand-worked planner examples (values derived on paper from docs/specs/moonep.md §2.2).
 
 use moonep::plan::{PlanConfig, PlanError, TokenMode, Transfer, plan_entries, plan_global};
 

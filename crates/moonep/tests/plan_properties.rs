@@ -1,4 +1,5 @@
-//! Property tests of the planner: invariants I1–I14 of spec §2.3 over random shapes and skews.
+//! Property tests of the planner: invariants I1–I14 of docs/specs/moonep.md §2.3 over random shapes
+//! and skews.
 
 use moonep::plan::{
     PlanConfig, PlanError, TokenMode, plan_entries, plan_global, verify_entries, verify_global,

@@ -1,5 +1,6 @@
-//! Reference cluster (spec §4.1) against the dense MoE oracle, plus the dispatch/combine adjoint
-//! identity, the identity round trip, gradients through replicas and poisoning.
+//! Reference cluster (docs/specs/moonep.md §4.1) against the dense MoE oracle, plus the
+//! dispatch/combine adjoint identity, the identity round trip, gradients through replicas and
+//! poisoning.
 #![allow(clippy::needless_range_loop)]
 
 use half::bf16;

@@ -12,7 +12,7 @@ use std::path::Path;
 use crate::util;
 
 /// Where references must resolve. Extend this list as the owners of the other areas repoint their
-/// references (flashkda, moonep, agentenv runtime and server still cite the old specs).
+/// references (flashkda still cites the old specs).
 pub const SCOPE: &[&str] = &[
     "README.md",
     "ARCHITECTURE.md",
@@ -24,6 +24,7 @@ pub const SCOPE: &[&str] = &[
     "xtask",
     "benches",
     "crates/k3-common",
+    "crates/moonep",
     "crates/agentenv/guest",
     "crates/agentenv/mux",
     "crates/agentenv/cli",

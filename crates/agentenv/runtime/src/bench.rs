@@ -23,15 +23,9 @@ pub struct LifecycleStats {
 }
 
 impl LifecycleStats {
-    /// Median of `samples` (NaN when empty).
+    /// Median of `samples` (NaN when empty): [`k3_common::stats::median`].
     pub fn median(samples: &[f64]) -> f64 {
-        let mut s = samples.to_vec();
-        s.sort_by(f64::total_cmp);
-        match s.len() {
-            0 => f64::NAN,
-            n if n % 2 == 1 => s[n / 2],
-            n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
-        }
+        k3_common::stats::median(samples)
     }
 }
 

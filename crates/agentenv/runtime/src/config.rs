@@ -16,24 +16,9 @@ pub enum Accel {
     Tcg,
 }
 
-/// The accelerator actually in use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum AccelKind {
-    /// Hardware virtualisation through /dev/kvm.
-    Kvm,
-    /// QEMU TCG software emulation.
-    Tcg,
-}
-
-impl AccelKind {
-    /// Lowercase name, as in QEMU's `-accel` option.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AccelKind::Kvm => "kvm",
-            AccelKind::Tcg => "tcg",
-        }
-    }
-}
+/// The accelerator actually in use: k3-common's [`k3_common::kvm::Accel`] (`as_str` gives QEMU's
+/// `-accel` name).
+pub type AccelKind = k3_common::kvm::Accel;
 
 /// Configuration of a [`crate::Runtime`].
 #[derive(Debug, Clone)]

@@ -108,28 +108,10 @@ impl From<SnapshotError> for LifecycleError {
     }
 }
 
-/// Current Unix time in milliseconds.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
-/// RFC 3339 UTC with milliseconds.
-pub fn rfc3339_ms(ms: i64) -> String {
-    let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
-    t.format(time::macros::format_description!(
-        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
-    ))
-    .unwrap_or_default()
-}
-
-/// Parses an RFC 3339 time into Unix milliseconds.
-pub fn parse_rfc3339_ms(s: &str) -> Option<i64> {
-    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()?;
-    Some((t.unix_timestamp_nanos() / 1_000_000) as i64)
-}
+// Wall-clock time in Unix milliseconds and its RFC 3339 form (millisecond precision, `Z`).
+pub use k3_common::time::{
+    now_unix_ms as now_ms, parse_rfc3339_ms, rfc3339_from_unix_ms as rfc3339_ms,
+};
 
 /// Filters of `GET /v2/sandboxes`.
 #[derive(Debug, Clone, Default)]

@@ -7,12 +7,14 @@
 //!   `skipped` entry with the reason.
 //! - sm90, kvm: not measured by moonep (skipped entry).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use k3_common::report::{Better, Figure, Machine, Report, Section, Skipped, Tier};
+use k3_common::machine;
+use k3_common::report::{Better, Figure, Report, Section, Skipped, Tier};
 use moonep::plan::{plan_entries, plan_global};
 use moonep::router::{Placement, Skew, WorkloadSpec, generate};
 use moonep::sim::{self, Policy, SimRow, SweepSpec};
@@ -34,10 +36,9 @@ struct Args {
 fn main() -> Result<()> {
     k3_common::telemetry::init("info");
     let args = Args::parse();
-    let commit = std::env::var("K3_COMMIT").unwrap_or_else(|_| "unknown".into());
-    let machine = machine();
+    let machine = machine::probe(Vec::new(), BTreeMap::new());
     let host = machine.hostname.clone();
-    let mut report = Report::new(commit);
+    let mut report = Report::here();
     report.machines.push(machine);
     let command = format!(
         "moonep-bench --tier {} --out {}{}",
@@ -124,7 +125,7 @@ const PLAN_CASES: [PlanCase; 6] = [
     },
 ];
 
-/// Tokens per rank of the planner timing (spec §6.1, S = 4096).
+/// Tokens per rank of the planner timing (docs/specs/moonep.md §6.1, S = 4096).
 const PLAN_TOKENS: u32 = 4096;
 
 fn cpu_tier(host: &str, args: &Args, command: &str) -> Result<Section> {
@@ -312,47 +313,4 @@ fn sim_figures(rows: &[SimRow]) -> Vec<Figure> {
         out.push(comm);
     }
     out
-}
-
-fn read_trim(path: &str) -> Option<String> {
-    std::fs::read_to_string(path)
-        .ok()
-        .map(|s| s.trim().to_string())
-}
-
-fn machine() -> Machine {
-    let hostname = read_trim("/proc/sys/kernel/hostname").unwrap_or_else(|| "unknown".into());
-    let os = read_trim("/etc/os-release")
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("PRETTY_NAME=")
-                    .map(|v| v.trim_matches('"').to_string())
-            })
-        })
-        .unwrap_or_else(|| std::env::consts::OS.into());
-    let cpu = read_trim("/proc/cpuinfo")
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("model name")
-                    .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
-            })
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.into());
-    let mem_gib = read_trim("/proc/meminfo")
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("MemTotal:")
-                    .and_then(|v| v.trim().trim_end_matches(" kB").parse::<f64>().ok())
-            })
-        })
-        .map_or(0.0, |kb| kb / (1u64 << 20) as f64);
-    Machine {
-        hostname,
-        os,
-        cpu,
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        mem_gib,
-        gpus: Vec::new(),
-        versions: Default::default(),
-    }
 }

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use k3_common::provenance::Provenance;
 use k3_common::report::{Report, Skipped, Tier};
 use moonep::gpu::bench::{NvlinkOptions, bench_rank, run_nvlink};
 use moonep::gpu::rank::{Rank, RankEnv};
@@ -62,10 +63,6 @@ enum Cmd {
     Report(BenchArgs),
 }
 
-fn commit() -> String {
-    std::env::var("K3_COMMIT").unwrap_or_else(|_| "unknown".into())
-}
-
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -87,22 +84,19 @@ fn main() -> anyhow::Result<()> {
             let mut rank = Rank::init(RankEnv::from_env()?).context("rank bootstrap")?;
             let sections = bench_rank(&mut rank, &a.options())?;
             if let Some(sections) = sections {
-                let mut report = Report::new(commit());
+                let mut report = Report::for_provenance(&Provenance::current());
                 report.sections = sections;
                 report.write(&a.out)?;
             }
             rank.store.barrier()?;
         }
         Cmd::Report(a) => {
-            let mut report = Report::new(commit());
+            let mut report = Report::for_provenance(&Provenance::current());
             match run_nvlink(&a.options()) {
                 Ok(sections) => report.sections = sections,
                 Err(e) => report.skipped.push(Skipped {
                     tier: Tier::Nvlink,
-                    machine: std::fs::read_to_string("/proc/sys/kernel/hostname")
-                        .unwrap_or_default()
-                        .trim()
-                        .to_string(),
+                    machine: k3_common::machine::hostname(),
                     what: "moonep EP=2 dispatch/combine".into(),
                     reason: e.to_string(),
                 }),

@@ -1,4 +1,5 @@
-//! `moonep-sim`: cluster-scale load simulator (spec §4.2). Writes a CSV and SVG plots.
+//! `moonep-sim`: cluster-scale load simulator (docs/specs/moonep.md §4.2). Writes a CSV and SVG
+//! plots.
 
 use std::path::PathBuf;
 

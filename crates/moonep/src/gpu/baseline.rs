@@ -1,8 +1,9 @@
-//! Megatron-style "alltoall" dispatcher, the baseline a user would otherwise pick (spec §5):
-//! count exchange (`ncclAllGather` + device→host copy, one sync per call) → permute-1 (stable sort
-//! of entries by expert = by destination) → all-to-all-v as grouped `ncclSend`/`ncclRecv` (rows and
-//! probs) → permute-2 (`[src][local expert]` → `[local expert][src]`); combine reverses it and
-//! sums the K copies in f32 (ascending k, one bf16 rounding), like moonep's combine.
+//! Megatron-style "alltoall" dispatcher, the baseline a user would otherwise pick
+//! (docs/specs/moonep.md §5): count exchange (`ncclAllGather` + device→host copy, one sync per
+//! call) → permute-1 (stable sort of entries by expert = by destination) → all-to-all-v as grouped
+//! `ncclSend`/`ncclRecv` (rows and probs) → permute-2 (`[src][local expert]` →
+//! `[local expert][src]`); combine reverses it and sums the K copies in f32 (ascending k, one bf16
+//! rounding), like moonep's combine.
 
 use super::GpuError;
 use super::driver::{DevBuf, read_ptr};

@@ -1,8 +1,8 @@
-//! nvlink-tier benchmark (spec §6): moonep dispatch (planning included) and combine against the
-//! Megatron-style baseline, measured in the same run on every rank, over a rank-level skew sweep
-//! (share of copies to rank 0's experts, 50%..95%) and a maxvio sweep (Zipf, clustered placement),
-//! at the DSv3-like and K3-like configs. Figures are the median over iterations of the slowest
-//! rank's time (CUDA events, ranks aligned by a device barrier before each iteration).
+//! nvlink-tier benchmark (docs/specs/moonep.md §6): moonep dispatch (planning included) and combine
+//! against the Megatron-style baseline, measured in the same run on every rank, over a rank-level
+//! skew sweep (share of copies to rank 0's experts, 50%..95%) and a maxvio sweep (Zipf, clustered
+//! placement), at the DSv3-like and K3-like configs. Figures are the median over iterations of the
+//! slowest rank's time (CUDA events, ranks aligned by a device barrier before each iteration).
 //!
 //! Contract with `moonep-bench --tier nvlink` (moonep-cpu): call
 //! [`run_nvlink`]`(&NvlinkOptions::default())`; `Ok(sections)` go into the report, `Err(e)` becomes
@@ -11,7 +11,9 @@
 
 use std::path::PathBuf;
 
-use k3_common::report::{Figure, Plot, PlotKind, Report, Section, Series, Stats, Tier};
+use k3_common::machine::hostname;
+use k3_common::report::{Figure, Plot, PlotKind, Report, Section, Series, Tier};
+use k3_common::stats::median;
 
 use super::GpuError;
 use super::baseline::Baseline;
@@ -194,10 +196,6 @@ fn slowest(rank: &mut Rank, mine: &[f64]) -> Result<Vec<f64>, GpuError> {
     Ok((0..mine.len())
         .map(|i| per.iter().map(|p| p[i]).fold(f64::MIN, f64::max))
         .collect())
-}
-
-fn median(x: &[f64]) -> f64 {
-    Stats::from_samples(x).map_or(f64::NAN, |s| s.median)
 }
 
 /// Anchor figures (anchors.md, torch permute + all_to_all_single, same hardware kind).
@@ -504,14 +502,9 @@ fn section(
             "the device plan (alloc, experts_to_copy, counts, cu_seqlens, zero_fill, dst) was checked bit-exact against the CPU planner at every point; dispatch includes tpe all-gather, planning kernels, entry/exit device barriers and (dedup) the receiver-side replication; dedup sends each token once per remote rank, results are bit-identical".into(),
             "dispatch zeroes the padding rows of every group (P=128): at shares 50% and 75% all DSv3 group counts are multiples of 128 (no padding), elsewhere up to ~15K rows (~210 MB) per rank are zeroed, which is most of the rise of the dedup curve (param padding_rows_per_rank)".into(),
             "expert compute is not included (identity); combine pulls K rows per token over NVLink, f32 accumulate in ascending k".into(),
-            "routing: moonep::router exact generator, clustered placement; share = fraction of all copies routed to rank 0's home experts; EP=2 only (see spec §6.4 for what EP=2 cannot show)".into(),
+            "routing: moonep::router exact generator, clustered placement; share = fraction of all copies routed to rank 0's home experts; EP=2 only (see docs/specs/moonep.md §6.4 for what EP=2 cannot show)".into(),
         ],
     }
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map_or_else(|_| "unknown".into(), |s| s.trim().to_string())
 }
 
 #[cfg(test)]

@@ -2,9 +2,10 @@
 //! kernel launches. Raw `CUdeviceptr`s everywhere (IPC needs `cuMemAlloc` memory, not pools).
 
 use std::collections::HashMap;
-use std::ffi::{CStr, c_void};
+use std::ffi::c_void;
 
 use cudarc::driver::sys;
+pub use k3_common::cuda::check;
 
 use super::GpuError;
 
@@ -16,28 +17,9 @@ pub fn kernels_embedded() -> bool {
     !CUBIN.is_empty()
 }
 
-/// Maps a driver result to [`GpuError::Cuda`].
-pub fn check(r: sys::CUresult, what: &'static str) -> Result<(), GpuError> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
-    let mut p: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: cuGetErrorString writes a static string pointer or leaves it null.
-    let name = unsafe {
-        sys::cuGetErrorString(r, &mut p);
-        if p.is_null() {
-            format!("{r:?}")
-        } else {
-            format!("{r:?}: {}", CStr::from_ptr(p).to_string_lossy())
-        }
-    };
-    Err(GpuError::Cuda { what, code: name })
-}
-
 /// Initialises the driver and returns the device count (error when libcuda is absent).
 pub fn device_count() -> Result<usize, GpuError> {
-    // SAFETY: probing the loader has no preconditions.
-    if !unsafe { sys::is_culib_present() } {
+    if !k3_common::cuda::driver_loadable() {
         return Err(GpuError::NoDriver);
     }
     // SAFETY: plain driver calls with valid out-pointers.
@@ -134,7 +116,8 @@ impl Device {
     /// Makes this device's context current on the calling thread.
     pub fn bind(&self) -> Result<(), GpuError> {
         // SAFETY: ctx is a retained primary context.
-        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")?;
+        Ok(())
     }
 
     fn func(&self, name: &'static str) -> Result<sys::CUfunction, GpuError> {
@@ -198,7 +181,8 @@ impl Device {
                 )
             },
             name,
-        )
+        )?;
+        Ok(())
     }
 
     /// Waits for all work on this device's stream.
@@ -207,7 +191,8 @@ impl Device {
         check(
             unsafe { sys::cuStreamSynchronize(self.stream) },
             "cuStreamSynchronize",
-        )
+        )?;
+        Ok(())
     }
 
     /// Allocates `bytes` with `cuMemAlloc` (IPC-capable).
@@ -234,7 +219,8 @@ impl Device {
         check(
             unsafe { sys::cuMemsetD8Async(ptr, value, bytes, self.stream) },
             "cuMemsetD8Async",
-        )
+        )?;
+        Ok(())
     }
 
     /// Stream-ordered 32-bit fill of `n` words.
@@ -243,7 +229,8 @@ impl Device {
         check(
             unsafe { sys::cuMemsetD32Async(ptr, value, n, self.stream) },
             "cuMemsetD32Async",
-        )
+        )?;
+        Ok(())
     }
 
     /// Stream-ordered device-to-device copy.
@@ -255,7 +242,8 @@ impl Device {
         check(
             unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes, self.stream) },
             "cuMemcpyDtoDAsync",
-        )
+        )?;
+        Ok(())
     }
 
     /// Creates a timing event.
@@ -275,7 +263,8 @@ impl Device {
         check(
             unsafe { sys::cuEventRecord(ev.0, self.stream) },
             "cuEventRecord",
-        )
+        )?;
+        Ok(())
     }
 }
 
@@ -324,7 +313,8 @@ impl DevBuf {
         check(
             unsafe { sys::cuMemcpyHtoD_v2(self.ptr, data.as_ptr() as *const c_void, n) },
             "cuMemcpyHtoD",
-        )
+        )?;
+        Ok(())
     }
 
     /// Synchronous download of `n` elements from the start of the buffer.
@@ -362,7 +352,8 @@ pub fn write_ptr<T: Copy>(ptr: u64, data: &[T]) -> Result<(), GpuError> {
             )
         },
         "cuMemcpyHtoD",
-    )
+    )?;
+    Ok(())
 }
 
 impl Drop for DevBuf {

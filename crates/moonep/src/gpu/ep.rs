@@ -1,4 +1,4 @@
-//! [`EpBuffer`]: the collective dispatch/combine engine of one rank (spec §3, §5).
+//! [`EpBuffer`]: the collective dispatch/combine engine of one rank (docs/specs/moonep.md §3, §5).
 //!
 //! Every call is collective: all ranks issue the same sequence on their stream. The buffer keeps
 //! the latest plan on the device (dispatch plans; combine, prefetch and the backward reuse it).
@@ -6,9 +6,9 @@
 //! tables), so it also runs with several ranks on one GPU; the NCCL fallback copies the `[R,R]`
 //! count matrix to the host.
 //!
-//! Backward (spec §3): [`EpBuffer::combine_backward`] is a dispatch of the token gradients with
-//! the saved plan, [`EpBuffer::dispatch_backward`] a combine of the slot gradients, and
-//! [`EpBuffer::reduce_grad`] sums replica weight gradients into their owners.
+//! Backward (docs/specs/moonep.md §3): [`EpBuffer::combine_backward`] is a dispatch of the token
+//! gradients with the saved plan, [`EpBuffer::dispatch_backward`] a combine of the slot gradients,
+//! and [`EpBuffer::reduce_grad`] sums replica weight gradients into their owners.
 
 mod backward;
 

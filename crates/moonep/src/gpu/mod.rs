@@ -1,7 +1,7 @@
-//! GPU half of moonep (spec `moonep.md` §3, §5, §6): one process per GPU, symmetric buffers through
-//! CUDA IPC, the planning kernel (bit-exact with [`crate::plan`]), zero-copy dispatch, pull combine,
-//! replica prefetch, device barriers that report timeouts, an NCCL send/recv fallback, and the
-//! Megatron-style baseline, plus the nvlink-tier benchmark.
+//! GPU half of moonep (docs/specs/moonep.md §3, §5, §6): one process per GPU, symmetric buffers
+//! through CUDA IPC, the planning kernel (bit-exact with [`crate::plan`]), zero-copy dispatch, pull
+//! combine, replica prefetch, device barriers that report timeouts, an NCCL send/recv fallback, and
+//! the Megatron-style baseline, plus the nvlink-tier benchmark.
 //!
 //! - [`store`]: loopback TCP key/value store (NCCL id exchange, host barriers, small all-gathers).
 //! - [`launch`]: `moonep-launch -n R -- <bin> args` (one process per GPU, kill all if one fails).
@@ -65,12 +65,12 @@ pub enum GpuError {
     NoKernels,
     #[error("CUDA driver library not found (libcuda.so)")]
     NoDriver,
-    #[error("NCCL library not found (libnccl.so; see notes/gpu-workflow.md for the symlink)")]
+    #[error("NCCL library not found (libnccl.so; see docs/specs/moonep.md §5 for the symlink)")]
     NoNccl,
     #[error("no NCCL communicator: ranks share a GPU (NCCL refuses that); only the IPC path runs")]
     NoComm,
-    #[error("CUDA {what}: {code}")]
-    Cuda { what: &'static str, code: String },
+    #[error(transparent)]
+    Cuda(#[from] k3_common::cuda::CudaError),
     #[error("NCCL {what}: {code}")]
     Nccl { what: &'static str, code: String },
     #[error("device status on rank {rank}: {code} ({})", status::describe(*code))]

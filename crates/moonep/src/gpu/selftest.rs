@@ -1,6 +1,7 @@
-//! Rank-side GPU correctness checks, run by `moonep-gpu-rank selftest` under `moonep-launch`
-//! (and through it by `tests/gpu_ep.rs`). Every case compares the device against the CPU planner
-//! ([`crate::plan`]) and a plain-loop reference of §3 on fresh seeded data, with poisoned outputs.
+//! Rank-side GPU correctness checks, run by `moonep-gpu-rank selftest` under `moonep-launch` (and
+//! through it by `tests/gpu_ep.rs`). Every case compares the device against the CPU planner
+//! ([`crate::plan`]) and a plain-loop reference of docs/specs/moonep.md §3 on fresh seeded data,
+//! with poisoned outputs.
 
 use half::bf16;
 

@@ -1,4 +1,4 @@
-//! The moonep planner: a pure, deterministic, integer-only function (spec `moonep.md` §2).
+//! The moonep planner: a pure, deterministic, integer-only function (docs/specs/moonep.md §2).
 //!
 //! Every rank runs it redundantly on the gathered `tpe[R][E]`, so the result is bit-identical
 //! everywhere and no plan broadcast is needed. The CUDA port (`crate::gpu`) must reproduce it

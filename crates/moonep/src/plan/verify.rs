@@ -1,5 +1,5 @@
-//! Checker for the plan invariants I1–I12 of spec §2.3 (used by the property tests, the
-//! simulator's self-check and the GPU tests on plans read back from the device).
+//! Checker for the plan invariants I1–I12 of docs/specs/moonep.md §2.3 (used by the property tests,
+//! the simulator's self-check and the GPU tests on plans read back from the device).
 
 use super::{GlobalPlan, PlanConfig, align_up, unpack_slot};
 

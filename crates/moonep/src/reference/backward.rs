@@ -1,4 +1,4 @@
-//! Backward ops of the reference cluster (spec §3, "Adjoint relations").
+//! Backward ops of the reference cluster (docs/specs/moonep.md §3, "Adjoint relations").
 //!
 //! Dispatch `D` is a gather-copy and combine `C` a scatter-sum with `C = Dᵀ`, so:
 //! - [`dispatch_backward`] is a combine of the slot gradients (plus the weight path gathered back

@@ -1,10 +1,10 @@
-//! CPU reference cluster (spec §4.1): R virtual ranks in one process.
+//! CPU reference cluster (docs/specs/moonep.md §4.1): R virtual ranks in one process.
 //!
-//! Dispatch, combine, weight prefetch and `reduce_grad` follow spec §3 as plain loops. Every
-//! shard starts poisoned (NaN) and only real rows and padding rows (zero-filled) are written, so a
-//! consumer reading past `cu_seqlens` sees NaN. The backward ops (dispatch-backward,
-//! combine-backward, the layer backward) live in `backward.rs`. The GPU tests compare their
-//! output to this module exactly.
+//! Dispatch, combine, weight prefetch and `reduce_grad` follow docs/specs/moonep.md §3 as plain
+//! loops. Every shard starts poisoned (NaN) and only real rows and padding rows (zero-filled) are
+//! written, so a consumer reading past `cu_seqlens` sees NaN. The backward ops (dispatch-backward,
+//! combine-backward, the layer backward) live in `backward.rs`. The GPU tests compare their output
+//! to this module exactly.
 
 mod backward;
 mod data;

@@ -1,4 +1,4 @@
-//! Workload generators (spec §6.2): seeded routings with a controlled skew.
+//! Workload generators (docs/specs/moonep.md §6.2): seeded routings with a controlled skew.
 //!
 //! The exact generator turns popularity weights into integer global counts `T_e` (capped at
 //! `T = Σ s_r` and water-filled), deals them over source ranks (row sums `s_r*K`), and builds

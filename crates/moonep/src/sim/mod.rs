@@ -1,7 +1,7 @@
-//! Cluster-scale load simulator (spec §4.2): only `tpe` is needed, so EP=8..256 with E up to
-//! 1024 and S·K up to 128K·16 run in seconds. Policies: none, capacity dropping (per source and
-//! global), moonep (the real planner). Output: one [`SimRow`] per (config, workload, policy),
-//! as CSV and SVG plots.
+//! Cluster-scale load simulator (docs/specs/moonep.md §4.2): only `tpe` is needed, so EP=8..256
+//! with E up to 1024 and S·K up to 128K·16 run in seconds. Policies: none, capacity dropping (per
+//! source and global), moonep (the real planner). Output: one [`SimRow`] per (config, workload,
+//! policy), as CSV and SVG plots.
 
 mod model;
 mod plot;
@@ -62,7 +62,7 @@ pub struct SweepSpec {
     pub seed: u64,
 }
 
-/// The Zipf maxvio sweep of spec §6.2.
+/// The Zipf maxvio sweep of docs/specs/moonep.md §6.2.
 pub const MAXVIO_SWEEP: [f64; 7] = [0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0];
 
 impl SweepSpec {

@@ -1,4 +1,4 @@
-//! Per-policy load and traffic of one routing (spec §4.2).
+//! Per-policy load and traffic of one routing (docs/specs/moonep.md §4.2).
 
 use crate::plan::{GlobalPlan, PlanError, plan_global};
 use crate::router::Routing;

@@ -15,7 +15,9 @@ use hyper::{Method, Request};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use k3_common::kvm::{self, KvmVerdict};
 use k3_common::report::{Figure, Plot, PlotKind, Report, Section, Series, Skipped, Tier};
+use k3_common::stats;
 use serde_json::{Value, json};
 
 use agentenv_server::app::{self, AppState, ServerConfig};
@@ -38,12 +40,6 @@ struct Args {
     /// Command round trips per sandbox.
     #[arg(long, default_value_t = 5)]
     commands: usize,
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
 }
 
 struct Http {
@@ -222,7 +218,7 @@ async fn snapshot_figures(http: &Http, n: usize) -> anyhow::Result<Vec<Figure>> 
             .await?;
     }
     kill(src).await?;
-    let pss_med = k3_common::Stats::from_samples(&pss_kib).map_or(f64::NAN, |s| s.median);
+    let pss_med = stats::median(&pss_kib);
     let fit = if pss_med > 0.0 {
         (16.0 * 1024.0 * 1024.0 / pss_med).floor()
     } else {
@@ -292,26 +288,40 @@ fn ms(t: Instant) -> f64 {
 }
 
 fn cdf(name: &str, samples: &[f64]) -> Series {
-    let mut s = samples.to_vec();
-    s.sort_by(f64::total_cmp);
-    let n = s.len() as f64;
     Series {
         name: name.into(),
-        points: s
-            .iter()
-            .enumerate()
-            .map(|(i, v)| (format!("{v:.3}"), (i + 1) as f64 / n))
+        points: stats::cdf(samples)
+            .into_iter()
+            .map(|(v, f)| (format!("{v:.3}"), f))
             .collect(),
     }
+}
+
+/// Why the kvm tier cannot run here, from the host-level KVM verdict (cached by k3-common).
+async fn kvm_skip_reason() -> String {
+    let verdict = tokio::task::spawn_blocking(|| {
+        kvm::cached_check(false, agentenv_runtime::accel::PROBE_TIMEOUT)
+    })
+    .await;
+    let why = match verdict {
+        Ok(KvmVerdict::TcgOnly { pvm, reason, .. }) => {
+            format!("{reason}{}", if pvm { " (PVM-only host)" } else { "" })
+        }
+        Ok(KvmVerdict::Kvm { .. }) => {
+            "a host-level probe boots under KVM, but the runtime's microvm probe did not".into()
+        }
+        Ok(KvmVerdict::None { reason }) => reason,
+        Err(e) => format!("KVM check task failed: {e}"),
+    };
+    format!("{why}; the runtime falls back to TCG")
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     k3_common::telemetry::init("warn");
     let args = Args::parse();
-    let commit = std::env::var("K3_COMMIT").unwrap_or_else(|_| "unknown".into());
-    let mut report = Report::new(commit);
-    let machine = hostname();
+    let mut report = Report::here();
+    let machine = k3_common::machine::hostname();
     let accel = match args.tier {
         Tier::Cpu => agentenv_runtime::Accel::Tcg,
         Tier::Kvm => agentenv_runtime::Accel::Auto,
@@ -336,14 +346,15 @@ async fn main() -> anyhow::Result<()> {
         .context("opening the runtime")?;
     let accel_name = runtime_backend::accel_label(&rt);
     if args.tier == Tier::Kvm && rt.accel() != agentenv_runtime::AccelKind::Kvm {
+        let reason = kvm_skip_reason().await;
         report.skipped.push(Skipped {
             tier: Tier::Kvm,
             machine,
             what: "agentenv".into(),
-            reason: "no probe guest boots under /dev/kvm here (e.g. a PVM-only host); the runtime falls back to TCG".into(),
+            reason: reason.clone(),
         });
         report.write(&args.out)?;
-        println!("kvm tier skipped: probe guest does not boot under KVM");
+        println!("kvm tier skipped: {reason}");
         return Ok(());
     }
     let progress =
@@ -431,7 +442,7 @@ async fn main() -> anyhow::Result<()> {
     }
     server.abort();
 
-    let direct_med = k3_common::Stats::from_samples(&direct).map_or(f64::NAN, |s| s.median);
+    let direct_med = stats::median(&direct);
     let anchor = |f: Figure, name: &str, v: f64| f.baseline(name, v, false);
     let figures = vec![
         anchor(

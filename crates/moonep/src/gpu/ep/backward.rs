@@ -1,6 +1,6 @@
-//! The backward of [`EpBuffer`] on the same fixed `S*K` shards (spec §3): combine-backward is a
-//! dispatch with the saved plan, dispatch-backward a combine, `reduce_grad` a pull of every
-//! replica's weight gradient into its owner.
+//! The backward of [`EpBuffer`] on the same fixed `S*K` shards (docs/specs/moonep.md §3):
+//! combine-backward is a dispatch with the saved plan, dispatch-backward a combine, `reduce_grad` a
+//! pull of every replica's weight gradient into its owner.
 
 use super::{EpBuffer, Transport};
 use crate::gpu::GpuError;
