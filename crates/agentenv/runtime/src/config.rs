@@ -37,7 +37,16 @@ pub struct RuntimeConfig {
     /// Folder for guest RAM files. `None`: `<state_dir>/` (persistent across host reboots);
     /// a tmpfs folder such as /dev/shm makes create and pause cheaper but loses paused RAM on reboot.
     pub ram_dir: Option<PathBuf>,
+    /// Where snapshots are kept as content-addressed chunks (and optionally an S3 bucket).
+    /// `None`: a local store in `<state_dir>/chunks` bounded at [`DEFAULT_STORE_BYTES`].
+    pub store: Option<agentenv_store::StoreConfig>,
 }
+
+/// Bound of the default local chunk store.
+pub const DEFAULT_STORE_BYTES: u64 = 32 << 30;
+/// Chunk size of the default store (measured: 16 KiB stores a guest's scattered RAM changes in about a
+/// quarter of the bytes 64 KiB chunks need).
+pub const DEFAULT_CHUNK_BYTES: usize = 16 << 10;
 
 impl RuntimeConfig {
     /// A configuration with defaults (Auto accel, QEMU from PATH) for `state_dir`.
@@ -49,6 +58,7 @@ impl RuntimeConfig {
             qemu_bin: PathBuf::from("qemu-system-x86_64"),
             qemu_img_bin: PathBuf::from("qemu-img"),
             ram_dir: None,
+            store: None,
         }
     }
 }

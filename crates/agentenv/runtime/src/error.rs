@@ -11,6 +11,9 @@ use crate::vmm::VmmError;
 /// [`crate::Runtime::open`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
+    /// The chunk store could not be opened.
+    #[error("chunk store: {0}")]
+    Store(#[from] agentenv_store::StoreError),
     /// The state folder could not be created or read.
     #[error("state folder {path}: {source}")]
     StateDir {

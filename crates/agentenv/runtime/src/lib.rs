@@ -108,6 +108,8 @@ pub(crate) struct Inner {
     pub(crate) cache: PathBuf,
     pub(crate) templates: RwLock<BTreeMap<String, TemplateRecord>>,
     pub(crate) snapshots: RwLock<BTreeMap<String, persist::SnapshotRecord>>,
+    /// Snapshots as content-addressed chunks (incremental, shared, optionally in S3).
+    pub(crate) store: Arc<agentenv_store::ChunkStore>,
     pub(crate) sandboxes: Mutex<HashMap<String, Arc<sandbox::Slot>>>,
 }
 
@@ -151,6 +153,16 @@ impl Runtime {
         }
         let snapshots =
             snapshot::load_all(&cfg.state_dir.join("snapshots"), cfg.ram_dir.as_deref())?;
+        let store_cfg = cfg.store.clone().unwrap_or_else(|| {
+            let mut c = agentenv_store::StoreConfig::local(
+                cfg.state_dir.join("chunks"),
+                config::DEFAULT_STORE_BYTES,
+            );
+            // Guest RAM changes in scattered pages: small chunks keep incremental snapshots small.
+            c.chunk_size = config::DEFAULT_CHUNK_BYTES;
+            c
+        });
+        let store = Arc::new(agentenv_store::ChunkStore::open(store_cfg).await?);
         tracing::info!(state_dir = %cfg.state_dir.display(), accel = accel.as_str(), templates = templates.len(), snapshots = snapshots.len(), "agentenv runtime open");
         Ok(Runtime {
             inner: Arc::new(Inner {
@@ -160,6 +172,7 @@ impl Runtime {
                 cache,
                 templates: RwLock::new(templates),
                 snapshots: RwLock::new(snapshots),
+                store,
                 sandboxes: Mutex::new(HashMap::new()),
             }),
         })

@@ -117,6 +117,13 @@ impl Runtime {
         let image = self
             .image(&spec.template_id)
             .ok_or_else(|| CreateError::UnknownTemplate(spec.template_id.clone()))?;
+        if let Some(rec) = image.parent.as_ref().and_then(|p| self.snapshot_record(p)) {
+            self.ensure_local(&rec).await.map_err(|e| CreateError::Io {
+                what: "snapshot files",
+                path: PathBuf::from(&rec.id),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        }
         self.create_from(&spec, &image).await
     }
 

@@ -50,7 +50,24 @@ pub struct SnapshotInfo {
     pub memory_mib: u64,
     /// How long the source was stopped.
     pub paused_ms: f64,
+    /// What the chunk store holds of it, once its background ingest finished.
+    pub stored: Option<StoredChunks>,
 }
+
+/// A snapshot's files in the chunk store (`snapshots/<id>/chunks.json`, written when the ingest is done).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoredChunks {
+    /// File name (`disk.qcow2`, `device.state`, `ram.mem`) → manifest id (hex).
+    pub manifests: BTreeMap<String, String>,
+    /// Bytes of non-zero data in the files.
+    pub bytes_data: u64,
+    /// Bytes this snapshot added to the store (chunks no earlier snapshot or file had).
+    pub bytes_new: u64,
+    /// Ingest wall time.
+    pub elapsed_ms: f64,
+}
+
+const CHUNKS_FILE: &str = "chunks.json";
 
 /// The default tag of a name given without one.
 pub const DEFAULT_TAG: &str = "default";
@@ -84,7 +101,13 @@ impl SnapshotRecord {
     }
 
     fn info(&self, paused_ms: f64) -> SnapshotInfo {
+        let stored = self
+            .disk
+            .parent()
+            .and_then(|d| std::fs::read(d.join(CHUNKS_FILE)).ok())
+            .and_then(|b| serde_json::from_slice(&b).ok());
         SnapshotInfo {
+            stored,
             id: self.id.clone(),
             names: self.names.clone(),
             source_sandbox: self.source_sandbox.clone(),
@@ -305,6 +328,7 @@ impl Runtime {
         }
         map.insert(snap.id.clone(), snap.clone());
         drop(map);
+        self.spawn_ingest(snap.clone());
         tracing::info!(
             snapshot = snapshot_id,
             sandbox = sandbox_id,
@@ -398,6 +422,95 @@ impl Runtime {
             .collect())
     }
 
+    /// Stores a committed snapshot's files as chunks in the background (the capture itself stays short):
+    /// only chunks no earlier file had are written; `chunks.json` appears when all are durable.
+    fn spawn_ingest(&self, rec: SnapshotRecord) {
+        let store = self.inner.store.clone();
+        let dir = self.inner.snapshots_dir().join(&rec.id);
+        tokio::spawn(async move {
+            let t0 = Instant::now();
+            let mut files = vec![("disk.qcow2", rec.disk.clone())];
+            files.extend(rec.state.clone().map(|p| ("device.state", p)));
+            files.extend(rec.ram.clone().map(|p| ("ram.mem", p)));
+            let mut out = StoredChunks::default();
+            let holder = format!("snapshot-{}", rec.id);
+            for (name, path) in files {
+                match store.ingest(&path).await {
+                    Ok((m, st)) => {
+                        let id = m.id();
+                        if let Err(e) = store.pin(&id, &holder).await {
+                            tracing::warn!(snapshot = %rec.id, error = %e, "pinning a manifest failed");
+                        }
+                        out.manifests.insert(name.into(), id.to_hex());
+                        out.bytes_data += st.bytes_data;
+                        out.bytes_new += st.bytes_new;
+                    }
+                    Err(e) => {
+                        tracing::warn!(snapshot = %rec.id, file = name, error = %e, "chunk store ingest failed");
+                        return;
+                    }
+                }
+            }
+            out.elapsed_ms = t0.elapsed().as_secs_f64() * 1e3;
+            match serde_json::to_vec_pretty(&out) {
+                Ok(bytes) if dir.exists() => {
+                    if let Err(e) = k3_common::fsutil::write_atomic(&dir.join(CHUNKS_FILE), &bytes)
+                    {
+                        tracing::warn!(snapshot = %rec.id, error = %e, "writing chunks.json failed");
+                    }
+                }
+                _ => return,
+            }
+            if let Ok(meta) = serde_json::to_vec(&rec) {
+                let _ = store
+                    .put_meta(&format!("snapshots/{}", rec.id), &meta)
+                    .await;
+            }
+            tracing::info!(snapshot = %rec.id, bytes_new = out.bytes_new, bytes_data = out.bytes_data, ms = out.elapsed_ms, "snapshot stored as chunks");
+        });
+    }
+
+    /// Restores missing snapshot files (an evicted local copy) from the chunk store.
+    pub(crate) async fn ensure_local(&self, rec: &SnapshotRecord) -> Result<(), SnapshotError> {
+        let dir = self.inner.snapshots_dir().join(&rec.id);
+        let stored: Option<StoredChunks> = std::fs::read(dir.join(CHUNKS_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let mut wanted = vec![("disk.qcow2", rec.disk.clone())];
+        wanted.extend(rec.state.clone().map(|p| ("device.state", p)));
+        wanted.extend(rec.ram.clone().map(|p| ("ram.mem", p)));
+        for (name, path) in wanted {
+            if path.exists() {
+                continue;
+            }
+            let hex = stored
+                .as_ref()
+                .and_then(|s| s.manifests.get(name))
+                .ok_or_else(|| {
+                    SnapshotError::NotFound(format!(
+                        "{} ({name} is gone and not in the chunk store)",
+                        rec.id
+                    ))
+                })?;
+            let id = agentenv_store::ManifestId::from_hex(hex)
+                .ok_or_else(|| SnapshotError::NotFound(format!("{} (bad manifest id)", rec.id)))?;
+            let store_err = |e: agentenv_store::StoreError| SnapshotError::Io {
+                what: "restore from the chunk store",
+                path: path.clone(),
+                source: std::io::Error::other(e.to_string()),
+            };
+            let m = self.inner.store.manifest(&id).await.map_err(store_err)?;
+            let st = self
+                .inner
+                .store
+                .materialize(&m, &path)
+                .await
+                .map_err(store_err)?;
+            tracing::info!(snapshot = %rec.id, file = name, ?st, "snapshot file restored from chunks");
+        }
+        Ok(())
+    }
+
     /// Removes deleted snapshots that no sandbox and no live snapshot depends on.
     pub(crate) fn collect_snapshots(&self) {
         loop {
@@ -430,11 +543,35 @@ impl Runtime {
                     if let Some(r) = &s.ram {
                         let _ = std::fs::remove_file(r);
                     }
+                    self.release_chunks(&id, &dir);
                     let _ = std::fs::remove_dir_all(&dir);
                     tracing::info!(snapshot = %id, "snapshot files removed");
                 }
             }
         }
+    }
+}
+
+impl Runtime {
+    /// Unpins a removed snapshot's manifests and drops its metadata (the store's gc frees the chunks).
+    fn release_chunks(&self, id: &str, dir: &Path) {
+        let stored: Option<StoredChunks> = std::fs::read(dir.join(CHUNKS_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let (Some(stored), Ok(handle)) = (stored, tokio::runtime::Handle::try_current()) else {
+            return;
+        };
+        let store = self.inner.store.clone();
+        let holder = format!("snapshot-{id}");
+        let key = format!("snapshots/{id}");
+        handle.spawn(async move {
+            for hex in stored.manifests.values() {
+                if let Some(m) = agentenv_store::ManifestId::from_hex(hex) {
+                    let _ = store.unpin(&m, &holder).await;
+                }
+            }
+            let _ = store.delete_meta(&key).await;
+        });
     }
 }
 

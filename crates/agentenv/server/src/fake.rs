@@ -174,6 +174,7 @@ impl VmBackend for FakeBackend {
                 vcpus: 1,
                 memory_mib: 256,
                 paused_ms: 0.0,
+                stored: None,
             };
             snaps.push(info.clone());
             Ok(info)

@@ -222,6 +222,12 @@ pub struct SnapshotView {
     pub snapshot_id: String,
     /// `name:tag` names.
     pub names: Vec<String>,
+    /// agentenv: bytes this snapshot added to the chunk store (absent until its background ingest is done).
+    #[serde(rename = "storedBytesNew", skip_serializing_if = "Option::is_none")]
+    pub stored_bytes_new: Option<u64>,
+    /// agentenv: bytes of data in its files.
+    #[serde(rename = "storedBytesData", skip_serializing_if = "Option::is_none")]
+    pub stored_bytes_data: Option<u64>,
 }
 
 /// Body of `POST /sandboxes/{id}/fork`.

@@ -62,6 +62,8 @@ pub fn snapshot(s: &SnapshotInfo) -> crate::model::SnapshotView {
     crate::model::SnapshotView {
         snapshot_id: s.id.clone(),
         names: s.names.clone(),
+        stored_bytes_new: s.stored.as_ref().map(|c| c.bytes_new),
+        stored_bytes_data: s.stored.as_ref().map(|c| c.bytes_data),
     }
 }
 

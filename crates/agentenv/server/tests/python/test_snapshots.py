@@ -3,6 +3,7 @@
 import secrets
 import time
 
+import httpx
 import pytest
 from e2b import NotFoundException, Sandbox, SandboxException
 
@@ -139,3 +140,42 @@ def test_bad_snapshot_and_fork_input(server):
     finally:
         src.kill()
     assert Sandbox.delete_snapshot("no-such-snapshot") is False
+
+
+def _stored(server, snapshot_id, sandbox_id):
+    """The chunk-store figures of one snapshot (agentenv fields of GET /snapshots), once ingested."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{server.url}/snapshots", params={"sandboxID": sandbox_id},
+                      headers={"X-API-KEY": server.api_key})
+        r.raise_for_status()
+        for s in r.json():
+            if s["snapshotID"] == snapshot_id and "storedBytesNew" in s:
+                return s["storedBytesNew"], s["storedBytesData"]
+        time.sleep(0.2)
+    raise AssertionError(f"snapshot {snapshot_id} was not stored as chunks within 60 s")
+
+
+def test_snapshots_are_incremental_chunks(server):
+    src = Sandbox.create("base", timeout=300)
+    try:
+        first = src.create_snapshot()
+        new1, data1 = _stored(server, first.snapshot_id, src.sandbox_id)
+        assert new1 > 1 << 20 and data1 >= new1
+        src.commands.run("head -c 1048576 /dev/urandom > /home/user/blob.bin && sync")
+        second = src.create_snapshot()
+        new2, data2 = _stored(server, second.snapshot_id, src.sandbox_id)
+        # The guest wrote 1 MiB: the second snapshot stores that and the RAM the command changed, not a
+        # full copy (measured ~13 % of the first; the issue's target of 10 % is tracked in the bench).
+        print(f"first snapshot: {new1} new of {data1} data bytes; second: {new2} new of {data2}")
+        assert (1 << 20) <= new2 <= data1 // 5, (new1, data1, new2, data2)
+        assert data2 >= data1
+        s = Sandbox.create(second.snapshot_id, timeout=60)
+        try:
+            assert s.commands.run("stat -c %s /home/user/blob.bin").stdout.strip() == "1048576"
+        finally:
+            s.kill()
+        for snap in (first, second):
+            Sandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        src.kill()
