@@ -18,7 +18,7 @@ use crate::vmm::DiskFormat;
 use crate::{Inner, valid_id};
 
 /// Bumped whenever the way a base snapshot is made changes (invalidates cached builds).
-const BUILD_FORMAT: u32 = 2;
+const BUILD_FORMAT: u32 = 3;
 
 /// Time for the guest agent to notice a host (dis)connect and re-open its port (it waits 100 ms).
 const SETTLE: Duration = Duration::from_millis(500);
@@ -188,7 +188,7 @@ async fn build_into_cache(
 
     say(
         BuildStep::Userland,
-        "debootstrap --variant=minbase bookworm (cached after the first run)".into(),
+        "debootstrap bookworm minbase + the default packages (cached after the first run)".into(),
     );
     let cache = inner.cache.clone();
     let gb = guest_bin.to_owned();
