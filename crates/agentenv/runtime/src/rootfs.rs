@@ -1,6 +1,7 @@
-//! The default template's userland: a cached `debootstrap --variant=minbase --include=PACKAGES bookworm`
-//! tree with the default user (passwordless sudo) and the guest agent, turned into an ext4 image with
-//! `mkfs.ext4 -d` (no mounts). The guest has no network, so every package comes in here, on the host.
+//! The default template's userland: a cached `debootstrap --variant=minbase bookworm` tree plus
+//! [`PACKAGES`] (apt-get in a chroot), the default user (passwordless sudo) and the guest agent, turned
+//! into an ext4 image with `mkfs.ext4 -d` (no mounts). The guest has no network, so every package comes
+//! in here, on the host.
 
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 
 /// Debian mirror used by debootstrap (override with env `AGENTENV_DEBIAN_MIRROR`).
 pub const MIRROR: &str = "http://deb.debian.org/debian";
-/// Debian packages installed on top of minbase (their dependencies come too; no Recommends).
+/// Debian packages installed on top of minbase (with their dependencies, without Recommends).
 pub const PACKAGES: &[&str] = &[
     "python3",
     "python3-pip",
@@ -33,8 +34,10 @@ pub const PACKAGES: &[&str] = &[
 /// Cache folder of the tree under the cache dir. Change it whenever `PACKAGES` or the recipe changes, so
 /// an old tree is not reused.
 pub const TREE_DIR: &str = "debootstrap-bookworm-base-v1";
-/// Deadline for the whole debootstrap run (downloads and installs).
-const DEBOOTSTRAP_DEADLINE: Duration = Duration::from_secs(40 * 60);
+/// Deadline for the debootstrap run (downloads and installs of minbase).
+const DEBOOTSTRAP_DEADLINE: Duration = Duration::from_secs(20 * 60);
+/// Deadline for each `apt-get` step inside the tree.
+const APT_DEADLINE: Duration = Duration::from_secs(30 * 60);
 /// Deadline for the mirror reachability check.
 const PROBE_DEADLINE: Duration = Duration::from_secs(60);
 /// uid and gid of the default user `user`.
@@ -131,7 +134,7 @@ pub fn mirror() -> String {
         .unwrap_or_else(|| MIRROR.into())
 }
 
-/// Runs debootstrap once into `<cache>/TREE_DIR` (reused afterwards): minbase plus [`PACKAGES`], with the
+/// Builds the tree once into `<cache>/TREE_DIR` (reused afterwards): minbase plus [`PACKAGES`], with the
 /// package cache and lists removed. Checks first that the mirror answers.
 pub fn debootstrap(cache: &Path) -> Result<PathBuf, RootfsError> {
     let dir = cache.join(TREE_DIR);
@@ -158,23 +161,14 @@ pub fn debootstrap(cache: &Path) -> Result<PathBuf, RootfsError> {
         mirror: mirror.clone(),
         detail: e.to_string(),
     })?;
-    let include = format!("--include={}", PACKAGES.join(","));
     let partial_s = partial.display().to_string();
     let r = run(
         "debootstrap",
-        &[
-            "--variant=minbase",
-            &include,
-            "bookworm",
-            &partial_s,
-            &mirror,
-        ],
-        &[
-            ("WGETRC", wgetrc.as_os_str()),
-            ("DEBIAN_FRONTEND", "noninteractive".as_ref()),
-        ],
+        &["--variant=minbase", "bookworm", &partial_s, &mirror],
+        &[("WGETRC", wgetrc.as_os_str())],
         DEBOOTSTRAP_DEADLINE,
-    );
+    )
+    .and_then(|()| install_packages(&partial));
     if let Err(e) = r {
         // debootstrap mounts these in the target; a failed run can leave them.
         for m in ["proc", "sys"] {
@@ -187,7 +181,15 @@ pub fn debootstrap(cache: &Path) -> Result<PathBuf, RootfsError> {
         let _ = std::fs::remove_dir_all(&partial);
         return Err(match e {
             RootfsError::Tool { stderr, .. }
-                if stderr.contains("Couldn't download") || stderr.contains("Failed getting") =>
+                if [
+                    "Couldn't download",
+                    "Failed getting",
+                    "Failed to fetch",
+                    "Temporary failure resolving",
+                    "Could not resolve",
+                ]
+                .iter()
+                .any(|m| stderr.contains(m)) =>
             {
                 RootfsError::Mirror {
                     mirror,
@@ -207,6 +209,48 @@ pub fn debootstrap(cache: &Path) -> Result<PathBuf, RootfsError> {
         }
         Err(e) => Err(io("rename", &dir)(e)),
     }
+}
+
+/// `apt-get install --no-install-recommends PACKAGES` inside the tree (chroot, the host's network and
+/// resolv.conf, which debootstrap copied in). debootstrap's own `--include` resolver cannot resolve npm's
+/// virtual dependencies, so apt does it.
+fn install_packages(tree: &Path) -> Result<(), RootfsError> {
+    // No service may start inside the build chroot.
+    let policy = tree.join("usr/sbin/policy-rc.d");
+    std::fs::write(&policy, "#!/bin/sh\nexit 101\n").map_err(io("write", &policy))?;
+    std::fs::set_permissions(&policy, std::fs::Permissions::from_mode(0o755))
+        .map_err(io("chmod", &policy))?;
+    let t = tree.display().to_string();
+    let apt = [
+        t.as_str(),
+        "apt-get",
+        "-q",
+        "-o",
+        "Acquire::Retries=3",
+        "-o",
+        "Acquire::http::Timeout=60",
+    ];
+    let env = [("DEBIAN_FRONTEND", "noninteractive".as_ref())];
+    run(
+        "chroot",
+        &[&apt[..], &["update"]].concat(),
+        &env,
+        APT_DEADLINE,
+    )?;
+    let install = [
+        &apt[..],
+        &["-y", "install", "--no-install-recommends"],
+        PACKAGES,
+    ]
+    .concat();
+    run("chroot", &install, &env, APT_DEADLINE)?;
+    run(
+        "chroot",
+        &[&apt[..], &["clean"]].concat(),
+        &env,
+        APT_DEADLINE,
+    )?;
+    std::fs::remove_file(&policy).map_err(io("remove", &policy))
 }
 
 /// Drops what the guest cannot use (downloaded .debs, package lists: it has no mirror at run time) and

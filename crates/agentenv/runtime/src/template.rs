@@ -42,14 +42,15 @@ pub struct TemplateSpec {
 }
 
 impl TemplateSpec {
-    /// The default template: id `base`, 1 vCPU, 256 MiB RAM, 1 GiB disk, Debian bookworm minbase.
+    /// The default template: id `base`, 1 vCPU, 256 MiB RAM, 4 GiB disk (about 1.1 GiB used), Debian
+    /// bookworm with `rootfs::PACKAGES`.
     pub fn base() -> TemplateSpec {
         TemplateSpec {
             id: "base".into(),
             aliases: vec![],
             vcpus: 1,
             memory_mib: 256,
-            disk_mib: 1024,
+            disk_mib: 4096,
         }
     }
 }
