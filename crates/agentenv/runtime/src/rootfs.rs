@@ -137,12 +137,15 @@ pub fn mirror() -> String {
 /// Builds the tree once into `<cache>/TREE_DIR` (reused afterwards): minbase plus [`PACKAGES`], with the
 /// package cache and lists removed. Checks first that the mirror answers.
 pub fn debootstrap(cache: &Path) -> Result<PathBuf, RootfsError> {
+    build_tree(cache, mirror())
+}
+
+fn build_tree(cache: &Path, mirror: String) -> Result<PathBuf, RootfsError> {
     let dir = cache.join(TREE_DIR);
     // The tree is renamed into place only when complete.
     if dir.join("usr/bin/bash").exists() {
         return Ok(dir);
     }
-    let mirror = mirror();
     let partial = cache.join(format!("{TREE_DIR}.partial.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(cache).map_err(io("create", cache))?;
@@ -445,4 +448,56 @@ fn tail(s: &str, n: usize) -> String {
         .find(|i| s.is_char_boundary(*i))
         .unwrap_or(s.len());
     s[start..].to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unreachable_mirror_is_a_typed_error_and_leaves_nothing() {
+        let cache = tempfile::tempdir().unwrap();
+        // Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
+        let err = build_tree(cache.path(), "http://127.0.0.1:9/debian".into()).unwrap_err();
+        match &err {
+            RootfsError::Mirror { mirror, .. } => assert_eq!(mirror, "http://127.0.0.1:9/debian"),
+            e => panic!("expected a mirror error, got {e}"),
+        }
+        assert!(err.to_string().contains("AGENTENV_DEBIAN_MIRROR"));
+        let left: Vec<_> = std::fs::read_dir(cache.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .filter(|n| n != "debootstrap.wgetrc")
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
+    #[test]
+    fn a_tree_larger_than_the_disk_is_refused() {
+        let tree = tempfile::tempdir().unwrap();
+        let mut data = vec![0u8; 48 << 20];
+        // Incompressible, fully allocated content.
+        let mut x = std::process::id() as u64 | 1;
+        for b in data.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        std::fs::write(tree.path().join("blob"), &data).unwrap();
+        let bytes = tree_bytes(tree.path()).unwrap();
+        assert!(bytes >= 48 << 20, "{bytes}");
+        let img = tempfile::tempdir().unwrap();
+        let out = img.path().join("root.ext4");
+        match make_ext4(tree.path(), &out, 64) {
+            Err(RootfsError::DiskTooSmall {
+                need_mib, disk_mib, ..
+            }) => {
+                assert!(need_mib > 64 && disk_mib == 64, "{need_mib}")
+            }
+            r => panic!("expected DiskTooSmall, got {r:?}"),
+        }
+        assert!(!out.exists());
+    }
 }
