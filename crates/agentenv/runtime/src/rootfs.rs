@@ -1,12 +1,45 @@
-//! The default template's userland: a cached `debootstrap --variant=minbase bookworm` tree with the
-//! default user and the guest agent, turned into an ext4 image with `mkfs.ext4 -d` (no mounts).
+//! The default template's userland: a cached `debootstrap --variant=minbase bookworm` tree plus
+//! [`PACKAGES`] (apt-get in a chroot), the default user (passwordless sudo) and the guest agent, turned
+//! into an ext4 image with `mkfs.ext4 -d` (no mounts). The guest has no network, so every package comes
+//! in here, on the host.
 
-use std::os::unix::fs::PermissionsExt;
+use std::io::Read;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
-/// Debian mirror used by debootstrap.
+/// Debian mirror used by debootstrap (override with env `AGENTENV_DEBIAN_MIRROR`).
 pub const MIRROR: &str = "http://deb.debian.org/debian";
+/// Debian packages installed on top of minbase (with their dependencies, without Recommends).
+pub const PACKAGES: &[&str] = &[
+    "python3",
+    "python3-pip",
+    "python3-venv",
+    "python-is-python3",
+    "nodejs",
+    "npm",
+    "git",
+    "curl",
+    "wget",
+    "ca-certificates",
+    "procps",
+    "iproute2",
+    "unzip",
+    "jq",
+    "build-essential",
+    "sudo",
+];
+/// Cache folder of the tree under the cache dir. Change it whenever `PACKAGES` or the recipe changes, so
+/// an old tree is not reused.
+pub const TREE_DIR: &str = "debootstrap-bookworm-base-v1";
+/// Deadline for the debootstrap run (downloads and installs of minbase).
+const DEBOOTSTRAP_DEADLINE: Duration = Duration::from_secs(20 * 60);
+/// Deadline for each `apt-get` step inside the tree.
+const APT_DEADLINE: Duration = Duration::from_secs(30 * 60);
+/// Deadline for the mirror reachability check.
+const PROBE_DEADLINE: Duration = Duration::from_secs(60);
 /// uid and gid of the default user `user`.
 pub const USER_ID: u32 = 1000;
 
@@ -18,6 +51,20 @@ pub enum RootfsError {
         "agentenv-guest binary not found (set RuntimeConfig.guest_bin or AGENTENV_GUEST_BIN, or build it with `cargo build -p agentenv-guest`); looked at: {0}"
     )]
     GuestBinary(String),
+    /// The Debian mirror does not answer: the default template cannot be built.
+    #[error(
+        "Debian mirror {mirror} is unreachable, so the default template cannot be built (the host needs network access to it, or set AGENTENV_DEBIAN_MIRROR to a reachable mirror or proxy): {detail}"
+    )]
+    Mirror { mirror: String, detail: String },
+    /// The userland tree does not fit the template's disk.
+    #[error(
+        "the userland tree {tree} needs about {need_mib} MiB, more than the {disk_mib} MiB disk"
+    )]
+    DiskTooSmall {
+        tree: PathBuf,
+        need_mib: u64,
+        disk_mib: u64,
+    },
     /// debootstrap or mkfs.ext4 failed.
     #[error("{program} failed ({status}): {stderr}")]
     Tool {
@@ -79,23 +126,83 @@ pub fn find_guest_binary(explicit: Option<&Path>) -> Result<PathBuf, RootfsError
     Err(RootfsError::GuestBinary(tried.join(", ")))
 }
 
-/// Runs debootstrap once into `<cache>/debootstrap-bookworm-minbase` (reused afterwards).
+/// The Debian mirror: env `AGENTENV_DEBIAN_MIRROR`, else [`MIRROR`].
+pub fn mirror() -> String {
+    std::env::var("AGENTENV_DEBIAN_MIRROR")
+        .ok()
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| MIRROR.into())
+}
+
+/// Builds the tree once into `<cache>/TREE_DIR` (reused afterwards): minbase plus [`PACKAGES`], with the
+/// package cache and lists removed. Checks first that the mirror answers.
 pub fn debootstrap(cache: &Path) -> Result<PathBuf, RootfsError> {
-    let dir = cache.join("debootstrap-bookworm-minbase");
-    if dir.join("bin/bash").exists() || dir.join("usr/bin/bash").exists() {
+    build_tree(cache, mirror())
+}
+
+fn build_tree(cache: &Path, mirror: String) -> Result<PathBuf, RootfsError> {
+    let dir = cache.join(TREE_DIR);
+    // The tree is renamed into place only when complete.
+    if dir.join("usr/bin/bash").exists() {
         return Ok(dir);
     }
-    let partial = cache.join(format!(
-        "debootstrap-bookworm-minbase.partial.{}",
-        std::process::id()
-    ));
+    let partial = cache.join(format!("{TREE_DIR}.partial.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(cache).map_err(io("create", cache))?;
+    // wget (inside debootstrap) otherwise waits 900 s per stalled read, 20 times.
+    let wgetrc = cache.join("debootstrap.wgetrc");
+    std::fs::write(&wgetrc, "timeout = 60\ntries = 5\nretry_connrefused = on\n")
+        .map_err(io("write", &wgetrc))?;
+    let release = format!("{}/dists/bookworm/Release", mirror.trim_end_matches('/'));
+    run(
+        "wget",
+        &["-q", "-T", "20", "-t", "2", "-O", "/dev/null", &release],
+        &[],
+        PROBE_DEADLINE,
+    )
+    .map_err(|e| RootfsError::Mirror {
+        mirror: mirror.clone(),
+        detail: e.to_string(),
+    })?;
     let partial_s = partial.display().to_string();
-    tool(
+    let r = run(
         "debootstrap",
-        &["--variant=minbase", "bookworm", &partial_s, MIRROR],
-    )?;
+        &["--variant=minbase", "bookworm", &partial_s, &mirror],
+        &[("WGETRC", wgetrc.as_os_str())],
+        DEBOOTSTRAP_DEADLINE,
+    )
+    .and_then(|()| install_packages(&partial));
+    if let Err(e) = r {
+        // debootstrap mounts these in the target; a failed run can leave them.
+        for m in ["proc", "sys"] {
+            let _ = Command::new("umount")
+                .arg("-l")
+                .arg(partial.join(m))
+                .stderr(Stdio::null())
+                .status();
+        }
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(match e {
+            RootfsError::Tool { stderr, .. }
+                if [
+                    "Couldn't download",
+                    "Failed getting",
+                    "Failed to fetch",
+                    "Temporary failure resolving",
+                    "Could not resolve",
+                ]
+                .iter()
+                .any(|m| stderr.contains(m)) =>
+            {
+                RootfsError::Mirror {
+                    mirror,
+                    detail: stderr,
+                }
+            }
+            e => e,
+        });
+    }
+    trim(&partial)?;
     match std::fs::rename(&partial, &dir) {
         Ok(()) => Ok(dir),
         // Another build won the race; its tree is as good as ours.
@@ -105,6 +212,90 @@ pub fn debootstrap(cache: &Path) -> Result<PathBuf, RootfsError> {
         }
         Err(e) => Err(io("rename", &dir)(e)),
     }
+}
+
+/// `apt-get install --no-install-recommends PACKAGES` inside the tree (chroot, the host's network and
+/// resolv.conf, which debootstrap copied in). debootstrap's own `--include` resolver cannot resolve npm's
+/// virtual dependencies, so apt does it.
+fn install_packages(tree: &Path) -> Result<(), RootfsError> {
+    // No service may start inside the build chroot.
+    let policy = tree.join("usr/sbin/policy-rc.d");
+    std::fs::write(&policy, "#!/bin/sh\nexit 101\n").map_err(io("write", &policy))?;
+    std::fs::set_permissions(&policy, std::fs::Permissions::from_mode(0o755))
+        .map_err(io("chmod", &policy))?;
+    let t = tree.display().to_string();
+    let apt = [
+        t.as_str(),
+        "apt-get",
+        "-q",
+        "-o",
+        "Acquire::Retries=3",
+        "-o",
+        "Acquire::http::Timeout=60",
+    ];
+    let env = [("DEBIAN_FRONTEND", "noninteractive".as_ref())];
+    run(
+        "chroot",
+        &[&apt[..], &["update"]].concat(),
+        &env,
+        APT_DEADLINE,
+    )?;
+    let install = [
+        &apt[..],
+        &["-y", "install", "--no-install-recommends"],
+        PACKAGES,
+    ]
+    .concat();
+    run("chroot", &install, &env, APT_DEADLINE)?;
+    run(
+        "chroot",
+        &[&apt[..], &["clean"]].concat(),
+        &env,
+        APT_DEADLINE,
+    )?;
+    std::fs::remove_file(&policy).map_err(io("remove", &policy))
+}
+
+/// Drops what the guest cannot use (downloaded .debs, package lists: it has no mirror at run time) and
+/// lets `pip install` work without `--break-system-packages`, as in E2B's images.
+fn trim(tree: &Path) -> Result<(), RootfsError> {
+    for d in ["var/cache/apt/archives", "var/lib/apt/lists"] {
+        let dir = tree.join(d);
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_file() && p.file_name().is_some_and(|n| n != "lock") {
+                std::fs::remove_file(&p).map_err(io("remove", &p))?;
+            }
+        }
+    }
+    let lib = tree.join("usr/lib");
+    for e in std::fs::read_dir(&lib).map_err(io("read", &lib))?.flatten() {
+        let marker = e.path().join("EXTERNALLY-MANAGED");
+        if e.file_name().to_string_lossy().starts_with("python3") && marker.exists() {
+            std::fs::remove_file(&marker).map_err(io("remove", &marker))?;
+        }
+    }
+    Ok(())
+}
+
+/// Bytes allocated by the files under `tree` (symlinks not followed).
+pub fn tree_bytes(tree: &Path) -> Result<u64, RootfsError> {
+    let mut total = 0;
+    let mut stack = vec![tree.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).map_err(io("read", &d))? {
+            let e = e.map_err(io("read", &d))?;
+            let m = e.metadata().map_err(io("stat", &e.path()))?;
+            total += m.blocks() * 512;
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    Ok(total)
 }
 
 /// Adds the default user, hostname and the guest agent to `tree` (idempotent).
@@ -119,6 +310,12 @@ pub fn customize(tree: &Path, guest_bin: &Path) -> Result<(), RootfsError> {
         append(&tree.join("etc/group"), &format!("user:x:{USER_ID}:\n"))?;
         append(&tree.join("etc/shadow"), "user:*:20000:0:99999:7:::\n")?;
     }
+    let sudoers = tree.join("etc/sudoers.d/user");
+    std::fs::create_dir_all(tree.join("etc/sudoers.d")).map_err(io("create", &sudoers))?;
+    std::fs::write(&sudoers, "user ALL=(ALL:ALL) NOPASSWD: ALL\n")
+        .map_err(io("write", &sudoers))?;
+    std::fs::set_permissions(&sudoers, std::fs::Permissions::from_mode(0o440))
+        .map_err(io("chmod", &sudoers))?;
     let home = tree.join("home/user");
     std::fs::create_dir_all(&home).map_err(io("create", &home))?;
     std::os::unix::fs::chown(&home, Some(USER_ID), Some(USER_ID)).map_err(io("chown", &home))?;
@@ -144,8 +341,17 @@ pub fn customize(tree: &Path, guest_bin: &Path) -> Result<(), RootfsError> {
     Ok(())
 }
 
-/// `mkfs.ext4 -d tree` into a `size_mib` raw image at `out`.
+/// `mkfs.ext4 -d tree` into a `size_mib` raw image at `out`; refuses a disk the tree does not fit.
 pub fn make_ext4(tree: &Path, out: &Path, size_mib: u64) -> Result<(), RootfsError> {
+    // Tree plus about 10 % for ext4 metadata and the journal.
+    let need_mib = tree_bytes(tree)?.div_ceil(1 << 20) * 11 / 10 + 64;
+    if need_mib > size_mib {
+        return Err(RootfsError::DiskTooSmall {
+            tree: tree.to_owned(),
+            need_mib,
+            disk_mib: size_mib,
+        });
+    }
     let _ = std::fs::remove_file(out);
     let (t, o) = (tree.display().to_string(), out.display().to_string());
     tool(
@@ -175,29 +381,123 @@ fn append(path: &Path, line: &str) -> Result<(), RootfsError> {
 }
 
 fn tool(program: &str, args: &[&str]) -> Result<(), RootfsError> {
-    let o = Command::new(program)
+    run(program, args, &[], Duration::from_secs(10 * 60))
+}
+
+/// Runs `program` to completion within `deadline` (killed after it), keeping the output's tail for errors.
+fn run(
+    program: &str,
+    args: &[&str],
+    envs: &[(&str, &std::ffi::OsStr)],
+    deadline: Duration,
+) -> Result<(), RootfsError> {
+    let fail = |status: String, stderr: String| RootfsError::Tool {
+        program: program.into(),
+        status,
+        stderr,
+    };
+    let mut child = Command::new(program)
         .args(args)
-        .output()
-        .map_err(|e| RootfsError::Tool {
-            program: program.into(),
-            status: "not started".into(),
-            stderr: e.to_string(),
-        })?;
-    if !o.status.success() {
-        let stderr = String::from_utf8_lossy(&o.stderr);
-        let tail: String = stderr
-            .chars()
-            .rev()
-            .take(2000)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect();
-        return Err(RootfsError::Tool {
-            program: program.into(),
-            status: o.status.to_string(),
-            stderr: tail,
-        });
+        .envs(envs.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .map_err(|e| fail("not started".into(), e.to_string()))?;
+    let readers = [
+        child.stdout.take().map(|r| drain(Box::new(r))),
+        child.stderr.take().map(|r| drain(Box::new(r))),
+    ];
+    let t0 = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break Ok(s),
+            Ok(None) if t0.elapsed() > deadline => {
+                // SAFETY: signals the process group we created (debootstrap's wget and dpkg too).
+                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+                let _ = child.wait();
+                break Err(format!("killed after {} s", deadline.as_secs()));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => break Err(e.to_string()),
+        }
+    };
+    let mut out = String::new();
+    for r in readers.into_iter().flatten() {
+        out.push_str(&String::from_utf8_lossy(&r.join().unwrap_or_default()));
     }
-    Ok(())
+    match status {
+        Ok(s) if s.success() => Ok(()),
+        Ok(s) => Err(fail(s.to_string(), tail(&out, 2000))),
+        Err(why) => Err(fail(why, tail(&out, 2000))),
+    }
+}
+
+fn drain(mut r: Box<dyn Read + Send>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = r.read_to_end(&mut buf);
+        buf
+    })
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let start = s.len().saturating_sub(n);
+    let start = (start..s.len())
+        .find(|i| s.is_char_boundary(*i))
+        .unwrap_or(s.len());
+    s[start..].to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unreachable_mirror_is_a_typed_error_and_leaves_nothing() {
+        let cache = tempfile::tempdir().unwrap();
+        // Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
+        let err = build_tree(cache.path(), "http://127.0.0.1:9/debian".into()).unwrap_err();
+        match &err {
+            RootfsError::Mirror { mirror, .. } => assert_eq!(mirror, "http://127.0.0.1:9/debian"),
+            e => panic!("expected a mirror error, got {e}"),
+        }
+        assert!(err.to_string().contains("AGENTENV_DEBIAN_MIRROR"));
+        let left: Vec<_> = std::fs::read_dir(cache.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .filter(|n| n != "debootstrap.wgetrc")
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+
+    #[test]
+    fn a_tree_larger_than_the_disk_is_refused() {
+        let tree = tempfile::tempdir().unwrap();
+        let mut data = vec![0u8; 48 << 20];
+        // Incompressible, fully allocated content.
+        let mut x = std::process::id() as u64 | 1;
+        for b in data.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        std::fs::write(tree.path().join("blob"), &data).unwrap();
+        let bytes = tree_bytes(tree.path()).unwrap();
+        assert!(bytes >= 48 << 20, "{bytes}");
+        let img = tempfile::tempdir().unwrap();
+        let out = img.path().join("root.ext4");
+        match make_ext4(tree.path(), &out, 64) {
+            Err(RootfsError::DiskTooSmall {
+                need_mib, disk_mib, ..
+            }) => {
+                assert!(need_mib > 64 && disk_mib == 64, "{need_mib}")
+            }
+            r => panic!("expected DiskTooSmall, got {r:?}"),
+        }
+        assert!(!out.exists());
+    }
 }

@@ -18,7 +18,7 @@ use crate::vmm::DiskFormat;
 use crate::{Inner, valid_id};
 
 /// Bumped whenever the way a base snapshot is made changes (invalidates cached builds).
-const BUILD_FORMAT: u32 = 2;
+const BUILD_FORMAT: u32 = 3;
 
 /// Time for the guest agent to notice a host (dis)connect and re-open its port (it waits 100 ms).
 const SETTLE: Duration = Duration::from_millis(500);
@@ -55,14 +55,15 @@ pub struct ImageSource {
 }
 
 impl TemplateSpec {
-    /// The default template: id `base`, 1 vCPU, 256 MiB RAM, 1 GiB disk, Debian bookworm minbase.
+    /// The default template: id `base`, 1 vCPU, 256 MiB RAM, 4 GiB disk (about 1.1 GiB used), Debian
+    /// bookworm with `rootfs::PACKAGES`.
     pub fn base() -> TemplateSpec {
         TemplateSpec {
             id: "base".into(),
             aliases: vec![],
             vcpus: 1,
             memory_mib: 256,
-            disk_mib: 1024,
+            disk_mib: 4096,
             from_image: None,
         }
     }
@@ -224,7 +225,8 @@ async fn build_into_cache(
         None => {
             say(
                 BuildStep::Userland,
-                "debootstrap --variant=minbase bookworm (cached after the first run)".into(),
+                "debootstrap bookworm minbase + the default packages (cached after the first run)"
+                    .into(),
             );
             let cache = inner.cache.clone();
             let gb = guest_bin.to_owned();
