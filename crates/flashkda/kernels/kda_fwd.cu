@@ -1,4 +1,4 @@
-// KDA chunked-prefill forward for sm_90a (spec: shared/specs/kda.md, §1.4).
+// KDA chunked-prefill forward for sm_90a (docs/specs/kda.md §1.4).
 //
 // One block = one (sequence, head, value slice of 16*NW rows); NW warps, each owning 16 value rows
 // of the state S (V x K, row = value channel) in fp32 mma accumulator registers for the whole

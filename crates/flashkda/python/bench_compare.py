@@ -8,7 +8,7 @@ Also: CUDA-graph capture and replay of ``flashkda.fwd`` compared bitwise with th
 sequences against a float64 token recurrence on the GPU (outputs NaN-poisoned first).
 
 Shapes: the six anchors (T = 8192; H = 96, 64; fixed, varlen6, 1024x8) and long single sequences
-(B = 1; H = 4, 16, 32; T = 64K, 256K). Inputs as spec kda.md section 4.
+(B = 1; H = 4, 16, 32; T = 64K, 256K). Inputs as docs/specs/kda.md §4.
 """
 import os.path
 import sys

@@ -6,7 +6,7 @@ With --flashkda it also (a) times `flashkda.fwd` through the wheel on torch's st
 (b) checks the fla backend hookup: `flashkda.register_fla_backend()`, then `chunk_kda` must
 dispatch to flashkda and agree with fla's Triton result.
 
-Protocol (spec kda.md §4): fresh bf16 randn q, k, v, g, beta logits; A_log, dt_bias U(0,1);
+Protocol (docs/specs/kda.md §4): fresh bf16 randn q, k, v, g, beta logits; A_log, dt_bias U(0,1);
 scale 1/sqrt(128); lower_bound -5; fp32 initial state 0.1*randn (bf16-representable); final
 state requested; one untimed first call (Triton autotune), warm-up, then blocks of CUDA-event
 timed calls; median of all calls and per-block medians.

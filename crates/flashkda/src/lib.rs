@@ -1,4 +1,4 @@
-//! flashkda: Kimi Delta Attention (KDA) chunked-prefill forward on Hopper (spec `kda.md`).
+//! flashkda: Kimi Delta Attention (KDA) chunked-prefill forward on Hopper (`docs/specs/kda.md`).
 //!
 //! - [`reference`]: float64 token recurrence (the definition), float64 chunked form, and the
 //!   kernel-rounding emulation; used by CI and by the GPU accuracy tests.

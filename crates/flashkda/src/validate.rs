@@ -1,5 +1,5 @@
 //! Typed views of device tensors and the one [`validate`] that turns a [`FwdArgs`] into a
-//! [`FwdPlan`] or a [`FlashKdaError`] (spec §2).
+//! [`FwdPlan`] or a [`FlashKdaError`] (`docs/specs/kda.md §2`).
 
 use crate::error::FlashKdaError;
 use crate::reference::HEAD_DIM;
@@ -74,7 +74,7 @@ impl TensorView {
     }
 }
 
-/// Arguments of one forward call (spec §2): `[B, T, H, 128]` bf16 q, k, v, g, out; `[B, T, H]`
+/// Arguments of one forward call (`docs/specs/kda.md §2`): `[B, T, H, 128]` bf16 q, k, v, g, out; `[B, T, H]`
 /// bf16 beta logits; fp32 `A_log [H]`, `dt_bias [H, 128]`; optional `[N, H, 128, 128]` states
 /// (bf16 or fp32, row = value channel) and int64 `cu_seqlens [N + 1]` (then `B == 1`).
 #[derive(Debug, Clone)]

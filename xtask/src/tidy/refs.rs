@@ -25,6 +25,7 @@ pub const SCOPE: &[&str] = &[
     "benches",
     "crates/k3-common",
     "crates/moonep",
+    "crates/flashkda",
     "crates/agentenv/guest",
     "crates/agentenv/mux",
     "crates/agentenv/cli",

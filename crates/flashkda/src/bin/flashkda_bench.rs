@@ -20,7 +20,7 @@ use flashkda::reference::emulated::emulated;
 use flashkda::reference::{KdaProblem, chunked_f64, recurrence_f64};
 use flashkda::{FwdArgs, FwdOptions, KdaKernels, KernelSchedule, ValueSplit, fwd, open_device};
 use k3_common::Figure;
-use k3_common::report::{Machine, Plot, PlotKind, Report, Section, Series, Skipped, Tier};
+use k3_common::report::{Plot, PlotKind, Report, Section, Series, Skipped, Tier};
 
 #[path = "flashkda_bench/compare.rs"]
 mod compare;
@@ -176,41 +176,8 @@ fn anchor(h: usize, case: &str) -> Option<(f64, f64)> {
     })
 }
 
-fn read_first(path: &str, key: &str) -> Option<String> {
-    let text = std::fs::read_to_string(path).ok()?;
-    text.lines().find(|l| l.starts_with(key)).map(|l| {
-        l.split_once(if key.ends_with('=') { '=' } else { ':' })
-            .map_or("", |x| x.1)
-            .trim()
-            .trim_matches('"')
-            .to_string()
-    })
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
-}
-
-fn machine(gpus: Vec<String>, versions: BTreeMap<String, String>) -> Machine {
-    let mem_kib: f64 = read_first("/proc/meminfo", "MemTotal")
-        .and_then(|s| s.trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0.0);
-    Machine {
-        hostname: hostname(),
-        os: read_first("/etc/os-release", "PRETTY_NAME=").unwrap_or_default(),
-        cpu: read_first("/proc/cpuinfo", "model name").unwrap_or_default(),
-        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        mem_gib: mem_kib / 1048576.0,
-        gpus,
-        versions,
-    }
-}
-
-fn median(x: &[f64]) -> f64 {
-    k3_common::Stats::from_samples(x).map_or(f64::NAN, |s| s.median)
-}
+use k3_common::machine::{hostname, probe as machine};
+use k3_common::stats::median;
 
 fn run_cpu(report: &mut Report) {
     let p = KdaProblem::random(&[512], 4, true, 1);
@@ -373,7 +340,7 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
             a.iters
         ),
         format!(
-            "GPU: {gpu}; inputs per spec kda.md §4 (bf16 randn, A_log/dt_bias U(0,1), lower_bound -5, state 0.1 randn); headline = fp32 state in+out (what fla is timed with)"
+            "GPU: {gpu}; inputs per docs/specs/kda.md §4 (bf16 randn, A_log/dt_bias U(0,1), lower_bound -5, state 0.1 randn); headline = fp32 state in+out (what fla is timed with)"
         ),
     ];
     notes.extend(lines);
@@ -606,7 +573,7 @@ fn push_once(s: &mut Series, x: &str, y: f64) {
 fn main() -> Result<()> {
     k3_common::telemetry::init("info");
     let a = Args::parse();
-    let mut report = Report::new(std::env::var("K3_COMMIT").unwrap_or_else(|_| "unknown".into()));
+    let mut report = Report::here();
     match a.tier {
         Tier::Cpu => {
             report.machines.push(machine(vec![], BTreeMap::new()));

@@ -1,4 +1,4 @@
-//! Float64 reference gradient of the token recurrence (spec §1.3), by hand-written reverse mode
+//! Float64 reference gradient of the token recurrence (`docs/specs/kda.md §1.3`), by hand-written reverse mode
 //! through every token, the fused gate, the L2 norms and the beta sigmoid: the ground truth for a
 //! backward kernel (issue 13). Keeps every per-token state, so it is for test-sized problems.
 

@@ -1,4 +1,4 @@
-//! Float64 chunked form (spec §1.4): what the kernels compute, without rounding.
+//! Float64 chunked form (`docs/specs/kda.md §1.4`): what the kernels compute, without rounding.
 
 use super::{HEAD_DIM, KdaOutput, KdaProblem, initial_state_f64, per_sequence_head, token_acts};
 

@@ -2,7 +2,7 @@
 //! `kernels/kda_fwd.cu` (and `kda_fwd_pipelined.cu`, `kda_fwd_ws.cu`: same rounding points), so a GPU result can be compared at ~1e-3 instead of the ~5e-3 that
 //! separates any bf16 implementation from float64.
 //!
-//! Rounding points (compare spec §1.6, which lists the public FlashKDA's): q̂, k̂ stay fp32;
+//! Rounding points (compare `docs/specs/kda.md §1.6`, which lists the public FlashKDA's): q̂, k̂ stay fp32;
 //! `kd, qd, ki, kr` are rounded to bf16 once each (`kr` from `2^{Gtot-G}` directly); `A` and its
 //! inverse are fp32 (inverse by forward substitution), `INV` and `M` rounded to bf16; the state
 //! is **fp32** (rounded to bf16 only as a matmul operand); `Vb = bf16((v - S kd) b)`,

@@ -1,4 +1,4 @@
-//! Error metrics used by the accuracy checks (spec §5).
+//! Error metrics used by the accuracy checks (`docs/specs/kda.md §5`).
 
 /// `||x - r||_F / ||r||_F` in float64; NaN when `x` holds a non-finite value or `r` is all zero.
 pub fn rel_frobenius(x: &[f64], r: &[f64]) -> f64 {

@@ -1,5 +1,5 @@
-//! CPU references for the KDA forward (spec `kda.md` §1): the float64 token recurrence (the
-//! definition, §1.3), the float64 chunked form (§1.4) and [`emulated`], which rounds where the
+//! CPU references for the KDA forward (`docs/specs/kda.md §1`): the float64 token recurrence (the
+//! definition, `docs/specs/kda.md §1.3`), the float64 chunked form (`docs/specs/kda.md §1.4`) and [`emulated`], which rounds where the
 //! sm_90a kernel rounds so GPU results compare at tight tolerances.
 //!
 //! All tensors are token-major like the device API: `q/k/v/g` are `[T, H, 128]` with the
@@ -102,7 +102,7 @@ fn bf16_round(x: f32) -> f32 {
 }
 
 impl KdaProblem {
-    /// Fresh random inputs following the benchmark protocol (spec §4): bf16 `randn` q, k, v, g and
+    /// Fresh random inputs following the benchmark protocol (`docs/specs/kda.md §4`): bf16 `randn` q, k, v, g and
     /// beta logits, `U(0,1)` A_log and dt_bias, scale `1/sqrt(128)`, lower bound -5, and (when
     /// `with_state`) an initial state `0.1 * randn` rounded to bf16.
     pub fn random(seq_lens: &[usize], heads: usize, with_state: bool, seed: u64) -> Self {
@@ -272,7 +272,7 @@ pub(crate) fn initial_state_f64(p: &KdaProblem, n: usize, h: usize) -> Vec<f64> 
     }
 }
 
-/// The definition (spec §1.3): float64 token-by-token recurrence.
+/// The definition (`docs/specs/kda.md §1.3`): float64 token-by-token recurrence.
 pub fn recurrence_f64(p: &KdaProblem) -> KdaOutput {
     let scale = f64::from(p.scale);
     per_sequence_head(p, |n, h, bos, len| {
