@@ -197,7 +197,7 @@ pub async fn sync(link: &AgentLink) -> Result<(), AgentError> {
 }
 
 /// 32 bytes from the host kernel's CSPRNG.
-fn host_entropy() -> [u8; 32] {
+pub(crate) fn host_entropy() -> [u8; 32] {
     let mut b = [0u8; 32];
     // SAFETY: getrandom writes at most b.len() bytes into the buffer it is given.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };

@@ -69,6 +69,12 @@ pub struct StoredChunks {
 
 const CHUNKS_FILE: &str = "chunks.json";
 
+/// The `chunks.json` of the snapshot folder `dir`, once its ingest finished.
+fn read_stored(dir: &Path) -> Option<StoredChunks> {
+    let bytes = std::fs::read(dir.join(CHUNKS_FILE)).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
 /// The default tag of a name given without one.
 pub const DEFAULT_TAG: &str = "default";
 
@@ -100,12 +106,16 @@ impl SnapshotRecord {
         }
     }
 
+    /// Its files by chunk-store name: the disk, and the device state and RAM file where it has them.
+    fn files(&self) -> Vec<(&'static str, PathBuf)> {
+        let mut f = vec![("disk.qcow2", self.disk.clone())];
+        f.extend(self.state.clone().map(|p| ("device.state", p)));
+        f.extend(self.ram.clone().map(|p| ("ram.mem", p)));
+        f
+    }
+
     fn info(&self, paused_ms: f64) -> SnapshotInfo {
-        let stored = self
-            .disk
-            .parent()
-            .and_then(|d| std::fs::read(d.join(CHUNKS_FILE)).ok())
-            .and_then(|b| serde_json::from_slice(&b).ok());
+        let stored = self.disk.parent().and_then(read_stored);
         SnapshotInfo {
             stored,
             id: self.id.clone(),
@@ -369,7 +379,7 @@ impl Runtime {
         sandbox_id: &str,
         ids: &[String],
     ) -> Result<Vec<Result<SandboxVm, CreateError>>, SnapshotError> {
-        let sid = format!("fork-{}", agentenv_envd::hex(&rand_bytes()));
+        let sid = format!("fork-{}", agentenv_envd::hex(&agent::host_entropy()[..8]));
         self.snapshot(sandbox_id, &sid, &[], SnapshotMode::Full)
             .await?;
         // Hidden from the start: it lives exactly as long as a fork depends on it.
@@ -429,9 +439,7 @@ impl Runtime {
         let dir = self.inner.snapshots_dir().join(&rec.id);
         tokio::spawn(async move {
             let t0 = Instant::now();
-            let mut files = vec![("disk.qcow2", rec.disk.clone())];
-            files.extend(rec.state.clone().map(|p| ("device.state", p)));
-            files.extend(rec.ram.clone().map(|p| ("ram.mem", p)));
+            let files = rec.files();
             let mut out = StoredChunks::default();
             let holder = format!("snapshot-{}", rec.id);
             for (name, path) in files {
@@ -473,13 +481,8 @@ impl Runtime {
     /// Restores missing snapshot files (an evicted local copy) from the chunk store.
     pub(crate) async fn ensure_local(&self, rec: &SnapshotRecord) -> Result<(), SnapshotError> {
         let dir = self.inner.snapshots_dir().join(&rec.id);
-        let stored: Option<StoredChunks> = std::fs::read(dir.join(CHUNKS_FILE))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
-        let mut wanted = vec![("disk.qcow2", rec.disk.clone())];
-        wanted.extend(rec.state.clone().map(|p| ("device.state", p)));
-        wanted.extend(rec.ram.clone().map(|p| ("ram.mem", p)));
-        for (name, path) in wanted {
+        let stored = read_stored(&dir);
+        for (name, path) in rec.files() {
             if path.exists() {
                 continue;
             }
@@ -555,9 +558,7 @@ impl Runtime {
 impl Runtime {
     /// Unpins a removed snapshot's manifests and drops its metadata (the store's gc frees the chunks).
     fn release_chunks(&self, id: &str, dir: &Path) {
-        let stored: Option<StoredChunks> = std::fs::read(dir.join(CHUNKS_FILE))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
+        let stored = read_stored(dir);
         let (Some(stored), Ok(handle)) = (stored, tokio::runtime::Handle::try_current()) else {
             return;
         };
@@ -601,19 +602,6 @@ async fn capture_files(
         path: partial.to_owned(),
         source,
     })
-}
-
-fn rand_bytes() -> [u8; 8] {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom writes at most b.len() bytes into the buffer.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n != 8 {
-        b = t.to_le_bytes();
-    }
-    b
 }
 
 #[cfg(test)]
