@@ -73,7 +73,19 @@ fn steps() -> Vec<Step> {
     steps
 }
 
+/// Free space on the target folder's file system, as `df` prints it (a CI run once ran out of disk).
+fn disk_free() -> String {
+    Command::new("df")
+        .args(["-h", "--output=avail", "."])
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().nth(1).map(|l| l.trim().to_string()))
+        .unwrap_or_else(|| "unknown".into())
+}
+
 pub fn run() -> anyhow::Result<()> {
+    println!("disk free at start: {}", disk_free());
     let mut results = Vec::new();
     for step in steps() {
         let start = Instant::now();
@@ -89,8 +101,10 @@ pub fn run() -> anyhow::Result<()> {
             }
             Step::Cmd(name, argv, env) => {
                 println!("\n=== {name}: {}", argv.join(" "));
+                // No incremental caches: CI builds once, and they cost gigabytes of its disk.
                 let ok = Command::new(&argv[0])
                     .args(&argv[1..])
+                    .env("CARGO_INCREMENTAL", "0")
                     .envs(env)
                     .status()
                     .is_ok_and(|s| s.success());
@@ -98,9 +112,10 @@ pub fn run() -> anyhow::Result<()> {
             }
         };
         println!(
-            "=== {name}: {} in {:.0?}",
+            "=== {name}: {} in {:.0?}; disk free: {}",
             if ok { "ok" } else { "FAILED" },
-            start.elapsed()
+            start.elapsed(),
+            disk_free()
         );
         results.push((name, ok, start.elapsed()));
     }
