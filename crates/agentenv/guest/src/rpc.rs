@@ -31,6 +31,13 @@ pub async fn dispatch(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
     } else {
         Service::Filesystem
     };
+    let streaming = matches!(
+        (service, method.as_str()),
+        (Service::Process, "Start" | "Connect" | "StreamInput") | (Service::Filesystem, "WatchDir")
+    );
+    if let Err(resp) = check_content_type(req.headers(), streaming) {
+        return *resp;
+    }
     let user = match request_user(&agent, req.headers(), None) {
         Ok(u) => u,
         Err(e) => return rpc_error(&e),
@@ -66,6 +73,33 @@ pub async fn dispatch(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
             }
         }
     }
+}
+
+/// The Connect protocol's content types for the one codec envd speaks: unary calls carry
+/// `application/json`, streaming calls `application/connect+json`. Anything else is refused with
+/// 415 and the accepted type in `Accept-Post`, before the body is read.
+fn check_content_type(h: &HeaderMap, streaming: bool) -> Result<(), Box<Response<Body>>> {
+    let want = if streaming {
+        "application/connect+json"
+    } else {
+        "application/json"
+    };
+    let got = h
+        .get(http::header::CONTENT_TYPE)
+        .map(|v| v.to_str().unwrap_or("?"))
+        .unwrap_or("");
+    let base = got.split(';').next().unwrap_or("").trim();
+    if base.eq_ignore_ascii_case(want) {
+        return Ok(());
+    }
+    let e = RpcError::new(
+        Code::InvalidArgument,
+        format!("unsupported content type {got:?}: this method takes {want}"),
+    );
+    let mut resp = json_response(StatusCode::UNSUPPORTED_MEDIA_TYPE, &e.to_json());
+    resp.headers_mut()
+        .insert("accept-post", http::HeaderValue::from_static(want));
+    Err(Box::new(resp))
 }
 
 #[derive(Clone, Copy)]

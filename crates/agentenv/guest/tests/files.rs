@@ -283,3 +283,34 @@ async fn signed_urls_replace_the_access_token() {
     .await;
     assert_eq!(st, StatusCode::UNAUTHORIZED);
 }
+
+#[tokio::test]
+async fn bad_upload_paths_get_4xx_json_not_500() {
+    let g = Guest::start(&[]).await;
+    let file = g.dir.path().join(format!("{}.txt", token()));
+    std::fs::write(&file, b"x").unwrap();
+    let long = format!("{}/{}", g.dir.path().display(), "a".repeat(5000));
+    let long_name = format!("{}/{}", g.dir.path().display(), "n".repeat(300));
+    let cases = [
+        // Onto an existing file's path, as if it were a folder.
+        format!("{}/child", file.display()),
+        "/proc/k3-upload-test".to_string(),
+        format!("../../../../../../proc/{}", token()),
+        long,
+        long_name,
+    ];
+    for path in &cases {
+        let (st, v) = post(
+            &g,
+            &format!("/files?path={path}"),
+            "application/octet-stream",
+            common::random_bytes(64),
+            &[],
+        )
+        .await;
+        assert!(st.is_client_error(), "{path:.80}: {st} {v}");
+        assert_eq!(v["code"], st.as_u16(), "{v}");
+        assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    }
+    assert_eq!(std::fs::read(&file).unwrap(), b"x", "the file is untouched");
+}

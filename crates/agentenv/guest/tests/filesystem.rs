@@ -227,3 +227,59 @@ async fn polled_watcher_collects_events() {
     assert_eq!(st, StatusCode::NOT_FOUND);
     assert_eq!(v["code"], "not_found");
 }
+
+#[tokio::test]
+async fn connect_calls_check_their_content_type() {
+    use bytes::Bytes;
+    use http::Request;
+    use http_body_util::{BodyExt, Full};
+    let g = Guest::start(&[]).await;
+    let dir = g.dir.path().display().to_string();
+    let unary = json!({"path": dir}).to_string();
+    let cases: [(&str, &str, Bytes); 4] = [
+        (
+            "/filesystem.Filesystem/Stat",
+            "text/plain",
+            Bytes::from(unary.clone()),
+        ),
+        // The streaming envelope on a unary method.
+        (
+            "/filesystem.Filesystem/Stat",
+            "application/connect+json",
+            common::envelope(0, &json!({"path": dir})),
+        ),
+        (
+            "/process.Process/List",
+            "application/proto",
+            Bytes::from_static(b"\x0a\x00"),
+        ),
+        // A unary content type on a streaming method.
+        (
+            "/process.Process/Start",
+            "application/json",
+            Bytes::from(json!({"process": {"cmd": "true"}}).to_string()),
+        ),
+    ];
+    for (path, ctype, body) in cases {
+        let req = Request::post(path)
+            .header("content-type", ctype)
+            .body(Full::new(body))
+            .unwrap();
+        let resp = g.send(req).await;
+        assert_eq!(
+            resp.status(),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "{path} {ctype}"
+        );
+        assert!(resp.headers().contains_key("accept-post"));
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["code"], "invalid_argument", "{v}");
+    }
+    // The right type with a charset parameter still works.
+    let req = Request::post("/filesystem.Filesystem/Stat")
+        .header("content-type", "application/json; charset=utf-8")
+        .body(Full::new(Bytes::from(unary)))
+        .unwrap();
+    assert_eq!(g.send(req).await.status(), StatusCode::OK);
+}

@@ -113,6 +113,31 @@ pub(crate) struct Inner {
     pub(crate) sandboxes: Mutex<HashMap<String, Arc<sandbox::Slot>>>,
 }
 
+/// Every 2 s, rotates the serial console log of each sandbox above [`vmm::CONSOLE_LOG_MAX`]
+/// (a guest that prints without end fills no disk). Ends with the runtime.
+fn spawn_console_rotation(inner: std::sync::Weak<Inner>) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
+        loop {
+            tick.tick().await;
+            let Some(inner) = inner.upgrade() else { return };
+            let ids: Vec<String> = inner
+                .sandboxes
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .keys()
+                .cloned()
+                .collect();
+            for id in ids {
+                let log = inner.sandbox_dir(&id).join(vmm::CONSOLE_LOG);
+                if let Err(e) = vmm::rotate_console_log(&log, vmm::CONSOLE_LOG_MAX) {
+                    tracing::warn!(sandbox = %id, error = %e, "console log rotation failed");
+                }
+            }
+        }
+    });
+}
+
 impl Runtime {
     /// Opens the runtime on `cfg.state_dir`: prepares the guest kernel (cached), picks the accelerator
     /// (probing KVM once for [`Accel::Auto`]) and loads template records. Call [`Runtime::recover`] next to
@@ -122,12 +147,16 @@ impl Runtime {
             let path = path.clone();
             move |source| OpenError::StateDir { path, source }
         };
+        // Guest RAM, disks, records and sockets hold the sandboxes' data and tokens: everything this
+        // process and its QEMU children create is private (files 0600, folders 0700).
+        // SAFETY: umask(2) only sets the process's file-mode mask and cannot fail.
+        unsafe { libc::umask(0o077) };
         for sub in ["templates", "sandboxes", "snapshots"] {
             let p = cfg.state_dir.join(sub);
-            std::fs::create_dir_all(&p).map_err(state_err(&p))?;
+            k3_common::fsutil::create_private_dir(&p).map_err(state_err(&p))?;
         }
         if let Some(r) = &cfg.ram_dir {
-            std::fs::create_dir_all(r).map_err(state_err(r))?;
+            k3_common::fsutil::create_private_dir(r).map_err(state_err(r))?;
         }
         let cache = k3_common::fsutil::cache_dir().join("agentenv");
         let c = cache.clone();
@@ -164,18 +193,18 @@ impl Runtime {
         });
         let store = Arc::new(agentenv_store::ChunkStore::open(store_cfg).await?);
         tracing::info!(state_dir = %cfg.state_dir.display(), accel = accel.as_str(), templates = templates.len(), snapshots = snapshots.len(), "agentenv runtime open");
-        Ok(Runtime {
-            inner: Arc::new(Inner {
-                cfg,
-                vmm,
-                kernel,
-                cache,
-                templates: RwLock::new(templates),
-                snapshots: RwLock::new(snapshots),
-                store,
-                sandboxes: Mutex::new(HashMap::new()),
-            }),
-        })
+        let inner = Arc::new(Inner {
+            cfg,
+            vmm,
+            kernel,
+            cache,
+            templates: RwLock::new(templates),
+            snapshots: RwLock::new(snapshots),
+            store,
+            sandboxes: Mutex::new(HashMap::new()),
+        });
+        spawn_console_rotation(Arc::downgrade(&inner));
+        Ok(Runtime { inner })
     }
 
     /// The accelerator in use (for reports).

@@ -18,6 +18,12 @@ use crate::vmm::{
 /// Name of the virtio-serial port that carries the guest agent channel.
 pub const AGENT_PORT_NAME: &str = agentenv_envd::AGENT_CHANNEL;
 const QMP_TIMEOUT: Duration = Duration::from_secs(20);
+/// Longest save of device state and private RAM (a few GiB under TCG).
+const MIGRATION_DEADLINE: Duration = Duration::from_secs(120);
+/// Longest wait for an incoming state to load.
+const RESTORE_DEADLINE: Duration = Duration::from_secs(60);
+/// Longest wait for a QEMU process to exit after `quit` or SIGKILL.
+const EXIT_DEADLINE: Duration = Duration::from_secs(10);
 
 /// QEMU `-M microvm` with RAM in a shared memory-backend-file.
 pub struct QemuVmm {
@@ -52,6 +58,9 @@ impl QemuVmm {
             "-display".into(),
             "none".into(),
             "-no-reboot".into(),
+            // seccomp: no obsolete syscalls, no setuid, no fork/exec, no scheduler or affinity changes.
+            "-sandbox".into(),
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
             "-object".into(),
             format!(
                 "memory-backend-file,id=mem,size={}M,mem-path={},share={}",
@@ -208,7 +217,18 @@ impl Vmm for QemuVmm {
                     .await?;
                 q.execute("migrate-incoming", Some(json!({"uri": "fd:infd"})))
                     .await?;
+                let end = tokio::time::Instant::now() + RESTORE_DEADLINE;
                 loop {
+                    if tokio::time::Instant::now() >= end {
+                        return Err(VmmError::Exited {
+                            during: "restore",
+                            detail: format!(
+                                "{} did not load within {} s",
+                                device_state.display(),
+                                RESTORE_DEADLINE.as_secs()
+                            ),
+                        });
+                    }
                     let st = q.run_state().await?;
                     match st.as_str() {
                         "inmigrate" => tokio::time::sleep(Duration::from_micros(300)).await,
@@ -293,16 +313,37 @@ struct QemuVm {
 }
 
 impl QemuVm {
-    async fn wait_exit(&self) {
-        let mut child = self.child.lock().await;
-        if let Some(c) = child.as_mut() {
-            let _ = c.wait().await;
-            *child = None;
-            return;
-        }
-        while std::path::Path::new(&format!("/proc/{}", self.pid)).exists() && !is_zombie(self.pid)
-        {
-            tokio::time::sleep(Duration::from_millis(1)).await;
+    /// Waits up to `limit` for the process to exit; true when it did.
+    async fn wait_exit(&self, limit: Duration) -> bool {
+        let wait = async {
+            let mut child = self.child.lock().await;
+            if let Some(c) = child.as_mut() {
+                let _ = c.wait().await;
+                *child = None;
+                return;
+            }
+            while std::path::Path::new(&format!("/proc/{}", self.pid)).exists()
+                && !is_zombie(self.pid)
+            {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(limit, wait).await.is_ok()
+    }
+
+    fn sigkill(&self) {
+        // SAFETY: plain syscall; the pid belongs to a QEMU process this runtime started or attached.
+        unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) };
+    }
+
+    fn not_exited(&self, during: &'static str) -> VmmError {
+        VmmError::Exited {
+            during,
+            detail: format!(
+                "QEMU pid {} still runs {} s after SIGKILL",
+                self.pid,
+                EXIT_DEADLINE.as_secs()
+            ),
         }
     }
 }
@@ -350,7 +391,7 @@ impl Snapshottable for QemuVm {
                 .await?;
             q.execute("migrate", Some(json!({"uri": "fd:snapfd"})))
                 .await?;
-            q.wait_migration().await?;
+            q.wait_migration(MIGRATION_DEADLINE).await?;
             drop(q);
             file.sync_all().map_err(|e| io("fsync", e))?;
             Ok(())
@@ -374,17 +415,27 @@ impl VmInstance for QemuVm {
             if let Err(e) = r {
                 tracing::debug!(pid = self.pid, error = %e, "quit answered with an error");
             }
-            self.wait_exit().await;
-            Ok(())
+            if self.wait_exit(EXIT_DEADLINE).await {
+                return Ok(());
+            }
+            tracing::warn!(pid = self.pid, "QEMU ignored quit; killing it");
+            self.sigkill();
+            if self.wait_exit(EXIT_DEADLINE).await {
+                Ok(())
+            } else {
+                Err(self.not_exited("shutdown"))
+            }
         })
     }
 
     fn kill(&self) -> BoxFuture<'_, Result<(), VmmError>> {
         Box::pin(async move {
-            // SAFETY: plain syscall; the pid belongs to a QEMU process this runtime started or attached.
-            unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) };
-            self.wait_exit().await;
-            Ok(())
+            self.sigkill();
+            if self.wait_exit(EXIT_DEADLINE).await {
+                Ok(())
+            } else {
+                Err(self.not_exited("kill"))
+            }
         })
     }
 }

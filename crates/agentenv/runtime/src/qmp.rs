@@ -36,7 +36,17 @@ pub enum QmpError {
     /// A line was not valid QMP JSON.
     #[error("QMP protocol error on {path}: {detail}")]
     Protocol { path: PathBuf, detail: String },
+    /// QEMU did not answer (or a migration did not finish) within the deadline.
+    #[error("QMP {command} on {path} missed its {secs:.0} s deadline")]
+    Timeout {
+        path: PathBuf,
+        command: String,
+        secs: f64,
+    },
 }
+
+/// Longest wait for the answer to one QMP command: QEMU answers in milliseconds unless wedged.
+pub const COMMAND_DEADLINE: Duration = Duration::from_secs(30);
 
 /// One QMP connection in command mode (capabilities negotiated).
 pub struct QmpClient {
@@ -79,16 +89,37 @@ impl QmpClient {
         arguments: Option<Value>,
     ) -> Result<Value, QmpError> {
         let line = Self::encode(command, arguments);
-        self.stream
-            .get_mut()
-            .write_all(line.as_bytes())
+        let path = self.path.clone();
+        let call = async {
+            self.stream
+                .get_mut()
+                .write_all(line.as_bytes())
+                .await
+                .map_err(|e| self.io(e))?;
+            self.read_return(command).await
+        };
+        tokio::time::timeout(COMMAND_DEADLINE, call)
             .await
-            .map_err(|e| self.io(e))?;
-        self.read_return(command).await
+            .map_err(|_| timeout(path, command, COMMAND_DEADLINE))?
     }
 
     /// Runs `command` while passing `fd` with SCM_RIGHTS (for `getfd`).
     pub async fn execute_with_fd(
+        &mut self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: RawFd,
+    ) -> Result<Value, QmpError> {
+        let path = self.path.clone();
+        tokio::time::timeout(
+            COMMAND_DEADLINE,
+            self.execute_with_fd_now(command, arguments, fd),
+        )
+        .await
+        .map_err(|_| timeout(path, command, COMMAND_DEADLINE))?
+    }
+
+    async fn execute_with_fd_now(
         &mut self,
         command: &str,
         arguments: Option<Value>,
@@ -118,9 +149,15 @@ impl QmpClient {
         self.read_return(command).await
     }
 
-    /// Polls `query-migrate` until it leaves the active states; returns the final status.
-    pub async fn wait_migration(&mut self) -> Result<String, QmpError> {
+    /// Polls `query-migrate` until it leaves the active states or `deadline` passes (then the
+    /// migration is cancelled); returns the final status.
+    pub async fn wait_migration(&mut self, deadline: Duration) -> Result<String, QmpError> {
+        let end = tokio::time::Instant::now() + deadline;
         loop {
+            if tokio::time::Instant::now() >= end {
+                let _ = self.execute("migrate_cancel", None).await;
+                return Err(timeout(self.path.clone(), "migrate", deadline));
+            }
             let r = self.execute("query-migrate", None).await?;
             let status = r
                 .get("status")
@@ -218,6 +255,14 @@ impl QmpClient {
             path: self.path.clone(),
             detail,
         }
+    }
+}
+
+fn timeout(path: PathBuf, command: &str, limit: Duration) -> QmpError {
+    QmpError::Timeout {
+        path,
+        command: command.to_owned(),
+        secs: limit.as_secs_f64(),
     }
 }
 

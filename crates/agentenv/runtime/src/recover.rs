@@ -111,6 +111,12 @@ impl Runtime {
                     Ok(vm) => vm,
                     Err(e) => return (None, format!("VMM gone ({e}); its memory is lost"), None),
                 };
+                // A process killed during a pause, snapshot or fork left the VM stopped: run it again
+                // (`cont` on a running VM is a no-op).
+                if let Err(e) = vm.cont().await {
+                    let _ = vm.kill().await;
+                    return (None, format!("re-attached VM would not run: {e}"), None);
+                }
                 let link = agent::connect_healthy(
                     &spec.agent_socket(),
                     Duration::from_secs(3),

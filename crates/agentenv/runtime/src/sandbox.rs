@@ -312,6 +312,7 @@ impl Runtime {
             let tmp = state.with_extension("state.tmp");
             // Saved with the agent connected: see `create` (connect before `cont`).
             vm.save_device_state(&tmp).await?;
+            k3_common::crash::point("runtime:pause:after-save");
             live.agent = None;
             if live.record.ram_shared {
                 std::fs::File::open(&live.record.ram_file)
@@ -332,6 +333,7 @@ impl Runtime {
                 live.record.ram_file = self.inner.ram_file(id);
             }
             live.record.phase = SandboxPhase::Paused;
+            k3_common::crash::point("runtime:pause:before-record");
             persist::write(&self.inner.record_path(id), &live.record)?;
             Ok::<(), PauseError>(())
         }

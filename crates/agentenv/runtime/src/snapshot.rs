@@ -228,6 +228,21 @@ impl Runtime {
         names: &[String],
         mode: SnapshotMode,
     ) -> Result<SnapshotInfo, SnapshotError> {
+        self.capture(sandbox_id, snapshot_id, names, mode, false)
+            .await
+            .map(|(info, _)| info)
+    }
+
+    /// [`Self::snapshot`]; a `hidden` one (a fork's) is written deleted from the start, so a crash
+    /// never leaves it listed. Returns the record as well.
+    async fn capture(
+        &self,
+        sandbox_id: &str,
+        snapshot_id: &str,
+        names: &[String],
+        mode: SnapshotMode,
+        hidden: bool,
+    ) -> Result<(SnapshotInfo, SnapshotRecord), SnapshotError> {
         if !valid_id(snapshot_id) {
             return Err(SnapshotError::InvalidName(snapshot_id.into()));
         }
@@ -274,6 +289,7 @@ impl Runtime {
                     if full {
                         vm.save_device_state(&partial.join("device.state")).await?;
                     }
+                    k3_common::crash::point("runtime:snapshot:during-capture");
                     capture_files(inner, &rec, &partial, ram_tmp.as_deref()).await
                 }
                 .await;
@@ -319,12 +335,13 @@ impl Runtime {
             ram: ram_out,
             state: full.then(|| final_dir.join("device.state")),
             parent: rec.parent_snapshot.clone(),
-            deleted: false,
+            deleted: hidden,
             created_at: k3_common::time::now_rfc3339(),
             bytes,
             envd_version: crate::template::ENVD_VERSION.into(),
         };
         persist::write(&partial.join("snapshot.json"), &snap)?;
+        k3_common::crash::point("runtime:snapshot:before-rename");
         std::fs::rename(&partial, &final_dir).map_err(io("rename", &partial))?;
         let mut map = inner.snapshots.write().unwrap_or_else(|e| e.into_inner());
         for other in map.values_mut() {
@@ -346,7 +363,7 @@ impl Runtime {
             bytes,
             "snapshot taken"
         );
-        Ok(snap.info(paused_ms))
+        Ok((snap.info(paused_ms), snap))
     }
 
     /// Deletes a snapshot: it disappears at once; its files go once nothing depends on them.
@@ -380,25 +397,12 @@ impl Runtime {
         ids: &[String],
     ) -> Result<Vec<Result<SandboxVm, CreateError>>, SnapshotError> {
         let sid = format!("fork-{}", agentenv_envd::hex(&agent::host_entropy()[..8]));
-        self.snapshot(sandbox_id, &sid, &[], SnapshotMode::Full)
-            .await?;
         // Hidden from the start: it lives exactly as long as a fork depends on it.
-        let image = {
-            let mut map = self
-                .inner
-                .snapshots
-                .write()
-                .unwrap_or_else(|e| e.into_inner());
-            let s = map
-                .get_mut(&sid)
-                .ok_or_else(|| SnapshotError::NotFound(sid.clone()))?;
-            s.deleted = true;
-            persist::write(
-                &self.inner.snapshots_dir().join(&sid).join("snapshot.json"),
-                &*s,
-            )?;
-            s.image()
-        };
+        let (_, snap) = self
+            .capture(sandbox_id, &sid, &[], SnapshotMode::Full, true)
+            .await?;
+        k3_common::crash::point("runtime:fork:after-capture");
+        let image = snap.image();
         let mut set = tokio::task::JoinSet::new();
         for (i, id) in ids.iter().enumerate() {
             let (rt, image) = (self.clone(), image.clone());

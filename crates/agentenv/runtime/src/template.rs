@@ -54,7 +54,31 @@ pub struct ImageSource {
     pub password: Option<String>,
 }
 
+/// Bounds of a template's machine: vCPUs, RAM and disk.
+pub const TEMPLATE_VCPUS: std::ops::RangeInclusive<u32> = 1..=64;
+pub const TEMPLATE_MEMORY_MIB: std::ops::RangeInclusive<u64> = 128..=16_384;
+pub const TEMPLATE_DISK_MIB: std::ops::RangeInclusive<u64> = 512..=65_536;
+
 impl TemplateSpec {
+    /// Refuses machine sizes outside [`TEMPLATE_VCPUS`], [`TEMPLATE_MEMORY_MIB`] and [`TEMPLATE_DISK_MIB`].
+    pub fn check_size(&self) -> Result<(), TemplateError> {
+        if TEMPLATE_VCPUS.contains(&self.vcpus)
+            && TEMPLATE_MEMORY_MIB.contains(&self.memory_mib)
+            && TEMPLATE_DISK_MIB.contains(&self.disk_mib)
+        {
+            return Ok(());
+        }
+        Err(TemplateError::InvalidSpec(format!(
+            "vcpus {} ({:?}), memory {} MiB ({:?}), disk {} MiB ({:?})",
+            self.vcpus,
+            TEMPLATE_VCPUS,
+            self.memory_mib,
+            TEMPLATE_MEMORY_MIB,
+            self.disk_mib,
+            TEMPLATE_DISK_MIB
+        )))
+    }
+
     /// The default template: id `base`, 1 vCPU, 256 MiB RAM, 4 GiB disk (about 1.1 GiB used), Debian
     /// bookworm with `rootfs::PACKAGES`.
     pub fn base() -> TemplateSpec {
@@ -106,12 +130,7 @@ pub(crate) async fn build(
     if !valid_id(&spec.id) || spec.aliases.iter().any(|a| !valid_id(a)) {
         return Err(TemplateError::InvalidId(spec.id));
     }
-    if spec.vcpus == 0 || spec.vcpus > 64 || spec.memory_mib < 128 || spec.disk_mib < 512 {
-        return Err(TemplateError::InvalidSpec(format!(
-            "vcpus {} (1..=64), memory {} MiB (>= 128), disk {} MiB (>= 512)",
-            spec.vcpus, spec.memory_mib, spec.disk_mib
-        )));
-    }
+    spec.check_size()?;
     let say = |step, detail: String| progress(BuildProgress { step, detail });
     let guest_bin = rootfs::find_guest_binary(inner.cfg.guest_bin.as_deref())?;
     let machine = MachineRecord {
@@ -587,4 +606,31 @@ fn dir_bytes(dir: &Path) -> u64 {
         }
     }
     total
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+
+    #[test]
+    fn template_sizes_are_bounded() {
+        assert!(TemplateSpec::base().check_size().is_ok());
+        let with = |f: &dyn Fn(&mut TemplateSpec)| {
+            let mut t = TemplateSpec::base();
+            f(&mut t);
+            t.check_size()
+        };
+        let big = rand::random_range(1u64..1 << 40);
+        for bad in [
+            with(&|t| t.vcpus = 0),
+            with(&|t| t.vcpus = 65),
+            with(&|t| t.memory_mib = 64),
+            with(&|t| t.memory_mib = 16_385 + big),
+            with(&|t| t.disk_mib = 511),
+            with(&|t| t.disk_mib = 65_537 + big),
+        ] {
+            assert!(matches!(bad, Err(TemplateError::InvalidSpec(_))), "{bad:?}");
+        }
+        assert!(with(&|t| t.memory_mib = 16_384).is_ok());
+    }
 }

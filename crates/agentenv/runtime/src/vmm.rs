@@ -61,7 +61,7 @@ impl VmSpec {
     }
     /// Serial console log.
     pub fn console_log(&self) -> PathBuf {
-        self.dir.join("console.log")
+        self.dir.join(CONSOLE_LOG)
     }
 }
 
@@ -151,4 +151,70 @@ pub trait Vmm: Send + Sync {
         spec: &'a VmSpec,
         pid: u32,
     ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
+}
+
+/// File name of a VM's serial console log, in its folder.
+pub const CONSOLE_LOG: &str = "console.log";
+/// A console log above this many bytes is rotated (the previous part is kept as `console.log.1`).
+pub const CONSOLE_LOG_MAX: u64 = 4 << 20;
+
+/// Copies a console log above `max` bytes to `<log>.1` (its last `max` bytes) and truncates it,
+/// as logrotate's copytruncate does: QEMU keeps its O_APPEND descriptor and writes on from offset 0.
+/// Returns whether it rotated.
+pub fn rotate_console_log(log: &std::path::Path, max: u64) -> std::io::Result<bool> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = match std::fs::File::options().read(true).write(true).open(log) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e),
+    };
+    let len = f.metadata()?.len();
+    if len <= max {
+        return Ok(false);
+    }
+    f.seek(SeekFrom::Start(len - max))?;
+    let mut tail = Vec::with_capacity(max as usize);
+    f.by_ref().take(max).read_to_end(&mut tail)?;
+    let mut old = log.as_os_str().to_owned();
+    old.push(".1");
+    k3_common::fsutil::write_atomic(std::path::Path::new(&old), &tail)?;
+    f.set_len(0)?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod console_tests {
+    use std::io::Write;
+
+    #[test]
+    fn console_logs_stay_bounded_while_the_writer_appends() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join(super::CONSOLE_LOG);
+        // The writer appends as QEMU's `file,append=on` chardev does.
+        let mut w = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let max = 64 * 1024;
+        let mut last = Vec::new();
+        for round in 0..20 {
+            let chunk: Vec<u8> = (0..rand::random_range(10_000..40_000))
+                .map(|_| b'a' + rand::random_range(0..26u8))
+                .collect();
+            w.write_all(&chunk).unwrap();
+            last = chunk;
+            super::rotate_console_log(&log, max).unwrap();
+            let len = std::fs::metadata(&log).unwrap().len();
+            assert!(len <= max, "round {round}: {len} bytes");
+        }
+        let kept = std::fs::read(dir.path().join("console.log.1")).unwrap();
+        assert!(kept.len() as u64 <= max);
+        // What was written since the last rotation is in the log or at the end of the kept part.
+        let now = std::fs::read(&log).unwrap();
+        assert!(now.ends_with(&last) || kept.ends_with(&last));
+        w.write_all(b"after").unwrap();
+        assert!(std::fs::read(&log).unwrap().ends_with(b"after"));
+        assert!(!super::rotate_console_log(&dir.path().join("missing.log"), max).unwrap());
+    }
 }

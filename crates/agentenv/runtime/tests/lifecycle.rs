@@ -55,6 +55,16 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
     let (_, code) = run(&rt, &id, "exit 7").await;
     assert_eq!(code, 7);
 
+    // Confinement: QEMU runs under seccomp, and nothing it or the runtime wrote is readable by others.
+    for pid in common::qemu_pids_under(state.path()) {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        assert!(
+            status.contains("Seccomp:\t2"),
+            "QEMU {pid} without seccomp:\n{status}"
+        );
+    }
+    common::assert_private(&state.path().join("sandboxes"));
+
     rt.kill(&id).await.expect("kill");
     assert_eq!(rt.vm_state(&id), None);
     assert!(

@@ -14,7 +14,7 @@ use crate::dataplane::{self, Plane};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::routes;
-use crate::sandboxes::Sandboxes;
+use crate::sandboxes::{LifecycleConfig, Sandboxes};
 use crate::store::SandboxStore;
 
 /// Default upper bound of one data-plane request body (file uploads).
@@ -36,6 +36,7 @@ pub struct ServerConfig {
     pub state_dir: PathBuf,
     pub api_key: String,
     pub max_upload_bytes: u64,
+    pub lifecycle: LifecycleConfig,
 }
 
 impl AppState {
@@ -43,7 +44,7 @@ impl AppState {
     pub async fn open(backend: Arc<dyn VmBackend>, cfg: ServerConfig) -> anyhow::Result<AppState> {
         let metrics = Arc::new(Metrics::new());
         let store = SandboxStore::open(&cfg.state_dir)?;
-        let sandboxes = Sandboxes::open(backend, store, metrics.clone()).await?;
+        let sandboxes = Sandboxes::open(backend, store, metrics.clone(), cfg.lifecycle).await?;
         sandboxes.spawn_reaper();
         Ok(AppState {
             sandboxes,
@@ -87,7 +88,9 @@ fn control_router() -> Router<AppState> {
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(routes::openapi_json))
         .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_JSON_BYTES))
+        .layer(middleware::from_fn(crate::error::json_errors))
         .layer(middleware::from_fn(refuse_declared_oversize))
 }
 

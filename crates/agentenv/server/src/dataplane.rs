@@ -64,6 +64,56 @@ const HOP_HEADERS: [&str; 7] = [
     "trailer",
 ];
 
+/// The client's credentials for us, never for the guest.
+const CREDENTIAL_HEADERS: [&str; 3] = ["x-api-key", "cookie", "proxy-authorization"];
+
+/// Removes hop-by-hop headers (and those `Connection` names) and the client's credentials.
+/// `Authorization: Basic` keeps only its user name, which envd reads as the acting user; any
+/// password or other scheme is dropped. `X-Access-Token` stays: envd checks it too.
+pub fn strip_for_guest(h: &mut HeaderMap) {
+    let named: Vec<String> = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .filter(|n| !n.is_empty())
+        .collect();
+    for n in named {
+        h.remove(n.as_str());
+    }
+    for n in HOP_HEADERS.iter().chain(&CREDENTIAL_HEADERS) {
+        h.remove(*n);
+    }
+    let user = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(basic_user);
+    h.remove(header::AUTHORIZATION);
+    if let Some(user) = user {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(format!("{user}:"));
+        if let Ok(v) = header::HeaderValue::from_str(&format!("Basic {b64}")) {
+            h.insert(header::AUTHORIZATION, v);
+        }
+    }
+}
+
+/// The user name of `Basic base64(user:password)`.
+fn basic_user(v: &str) -> Option<String> {
+    use base64::Engine;
+    let (scheme, b64) = v.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(b64.trim())
+        .ok()?;
+    let text = String::from_utf8(raw).ok()?;
+    let user = text.split_once(':').map_or(text.as_str(), |(u, _)| u);
+    (!user.is_empty()).then(|| user.to_string())
+}
+
 /// Serves one data-plane request for `plane`.
 pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Response, ApiError> {
     let rec = match &plane {
@@ -155,9 +205,7 @@ async fn forward(
     parts.uri = Uri::try_from(path_and_query)
         .map_err(|e| ApiError::bad_request(format!("bad URI: {e}")))?;
     parts.version = Version::HTTP_11;
-    for h in HOP_HEADERS {
-        parts.headers.remove(h);
-    }
+    strip_for_guest(&mut parts.headers);
     parts.headers.insert(
         header::HOST,
         header::HeaderValue::from_static("localhost:49983"),
@@ -226,6 +274,42 @@ mod tests {
             h.insert(*k, HeaderValue::from_str(v).unwrap());
         }
         h
+    }
+
+    #[test]
+    fn credentials_and_hop_headers_never_reach_the_guest() {
+        use base64::Engine;
+        let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+        let user = format!("u{}", rand::random::<u32>());
+        let secret = format!("s{}", rand::random::<u64>());
+        let mut h = headers(&[
+            ("X-API-Key", &secret),
+            ("Cookie", &format!("session={secret}")),
+            ("Proxy-Authorization", &format!("Basic {}", b64(&secret))),
+            (
+                "Authorization",
+                &format!("Basic {}", b64(&format!("{user}:{secret}"))),
+            ),
+            ("Connection", "keep-alive, X-Private"),
+            ("X-Private", &secret),
+            ("Keep-Alive", "timeout=5"),
+            ("X-Access-Token", "tok"),
+            ("Content-Type", "application/json"),
+        ]);
+        strip_for_guest(&mut h);
+        for (_, v) in &h {
+            assert!(!v.to_str().unwrap().contains(&secret), "{h:?}");
+        }
+        assert_eq!(
+            h["authorization"],
+            format!("Basic {}", b64(&format!("{user}:")))
+        );
+        assert_eq!(h["x-access-token"], "tok");
+        assert_eq!(h["content-type"], "application/json");
+        assert_eq!(h.len(), 3, "{h:?}");
+        let mut bearer = headers(&[("Authorization", &format!("Bearer {secret}"))]);
+        strip_for_guest(&mut bearer);
+        assert!(bearer.is_empty());
     }
 
     #[test]

@@ -55,6 +55,7 @@ impl From<LifecycleError> for ApiError {
             L::AlreadyPaused(_) | L::AlreadyRunning(_) | L::Paused(_) => StatusCode::CONFLICT,
             L::Invalid(_) => StatusCode::BAD_REQUEST,
             L::Runtime(_) | L::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            L::DeadlineExceeded { .. } => StatusCode::GATEWAY_TIMEOUT,
         };
         ApiError::new(status, e.to_string())
     }
@@ -78,7 +79,8 @@ impl IntoResponse for ApiError {
 }
 
 /// `Json<T>` whose rejections (malformed JSON, wrong type, too large) answer with [`ApiError`].
-/// An empty body reads as `T::default()` (pause and connect may come without a body).
+/// An empty body reads as `T::default()` (pause and connect may come without a body); a body with a
+/// content type other than JSON is refused with 415.
 pub struct E2bJson<T>(pub T);
 
 impl<S, T> FromRequest<S> for E2bJson<T>
@@ -89,14 +91,81 @@ where
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let ctype = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap_or("?").to_string());
         let bytes = axum::body::Bytes::from_request(req, state)
             .await
             .map_err(|e| ApiError::new(e.status(), e.body_text()))?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(E2bJson(T::default()));
         }
+        if let Some(c) = ctype.filter(|c| !is_json_type(c)) {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("expected Content-Type: application/json, got {c:?}"),
+            ));
+        }
         serde_json::from_slice(&bytes)
             .map(E2bJson)
             .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))
+    }
+}
+
+/// `application/json`, with or without parameters (`; charset=utf-8`).
+fn is_json_type(c: &str) -> bool {
+    c.split(';')
+        .next()
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// Rewrites any error answer that is not already E2B JSON (the router's 404/405, extractor
+/// rejections such as a path id that is not UTF-8) into `{code, message}`, keeping `Allow`.
+pub async fn json_errors(req: Request, next: axum::middleware::Next) -> Response {
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(is_json_type);
+    if !(status.is_client_error() || status.is_server_error()) || is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_string();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    let mut out = ApiError::new(status, message).into_response();
+    if let Some(allow) = parts.headers.get(header::ALLOW) {
+        out.headers_mut().insert(header::ALLOW, allow.clone());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn json_content_types() {
+        for ok in [
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+        ] {
+            assert!(super::is_json_type(ok), "{ok}");
+        }
+        for bad in [
+            "text/plain",
+            "application/jsonx",
+            "application/x-www-form-urlencoded",
+            "",
+        ] {
+            assert!(!super::is_json_type(bad), "{bad}");
+        }
     }
 }

@@ -17,6 +17,8 @@ pub struct FakeBackend {
     pub recovered: Mutex<Vec<RecoveredVm>>,
     pub creates: AtomicUsize,
     pub kills: AtomicUsize,
+    /// Sandboxes whose pause, resume and snapshot never return (a wedged QEMU); kill still works.
+    pub wedged: Mutex<std::collections::HashSet<String>>,
 }
 
 fn template() -> TemplateInfo {
@@ -45,6 +47,11 @@ fn vm(id: &str) -> SandboxVm {
 impl FakeBackend {
     fn state(&self, id: &str) -> Option<VmState> {
         self.vms.lock().unwrap().get(id).copied()
+    }
+    async fn hang_if_wedged(&self, id: &str) {
+        if self.wedged.lock().unwrap().contains(id) {
+            std::future::pending::<()>().await;
+        }
     }
 }
 
@@ -87,6 +94,7 @@ impl VmBackend for FakeBackend {
     }
     fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), PauseError>> {
         Box::pin(async move {
+            self.hang_if_wedged(id).await;
             match self.state(id) {
                 None => Err(PauseError::NotFound(id.into())),
                 Some(VmState::Paused) => Err(PauseError::AlreadyPaused(id.into())),
@@ -99,6 +107,7 @@ impl VmBackend for FakeBackend {
     }
     fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ResumeError>> {
         Box::pin(async move {
+            self.hang_if_wedged(id).await;
             match self.state(id) {
                 None => Err(ResumeError::NotFound(id.into())),
                 Some(VmState::Running) => Err(ResumeError::NotPaused(id.into())),
@@ -149,6 +158,7 @@ impl VmBackend for FakeBackend {
         mode: SnapshotMode,
     ) -> BoxFuture<'a, Result<SnapshotInfo, SnapshotError>> {
         Box::pin(async move {
+            self.hang_if_wedged(sandbox_id).await;
             if self.state(sandbox_id).is_none() {
                 return Err(SnapshotError::SandboxNotFound(sandbox_id.into()));
             }
@@ -227,10 +237,19 @@ mod fake_tests {
     use std::sync::atomic::Ordering;
 
     async fn open(dir: &std::path::Path, fake: Arc<FakeBackend>) -> Arc<Sandboxes> {
+        open_with(dir, fake, LifecycleConfig::default()).await
+    }
+
+    async fn open_with(
+        dir: &std::path::Path,
+        fake: Arc<FakeBackend>,
+        cfg: LifecycleConfig,
+    ) -> Arc<Sandboxes> {
         Sandboxes::open(
             fake,
             SandboxStore::open(dir).unwrap(),
             Arc::new(Metrics::new()),
+            cfg,
         )
         .await
         .unwrap()
@@ -288,7 +307,7 @@ mod fake_tests {
             .await
             .unwrap();
         let keep = s.create(req("base"), None).await.unwrap();
-        s.expire_due().await;
+        s.expire_due().join_all().await;
         assert!(s.get(&kill_me.sandbox_id).is_none());
         assert_eq!(
             s.get(&pause_me.sandbox_id).unwrap().state,
@@ -430,5 +449,130 @@ mod fake_tests {
             assert_eq!(s.get(&f.sandbox_id).unwrap().state, SandboxState::Running);
         }
         assert_eq!(s.list(&ListFilter::default()).len(), n as usize + 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wedged_vm_is_killed_at_its_deadline_and_blocks_no_other_expiry() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let mut cfg = LifecycleConfig::default();
+        cfg.deadlines.pause = std::time::Duration::from_secs(10);
+        let s = open_with(dir.path(), fake.clone(), cfg).await;
+        let due = |auto_pause| NewSandbox {
+            timeout: Some(0),
+            auto_pause: Some(auto_pause),
+            ..req("base")
+        };
+        let wedged = s.create(due(true), None).await.unwrap().sandbox_id;
+        let other = s.create(due(false), None).await.unwrap().sandbox_id;
+        fake.wedged.lock().unwrap().insert(wedged.clone());
+        let tasks = s.expire_due();
+        // The other sandbox expires while the wedged one's pause is still pending.
+        for _ in 0..100 {
+            if s.get(&other).is_none() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert!(
+            s.get(&other).is_none(),
+            "expiry of {other} waited on the wedged VM"
+        );
+        assert!(s.get(&wedged).is_some());
+        // A second reaper pass does not start a second expiry of the same sandbox.
+        assert!(s.expire_due().is_empty());
+        tasks.join_all().await;
+        assert!(s.get(&wedged).is_none(), "the wedged sandbox ends gone");
+        assert_eq!(fake.vm_state(&wedged), None, "and its VM is killed");
+        assert!(matches!(
+            s.kill(&wedged).await,
+            Err(LifecycleError::SandboxNotFound(_))
+        ));
+        // Its record is gone from disk as well: a restart does not bring it back.
+        drop(s);
+        let s = open(dir.path(), fake.clone()).await;
+        assert!(s.get(&wedged).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wedged_calls_answer_deadline_exceeded() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let mut cfg = LifecycleConfig::default();
+        cfg.deadlines.snapshot = std::time::Duration::from_secs(5);
+        let s = open_with(dir.path(), fake.clone(), cfg).await;
+        let id = s.create(req("base"), None).await.unwrap().sandbox_id;
+        fake.wedged.lock().unwrap().insert(id.clone());
+        let e = s.snapshot(&id, None, true).await.unwrap_err();
+        assert!(
+            matches!(&e, LifecycleError::DeadlineExceeded { op: "snapshot", id: i, .. } if *i == id),
+            "{e:?}"
+        );
+        let api = crate::error::ApiError::from(e);
+        assert_eq!(api.status, axum::http::StatusCode::GATEWAY_TIMEOUT);
+        assert!(s.get(&id).is_none() && fake.vm_state(&id).is_none());
+    }
+
+    #[tokio::test]
+    async fn paused_sandboxes_expire_after_the_retention() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let keep_cfg = LifecycleConfig::default();
+        let s = open_with(dir.path(), fake.clone(), keep_cfg).await;
+        let id = s.create(req("base"), None).await.unwrap().sandbox_id;
+        s.pause(&id).await.unwrap();
+        let paused_at = s
+            .get(&id)
+            .unwrap()
+            .paused_at_ms
+            .expect("pause time recorded");
+        assert!((now_ms() - paused_at).abs() < 60_000);
+        s.expire_due().join_all().await;
+        assert_eq!(
+            s.get(&id).unwrap().state,
+            SandboxState::Paused,
+            "kept within the retention"
+        );
+        // The same records under a zero retention: the paused sandbox is deleted, its VM too.
+        drop(s);
+        let cfg = LifecycleConfig {
+            paused_retention: std::time::Duration::ZERO,
+            ..Default::default()
+        };
+        let s = open_with(dir.path(), fake.clone(), cfg).await;
+        let running = s.create(req("base"), None).await.unwrap().sandbox_id;
+        s.expire_due().join_all().await;
+        assert!(s.get(&id).is_none() && fake.vm_state(&id).is_none());
+        assert_eq!(s.get(&running).unwrap().state, SandboxState::Running);
+        // A resume clears the pause time.
+        s.pause(&running).await.unwrap();
+        let (rec, _) = s.connect(&running, Some(60)).await.unwrap();
+        assert_eq!(rec.paused_at_ms, None);
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_record_does_not_stop_the_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let s = open(dir.path(), fake.clone()).await;
+        let id = s.create(req("base"), None).await.unwrap().sandbox_id;
+        drop(s);
+        std::fs::write(dir.path().join("server/sandboxes/broken.json"), b"\xff{").unwrap();
+        fake.recovered.lock().unwrap().push(RecoveredVm {
+            id: id.clone(),
+            template_id: "base".into(),
+            state: Some(VmState::Running),
+            detail: String::new(),
+        });
+        let s = open(dir.path(), fake.clone()).await;
+        assert_eq!(s.get(&id).unwrap().state, SandboxState::Running);
+        assert!(
+            dir.path()
+                .join("server/quarantine")
+                .read_dir()
+                .unwrap()
+                .count()
+                == 1
+        );
     }
 }

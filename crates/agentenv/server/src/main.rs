@@ -56,6 +56,9 @@ struct ServeArgs {
     #[arg(long, default_value_t = DEFAULT_MAX_UPLOAD_BYTES)]
     max_upload_bytes: u64,
     /// Folder for guest RAM files (e.g. /dev/shm: faster, lost on reboot).
+    /// Paused sandboxes are deleted this many seconds after they were paused.
+    #[arg(long, default_value_t = agentenv_server::sandboxes::DEFAULT_PAUSED_RETENTION.as_secs())]
+    paused_retention_s: u64,
     #[arg(long, env = "AGENTENV_RAM_DIR")]
     ram_dir: Option<PathBuf>,
     /// Log as JSON lines.
@@ -126,6 +129,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             state_dir: state_dir.clone(),
             api_key,
             max_upload_bytes: args.max_upload_bytes,
+            lifecycle: agentenv_server::sandboxes::LifecycleConfig {
+                paused_retention: std::time::Duration::from_secs(args.paused_retention_s),
+                ..Default::default()
+            },
         },
     )
     .await?;
@@ -137,13 +144,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "agentenv listening on http://{addr}  (E2B_API_URL = E2B_SANDBOX_URL = http://{addr})"
     );
     tracing::info!(%addr, "listening");
-    // No graceful drain: open Connect streams would hold it forever; VMs outlive the server anyway.
+    // SIGTERM drains: no new connections, in-flight requests (and the lifecycle calls and record
+    // writes under them) finish. Open Connect streams would hold the drain forever, so it has a deadline.
+    let signalled = Arc::new(tokio::sync::Notify::new());
+    let on_signal = signalled.clone();
+    let serve = axum::serve(listener, app::app(state)).with_graceful_shutdown(async move {
+        shutdown().await;
+        on_signal.notify_one();
+    });
     tokio::select! {
-        res = axum::serve(listener, app::app(state)) => res?,
-        () = shutdown() => {}
+        res = serve => res?,
+        () = async {
+            signalled.notified().await;
+            tokio::time::sleep(DRAIN_DEADLINE).await;
+        } => tracing::warn!(deadline_s = DRAIN_DEADLINE.as_secs(), "drain deadline passed; closing open streams"),
     }
+    tracing::info!("stopped; sandboxes keep running and are recovered on the next start");
     Ok(())
 }
+
+/// Longest SIGTERM drain.
+const DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(20);
 
 async fn shutdown() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -152,5 +173,5 @@ async fn shutdown() {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
-    tracing::info!("shutting down; sandboxes keep running and are recovered on the next start");
+    tracing::info!("shutting down: draining in-flight requests");
 }

@@ -69,12 +69,14 @@ impl Metrics {
     }
 
     /// Counts one answered request; `data_plane` says whether it was proxied to a sandbox.
+    /// `method` is the client's: any method outside the standard set counts as `OTHER`, so
+    /// unauthenticated requests cannot grow the label set.
     pub fn count_request(&self, data_plane: bool, method: &str, status: u16) {
         let plane = if data_plane { "data" } else { "control" };
         self.requests
             .get_or_create(&RequestLabels {
                 plane,
-                method: method.to_string(),
+                method: bounded_method(method).to_string(),
                 status,
             })
             .inc();
@@ -102,9 +104,32 @@ impl Metrics {
     }
 }
 
+/// The standard HTTP methods keep their name; anything else is `OTHER`.
+fn bounded_method(m: &str) -> &str {
+    const KNOWN: [&str; 7] = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"];
+    KNOWN.into_iter().find(|k| *k == m).unwrap_or("OTHER")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn client_methods_cannot_grow_the_label_set() {
+        let m = Metrics::new();
+        for i in 0..500 {
+            m.count_request(false, &format!("X{i}{}", rand::random::<u32>()), 405);
+        }
+        let text = m.render(0, 0);
+        let lines = text
+            .lines()
+            .filter(|l| l.starts_with("agentenv_http_requests_total{"))
+            .collect::<Vec<_>>();
+        assert_eq!(
+            lines,
+            ["agentenv_http_requests_total{plane=\"control\",method=\"OTHER\",status=\"405\"} 500"]
+        );
+    }
 
     #[test]
     fn exposition_counts_what_happened() {

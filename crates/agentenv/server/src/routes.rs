@@ -332,6 +332,14 @@ pub async fn not_found() -> ApiError {
     ApiError::not_found("no such route")
 }
 
+/// A known route with the wrong method (axum adds `Allow`).
+pub async fn method_not_allowed(method: axum::http::Method) -> ApiError {
+    ApiError::new(
+        axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        format!("method {method} is not allowed on this route"),
+    )
+}
+
 /// Snapshot a sandbox (memory + disk, or the disk only with `memory: false`). The sandbox keeps running.
 #[utoipa::path(post, path = "/sandboxes/{sandboxID}/snapshots", tag = "snapshots", request_body = SnapshotRequest,
     params(("sandboxID" = String, Path)),

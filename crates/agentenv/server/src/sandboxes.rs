@@ -1,9 +1,11 @@
 //! Sandbox lifecycle on top of the runtime: records, timeouts, pause/resume, list filters.
 //!
 //! Invariant: a record is visible only in `running` or `paused`; create, pause and resume
-//! hold the sandbox's operation lock until the runtime call finished.
+//! hold the sandbox's operation lock until the runtime call finished, and every runtime call has a
+//! deadline ([`Deadlines`]): a VM that misses one is killed and its sandbox is gone, with the reason logged.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,6 +27,52 @@ pub const ENVD_VERSION: &str = agentenv_envd::ENVD_VERSION;
 const IDEMPOTENCY_WINDOW: Duration = Duration::from_secs(300);
 /// Forks per call (E2B's bound).
 pub const MAX_FORKS: u32 = 20;
+
+/// How long each runtime call may take before its VM is declared wedged and killed.
+#[derive(Debug, Clone)]
+pub struct Deadlines {
+    pub create: Duration,
+    pub pause: Duration,
+    pub resume: Duration,
+    pub kill: Duration,
+    pub snapshot: Duration,
+    pub fork: Duration,
+}
+
+impl Default for Deadlines {
+    /// Generous for TCG (a cold boot takes up to two minutes there).
+    fn default() -> Self {
+        let s = Duration::from_secs;
+        Deadlines {
+            create: s(180),
+            pause: s(120),
+            resume: s(60),
+            kill: s(30),
+            snapshot: s(300),
+            fork: s(600),
+        }
+    }
+}
+
+/// Lifecycle settings.
+#[derive(Debug, Clone)]
+pub struct LifecycleConfig {
+    pub deadlines: Deadlines,
+    /// A paused sandbox is deleted this long after it was paused.
+    pub paused_retention: Duration,
+}
+
+/// Default retention of paused sandboxes: 30 days.
+pub const DEFAULT_PAUSED_RETENTION: Duration = Duration::from_secs(30 * 86_400);
+
+impl Default for LifecycleConfig {
+    fn default() -> Self {
+        LifecycleConfig {
+            deadlines: Deadlines::default(),
+            paused_retention: DEFAULT_PAUSED_RETENTION,
+        }
+    }
+}
 
 /// Why a lifecycle operation failed. HTTP status is decided at the edge (`error.rs`), nowhere else.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -49,6 +97,13 @@ pub enum LifecycleError {
     Runtime(String),
     #[error("state store failure: {0}")]
     Store(String),
+    /// A runtime call missed its deadline; the VM was killed and the sandbox is gone.
+    #[error("{op} of sandbox {id} missed its {secs:.0} s deadline; the VM was killed")]
+    DeadlineExceeded {
+        op: &'static str,
+        id: String,
+        secs: f64,
+    },
 }
 
 type Result<T, E = LifecycleError> = std::result::Result<T, E>;
@@ -128,9 +183,21 @@ pub struct Sandboxes {
     backend: Arc<dyn VmBackend>,
     store: SandboxStore,
     metrics: Arc<Metrics>,
+    cfg: LifecycleConfig,
     records: Mutex<HashMap<String, SandboxRecord>>,
     op_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     idempotency: Mutex<HashMap<String, (Instant, String)>>,
+    /// Sandboxes the reaper is expiring now (each in its own task).
+    expiring: Mutex<HashSet<String>>,
+}
+
+/// What the reaper does to a due sandbox.
+#[derive(Debug, Clone, Copy)]
+enum Expiry {
+    Pause,
+    Kill,
+    /// Paused longer than the retention.
+    Retention,
 }
 
 impl Sandboxes {
@@ -140,8 +207,16 @@ impl Sandboxes {
         backend: Arc<dyn VmBackend>,
         store: SandboxStore,
         metrics: Arc<Metrics>,
+        cfg: LifecycleConfig,
     ) -> anyhow::Result<Arc<Self>> {
-        let stored = store.load_all()?;
+        let loaded = store.load_all(now_ms())?;
+        if loaded.migrated > 0 {
+            tracing::info!(
+                count = loaded.migrated,
+                "migrated sandbox records to version {RECORD_VERSION}"
+            );
+        }
+        let stored = loaded.records;
         let recovered: HashMap<String, VmState> = backend
             .recover()
             .await?
@@ -184,10 +259,49 @@ impl Sandboxes {
             backend,
             store,
             metrics,
+            cfg,
             records: Mutex::new(records),
             op_locks: Mutex::new(HashMap::new()),
             idempotency: Mutex::new(HashMap::new()),
+            expiring: Mutex::new(HashSet::new()),
         }))
+    }
+
+    /// Runs one runtime call under its deadline. A miss kills the VM (under the kill deadline) and
+    /// drops the sandbox's record: the sandbox ends gone, never half-running.
+    async fn within<T, E: Into<LifecycleError>>(
+        &self,
+        op: &'static str,
+        id: &str,
+        limit: Duration,
+        call: impl Future<Output = std::result::Result<T, E>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(limit, call).await {
+            Ok(r) => r.map_err(Into::into),
+            Err(_) => {
+                tracing::error!(sandbox = %id, op, deadline_s = limit.as_secs_f64(), "runtime call missed its deadline; killing the VM");
+                self.kill_wedged(id).await;
+                Err(LifecycleError::DeadlineExceeded {
+                    op,
+                    id: id.into(),
+                    secs: limit.as_secs_f64(),
+                })
+            }
+        }
+    }
+
+    /// Kills a VM that missed a deadline and forgets its sandbox.
+    async fn kill_wedged(&self, id: &str) {
+        match tokio::time::timeout(self.cfg.deadlines.kill, self.backend.kill(id)).await {
+            Ok(Ok(())) | Ok(Err(KillError::NotFound(_))) => {}
+            Ok(Err(e)) => tracing::error!(sandbox = %id, error = %e, "kill of a wedged VM failed"),
+            Err(_) => tracing::error!(sandbox = %id, "kill of a wedged VM missed its deadline too"),
+        }
+        if self.get(id).is_some()
+            && let Err(e) = self.drop_record(id)
+        {
+            tracing::error!(sandbox = %id, error = %e, "dropping the record of a wedged VM failed");
+        }
     }
 
     pub fn backend(&self) -> &Arc<dyn VmBackend> {
@@ -266,13 +380,19 @@ impl Sandboxes {
         let lock = self.op_lock(&id);
         let _guard = lock.lock().await;
         let t0 = Instant::now();
-        self.backend
-            .create(CreateSpec {
-                sandbox_id: id.clone(),
-                template_id: source.id.clone(),
-                env_vars: env_vars.clone(),
-            })
-            .await?;
+        let spec = CreateSpec {
+            sandbox_id: id.clone(),
+            template_id: source.id.clone(),
+            env_vars: env_vars.clone(),
+        };
+        self.within(
+            "create",
+            &id,
+            self.cfg.deadlines.create,
+            self.backend.create(spec),
+        )
+        .await?;
+        k3_common::crash::point("server:create:after-vm");
         self.metrics.observe_op("create", t0.elapsed());
         let now = now_ms();
         let auto_resume = req.auto_resume.as_ref().is_some_and(|v| {
@@ -297,6 +417,7 @@ impl Sandboxes {
             memory_mb: source.memory_mb,
             disk_mb: source.disk_mb,
             envd_version: ENVD_VERSION.to_string(),
+            paused_at_ms: None,
         };
         if let Err(e) = self.put(rec.clone()) {
             let _ = self.backend.kill(&id).await;
@@ -386,12 +507,26 @@ impl Sandboxes {
             return Err(LifecycleError::SandboxNotFound(id.into()));
         }
         let t0 = Instant::now();
-        if let Err(e) = self.backend.kill(id).await {
-            if self.backend.vm_state(id).is_some() {
-                return Err(e.into());
+        let limit = self.cfg.deadlines.kill;
+        match tokio::time::timeout(limit, self.backend.kill(id)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                if self.backend.vm_state(id).is_some() {
+                    return Err(e.into());
+                }
+                tracing::warn!(sandbox = %id, error = %e, "kill reported an error but the VM is gone");
             }
-            tracing::warn!(sandbox = %id, error = %e, "kill reported an error but the VM is gone");
+            // The record stays: the reaper or the next DELETE tries again.
+            Err(_) => {
+                tracing::error!(sandbox = %id, "kill missed its deadline");
+                return Err(LifecycleError::DeadlineExceeded {
+                    op: "kill",
+                    id: id.into(),
+                    secs: limit.as_secs_f64(),
+                });
+            }
         }
+        k3_common::crash::point("server:kill:after-vm");
         self.metrics.observe_op("kill", t0.elapsed());
         self.drop_record(id)?;
         tracing::info!(sandbox = %id, "killed sandbox");
@@ -424,9 +559,17 @@ impl Sandboxes {
             return Err(LifecycleError::AlreadyPaused(id.into()));
         }
         let t0 = Instant::now();
-        self.backend.pause(id).await?;
+        self.within(
+            "pause",
+            id,
+            self.cfg.deadlines.pause,
+            self.backend.pause(id),
+        )
+        .await?;
+        k3_common::crash::point("server:pause:after-vm");
         self.metrics.observe_op("pause", t0.elapsed());
         rec.state = SandboxState::Paused;
+        rec.paused_at_ms = Some(now_ms());
         self.put(rec)?;
         tracing::info!(sandbox = %id, "paused sandbox");
         Ok(())
@@ -445,9 +588,17 @@ impl Sandboxes {
         let resumed = rec.state == SandboxState::Paused;
         if resumed {
             let t0 = Instant::now();
-            self.backend.resume(id).await?;
+            self.within(
+                "resume",
+                id,
+                self.cfg.deadlines.resume,
+                self.backend.resume(id),
+            )
+            .await?;
+            k3_common::crash::point("server:resume:after-vm");
             self.metrics.observe_op("resume", t0.elapsed());
             rec.state = SandboxState::Running;
+            rec.paused_at_ms = None;
             rec.end_at_ms = until;
             tracing::info!(sandbox = %id, "resumed sandbox");
         } else {
@@ -505,7 +656,14 @@ impl Sandboxes {
             SnapshotMode::Filesystem
         };
         let t0 = Instant::now();
-        let info = self.backend.snapshot(id, &sid, &names, mode).await?;
+        let info = self
+            .within(
+                "snapshot",
+                id,
+                self.cfg.deadlines.snapshot,
+                self.backend.snapshot(id, &sid, &names, mode),
+            )
+            .await?;
         self.metrics.observe_op("snapshot", t0.elapsed());
         Ok(info)
     }
@@ -570,7 +728,25 @@ impl Sandboxes {
             .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
         let ids: Vec<String> = (0..count).map(|_| keys::generate_sandbox_id()).collect();
         let t0 = Instant::now();
-        let results = self.backend.fork(id, &ids).await?;
+        let results = match self
+            .within(
+                "fork",
+                id,
+                self.cfg.deadlines.fork,
+                self.backend.fork(id, &ids),
+            )
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                if matches!(e, LifecycleError::DeadlineExceeded { .. }) {
+                    for fid in &ids {
+                        self.kill_wedged(fid).await;
+                    }
+                }
+                return Err(e);
+            }
+        };
         self.metrics.observe_op("fork", t0.elapsed());
         let now = now_ms();
         let mut out = Vec::with_capacity(results.len());
@@ -583,6 +759,7 @@ impl Sandboxes {
                         end_at_ms: now + (timeout * 1000) as i64,
                         state: SandboxState::Running,
                         access_token: keys::generate_access_token(),
+                        paused_at_ms: None,
                         ..src.clone()
                     };
                     match self.put(rec.clone()) {
@@ -600,35 +777,65 @@ impl Sandboxes {
         Ok(out)
     }
 
-    /// Kills or pauses every sandbox whose `endAt` passed. Called periodically.
-    pub async fn expire_due(&self) {
-        let now = now_ms();
-        let due: Vec<SandboxRecord> = self
-            .records
-            .lock()
-            .expect("records")
-            .values()
-            .filter(|r| r.state == SandboxState::Running && r.end_at_ms <= now)
-            .cloned()
-            .collect();
-        for rec in due {
-            let id = rec.sandbox_id;
-            let res = if rec.auto_pause {
-                self.pause(&id).await
-            } else {
-                self.kill(&id).await
-            };
-            match res {
-                Ok(()) => {
-                    tracing::info!(sandbox = %id, auto_pause = rec.auto_pause, "sandbox timed out")
-                }
-                Err(
-                    LifecycleError::SandboxNotFound(_)
-                    | LifecycleError::AlreadyPaused(_)
-                    | LifecycleError::Paused(_),
-                ) => {}
-                Err(e) => tracing::error!(sandbox = %id, error = %e, "timing out sandbox failed"),
+    /// Starts expiring every due sandbox: running ones past `endAt` are paused (`autoPause`) or
+    /// killed, paused ones past the retention are killed. Each runs in its own task, so a wedged VM
+    /// delays no other. The reaper detaches the tasks; tests await them.
+    pub fn expire_due(self: &Arc<Self>) -> tokio::task::JoinSet<()> {
+        let due: Vec<(String, Expiry)> = {
+            let now = now_ms();
+            let recs = self.records.lock().expect("records");
+            recs.values()
+                .filter_map(|r| Some((r.sandbox_id.clone(), self.due(r, now)?)))
+                .collect()
+        };
+        let mut tasks = tokio::task::JoinSet::new();
+        for (id, what) in due {
+            if !self.expiring.lock().expect("expiring").insert(id.clone()) {
+                continue;
             }
+            let this = self.clone();
+            tasks.spawn(async move {
+                // Re-checked: a connect or a new timeout may have come in since.
+                let still_due = this
+                    .get(&id)
+                    .is_some_and(|r| this.due(&r, now_ms()).is_some());
+                let res = match what {
+                    _ if !still_due => Ok(()),
+                    Expiry::Pause => this.pause(&id).await,
+                    Expiry::Kill | Expiry::Retention => this.kill(&id).await,
+                };
+                match res {
+                    Ok(()) if still_due => {
+                        tracing::info!(sandbox = %id, action = ?what, "sandbox expired")
+                    }
+                    Ok(())
+                    | Err(
+                        LifecycleError::SandboxNotFound(_)
+                        | LifecycleError::AlreadyPaused(_)
+                        | LifecycleError::Paused(_),
+                    ) => {}
+                    Err(e) => tracing::error!(sandbox = %id, error = %e, "expiring sandbox failed"),
+                }
+                this.expiring.lock().expect("expiring").remove(&id);
+            });
+        }
+        tasks
+    }
+
+    fn due(&self, r: &SandboxRecord, now: i64) -> Option<Expiry> {
+        match r.state {
+            SandboxState::Running if r.end_at_ms <= now => Some(if r.auto_pause {
+                Expiry::Pause
+            } else {
+                Expiry::Kill
+            }),
+            SandboxState::Paused => {
+                let retention =
+                    i64::try_from(self.cfg.paused_retention.as_millis()).unwrap_or(i64::MAX);
+                let since = r.paused_at_ms.unwrap_or(r.end_at_ms);
+                (since.saturating_add(retention) <= now).then_some(Expiry::Retention)
+            }
+            SandboxState::Running => None,
         }
     }
 
@@ -640,7 +847,7 @@ impl Sandboxes {
             loop {
                 tick.tick().await;
                 let Some(s) = this.upgrade() else { return };
-                s.expire_due().await;
+                s.expire_due().detach_all();
             }
         })
     }

@@ -1,5 +1,7 @@
 //! Embedded state store: one JSON file per sandbox under `<state>/server/sandboxes/`, written
-//! atomically (temp file + rename), each record carrying a format version.
+//! atomically (temp file + rename, mode 0600, folder 0700), each record carrying a format version.
+//! Older versions are migrated on load; unreadable or newer records are moved to
+//! `<state>/server/quarantine/` and reported, never fatal and never deleted.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -8,8 +10,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::SandboxState;
 
-/// Version of [`SandboxRecord`]; bump on incompatible changes.
-pub const RECORD_VERSION: u32 = 1;
+/// Version of [`SandboxRecord`]; bump on changes, and migrate the older ones in [`migrate`].
+/// 2: `paused_at_ms`.
+pub const RECORD_VERSION: u32 = 2;
 
 /// Everything the server keeps about one sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -33,6 +36,40 @@ pub struct SandboxRecord {
     pub memory_mb: u32,
     pub disk_mb: u32,
     pub envd_version: String,
+    /// Unix milliseconds of the last pause (paused sandboxes expire after the retention).
+    #[serde(default)]
+    pub paused_at_ms: Option<i64>,
+}
+
+/// Brings a record of an older version to [`RECORD_VERSION`]; `None` for versions this build cannot read.
+fn migrate(mut rec: SandboxRecord, now_ms: i64) -> Option<SandboxRecord> {
+    match rec.version {
+        RECORD_VERSION => Some(rec),
+        1 => {
+            // v1 kept no pause time: the retention of a paused v1 sandbox counts from the migration.
+            rec.paused_at_ms = (rec.state == SandboxState::Paused).then_some(now_ms);
+            rec.version = RECORD_VERSION;
+            Some(rec)
+        }
+        _ => None,
+    }
+}
+
+/// A record file that could not be used, moved aside.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Quarantined {
+    /// Where the file is now.
+    pub path: PathBuf,
+    pub reason: String,
+}
+
+/// What [`SandboxStore::load_all`] found.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub records: Vec<SandboxRecord>,
+    /// Records migrated from an older version (and saved again).
+    pub migrated: usize,
+    pub quarantined: Vec<Quarantined>,
 }
 
 /// Store failures.
@@ -58,30 +95,33 @@ pub enum StoreError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path} is not a sandbox record: {source}")]
-    Parse {
+    #[error("moving {path} to quarantine: {source}")]
+    Quarantine {
         path: PathBuf,
-        source: serde_json::Error,
+        source: std::io::Error,
     },
-    #[error("{path} has record version {found}, this build reads {RECORD_VERSION}")]
-    Version { path: PathBuf, found: u32 },
 }
 
 /// The sandbox record directory.
 #[derive(Debug, Clone)]
 pub struct SandboxStore {
     dir: PathBuf,
+    quarantine: PathBuf,
 }
 
 impl SandboxStore {
-    /// Opens (creating) `<state_dir>/server/sandboxes`.
+    /// Opens (creating, mode 0700) `<state_dir>/server/sandboxes`.
     pub fn open(state_dir: &Path) -> Result<Self, StoreError> {
-        let dir = state_dir.join("server").join("sandboxes");
-        std::fs::create_dir_all(&dir).map_err(|source| StoreError::CreateDir {
+        let server = state_dir.join("server");
+        let dir = server.join("sandboxes");
+        k3_common::fsutil::create_private_dir(&dir).map_err(|source| StoreError::CreateDir {
             path: dir.clone(),
             source,
         })?;
-        Ok(SandboxStore { dir })
+        Ok(SandboxStore {
+            dir,
+            quarantine: server.join("quarantine"),
+        })
     }
 
     fn path(&self, id: &str) -> PathBuf {
@@ -104,13 +144,14 @@ impl SandboxStore {
         }
     }
 
-    /// Every stored record (temp files from interrupted writes are skipped).
-    pub fn load_all(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+    /// Every usable record, oldest first. Temp files of interrupted writes are skipped; older versions are
+    /// migrated and saved; unreadable and newer-version files are quarantined.
+    pub fn load_all(&self, now_ms: i64) -> Result<Loaded, StoreError> {
         let entries = std::fs::read_dir(&self.dir).map_err(|source| StoreError::Read {
             path: self.dir.clone(),
             source,
         })?;
-        let mut out = Vec::new();
+        let mut out = Loaded::default();
         for entry in entries {
             let entry = entry.map_err(|source| StoreError::Read {
                 path: self.dir.clone(),
@@ -120,29 +161,55 @@ impl SandboxStore {
             if path.extension().and_then(|e| e.to_str()) != Some("json") {
                 continue;
             }
-            let text = std::fs::read(&path).map_err(|source| StoreError::Read {
-                path: path.clone(),
-                source,
-            })?;
-            let rec: SandboxRecord =
-                serde_json::from_slice(&text).map_err(|source| StoreError::Parse {
-                    path: path.clone(),
-                    source,
-                })?;
-            if rec.version != RECORD_VERSION {
-                return Err(StoreError::Version {
-                    path,
-                    found: rec.version,
+            let parsed = std::fs::read(&path)
+                .map_err(|e| format!("unreadable: {e}"))
+                .and_then(|t| {
+                    serde_json::from_slice::<SandboxRecord>(&t)
+                        .map_err(|e| format!("not a sandbox record: {e}"))
                 });
+            let rec = match parsed {
+                Ok(rec) => rec,
+                Err(reason) => {
+                    out.quarantined.push(self.quarantine(&path, reason)?);
+                    continue;
+                }
+            };
+            let found = rec.version;
+            match migrate(rec, now_ms) {
+                Some(rec) if found != RECORD_VERSION => {
+                    self.save(&rec)?;
+                    out.migrated += 1;
+                    out.records.push(rec);
+                }
+                Some(rec) => out.records.push(rec),
+                None => {
+                    let reason =
+                        format!("record version {found}; this build reads 1..={RECORD_VERSION}");
+                    out.quarantined.push(self.quarantine(&path, reason)?);
+                }
             }
-            out.push(rec);
         }
-        out.sort_by(|a, b| {
+        out.records.sort_by(|a, b| {
             a.started_at_ms
                 .cmp(&b.started_at_ms)
                 .then(a.sandbox_id.cmp(&b.sandbox_id))
         });
         Ok(out)
+    }
+
+    fn quarantine(&self, path: &Path, reason: String) -> Result<Quarantined, StoreError> {
+        let fail = |source| StoreError::Quarantine {
+            path: path.to_path_buf(),
+            source,
+        };
+        k3_common::fsutil::create_private_dir(&self.quarantine).map_err(fail)?;
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let dest = self
+            .quarantine
+            .join(format!("{name}.{}", k3_common::time::now_unix_ms()));
+        std::fs::rename(path, &dest).map_err(fail)?;
+        tracing::error!(record = %path.display(), moved_to = %dest.display(), %reason, "quarantined a sandbox record");
+        Ok(Quarantined { path: dest, reason })
     }
 }
 
@@ -180,6 +247,7 @@ mod tests {
             memory_mb: 256,
             disk_mb: 512,
             envd_version: "0.5.7".into(),
+            paused_at_ms: None,
         }
     }
 
@@ -199,22 +267,74 @@ mod tests {
                 .cmp(&b.started_at_ms)
                 .then(a.sandbox_id.cmp(&b.sandbox_id))
         });
-        assert_eq!(reopened.load_all().unwrap(), recs);
+        let loaded = reopened.load_all(0).unwrap();
+        assert_eq!(loaded.records, recs);
+        assert!(loaded.quarantined.is_empty() && loaded.migrated == 0);
         reopened.remove(&recs[0].sandbox_id).unwrap();
         reopened.remove(&recs[0].sandbox_id).unwrap();
-        assert_eq!(reopened.load_all().unwrap().len(), recs.len() - 1);
+        assert_eq!(reopened.load_all(0).unwrap().records.len(), recs.len() - 1);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir.path().join("server/sandboxes")), 0o700);
+        let file = dir
+            .path()
+            .join(format!("server/sandboxes/{}.json", recs[1].sandbox_id));
+        assert_eq!(mode(&file), 0o600);
     }
 
     #[test]
-    fn rejects_other_versions_and_garbage() {
+    fn version_one_records_migrate_with_the_pause_time() {
         let dir = tempfile::tempdir().unwrap();
         let store = SandboxStore::open(dir.path()).unwrap();
         let mut rec = random_record(&mut rand::rng());
-        rec.version = RECORD_VERSION + 1;
-        store.save(&rec).unwrap();
-        assert!(matches!(store.load_all(), Err(StoreError::Version { .. })));
-        store.remove(&rec.sandbox_id).unwrap();
+        rec.state = SandboxState::Paused;
+        // A v1 file has no `paused_at_ms` at all.
+        let mut v1 = serde_json::to_value(&rec).unwrap();
+        v1["version"] = 1.into();
+        v1.as_object_mut().unwrap().remove("paused_at_ms");
+        let path = dir
+            .path()
+            .join(format!("server/sandboxes/{}.json", rec.sandbox_id));
+        std::fs::write(&path, serde_json::to_vec(&v1).unwrap()).unwrap();
+        let loaded = store.load_all(12345).unwrap();
+        assert_eq!(loaded.migrated, 1);
+        let got = &loaded.records[0];
+        assert_eq!(
+            (got.version, got.paused_at_ms),
+            (RECORD_VERSION, Some(12345))
+        );
+        // Saved back in the new version: a second load migrates nothing.
+        let again = store.load_all(99999).unwrap();
+        assert_eq!((again.migrated, &again.records[0]), (0, got));
+    }
+
+    #[test]
+    fn garbage_and_newer_versions_are_quarantined_not_fatal() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SandboxStore::open(dir.path()).unwrap();
+        let good = random_record(&mut rand::rng());
+        store.save(&good).unwrap();
+        let mut newer = random_record(&mut rand::rng());
+        newer.version = RECORD_VERSION + 1;
+        store.save(&newer).unwrap();
         std::fs::write(dir.path().join("server/sandboxes/bad.json"), b"{nope").unwrap();
-        assert!(matches!(store.load_all(), Err(StoreError::Parse { .. })));
+        let loaded = store.load_all(0).unwrap();
+        assert_eq!(loaded.records, vec![good]);
+        assert_eq!(loaded.quarantined.len(), 2);
+        for q in &loaded.quarantined {
+            assert!(
+                q.path.starts_with(dir.path().join("server/quarantine")),
+                "{q:?}"
+            );
+            assert!(q.path.is_file(), "{q:?} kept, not deleted");
+        }
+        assert!(
+            loaded
+                .quarantined
+                .iter()
+                .any(|q| q.reason.contains("version"))
+        );
+        // Nothing left to quarantine the second time.
+        assert!(store.load_all(0).unwrap().quarantined.is_empty());
     }
 }

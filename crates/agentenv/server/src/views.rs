@@ -211,6 +211,7 @@ mod tests {
             memory_mb: 1,
             disk_mb: 1,
             envd_version: "0.5.7".into(),
+            paused_at_ms: None,
         }
     }
 

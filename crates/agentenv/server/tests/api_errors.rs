@@ -129,5 +129,34 @@ async fn auth_and_bad_input_answer_json_errors() {
         ),
         "{text}"
     );
+
+    // The router's and the extractors' own rejections are E2B JSON too.
+    let key_only = [("X-API-KEY", key.as_str())];
+    let r = api
+        .raw(Method::PUT, "/v2/sandboxes", &key_only, vec![])
+        .await;
+    assert_error(&r, StatusCode::METHOD_NOT_ALLOWED);
+    assert!(r.headers.contains_key("allow"), "{:?}", r.headers);
+    assert_error(
+        &api.raw(Method::GET, "/sandboxes/%FF%FE", &key_only, vec![])
+            .await,
+        StatusCode::BAD_REQUEST,
+    );
+    assert_error(
+        &api.raw(Method::GET, "/no/such/route", &key_only, vec![])
+            .await,
+        StatusCode::NOT_FOUND,
+    );
+    let text_plain = [("X-API-KEY", key.as_str()), ("Content-Type", "text/plain")];
+    assert_error(
+        &api.raw(
+            Method::POST,
+            "/v2/sandboxes",
+            &text_plain,
+            br#"{"templateID": "base"}"#.to_vec(),
+        )
+        .await,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+    );
     server.stop();
 }

@@ -102,6 +102,30 @@ pub fn qemu_pids_under(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
+/// Every file and folder under `dir` is private to its owner (no group or other bits).
+pub fn assert_private(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut stack = vec![dir.to_path_buf()];
+    let mut seen = 0;
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let Ok(meta) = std::fs::symlink_metadata(e.path()) else {
+                continue;
+            };
+            if meta.file_type().is_symlink() {
+                continue;
+            }
+            let mode = meta.permissions().mode() & 0o777;
+            assert_eq!(mode & 0o077, 0, "{} has mode {mode:o}", e.path().display());
+            seen += 1;
+            if meta.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    assert!(seen > 3, "only {seen} entries under {}", dir.display());
+}
+
 /// A runtime on `dir` with the default template installed (built once, then reused from the cache).
 pub async fn runtime(dir: &Path) -> Runtime {
     let mut cfg = RuntimeConfig::new(dir);

@@ -370,6 +370,7 @@ async fn main() -> anyhow::Result<()> {
             state_dir: state.path().to_path_buf(),
             api_key: api_key.clone(),
             max_upload_bytes: 1 << 30,
+            lifecycle: Default::default(),
         },
     )
     .await?;

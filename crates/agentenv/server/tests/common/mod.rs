@@ -70,6 +70,7 @@ impl TestServer {
                 state_dir: state_dir.to_path_buf(),
                 api_key: api_key.clone(),
                 max_upload_bytes: 1 << 20,
+                lifecycle: Default::default(),
             },
         )
         .await
@@ -133,6 +134,48 @@ impl Resp {
 }
 
 impl Api {
+    /// A client of the server at `base` (e.g. `http://127.0.0.1:3000`) with API key `key`.
+    pub fn new(base: String, key: String) -> Api {
+        Api {
+            base,
+            key,
+            http: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
+    /// Like [`Self::call`], but a failed connection (a server that died mid-request) is an `Err`.
+    pub async fn try_call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Resp, String> {
+        let bytes = body
+            .map(|v| serde_json::to_vec(&v).unwrap())
+            .unwrap_or_default();
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base))
+            .header("X-API-KEY", &self.key)
+            .header("Content-Type", "application/json")
+            .body(Full::new(Bytes::from(bytes)))
+            .unwrap();
+        let resp = self.http.request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok(Resp {
+            status,
+            headers,
+            body,
+        })
+    }
+
     /// Sends only the head of a request that declares a `declared_len`-byte body and reads the answer.
     /// The server refuses oversized bodies from `Content-Length` alone; sending the body too would race
     /// its early close (the client sees EPIPE instead of the answer).

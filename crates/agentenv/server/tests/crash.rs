@@ -1,0 +1,380 @@
+//! Crash consistency: the real server process is SIGKILLed at each step of create, pause, resume,
+//! snapshot, fork and kill (crash points, `K3_CRASH_AT`, debug builds), then restarted. Afterwards
+//! every sandbox is running and answers commands, or paused, or gone; no QEMU is left that no running
+//! sandbox owns; nothing half-written is listed; and a snapshot taken before all this still restores.
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Api;
+use hyper::{Method, StatusCode};
+use serde_json::{Value, json};
+
+struct Server {
+    child: Child,
+    api: Api,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `agentenv serve` on `dir`, dying at `crash_at` when it is given.
+async fn start(dir: &Path, crash_at: Option<&str>) -> Server {
+    let port = free_port();
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("server.log"))
+        .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_agentenv"));
+    cmd.args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .arg("--state-dir")
+        .arg(dir)
+        .args([
+            "--accel",
+            &std::env::var("AGENTENV_ACCEL").unwrap_or_else(|_| "auto".into()),
+        ])
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .stdin(Stdio::null());
+    match crash_at {
+        Some(p) => cmd.env(k3_common::crash::CRASH_AT, p),
+        None => cmd.env_remove(k3_common::crash::CRASH_AT),
+    };
+    let mut child = cmd.spawn().expect("spawning agentenv");
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "agentenv exited early:\n{}",
+            log_tail(dir)
+        );
+        let probe = Api::new(base.clone(), String::new());
+        if let Ok(r) = probe.try_call(Method::GET, "/health", None).await
+            && r.status == StatusCode::NO_CONTENT
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not ready:\n{}", log_tail(dir));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let key = std::fs::read_to_string(dir.join("server/api_key")).unwrap();
+    Server {
+        child,
+        api: Api::new(base, key.trim().to_string()),
+    }
+}
+
+fn log_tail(dir: &Path) -> String {
+    let text = std::fs::read_to_string(dir.join("server.log")).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+impl Server {
+    /// The request that reaches the crash point: the server must die without answering.
+    async fn crash_on(mut self, method: Method, path: &str, body: Option<Value>, point: &str) {
+        let r = self.api.try_call(method, path, body).await;
+        let status = tokio::task::spawn_blocking(move || self.child.wait().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGKILL),
+            "{point}: {:?}",
+            r.as_ref().map(|r| r.status)
+        );
+        assert!(r.is_err(), "{point}: answered {:?}", r.map(|r| r.status));
+    }
+
+    fn stop(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Checks the invariants after a restart; returns the sandboxes by state.
+async fn check_consistent(api: &Api, dir: &Path, point: &str) -> (Vec<Value>, Vec<Value>) {
+    let list = api.call(Method::GET, "/v2/sandboxes", None).await.json();
+    let list = list.as_array().cloned().unwrap_or_default();
+    let (running, paused): (Vec<Value>, Vec<Value>) =
+        list.into_iter().partition(|s| s["state"] == "running");
+    for s in &running {
+        let id = s["sandboxID"].as_str().unwrap();
+        let token = api
+            .call(Method::GET, &format!("/sandboxes/{id}"), None)
+            .await
+            .json()["envdAccessToken"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let (out, code) = api.run(id, &token, "echo ok").await.unwrap_or_else(|e| {
+            panic!(
+                "{point}: running sandbox {id} does not answer: {e}\n{}",
+                log_tail(dir)
+            )
+        });
+        assert_eq!((out.as_str(), code), ("ok\n", 0), "{point}: {id}");
+    }
+    for s in &paused {
+        assert_eq!(s["state"], "paused", "{point}: {s}");
+    }
+    // One QEMU per running sandbox, none for paused or gone ones (orphans are SIGKILLed at start).
+    let mut qemus = qemu_pids_under(dir);
+    for _ in 0..50 {
+        if qemus.len() == running.len() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        qemus = qemu_pids_under(dir);
+    }
+    assert_eq!(
+        qemus.len(),
+        running.len(),
+        "{point}: QEMU pids {qemus:?} for running {running:?}"
+    );
+    // Nothing half-written is listed: only the snapshot names this test gave and finished.
+    let snaps = api.call(Method::GET, "/snapshots", None).await.json();
+    for s in snaps.as_array().unwrap() {
+        let names: Vec<&str> = s["names"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        assert!(
+            names.iter().all(|n| n.starts_with("keep")),
+            "{point}: listed {s}"
+        );
+    }
+    (running, paused)
+}
+
+fn qemu_pids_under(dir: &Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = stat
+                .rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'));
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd);
+            !zombie && cmd.contains("qemu-system") && cmd.contains(&needle)
+        })
+        .collect()
+}
+
+/// A crash point, the request that reaches it, and the state of the sandbox after the restart.
+type Step = (
+    &'static str,
+    Method,
+    String,
+    Option<Value>,
+    Option<&'static str>,
+);
+
+fn sandbox_path(id: &str, op: &str) -> String {
+    format!("/sandboxes/{id}/{op}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_at_every_step_leaves_a_consistent_state() {
+    if !cfg!(debug_assertions) {
+        eprintln!("skipped: crash points exist in debug builds only");
+        return;
+    }
+    common::ensure_guest_binary();
+    let dir = common::state_dir();
+    let dir = dir.path();
+    let s = start(dir, None).await;
+    let created = s
+        .api
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "base"})),
+        )
+        .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{:?}", created.json());
+    let a = created.json()["sandboxID"].as_str().unwrap().to_string();
+    let token = created.json()["envdAccessToken"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let secret = format!("{:x}", rand::random::<u64>());
+    s.api
+        .run(
+            &a,
+            &token,
+            &format!("echo {secret} > /home/user/keep; sync"),
+        )
+        .await
+        .unwrap();
+    let snap = s
+        .api
+        .call(
+            Method::POST,
+            &sandbox_path(&a, "snapshots"),
+            Some(json!({"name": "keep"})),
+        )
+        .await;
+    assert_eq!(snap.status, StatusCode::CREATED, "{:?}", snap.json());
+    s.stop();
+
+    // (crash point, request, what sandbox A is afterwards: running, paused, or gone)
+    let steps: Vec<Step> = vec![
+        (
+            "server:create:after-vm",
+            Method::POST,
+            "/v2/sandboxes".into(),
+            Some(json!({"templateID": "base"})),
+            Some("running"),
+        ),
+        (
+            "server:pause:after-vm",
+            Method::POST,
+            sandbox_path(&a, "pause"),
+            None,
+            Some("paused"),
+        ),
+        (
+            "server:resume:after-vm",
+            Method::POST,
+            sandbox_path(&a, "connect"),
+            Some(json!({"timeout": 300})),
+            Some("running"),
+        ),
+        (
+            "runtime:pause:after-save",
+            Method::POST,
+            sandbox_path(&a, "pause"),
+            None,
+            Some("running"),
+        ),
+        (
+            "runtime:pause:before-record",
+            Method::POST,
+            sandbox_path(&a, "pause"),
+            None,
+            Some("running"),
+        ),
+        (
+            "runtime:snapshot:during-capture",
+            Method::POST,
+            sandbox_path(&a, "snapshots"),
+            Some(json!({"name": "half1"})),
+            Some("running"),
+        ),
+        (
+            "runtime:snapshot:before-rename",
+            Method::POST,
+            sandbox_path(&a, "snapshots"),
+            Some(json!({"name": "half2"})),
+            Some("running"),
+        ),
+        (
+            "runtime:fork:after-capture",
+            Method::POST,
+            sandbox_path(&a, "fork"),
+            Some(json!({"count": 2})),
+            Some("running"),
+        ),
+        (
+            "server:kill:after-vm",
+            Method::DELETE,
+            format!("/sandboxes/{a}"),
+            None,
+            None,
+        ),
+    ];
+    for (point, method, path, body, after) in steps {
+        let s = start(dir, Some(point)).await;
+        if point == "server:resume:after-vm" {
+            let r = s
+                .api
+                .call(Method::POST, &sandbox_path(&a, "pause"), None)
+                .await;
+            assert_eq!(
+                r.status,
+                StatusCode::NO_CONTENT,
+                "{point}: pause {:?}",
+                r.json()
+            );
+        }
+        s.crash_on(method, &path, body, point).await;
+        let s = start(dir, None).await;
+        let (running, paused) = check_consistent(&s.api, dir, point).await;
+        let state_of_a = running
+            .iter()
+            .map(|v| (v, "running"))
+            .chain(paused.iter().map(|v| (v, "paused")))
+            .find(|(v, _)| v["sandboxID"] == a.as_str())
+            .map(|(_, st)| st);
+        assert_eq!(state_of_a, after, "{point}: sandbox {a}\n{}", log_tail(dir));
+        // A sandbox the crashed create left behind is gone (it never got a record).
+        assert_eq!(
+            running.len() + paused.len(),
+            usize::from(after.is_some()),
+            "{point}: {running:?} {paused:?}"
+        );
+        if after == Some("paused") {
+            let r = s
+                .api
+                .call(
+                    Method::POST,
+                    &sandbox_path(&a, "connect"),
+                    Some(json!({"timeout": 300})),
+                )
+                .await;
+            assert_eq!(
+                r.status,
+                StatusCode::CREATED,
+                "{point}: resume {:?}",
+                r.json()
+            );
+        }
+        s.stop();
+    }
+
+    // The snapshot taken before every crash still restores, with the file written before it.
+    let s = start(dir, None).await;
+    let from_snap = s
+        .api
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": "keep"})),
+        )
+        .await;
+    assert_eq!(
+        from_snap.status,
+        StatusCode::CREATED,
+        "{:?}",
+        from_snap.json()
+    );
+    let v = from_snap.json();
+    let (id, token) = (
+        v["sandboxID"].as_str().unwrap(),
+        v["envdAccessToken"].as_str().unwrap(),
+    );
+    let (out, _) = s.api.run(id, token, "cat /home/user/keep").await.unwrap();
+    assert_eq!(out.trim(), secret);
+    s.api
+        .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
+        .await;
+    s.stop();
+    assert!(qemu_pids_under(dir).is_empty(), "QEMU left after the test");
+}
