@@ -29,6 +29,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub api_key: Arc<str>,
     pub max_upload_bytes: u64,
+    /// The key's request budget (`None`: unlimited).
+    pub limiter: Option<Arc<crate::ratelimit::Bucket>>,
 }
 
 /// What [`AppState::open`] needs.
@@ -37,6 +39,8 @@ pub struct ServerConfig {
     pub api_key: String,
     pub max_upload_bytes: u64,
     pub lifecycle: LifecycleConfig,
+    /// Control-plane requests of the key (`None`: unlimited).
+    pub rate_limit: Option<crate::ratelimit::RateLimit>,
 }
 
 impl AppState {
@@ -51,6 +55,9 @@ impl AppState {
             metrics,
             api_key: cfg.api_key.into(),
             max_upload_bytes: cfg.max_upload_bytes,
+            limiter: cfg
+                .rate_limit
+                .map(|l| Arc::new(crate::ratelimit::Bucket::new(l))),
         })
     }
 }
@@ -83,7 +90,7 @@ fn control_router() -> Router<AppState> {
             "/templates",
             get(routes::list_templates).post(routes::build_template),
         )
-        .route("/v2/templates", get(routes::list_templates))
+        .route("/v2/templates", get(routes::list_templates_v2))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(routes::openapi_json))
@@ -147,7 +154,19 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
     }
     let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
     match key {
-        Some(k) if crate::keys::secret_eq(k, &state.api_key) => next.run(req).await,
+        Some(k) if crate::keys::secret_eq(k, &state.api_key) => {
+            if let Some(Err(wait)) = state.limiter.as_ref().map(|b| b.take()) {
+                return ApiError::new(
+                    axum::http::StatusCode::TOO_MANY_REQUESTS,
+                    format!(
+                        "rate limit exceeded: retry in {} ms",
+                        wait.as_millis().max(1)
+                    ),
+                )
+                .into_response();
+            }
+            next.run(req).await
+        }
         Some(_) => ApiError::unauthorized("Invalid API key").into_response(),
         None => ApiError::unauthorized("Missing X-API-KEY header").into_response(),
     }

@@ -56,6 +56,7 @@ impl From<LifecycleError> for ApiError {
             L::Invalid(_) => StatusCode::BAD_REQUEST,
             L::Runtime(_) | L::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
             L::DeadlineExceeded { .. } => StatusCode::GATEWAY_TIMEOUT,
+            L::QuotaExceeded(_) => StatusCode::TOO_MANY_REQUESTS,
         };
         ApiError::new(status, e.to_string())
     }

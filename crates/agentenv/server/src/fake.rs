@@ -575,4 +575,57 @@ mod fake_tests {
                 == 1
         );
     }
+
+    #[tokio::test]
+    async fn quotas_answer_429_and_hold_under_concurrency() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let max_running = rand::random_range(2..6usize);
+        let cfg = LifecycleConfig {
+            quota: Quota {
+                max_running: Some(max_running),
+                max_paused: Some(1),
+                max_memory_mb: None,
+            },
+            ..Default::default()
+        };
+        let s = open_with(dir.path(), fake.clone(), cfg).await;
+        // Twice as many concurrent creates as the quota allows: exactly `max_running` succeed.
+        let results = futures_util::future::join_all(
+            (0..2 * max_running).map(|_| s.create(req("base"), None)),
+        )
+        .await;
+        let ok: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+        assert_eq!(ok.len(), max_running);
+        for r in results.iter().filter_map(|r| r.as_ref().err()) {
+            assert!(matches!(r, LifecycleError::QuotaExceeded(_)), "{r:?}");
+            let api = crate::error::ApiError::from(r.clone());
+            assert_eq!(api.status, axum::http::StatusCode::TOO_MANY_REQUESTS);
+        }
+        assert_eq!(
+            fake.vms.lock().unwrap().len(),
+            max_running,
+            "no VM beyond the quota"
+        );
+        // Forks count as running sandboxes too.
+        let src = ok[0].sandbox_id.clone();
+        assert!(matches!(
+            s.fork(&src, Some(1), None).await,
+            Err(LifecycleError::QuotaExceeded(_))
+        ));
+        // One paused is allowed, a second is not; resuming needs a running slot.
+        s.pause(&ok[0].sandbox_id).await.unwrap();
+        assert!(matches!(
+            s.pause(&ok[1].sandbox_id).await,
+            Err(LifecycleError::QuotaExceeded(_))
+        ));
+        let fresh = s.create(req("base"), None).await.unwrap();
+        assert!(matches!(
+            s.connect(&ok[0].sandbox_id, None).await,
+            Err(LifecycleError::QuotaExceeded(_))
+        ));
+        s.kill(&fresh.sandbox_id).await.unwrap();
+        let (_, resumed) = s.connect(&ok[0].sandbox_id, None).await.unwrap();
+        assert!(resumed);
+    }
 }

@@ -22,6 +22,7 @@ pub mod keys;
 pub mod metrics;
 pub mod model;
 pub mod openapi;
+pub mod ratelimit;
 pub mod routes;
 pub mod runtime_backend;
 pub mod sandboxes;

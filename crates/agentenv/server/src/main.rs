@@ -56,6 +56,18 @@ struct ServeArgs {
     #[arg(long, default_value_t = DEFAULT_MAX_UPLOAD_BYTES)]
     max_upload_bytes: u64,
     /// Folder for guest RAM files (e.g. /dev/shm: faster, lost on reboot).
+    /// Most running sandboxes at once (429 beyond).
+    #[arg(long)]
+    max_running: Option<usize>,
+    /// Most paused sandboxes at once (429 beyond; auto-pause then kills).
+    #[arg(long)]
+    max_paused: Option<usize>,
+    /// Most memory of running sandboxes together, MiB (429 beyond).
+    #[arg(long)]
+    max_memory_mb: Option<u64>,
+    /// Control-plane requests per second of the API key (0: unlimited); bursts of twice as many.
+    #[arg(long, default_value_t = agentenv_server::ratelimit::DEFAULT_RATE_LIMIT.per_second)]
+    rate_limit: f64,
     /// Paused sandboxes are deleted this many seconds after they were paused.
     #[arg(long, default_value_t = agentenv_server::sandboxes::DEFAULT_PAUSED_RETENTION.as_secs())]
     paused_retention_s: u64,
@@ -131,8 +143,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_upload_bytes: args.max_upload_bytes,
             lifecycle: agentenv_server::sandboxes::LifecycleConfig {
                 paused_retention: std::time::Duration::from_secs(args.paused_retention_s),
+                quota: agentenv_server::sandboxes::Quota {
+                    max_running: args.max_running,
+                    max_paused: args.max_paused,
+                    max_memory_mb: args.max_memory_mb,
+                },
                 ..Default::default()
             },
+            rate_limit: (args.rate_limit > 0.0).then_some(agentenv_server::ratelimit::RateLimit {
+                per_second: args.rate_limit,
+                burst: 2.0 * args.rate_limit,
+            }),
         },
     )
     .await?;

@@ -243,6 +243,14 @@ pub async fn list_templates(State(s): State<AppState>) -> Json<Vec<TemplateView>
     )
 }
 
+/// Templates this server can create sandboxes from (the v2 path of newer SDKs; same answer).
+#[utoipa::path(get, path = "/v2/templates", tag = "templates",
+    responses((status = 200, body = Vec<TemplateView>), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn list_templates_v2(s: State<AppState>) -> Json<Vec<TemplateView>> {
+    list_templates(s).await
+}
+
 /// Build a template through the runtime (minutes; returns when it is ready).
 #[utoipa::path(post, path = "/templates", tag = "templates", request_body = BuildTemplateRequest,
     responses((status = 201, body = TemplateView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)),

@@ -54,12 +54,22 @@ impl Default for Deadlines {
     }
 }
 
+/// Limits on what the key may hold at once (`None`: no limit). Exceeding one answers 429.
+#[derive(Debug, Clone, Default)]
+pub struct Quota {
+    pub max_running: Option<usize>,
+    pub max_paused: Option<usize>,
+    /// Total memory of running sandboxes, MiB.
+    pub max_memory_mb: Option<u64>,
+}
+
 /// Lifecycle settings.
 #[derive(Debug, Clone)]
 pub struct LifecycleConfig {
     pub deadlines: Deadlines,
     /// A paused sandbox is deleted this long after it was paused.
     pub paused_retention: Duration,
+    pub quota: Quota,
 }
 
 /// Default retention of paused sandboxes: 30 days.
@@ -70,6 +80,7 @@ impl Default for LifecycleConfig {
         LifecycleConfig {
             deadlines: Deadlines::default(),
             paused_retention: DEFAULT_PAUSED_RETENTION,
+            quota: Quota::default(),
         }
     }
 }
@@ -97,6 +108,9 @@ pub enum LifecycleError {
     Runtime(String),
     #[error("state store failure: {0}")]
     Store(String),
+    /// The operation would take the key over one of its quotas.
+    #[error("quota exceeded: {0}")]
+    QuotaExceeded(String),
     /// A runtime call missed its deadline; the VM was killed and the sandbox is gone.
     #[error("{op} of sandbox {id} missed its {secs:.0} s deadline; the VM was killed")]
     DeadlineExceeded {
@@ -189,6 +203,31 @@ pub struct Sandboxes {
     idempotency: Mutex<HashMap<String, (Instant, String)>>,
     /// Sandboxes the reaper is expiring now (each in its own task).
     expiring: Mutex<HashSet<String>>,
+    /// Running sandboxes and memory (MiB) that operations in flight will add.
+    reserved: Arc<Mutex<Usage>>,
+}
+
+/// Running and paused sandboxes, and the memory of the running ones (MiB).
+#[derive(Debug, Clone, Copy, Default)]
+struct Usage {
+    running: usize,
+    paused: usize,
+    memory_mb: u64,
+}
+
+/// Quota held for an operation in flight; released when dropped (the records count from then on).
+struct Reservation {
+    held: Usage,
+    pool: Arc<Mutex<Usage>>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut r = self.pool.lock().expect("reservations");
+        r.running -= self.held.running;
+        r.paused -= self.held.paused;
+        r.memory_mb -= self.held.memory_mb;
+    }
 }
 
 /// What the reaper does to a due sandbox.
@@ -264,7 +303,63 @@ impl Sandboxes {
             op_locks: Mutex::new(HashMap::new()),
             idempotency: Mutex::new(HashMap::new()),
             expiring: Mutex::new(HashSet::new()),
+            reserved: Arc::new(Mutex::new(Usage::default())),
         }))
+    }
+
+    /// Reserves `add` against the quota: records plus operations in flight plus `add` must fit.
+    fn reserve(&self, add: Usage) -> Result<Reservation> {
+        let q = &self.cfg.quota;
+        let records = self.records.lock().expect("records");
+        let mut used = Usage::default();
+        for r in records.values() {
+            match r.state {
+                SandboxState::Running => {
+                    used.running += 1;
+                    used.memory_mb += u64::from(r.memory_mb);
+                }
+                SandboxState::Paused => used.paused += 1,
+            }
+        }
+        let mut reserved = self.reserved.lock().expect("reservations");
+        let over = |what: &str, used: u64, add: u64, max: Option<u64>| match max {
+            Some(max) if add > 0 && used + add > max => Some(format!(
+                "{what}: {used} in use, {add} more asked, the limit is {max}"
+            )),
+            _ => None,
+        };
+        let why = over(
+            "running sandboxes",
+            (used.running + reserved.running) as u64,
+            add.running as u64,
+            q.max_running.map(|m| m as u64),
+        )
+        .or_else(|| {
+            over(
+                "paused sandboxes",
+                (used.paused + reserved.paused) as u64,
+                add.paused as u64,
+                q.max_paused.map(|m| m as u64),
+            )
+        })
+        .or_else(|| {
+            over(
+                "memory of running sandboxes (MiB)",
+                used.memory_mb + reserved.memory_mb,
+                add.memory_mb,
+                q.max_memory_mb,
+            )
+        });
+        if let Some(why) = why {
+            return Err(LifecycleError::QuotaExceeded(why));
+        }
+        reserved.running += add.running;
+        reserved.paused += add.paused;
+        reserved.memory_mb += add.memory_mb;
+        Ok(Reservation {
+            held: add,
+            pool: self.reserved.clone(),
+        })
     }
 
     /// Runs one runtime call under its deadline. A miss kills the VM (under the kill deadline) and
@@ -375,6 +470,11 @@ impl Sandboxes {
         }
         let timeout = checked_timeout(req.timeout)?;
         let source = self.resolve_source(&req.template_id)?;
+        let _quota = self.reserve(Usage {
+            running: 1,
+            paused: 0,
+            memory_mb: u64::from(source.memory_mb),
+        })?;
         let id = keys::generate_sandbox_id();
         let env_vars = req.env_vars.unwrap_or_default();
         let lock = self.op_lock(&id);
@@ -558,6 +658,11 @@ impl Sandboxes {
         if rec.state == SandboxState::Paused {
             return Err(LifecycleError::AlreadyPaused(id.into()));
         }
+        let _quota = self.reserve(Usage {
+            running: 0,
+            paused: 1,
+            memory_mb: 0,
+        })?;
         let t0 = Instant::now();
         self.within(
             "pause",
@@ -587,6 +692,12 @@ impl Sandboxes {
         let until = now_ms() + (timeout * 1000) as i64;
         let resumed = rec.state == SandboxState::Paused;
         if resumed {
+            // The paused one stops counting once it runs; until then it holds its place.
+            let _quota = self.reserve(Usage {
+                running: 1,
+                paused: 0,
+                memory_mb: u64::from(rec.memory_mb),
+            })?;
             let t0 = Instant::now();
             self.within(
                 "resume",
@@ -726,6 +837,11 @@ impl Sandboxes {
         let src = self
             .get(id)
             .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
+        let _quota = self.reserve(Usage {
+            running: count as usize,
+            paused: 0,
+            memory_mb: u64::from(count) * u64::from(src.memory_mb),
+        })?;
         let ids: Vec<String> = (0..count).map(|_| keys::generate_sandbox_id()).collect();
         let t0 = Instant::now();
         let results = match self
@@ -801,7 +917,13 @@ impl Sandboxes {
                     .is_some_and(|r| this.due(&r, now_ms()).is_some());
                 let res = match what {
                     _ if !still_due => Ok(()),
-                    Expiry::Pause => this.pause(&id).await,
+                    Expiry::Pause => match this.pause(&id).await {
+                        Err(LifecycleError::QuotaExceeded(why)) => {
+                            tracing::warn!(sandbox = %id, %why, "auto-pause over the paused quota: killing instead");
+                            this.kill(&id).await
+                        }
+                        r => r,
+                    },
                     Expiry::Kill | Expiry::Retention => this.kill(&id).await,
                 };
                 match res {

@@ -371,6 +371,7 @@ async fn main() -> anyhow::Result<()> {
             api_key: api_key.clone(),
             max_upload_bytes: 1 << 30,
             lifecycle: Default::default(),
+            rate_limit: None,
         },
     )
     .await?;

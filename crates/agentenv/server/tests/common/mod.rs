@@ -71,6 +71,7 @@ impl TestServer {
                 api_key: api_key.clone(),
                 max_upload_bytes: 1 << 20,
                 lifecycle: Default::default(),
+                rate_limit: None,
             },
         )
         .await
