@@ -161,7 +161,9 @@ def test_snapshots_are_incremental_chunks(server):
     try:
         first = src.create_snapshot()
         new1, data1 = _stored(server, first.snapshot_id, src.sandbox_id)
-        assert new1 > 1 << 20 and data1 >= new1
+        # Chunks are shared across sandboxes: earlier snapshots of the same template may already hold
+        # most of this one's, so only its data size is bounded from below.
+        assert data1 > 1 << 20 and data1 >= new1
         src.commands.run("head -c 1048576 /dev/urandom > /home/user/blob.bin && sync")
         second = src.create_snapshot()
         new2, data2 = _stored(server, second.snapshot_id, src.sandbox_id)
