@@ -44,16 +44,7 @@ extern "C" __global__ void __launch_bounds__(128) kda_fwd_pipe_w4(const KdaParam
   const int n = static_cast<int>(bid / (SLICES * (long long)H));
 
   long long bos, len;
-  if (p.cu_seqlens != nullptr) {
-    long long a = p.cu_seqlens[n], e = p.cu_seqlens[n + 1];
-    a = a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
-    e = e < a ? a : (e > p.total_tokens ? p.total_tokens : e);
-    bos = a;
-    len = e - a;
-  } else {
-    bos = (long long)n * p.seq_len;
-    len = p.seq_len;
-  }
+  seq_range(p, n, bos, len);
   const int v0 = slice * VS;
   const int vw = v0 + warp * 16;
   const long long hs = (long long)H * KD;
@@ -74,22 +65,8 @@ extern "C" __global__ void __launch_bounds__(128) kda_fwd_pipe_w4(const KdaParam
   };
   auto prefetch = [&](int c) {
     const int st = c % 3;
-    const long long t0 = bos + (long long)c * CH;
-    const int nv = nvalid(c);
-    for (int i = tid; i < 3 * 256; i += NT) {
-      const int which = i >> 8, r = (i >> 4) & 15, cc = i & 15;
-      const bf16* src = which == 0 ? p.q : (which == 1 ? p.k : p.g);
-      bf16* dst = which == 0 ? &sm.q[st][r][cc * 8] : (which == 1 ? &sm.k[st][r][cc * 8] : &sm.g[st][r][cc * 8]);
-      const bool ok = r < nv;
-      cp_async16(dst, ok ? src + (t0 + r) * hs + hoff + cc * 8 : src, ok ? 16 : 0);
-    }
-    constexpr int VCH = VS / 8;
-    for (int i = tid; i < CH * VCH; i += NT) {
-      const int r = i / VCH, cc = i % VCH;
-      const bool ok = r < nv;
-      cp_async16(&sm.v[st][r][cc * 8], ok ? p.v + (t0 + r) * hs + hoff + v0 + cc * 8 : p.v, ok ? 16 : 0);
-    }
-    cp_async_commit();
+    prefetch_chunk<NT, VS>(sm.q[st], sm.k[st], sm.g[st], sm.v[st], p, bos + (long long)c * CH, nvalid(c), hs, hoff,
+                           v0, tid);
   };
   auto load_beta = [&](int c) -> float {
     const long long rem = len - (long long)c * CH;
@@ -100,62 +77,16 @@ extern "C" __global__ void __launch_bounds__(128) kda_fwd_pipe_w4(const KdaParam
   // prep, part 1 (chunk c): row norms, sigmoid(beta) into b[c&1], gate cumsum into G
   auto prep1 = [&](int c, float beta_raw, float (&G)[CH]) {
     const int st = c % 3, nv = nvalid(c);
-    constexpr int RPW = 2 * CH / NW;
-    float ss[RPW];
-#pragma unroll
-    for (int rr = 0; rr < RPW; ++rr) {
-      const int r = warp + rr * NW;
-      const bf16* row = r < CH ? &sm.q[st][r][0] : &sm.k[st][r - CH][0];
-      const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      float x = a.x * a.x;
-      x = fmaf(a.y, a.y, x);
-      x = fmaf(b2.x, b2.x, x);
-      ss[rr] = fmaf(b2.y, b2.y, x);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-      for (int rr = 0; rr < RPW; ++rr) ss[rr] += __shfl_xor_sync(0xffffffffu, ss[rr], o);
-    if (lane == 0) {
-#pragma unroll
-      for (int rr = 0; rr < RPW; ++rr) {
-        const int r = warp + rr * NW;
-        const float rn = rsqrtf(ss[rr] + 1e-6f);
-        if (r < CH) sm.rnq[r] = rn; else sm.rnk[r - CH] = rn;
-      }
-    }
+    row_norms<NW>([&](int r) { return r < CH ? &sm.q[st][r][0] : &sm.k[st][r - CH][0]; },
+                  [&](int r, float rn) { if (r < CH) sm.rnq[r] = rn; else sm.rnk[r - CH] = rn; }, warp, lane);
     if (tid < CH) sm.b[c & 1][tid] = tid < nv ? sigmoidf_(beta_raw) : 0.f;
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const float y = exp_a * (__bfloat162float(sm.g[st][i][tid]) + dtb);
-      const float gam = lb2 * sigmoidf_(y);
-      acc += i < nv ? gam : 0.f;
-      G[i] = acc;
-    }
+    gate_cumsum(G, sm.g[st], tid, exp_a, dtb, lb2, nv);
   };
 
   // prep, part 2 (chunk c): qd, kd, ki in place; krT[c&1], E[c&1]
   auto prep2 = [&](int c, const float (&G)[CH]) {
-    const int st = c % 3, par = c & 1, ch = tid;
-    const float gt = G[CH - 1];
-    sm.E[par][ch] = ex2(gt);
-    float kv[CH], qv[CH];
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      kv[i] = __bfloat162float(sm.k[st][i][ch]) * sm.rnk[i];
-      qv[i] = __bfloat162float(sm.q[st][i][ch]) * sm.rnq[i] * p.scale;
-    }
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const float e = ex2(G[i]);
-      sm.k[st][i][ch] = __float2bfloat16_rn(kv[i] * e);
-      sm.q[st][i][ch] = __float2bfloat16_rn(qv[i] * e);
-      sm.g[st][i][ch] = __float2bfloat16_rn(kv[i] * ex2(-G[i]));
-      sm.krT[par][ch][i] = __float2bfloat16_rn(kv[i] * ex2(gt - G[i]));
-    }
+    const int st = c % 3, par = c & 1;
+    decay_channel(sm.q[st], sm.k[st], sm.g[st], sm.krT[par], sm.E[par], sm.rnq, sm.rnk, G, tid, p.scale);
   };
 
   float beta_next = 0.f;  // logits of the next chunk to prep
@@ -174,7 +105,6 @@ extern "C" __global__ void __launch_bounds__(128) kda_fwd_pipe_w4(const KdaParam
     prep2(0, G);
   }
 
-  const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
   for (int c = 0; c < nchunks; ++c) {
     const int st = c % 3, par = c & 1, nv = nvalid(c);
     const bool has_next = c + 1 < nchunks;
@@ -185,9 +115,6 @@ extern "C" __global__ void __launch_bounds__(128) kda_fwd_pipe_w4(const KdaParam
       prefetch(c + 2);
       beta_next = load_beta(c + 2);
     }
-    const bf16(*kd)[RS] = sm.k[st];
-    const bf16(*qd)[RS] = sm.q[st];
-    const bf16(*ki)[RS] = sm.g[st];
 
     // ---- P1: prep1(c+1) | A, INV (warp 0), M (warp 1) of c | W, O1 of c
     float G[CH];
@@ -195,75 +122,24 @@ extern "C" __global__ void __launch_bounds__(128) kda_fwd_pipe_w4(const KdaParam
     __syncwarp();  // reconverge before mma.sync
     if (warp < 2) {
       const bool do_a = warp == 0;
-      const bf16(*lhs)[RS] = do_a ? kd : qd;
+      const bf16(*lhs)[RS] = do_a ? sm.k[st] : sm.q[st];
       float acc[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-#pragma unroll
-      for (int kb = 0; kb < 8; ++kb) {
-        const int kc = kb * 16 + 2 * tq;
-        const uint32_t a0 = ld32(&lhs[gq][kc]), a1 = ld32(&lhs[gq + 8][kc]);
-        const uint32_t a2 = ld32(&lhs[gq][kc + 8]), a3 = ld32(&lhs[gq + 8][kc + 8]);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const uint32_t b0 = ld32(&ki[nt * 8 + gq][kc]), b1 = ld32(&ki[nt * 8 + gq][kc + 8]);
-          mma(acc[nt], a0, a1, a2, a3, b0, b1, acc[nt]);
-        }
-      }
+      tile_product(acc, [&](int r, int cc) { return ld32(&lhs[r][cc]); },
+                   [&](int r, int cc) { return ld32(&sm.g[st][r][cc]); }, gq, tq);
       if (do_a) {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
-            sm.A[row][col] = col < row ? acc[nt][e] * sm.b[par][row] : 0.f;
-          }
+        store_a(sm.A, acc, sm.b[par], gq, tq);
         __syncwarp();
-        if (lane < CH) {
-          const int jc = lane;
-          float x[CH];
-#pragma unroll
-          for (int i = 0; i < CH; ++i) {
-            float s = i == jc ? 1.f : 0.f;
-#pragma unroll
-            for (int m = 0; m < i; ++m) s = fmaf(-sm.A[i][m], x[m], s);
-            x[i] = s;
-          }
-#pragma unroll
-          for (int i = 0; i < CH; ++i) sm.inv[i][jc] = __float2bfloat16_rn(x[i]);
-        }
+        if (lane < CH)
+          invert_column([&](int r, int m) { return sm.A[r][m]; }, lane,
+                        [&](int r, int cc, bf16 x) { sm.inv[r][cc] = x; });
         __syncwarp();
       } else {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
-            sm.m[row][col] = __float2bfloat16_rn(col <= row ? acc[nt][e] : 0.f);
-          }
+        store_m(acc, [&](int r, int cc, bf16 x) { sm.m[r][cc] = x; }, gq, tq);
       }
     }
     float W[2][4], O1[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) W[nt][e] = O1[nt][e] = 0.f;
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]);
-      const uint32_t a1 = pack(S[2 * kb][2], S[2 * kb][3]);
-      const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]);
-      const uint32_t a3 = pack(S[2 * kb + 1][2], S[2 * kb + 1][3]);
-      const int kc = kb * 16 + 2 * tq;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int tr = nt * 8 + gq;
-        mma(W[nt], a0, a1, a2, a3, ld32(&kd[tr][kc]), ld32(&kd[tr][kc + 8]), W[nt]);
-        mma(O1[nt], a0, a1, a2, a3, ld32(&qd[tr][kc]), ld32(&qd[tr][kc + 8]), O1[nt]);
-      }
-    }
+    state_products(W, O1, S, [&](int r, int cc) { return ld32(&sm.k[st][r][cc]); },
+                   [&](int r, int cc) { return ld32(&sm.q[st][r][cc]); }, gq, tq);
     __syncthreads();  // S1: INV, M of c and norms of c+1 visible
 
     // ---- P2: prep2(c+1) | Vb, U, out, state update of c
@@ -271,51 +147,16 @@ extern "C" __global__ void __launch_bounds__(128) kda_fwd_pipe_w4(const KdaParam
     __syncwarp();
     const int vl = warp * 16 + gq;
     float vb[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * tq + (e & 1);
-        const float vv = __bfloat162float(sm.v[st][tok][vl + 8 * (e >> 1)]);
-        vb[nt][e] = (vv - W[nt][e]) * sm.b[par][tok];
-      }
-    const uint32_t va0 = pack(vb[0][0], vb[0][1]), va1 = pack(vb[0][2], vb[0][3]);
-    const uint32_t va2 = pack(vb[1][0], vb[1][1]), va3 = pack(vb[1][2], vb[1][3]);
+    residual(vb, [&](int t, int r) { return sm.v[st][t][r]; }, W, sm.b[par], vl, tq);
+    uint32_t va[4], ua[4];
+    pack_tile(va, vb);
     float U[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int ir = nt * 8 + gq;
-      mma(U[nt], va0, va1, va2, va3, ld32(&sm.inv[ir][2 * tq]), ld32(&sm.inv[ir][2 * tq + 8]), zero4);
-    }
-    const uint32_t ua0 = pack(U[0][0], U[0][1]), ua1 = pack(U[0][2], U[0][3]);
-    const uint32_t ua2 = pack(U[1][0], U[1][1]), ua3 = pack(U[1][2], U[1][3]);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int ir = nt * 8 + gq;
-      float O[4];
-      mma(O, ua0, ua1, ua2, ua3, ld32(&sm.m[ir][2 * tq]), ld32(&sm.m[ir][2 * tq + 8]), O1[nt]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * tq + (e & 1);
-        sm.o[warp][tok][gq + 8 * (e >> 1)] = __float2bfloat16_rn(O[e]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int col = nt * 8 + 2 * tq;
-      const float e0 = sm.E[par][col], e1 = sm.E[par][col + 1];
-      const float cin[4] = {S[nt][0] * e0, S[nt][1] * e1, S[nt][2] * e0, S[nt][3] * e1};
-      const int kr = nt * 8 + gq;
-      mma(S[nt], ua0, ua1, ua2, ua3, ld32(&sm.krT[par][kr][2 * tq]), ld32(&sm.krT[par][kr][2 * tq + 8]), cin);
-    }
+    solve_u(U, va, [&](int r, int cc) { return ld32(&sm.inv[r][cc]); }, gq, tq);
+    pack_tile(ua, U);
+    out_tile(sm.o[warp], ua, [&](int r, int cc) { return ld32(&sm.m[r][cc]); }, O1, gq, tq);
+    update_state(S, ua, sm.E[par], [&](int r, int cc) { return ld32(&sm.krT[par][r][cc]); }, gq, tq);
     __syncwarp();
-    {
-      const int tok = lane >> 1, half = lane & 1;
-      if (tok < nv) {
-        const uint4 val = *reinterpret_cast<const uint4*>(&sm.o[warp][tok][8 * half]);
-        *reinterpret_cast<uint4*>(p.out + (bos + (long long)c * CH + tok) * hs + hoff + vw + 8 * half) = val;
-      }
-    }
+    store_out(p, sm.o[warp], bos + (long long)c * CH, nv, hs, hoff, vw, lane);
   }
 
   if (p.ht != nullptr) store_state(S, p, sbase, vw + gq, tq);

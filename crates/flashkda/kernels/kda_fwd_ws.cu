@@ -130,46 +130,11 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
   __syncthreads();
 
   // ---- norms, beta sigmoid, gate cumsum (as kda_fwd.cu)
-  {
-    constexpr int RPW = 2 * CH / NW;
-    float ss[RPW];
-#pragma unroll
-    for (int rr = 0; rr < RPW; ++rr) {
-      const int r = warp + rr * NW;
-      const bf16* row = r < CH ? &sm.q[r][0] : &sm.k[r - CH][0];
-      const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      float x = a.x * a.x;
-      x = fmaf(a.y, a.y, x);
-      x = fmaf(b2.x, b2.x, x);
-      ss[rr] = fmaf(b2.y, b2.y, x);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-      for (int rr = 0; rr < RPW; ++rr) ss[rr] += __shfl_xor_sync(0xffffffffu, ss[rr], o);
-    if (lane == 0) {
-#pragma unroll
-      for (int rr = 0; rr < RPW; ++rr) {
-        const int r = warp + rr * NW;
-        const float rn = rsqrtf(ss[rr] + 1e-6f);
-        if (r < CH) sm.rnq[r] = rn; else sm.rnk[r - CH] = rn;
-      }
-    }
-  }
+  row_norms<NW>([&](int r) { return r < CH ? &sm.q[r][0] : &sm.k[r - CH][0]; },
+                [&](int r, float rn) { if (r < CH) sm.rnq[r] = rn; else sm.rnk[r - CH] = rn; }, warp, lane);
   if (tid < CH) rec_b[tid] = tid < nv ? sigmoidf_(beta_raw) : 0.f;
   float G[CH];
-  {
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const float y = exp_a * (__bfloat162float(sm.g[i][tid]) + dtb);
-      const float gam = lb2 * sigmoidf_(y);
-      acc += i < nv ? gam : 0.f;
-      G[i] = acc;
-    }
-  }
+  gate_cumsum(G, sm.g, tid, exp_a, dtb, lb2, nv);
   __syncthreads();  // norms and b visible
 
   // ---- decayed keys/queries (channel tid): kd, qd, krT into the record, ki in place of g
@@ -178,11 +143,7 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
     const float gt = G[CH - 1];
     rec_e[ch] = ex2(gt);
     float kv[CH], qv[CH];
-#pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      kv[i] = __bfloat162float(sm.k[i][ch]) * sm.rnk[i];
-      qv[i] = __bfloat162float(sm.q[i][ch]) * sm.rnq[i] * p.scale;
-    }
+    normed_channel(kv, qv, sm.k, sm.q, sm.rnk, sm.rnq, ch, p.scale);
     uint32_t kr[CH / 2];
 #pragma unroll
     for (int i = 0; i < CH; ++i) {
@@ -205,51 +166,16 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
     const bool do_a = warp == 0;
     const bf16* lhs = do_a ? kd : qd;
     float acc[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const int kc = kb * 16 + 2 * tq;
-      const uint32_t a0 = ld32(&lhs[swz128(gq, kc)]), a1 = ld32(&lhs[swz128(gq + 8, kc)]);
-      const uint32_t a2 = ld32(&lhs[swz128(gq, kc + 8)]), a3 = ld32(&lhs[swz128(gq + 8, kc + 8)]);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t b0 = ld32(&sm.g[nt * 8 + gq][kc]), b1 = ld32(&sm.g[nt * 8 + gq][kc + 8]);
-        mma(acc[nt], a0, a1, a2, a3, b0, b1, acc[nt]);
-      }
-    }
+    tile_product(acc, [&](int r, int cc) { return ld32(&lhs[swz128(r, cc)]); },
+                 [&](int r, int cc) { return ld32(&sm.g[r][cc]); }, gq, tq);
     if (do_a) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
-          sm.A[row][col] = col < row ? acc[nt][e] * rec_b[row] : 0.f;
-        }
+      store_a(sm.A, acc, rec_b, gq, tq);
       __syncwarp();
-      if (lane < CH) {
-        const int jc = lane;
-        float x[CH];
-#pragma unroll
-        for (int i = 0; i < CH; ++i) {
-          float s = i == jc ? 1.f : 0.f;
-#pragma unroll
-          for (int m = 0; m < i; ++m) s = fmaf(-sm.A[i][m], x[m], s);
-          x[i] = s;
-        }
-#pragma unroll
-        for (int i = 0; i < CH; ++i) inv[swz16(i, jc)] = __float2bfloat16_rn(x[i]);
-      }
+      if (lane < CH)
+        invert_column([&](int r, int m) { return sm.A[r][m]; }, lane,
+                      [&](int r, int cc, bf16 x) { inv[swz16(r, cc)] = x; });
     } else {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
-          mm[swz16(row, col)] = __float2bfloat16_rn(col <= row ? acc[nt][e] : 0.f);
-        }
+      store_m(acc, [&](int r, int cc, bf16 x) { mm[swz16(r, cc)] = x; }, gq, tq);
     }
   }
   __syncthreads();  // record complete
@@ -363,7 +289,6 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     load_state(S, p, sbase, vw + gq, tq);
   }
 
-  const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
   bf16(*ow)[TS] = reinterpret_cast<bf16(*)[TS]>(os + warp * CH * TS);
   for (int c = 0; c < nchunks; ++c) {
     const int st = c % ST, nv = nvalid(c);
@@ -380,24 +305,8 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
 
     // W^T = S kd^T, O1^T = S qd^T (value rows x tokens), S rounded to bf16
     float W[2][4], O1[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) W[nt][e] = O1[nt][e] = 0.f;
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]);
-      const uint32_t a1 = pack(S[2 * kb][2], S[2 * kb][3]);
-      const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]);
-      const uint32_t a3 = pack(S[2 * kb + 1][2], S[2 * kb + 1][3]);
-      const int kc = kb * 16 + 2 * tq;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int tr = nt * 8 + gq;
-        mma(W[nt], a0, a1, a2, a3, ld32(&kd[swz128(tr, kc)]), ld32(&kd[swz128(tr, kc + 8)]), W[nt]);
-        mma(O1[nt], a0, a1, a2, a3, ld32(&qd[swz128(tr, kc)]), ld32(&qd[swz128(tr, kc + 8)]), O1[nt]);
-      }
-    }
+    state_products(W, O1, S, [&](int r, int cc) { return ld32(&kd[swz128(r, cc)]); },
+                   [&](int r, int cc) { return ld32(&qd[swz128(r, cc)]); }, gq, tq);
 
     // Vb = bf16((v - W) b) (pad tokens selected to 0: their v rows are stale); U = INV Vb
     const int vl = warp * 16 + gq;
@@ -410,45 +319,17 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
         const float vv = part == 0 ? __bfloat162float(vst[tok * VS + vl + 8 * (e >> 1)]) : 0.f;
         vb[nt][e] = tok < nv ? (vv - W[nt][e]) * b[tok] : 0.f;
       }
-    const uint32_t va0 = pack(vb[0][0], vb[0][1]), va1 = pack(vb[0][2], vb[0][3]);
-    const uint32_t va2 = pack(vb[1][0], vb[1][1]), va3 = pack(vb[1][2], vb[1][3]);
+    uint32_t va[4], ua[4];
+    pack_tile(va, vb);
     float U[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int ir = nt * 8 + gq;
-      mma(U[nt], va0, va1, va2, va3, ld32(&inv[swz16(ir, 2 * tq)]), ld32(&inv[swz16(ir, 2 * tq + 8)]), zero4);
-    }
-    const uint32_t ua0 = pack(U[0][0], U[0][1]), ua1 = pack(U[0][2], U[0][3]);
-    const uint32_t ua2 = pack(U[1][0], U[1][1]), ua3 = pack(U[1][2], U[1][3]);
+    solve_u(U, va, [&](int r, int cc) { return ld32(&inv[swz16(r, cc)]); }, gq, tq);
+    pack_tile(ua, U);
     // out = O1 + M U
-#pragma unroll
-    for (int nt = 0; nt < 2 && !TRANS; ++nt) {
-      const int ir = nt * 8 + gq;
-      float O[4];
-      mma(O, ua0, ua1, ua2, ua3, ld32(&mm[swz16(ir, 2 * tq)]), ld32(&mm[swz16(ir, 2 * tq + 8)]), O1[nt]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * tq + (e & 1);
-        ow[tok][gq + 8 * (e >> 1)] = __float2bfloat16_rn(O[e]);
-      }
-    }
+    if (!TRANS) out_tile(ow, ua, [&](int r, int cc) { return ld32(&mm[swz16(r, cc)]); }, O1, gq, tq);
     // S = S diag(E) + U^T kr
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int col = nt * 8 + 2 * tq;
-      const float e0 = E[col], e1 = E[col + 1];
-      const float cin[4] = {S[nt][0] * e0, S[nt][1] * e1, S[nt][2] * e0, S[nt][3] * e1};
-      const int kr = nt * 8 + gq;
-      mma(S[nt], ua0, ua1, ua2, ua3, ld32(&krT[swz16(kr, 2 * tq)]), ld32(&krT[swz16(kr, 2 * tq + 8)]), cin);
-    }
+    update_state(S, ua, E, [&](int r, int cc) { return ld32(&krT[swz16(r, cc)]); }, gq, tq);
     __syncwarp();
-    {
-      const int tok = lane >> 1, half = lane & 1;
-      if (!TRANS && tok < nv) {
-        const uint4 val = *reinterpret_cast<const uint4*>(&ow[tok][8 * half]);
-        *reinterpret_cast<uint4*>(p.out + (bos + (long long)c * CH + tok) * hs + hoff + vw + 8 * half) = val;
-      }
-    }
+    if (!TRANS) store_out(p, ow, bos + (long long)c * CH, nv, hs, hoff, vw, lane);
     // every warp is done with stage st (and with its o tile): refill it ST chunks ahead
     if (NW > 1) __syncthreads(); else __syncwarp();
     if (tid == 0 && c + ST < nchunks) issue(c + ST);

@@ -10,6 +10,9 @@ Protocol (docs/specs/kda.md §4): fresh bf16 randn q, k, v, g, beta logits; A_lo
 scale 1/sqrt(128); lower_bound -5; fp32 initial state 0.1*randn (bf16-representable); final
 state requested; one untimed first call (Triton autotune), warm-up, then blocks of CUDA-event
 timed calls; median of all calls and per-block medians.
+
+--check only tests that a run can start (torch sees a GPU, fla imports, with --flashkda the wheel
+imports); flashkda-bench runs it before timing its own kernels.
 """
 import os.path
 import sys
@@ -100,16 +103,37 @@ def rel(x, r):
     return float((x - r).norm() / r.norm())
 
 
+def check(wheel):
+    if not torch.cuda.is_available():
+        sys.exit("bench_fla: torch sees no CUDA device")
+    try:
+        from fla.ops.kda import chunk_kda  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        sys.exit(f"bench_fla: cannot import fla's chunk_kda ({e!r}); pip install 'fla-core>=0.6'")
+    if wheel:
+        try:
+            import flashkda  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            sys.exit(f"bench_fla: cannot import the flashkda wheel ({e!r}); install it or pass --no-fla-wheel")
+    log("check passed")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     ap.add_argument("--heads", default="96,64")
     ap.add_argument("--cases", default="fixed,varlen6,1024x8")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--flashkda", action="store_true", help="also time flashkda via the wheel and check the fla hookup")
+    ap.add_argument("--check", action="store_true", help="only check that the run can start (GPU, fla, wheel)")
     args = ap.parse_args()
+    if args.check:
+        check(args.flashkda)
+        return
+    if args.out is None:
+        ap.error("--out is required")
     env = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "python": sys.version.split()[0]}
     for mod in ("triton", "fla-core", "flash-linear-attention", "flashkda"):
         try:

@@ -9,12 +9,12 @@ use cudarc::driver::{
 };
 
 use crate::error::{DriverContext, FlashKdaError};
-use crate::schedule::{
-    Segments, WorkspaceLayout, plan_segments, workspace_layout, workspace_slots,
-};
+use crate::schedule::{ScheduleRequest, call_plan, workspace_slots};
 use crate::validate::{FwdArgs, FwdPlan, StateDType, check_cu_seqlens, validate};
 
-pub use crate::schedule::WORKSPACE_RECORD_BYTES;
+pub use crate::schedule::{
+    CallPlan, KernelSchedule, ValueSplit, WORKSPACE_AUTO_LIMIT, WORKSPACE_RECORD_BYTES,
+};
 
 mod built {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -45,7 +45,7 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, FlashKdaError> {
     CudaContext::new(ordinal).during("opening the CUDA device")
 }
 
-/// Mirror of `struct KdaParams` in `kernels/kda_fwd.cu` (passed by value).
+/// Mirror of `struct KdaParams` in `kernels/kda_common.cuh` (passed by value).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 struct KernelParams {
@@ -98,38 +98,6 @@ const SCAN_ROWS: u32 = 16;
 /// Dynamic shared memory of `kda_cp_scan` (`SCAN_SMEM`: double-buffered M and P rows).
 const SCAN_SMEM_BYTES: u32 = 155648;
 
-/// How many blocks share one (sequence, head): each owns a slice of the 128 value rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ValueSplit {
-    /// `Two` (the measured best on the H200 for every schedule and anchor shape).
-    #[default]
-    Auto,
-    /// Four blocks of 2 warps (32 value rows each).
-    Four,
-    /// Two blocks of 4 warps (64 value rows each).
-    Two,
-    /// Eight one-warp blocks (16 value rows each); `Workspace` schedule only (the others use `Four`).
-    Eight,
-}
-
-/// Which kernel runs the chunk loop.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KernelSchedule {
-    /// `Workspace` (unless its workspace would exceed [`WORKSPACE_AUTO_LIMIT`] or the stream is
-    /// being captured into a CUDA graph: then `Pipelined`).
-    #[default]
-    Auto,
-    /// `kda_fwd.cu`: prep then state work per chunk, four barriers per chunk.
-    Sequential,
-    /// `kda_fwd_pipelined.cu`: prep of chunk c+1 overlapped with the state work of chunk c,
-    /// two barriers per chunk (always two 4-warp blocks per chain; `value_split` is ignored).
-    Pipelined,
-    /// `kda_fwd_ws.cu`: a parallel prep kernel over all (chunk, head) writes the state-independent
-    /// tensors to a device workspace (13888 bytes per 16 tokens and head, owned by
-    /// [`KdaKernels`]); the sequential pass only does the state matmuls, 2, 4 or 8 blocks per chain.
-    Workspace,
-}
-
 /// A caller-owned device buffer for a call's workspace (size: [`workspace_bytes`]). It must stay
 /// allocated until the stream has run the call (for a captured graph: as long as the graph).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,11 +115,22 @@ pub struct FwdOptions {
     /// the stream is being captured into a CUDA graph; the kernels clamp bad offsets either way,
     /// never reading out of bounds.
     pub check_cu_seqlens: bool,
-    /// Context parallelism: `None` = [`plan_segments`], `Some(0)` = off, `Some(c)` = segments of
-    /// `c` chunks (fixed-length calls of the `Workspace` schedule only).
+    /// Context parallelism: `None` = [`crate::plan_segments`], `Some(0)` = off, `Some(c)` =
+    /// segments of `c` chunks (fixed-length calls of the `Workspace` schedule only).
     pub segment_chunks: Option<usize>,
     /// The caller's workspace; `None` takes the stream's pooled one from [`KdaKernels`].
     pub workspace: Option<Workspace>,
+}
+
+impl FwdOptions {
+    /// The fields the schedule depends on.
+    pub fn schedule_request(&self) -> ScheduleRequest {
+        ScheduleRequest {
+            schedule: self.schedule,
+            value_split: self.value_split,
+            segment_chunks: self.segment_chunks,
+        }
+    }
 }
 
 impl Default for FwdOptions {
@@ -237,8 +216,6 @@ const PIPE_SMEM_BYTES: u32 = 65344;
 const STATE_SMEM_BYTES: [u32; 3] = [29584, 61216, 66848];
 /// Dynamic shared memory of the 3-stage segmented passes (`STATE_SMEM(4, 3)`).
 const CP_SMEM_BYTES: u32 = 50904;
-/// `Auto` uses the workspace schedule only while its workspace stays below this size.
-pub const WORKSPACE_AUTO_LIMIT: usize = 16 << 30;
 
 impl KdaKernels {
     /// Loads the cubins into `ctx` (the device's primary context, shared with torch).
@@ -346,105 +323,9 @@ impl KdaKernels {
         self.sm_count
     }
 
-    /// The split `Auto` picks for `chains` = sequences x heads. Measured on the H200
-    /// (2026-11-29): two 4-warp blocks per chain beat four 2-warp blocks on every anchor shape
-    /// (the per-block key-side prep is shared by more warps), so `Auto` is `Two`.
-    pub fn auto_split(&self, _chains: usize) -> ValueSplit {
-        ValueSplit::Two
-    }
-
-    /// The schedule `Auto` picks for a call whose `Workspace` schedule needs `workspace_bytes`.
-    /// H200, run 3 (2026-11-29): with two blocks per chain the workspace schedule is 1.34-1.80x
-    /// faster than `Pipelined` on all six anchor shapes; `Pipelined` (no workspace) is kept for
-    /// huge problems.
-    pub fn auto_schedule(&self, workspace_bytes: usize) -> KernelSchedule {
-        if workspace_bytes <= WORKSPACE_AUTO_LIMIT {
-            KernelSchedule::Workspace
-        } else {
-            KernelSchedule::Pipelined
-        }
-    }
-
-    /// The value split `Auto` picks for the workspace schedule. H200, run 3 (2026-11-29): two
-    /// 4-warp blocks per chain were fastest on five anchor shapes and within 0.1 % of four
-    /// 2-warp blocks on H=64 fixed (1.1077 vs 1.1067 ms); eight 1-warp blocks never won.
-    pub fn auto_workspace_split(&self, _chains: usize) -> ValueSplit {
-        ValueSplit::Two
-    }
-}
-
-/// What one call runs: the schedule, value split and segments picked for it, and its workspace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CallPlan {
-    pub schedule: KernelSchedule,
-    pub split: ValueSplit,
-    pub segments: Segments,
-    /// Zero for the schedules without a workspace.
-    pub workspace: WorkspaceLayout,
-}
-
-const NO_WORKSPACE: WorkspaceLayout = WorkspaceLayout {
-    records_bytes: 0,
-    pm_offset: 0,
-    starts_offset: 0,
-    total_bytes: 0,
-};
-
-impl KdaKernels {
-    /// The schedule, split, segments and workspace of a validated call (pure: no device access).
-    pub fn call_plan(&self, plan: &FwdPlan, opts: &FwdOptions) -> CallPlan {
-        let auto_segments = || {
-            if plan.varlen {
-                return Segments::NONE;
-            }
-            match opts.segment_chunks {
-                None => plan_segments(
-                    plan.num_seqs,
-                    plan.seq_len,
-                    plan.heads,
-                    plan.varlen,
-                    self.sm_count,
-                ),
-                Some(c) => Segments::with_chunks(plan.seq_len, c),
-            }
-        };
-        let schedule = match opts.schedule {
-            // GVA runs only on the workspace schedule
-            KernelSchedule::Auto if plan.qk_heads != plan.heads => KernelSchedule::Workspace,
-            KernelSchedule::Auto => {
-                let segments = auto_segments();
-                self.auto_schedule(workspace_layout(plan, segments).total_bytes)
-            }
-            s => s,
-        };
-        let split = match (opts.value_split, schedule) {
-            (ValueSplit::Auto, KernelSchedule::Workspace) => {
-                self.auto_workspace_split(plan.num_seqs * plan.heads)
-            }
-            (ValueSplit::Auto, _) => self.auto_split(plan.num_seqs * plan.heads),
-            (s, _) => s,
-        };
-        if schedule != KernelSchedule::Workspace {
-            return CallPlan {
-                schedule,
-                split,
-                segments: Segments::NONE,
-                workspace: NO_WORKSPACE,
-            };
-        }
-        let segments = auto_segments();
-        // the segmented passes run with two 4-warp blocks per segment and head
-        let split = if segments.active() {
-            ValueSplit::Two
-        } else {
-            split
-        };
-        CallPlan {
-            schedule,
-            split,
-            segments,
-            workspace: workspace_layout(plan, segments),
-        }
+    /// [`call_plan`] of a validated call on this device (pure: no device access).
+    pub fn call_plan(&self, plan: &FwdPlan, opts: &FwdOptions) -> Result<CallPlan, FlashKdaError> {
+        call_plan(plan, &opts.schedule_request(), self.sm_count)
     }
 }
 
@@ -455,7 +336,7 @@ pub fn workspace_bytes(
     opts: &FwdOptions,
 ) -> Result<usize, FlashKdaError> {
     let plan = validate(args)?;
-    Ok(kernels.call_plan(&plan, opts).workspace.total_bytes)
+    Ok(kernels.call_plan(&plan, opts)?.workspace.total_bytes)
 }
 
 /// Validates `args`, checks `cu_seqlens` (unless disabled or capturing) and enqueues the forward
@@ -480,6 +361,21 @@ pub fn fwd_validated(
     plan: &FwdPlan,
     opts: &FwdOptions,
 ) -> Result<CallPlan, FlashKdaError> {
+    let call = kernels.call_plan(plan, opts)?;
+    fwd_planned(kernels, stream, args, plan, &call, opts)?;
+    Ok(call)
+}
+
+/// Enqueues the call `plan` (from [`validate`]) as `call` (from [`KdaKernels::call_plan`]):
+/// neither is recomputed here.
+pub fn fwd_planned(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+    args: &FwdArgs,
+    plan: &FwdPlan,
+    call: &CallPlan,
+    opts: &FwdOptions,
+) -> Result<(), FlashKdaError> {
     if plan.ordinal != kernels.ctx.ordinal() {
         return Err(FlashKdaError::Device {
             tensor: "q",
@@ -501,17 +397,9 @@ pub fn fwd_validated(
         stream.synchronize().during("waiting for cu_seqlens")?;
         check_cu_seqlens(&host, total)?;
     }
-    let call = kernels.call_plan(plan, opts);
-    if plan.qk_heads != plan.heads && call.schedule != KernelSchedule::Workspace {
-        return Err(FlashKdaError::GvaSchedule {
-            heads: plan.heads,
-            qk_heads: plan.qk_heads,
-            schedule: format!("{:?}", call.schedule),
-        });
-    }
     let chains = plan.num_seqs * plan.heads;
     if chains == 0 {
-        return Ok(call);
+        return Ok(());
     }
     let mut params = KernelParams {
         q: args.q.ptr,
@@ -539,13 +427,6 @@ pub fn fwd_validated(
         pad: 0,
     };
     if call.schedule == KernelSchedule::Workspace {
-        let slots = workspace_slots(plan);
-        let blocks = chains as u64 * call.segments.segs_per_seq as u64 * 8;
-        if slots > i32::MAX as usize || blocks > i32::MAX as u64 {
-            return Err(FlashKdaError::TooLarge(format!(
-                "{slots} chunk slots or {blocks} blocks exceed a kernel grid"
-            )));
-        }
         let need = call.workspace.total_bytes.max(1);
         let ws = match opts.workspace {
             Some(w) if w.bytes < need => {
@@ -565,8 +446,7 @@ pub fn fwd_validated(
             None => pooled_workspace(kernels, stream, need, capturing)?,
         };
         params.ws = ws;
-        launch_workspace_schedule(kernels, stream, plan, &call, params, slots)?;
-        return Ok(call);
+        return launch_workspace_schedule(kernels, stream, plan, call, params);
     }
     let (func, slices, threads, smem) = match (call.schedule, call.split) {
         (KernelSchedule::Pipelined, _) => (&kernels.pipelined, 2u32, 128u32, PIPE_SMEM_BYTES),
@@ -582,7 +462,7 @@ pub fn fwd_validated(
     launch.arg(&params);
     // SAFETY: the kernel reads/writes only the validated tensors described by `params`.
     unsafe { launch.launch(cfg) }.during("launching kda_fwd")?;
-    Ok(call)
+    Ok(())
 }
 
 /// The stream's pooled workspace of at least `need` bytes. Grows only outside capture; a buffer
@@ -633,9 +513,9 @@ fn launch_workspace_schedule(
     plan: &FwdPlan,
     call: &CallPlan,
     params: KernelParams,
-    slots: usize,
 ) -> Result<(), FlashKdaError> {
     let chains = (plan.num_seqs * plan.heads) as u32;
+    let slots = workspace_slots(plan);
     if slots > 0 {
         let cfg = LaunchConfig {
             grid_dim: (slots as u32, plan.heads as u32, 1),

@@ -3,6 +3,8 @@
 //! - [`reference`]: float64 token recurrence (the definition), float64 chunked form, and the
 //!   kernel-rounding emulation; used by CI and by the GPU accuracy tests.
 //! - [`validate`]: typed device-tensor views and the one validation of a call.
+//! - [`schedule`]: the pure plan of a validated call ([`call_plan`]: kernel, split, segments,
+//!   workspace), CPU-tested.
 //! - [`launch`]: the sm_90a kernels (compiled from `kernels/*.cu` by build.rs), launched with
 //!   cudarc on the caller's stream.
 //! - `python` (feature `python`): the `flashkda` Python module for torch tensors.
@@ -22,10 +24,12 @@ pub mod validate;
 
 pub use error::FlashKdaError;
 pub use launch::{
-    CallPlan, FwdOptions, KdaKernels, KernelSchedule, ValueSplit, Workspace, fwd, fwd_validated,
-    kernels_built, open_device, workspace_bytes,
+    FwdOptions, KdaKernels, Workspace, fwd, fwd_planned, fwd_validated, kernels_built, open_device,
+    workspace_bytes,
 };
-pub use schedule::{Segments, plan_segments};
+pub use schedule::{
+    CallPlan, KernelSchedule, ScheduleRequest, Segments, ValueSplit, call_plan, plan_segments,
+};
 pub use validate::{DType, Device, FwdArgs, FwdPlan, StateDType, TensorView, validate};
 
 /// "1" when build.rs compiled the kernels, "0" otherwise (CI asserts "1" with K3_REQUIRE_KERNELS=1).

@@ -7,9 +7,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::error::FlashKdaError;
-use crate::launch::{FwdOptions, KdaKernels, ValueSplit, Workspace, fwd_validated, open_device};
+use crate::launch::{FwdOptions, KdaKernels, ValueSplit, Workspace, fwd_planned, open_device};
 use crate::validate::{DType, Device, FwdArgs, TensorView};
 
 fn to_py(e: FlashKdaError) -> PyErr {
@@ -103,7 +104,8 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// host copy of cu_seqlens (it is skipped anyway while the stream is being captured);
 /// `value_split` is None, 2, 4 or 8; `segment_chunks` None (automatic), 0 (off) or the segment
 /// length in 16-token chunks; `workspace` a contiguous uint8 CUDA tensor of at least
-/// `workspace_bytes(...)` bytes (None: the stream's pooled one).
+/// `workspace_bytes(...)` bytes (None: one from torch's caching allocator, sized by this call's
+/// plan). The arguments are validated and the call planned once, here.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
@@ -176,7 +178,30 @@ fn fwd(
         }
     };
     let kernels = kernels_for(plan.ordinal).map_err(to_py)?;
+    let mut opts = FwdOptions {
+        value_split: split,
+        check_cu_seqlens,
+        segment_chunks,
+        workspace,
+        ..Default::default()
+    };
+    let call = kernels.call_plan(&plan, &opts).map_err(to_py)?;
     let torch = py.import("torch")?;
+    // stream-ordered on torch's current stream (the graph's private pool while capturing); kept
+    // alive until the call is enqueued
+    let mut _owned = None;
+    let need = call.workspace.total_bytes;
+    if opts.workspace.is_none() && need > 0 {
+        let kw = PyDict::new(py);
+        kw.set_item("dtype", torch.getattr("uint8")?)?;
+        kw.set_item("device", q.getattr("device")?)?;
+        let t = torch.call_method("empty", (need,), Some(&kw))?;
+        opts.workspace = Some(Workspace {
+            ptr: t.call_method0("data_ptr")?.extract()?,
+            bytes: need,
+        });
+        _owned = Some(t);
+    }
     let stream_ptr: usize = torch
         .getattr("cuda")?
         .call_method1("current_stream", (plan.ordinal,))?
@@ -189,21 +214,16 @@ fn fwd(
             .context()
             .wrap_borrowed_stream(stream_ptr as cudarc::driver::sys::CUstream)
     };
-    let opts = FwdOptions {
-        value_split: split,
-        check_cu_seqlens,
-        segment_chunks,
-        workspace,
-        ..Default::default()
-    };
-    py.detach(|| fwd_validated(&kernels, &stream, &args, &plan, &opts).map(|_| ()))
+    py.detach(|| fwd_planned(&kernels, &stream, &args, &plan, &call, &opts))
         .map_err(to_py)
 }
 
 /// Workspace bytes of a default `fwd` call with these sizes on cuda:`device` (0 when the call
-/// needs none): `batch, seq_len, heads` of q, `num_seqs` = len(cu_seqlens) - 1 or batch.
+/// needs none): `batch, seq_len` of q, `heads` of v (value heads), `qk_heads` of q (GVA when
+/// fewer; default `heads`), `num_seqs` = len(cu_seqlens) - 1 or batch.
 #[pyfunction]
-#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None))]
+#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None))]
+#[allow(clippy::too_many_arguments)]
 fn workspace_bytes(
     batch: usize,
     seq_len: usize,
@@ -212,13 +232,14 @@ fn workspace_bytes(
     varlen: bool,
     device: usize,
     segment_chunks: Option<usize>,
+    qk_heads: Option<usize>,
 ) -> PyResult<usize> {
     let kernels = kernels_for(device).map_err(to_py)?;
     let plan = crate::validate::FwdPlan {
         batch,
         seq_len,
         heads,
-        qk_heads: heads, // the workspace does not depend on the q/k heads
+        qk_heads: qk_heads.unwrap_or(heads),
         num_seqs,
         varlen,
         state: None,
@@ -228,7 +249,11 @@ fn workspace_bytes(
         segment_chunks,
         ..Default::default()
     };
-    Ok(kernels.call_plan(&plan, &opts).workspace.total_bytes)
+    Ok(kernels
+        .call_plan(&plan, &opts)
+        .map_err(to_py)?
+        .workspace
+        .total_bytes)
 }
 
 /// Whether this build embeds the sm_90a kernels.

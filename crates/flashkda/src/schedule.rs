@@ -1,7 +1,9 @@
-//! Pure choices of a call's schedule: whether and how to split long sequences into segments
-//! (intra-card context parallelism) and the workspace layout that follows. No device access, so
-//! CPU tests pin every choice.
+//! Pure choices of a call's schedule: which kernel runs it with how many blocks per chain,
+//! whether and how to split long sequences into segments (intra-card context parallelism) and the
+//! workspace layout that follows ([`call_plan`]). No device access, so CPU tests pin every choice;
+//! `launch` only carries out a [`CallPlan`].
 
+use crate::error::FlashKdaError;
 use crate::reference::{CHUNK, HEAD_DIM};
 use crate::validate::FwdPlan;
 
@@ -29,6 +31,150 @@ pub const MAX_TRANSITION_WAVES: usize = 8;
 /// Splitting walks every token three times (P, M, output): it needs the unsplit pass to leave
 /// most of the GPU idle. Measured gains up to 32 chains (1.7x at H = 32); H = 64 stays whole.
 pub const MAX_SPLIT_CHAINS_PER_SM: f64 = 0.25;
+
+/// `Auto` uses the workspace schedule only while its workspace stays below this size.
+pub const WORKSPACE_AUTO_LIMIT: usize = 16 << 30;
+
+/// How many blocks share one (sequence, head): each owns a slice of the 128 value rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ValueSplit {
+    /// `Two` (the measured best on the H200 for every schedule and anchor shape).
+    #[default]
+    Auto,
+    /// Four blocks of 2 warps (32 value rows each).
+    Four,
+    /// Two blocks of 4 warps (64 value rows each).
+    Two,
+    /// Eight one-warp blocks (16 value rows each); `Workspace` schedule only (the others use `Four`).
+    Eight,
+}
+
+/// Which kernel runs the chunk loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KernelSchedule {
+    /// `Workspace` (GVA always; otherwise unless its workspace would exceed
+    /// [`WORKSPACE_AUTO_LIMIT`]: then `Pipelined`).
+    #[default]
+    Auto,
+    /// `kda_fwd.cu`: prep then state work per chunk, four barriers per chunk.
+    Sequential,
+    /// `kda_fwd_pipelined.cu`: prep of chunk c+1 overlapped with the state work of chunk c,
+    /// two barriers per chunk (always two 4-warp blocks per chain; `value_split` is ignored).
+    Pipelined,
+    /// `kda_fwd_ws.cu`: a parallel prep kernel over all (chunk, head) writes the state-independent
+    /// tensors to a device workspace (13888 bytes per 16 tokens and head); the sequential pass only
+    /// does the state matmuls, 2, 4 or 8 blocks per chain.
+    Workspace,
+}
+
+/// What the caller asks of a call's schedule (the matching fields of `FwdOptions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ScheduleRequest {
+    pub schedule: KernelSchedule,
+    pub value_split: ValueSplit,
+    /// `None` = [`plan_segments`], `Some(0)` = off, `Some(c)` = segments of `c` chunks
+    /// (fixed-length calls of the `Workspace` schedule only).
+    pub segment_chunks: Option<usize>,
+}
+
+/// What one call runs: the schedule, value split and segments picked for it, and its workspace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallPlan {
+    pub schedule: KernelSchedule,
+    pub split: ValueSplit,
+    pub segments: Segments,
+    /// Zero for the schedules without a workspace.
+    pub workspace: WorkspaceLayout,
+}
+
+/// The schedule `Auto` picks for a call whose `Workspace` schedule needs `workspace_bytes`.
+/// H200, run 3 (2026-11-29): with two blocks per chain the workspace schedule is 1.34-1.80x
+/// faster than `Pipelined` on all six anchor shapes; `Pipelined` (no workspace) is kept for huge
+/// problems.
+fn auto_schedule(workspace_bytes: usize) -> KernelSchedule {
+    if workspace_bytes <= WORKSPACE_AUTO_LIMIT {
+        KernelSchedule::Workspace
+    } else {
+        KernelSchedule::Pipelined
+    }
+}
+
+/// The split `Auto` picks. H200 (2026-11-29): two 4-warp blocks per chain beat four 2-warp blocks
+/// on every anchor shape for the workspace-free kernels (the per-block key-side prep is shared
+/// by more warps); run 3, workspace schedule: two blocks were fastest on five anchor shapes and
+/// within 0.1 % of four on H=64 fixed (1.1077 vs 1.1067 ms); eight 1-warp blocks never won.
+fn auto_split(_schedule: KernelSchedule, _chains: usize) -> ValueSplit {
+    ValueSplit::Two
+}
+
+/// The schedule, split, segments and workspace of the validated call `plan` on a GPU of
+/// `sm_count` SMs, or why that call cannot run.
+pub fn call_plan(
+    plan: &FwdPlan,
+    req: &ScheduleRequest,
+    sm_count: usize,
+) -> Result<CallPlan, FlashKdaError> {
+    let gva = plan.qk_heads != plan.heads;
+    let segments = || {
+        if plan.varlen {
+            return Segments::NONE;
+        }
+        match req.segment_chunks {
+            None => plan_segments(
+                plan.num_seqs,
+                plan.seq_len,
+                plan.heads,
+                plan.varlen,
+                sm_count,
+            ),
+            Some(c) => Segments::with_chunks(plan.seq_len, c),
+        }
+    };
+    let schedule = match req.schedule {
+        // GVA runs only on the workspace schedule
+        KernelSchedule::Auto if gva => KernelSchedule::Workspace,
+        KernelSchedule::Auto => auto_schedule(workspace_layout(plan, segments()).total_bytes),
+        s => s,
+    };
+    if gva && schedule != KernelSchedule::Workspace {
+        return Err(FlashKdaError::GvaSchedule {
+            heads: plan.heads,
+            qk_heads: plan.qk_heads,
+            schedule: format!("{schedule:?}"),
+        });
+    }
+    let split = match req.value_split {
+        ValueSplit::Auto => auto_split(schedule, plan.num_seqs * plan.heads),
+        s => s,
+    };
+    if schedule != KernelSchedule::Workspace {
+        return Ok(CallPlan {
+            schedule,
+            split,
+            segments: Segments::NONE,
+            workspace: WorkspaceLayout::NONE,
+        });
+    }
+    let segments = segments();
+    let slots = workspace_slots(plan);
+    let blocks = (plan.num_seqs * plan.heads) as u64 * segments.segs_per_seq as u64 * 8;
+    if slots > i32::MAX as usize || blocks > i32::MAX as u64 {
+        return Err(FlashKdaError::TooLarge(format!(
+            "{slots} chunk slots or {blocks} blocks exceed a kernel grid"
+        )));
+    }
+    Ok(CallPlan {
+        schedule,
+        // the segmented passes run with two 4-warp blocks per segment and head
+        split: if segments.active() {
+            ValueSplit::Two
+        } else {
+            split
+        },
+        segments,
+        workspace: workspace_layout(plan, segments),
+    })
+}
 
 /// How one call is split: `seg_chunks == 0` runs every sequence as one chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,6 +250,16 @@ pub struct WorkspaceLayout {
     /// `[B * segs, H, 128, 128]` fp32 start state of every segment.
     pub starts_offset: usize,
     pub total_bytes: usize,
+}
+
+impl WorkspaceLayout {
+    /// No workspace (the schedules without one).
+    pub const NONE: WorkspaceLayout = WorkspaceLayout {
+        records_bytes: 0,
+        pm_offset: 0,
+        starts_offset: 0,
+        total_bytes: 0,
+    };
 }
 
 /// Chunk slots of the prep records: `batch * ceil(seq_len / 16)` without `cu_seqlens`, else
@@ -232,6 +388,137 @@ mod tests {
                 }
             }
         }
+    }
+
+    fn req(schedule: KernelSchedule, value_split: ValueSplit) -> ScheduleRequest {
+        ScheduleRequest {
+            schedule,
+            value_split,
+            segment_chunks: None,
+        }
+    }
+
+    #[test]
+    fn auto_runs_the_anchor_shapes_on_the_workspace_schedule() {
+        for (b, t, h, n, varlen) in [
+            (1, 8192, 96, 1, false),
+            (1, 8192, 64, 6, true),
+            (8, 1024, 96, 8, false),
+        ] {
+            let p = plan(b, t, h, n, varlen);
+            let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
+            assert_eq!(c.schedule, KernelSchedule::Workspace, "B={b} T={t} H={h}");
+            assert_eq!(c.split, ValueSplit::Two);
+            assert_eq!(c.segments, Segments::NONE);
+            assert_eq!(
+                c.workspace.total_bytes,
+                workspace_slots(&p) * h * WORKSPACE_RECORD_BYTES
+            );
+        }
+        // long and few chains: split into segments, always two blocks per segment and head
+        let p = plan(1, 65536, 4, 1, false);
+        for split in [ValueSplit::Auto, ValueSplit::Eight] {
+            let c = call_plan(&p, &req(KernelSchedule::Auto, split), H200_SMS).unwrap();
+            assert_eq!((c.segments.segs_per_seq, c.split), (33, ValueSplit::Two));
+            assert_eq!(c.workspace, workspace_layout(&p, c.segments));
+        }
+    }
+
+    #[test]
+    fn auto_falls_back_to_pipelined_above_the_workspace_limit() {
+        let p = plan(1, 1 << 19, 64, 1, false);
+        assert!(workspace_layout(&p, Segments::NONE).total_bytes > WORKSPACE_AUTO_LIMIT);
+        let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
+        assert_eq!(c.schedule, KernelSchedule::Pipelined);
+        assert_eq!(
+            (c.segments, c.workspace),
+            (Segments::NONE, WorkspaceLayout::NONE)
+        );
+        // asked for explicitly, the workspace schedule is kept
+        let c = call_plan(
+            &p,
+            &req(KernelSchedule::Workspace, ValueSplit::Auto),
+            H200_SMS,
+        )
+        .unwrap();
+        assert_eq!(c.schedule, KernelSchedule::Workspace);
+        assert!(c.workspace.total_bytes > WORKSPACE_AUTO_LIMIT);
+    }
+
+    #[test]
+    fn gva_plans_the_workspace_of_the_value_heads() {
+        let mut p = plan(1, 1 << 19, 64, 1, false);
+        p.qk_heads = 16;
+        // no pipelined fallback for GVA, however large the workspace
+        let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
+        assert_eq!(c.schedule, KernelSchedule::Workspace);
+        assert_eq!(
+            c.workspace.total_bytes,
+            (1 << 15) * 64 * WORKSPACE_RECORD_BYTES
+        );
+        for s in [KernelSchedule::Sequential, KernelSchedule::Pipelined] {
+            let e = call_plan(&p, &req(s, ValueSplit::Auto), H200_SMS).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    FlashKdaError::GvaSchedule {
+                        heads: 64,
+                        qk_heads: 16,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn explicit_choices_are_kept() {
+        let p = plan(1, 65536, 4, 1, false);
+        let c = call_plan(
+            &p,
+            &req(KernelSchedule::Sequential, ValueSplit::Four),
+            H200_SMS,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.schedule, c.split),
+            (KernelSchedule::Sequential, ValueSplit::Four)
+        );
+        assert_eq!(
+            (c.segments, c.workspace),
+            (Segments::NONE, WorkspaceLayout::NONE)
+        );
+        let c = call_plan(
+            &p,
+            &req(KernelSchedule::Pipelined, ValueSplit::Auto),
+            H200_SMS,
+        )
+        .unwrap();
+        assert_eq!((c.split, c.workspace.total_bytes), (ValueSplit::Two, 0));
+        let mut r = req(KernelSchedule::Workspace, ValueSplit::Eight);
+        r.segment_chunks = Some(0);
+        let c = call_plan(&p, &r, H200_SMS).unwrap();
+        assert_eq!((c.split, c.segments), (ValueSplit::Eight, Segments::NONE));
+        r.segment_chunks = Some(64);
+        let c = call_plan(&p, &r, H200_SMS).unwrap();
+        assert_eq!((c.segments.seg_chunks, c.segments.segs_per_seq), (64, 64));
+        assert_eq!(c.split, ValueSplit::Two);
+        // varlen is never split, even when asked
+        let c = call_plan(&plan(1, 65536, 4, 3, true), &r, H200_SMS).unwrap();
+        assert_eq!(c.segments, Segments::NONE);
+    }
+
+    #[test]
+    fn grids_past_i32_are_refused() {
+        let p = plan(1, 1 << 36, 1, 1, false);
+        let e = call_plan(
+            &p,
+            &req(KernelSchedule::Workspace, ValueSplit::Auto),
+            H200_SMS,
+        )
+        .unwrap_err();
+        assert!(matches!(e, FlashKdaError::TooLarge(_)), "{e}");
     }
 
     #[test]

@@ -162,7 +162,9 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             );
             continue;
         }
-        let call = kernels.call_plan(&flashkda::validate(&dev.args()).unwrap(), &opts);
+        let call = kernels
+            .call_plan(&flashkda::validate(&dev.args()).unwrap(), &opts)
+            .unwrap();
         fwd(kernels, stream, &dev.args(), &opts)
             .unwrap_or_else(|e| panic!("{name}: fwd failed: {e}"));
         stream
@@ -470,7 +472,7 @@ fn cp_long_sequences_match_float64() {
         state: None,
         ordinal: 0,
     };
-    let auto = kernels.call_plan(&plan, &FwdOptions::default());
+    let auto = kernels.call_plan(&plan, &FwdOptions::default()).unwrap();
     println!("auto split of T=30001 H=2: {auto:?}");
     assert!(auto.segments.active(), "{auto:?}");
     check(

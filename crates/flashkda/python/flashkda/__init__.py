@@ -10,7 +10,7 @@ stream; bad arguments raise ValueError/TypeError.
 
 CUDA graphs: the call is capturable (``torch.cuda.graph``). Its workspace comes from torch's
 caching allocator (stream-ordered, and from the graph's private pool while capturing), or pass
-your own ``workspace`` (``flashkda.workspace(q, cu_seqlens)``). Long fixed-length sequences are
+your own ``workspace`` (``flashkda.workspace(q, cu_seqlens, v=v)``). Long fixed-length sequences are
 split into segments processed in parallel (intra-card context parallelism) automatically.
 
 To make flash-linear-attention's ``chunk_kda`` use it: ``flashkda.register_fla_backend()``
@@ -24,29 +24,28 @@ from flashkda.fla_backend import register_fla_backend
 __all__ = ["__version__", "fwd", "kernels_built", "register_fla_backend", "workspace", "workspace_bytes"]
 
 
-def workspace_bytes(q, cu_seqlens=None, segment_chunks=None):
-    """Bytes of workspace a ``fwd`` call on these inputs needs (0 when it needs none)."""
-    b, t, h = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
+def workspace_bytes(q, cu_seqlens=None, segment_chunks=None, v=None):
+    """Bytes of workspace a ``fwd`` call on these inputs needs (0 when it needs none); pass ``v``
+    when it has more heads than ``q`` (GVA)."""
+    b, t, hq = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
+    h = hq if v is None else int(v.shape[2])
     n = b if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
     dev = q.device.index if q.device.index is not None else 0
-    return _flashkda.workspace_bytes(b, t, h, n, cu_seqlens is not None, dev, segment_chunks)
+    return _flashkda.workspace_bytes(b, t, h, n, cu_seqlens is not None, dev, segment_chunks, hq)
 
 
-def workspace(q, cu_seqlens=None, segment_chunks=None):
+def workspace(q, cu_seqlens=None, segment_chunks=None, v=None):
     """A workspace tensor for ``fwd(..., workspace=)`` (uint8, on q's device)."""
     import torch
 
-    return torch.empty(max(1, workspace_bytes(q, cu_seqlens, segment_chunks)), dtype=torch.uint8, device=q.device)
+    nbytes = max(1, workspace_bytes(q, cu_seqlens, segment_chunks, v))
+    return torch.empty(nbytes, dtype=torch.uint8, device=q.device)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
         cu_seqlens=None, check_cu_seqlens=True, value_split=None, segment_chunks=None, workspace=None):
-    """KDA forward: writes ``out`` (and ``final_state`` when given) on torch's current stream."""
-    if workspace is None and getattr(q, "is_cuda", False) and q.dim() == 4:
-        import torch
-
-        nbytes = workspace_bytes(q, cu_seqlens, segment_chunks)
-        if nbytes:
-            workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+    """KDA forward: writes ``out`` (and ``final_state`` when given) on torch's current stream.
+    Validated and planned once, in the compiled module, which also takes the workspace from torch's
+    caching allocator when none is passed."""
     return _flashkda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                          cu_seqlens, check_cu_seqlens, value_split, segment_chunks, workspace)

@@ -9,7 +9,7 @@ Usage::
                                   lower_bound=-5, A_log=A_log, dt_bias=dt_bias, state_v_first=True)
 
 It takes precedence over fla's FlashKDA backend (priority 2 < 3) for the calls it accepts
-(inference, bf16, K = V = 128, no GVA, fused gate/norm/sigmoid, ``state_v_first=True``,
+(inference, bf16, K = V = 128, GVA included, fused gate/norm/sigmoid, ``state_v_first=True``,
 ``lower_bound`` in [-5, 0)); anything else falls through to the next backend or to Triton.
 Opt out with the environment variable ``FLASHKDA_FLA=0`` (read at every call).
 """

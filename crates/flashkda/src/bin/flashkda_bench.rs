@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Parser;
 use cudarc::driver::{CudaStream, sys};
 use flashkda::harness::{DeviceProblem, StateIo};
@@ -24,9 +24,8 @@ use k3_common::report::{Plot, PlotKind, Report, Section, Series, Skipped, Tier};
 
 #[path = "flashkda_bench/compare.rs"]
 mod compare;
-
-/// `python/bench_fla.py`, embedded so the bundled binary needs no source tree.
-const BENCH_FLA_PY: &str = include_str!("../../python/bench_fla.py");
+#[path = "flashkda_bench/fla.rs"]
+mod fla;
 
 #[derive(Parser, Debug)]
 #[command(about = "flashkda benchmarks (writes a k3 report)")]
@@ -251,6 +250,24 @@ fn time_fwd(
     Ok((all, blocks))
 }
 
+/// The fla process's part of this run.
+fn fla_request(a: &Args) -> fla::FlaRequest {
+    fla::FlaRequest {
+        python: a.python.clone(),
+        script: a.fla_script.clone(),
+        heads: if a.fla_heads.is_empty() {
+            a.heads.clone()
+        } else {
+            a.fla_heads.clone()
+        },
+        cases: a.fla_cases.split(',').map(str::to_string).collect(),
+        wheel: !a.no_fla_wheel,
+        warmup: a.warmup,
+        iters: a.iters,
+        repeats: a.repeats,
+    }
+}
+
 fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
     let ctx = match open_device(0) {
         Ok(c) => c,
@@ -275,6 +292,24 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
             });
             return Ok(());
         }
+    };
+    // a baseline that was asked for must be able to run: find out before timing anything
+    let fla_req = (!a.no_fla).then(|| fla_request(a));
+    if let Some(req) = &fla_req {
+        req.preflight()?;
+    }
+    // fla from an earlier run's report (when this run could not afford fla's autotuning)
+    let (earlier, fla_earlier) = match &a.fla_report {
+        Some(path) => {
+            let want: Vec<(usize, String)> = a
+                .heads
+                .iter()
+                .flat_map(|&h| CASES.iter().map(move |(c, _)| (h, c.to_string())))
+                .collect();
+            let (old, found) = fla::earlier_fla(path, &want)?;
+            (Some((path, old)), found)
+        }
+        None => (None, fla::ByShape::new()),
     };
     let gpu = ctx.name().unwrap_or_default();
     let stream = ctx.new_stream()?;
@@ -344,113 +379,40 @@ fn run_sm90(a: &Args, report: &mut Report) -> Result<()> {
         ),
     ];
     notes.extend(lines);
-    // fla in the same run
-    let mut fla: BTreeMap<(usize, String), f64> = BTreeMap::new();
-    if !a.no_fla {
-        let json = std::env::temp_dir().join(format!("flashkda_fla_{}.json", std::process::id()));
-        let fla_heads = if a.fla_heads.is_empty() {
-            &a.heads
-        } else {
-            &a.fla_heads
-        };
-        let heads: Vec<String> = fla_heads.iter().map(|h| h.to_string()).collect();
-        let script = match &a.fla_script {
-            Some(p) => p.clone(),
-            None => {
-                let p = std::env::temp_dir()
-                    .join(format!("flashkda_bench_fla_{}.py", std::process::id()));
-                std::fs::write(&p, BENCH_FLA_PY).context("writing the embedded bench_fla.py")?;
-                p
+    // fla in the same run (its rows, every one asked for, or an error)
+    let mut fla = fla::ByShape::new();
+    if let Some(req) = &fla_req {
+        let res = req.run()?;
+        versions.extend(res.env);
+        for row in res.rows {
+            let (h, case) = (row.h, row.case.clone());
+            fla.insert((h, case.clone()), row.fla_median());
+            notes.push(format!(
+                "H={h} {case} fla chunk_kda (same run): median {:.4} ms, block medians {:?}, first call {:.1} s",
+                row.fla_median(),
+                row.fla_block_medians,
+                row.fla_first_call_s
+            ));
+            if let Some((ws, vs_fla)) = row.wheel {
+                figures.push(
+                    Figure::timing(
+                        format!("kda fwd H={h} {case} [python wheel, fp32 state]"),
+                        &ws,
+                        "ms",
+                    )
+                    .param("H", h)
+                    .param("case", case.as_str()),
+                );
+                notes.push(format!(
+                    "H={h} {case} flashkda via wheel vs fla output: {vs_fla}"
+                ));
             }
-        };
-        let status = std::process::Command::new(&a.python)
-            .arg(&script)
-            .args(["--out".as_ref(), json.as_os_str()])
-            .args(["--heads", &heads.join(","), "--cases", &a.fla_cases])
-            .args(if a.no_fla_wheel {
-                &[][..]
-            } else {
-                &["--flashkda"][..]
-            })
-            .args([
-                "--warmup",
-                &a.warmup.to_string(),
-                "--iters",
-                &a.iters.to_string(),
-                "--repeats",
-                &a.repeats.to_string(),
-            ])
-            .status();
-        // a requested baseline that did not run is an error, not a missing column
-        let status =
-            status.with_context(|| format!("spawning {} {}", a.python, script.display()))?;
-        anyhow::ensure!(status.success(), "fla baseline script failed: {status}");
-        match std::fs::read_to_string(&json).map_err(anyhow::Error::from) {
-            Ok(text) => {
-                let v: serde_json::Value =
-                    serde_json::from_str(&text).context("parsing bench_fla.py output")?;
-                if let Some(env) = v["env"].as_object() {
-                    for (k, x) in env {
-                        versions.insert(k.clone(), x.as_str().unwrap_or_default().to_string());
-                    }
-                }
-                for row in v["rows"].as_array().cloned().unwrap_or_default() {
-                    let h = row["H"].as_u64().unwrap_or(0) as usize;
-                    let case = row["case"].as_str().unwrap_or("").to_string();
-                    let samples = |key: &str| -> Vec<f64> {
-                        row[key]["samples_ms"]
-                            .as_array()
-                            .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
-                            .unwrap_or_default()
-                    };
-                    let fs = samples("fla");
-                    if !fs.is_empty() {
-                        fla.insert((h, case.clone()), median(&fs));
-                        notes.push(format!("H={h} {case} fla chunk_kda (same run): median {:.4} ms, block medians {:?}, first call {:.1} s", median(&fs), row["fla"]["block_medians_ms"], row["fla_first_call_s"].as_f64().unwrap_or(0.0)));
-                    } else {
-                        anyhow::bail!("fla baseline failed on H={h} {case}: {}", row["fla_error"]);
-                    }
-                    let ws = samples("flashkda_wheel");
-                    if !ws.is_empty() {
-                        figures.push(
-                            Figure::timing(
-                                format!("kda fwd H={h} {case} [python wheel, fp32 state]"),
-                                &ws,
-                                "ms",
-                            )
-                            .param("H", h)
-                            .param("case", case.as_str()),
-                        );
-                        notes.push(format!(
-                            "H={h} {case} flashkda via wheel vs fla output: {}",
-                            row["flashkda_vs_fla"]
-                        ));
-                    }
-                }
-                notes.push(format!("fla backend hookup check: {}", v["hookup"]));
-            }
-            Err(e) => return Err(e.context("reading the fla baseline's results")),
+        }
+        if let Some(hookup) = res.hookup {
+            notes.push(format!("fla backend hookup check: {hookup}"));
         }
     }
-    // fla from an earlier run's report (when this run could not afford fla's autotuning)
-    let mut fla_earlier: BTreeMap<(usize, String), f64> = BTreeMap::new();
-    if let Some(path) = &a.fla_report {
-        let old = Report::read(path)?;
-        for f in old.sections.iter().flat_map(|s| &s.figures) {
-            let (Some(h), Some(case)) = (
-                f.params.get("H").and_then(|x| x.parse().ok()),
-                f.params.get("case"),
-            ) else {
-                continue;
-            };
-            if let Some(b) = f
-                .baselines
-                .iter()
-                .find(|b| b.same_run && b.name.starts_with("fla chunk_kda"))
-            {
-                fla_earlier.insert((h, case.clone()), b.value);
-            }
-        }
+    if let Some((path, old)) = &earlier {
         notes.push(format!("fla chunk_kda from an earlier run on the same machine kind ({}, created {}), not this run", path.display(), old.created));
     }
     let mut series: Vec<Series> = HEADLINES
