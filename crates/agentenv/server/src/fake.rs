@@ -535,6 +535,12 @@ mod fake_tests {
         );
         // The same records under a zero retention: the paused sandbox is deleted, its VM too.
         drop(s);
+        fake.recovered.lock().unwrap().push(RecoveredVm {
+            id: id.clone(),
+            template_id: "base".into(),
+            state: Some(VmState::Paused),
+            detail: String::new(),
+        });
         let cfg = LifecycleConfig {
             paused_retention: std::time::Duration::ZERO,
             ..Default::default()
