@@ -26,7 +26,7 @@ def test_openapi_fuzz_finds_no_server_error(server):
         "--url", server.url,
         "--header", f"X-API-KEY: {server.api_key}",
         "--checks", "not_a_server_error",
-        "--max-examples", os.environ.get("AGENTENV_FUZZ_EXAMPLES", "30"),
+        "--max-examples", os.environ.get("AGENTENV_FUZZ_EXAMPLES", "20"),
         "--phases", "examples,coverage,fuzzing",
         "--exclude-operation-id", "build_template",
         "--request-timeout", "30",
