@@ -63,6 +63,35 @@ def main():
     res["rel_out"], res["rel_state"] = rel(out, o_ref), rel(ht, ht_ref)
     res["all_finite"] = bool(torch.isfinite(out).all() and torch.isfinite(ht).all())
     ok &= res["all_finite"] and res["rel_out"] < 6e-3 and res["rel_state"] < 6e-3
+    # GVA through the Python call (the default call sizes its workspace from the value heads): two q/k heads
+    # for four value heads equal q/k repeated per value head (fla's mapping, value head h -> q/k head h // 2)
+    qk2 = {n: x[n][:, :, :2].contiguous() for n in ("q", "k")}
+    o_gva = torch.full_like(x["v"], float("nan"))
+    flashkda.fwd(qk2["q"], qk2["k"], x["v"], x["g"], x["beta"], D ** -0.5, o_gva, x["A_log"], x["dt_bias"], LB,
+                 initial_state=x["h0"], cu_seqlens=x["cu"])
+    o_rep = torch.full_like(x["v"], float("nan"))
+    flashkda.fwd(qk2["q"].repeat_interleave(2, dim=2), qk2["k"].repeat_interleave(2, dim=2), x["v"], x["g"], x["beta"],
+                 D ** -0.5, o_rep, x["A_log"], x["dt_bias"], LB, initial_state=x["h0"], cu_seqlens=x["cu"])
+    torch.cuda.synchronize()
+    res["gva_rel_to_repeated"] = rel(o_gva, o_rep.double())
+    ok &= bool(torch.isfinite(o_gva).all()) and res["gva_rel_to_repeated"] < 1e-6
+    # a CUDA graph of the default call replays to the eager result, bitwise
+    o_g = torch.full_like(x["v"], float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, o_g, x["A_log"], x["dt_bias"], LB,
+                     initial_state=x["h0"], cu_seqlens=x["cu"], check_cu_seqlens=False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, o_g, x["A_log"], x["dt_bias"], LB,
+                     initial_state=x["h0"], cu_seqlens=x["cu"], check_cu_seqlens=False)
+    o_g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    res["graph_replay_equals_eager"] = bool(torch.equal(o_g, out))
+    ok &= res["graph_replay_equals_eager"]
     # bad arguments raise, never crash
     errors = {}
     bad = {"k_fp16": dict(k=x["k"].half()), "v_cpu": dict(v=x["v"].cpu()), "q_noncontig": dict(q=x["q"].transpose(1, 2)),
