@@ -15,6 +15,7 @@
 pub mod accel;
 pub mod agent;
 pub mod bench;
+pub mod cgroup;
 pub mod config;
 pub mod error;
 pub mod fsops;

@@ -9,6 +9,7 @@ use serde_json::json;
 use tokio::process::{Child, Command};
 use tokio::sync::Mutex;
 
+use crate::cgroup::{Hierarchy, Limits};
 use crate::config::AccelKind;
 use crate::qmp::QmpClient;
 use crate::vmm::{
@@ -29,12 +30,28 @@ const EXIT_DEADLINE: Duration = Duration::from_secs(10);
 pub struct QemuVmm {
     bin: PathBuf,
     accel: AccelKind,
+    /// Where each QEMU gets its memory and CPU limits (`None`: this host has no writable cgroups).
+    cgroups: Option<Hierarchy>,
 }
 
 impl QemuVmm {
-    /// A backend running `bin` with `accel`.
+    /// A backend running `bin` with `accel`, confining each QEMU to a cgroup where the host allows it.
     pub fn new(bin: PathBuf, accel: AccelKind) -> QemuVmm {
-        QemuVmm { bin, accel }
+        let cgroups = Hierarchy::host();
+        match &cgroups {
+            Some(h) => {
+                h.sweep();
+                tracing::info!(hierarchy = ?h, "QEMU processes get per-VM cgroups")
+            }
+            None => {
+                tracing::warn!("no writable cgroup hierarchy: VMs run without memory or CPU limits")
+            }
+        }
+        QemuVmm {
+            bin,
+            accel,
+            cgroups,
+        }
     }
 
     /// The full QEMU argument list for `spec`; `incoming` adds `-S -incoming defer` for a restore.
@@ -133,6 +150,15 @@ impl QemuVmm {
             source: e,
         })?;
         let pid = child.id().unwrap_or(0);
+        if let Some(h) = &self.cgroups
+            && let Err(e) = h.confine(
+                &vm_name(spec),
+                pid,
+                Limits::for_vm(spec.memory_mib, spec.vcpus),
+            )
+        {
+            tracing::warn!(pid, error = %e, "QEMU runs without its cgroup limits");
+        }
         let qmp_path = spec.qmp_socket();
         let qmp = tokio::select! {
             r = QmpClient::connect(&qmp_path, QMP_TIMEOUT) => r,
@@ -154,6 +180,7 @@ impl QemuVmm {
             pid,
             qmp: Mutex::new(qmp),
             child: Mutex::new(Some(child)),
+            cgroups: self.cgroups.clone(),
         })
     }
 }
@@ -275,6 +302,7 @@ impl Vmm for QemuVmm {
                 pid,
                 qmp: Mutex::new(qmp),
                 child: Mutex::new(None),
+                cgroups: self.cgroups.clone(),
             }) as Box<dyn VmInstance>)
         })
     }
@@ -310,11 +338,27 @@ struct QemuVm {
     pid: u32,
     qmp: Mutex<QmpClient>,
     child: Mutex<Option<Child>>,
+    cgroups: Option<Hierarchy>,
+}
+
+/// The cgroup name of a VM: its folder's name (the sandbox id, or a template build's folder).
+pub fn vm_name(spec: &VmSpec) -> String {
+    spec.dir
+        .file_name()
+        .map_or_else(|| "vm".into(), |n| n.to_string_lossy().into_owned())
 }
 
 impl QemuVm {
-    /// Waits up to `limit` for the process to exit; true when it did.
+    /// Waits up to `limit` for the process to exit (then drops its cgroup); true when it did.
     async fn wait_exit(&self, limit: Duration) -> bool {
+        let exited = self.wait_exit_only(limit).await;
+        if exited && let Some(h) = &self.cgroups {
+            h.release(&vm_name(&self.spec));
+        }
+        exited
+    }
+
+    async fn wait_exit_only(&self, limit: Duration) -> bool {
         let wait = async {
             let mut child = self.child.lock().await;
             if let Some(c) = child.as_mut() {

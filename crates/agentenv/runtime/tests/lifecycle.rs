@@ -64,9 +64,32 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
         );
     }
     common::assert_private(&state.path().join("sandboxes"));
+    // Each QEMU sits in its own cgroup with a memory limit of guest RAM plus QEMU's headroom.
+    match agentenv_runtime::cgroup::Hierarchy::host() {
+        None => eprintln!("cgroup check skipped: this host mounts no writable cgroup hierarchy"),
+        Some(h) => {
+            let pids = common::qemu_pids_under(state.path());
+            assert_eq!(pids.len(), 1, "{pids:?}");
+            let own = std::fs::read_to_string(format!("/proc/{}/cgroup", pids[0])).unwrap();
+            assert!(own.contains(&format!("agentenv/{id}")), "{own}");
+            let want = agentenv_runtime::cgroup::Limits::for_vm(256, 1).memory_bytes;
+            let file = match &h {
+                agentenv_runtime::cgroup::Hierarchy::V1 { .. } => "memory.limit_in_bytes",
+                agentenv_runtime::cgroup::Hierarchy::V2 { .. } => "memory.max",
+            };
+            let limit = std::fs::read_to_string(h.groups(&id)[0].join(file)).unwrap();
+            assert_eq!(limit.trim().parse::<u64>().unwrap(), want);
+        }
+    }
 
     rt.kill(&id).await.expect("kill");
     assert_eq!(rt.vm_state(&id), None);
+    if let Some(h) = agentenv_runtime::cgroup::Hierarchy::host() {
+        assert!(
+            h.groups(&id).iter().all(|g| !g.exists()),
+            "cgroups of {id} left"
+        );
+    }
     assert!(
         common::qemu_pids_under(state.path()).is_empty(),
         "no QEMU left after kill"

@@ -9,10 +9,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{
-    CreateError, CreateSpec, KillError, PauseError, ResumeError, SnapshotError, SnapshotInfo,
-    SnapshotMode, VmBackend, VmState,
-};
+use crate::backend::{CreateSpec, KillError, SnapshotInfo, SnapshotMode, VmBackend, VmState};
 use crate::keys;
 use crate::metrics::Metrics;
 use crate::model::{NewSandbox, SandboxState};
@@ -28,154 +25,17 @@ const IDEMPOTENCY_WINDOW: Duration = Duration::from_secs(300);
 /// Forks per call (E2B's bound).
 pub const MAX_FORKS: u32 = 20;
 
-/// How long each runtime call may take before its VM is declared wedged and killed.
-#[derive(Debug, Clone)]
-pub struct Deadlines {
-    pub create: Duration,
-    pub pause: Duration,
-    pub resume: Duration,
-    pub kill: Duration,
-    pub snapshot: Duration,
-    pub fork: Duration,
-}
+mod config;
+mod error;
+mod expiry;
+mod quota;
 
-impl Default for Deadlines {
-    /// Generous for TCG (a cold boot takes up to two minutes there).
-    fn default() -> Self {
-        let s = Duration::from_secs;
-        Deadlines {
-            create: s(180),
-            pause: s(120),
-            resume: s(60),
-            kill: s(30),
-            snapshot: s(300),
-            fork: s(600),
-        }
-    }
-}
+pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};
+use quota::Usage;
 
-/// Limits on what the key may hold at once (`None`: no limit). Exceeding one answers 429.
-#[derive(Debug, Clone, Default)]
-pub struct Quota {
-    pub max_running: Option<usize>,
-    pub max_paused: Option<usize>,
-    /// Total memory of running sandboxes, MiB.
-    pub max_memory_mb: Option<u64>,
-}
-
-/// Lifecycle settings.
-#[derive(Debug, Clone)]
-pub struct LifecycleConfig {
-    pub deadlines: Deadlines,
-    /// A paused sandbox is deleted this long after it was paused.
-    pub paused_retention: Duration,
-    pub quota: Quota,
-}
-
-/// Default retention of paused sandboxes: 30 days.
-pub const DEFAULT_PAUSED_RETENTION: Duration = Duration::from_secs(30 * 86_400);
-
-impl Default for LifecycleConfig {
-    fn default() -> Self {
-        LifecycleConfig {
-            deadlines: Deadlines::default(),
-            paused_retention: DEFAULT_PAUSED_RETENTION,
-            quota: Quota::default(),
-        }
-    }
-}
-
-/// Why a lifecycle operation failed. HTTP status is decided at the edge (`error.rs`), nowhere else.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum LifecycleError {
-    #[error("sandbox {0} was not found")]
-    SandboxNotFound(String),
-    #[error("template '{0}' not found")]
-    TemplateNotFound(String),
-    #[error("snapshot '{0}' not found")]
-    SnapshotNotFound(String),
-    #[error("sandbox {0} is already paused")]
-    AlreadyPaused(String),
-    #[error("sandbox {0} is already running")]
-    AlreadyRunning(String),
-    #[error("sandbox {0} is paused")]
-    Paused(String),
-    /// The request is malformed (bad timeout, name, count, ...).
-    #[error("{0}")]
-    Invalid(String),
-    /// The runtime failed; the text says where.
-    #[error("{0}")]
-    Runtime(String),
-    #[error("state store failure: {0}")]
-    Store(String),
-    /// The operation would take the key over one of its quotas.
-    #[error("quota exceeded: {0}")]
-    QuotaExceeded(String),
-    /// A runtime call missed its deadline; the VM was killed and the sandbox is gone.
-    #[error("{op} of sandbox {id} missed its {secs:.0} s deadline; the VM was killed")]
-    DeadlineExceeded {
-        op: &'static str,
-        id: String,
-        secs: f64,
-    },
-}
+pub use error::LifecycleError;
 
 type Result<T, E = LifecycleError> = std::result::Result<T, E>;
-
-fn runtime(e: impl std::fmt::Display) -> LifecycleError {
-    tracing::error!(error = %e, "runtime error");
-    LifecycleError::Runtime(e.to_string())
-}
-
-impl From<CreateError> for LifecycleError {
-    fn from(e: CreateError) -> Self {
-        match e {
-            CreateError::UnknownTemplate(t) => LifecycleError::TemplateNotFound(t),
-            CreateError::InvalidId(i) => {
-                LifecycleError::Invalid(format!("invalid sandbox id {i:?}"))
-            }
-            e => runtime(e),
-        }
-    }
-}
-impl From<PauseError> for LifecycleError {
-    fn from(e: PauseError) -> Self {
-        match e {
-            PauseError::NotFound(i) => LifecycleError::SandboxNotFound(i),
-            PauseError::AlreadyPaused(i) => LifecycleError::AlreadyPaused(i),
-            e => runtime(e),
-        }
-    }
-}
-impl From<ResumeError> for LifecycleError {
-    fn from(e: ResumeError) -> Self {
-        match e {
-            ResumeError::NotFound(i) => LifecycleError::SandboxNotFound(i),
-            ResumeError::NotPaused(i) => LifecycleError::AlreadyRunning(i),
-            e => runtime(e),
-        }
-    }
-}
-impl From<KillError> for LifecycleError {
-    fn from(e: KillError) -> Self {
-        match e {
-            KillError::NotFound(i) => LifecycleError::SandboxNotFound(i),
-            e => runtime(e),
-        }
-    }
-}
-impl From<SnapshotError> for LifecycleError {
-    fn from(e: SnapshotError) -> Self {
-        match e {
-            SnapshotError::SandboxNotFound(i) => LifecycleError::SandboxNotFound(i),
-            SnapshotError::NotFound(i) => LifecycleError::SnapshotNotFound(i),
-            SnapshotError::InvalidName(n) => LifecycleError::Invalid(format!(
-                "invalid snapshot name {n:?}: use [A-Za-z0-9_.-] (at most 64), optionally :tag"
-            )),
-            e => runtime(e),
-        }
-    }
-}
 
 // Wall-clock time in Unix milliseconds and its RFC 3339 form (millisecond precision, `Z`).
 pub use k3_common::time::{
@@ -205,38 +65,6 @@ pub struct Sandboxes {
     expiring: Mutex<HashSet<String>>,
     /// Running sandboxes and memory (MiB) that operations in flight will add.
     reserved: Arc<Mutex<Usage>>,
-}
-
-/// Running and paused sandboxes, and the memory of the running ones (MiB).
-#[derive(Debug, Clone, Copy, Default)]
-struct Usage {
-    running: usize,
-    paused: usize,
-    memory_mb: u64,
-}
-
-/// Quota held for an operation in flight; released when dropped (the records count from then on).
-struct Reservation {
-    held: Usage,
-    pool: Arc<Mutex<Usage>>,
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        let mut r = self.pool.lock().expect("reservations");
-        r.running -= self.held.running;
-        r.paused -= self.held.paused;
-        r.memory_mb -= self.held.memory_mb;
-    }
-}
-
-/// What the reaper does to a due sandbox.
-#[derive(Debug, Clone, Copy)]
-enum Expiry {
-    Pause,
-    Kill,
-    /// Paused longer than the retention.
-    Retention,
 }
 
 impl Sandboxes {
@@ -305,61 +133,6 @@ impl Sandboxes {
             expiring: Mutex::new(HashSet::new()),
             reserved: Arc::new(Mutex::new(Usage::default())),
         }))
-    }
-
-    /// Reserves `add` against the quota: records plus operations in flight plus `add` must fit.
-    fn reserve(&self, add: Usage) -> Result<Reservation> {
-        let q = &self.cfg.quota;
-        let records = self.records.lock().expect("records");
-        let mut used = Usage::default();
-        for r in records.values() {
-            match r.state {
-                SandboxState::Running => {
-                    used.running += 1;
-                    used.memory_mb += u64::from(r.memory_mb);
-                }
-                SandboxState::Paused => used.paused += 1,
-            }
-        }
-        let mut reserved = self.reserved.lock().expect("reservations");
-        let over = |what: &str, used: u64, add: u64, max: Option<u64>| match max {
-            Some(max) if add > 0 && used + add > max => Some(format!(
-                "{what}: {used} in use, {add} more asked, the limit is {max}"
-            )),
-            _ => None,
-        };
-        let why = over(
-            "running sandboxes",
-            (used.running + reserved.running) as u64,
-            add.running as u64,
-            q.max_running.map(|m| m as u64),
-        )
-        .or_else(|| {
-            over(
-                "paused sandboxes",
-                (used.paused + reserved.paused) as u64,
-                add.paused as u64,
-                q.max_paused.map(|m| m as u64),
-            )
-        })
-        .or_else(|| {
-            over(
-                "memory of running sandboxes (MiB)",
-                used.memory_mb + reserved.memory_mb,
-                add.memory_mb,
-                q.max_memory_mb,
-            )
-        });
-        if let Some(why) = why {
-            return Err(LifecycleError::QuotaExceeded(why));
-        }
-        reserved.running += add.running;
-        reserved.paused += add.paused;
-        reserved.memory_mb += add.memory_mb;
-        Ok(Reservation {
-            held: add,
-            pool: self.reserved.clone(),
-        })
     }
 
     /// Runs one runtime call under its deadline. A miss kills the VM (under the kill deadline) and
@@ -891,87 +664,6 @@ impl Sandboxes {
         }
         tracing::info!(sandbox = %id, count, ok = out.iter().filter(|r| r.is_ok()).count(), "forked sandbox");
         Ok(out)
-    }
-
-    /// Starts expiring every due sandbox: running ones past `endAt` are paused (`autoPause`) or
-    /// killed, paused ones past the retention are killed. Each runs in its own task, so a wedged VM
-    /// delays no other. The reaper detaches the tasks; tests await them.
-    pub fn expire_due(self: &Arc<Self>) -> tokio::task::JoinSet<()> {
-        let due: Vec<(String, Expiry)> = {
-            let now = now_ms();
-            let recs = self.records.lock().expect("records");
-            recs.values()
-                .filter_map(|r| Some((r.sandbox_id.clone(), self.due(r, now)?)))
-                .collect()
-        };
-        let mut tasks = tokio::task::JoinSet::new();
-        for (id, what) in due {
-            if !self.expiring.lock().expect("expiring").insert(id.clone()) {
-                continue;
-            }
-            let this = self.clone();
-            tasks.spawn(async move {
-                // Re-checked: a connect or a new timeout may have come in since.
-                let still_due = this
-                    .get(&id)
-                    .is_some_and(|r| this.due(&r, now_ms()).is_some());
-                let res = match what {
-                    _ if !still_due => Ok(()),
-                    Expiry::Pause => match this.pause(&id).await {
-                        Err(LifecycleError::QuotaExceeded(why)) => {
-                            tracing::warn!(sandbox = %id, %why, "auto-pause over the paused quota: killing instead");
-                            this.kill(&id).await
-                        }
-                        r => r,
-                    },
-                    Expiry::Kill | Expiry::Retention => this.kill(&id).await,
-                };
-                match res {
-                    Ok(()) if still_due => {
-                        tracing::info!(sandbox = %id, action = ?what, "sandbox expired")
-                    }
-                    Ok(())
-                    | Err(
-                        LifecycleError::SandboxNotFound(_)
-                        | LifecycleError::AlreadyPaused(_)
-                        | LifecycleError::Paused(_),
-                    ) => {}
-                    Err(e) => tracing::error!(sandbox = %id, error = %e, "expiring sandbox failed"),
-                }
-                this.expiring.lock().expect("expiring").remove(&id);
-            });
-        }
-        tasks
-    }
-
-    fn due(&self, r: &SandboxRecord, now: i64) -> Option<Expiry> {
-        match r.state {
-            SandboxState::Running if r.end_at_ms <= now => Some(if r.auto_pause {
-                Expiry::Pause
-            } else {
-                Expiry::Kill
-            }),
-            SandboxState::Paused => {
-                let retention =
-                    i64::try_from(self.cfg.paused_retention.as_millis()).unwrap_or(i64::MAX);
-                let since = r.paused_at_ms.unwrap_or(r.end_at_ms);
-                (since.saturating_add(retention) <= now).then_some(Expiry::Retention)
-            }
-            SandboxState::Running => None,
-        }
-    }
-
-    /// Runs [`Self::expire_due`] every 500 ms until the process ends.
-    pub fn spawn_reaper(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
-        let this = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(500));
-            loop {
-                tick.tick().await;
-                let Some(s) = this.upgrade() else { return };
-                s.expire_due().detach_all();
-            }
-        })
     }
 }
 

@@ -1,0 +1,202 @@
+//! Per-VM cgroups: a memory and a CPU limit for every QEMU process, in a group `agentenv/<vm>` nested
+//! under this process's own group. cgroup v2 (unified) or the v1 `memory` and `cpu` controllers,
+//! whichever this host mounts writable; without either, VMs run unconfined and a warning says so.
+
+use std::path::{Path, PathBuf};
+
+/// Limits of one VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    /// CPU time per 100 ms period, microseconds.
+    pub cpu_quota_us: u64,
+}
+
+/// Headroom above guest RAM for QEMU itself (TCG's translation cache above all).
+const QEMU_OVERHEAD: u64 = 1 << 30;
+const CPU_PERIOD_US: u64 = 100_000;
+
+impl Limits {
+    /// Guest RAM plus QEMU's own headroom; one CPU per vCPU plus one for QEMU's I/O threads.
+    pub fn for_vm(memory_mib: u64, vcpus: u32) -> Limits {
+        Limits {
+            memory_bytes: (memory_mib << 20) + QEMU_OVERHEAD,
+            cpu_quota_us: (u64::from(vcpus) + 1) * CPU_PERIOD_US,
+        }
+    }
+}
+
+/// Where groups are made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hierarchy {
+    /// The unified hierarchy: `<base>/agentenv/<vm>` with `memory.max` and `cpu.max`.
+    V2 { base: PathBuf },
+    /// v1: `<memory>/agentenv/<vm>` (`memory.limit_in_bytes`) and `<cpu>/agentenv/<vm>` (`cpu.cfs_*`).
+    V1 { memory: PathBuf, cpu: PathBuf },
+}
+
+impl Hierarchy {
+    /// The hierarchy under `root` (normally `/sys/fs/cgroup`) for this process, as `/proc/self/cgroup`
+    /// (`self_cgroup`) places it; `None` when no writable one is there.
+    pub fn detect(root: &Path, self_cgroup: &str) -> Option<Hierarchy> {
+        let own = |controller: &str| {
+            self_cgroup.lines().find_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let (_, ctrls, path) = (f.next()?, f.next()?, f.next()?);
+                ctrls
+                    .split(',')
+                    .any(|c| c == controller)
+                    .then(|| path.trim_start_matches('/').to_string())
+            })
+        };
+        let v1 = |c: &str| {
+            let mount = root.join(c);
+            let dir = mount.join(own(c)?);
+            (dir.join("cgroup.procs").exists() && writable(&dir)).then_some(dir)
+        };
+        if let (Some(memory), Some(cpu)) = (v1("memory"), v1("cpu")) {
+            return Some(Hierarchy::V1 { memory, cpu });
+        }
+        let unified = self_cgroup
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .map(|p| p.trim_start_matches('/').to_string())?;
+        let base = root.join(unified);
+        let controllers = std::fs::read_to_string(base.join("cgroup.controllers")).ok()?;
+        let has = |c| controllers.split_whitespace().any(|x| x == c);
+        (has("memory") && has("cpu") && writable(&base)).then_some(Hierarchy::V2 { base })
+    }
+
+    /// This host's hierarchy, if any.
+    pub fn host() -> Option<Hierarchy> {
+        let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        Hierarchy::detect(Path::new("/sys/fs/cgroup"), &own)
+    }
+
+    /// The group folders of VM `vm`.
+    pub fn groups(&self, vm: &str) -> Vec<PathBuf> {
+        match self {
+            Hierarchy::V2 { base } => vec![base.join("agentenv").join(vm)],
+            Hierarchy::V1 { memory, cpu } => vec![
+                memory.join("agentenv").join(vm),
+                cpu.join("agentenv").join(vm),
+            ],
+        }
+    }
+
+    /// Creates the groups of `vm` with `limits` and moves `pid` into them.
+    pub fn confine(&self, vm: &str, pid: u32, limits: Limits) -> std::io::Result<()> {
+        let write = |dir: &Path, file: &str, value: String| {
+            std::fs::write(dir.join(file), value).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("{}: {e}", dir.join(file).display()))
+            })
+        };
+        match self {
+            Hierarchy::V2 { base } => {
+                let parent = base.join("agentenv");
+                std::fs::create_dir_all(&parent)?;
+                // Controllers must be enabled on the way down; the base may already allow them.
+                let _ = std::fs::write(base.join("cgroup.subtree_control"), "+memory +cpu");
+                write(&parent, "cgroup.subtree_control", "+memory +cpu".into())?;
+                let g = parent.join(vm);
+                std::fs::create_dir_all(&g)?;
+                write(&g, "memory.max", limits.memory_bytes.to_string())?;
+                write(
+                    &g,
+                    "cpu.max",
+                    format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
+                )?;
+                write(&g, "cgroup.procs", pid.to_string())
+            }
+            Hierarchy::V1 { memory, cpu } => {
+                let m = memory.join("agentenv").join(vm);
+                std::fs::create_dir_all(&m)?;
+                write(&m, "memory.limit_in_bytes", limits.memory_bytes.to_string())?;
+                write(&m, "cgroup.procs", pid.to_string())?;
+                let c = cpu.join("agentenv").join(vm);
+                std::fs::create_dir_all(&c)?;
+                write(&c, "cpu.cfs_period_us", CPU_PERIOD_US.to_string())?;
+                write(&c, "cpu.cfs_quota_us", limits.cpu_quota_us.to_string())?;
+                write(&c, "cgroup.procs", pid.to_string())
+            }
+        }
+    }
+
+    /// Removes every empty group a previous process left (VMs it lost, or killed as orphans).
+    pub fn sweep(&self) {
+        let parents: Vec<PathBuf> = match self {
+            Hierarchy::V2 { base } => vec![base.join("agentenv")],
+            Hierarchy::V1 { memory, cpu } => vec![memory.join("agentenv"), cpu.join("agentenv")],
+        };
+        for p in parents {
+            for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+                // rmdir fails on a group that still has processes: those stay.
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
+
+    /// Removes the groups of `vm` (they must be empty: call after its QEMU exited).
+    pub fn release(&self, vm: &str) {
+        for g in self.groups(vm) {
+            let _ = std::fs::remove_dir(&g);
+        }
+    }
+}
+
+fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: access(2) on a NUL-terminated path.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_cover_guest_ram_and_qemu() {
+        let mib = rand::random_range(128..16_384u64);
+        let l = Limits::for_vm(mib, 2);
+        assert_eq!(l.memory_bytes, (mib << 20) + QEMU_OVERHEAD);
+        assert_eq!(l.cpu_quota_us, 300_000);
+    }
+
+    #[test]
+    fn detects_v1_and_v2_layouts_under_our_own_group() {
+        let root = tempfile::tempdir().unwrap();
+        let own = format!("p{}", rand::random::<u32>());
+        for c in ["memory", "cpu"] {
+            let d = root.path().join(c).join("svc").join(&own);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("cgroup.procs"), "").unwrap();
+        }
+        let v1 = format!("4:memory:/svc/{own}\n1:cpu:/svc/{own}\n0::/\n");
+        assert_eq!(
+            Hierarchy::detect(root.path(), &v1),
+            Some(Hierarchy::V1 {
+                memory: root.path().join("memory/svc").join(&own),
+                cpu: root.path().join("cpu/svc").join(&own),
+            })
+        );
+        let v2root = tempfile::tempdir().unwrap();
+        let base = v2root.path().join("user.slice").join(&own);
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::write(base.join("cgroup.controllers"), "cpuset cpu io memory pids").unwrap();
+        let v2 = format!("0::/user.slice/{own}\n");
+        assert_eq!(
+            Hierarchy::detect(v2root.path(), &v2),
+            Some(Hierarchy::V2 { base: base.clone() })
+        );
+        std::fs::write(base.join("cgroup.controllers"), "cpuset io pids").unwrap();
+        assert_eq!(
+            Hierarchy::detect(v2root.path(), &v2),
+            None,
+            "no memory controller"
+        );
+        assert_eq!(Hierarchy::detect(root.path(), "0::/\n"), None);
+    }
+}
