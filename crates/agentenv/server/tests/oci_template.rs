@@ -151,5 +151,19 @@ async fn template_from_an_oci_image_honours_its_config() {
                 .is_some_and(|m| m.contains("image"))
         );
     }
+    let gone = api
+        .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(gone.status, StatusCode::NO_CONTENT);
     server.stop();
+    // No QEMU of this state folder outlives the test (its folder is deleted with it).
+    let needle = dir.path().display().to_string();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).into_owned())
+        .filter(|c| c.contains("qemu-system") && c.contains(&needle))
+        .collect();
+    assert!(left.is_empty(), "QEMU left running: {left:?}");
 }
