@@ -73,15 +73,17 @@ impl Hierarchy {
         Hierarchy::detect(Path::new("/sys/fs/cgroup"), &own)
     }
 
+    /// The `agentenv` folders that hold the VMs' groups (v1: memory first, then cpu).
+    fn parents(&self) -> Vec<PathBuf> {
+        match self {
+            Hierarchy::V2 { base } => vec![base.join("agentenv")],
+            Hierarchy::V1 { memory, cpu } => vec![memory.join("agentenv"), cpu.join("agentenv")],
+        }
+    }
+
     /// The group folders of VM `vm`.
     pub fn groups(&self, vm: &str) -> Vec<PathBuf> {
-        match self {
-            Hierarchy::V2 { base } => vec![base.join("agentenv").join(vm)],
-            Hierarchy::V1 { memory, cpu } => vec![
-                memory.join("agentenv").join(vm),
-                cpu.join("agentenv").join(vm),
-            ],
-        }
+        self.parents().into_iter().map(|p| p.join(vm)).collect()
     }
 
     /// Creates the groups of `vm` with `limits` and moves `pid` into them.
@@ -91,44 +93,40 @@ impl Hierarchy {
                 std::io::Error::new(e.kind(), format!("{}: {e}", dir.join(file).display()))
             })
         };
+        let groups = self.groups(vm);
         match self {
             Hierarchy::V2 { base } => {
-                let parent = base.join("agentenv");
-                std::fs::create_dir_all(&parent)?;
+                let g = &groups[0];
+                let parent = g.parent().unwrap_or(base);
+                std::fs::create_dir_all(parent)?;
                 // Controllers must be enabled on the way down; the base may already allow them.
                 let _ = std::fs::write(base.join("cgroup.subtree_control"), "+memory +cpu");
-                write(&parent, "cgroup.subtree_control", "+memory +cpu".into())?;
-                let g = parent.join(vm);
-                std::fs::create_dir_all(&g)?;
-                write(&g, "memory.max", limits.memory_bytes.to_string())?;
+                write(parent, "cgroup.subtree_control", "+memory +cpu".into())?;
+                std::fs::create_dir_all(g)?;
+                write(g, "memory.max", limits.memory_bytes.to_string())?;
                 write(
-                    &g,
+                    g,
                     "cpu.max",
                     format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
                 )?;
-                write(&g, "cgroup.procs", pid.to_string())
+                write(g, "cgroup.procs", pid.to_string())
             }
-            Hierarchy::V1 { memory, cpu } => {
-                let m = memory.join("agentenv").join(vm);
-                std::fs::create_dir_all(&m)?;
-                write(&m, "memory.limit_in_bytes", limits.memory_bytes.to_string())?;
-                write(&m, "cgroup.procs", pid.to_string())?;
-                let c = cpu.join("agentenv").join(vm);
-                std::fs::create_dir_all(&c)?;
-                write(&c, "cpu.cfs_period_us", CPU_PERIOD_US.to_string())?;
-                write(&c, "cpu.cfs_quota_us", limits.cpu_quota_us.to_string())?;
-                write(&c, "cgroup.procs", pid.to_string())
+            Hierarchy::V1 { .. } => {
+                let (m, c) = (&groups[0], &groups[1]);
+                std::fs::create_dir_all(m)?;
+                std::fs::create_dir_all(c)?;
+                write(m, "memory.limit_in_bytes", limits.memory_bytes.to_string())?;
+                write(m, "cgroup.procs", pid.to_string())?;
+                write(c, "cpu.cfs_period_us", CPU_PERIOD_US.to_string())?;
+                write(c, "cpu.cfs_quota_us", limits.cpu_quota_us.to_string())?;
+                write(c, "cgroup.procs", pid.to_string())
             }
         }
     }
 
     /// Removes every empty group a previous process left (VMs it lost, or killed as orphans).
     pub fn sweep(&self) {
-        let parents: Vec<PathBuf> = match self {
-            Hierarchy::V2 { base } => vec![base.join("agentenv")],
-            Hierarchy::V1 { memory, cpu } => vec![memory.join("agentenv"), cpu.join("agentenv")],
-        };
-        for p in parents {
+        for p in self.parents() {
             for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
                 // rmdir fails on a group that still has processes: those stay.
                 let _ = std::fs::remove_dir(e.path());

@@ -130,13 +130,13 @@ async fn check_consistent(api: &Api, dir: &Path, point: &str) -> (Vec<Value>, Ve
         assert_eq!(s["state"], "paused", "{point}: {s}");
     }
     // One QEMU per running sandbox, none for paused or gone ones (orphans are SIGKILLed at start).
-    let mut qemus = qemu_pids_under(dir);
+    let mut qemus = common::qemu_pids_under(dir);
     for _ in 0..50 {
         if qemus.len() == running.len() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-        qemus = qemu_pids_under(dir);
+        qemus = common::qemu_pids_under(dir);
     }
     assert_eq!(
         qemus.len(),
@@ -156,25 +156,6 @@ async fn check_consistent(api: &Api, dir: &Path, point: &str) -> (Vec<Value>, Ve
         );
     }
     (running, paused)
-}
-
-fn qemu_pids_under(dir: &Path) -> Vec<u32> {
-    let needle = dir.display().to_string();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rsplit_once(')')
-                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'));
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmd = String::from_utf8_lossy(&cmd);
-            !zombie && cmd.contains("qemu-system") && cmd.contains(&needle)
-        })
-        .collect()
 }
 
 /// A crash point, the request that reaches it, and the state of the sandbox after the restart.
@@ -376,5 +357,8 @@ async fn kill_9_at_every_step_leaves_a_consistent_state() {
         .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
         .await;
     s.stop();
-    assert!(qemu_pids_under(dir).is_empty(), "QEMU left after the test");
+    assert!(
+        common::qemu_pids_under(dir).is_empty(),
+        "QEMU left after the test"
+    );
 }

@@ -157,13 +157,6 @@ async fn template_from_an_oci_image_honours_its_config() {
     assert_eq!(gone.status, StatusCode::NO_CONTENT);
     server.stop();
     // No QEMU of this state folder outlives the test (its folder is deleted with it).
-    let needle = dir.path().display().to_string();
-    let left: Vec<String> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-        .map(|c| String::from_utf8_lossy(&c).into_owned())
-        .filter(|c| c.contains("qemu-system") && c.contains(&needle))
-        .collect();
+    let left = common::qemu_pids_under(dir.path());
     assert!(left.is_empty(), "QEMU left running: {left:?}");
 }

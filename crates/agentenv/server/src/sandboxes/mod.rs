@@ -135,8 +135,9 @@ impl Sandboxes {
         }))
     }
 
-    /// Runs one runtime call under its deadline. A miss kills the VM (under the kill deadline) and
-    /// drops the sandbox's record: the sandbox ends gone, never half-running.
+    /// Runs one runtime call under its deadline, times it (`op` in the metrics) and passes the
+    /// crash point `server:<op>:after-vm` once it succeeded. A miss kills the VM (under the kill
+    /// deadline) and drops the sandbox's record: the sandbox ends gone, never half-running.
     async fn within<T, E: Into<LifecycleError>>(
         &self,
         op: &'static str,
@@ -144,8 +145,14 @@ impl Sandboxes {
         limit: Duration,
         call: impl Future<Output = std::result::Result<T, E>>,
     ) -> Result<T> {
+        let t0 = Instant::now();
         match tokio::time::timeout(limit, call).await {
-            Ok(r) => r.map_err(Into::into),
+            Ok(r) => {
+                let v = r.map_err(Into::into)?;
+                k3_common::crash::point(&format!("server:{op}:after-vm"));
+                self.metrics.observe_op(op, t0.elapsed());
+                Ok(v)
+            }
             Err(_) => {
                 tracing::error!(sandbox = %id, op, deadline_s = limit.as_secs_f64(), "runtime call missed its deadline; killing the VM");
                 self.kill_wedged(id).await;
@@ -252,7 +259,6 @@ impl Sandboxes {
         let env_vars = req.env_vars.unwrap_or_default();
         let lock = self.op_lock(&id);
         let _guard = lock.lock().await;
-        let t0 = Instant::now();
         let spec = CreateSpec {
             sandbox_id: id.clone(),
             template_id: source.id.clone(),
@@ -265,8 +271,6 @@ impl Sandboxes {
             self.backend.create(spec),
         )
         .await?;
-        k3_common::crash::point("server:create:after-vm");
-        self.metrics.observe_op("create", t0.elapsed());
         let now = now_ms();
         let auto_resume = req.auto_resume.as_ref().is_some_and(|v| {
             v.get("enabled")
@@ -436,7 +440,6 @@ impl Sandboxes {
             paused: 1,
             memory_mb: 0,
         })?;
-        let t0 = Instant::now();
         self.within(
             "pause",
             id,
@@ -444,8 +447,6 @@ impl Sandboxes {
             self.backend.pause(id),
         )
         .await?;
-        k3_common::crash::point("server:pause:after-vm");
-        self.metrics.observe_op("pause", t0.elapsed());
         rec.state = SandboxState::Paused;
         rec.paused_at_ms = Some(now_ms());
         self.put(rec)?;
@@ -471,7 +472,6 @@ impl Sandboxes {
                 paused: 0,
                 memory_mb: u64::from(rec.memory_mb),
             })?;
-            let t0 = Instant::now();
             self.within(
                 "resume",
                 id,
@@ -479,8 +479,6 @@ impl Sandboxes {
                 self.backend.resume(id),
             )
             .await?;
-            k3_common::crash::point("server:resume:after-vm");
-            self.metrics.observe_op("resume", t0.elapsed());
             rec.state = SandboxState::Running;
             rec.paused_at_ms = None;
             rec.end_at_ms = until;
@@ -539,17 +537,13 @@ impl Sandboxes {
         } else {
             SnapshotMode::Filesystem
         };
-        let t0 = Instant::now();
-        let info = self
-            .within(
-                "snapshot",
-                id,
-                self.cfg.deadlines.snapshot,
-                self.backend.snapshot(id, &sid, &names, mode),
-            )
-            .await?;
-        self.metrics.observe_op("snapshot", t0.elapsed());
-        Ok(info)
+        self.within(
+            "snapshot",
+            id,
+            self.cfg.deadlines.snapshot,
+            self.backend.snapshot(id, &sid, &names, mode),
+        )
+        .await
     }
 
     /// Live snapshots, oldest first, optionally of one sandbox and/or with one name (`name[:tag]`).
@@ -616,7 +610,6 @@ impl Sandboxes {
             memory_mb: u64::from(count) * u64::from(src.memory_mb),
         })?;
         let ids: Vec<String> = (0..count).map(|_| keys::generate_sandbox_id()).collect();
-        let t0 = Instant::now();
         let results = match self
             .within(
                 "fork",
@@ -636,7 +629,6 @@ impl Sandboxes {
                 return Err(e);
             }
         };
-        self.metrics.observe_op("fork", t0.elapsed());
         let now = now_ms();
         let mut out = Vec::with_capacity(results.len());
         for (fid, r) in ids.iter().zip(results) {

@@ -20,12 +20,27 @@ pub(super) struct Reservation {
     pool: Arc<Mutex<Usage>>,
 }
 
+impl Usage {
+    fn plus(self, o: Usage) -> Usage {
+        Usage {
+            running: self.running + o.running,
+            paused: self.paused + o.paused,
+            memory_mb: self.memory_mb + o.memory_mb,
+        }
+    }
+    fn minus(self, o: Usage) -> Usage {
+        Usage {
+            running: self.running - o.running,
+            paused: self.paused - o.paused,
+            memory_mb: self.memory_mb - o.memory_mb,
+        }
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         let mut r = self.pool.lock().expect("reservations");
-        r.running -= self.held.running;
-        r.paused -= self.held.paused;
-        r.memory_mb -= self.held.memory_mb;
+        *r = r.minus(self.held);
     }
 }
 
@@ -34,51 +49,55 @@ impl Sandboxes {
     pub(super) fn reserve(&self, add: Usage) -> Result<Reservation> {
         let q = &self.cfg.quota;
         let records = self.records.lock().expect("records");
-        let mut used = Usage::default();
-        for r in records.values() {
-            match r.state {
-                SandboxState::Running => {
-                    used.running += 1;
-                    used.memory_mb += u64::from(r.memory_mb);
-                }
-                SandboxState::Paused => used.paused += 1,
-            }
-        }
+        let stored = records.values().fold(Usage::default(), |u, r| {
+            u.plus(match r.state {
+                SandboxState::Running => Usage {
+                    running: 1,
+                    paused: 0,
+                    memory_mb: u64::from(r.memory_mb),
+                },
+                SandboxState::Paused => Usage {
+                    running: 0,
+                    paused: 1,
+                    memory_mb: 0,
+                },
+            })
+        });
         let mut reserved = self.reserved.lock().expect("reservations");
-        let over = |what: &str, used: u64, add: u64, max: Option<u64>| match max {
-            Some(max) if add > 0 && used + add > max => Some(format!(
-                "{what}: {used} in use, {add} more asked, the limit is {max}"
-            )),
-            _ => None,
-        };
-        let why = over(
-            "running sandboxes",
-            (used.running + reserved.running) as u64,
-            add.running as u64,
-            q.max_running.map(|m| m as u64),
-        )
-        .or_else(|| {
-            over(
+        let used = stored.plus(*reserved);
+        let limit = |m: Option<usize>| m.map(|m| m as u64);
+        let checks = [
+            (
+                "running sandboxes",
+                used.running as u64,
+                add.running as u64,
+                limit(q.max_running),
+            ),
+            (
                 "paused sandboxes",
-                (used.paused + reserved.paused) as u64,
+                used.paused as u64,
                 add.paused as u64,
-                q.max_paused.map(|m| m as u64),
-            )
-        })
-        .or_else(|| {
-            over(
+                limit(q.max_paused),
+            ),
+            (
                 "memory of running sandboxes (MiB)",
-                used.memory_mb + reserved.memory_mb,
+                used.memory_mb,
                 add.memory_mb,
                 q.max_memory_mb,
-            )
-        });
-        if let Some(why) = why {
+            ),
+        ];
+        let over = checks
+            .into_iter()
+            .find_map(|(what, used, add, max)| match max {
+                Some(max) if add > 0 && used + add > max => Some(format!(
+                    "{what}: {used} in use, {add} more asked, the limit is {max}"
+                )),
+                _ => None,
+            });
+        if let Some(why) = over {
             return Err(LifecycleError::QuotaExceeded(why));
         }
-        reserved.running += add.running;
-        reserved.paused += add.paused;
-        reserved.memory_mb += add.memory_mb;
+        *reserved = reserved.plus(add);
         Ok(Reservation {
             held: add,
             pool: self.reserved.clone(),

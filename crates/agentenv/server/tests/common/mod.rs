@@ -337,3 +337,23 @@ pub fn b64_decode(s: &str) -> Vec<u8> {
 pub fn path_of(dir: &tempfile::TempDir) -> PathBuf {
     dir.path().to_path_buf()
 }
+
+/// Live (not zombie) QEMU processes whose command line names `dir`.
+pub fn qemu_pids_under(dir: &Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = stat
+                .rsplit_once(')')
+                .is_some_and(|(_, r)| r.trim_start().starts_with('Z'));
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd);
+            !zombie && cmd.contains("qemu-system") && cmd.contains(&needle)
+        })
+        .collect()
+}
