@@ -16,6 +16,7 @@ use crate::metrics::Metrics;
 use crate::routes;
 use crate::sandboxes::{LifecycleConfig, Sandboxes};
 use crate::store::SandboxStore;
+use crate::tenants::KeyRing;
 
 /// Default upper bound of one data-plane request body (file uploads).
 pub const DEFAULT_MAX_UPLOAD_BYTES: u64 = 1 << 30;
@@ -27,10 +28,9 @@ pub const MAX_JSON_BYTES: usize = 1 << 20;
 pub struct AppState {
     pub sandboxes: Arc<Sandboxes>,
     pub metrics: Arc<Metrics>,
-    pub api_key: Arc<str>,
+    /// The accepted API keys: the server's own and the named ones.
+    pub keys: Arc<KeyRing>,
     pub max_upload_bytes: u64,
-    /// The key's request budget (`None`: unlimited).
-    pub limiter: Option<Arc<crate::ratelimit::Bucket>>,
 }
 
 /// What [`AppState::open`] needs.
@@ -39,7 +39,7 @@ pub struct ServerConfig {
     pub api_key: String,
     pub max_upload_bytes: u64,
     pub lifecycle: LifecycleConfig,
-    /// Control-plane requests of the key (`None`: unlimited).
+    /// Control-plane requests of each key (`None`: unlimited).
     pub rate_limit: Option<crate::ratelimit::RateLimit>,
 }
 
@@ -48,16 +48,21 @@ impl AppState {
     pub async fn open(backend: Arc<dyn VmBackend>, cfg: ServerConfig) -> anyhow::Result<AppState> {
         let metrics = Arc::new(Metrics::new());
         let store = SandboxStore::open(&cfg.state_dir)?;
-        let sandboxes = Sandboxes::open(backend, store, metrics.clone(), cfg.lifecycle).await?;
+        // The server's own key is held only to the server-wide quota.
+        let keys = Arc::new(KeyRing::open(
+            &cfg.state_dir,
+            cfg.api_key,
+            Default::default(),
+            cfg.rate_limit,
+        ));
+        let sandboxes =
+            Sandboxes::open(backend, store, metrics.clone(), cfg.lifecycle, keys.clone()).await?;
         sandboxes.spawn_reaper();
         Ok(AppState {
             sandboxes,
             metrics,
-            api_key: cfg.api_key.into(),
+            keys,
             max_upload_bytes: cfg.max_upload_bytes,
-            limiter: cfg
-                .rate_limit
-                .map(|l| Arc::new(crate::ratelimit::Bucket::new(l))),
         })
     }
 }
@@ -148,14 +153,16 @@ async fn dispatch(State(state): State<AppState>, req: Request, next: Next) -> Re
     resp
 }
 
-async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+/// Resolves the key to its [`crate::tenants::Tenant`] (put in the request's extensions) and spends one of
+/// its requests.
+async fn require_api_key(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     if req.uri().path() == "/health" {
         return next.run(req).await;
     }
     let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
-    match key {
-        Some(k) if crate::keys::secret_eq(k, &state.api_key) => {
-            if let Some(Err(wait)) = state.limiter.as_ref().map(|b| b.take()) {
+    match key.map(|k| (k, state.keys.authenticate(k))) {
+        Some((_, Some(tenant))) => {
+            if let Some(Err(wait)) = tenant.limiter.as_ref().map(|b| b.take()) {
                 return ApiError::new(
                     axum::http::StatusCode::TOO_MANY_REQUESTS,
                     format!(
@@ -165,6 +172,7 @@ async fn require_api_key(State(state): State<AppState>, req: Request, next: Next
                 )
                 .into_response();
             }
+            req.extensions_mut().insert(tenant);
             next.run(req).await
         }
         Some(_) => ApiError::unauthorized("Invalid API key").into_response(),

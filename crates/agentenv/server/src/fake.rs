@@ -19,6 +19,8 @@ pub struct FakeBackend {
     pub kills: AtomicUsize,
     /// Sandboxes whose pause, resume and snapshot never return (a wedged QEMU); kill still works.
     pub wedged: Mutex<std::collections::HashSet<String>>,
+    /// Templates "built" (instantly) besides `base`.
+    pub built: Mutex<Vec<TemplateInfo>>,
 }
 
 fn template() -> TemplateInfo {
@@ -60,21 +62,30 @@ impl VmBackend for FakeBackend {
         "fake".into()
     }
     fn templates(&self) -> Vec<TemplateInfo> {
-        vec![template()]
+        let mut all = vec![template()];
+        all.extend(self.built.lock().unwrap().iter().cloned());
+        all
     }
     fn build_template(
         &self,
-        _: TemplateSpec,
+        spec: TemplateSpec,
     ) -> BoxFuture<'_, Result<TemplateInfo, TemplateError>> {
-        Box::pin(async {
-            Err(TemplateError::InvalidSpec(
-                "the fake builds no templates".into(),
-            ))
+        Box::pin(async move {
+            if self.templates().iter().any(|t| t.id == spec.id) {
+                return Err(TemplateError::InvalidSpec(format!("{} exists", spec.id)));
+            }
+            let t = TemplateInfo {
+                id: spec.id,
+                aliases: spec.aliases,
+                ..template()
+            };
+            self.built.lock().unwrap().push(t.clone());
+            Ok(t)
         })
     }
     fn create(&self, spec: CreateSpec) -> BoxFuture<'_, Result<SandboxVm, CreateError>> {
         Box::pin(async move {
-            let known = spec.template_id == "base"
+            let known = self.templates().iter().any(|t| t.id == spec.template_id)
                 || self
                     .snaps
                     .lock()
@@ -245,14 +256,26 @@ mod fake_tests {
         fake: Arc<FakeBackend>,
         cfg: LifecycleConfig,
     ) -> Arc<Sandboxes> {
+        let ring = crate::tenants::KeyRing::open(
+            dir,
+            crate::keys::generate_api_key(),
+            Quota::default(),
+            None,
+        );
         Sandboxes::open(
             fake,
             SandboxStore::open(dir).unwrap(),
             Arc::new(Metrics::new()),
             cfg,
+            Arc::new(ring),
         )
         .await
         .unwrap()
+    }
+
+    /// The server key's tenant, as its requests arrive.
+    fn me() -> Caller {
+        Caller::Tenant(crate::tenants::DEFAULT_TENANT.into())
     }
 
     fn req(template: &str) -> NewSandbox {
@@ -268,14 +291,17 @@ mod fake_tests {
         let fake = Arc::new(FakeBackend::default());
         let s = open(dir.path(), fake.clone()).await;
         let key = format!("k-{}", rand::random::<u32>());
-        let a = s.create(req("base"), Some(key.clone())).await.unwrap();
-        let b = s.create(req("default"), Some(key)).await.unwrap();
+        let a = s
+            .create(&me(), req("base"), Some(key.clone()))
+            .await
+            .unwrap();
+        let b = s.create(&me(), req("default"), Some(key)).await.unwrap();
         assert_eq!(a.sandbox_id, b.sandbox_id);
         assert_eq!(fake.creates.load(Ordering::SeqCst), 1);
-        let c = s.create(req("base"), None).await.unwrap();
+        let c = s.create(&me(), req("base"), None).await.unwrap();
         assert_ne!(a.sandbox_id, c.sandbox_id);
         assert!(matches!(
-            s.create(req("nope"), None).await,
+            s.create(&me(), req("nope"), None).await,
             Err(LifecycleError::TemplateNotFound(_))
         ));
     }
@@ -287,6 +313,7 @@ mod fake_tests {
         let s = open(dir.path(), fake.clone()).await;
         let kill_me = s
             .create(
+                &me(),
                 NewSandbox {
                     timeout: Some(0),
                     ..req("base")
@@ -297,6 +324,7 @@ mod fake_tests {
             .unwrap();
         let pause_me = s
             .create(
+                &me(),
                 NewSandbox {
                     timeout: Some(0),
                     auto_pause: Some(true),
@@ -306,7 +334,7 @@ mod fake_tests {
             )
             .await
             .unwrap();
-        let keep = s.create(req("base"), None).await.unwrap();
+        let keep = s.create(&me(), req("base"), None).await.unwrap();
         s.expire_due().join_all().await;
         assert!(s.get(&kill_me.sandbox_id).is_none());
         assert_eq!(
@@ -319,14 +347,17 @@ mod fake_tests {
         );
         assert_eq!(fake.vm_state(&pause_me.sandbox_id), Some(VmState::Paused));
         assert!(matches!(
-            s.pause(&pause_me.sandbox_id).await,
+            s.pause(&me(), &pause_me.sandbox_id).await,
             Err(LifecycleError::AlreadyPaused(_))
         ));
         assert!(matches!(
-            s.set_timeout(&pause_me.sandbox_id, 10).await,
+            s.set_timeout(&me(), &pause_me.sandbox_id, 10).await,
             Err(LifecycleError::Paused(_))
         ));
-        let (rec, resumed) = s.connect(&pause_me.sandbox_id, Some(60)).await.unwrap();
+        let (rec, resumed) = s
+            .connect(&me(), &pause_me.sandbox_id, Some(60))
+            .await
+            .unwrap();
         assert!(resumed && rec.state == SandboxState::Running);
     }
 
@@ -336,11 +367,11 @@ mod fake_tests {
         let fake = Arc::new(FakeBackend::default());
         let s = open(dir.path(), fake.clone()).await;
         let (a, b, c) = (
-            s.create(req("base"), None).await.unwrap(),
-            s.create(req("base"), None).await.unwrap(),
-            s.create(req("base"), None).await.unwrap(),
+            s.create(&me(), req("base"), None).await.unwrap(),
+            s.create(&me(), req("base"), None).await.unwrap(),
+            s.create(&me(), req("base"), None).await.unwrap(),
         );
-        s.pause(&b.sandbox_id).await.unwrap();
+        s.pause(&me(), &b.sandbox_id).await.unwrap();
         drop(s);
         // The runtime kept a (running) and b (paused), lost c, and has an orphan VM.
         let fake2 = Arc::new(FakeBackend::default());
@@ -361,7 +392,7 @@ mod fake_tests {
         assert_eq!(s.get(&b.sandbox_id).unwrap().state, SandboxState::Paused);
         assert!(s.get(&c.sandbox_id).is_none());
         assert_eq!(fake2.vm_state("orphan"), None, "the orphan VM was killed");
-        assert_eq!(s.list(&ListFilter::default()).len(), 2);
+        assert_eq!(s.list(&me(), &ListFilter::default()).len(), 2);
     }
 
     #[tokio::test]
@@ -369,52 +400,52 @@ mod fake_tests {
         let dir = tempfile::tempdir().unwrap();
         let fake = Arc::new(FakeBackend::default());
         let s = open(dir.path(), fake.clone()).await;
-        let a = s.create(req("base"), None).await.unwrap();
-        let b = s.create(req("base"), None).await.unwrap();
+        let a = s.create(&me(), req("base"), None).await.unwrap();
+        let b = s.create(&me(), req("base"), None).await.unwrap();
         let s1 = s
-            .snapshot(&a.sandbox_id, Some("app".into()), true)
+            .snapshot(&me(), &a.sandbox_id, Some("app".into()), true)
             .await
             .unwrap();
         let s2 = s
-            .snapshot(&a.sandbox_id, Some("app:v2".into()), true)
+            .snapshot(&me(), &a.sandbox_id, Some("app:v2".into()), true)
             .await
             .unwrap();
         let s3 = s
-            .snapshot(&b.sandbox_id, Some("app".into()), false)
+            .snapshot(&me(), &b.sandbox_id, Some("app".into()), false)
             .await
             .unwrap();
         assert_eq!(s3.names, vec!["app:default".to_string()]);
         // The name moved from s1 to s3.
-        let of_a = s.snapshots(Some(&a.sandbox_id), None).unwrap();
+        let of_a = s.snapshots(&me(), Some(&a.sandbox_id), None).unwrap();
         assert_eq!(
             of_a.iter().map(|x| x.id.clone()).collect::<Vec<_>>(),
             vec![s1.id.clone(), s2.id.clone()]
         );
         assert!(of_a[0].names.is_empty());
-        assert_eq!(s.snapshots(None, Some("app")).unwrap()[0].id, s3.id);
+        assert_eq!(s.snapshots(&me(), None, Some("app")).unwrap()[0].id, s3.id);
         assert!(matches!(
-            s.snapshots(None, Some("a/b")),
+            s.snapshots(&me(), None, Some("a/b")),
             Err(LifecycleError::Invalid(_))
         ));
         assert!(matches!(
-            s.snapshot(&a.sandbox_id, Some("bad name".into()), true)
+            s.snapshot(&me(), &a.sandbox_id, Some("bad name".into()), true)
                 .await,
             Err(LifecycleError::Invalid(_))
         ));
         assert!(matches!(
-            s.snapshot("ghost", None, true).await,
+            s.snapshot(&me(), "ghost", None, true).await,
             Err(LifecycleError::SandboxNotFound(_))
         ));
         // A snapshot name creates a sandbox.
-        let from = s.create(req("app:v2"), None).await.unwrap();
+        let from = s.create(&me(), req("app:v2"), None).await.unwrap();
         assert_eq!(from.template_id, s2.id);
-        s.delete_snapshot("app:v2").unwrap();
+        s.delete_snapshot(&me(), "app:v2").unwrap();
         assert!(matches!(
-            s.delete_snapshot(&s2.id),
+            s.delete_snapshot(&me(), &s2.id),
             Err(LifecycleError::SnapshotNotFound(_))
         ));
         assert!(matches!(
-            s.create(req("app:v2"), None).await,
+            s.create(&me(), req("app:v2"), None).await,
             Err(LifecycleError::TemplateNotFound(_))
         ));
     }
@@ -426,19 +457,22 @@ mod fake_tests {
         let s = open(dir.path(), fake.clone()).await;
         let mut r = req("base");
         r.metadata = Some(BTreeMap::from([("k".to_string(), "v".to_string())]));
-        let src = s.create(r, None).await.unwrap();
+        let src = s.create(&me(), r, None).await.unwrap();
         for bad in [0, MAX_FORKS + 1] {
             assert!(matches!(
-                s.fork(&src.sandbox_id, Some(bad), None).await,
+                s.fork(&me(), &src.sandbox_id, Some(bad), None).await,
                 Err(LifecycleError::Invalid(_))
             ));
         }
         assert!(matches!(
-            s.fork("ghost", None, None).await,
+            s.fork(&me(), "ghost", None, None).await,
             Err(LifecycleError::SandboxNotFound(_))
         ));
         let n = rand::random_range(1..=MAX_FORKS);
-        let forks = s.fork(&src.sandbox_id, Some(n), Some(30)).await.unwrap();
+        let forks = s
+            .fork(&me(), &src.sandbox_id, Some(n), Some(30))
+            .await
+            .unwrap();
         assert_eq!(forks.len(), n as usize);
         let mut ids = std::collections::BTreeSet::new();
         for f in forks {
@@ -448,7 +482,7 @@ mod fake_tests {
             assert!(ids.insert(f.sandbox_id.clone()));
             assert_eq!(s.get(&f.sandbox_id).unwrap().state, SandboxState::Running);
         }
-        assert_eq!(s.list(&ListFilter::default()).len(), n as usize + 1);
+        assert_eq!(s.list(&me(), &ListFilter::default()).len(), n as usize + 1);
     }
 
     #[tokio::test(start_paused = true)]
@@ -463,8 +497,8 @@ mod fake_tests {
             auto_pause: Some(auto_pause),
             ..req("base")
         };
-        let wedged = s.create(due(true), None).await.unwrap().sandbox_id;
-        let other = s.create(due(false), None).await.unwrap().sandbox_id;
+        let wedged = s.create(&me(), due(true), None).await.unwrap().sandbox_id;
+        let other = s.create(&me(), due(false), None).await.unwrap().sandbox_id;
         fake.wedged.lock().unwrap().insert(wedged.clone());
         let tasks = s.expire_due();
         // The other sandbox expires while the wedged one's pause is still pending.
@@ -485,7 +519,7 @@ mod fake_tests {
         assert!(s.get(&wedged).is_none(), "the wedged sandbox ends gone");
         assert_eq!(fake.vm_state(&wedged), None, "and its VM is killed");
         assert!(matches!(
-            s.kill(&wedged).await,
+            s.kill(&me(), &wedged).await,
             Err(LifecycleError::SandboxNotFound(_))
         ));
         // Its record is gone from disk as well: a restart does not bring it back.
@@ -501,9 +535,9 @@ mod fake_tests {
         let mut cfg = LifecycleConfig::default();
         cfg.deadlines.snapshot = std::time::Duration::from_secs(5);
         let s = open_with(dir.path(), fake.clone(), cfg).await;
-        let id = s.create(req("base"), None).await.unwrap().sandbox_id;
+        let id = s.create(&me(), req("base"), None).await.unwrap().sandbox_id;
         fake.wedged.lock().unwrap().insert(id.clone());
-        let e = s.snapshot(&id, None, true).await.unwrap_err();
+        let e = s.snapshot(&me(), &id, None, true).await.unwrap_err();
         assert!(
             matches!(&e, LifecycleError::DeadlineExceeded { op: "snapshot", id: i, .. } if *i == id),
             "{e:?}"
@@ -519,8 +553,8 @@ mod fake_tests {
         let fake = Arc::new(FakeBackend::default());
         let keep_cfg = LifecycleConfig::default();
         let s = open_with(dir.path(), fake.clone(), keep_cfg).await;
-        let id = s.create(req("base"), None).await.unwrap().sandbox_id;
-        s.pause(&id).await.unwrap();
+        let id = s.create(&me(), req("base"), None).await.unwrap().sandbox_id;
+        s.pause(&me(), &id).await.unwrap();
         let paused_at = s
             .get(&id)
             .unwrap()
@@ -546,13 +580,13 @@ mod fake_tests {
             ..Default::default()
         };
         let s = open_with(dir.path(), fake.clone(), cfg).await;
-        let running = s.create(req("base"), None).await.unwrap().sandbox_id;
+        let running = s.create(&me(), req("base"), None).await.unwrap().sandbox_id;
         s.expire_due().join_all().await;
         assert!(s.get(&id).is_none() && fake.vm_state(&id).is_none());
         assert_eq!(s.get(&running).unwrap().state, SandboxState::Running);
         // A resume clears the pause time.
-        s.pause(&running).await.unwrap();
-        let (rec, _) = s.connect(&running, Some(60)).await.unwrap();
+        s.pause(&me(), &running).await.unwrap();
+        let (rec, _) = s.connect(&me(), &running, Some(60)).await.unwrap();
         assert_eq!(rec.paused_at_ms, None);
     }
 
@@ -561,7 +595,7 @@ mod fake_tests {
         let dir = tempfile::tempdir().unwrap();
         let fake = Arc::new(FakeBackend::default());
         let s = open(dir.path(), fake.clone()).await;
-        let id = s.create(req("base"), None).await.unwrap().sandbox_id;
+        let id = s.create(&me(), req("base"), None).await.unwrap().sandbox_id;
         drop(s);
         std::fs::write(dir.path().join("server/sandboxes/broken.json"), b"\xff{").unwrap();
         fake.recovered.lock().unwrap().push(RecoveredVm {
@@ -598,7 +632,7 @@ mod fake_tests {
         let s = open_with(dir.path(), fake.clone(), cfg).await;
         // Twice as many concurrent creates as the quota allows: exactly `max_running` succeed.
         let results = futures_util::future::join_all(
-            (0..2 * max_running).map(|_| s.create(req("base"), None)),
+            (0..2 * max_running).map(|_| async { s.create(&me(), req("base"), None).await }),
         )
         .await;
         let ok: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
@@ -616,22 +650,22 @@ mod fake_tests {
         // Forks count as running sandboxes too.
         let src = ok[0].sandbox_id.clone();
         assert!(matches!(
-            s.fork(&src, Some(1), None).await,
+            s.fork(&me(), &src, Some(1), None).await,
             Err(LifecycleError::QuotaExceeded(_))
         ));
         // One paused is allowed, a second is not; resuming needs a running slot.
-        s.pause(&ok[0].sandbox_id).await.unwrap();
+        s.pause(&me(), &ok[0].sandbox_id).await.unwrap();
         assert!(matches!(
-            s.pause(&ok[1].sandbox_id).await,
+            s.pause(&me(), &ok[1].sandbox_id).await,
             Err(LifecycleError::QuotaExceeded(_))
         ));
-        let fresh = s.create(req("base"), None).await.unwrap();
+        let fresh = s.create(&me(), req("base"), None).await.unwrap();
         assert!(matches!(
-            s.connect(&ok[0].sandbox_id, None).await,
+            s.connect(&me(), &ok[0].sandbox_id, None).await,
             Err(LifecycleError::QuotaExceeded(_))
         ));
-        s.kill(&fresh.sandbox_id).await.unwrap();
-        let (_, resumed) = s.connect(&ok[0].sandbox_id, None).await.unwrap();
+        s.kill(&me(), &fresh.sandbox_id).await.unwrap();
+        let (_, resumed) = s.connect(&me(), &ok[0].sandbox_id, None).await.unwrap();
         assert!(resumed);
     }
 }

@@ -2,11 +2,13 @@
 //!
 //! - [`app`]: route table, API-key check, plane dispatch.
 //! - [`routes`]: control-plane handlers; [`dataplane`]: envd routing and the HTTP/1.1 proxy.
-//! - [`sandboxes`]: lifecycle and timeouts; [`store`]: persisted records; [`keys`]: key and tokens.
+//! - [`sandboxes`]: lifecycle and timeouts; [`store`]: persisted records; [`keys`]: key and tokens;
+//!   [`tenants`]: named keys, their quotas and name scopes.
 //! - [`backend`]: the runtime as the server sees it; [`runtime_backend`]: the real runtime.
 //!
-//! Security: one API key (`e2b_` + 40 hex, mode 0600 in the state folder) guards the control
-//! plane; each sandbox's envd is reachable only with its access token. The server listens on
+//! Security: API keys (`e2b_` + 40 hex) guard the control plane, each one a tenant that sees only its
+//! own sandboxes, snapshots and templates ([`tenants`]); each sandbox's envd is reachable only with its
+//! access token. The server listens on
 //! loopback by default. Sandboxes cannot reach this API: guests have no network device at all,
 //! only the virtio-serial port the host opens streams on.
 //!
@@ -27,4 +29,7 @@ pub mod routes;
 pub mod runtime_backend;
 pub mod sandboxes;
 pub mod store;
+#[cfg(test)]
+mod tenant_tests;
+pub mod tenants;
 pub mod views;

@@ -29,6 +29,40 @@ enum Command {
     Serve(ServeArgs),
     /// Print the OpenAPI document.
     Openapi,
+    /// Named API keys (tenants): each sees and controls only its own sandboxes, snapshots and templates.
+    Keys {
+        /// State folder of the server.
+        #[arg(long, env = "AGENTENV_STATE_DIR")]
+        state_dir: Option<PathBuf>,
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Make a key; it is printed once and stored only as its SHA-256.
+    Create {
+        /// Tenant name: 1-24 of [a-z0-9-], starting with a letter.
+        name: String,
+        /// Most running sandboxes of this key at once (429 beyond).
+        #[arg(long)]
+        max_running: Option<usize>,
+        /// Most paused sandboxes of this key at once.
+        #[arg(long)]
+        max_paused: Option<usize>,
+        /// Most memory of this key's running sandboxes together, MiB.
+        #[arg(long)]
+        max_memory_mb: Option<u64>,
+    },
+    /// List the keys (names, prefixes, quotas; never the keys).
+    Ls {
+        /// As JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Revoke a key; a running server refuses it from its next request on.
+    Revoke { name: String },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -95,8 +129,65 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Serve(args)) => serve(args).await,
+        Some(Command::Keys { state_dir, command }) => {
+            manage_keys(&state_dir.unwrap_or_else(default_state_dir), command)
+        }
         None => serve(cli.serve).await,
     }
+}
+
+fn manage_keys(state_dir: &std::path::Path, command: KeysCommand) -> anyhow::Result<()> {
+    use agentenv_server::tenants;
+    match command {
+        KeysCommand::Create {
+            name,
+            max_running,
+            max_paused,
+            max_memory_mb,
+        } => {
+            let quota = agentenv_server::sandboxes::Quota {
+                max_running,
+                max_paused,
+                max_memory_mb,
+            };
+            let (key, _) = tenants::create_key(state_dir, &name, quota)?;
+            eprintln!("key {name:?} created; it is shown only this once:");
+            println!("{key}");
+        }
+        KeysCommand::Ls { json } => {
+            let keys = tenants::list_keys(state_dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&keys)?);
+                return Ok(());
+            }
+            let limit = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+            println!(
+                "{:<24} {:<14} {:<24} {:<8} {:>7} {:>6} {:>8}",
+                "NAME", "PREFIX", "CREATED", "STATE", "RUNNING", "PAUSED", "MEM MiB"
+            );
+            for k in keys {
+                println!(
+                    "{:<24} {:<14} {:<24} {:<8} {:>7} {:>6} {:>8}",
+                    k.name,
+                    format!("{}…", k.prefix),
+                    k.created_at,
+                    if k.revoked_at.is_some() {
+                        "revoked"
+                    } else {
+                        "active"
+                    },
+                    limit(k.quota.max_running.map(|v| v.to_string())),
+                    limit(k.quota.max_paused.map(|v| v.to_string())),
+                    limit(k.quota.max_memory_mb.map(|v| v.to_string())),
+                );
+            }
+        }
+        KeysCommand::Revoke { name } => {
+            tenants::revoke_key(state_dir, &name)?;
+            println!("key {name:?} revoked");
+        }
+    }
+    Ok(())
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {

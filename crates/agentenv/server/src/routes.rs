@@ -13,13 +13,33 @@ use crate::model::{
     ListedSandbox, NewSandbox, PauseRequest, ResumeRequest, SandboxDetail, SandboxState,
     SnapshotRequest, SnapshotView, TemplateView, TimeoutRequest,
 };
-use crate::sandboxes::ListFilter;
+use crate::sandboxes::{Caller, ListFilter};
+use crate::tenants::Tenant;
 use crate::views;
 
 type ApiResult<T> = Result<T, ApiError>;
 
+/// The tenant a control-plane request acts for, as the API-key check resolved it.
+pub struct Who(pub Caller);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Who {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, ApiError> {
+        parts
+            .extensions
+            .get::<Tenant>()
+            .map(|t| Who(Caller::Tenant(t.name.clone())))
+            .ok_or_else(|| ApiError::unauthorized("Missing X-API-KEY header"))
+    }
+}
+
 async fn create(
     state: AppState,
+    who: Caller,
     headers: HeaderMap,
     req: NewSandbox,
 ) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
@@ -35,7 +55,7 @@ async fn create(
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         })
         .map(str::to_string);
-    let rec = state.sandboxes.create(req, key).await?;
+    let rec = state.sandboxes.create(&who, req, key).await?;
     Ok((StatusCode::CREATED, Json(views::created(&rec))))
 }
 
@@ -46,10 +66,11 @@ async fn create(
     security(("ApiKeyAuth" = [])))]
 pub async fn create_v2(
     State(s): State<AppState>,
+    Who(who): Who,
     h: HeaderMap,
     E2bJson(req): E2bJson<NewSandbox>,
 ) -> ApiResult<impl IntoResponse> {
-    create(s, h, req).await
+    create(s, who, h, req).await
 }
 
 /// Create a sandbox (SDK < 2.51). Same as `POST /v2/sandboxes`.
@@ -59,10 +80,11 @@ pub async fn create_v2(
     security(("ApiKeyAuth" = [])))]
 pub async fn create_v1(
     State(s): State<AppState>,
+    Who(who): Who,
     h: HeaderMap,
     E2bJson(req): E2bJson<NewSandbox>,
 ) -> ApiResult<impl IntoResponse> {
-    create(s, h, req).await
+    create(s, who, h, req).await
 }
 
 /// List sandboxes. Query: `state` (comma list), `metadata` (URL-encoded `k=v&..`), `limit`,
@@ -76,9 +98,13 @@ pub async fn create_v1(
     responses((status = 200, body = Vec<ListedSandbox>, headers(("x-next-token" = String, description = "cursor of the next page"))),
         (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn list_v2(State(s): State<AppState>, RawQuery(raw): RawQuery) -> ApiResult<Response> {
+pub async fn list_v2(
+    State(s): State<AppState>,
+    Who(who): Who,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<Response> {
     let q = views::parse_list_query(raw.as_deref())?;
-    let all = s.sandboxes.list(&q.filter);
+    let all = s.sandboxes.list(&who, &q.filter);
     let (page, next) = views::paginate(all, q.next_token.as_deref(), q.limit)?;
     let items: Vec<ListedSandbox> = page.iter().map(views::listed).collect();
     let mut resp = Json(items).into_response();
@@ -95,6 +121,7 @@ pub async fn list_v2(State(s): State<AppState>, RawQuery(raw): RawQuery) -> ApiR
     security(("ApiKeyAuth" = [])))]
 pub async fn list_v1(
     State(s): State<AppState>,
+    Who(who): Who,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<Json<Vec<ListedSandbox>>> {
     let q = views::parse_list_query(raw.as_deref())?;
@@ -105,7 +132,7 @@ pub async fn list_v1(
     };
     Ok(Json(
         s.sandboxes
-            .list(&filter)
+            .list(&who, &filter)
             .iter()
             .map(views::listed)
             .collect(),
@@ -119,12 +146,10 @@ pub async fn list_v1(
     security(("ApiKeyAuth" = [])))]
 pub async fn get_sandbox(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
 ) -> ApiResult<Json<SandboxDetail>> {
-    let rec = s
-        .sandboxes
-        .get(&id)
-        .ok_or_else(|| ApiError::sandbox_not_found(&id))?;
+    let rec = s.sandboxes.get_as(&who, &id)?;
     Ok(Json(views::detail(&rec)))
 }
 
@@ -135,9 +160,10 @@ pub async fn get_sandbox(
     security(("ApiKeyAuth" = [])))]
 pub async fn kill_sandbox(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    s.sandboxes.kill(&id).await?;
+    s.sandboxes.kill(&who, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -148,12 +174,13 @@ pub async fn kill_sandbox(
     security(("ApiKeyAuth" = [])))]
 pub async fn set_timeout(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
     body: axum::body::Bytes,
 ) -> ApiResult<StatusCode> {
     let req: TimeoutRequest = serde_json::from_slice(&body)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
-    s.sandboxes.set_timeout(&id, req.timeout).await?;
+    s.sandboxes.set_timeout(&who, &id, req.timeout).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -164,19 +191,21 @@ pub async fn set_timeout(
     security(("ApiKeyAuth" = [])))]
 pub async fn pause(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
     E2bJson(_req): E2bJson<PauseRequest>,
 ) -> ApiResult<StatusCode> {
-    s.sandboxes.pause(&id).await?;
+    s.sandboxes.pause(&who, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn connect(
     s: AppState,
+    who: Caller,
     id: String,
     req: ConnectRequest,
 ) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
-    let (rec, resumed) = s.sandboxes.connect(&id, req.timeout).await?;
+    let (rec, resumed) = s.sandboxes.connect(&who, &id, req.timeout).await?;
     let status = if resumed {
         StatusCode::CREATED
     } else {
@@ -192,10 +221,11 @@ async fn connect(
     security(("ApiKeyAuth" = [])))]
 pub async fn connect_v2(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
     E2bJson(req): E2bJson<ConnectRequest>,
 ) -> ApiResult<impl IntoResponse> {
-    connect(s, id, req).await
+    connect(s, who, id, req).await
 }
 
 /// Connect (SDK 2.7 – 2.50). Same as the `/v2` route.
@@ -205,10 +235,11 @@ pub async fn connect_v2(
     security(("ApiKeyAuth" = [])))]
 pub async fn connect_v1(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
     E2bJson(req): E2bJson<ConnectRequest>,
 ) -> ApiResult<impl IntoResponse> {
-    connect(s, id, req).await
+    connect(s, who, id, req).await
 }
 
 /// Legacy resume (SDK <= 2.6): paused → 201; running → 409.
@@ -218,12 +249,13 @@ pub async fn connect_v1(
     security(("ApiKeyAuth" = [])))]
 pub async fn resume(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
     E2bJson(req): E2bJson<ResumeRequest>,
 ) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
     let rec = s
         .sandboxes
-        .resume_legacy(&id, req.timeout, req.auto_pause)
+        .resume_legacy(&who, &id, req.timeout, req.auto_pause)
         .await?;
     Ok((StatusCode::CREATED, Json(views::created(&rec))))
 }
@@ -232,11 +264,10 @@ pub async fn resume(
 #[utoipa::path(get, path = "/templates", tag = "templates",
     responses((status = 200, body = Vec<TemplateView>), (status = 401, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn list_templates(State(s): State<AppState>) -> Json<Vec<TemplateView>> {
+pub async fn list_templates(State(s): State<AppState>, Who(who): Who) -> Json<Vec<TemplateView>> {
     Json(
         s.sandboxes
-            .backend()
-            .templates()
+            .templates(&who)
             .iter()
             .map(views::template)
             .collect(),
@@ -247,8 +278,8 @@ pub async fn list_templates(State(s): State<AppState>) -> Json<Vec<TemplateView>
 #[utoipa::path(get, path = "/v2/templates", tag = "templates",
     responses((status = 200, body = Vec<TemplateView>), (status = 401, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn list_templates_v2(s: State<AppState>) -> Json<Vec<TemplateView>> {
-    list_templates(s).await
+pub async fn list_templates_v2(s: State<AppState>, who: Who) -> Json<Vec<TemplateView>> {
+    list_templates(s, who).await
 }
 
 /// Build a template through the runtime (minutes; returns when it is ready).
@@ -257,6 +288,7 @@ pub async fn list_templates_v2(s: State<AppState>) -> Json<Vec<TemplateView>> {
     security(("ApiKeyAuth" = [])))]
 pub async fn build_template(
     State(s): State<AppState>,
+    Who(who): Who,
     E2bJson(req): E2bJson<BuildTemplateRequest>,
 ) -> ApiResult<(StatusCode, Json<TemplateView>)> {
     let valid = !req.template_id.is_empty()
@@ -287,8 +319,7 @@ pub async fn build_template(
     };
     let t = s
         .sandboxes
-        .backend()
-        .build_template(spec)
+        .build_template(&who, spec)
         .await
         .map_err(|e| match e {
             agentenv_runtime::TemplateError::InvalidId(_)
@@ -308,11 +339,20 @@ pub async fn health() -> StatusCode {
     StatusCode::NO_CONTENT
 }
 
-/// Prometheus metrics of the server (with sandbox headers `/metrics` is the sandbox's envd).
+/// Prometheus metrics of the whole server, for the server's own key only (they count every tenant's
+/// sandboxes). With sandbox headers `/metrics` is the sandbox's envd.
 #[utoipa::path(get, path = "/metrics", tag = "server",
-    responses((status = 200, content_type = "application/openmetrics-text", body = String)),
+    responses((status = 200, content_type = "application/openmetrics-text", body = String),
+        (status = 403, description = "a named key", body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
-pub async fn metrics(State(s): State<AppState>) -> Response {
+pub async fn metrics(State(s): State<AppState>, Who(who): Who) -> Response {
+    if !matches!(&who, Caller::Tenant(t) if **t == *crate::tenants::DEFAULT_TENANT) {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "server metrics need the server's own key",
+        )
+        .into_response();
+    }
     let (running, paused) = s.sandboxes.count_by_state();
     let text = s.metrics.render(running, paused);
     (
@@ -356,12 +396,13 @@ pub async fn method_not_allowed(method: axum::http::Method) -> ApiError {
     security(("ApiKeyAuth" = [])))]
 pub async fn create_snapshot(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
     E2bJson(req): E2bJson<SnapshotRequest>,
 ) -> ApiResult<(StatusCode, Json<SnapshotView>)> {
     let info = s
         .sandboxes
-        .snapshot(&id, req.name, req.memory.unwrap_or(true))
+        .snapshot(&who, &id, req.name, req.memory.unwrap_or(true))
         .await?;
     Ok((StatusCode::CREATED, Json(views::snapshot(&info))))
 }
@@ -376,12 +417,13 @@ pub async fn create_snapshot(
     security(("ApiKeyAuth" = [])))]
 pub async fn list_snapshots(
     State(s): State<AppState>,
+    Who(who): Who,
     RawQuery(raw): RawQuery,
 ) -> ApiResult<Response> {
     let q = views::parse_snapshot_query(raw.as_deref())?;
     let all = s
         .sandboxes
-        .snapshots(q.sandbox_id.as_deref(), q.name.as_deref())?;
+        .snapshots(&who, q.sandbox_id.as_deref(), q.name.as_deref())?;
     let start = match &q.next_token {
         None => 0,
         Some(t) => all
@@ -412,9 +454,10 @@ pub async fn list_snapshots(
     security(("ApiKeyAuth" = [])))]
 pub async fn delete_template(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    s.sandboxes.delete_snapshot(&id)?;
+    s.sandboxes.delete_snapshot(&who, &id)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -426,10 +469,11 @@ pub async fn delete_template(
     security(("ApiKeyAuth" = [])))]
 pub async fn fork(
     State(s): State<AppState>,
+    Who(who): Who,
     Path(id): Path<String>,
     E2bJson(req): E2bJson<ForkRequest>,
 ) -> ApiResult<(StatusCode, Json<Vec<ForkResult>>)> {
-    let results = s.sandboxes.fork(&id, req.count, req.timeout).await?;
+    let results = s.sandboxes.fork(&who, &id, req.count, req.timeout).await?;
     let out = results
         .into_iter()
         .map(|r| match r {

@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use crate::model::SandboxState;
 
 /// Version of [`SandboxRecord`]; bump on changes, and migrate the older ones in [`migrate`].
-/// 2: `paused_at_ms`.
-pub const RECORD_VERSION: u32 = 2;
+/// 2: `paused_at_ms`. 3: `owner`.
+pub const RECORD_VERSION: u32 = 3;
 
 /// Everything the server keeps about one sandbox.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,15 +39,26 @@ pub struct SandboxRecord {
     /// Unix milliseconds of the last pause (paused sandboxes expire after the retention).
     #[serde(default)]
     pub paused_at_ms: Option<i64>,
+    /// The tenant (API key name) whose sandbox this is.
+    #[serde(default = "default_owner")]
+    pub owner: String,
+}
+
+fn default_owner() -> String {
+    crate::tenants::DEFAULT_TENANT.into()
 }
 
 /// Brings a record of an older version to [`RECORD_VERSION`]; `None` for versions this build cannot read.
 fn migrate(mut rec: SandboxRecord, now_ms: i64) -> Option<SandboxRecord> {
     match rec.version {
         RECORD_VERSION => Some(rec),
-        1 => {
+        1 | 2 => {
             // v1 kept no pause time: the retention of a paused v1 sandbox counts from the migration.
-            rec.paused_at_ms = (rec.state == SandboxState::Paused).then_some(now_ms);
+            if rec.version == 1 {
+                rec.paused_at_ms = (rec.state == SandboxState::Paused).then_some(now_ms);
+            }
+            // Before tenants (v1, v2) every sandbox was the server key's.
+            rec.owner = default_owner();
             rec.version = RECORD_VERSION;
             Some(rec)
         }
@@ -105,6 +116,7 @@ pub enum StoreError {
 /// The sandbox record directory.
 #[derive(Debug, Clone)]
 pub struct SandboxStore {
+    state_dir: PathBuf,
     dir: PathBuf,
     quarantine: PathBuf,
 }
@@ -119,9 +131,15 @@ impl SandboxStore {
             source,
         })?;
         Ok(SandboxStore {
+            state_dir: state_dir.to_path_buf(),
             dir,
             quarantine: server.join("quarantine"),
         })
+    }
+
+    /// The state folder this store lives in.
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
     }
 
     fn path(&self, id: &str) -> PathBuf {
@@ -248,6 +266,7 @@ mod tests {
             disk_mb: 512,
             envd_version: "0.5.7".into(),
             paused_at_ms: None,
+            owner: format!("t{}", rng.random_range(0..9)),
         }
     }
 
@@ -288,10 +307,11 @@ mod tests {
         let store = SandboxStore::open(dir.path()).unwrap();
         let mut rec = random_record(&mut rand::rng());
         rec.state = SandboxState::Paused;
-        // A v1 file has no `paused_at_ms` at all.
+        // A v1 file has no `paused_at_ms` and no `owner` at all.
         let mut v1 = serde_json::to_value(&rec).unwrap();
         v1["version"] = 1.into();
         v1.as_object_mut().unwrap().remove("paused_at_ms");
+        v1.as_object_mut().unwrap().remove("owner");
         let path = dir
             .path()
             .join(format!("server/sandboxes/{}.json", rec.sandbox_id));
@@ -300,12 +320,35 @@ mod tests {
         assert_eq!(loaded.migrated, 1);
         let got = &loaded.records[0];
         assert_eq!(
-            (got.version, got.paused_at_ms),
-            (RECORD_VERSION, Some(12345))
+            (got.version, got.paused_at_ms, got.owner.as_str()),
+            (RECORD_VERSION, Some(12345), crate::tenants::DEFAULT_TENANT)
         );
         // Saved back in the new version: a second load migrates nothing.
         let again = store.load_all(99999).unwrap();
         assert_eq!((again.migrated, &again.records[0]), (0, got));
+    }
+
+    #[test]
+    fn version_two_records_become_the_default_tenants() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SandboxStore::open(dir.path()).unwrap();
+        let mut rec = random_record(&mut rand::rng());
+        rec.paused_at_ms = Some(rand::random_range(1..1 << 40));
+        let mut v2 = serde_json::to_value(&rec).unwrap();
+        v2["version"] = 2.into();
+        v2.as_object_mut().unwrap().remove("owner");
+        let path = dir
+            .path()
+            .join(format!("server/sandboxes/{}.json", rec.sandbox_id));
+        std::fs::write(&path, serde_json::to_vec(&v2).unwrap()).unwrap();
+        let loaded = store.load_all(7).unwrap();
+        assert_eq!(loaded.migrated, 1);
+        let got = &loaded.records[0];
+        assert_eq!(got.owner, crate::tenants::DEFAULT_TENANT);
+        assert_eq!(
+            got.paused_at_ms, rec.paused_at_ms,
+            "v2 pause times are kept"
+        );
     }
 
     #[test]

@@ -212,6 +212,7 @@ mod tests {
             disk_mb: 1,
             envd_version: "0.5.7".into(),
             paused_at_ms: None,
+            owner: crate::tenants::DEFAULT_TENANT.into(),
         }
     }
 

@@ -28,8 +28,9 @@ impl Default for Deadlines {
     }
 }
 
-/// Limits on what the key may hold at once (`None`: no limit). Exceeding one answers 429.
-#[derive(Debug, Clone, Default)]
+/// Limits on what may be held at once (`None`: no limit): by the whole server, or by one key.
+/// Exceeding one answers 429.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Quota {
     pub max_running: Option<usize>,
     pub max_paused: Option<usize>,

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{LifecycleError, Sandboxes, now_ms};
+use super::{Caller, LifecycleError, Sandboxes, now_ms};
 use crate::model::SandboxState;
 use crate::store::SandboxRecord;
 
@@ -41,14 +41,14 @@ impl Sandboxes {
                     .is_some_and(|r| this.due(&r, now_ms()).is_some());
                 let res = match what {
                     _ if !still_due => Ok(()),
-                    Expiry::Pause => match this.pause(&id).await {
+                    Expiry::Pause => match this.pause(&Caller::Server, &id).await {
                         Err(LifecycleError::QuotaExceeded(why)) => {
                             tracing::warn!(sandbox = %id, %why, "auto-pause over the paused quota: killing instead");
-                            this.kill(&id).await
+                            this.kill(&Caller::Server, &id).await
                         }
                         r => r,
                     },
-                    Expiry::Kill | Expiry::Retention => this.kill(&id).await,
+                    Expiry::Kill | Expiry::Retention => this.kill(&Caller::Server, &id).await,
                 };
                 match res {
                     Ok(()) if still_due => {

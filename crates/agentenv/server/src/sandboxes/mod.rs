@@ -9,7 +9,10 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{CreateSpec, KillError, SnapshotInfo, SnapshotMode, VmBackend, VmState};
+use crate::backend::{
+    CreateSpec, KillError, SnapshotInfo, SnapshotMode, TemplateError, TemplateInfo, TemplateSpec,
+    VmBackend, VmState,
+};
 use crate::keys;
 use crate::metrics::Metrics;
 use crate::model::{NewSandbox, SandboxState};
@@ -28,12 +31,41 @@ pub const MAX_FORKS: u32 = 20;
 mod config;
 mod error;
 mod expiry;
+mod owners;
 mod quota;
 
 pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};
 use quota::Usage;
 
 pub use error::LifecycleError;
+use owners::Owners;
+
+use crate::tenants::{self, DEFAULT_TENANT, KeyRing};
+
+/// Whose request an operation serves: a tenant, which sees and holds only its own sandboxes, snapshots
+/// and templates (others' are "not found"), or the server itself (expiry, data-plane auto-resume).
+#[derive(Debug, Clone)]
+pub enum Caller {
+    Tenant(Arc<str>),
+    Server,
+}
+
+impl Caller {
+    /// The tenant that owns what this caller makes.
+    fn owner(&self) -> &str {
+        match self {
+            Caller::Tenant(t) => t,
+            Caller::Server => DEFAULT_TENANT,
+        }
+    }
+
+    fn sees(&self, owner: &str) -> bool {
+        match self {
+            Caller::Tenant(t) => &**t == owner,
+            Caller::Server => true,
+        }
+    }
+}
 
 type Result<T, E = LifecycleError> = std::result::Result<T, E>;
 
@@ -63,8 +95,11 @@ pub struct Sandboxes {
     idempotency: Mutex<HashMap<String, (Instant, String)>>,
     /// Sandboxes the reaper is expiring now (each in its own task).
     expiring: Mutex<HashSet<String>>,
-    /// Running sandboxes and memory (MiB) that operations in flight will add.
-    reserved: Arc<Mutex<Usage>>,
+    /// Running sandboxes and memory (MiB) that operations in flight will add, in all and per tenant.
+    reserved: Arc<Mutex<quota::Reserved>>,
+    owners: Owners,
+    /// Each tenant's own quota.
+    ring: Arc<KeyRing>,
 }
 
 impl Sandboxes {
@@ -75,7 +110,13 @@ impl Sandboxes {
         store: SandboxStore,
         metrics: Arc<Metrics>,
         cfg: LifecycleConfig,
+        ring: Arc<KeyRing>,
     ) -> anyhow::Result<Arc<Self>> {
+        let owners = Owners::open(store.state_dir())?;
+        owners.retain(
+            &backend.snapshots().into_iter().map(|s| s.id).collect(),
+            &backend.templates().into_iter().map(|t| t.id).collect(),
+        )?;
         let loaded = store.load_all(now_ms())?;
         if loaded.migrated > 0 {
             tracing::info!(
@@ -131,7 +172,9 @@ impl Sandboxes {
             op_locks: Mutex::new(HashMap::new()),
             idempotency: Mutex::new(HashMap::new()),
             expiring: Mutex::new(HashSet::new()),
-            reserved: Arc::new(Mutex::new(Usage::default())),
+            reserved: Arc::default(),
+            owners,
+            ring,
         }))
     }
 
@@ -197,6 +240,13 @@ impl Sandboxes {
         self.records.lock().expect("records").get(id).cloned()
     }
 
+    /// The record of `id` if `caller` may see it; "not found" otherwise, whether it exists or not.
+    pub fn get_as(&self, caller: &Caller, id: &str) -> Result<SandboxRecord> {
+        self.get(id)
+            .filter(|r| caller.sees(&r.owner))
+            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))
+    }
+
     /// The sandbox whose envd access token is `token`.
     pub fn by_token(&self, token: &str) -> Option<SandboxRecord> {
         self.records
@@ -235,12 +285,16 @@ impl Sandboxes {
     /// Creates a sandbox from a template or a snapshot; returns only once envd in it answers.
     pub async fn create(
         &self,
+        caller: &Caller,
         req: NewSandbox,
         idempotency_key: Option<String>,
     ) -> Result<SandboxRecord> {
         if req.template_id.is_empty() {
             return Err(LifecycleError::Invalid("templateID is required".into()));
         }
+        let owner = caller.owner().to_string();
+        // Keys are per tenant: one tenant's key never returns another's sandbox.
+        let idempotency_key = idempotency_key.map(|k| format!("{owner}/{k}"));
         if let Some(key) = &idempotency_key {
             let mut map = self.idempotency.lock().expect("idempotency");
             map.retain(|_, (t, _)| t.elapsed() < IDEMPOTENCY_WINDOW);
@@ -249,12 +303,15 @@ impl Sandboxes {
             }
         }
         let timeout = checked_timeout(req.timeout)?;
-        let source = self.resolve_source(&req.template_id)?;
-        let _quota = self.reserve(Usage {
-            running: 1,
-            paused: 0,
-            memory_mb: u64::from(source.memory_mb),
-        })?;
+        let source = self.resolve_source(caller, &req.template_id)?;
+        let _quota = self.reserve(
+            &owner,
+            Usage {
+                running: 1,
+                paused: 0,
+                memory_mb: u64::from(source.memory_mb),
+            },
+        )?;
         let id = keys::generate_sandbox_id();
         let env_vars = req.env_vars.unwrap_or_default();
         let lock = self.op_lock(&id);
@@ -295,6 +352,7 @@ impl Sandboxes {
             disk_mb: source.disk_mb,
             envd_version: ENVD_VERSION.to_string(),
             paused_at_ms: None,
+            owner,
         };
         if let Err(e) = self.put(rec.clone()) {
             let _ = self.backend.kill(&id).await;
@@ -310,11 +368,10 @@ impl Sandboxes {
         Ok(rec)
     }
 
-    /// A template (id or alias) or a live snapshot (id or `name[:tag]`).
-    fn resolve_source(&self, name: &str) -> Result<Source> {
+    /// A template (id or alias) or a live snapshot (id or `name[:tag]`) that `caller` may use.
+    fn resolve_source(&self, caller: &Caller, name: &str) -> Result<Source> {
         if let Some(t) = self
-            .backend
-            .templates()
+            .templates(caller)
             .into_iter()
             .find(|t| t.id == name || t.aliases.iter().any(|a| a == name))
         {
@@ -326,12 +383,8 @@ impl Sandboxes {
                 disk_mb: u32::try_from(t.disk_mib).unwrap_or(u32::MAX),
             });
         }
-        let wanted = agentenv_runtime::snapshot::normalize_name(name);
         let snap = self
-            .backend
-            .snapshots()
-            .into_iter()
-            .find(|s| s.id == name || wanted.as_ref().is_some_and(|w| s.names.contains(w)))
+            .find_snapshot(caller, name)
             .ok_or_else(|| LifecycleError::TemplateNotFound(name.into()))?;
         let disk_mb = self
             .backend
@@ -349,12 +402,13 @@ impl Sandboxes {
     }
 
     /// Sandboxes matching `f`, ordered by start time.
-    pub fn list(&self, f: &ListFilter) -> Vec<SandboxRecord> {
+    pub fn list(&self, caller: &Caller, f: &ListFilter) -> Vec<SandboxRecord> {
         let mut out: Vec<SandboxRecord> = self
             .records
             .lock()
             .expect("records")
             .values()
+            .filter(|r| caller.sees(&r.owner))
             .filter(|r| f.states.as_ref().is_none_or(|s| s.contains(&r.state)))
             .filter(|r| f.metadata.iter().all(|(k, v)| r.metadata.get(k) == Some(v)))
             .filter(|r| f.started_after_ms.is_none_or(|t| r.started_at_ms > t))
@@ -377,12 +431,11 @@ impl Sandboxes {
     }
 
     /// Kills a running or paused sandbox.
-    pub async fn kill(&self, id: &str) -> Result<()> {
+    pub async fn kill(&self, caller: &Caller, id: &str) -> Result<()> {
+        self.get_as(caller, id)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        if self.get(id).is_none() {
-            return Err(LifecycleError::SandboxNotFound(id.into()));
-        }
+        self.get_as(caller, id)?;
         let t0 = Instant::now();
         let limit = self.cfg.deadlines.kill;
         match tokio::time::timeout(limit, self.backend.kill(id)).await {
@@ -411,13 +464,12 @@ impl Sandboxes {
     }
 
     /// Sets `endAt = now + timeout` (may shorten). Paused sandboxes answer 409.
-    pub async fn set_timeout(&self, id: &str, timeout_s: u64) -> Result<()> {
+    pub async fn set_timeout(&self, caller: &Caller, id: &str, timeout_s: u64) -> Result<()> {
         let timeout = checked_timeout(Some(timeout_s))?;
+        self.get_as(caller, id)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        let mut rec = self
-            .get(id)
-            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
+        let mut rec = self.get_as(caller, id)?;
         if rec.state == SandboxState::Paused {
             return Err(LifecycleError::Paused(id.into()));
         }
@@ -426,20 +478,22 @@ impl Sandboxes {
     }
 
     /// Pauses a running sandbox (memory and processes kept). 409 when already paused.
-    pub async fn pause(&self, id: &str) -> Result<()> {
+    pub async fn pause(&self, caller: &Caller, id: &str) -> Result<()> {
+        self.get_as(caller, id)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        let mut rec = self
-            .get(id)
-            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
+        let mut rec = self.get_as(caller, id)?;
         if rec.state == SandboxState::Paused {
             return Err(LifecycleError::AlreadyPaused(id.into()));
         }
-        let _quota = self.reserve(Usage {
-            running: 0,
-            paused: 1,
-            memory_mb: 0,
-        })?;
+        let _quota = self.reserve(
+            &rec.owner,
+            Usage {
+                running: 0,
+                paused: 1,
+                memory_mb: 0,
+            },
+        )?;
         self.within(
             "pause",
             id,
@@ -456,22 +510,29 @@ impl Sandboxes {
 
     /// Connect: running → extend `endAt` (200); paused → resume (201).
     /// Returns the record and whether it was resumed.
-    pub async fn connect(&self, id: &str, timeout_s: Option<u64>) -> Result<(SandboxRecord, bool)> {
+    pub async fn connect(
+        &self,
+        caller: &Caller,
+        id: &str,
+        timeout_s: Option<u64>,
+    ) -> Result<(SandboxRecord, bool)> {
         let timeout = checked_timeout(timeout_s)?;
+        self.get_as(caller, id)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        let mut rec = self
-            .get(id)
-            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
+        let mut rec = self.get_as(caller, id)?;
         let until = now_ms() + (timeout * 1000) as i64;
         let resumed = rec.state == SandboxState::Paused;
         if resumed {
             // The paused one stops counting once it runs; until then it holds its place.
-            let _quota = self.reserve(Usage {
-                running: 1,
-                paused: 0,
-                memory_mb: u64::from(rec.memory_mb),
-            })?;
+            let _quota = self.reserve(
+                &rec.owner,
+                Usage {
+                    running: 1,
+                    paused: 0,
+                    memory_mb: u64::from(rec.memory_mb),
+                },
+            )?;
             self.within(
                 "resume",
                 id,
@@ -493,19 +554,15 @@ impl Sandboxes {
     /// Legacy resume: paused → resumed; running → 409.
     pub async fn resume_legacy(
         &self,
+        caller: &Caller,
         id: &str,
         timeout_s: Option<u64>,
         auto_pause: Option<bool>,
     ) -> Result<SandboxRecord> {
-        {
-            let rec = self
-                .get(id)
-                .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
-            if rec.state == SandboxState::Running {
-                return Err(LifecycleError::AlreadyRunning(id.into()));
-            }
+        if self.get_as(caller, id)?.state == SandboxState::Running {
+            return Err(LifecycleError::AlreadyRunning(id.into()));
         }
-        let (mut rec, _) = self.connect(id, timeout_s).await?;
+        let (mut rec, _) = self.connect(caller, id, timeout_s).await?;
         if let Some(ap) = auto_pause {
             rec.auto_pause = ap;
             self.put(rec.clone())?;
@@ -515,40 +572,86 @@ impl Sandboxes {
 
     /// Resumes a paused sandbox on data-plane traffic when it asked for `autoResume`.
     pub async fn auto_resume(&self, id: &str) -> Result<()> {
-        self.connect(id, None).await.map(|_| ())
+        self.connect(&Caller::Server, id, None).await.map(|_| ())
     }
 
     /// Snapshots a sandbox. It keeps running (stopped only for the capture), with its id and expiry.
+    /// The snapshot is the sandbox owner's, and outlives the sandbox.
     pub async fn snapshot(
         &self,
+        caller: &Caller,
         id: &str,
         name: Option<String>,
         memory: bool,
     ) -> Result<SnapshotInfo> {
+        let owner = self.get_as(caller, id)?.owner;
+        let names = match name {
+            Some(n) => vec![tenants::scoped_name(&owner, &n).map_err(LifecycleError::Invalid)?],
+            None => vec![],
+        };
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        if self.get(id).is_none() {
-            return Err(LifecycleError::SandboxNotFound(id.into()));
-        }
-        let names: Vec<String> = name.into_iter().collect();
+        self.get_as(caller, id)?;
         let sid = format!("snap-{}", keys::generate_sandbox_id());
         let mode = if memory {
             SnapshotMode::Full
         } else {
             SnapshotMode::Filesystem
         };
-        self.within(
-            "snapshot",
-            id,
-            self.cfg.deadlines.snapshot,
-            self.backend.snapshot(id, &sid, &names, mode),
-        )
-        .await
+        // The owner is written first: a crash after it leaves only an entry that the next start drops.
+        self.owners.set_snapshot(&sid, &owner).map_err(internal)?;
+        let r = self
+            .within(
+                "snapshot",
+                id,
+                self.cfg.deadlines.snapshot,
+                self.backend.snapshot(id, &sid, &names, mode),
+            )
+            .await;
+        if r.is_err() && self.backend.snapshots().iter().all(|s| s.id != sid) {
+            let _ = self.owners.forget_snapshot(&sid);
+        }
+        r.map(|info| self.as_seen_by(&owner, info))
     }
 
-    /// Live snapshots, oldest first, optionally of one sandbox and/or with one name (`name[:tag]`).
+    /// `info` with only the names of `owner`, as that tenant wrote them.
+    fn as_seen_by(&self, owner: &str, mut info: SnapshotInfo) -> SnapshotInfo {
+        info.names = info
+            .names
+            .iter()
+            .filter_map(|n| tenants::unscoped_name(owner, n).map(str::to_string))
+            .collect();
+        info
+    }
+
+    /// The live snapshots `caller` may see, as it sees them.
+    fn visible_snapshots(&self, caller: &Caller) -> Vec<(String, SnapshotInfo)> {
+        self.backend
+            .snapshots()
+            .into_iter()
+            .filter_map(|s| {
+                let owner = self.owners.snapshot_owner(&s.id);
+                caller
+                    .sees(&owner)
+                    .then(|| (owner.clone(), self.as_seen_by(&owner, s)))
+            })
+            .collect()
+    }
+
+    /// `caller`'s snapshot with id or name (`name[:tag]`) `name`.
+    fn find_snapshot(&self, caller: &Caller, name: &str) -> Option<SnapshotInfo> {
+        let wanted = agentenv_runtime::snapshot::normalize_name(name);
+        self.visible_snapshots(caller)
+            .into_iter()
+            .map(|(_, s)| s)
+            .find(|s| s.id == name || wanted.as_ref().is_some_and(|w| s.names.contains(w)))
+    }
+
+    /// Live snapshots `caller` may see, oldest first, optionally of one sandbox and/or with one name
+    /// (`name[:tag]`).
     pub fn snapshots(
         &self,
+        caller: &Caller,
         sandbox_id: Option<&str>,
         name: Option<&str>,
     ) -> Result<Vec<SnapshotInfo>> {
@@ -560,9 +663,9 @@ impl Sandboxes {
                 None => None,
             };
         let mut all: Vec<SnapshotInfo> = self
-            .backend
-            .snapshots()
+            .visible_snapshots(caller)
             .into_iter()
+            .map(|(_, s)| s)
             .filter(|s| sandbox_id.is_none_or(|id| s.source_sandbox.as_deref() == Some(id)))
             .filter(|s| wanted.as_ref().is_none_or(|w| s.names.contains(w)))
             .collect();
@@ -570,24 +673,57 @@ impl Sandboxes {
         Ok(all)
     }
 
-    /// Deletes a snapshot by id or name.
-    pub fn delete_snapshot(&self, id_or_name: &str) -> Result<()> {
-        let wanted = agentenv_runtime::snapshot::normalize_name(id_or_name);
+    /// Deletes `caller`'s snapshot by id or name.
+    pub fn delete_snapshot(&self, caller: &Caller, id_or_name: &str) -> Result<()> {
         let id = self
-            .backend
-            .snapshots()
-            .into_iter()
-            .find(|s| s.id == id_or_name || wanted.as_ref().is_some_and(|w| s.names.contains(w)))
+            .find_snapshot(caller, id_or_name)
             .map(|s| s.id)
             .ok_or_else(|| LifecycleError::SnapshotNotFound(id_or_name.into()))?;
         self.backend.delete_snapshot(&id)?;
+        if let Err(e) = self.owners.forget_snapshot(&id) {
+            tracing::warn!(snapshot = %id, error = %e, "owner entry of a deleted snapshot stays until the next start");
+        }
         Ok(())
+    }
+
+    /// Templates `caller` may use: the public ones and its own.
+    pub fn templates(&self, caller: &Caller) -> Vec<TemplateInfo> {
+        self.backend
+            .templates()
+            .into_iter()
+            .filter(|t| {
+                self.owners
+                    .template_owner(&t.id)
+                    .is_none_or(|o| caller.sees(&o))
+            })
+            .collect()
+    }
+
+    /// Builds a template owned by `caller` (minutes).
+    pub async fn build_template(
+        &self,
+        caller: &Caller,
+        spec: TemplateSpec,
+    ) -> std::result::Result<TemplateInfo, TemplateError> {
+        let id = spec.id.clone();
+        let taken = self.backend.templates().iter().any(|t| t.id == id);
+        if !taken && let Err(e) = self.owners.set_template(&id, caller.owner()) {
+            return Err(TemplateError::InvalidSpec(format!(
+                "recording the owner: {e}"
+            )));
+        }
+        let r = self.backend.build_template(spec).await;
+        if r.is_err() && !taken && self.backend.templates().iter().all(|t| t.id != id) {
+            let _ = self.owners.forget_template(&id);
+        }
+        r
     }
 
     /// Forks a sandbox into `count` (1..=20) new ones: one capture, then one restore each. Each result
     /// is a new running sandbox or why that fork failed.
     pub async fn fork(
         &self,
+        caller: &Caller,
         id: &str,
         count: Option<u32>,
         timeout_s: Option<u64>,
@@ -599,16 +735,18 @@ impl Sandboxes {
             )));
         }
         let timeout = checked_timeout(timeout_s)?;
+        self.get_as(caller, id)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
-        let src = self
-            .get(id)
-            .ok_or_else(|| LifecycleError::SandboxNotFound(id.into()))?;
-        let _quota = self.reserve(Usage {
-            running: count as usize,
-            paused: 0,
-            memory_mb: u64::from(count) * u64::from(src.memory_mb),
-        })?;
+        let src = self.get_as(caller, id)?;
+        let _quota = self.reserve(
+            &src.owner,
+            Usage {
+                running: count as usize,
+                paused: 0,
+                memory_mb: u64::from(count) * u64::from(src.memory_mb),
+            },
+        )?;
         let ids: Vec<String> = (0..count).map(|_| keys::generate_sandbox_id()).collect();
         let results = match self
             .within(

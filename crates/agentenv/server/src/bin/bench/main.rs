@@ -24,6 +24,8 @@ use agentenv_server::app::{self, AppState, ServerConfig};
 use agentenv_server::backend::VmBackend;
 use agentenv_server::{keys, runtime_backend};
 
+mod load;
+
 #[derive(Parser)]
 #[command(
     name = "agentenv-bench",
@@ -40,6 +42,15 @@ struct Args {
     /// Command round trips per sandbox.
     #[arg(long, default_value_t = 5)]
     commands: usize,
+    /// Concurrent connections of the get/list load.
+    #[arg(long, default_value_t = 16)]
+    load_conns: usize,
+    /// Requests per connection of the get/list load.
+    #[arg(long, default_value_t = 250)]
+    load_requests: usize,
+    /// Run only the soak: create/pause/resume/kill churn for this many seconds (0: no soak).
+    #[arg(long, default_value_t = 0)]
+    soak_s: u64,
 }
 
 struct Http {
@@ -49,6 +60,15 @@ struct Http {
 }
 
 impl Http {
+    /// The same server and key through a client with its own connections.
+    fn clone_with_own_pool(&self) -> Http {
+        Http {
+            base: self.base.clone(),
+            key: self.key.clone(),
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        }
+    }
+
     async fn send(
         &self,
         method: Method,
@@ -383,6 +403,47 @@ async fn main() -> anyhow::Result<()> {
         key: api_key,
         client: Client::builder(TokioExecutor::new()).build_http(),
     };
+    let cmd: Vec<String> = std::env::args().collect();
+
+    if args.soak_s > 0 {
+        let soak = load::churn(
+            &http,
+            &state.path().to_string_lossy(),
+            std::time::Duration::from_secs(args.soak_s),
+        )
+        .await;
+        server.abort();
+        let (figures, plot) = load::soak_figures(&soak);
+        let mut notes = vec![
+            format!("command: {}", cmd.join(" ")),
+            format!("{} s of back-to-back cycles, one sandbox at a time, through the E2B API of an in-process server ({accel_name})", args.soak_s),
+            "fds and RSS are the server process's (runtime included); QEMU processes are those naming the bench's state folder".into(),
+        ];
+        if let Some(e) = &soak.first_error {
+            notes.push(format!("first failed cycle: {e}"));
+        }
+        report.sections.push(Section {
+            system: "agentenv".into(),
+            tier: args.tier,
+            title: format!("Soak: create/pause/resume/kill churn ({accel_name})"),
+            machine,
+            figures: figures
+                .into_iter()
+                .map(|f| f.param("accel", accel_name))
+                .collect(),
+            plots: vec![plot],
+            notes,
+        });
+        report.write(&args.out)?;
+        println!(
+            "soak: {} cycles, {} failed, {} QEMU left; wrote {}",
+            soak.cycles,
+            soak.errors,
+            soak.qemu_after,
+            args.out.display()
+        );
+        return Ok(());
+    }
 
     let (mut create, mut command, mut pause, mut resume, mut kill) =
         (vec![], vec![], vec![], vec![], vec![]);
@@ -427,6 +488,8 @@ async fn main() -> anyhow::Result<()> {
         kill.push(ms(t));
     }
     let v2 = snapshot_figures(&http, args.iterations).await?;
+    let (load_ms, load_errors, load_rate) =
+        load::get_list(&http, args.load_conns, args.load_requests, 4).await?;
     // Same-run baseline: the runtime's own create (no HTTP, no records).
     let mut direct = vec![];
     for i in 0..args.iterations.min(5) {
@@ -481,6 +544,24 @@ async fn main() -> anyhow::Result<()> {
             50.0,
         ),
         Figure::timing("kill (DELETE /sandboxes/{id})", &kill, "ms"),
+        Figure::timing(
+            "get/list under load (GET /sandboxes/{id} and /v2/sandboxes)",
+            &load_ms,
+            "ms",
+        )
+        .param("connections", args.load_conns)
+        .param("requests", load_ms.len())
+        .param("errors", load_errors)
+        .param("req/s", format!("{load_rate:.0}")),
+        Figure::new(
+            "get/list under load, p99",
+            stats::percentile(&load_ms, 99.0),
+            "ms",
+            k3_common::report::Better::Lower,
+        )
+        .param("connections", args.load_conns)
+        .param("errors", load_errors)
+        .baseline("issue 9 bound", 20.0, false),
     ];
     let figures: Vec<Figure> = figures
         .into_iter()
@@ -500,7 +581,6 @@ async fn main() -> anyhow::Result<()> {
             cdf("kill", &kill),
         ],
     };
-    let cmd: Vec<String> = std::env::args().collect();
     report.sections.push(Section {
         system: "agentenv".into(),
         tier: args.tier,

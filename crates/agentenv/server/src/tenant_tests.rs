@@ -1,0 +1,337 @@
+//! Tenants through the HTTP app on the fake backend: each key sees and controls only its own sandboxes,
+//! snapshots and templates, and has its own quota and request budget.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+use crate::app::{self, AppState, ServerConfig};
+use crate::fake::FakeBackend;
+use crate::ratelimit::RateLimit;
+use crate::sandboxes::{LifecycleConfig, Quota};
+use crate::tenants;
+
+struct Api {
+    app: axum::Router,
+}
+
+impl Api {
+    async fn call(
+        &self,
+        key: &str,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("x-api-key", key);
+        let body = match body {
+            Some(b) => {
+                req = req.header("content-type", "application/json");
+                Body::from(b.to_string())
+            }
+            None => Body::empty(),
+        };
+        let resp = self
+            .app
+            .clone()
+            .oneshot(req.body(body).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let bytes = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let v = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{e}: {bytes:?}"))
+        };
+        if !status.is_success() {
+            assert_eq!(v["code"].as_u64(), Some(u64::from(status.as_u16())), "{v}");
+            assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+        }
+        (status, v)
+    }
+
+    async fn create(&self, key: &str, template: &str) -> (StatusCode, Value) {
+        self.call(
+            key,
+            Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": template})),
+        )
+        .await
+    }
+
+    async fn ids(&self, key: &str) -> Vec<String> {
+        self.listed(key.to_string(), "/v2/sandboxes", "sandboxID")
+            .await
+    }
+
+    /// The `field` of every item `path` lists for `key`, sorted.
+    async fn listed(&self, key: String, path: &str, field: &str) -> Vec<String> {
+        let (st, v) = self.call(&key, Method::GET, path, None).await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let mut ids: Vec<String> = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s[field].as_str().unwrap().to_string())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    /// Snapshots `id` as `name` with `key`; returns the snapshot id.
+    async fn snapshot(&self, key: &str, id: &str, name: &str) -> String {
+        let (st, v) = self
+            .call(
+                key,
+                Method::POST,
+                &format!("/sandboxes/{id}/snapshots"),
+                Some(json!({"name": name})),
+            )
+            .await;
+        assert_eq!(st, StatusCode::CREATED, "{v}");
+        assert_eq!(
+            v["names"],
+            json!([format!("{name}:default")]),
+            "a tenant sees its names as it wrote them"
+        );
+        v["snapshotID"].as_str().unwrap().to_string()
+    }
+}
+
+async fn open(dir: &std::path::Path, rate: Option<RateLimit>) -> (Api, String) {
+    let default_key = crate::keys::generate_api_key();
+    let state = AppState::open(
+        Arc::new(FakeBackend::default()),
+        ServerConfig {
+            state_dir: dir.to_path_buf(),
+            api_key: default_key.clone(),
+            max_upload_bytes: 1 << 20,
+            lifecycle: LifecycleConfig::default(),
+            rate_limit: rate,
+        },
+    )
+    .await
+    .unwrap();
+    (
+        Api {
+            app: app::app(state),
+        },
+        default_key,
+    )
+}
+
+fn key(dir: &std::path::Path, name: &str, quota: Quota) -> String {
+    tenants::create_key(dir, name, quota).unwrap().0
+}
+
+#[tokio::test]
+async fn a_key_sees_and_controls_only_its_own_sandboxes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (api, admin) = open(dir.path(), None).await;
+    let (a, b) = (
+        key(dir.path(), "alpha", Quota::default()),
+        key(dir.path(), "beta", Quota::default()),
+    );
+    let n = rand::random_range(1..4);
+    let mut mine = vec![];
+    for _ in 0..n {
+        let (st, v) = api.create(&a, "base").await;
+        assert_eq!(st, StatusCode::CREATED, "{v}");
+        mine.push(v["sandboxID"].as_str().unwrap().to_string());
+    }
+    mine.sort();
+    let (_, v) = api.create(&b, "base").await;
+    let theirs = v["sandboxID"].as_str().unwrap().to_string();
+    assert_eq!(api.ids(&a).await, mine);
+    assert_eq!(api.ids(&b).await, vec![theirs.clone()]);
+    assert!(
+        api.ids(&admin).await.is_empty(),
+        "the server key is a tenant too"
+    );
+
+    let id = &mine[0];
+    let other = [
+        (Method::GET, format!("/sandboxes/{id}"), None),
+        (
+            Method::POST,
+            format!("/sandboxes/{id}/timeout"),
+            Some(json!({"timeout": 30})),
+        ),
+        (Method::POST, format!("/sandboxes/{id}/pause"), None),
+        (
+            Method::POST,
+            format!("/v2/sandboxes/{id}/connect"),
+            Some(json!({"timeout": 30})),
+        ),
+        (
+            Method::POST,
+            format!("/sandboxes/{id}/resume"),
+            Some(json!({})),
+        ),
+        (
+            Method::POST,
+            format!("/sandboxes/{id}/snapshots"),
+            Some(json!({"name": "x"})),
+        ),
+        (
+            Method::POST,
+            format!("/sandboxes/{id}/fork"),
+            Some(json!({"count": 1})),
+        ),
+        (Method::DELETE, format!("/sandboxes/{id}"), None),
+    ];
+    for (m, path, body) in other {
+        for k in [&b, &admin] {
+            let (st, v) = api.call(k, m.clone(), &path, body.clone()).await;
+            assert_eq!(st, StatusCode::NOT_FOUND, "{m} {path}: {v}");
+        }
+    }
+    // Nothing of alpha's changed.
+    let (st, v) = api
+        .call(&a, Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!((st, v["state"].as_str()), (StatusCode::OK, Some("running")));
+    let (st, _) = api
+        .call(&a, Method::DELETE, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(st, StatusCode::NO_CONTENT);
+
+    let (st, _) = api.call(&b, Method::GET, "/metrics", None).await;
+    assert_eq!(
+        st,
+        StatusCode::FORBIDDEN,
+        "server-wide metrics are the operator's"
+    );
+    tenants::revoke_key(dir.path(), "beta").unwrap();
+    let (st, _) = api.call(&b, Method::GET, "/v2/sandboxes", None).await;
+    assert_eq!(st, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn snapshots_and_templates_are_per_key_and_names_never_collide() {
+    let dir = tempfile::tempdir().unwrap();
+    let (api, admin) = open(dir.path(), None).await;
+    let (a, b) = (
+        key(dir.path(), "alpha", Quota::default()),
+        key(dir.path(), "beta", Quota::default()),
+    );
+    let sbx = |v: Value| v["sandboxID"].as_str().unwrap().to_string();
+    let sa = sbx(api.create(&a, "base").await.1);
+    let sb = sbx(api.create(&b, "base").await.1);
+    let snap_a = api.snapshot(&a, &sa, "app").await;
+    let snap_b = api.snapshot(&b, &sb, "app").await;
+    let listed = |k: &str| api.listed(k.to_string(), "/snapshots", "snapshotID");
+    assert_eq!(listed(&a).await, vec![snap_a.clone()]);
+    assert_eq!(listed(&b).await, vec![snap_b.clone()]);
+    assert!(listed(&admin).await.is_empty());
+
+    // "app" is each tenant's own: a create from it starts from that tenant's snapshot.
+    let (st, v) = api.create(&b, "app").await;
+    assert_eq!(
+        (st, v["templateID"].as_str()),
+        (StatusCode::CREATED, Some(snap_b.as_str()))
+    );
+    let (st, _) = api.create(&admin, "app").await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, _) = api.create(&b, &snap_a).await;
+    assert_eq!(
+        st,
+        StatusCode::NOT_FOUND,
+        "another tenant's snapshot id is unknown"
+    );
+    let (st, _) = api
+        .call(&b, Method::DELETE, &format!("/templates/{snap_a}"), None)
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, _) = api.call(&b, Method::DELETE, "/templates/app", None).await;
+    assert_eq!(st, StatusCode::NO_CONTENT);
+    assert_eq!(
+        listed(&a).await,
+        vec![snap_a.clone()],
+        "alpha's app survives"
+    );
+    let (st, _) = api
+        .call(
+            &a,
+            Method::POST,
+            &format!("/sandboxes/{sa}/snapshots"),
+            Some(json!({"name": "x..y"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+
+    // Templates built through the API are their builder's; the base is everyone's.
+    let (st, v) = api
+        .call(
+            &a,
+            Method::POST,
+            "/templates",
+            Some(json!({"templateID": "alpha-tpl"})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let tpl_ids = |k: &str| api.listed(k.to_string(), "/templates", "templateID");
+    assert_eq!(tpl_ids(&a).await, vec!["alpha-tpl", "base"]);
+    assert_eq!(tpl_ids(&b).await, vec!["base"]);
+    assert_eq!(api.create(&a, "alpha-tpl").await.0, StatusCode::CREATED);
+    assert_eq!(api.create(&b, "alpha-tpl").await.0, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn each_key_has_its_own_quota_and_request_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let burst = rand::random_range(20..40);
+    let (api, admin) = open(
+        dir.path(),
+        Some(RateLimit {
+            per_second: 0.001,
+            burst: burst as f64,
+        }),
+    )
+    .await;
+    let max = rand::random_range(1..4);
+    let a = key(
+        dir.path(),
+        "alpha",
+        Quota {
+            max_running: Some(max),
+            ..Default::default()
+        },
+    );
+    let b = key(dir.path(), "beta", Quota::default());
+    for _ in 0..max {
+        assert_eq!(api.create(&a, "base").await.0, StatusCode::CREATED);
+    }
+    let (st, v) = api.create(&a, "base").await;
+    assert_eq!(st, StatusCode::TOO_MANY_REQUESTS, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("key alpha"), "{v}");
+    // Others are not held to alpha's quota.
+    for _ in 0..=max {
+        assert_eq!(api.create(&b, "base").await.0, StatusCode::CREATED);
+    }
+    // alpha spends its own budget; beta and the server key keep theirs.
+    let mut limited = false;
+    for _ in 0..burst {
+        let (st, _) = api.call(&a, Method::GET, "/v2/sandboxes", None).await;
+        limited |= st == StatusCode::TOO_MANY_REQUESTS;
+    }
+    assert!(limited, "alpha ran out of requests");
+    assert_eq!(
+        api.call(&b, Method::GET, "/v2/sandboxes", None).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        api.call(&admin, Method::GET, "/v2/sandboxes", None).await.0,
+        StatusCode::OK
+    );
+}
