@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use agentenv_oci::testing::{LayerBuilder, TestImage, TestRegistry};
 use agentenv_oci::{Compression, PullOptions, pull, resolve};
+use k3_common::stats::median;
 use rand::Rng;
 
 /// CPU seconds (user + system) of this process so far.
@@ -29,11 +30,6 @@ fn cpu_children() -> f64 {
     unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut u) };
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     tv(u.ru_utime) + tv(u.ru_stime)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn main() {
@@ -145,8 +141,8 @@ fn main() {
         }
     }
     let mb = blob_bytes as f64 / (1 << 20) as f64;
-    let (p, d, a) = (median(&mut t_pull), median(&mut t_dl), median(&mut t_apply));
-    let (cp, cd, ca) = (median(&mut c_pull), median(&mut c_dl), median(&mut c_apply));
+    let (p, d, a) = (median(&t_pull), median(&t_dl), median(&t_apply));
+    let (cp, cd, ca) = (median(&c_pull), median(&c_dl), median(&c_apply));
     println!(
         "image: {n_layers} gzip layers, {} files ({random_pct}% random), content {:.1} MiB, blobs {mb:.1} MiB; {runs} runs, medians",
         n_layers * files_per_layer,
@@ -164,7 +160,7 @@ fn main() {
         "apply only (blobs cached):    {a:.3} s  {:.1} MiB/s  cpu {ca:.3} s",
         mb / a
     );
-    let (tt, ct) = (median(&mut t_tar), median(&mut c_tar));
+    let (tt, ct) = (median(&t_tar), median(&c_tar));
     println!(
         "tar -xzf (GNU tar, baseline): {tt:.3} s  {:.1} MiB/s  cpu {ct:.3} s",
         mb / tt

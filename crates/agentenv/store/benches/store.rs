@@ -15,9 +15,9 @@ use agentenv_store::{ChunkStore, Compression, StoreConfig};
 
 const MIB: u64 = 1 << 20;
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
+fn median(v: Vec<Duration>) -> Duration {
+    let secs: Vec<f64> = v.iter().map(Duration::as_secs_f64).collect();
+    Duration::from_secs_f64(k3_common::stats::median(&secs))
 }
 
 fn ms(d: Duration) -> String {

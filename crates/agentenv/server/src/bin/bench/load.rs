@@ -105,13 +105,16 @@ fn qemu_processes(state_dir: &str) -> usize {
     })
 }
 
+/// (seconds since start, fds, RSS KiB, QEMU processes).
+pub type Sample = (f64, usize, u64, usize);
+
 /// What the churn saw.
 pub struct Soak {
     pub cycles: usize,
     pub errors: usize,
     pub first_error: Option<String>,
-    /// (seconds since start, fds, RSS KiB, QEMU processes): after a warm-up cycle, once a minute, at the end.
-    pub samples: Vec<(f64, usize, u64, usize)>,
+    /// After a warm-up cycle, once a minute, and at the end.
+    pub samples: Vec<Sample>,
     pub qemu_after: usize,
     pub cycle_ms: Vec<f64>,
 }
@@ -277,7 +280,7 @@ pub fn soak_figures(s: &Soak) -> (Vec<Figure>, Plot) {
         .param("first MiB", format!("{:.1}", first.2 as f64 / 1024.0))
         .param("max MiB", format!("{:.1}", max_rss as f64 / 1024.0)),
     ];
-    let series = |name: &str, f: &dyn Fn(&(f64, usize, u64, usize)) -> f64| Series {
+    let series = |name: &str, f: &dyn Fn(&Sample) -> f64| Series {
         name: name.into(),
         points: s
             .samples
