@@ -267,7 +267,16 @@ impl Runtime {
             .unwrap_or_else(|e| e.into_inner())
             .get(id)
             .cloned()?;
-        Some(slot.visible_state())
+        let state = slot.visible_state();
+        // A running sandbox whose VMM died (killed from outside, OOM, crash) has no VM any more. An
+        // operation in flight holds the lock; it finds out itself.
+        if state == VmState::Running
+            && let Ok(live) = slot.live.try_lock()
+            && live.vm.as_ref().is_some_and(|vm| !vm.alive())
+        {
+            return None;
+        }
+        Some(state)
     }
 
     pub(crate) fn template_record(&self, id_or_alias: &str) -> Option<TemplateRecord> {

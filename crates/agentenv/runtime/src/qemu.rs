@@ -444,6 +444,10 @@ impl Snapshottable for QemuVm {
 }
 
 impl VmInstance for QemuVm {
+    fn alive(&self) -> bool {
+        process_runs_vm(self.pid, &self.spec)
+    }
+
     fn pid(&self) -> u32 {
         self.pid
     }

@@ -290,6 +290,7 @@ impl Runtime {
                         vm.save_device_state(&partial.join("device.state")).await?;
                     }
                     k3_common::crash::point("runtime:snapshot:during-capture");
+                    k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
                     capture_files(inner, &rec, &partial, ram_tmp.as_deref()).await
                 }
                 .await;
@@ -402,6 +403,12 @@ impl Runtime {
             .capture(sandbox_id, &sid, &[], SnapshotMode::Full, true)
             .await?;
         k3_common::crash::point("runtime:fork:after-capture");
+        if cfg!(debug_assertions)
+            && let Some(slot) = self.slot(sandbox_id)
+            && let Some(vm) = slot.live.lock().await.vm.as_ref()
+        {
+            k3_common::crash::kill_vm_point("runtime:fork:after-capture", vm.pid());
+        }
         let image = snap.image();
         let mut set = tokio::task::JoinSet::new();
         for (i, id) in ids.iter().enumerate() {

@@ -120,6 +120,8 @@ pub trait VmInstance: Snapshottable + Send + Sync {
     fn shutdown(&self) -> BoxFuture<'_, Result<(), VmmError>>;
     /// Kills the VMM process at once and waits until it is gone.
     fn kill(&self) -> BoxFuture<'_, Result<(), VmmError>>;
+    /// Whether the VMM process still runs (false once it died or was killed from outside).
+    fn alive(&self) -> bool;
 }
 
 /// A restored, still stopped VM and its connected agent channel.

@@ -548,6 +548,40 @@ mod fake_tests {
     }
 
     #[tokio::test]
+    async fn a_vm_that_dies_on_its_own_takes_its_sandbox_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeBackend::default());
+        let s = open(dir.path(), fake.clone()).await;
+        let n = rand::random_range(2..6);
+        let mut ids = vec![];
+        for _ in 0..n {
+            ids.push(s.create(&me(), req("base"), None).await.unwrap().sandbox_id);
+        }
+        let dead = ids.swap_remove(rand::random_range(0..n));
+        fake.vms.lock().unwrap().remove(&dead);
+        let kills = fake.kills.load(Ordering::SeqCst);
+        s.reap_dead().join_all().await;
+        assert!(s.get(&dead).is_none(), "the dead VM's sandbox is gone");
+        assert_eq!(
+            fake.kills.load(Ordering::SeqCst),
+            kills + 1,
+            "its files were cleaned up"
+        );
+        let mut left: Vec<String> = s
+            .list(&me(), &ListFilter::default())
+            .into_iter()
+            .map(|r| r.sandbox_id)
+            .collect();
+        left.sort();
+        ids.sort();
+        assert_eq!(left, ids, "the others keep running");
+        assert!(matches!(
+            s.kill(&me(), &dead).await,
+            Err(LifecycleError::SandboxNotFound(_))
+        ));
+    }
+
+    #[tokio::test]
     async fn paused_sandboxes_expire_after_the_retention() {
         let dir = tempfile::tempdir().unwrap();
         let fake = Arc::new(FakeBackend::default());

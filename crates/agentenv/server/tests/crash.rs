@@ -29,6 +29,11 @@ fn free_port() -> u16 {
 
 /// Starts `agentenv serve` on `dir`, dying at `crash_at` when it is given.
 async fn start(dir: &Path, crash_at: Option<&str>) -> Server {
+    start_with(dir, crash_at, None).await
+}
+
+/// [`start`], killing the VM at `kill_vm_at` (`K3_KILL_VM_AT`) when it is given.
+async fn start_with(dir: &Path, crash_at: Option<&str>, kill_vm_at: Option<&str>) -> Server {
     let port = free_port();
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -49,6 +54,10 @@ async fn start(dir: &Path, crash_at: Option<&str>) -> Server {
     match crash_at {
         Some(p) => cmd.env(k3_common::crash::CRASH_AT, p),
         None => cmd.env_remove(k3_common::crash::CRASH_AT),
+    };
+    match kill_vm_at {
+        Some(p) => cmd.env(k3_common::crash::KILL_VM_AT, p),
+        None => cmd.env_remove(k3_common::crash::KILL_VM_AT),
     };
     let mut child = cmd.spawn().expect("spawning agentenv");
     let base = format!("http://127.0.0.1:{port}");
@@ -355,6 +364,149 @@ async fn kill_9_at_every_step_leaves_a_consistent_state() {
     assert_eq!(out.trim(), secret);
     s.api
         .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
+        .await;
+    s.stop();
+    assert!(
+        common::qemu_pids_under(dir).is_empty(),
+        "QEMU left after the test"
+    );
+}
+
+/// Creates a sandbox from `template`; returns its id and access token.
+async fn create(api: &Api, template: &str) -> (String, String) {
+    let r = api
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": template})),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json());
+    let v = r.json();
+    (
+        v["sandboxID"].as_str().unwrap().to_string(),
+        v["envdAccessToken"].as_str().unwrap().to_string(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_kill_9_mid_snapshot_and_fork_leaves_a_consistent_state() {
+    if !cfg!(debug_assertions) {
+        eprintln!("skipped: VM kill points exist in debug builds only");
+        return;
+    }
+    common::ensure_guest_binary();
+    let dir = common::state_dir();
+    let dir = dir.path();
+    let s = start(dir, None).await;
+    let (a, token) = create(&s.api, "base").await;
+    let secret = format!("{:x}", rand::random::<u64>());
+    s.api
+        .run(
+            &a,
+            &token,
+            &format!("echo {secret} > /home/user/keep; sync"),
+        )
+        .await
+        .unwrap();
+    let keep = s
+        .api
+        .call(
+            Method::POST,
+            &sandbox_path(&a, "snapshots"),
+            Some(json!({"name": "keep"})),
+        )
+        .await;
+    assert_eq!(keep.status, StatusCode::CREATED, "{:?}", keep.json());
+    s.stop();
+
+    // QEMU dies while its snapshot is captured: the snapshot fails, nothing of it is listed, the
+    // sandbox is gone (never listed running without a VM), and no QEMU is left.
+    let s = start_with(dir, None, Some("runtime:snapshot:during-capture")).await;
+    let r = s
+        .api
+        .call(
+            Method::POST,
+            &sandbox_path(&a, "snapshots"),
+            Some(json!({"name": "half"})),
+        )
+        .await;
+    assert!(r.status.is_server_error(), "{:?}", r.json());
+    assert!(r.json()["message"].as_str().is_some_and(|m| !m.is_empty()));
+    let gone = s
+        .api
+        .call(Method::GET, &format!("/sandboxes/{a}"), None)
+        .await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND, "{:?}", gone.json());
+    check_consistent(&s.api, dir, "QEMU killed mid-snapshot").await;
+
+    // QEMU of the source dies right after a fork's capture: the forks run from the capture; the
+    // source is gone.
+    s.stop();
+    let s = start_with(dir, None, Some("runtime:fork:after-capture")).await;
+    let (b, token_b) = create(&s.api, "keep").await;
+    let (out, _) = s
+        .api
+        .run(&b, &token_b, "cat /home/user/keep")
+        .await
+        .unwrap();
+    assert_eq!(out.trim(), secret);
+    let r = s
+        .api
+        .call(
+            Method::POST,
+            &sandbox_path(&b, "fork"),
+            Some(json!({"count": 2})),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json());
+    let forks: Vec<Value> = r.json().as_array().cloned().unwrap();
+    assert_eq!(forks.len(), 2);
+    for f in &forks {
+        let sb = &f["sandbox"];
+        let (id, tok) = (
+            sb["sandboxID"].as_str().unwrap(),
+            sb["envdAccessToken"].as_str().unwrap(),
+        );
+        let (out, _) = s.api.run(id, tok, "cat /home/user/keep").await.unwrap();
+        assert_eq!(out.trim(), secret, "fork {id}");
+    }
+    // The reaper notices the dead source within a few ticks.
+    let mut status = StatusCode::OK;
+    for _ in 0..50 {
+        status = s
+            .api
+            .call(Method::GET, &format!("/sandboxes/{b}"), None)
+            .await
+            .status;
+        if status == StatusCode::NOT_FOUND {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, StatusCode::NOT_FOUND, "the killed source is gone");
+    let (running, _) = check_consistent(&s.api, dir, "QEMU killed after a fork's capture").await;
+    assert_eq!(running.len(), 2, "{running:?}");
+
+    // After a restart the same holds, and the first snapshot still restores.
+    s.stop();
+    let s = start(dir, None).await;
+    let (running, _) = check_consistent(&s.api, dir, "restart").await;
+    for r in &running {
+        let id = r["sandboxID"].as_str().unwrap();
+        s.api
+            .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
+            .await;
+    }
+    let (c, token_c) = create(&s.api, "keep").await;
+    let (out, _) = s
+        .api
+        .run(&c, &token_c, "cat /home/user/keep")
+        .await
+        .unwrap();
+    assert_eq!(out.trim(), secret);
+    s.api
+        .call(Method::DELETE, &format!("/sandboxes/{c}"), None)
         .await;
     s.stop();
     assert!(

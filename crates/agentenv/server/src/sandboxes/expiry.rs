@@ -85,7 +85,31 @@ impl Sandboxes {
         }
     }
 
-    /// Runs [`Self::expire_due`] every 500 ms until the process ends.
+    /// Forgets running sandboxes whose VM died on its own (killed from outside, OOM, crash): their files
+    /// are removed and they are gone, with the reason logged. A sandbox with an operation in flight is
+    /// left to that operation.
+    pub fn reap_dead(self: &Arc<Self>) -> tokio::task::JoinSet<()> {
+        let dead: Vec<String> = {
+            let recs = self.records.lock().expect("records");
+            recs.values()
+                .filter(|r| r.state == SandboxState::Running)
+                .map(|r| r.sandbox_id.clone())
+                .filter(|id| self.backend.vm_state(id).is_none())
+                .collect()
+        };
+        let mut tasks = tokio::task::JoinSet::new();
+        for id in dead {
+            let this = self.clone();
+            tasks.spawn(async move {
+                let lock = this.op_lock(&id);
+                let Ok(_guard) = lock.try_lock() else { return };
+                this.forget_if_dead(&id).await;
+            });
+        }
+        tasks
+    }
+
+    /// Runs [`Self::expire_due`] and [`Self::reap_dead`] every 500 ms until the process ends.
     pub fn spawn_reaper(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let this = Arc::downgrade(self);
         tokio::spawn(async move {
@@ -94,6 +118,7 @@ impl Sandboxes {
                 tick.tick().await;
                 let Some(s) = this.upgrade() else { return };
                 s.expire_due().detach_all();
+                s.reap_dead().detach_all();
             }
         })
     }

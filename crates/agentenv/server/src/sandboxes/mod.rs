@@ -191,7 +191,13 @@ impl Sandboxes {
         let t0 = Instant::now();
         match tokio::time::timeout(limit, call).await {
             Ok(r) => {
-                let v = r.map_err(Into::into)?;
+                let v = match r {
+                    Ok(v) => v,
+                    Err(e) => {
+                        self.forget_if_dead(id).await;
+                        return Err(e.into());
+                    }
+                };
                 k3_common::crash::point(&format!("server:{op}:after-vm"));
                 self.metrics.observe_op(op, t0.elapsed());
                 Ok(v)
@@ -205,6 +211,27 @@ impl Sandboxes {
                     secs: limit.as_secs_f64(),
                 })
             }
+        }
+    }
+
+    /// After a failed runtime call: when the sandbox's VM is gone (it died during the call, or before),
+    /// removes what is left of it and forgets the sandbox, so it is never listed running without a VM.
+    async fn forget_if_dead(&self, id: &str) {
+        let running = self
+            .get(id)
+            .is_some_and(|r| r.state == SandboxState::Running);
+        if !running || self.backend.vm_state(id).is_some() {
+            return;
+        }
+        tracing::error!(sandbox = %id, "the sandbox's VM exited on its own; the sandbox is gone");
+        if let Ok(Err(e)) =
+            tokio::time::timeout(self.cfg.deadlines.kill, self.backend.kill(id)).await
+            && !matches!(e, KillError::NotFound(_))
+        {
+            tracing::warn!(sandbox = %id, error = %e, "cleaning up after a dead VM failed");
+        }
+        if let Err(e) = self.drop_record(id) {
+            tracing::error!(sandbox = %id, error = %e, "dropping the record of a dead VM failed");
         }
     }
 
