@@ -91,28 +91,69 @@ pub fn allocated_bytes(path: &Path) -> u64 {
     std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
 }
 
-/// Creates a qcow2 overlay `overlay` backed by `base` (a raw image or a qcow2 file, told apart by its magic).
-pub async fn create_overlay(qemu_img: &Path, base: &Path, overlay: &Path) -> std::io::Result<()> {
+/// `qcow2` or `raw`, told apart by the file's magic.
+fn image_format(path: &Path) -> std::io::Result<&'static str> {
     let mut magic = [0u8; 4];
-    {
-        use std::io::Read;
-        let _ = std::fs::File::open(base)?.read(&mut magic)?;
-    }
-    let format = if &magic == b"QFI\xfb" { "qcow2" } else { "raw" };
-    let o = tokio::process::Command::new(qemu_img)
-        .args(["create", "-q", "-f", "qcow2", "-F", format, "-b"])
-        .arg(base)
-        .arg(overlay)
+    use std::io::Read;
+    let _ = std::fs::File::open(path)?.read(&mut magic)?;
+    Ok(if &magic == b"QFI\xfb" { "qcow2" } else { "raw" })
+}
+
+async fn qemu_img(bin: &Path, args: &[&std::ffi::OsStr], what: &Path) -> std::io::Result<()> {
+    let o = tokio::process::Command::new(bin)
+        .args(args)
         .output()
         .await?;
     if !o.status.success() {
         return Err(std::io::Error::other(format!(
-            "qemu-img create {}: {}",
-            overlay.display(),
+            "qemu-img {:?} {}: {}",
+            args.first().unwrap_or(&std::ffi::OsStr::new("")),
+            what.display(),
             String::from_utf8_lossy(&o.stderr).trim()
         )));
     }
     Ok(())
+}
+
+/// Creates a qcow2 overlay `overlay` backed by `base` (a raw image or a qcow2 file).
+pub async fn create_overlay(
+    qemu_img_bin: &Path,
+    base: &Path,
+    overlay: &Path,
+) -> std::io::Result<()> {
+    let format = image_format(base)?;
+    let args: [&std::ffi::OsStr; 9] = [
+        "create".as_ref(),
+        "-q".as_ref(),
+        "-f".as_ref(),
+        "qcow2".as_ref(),
+        "-F".as_ref(),
+        format.as_ref(),
+        "-b".as_ref(),
+        base.as_os_str(),
+        overlay.as_os_str(),
+    ];
+    qemu_img(qemu_img_bin, &args, overlay).await
+}
+
+/// Points the qcow2 `overlay` at `base` without touching its data (`qemu-img rebase -u`): the same backing
+/// content at another path, as on another machine.
+pub async fn rebase_unsafe(
+    qemu_img_bin: &Path,
+    base: &Path,
+    overlay: &Path,
+) -> std::io::Result<()> {
+    let format = image_format(base)?;
+    let args: [&std::ffi::OsStr; 7] = [
+        "rebase".as_ref(),
+        "-u".as_ref(),
+        "-F".as_ref(),
+        format.as_ref(),
+        "-b".as_ref(),
+        base.as_os_str(),
+        overlay.as_os_str(),
+    ];
+    qemu_img(qemu_img_bin, &args, overlay).await
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ pub mod persist;
 pub mod qemu;
 pub mod qmp;
 mod recover;
+mod remote;
 pub mod rootfs;
 mod sandbox;
 pub mod snapshot;
@@ -109,6 +110,8 @@ pub(crate) struct Inner {
     pub(crate) cache: PathBuf,
     pub(crate) templates: RwLock<BTreeMap<String, TemplateRecord>>,
     pub(crate) snapshots: RwLock<BTreeMap<String, persist::SnapshotRecord>>,
+    /// Imports of snapshots from the shared chunk store, one at a time.
+    pub(crate) imports: tokio::sync::Mutex<()>,
     /// Snapshots as content-addressed chunks (incremental, shared, optionally in S3).
     pub(crate) store: Arc<agentenv_store::ChunkStore>,
     pub(crate) sandboxes: Mutex<HashMap<String, Arc<sandbox::Slot>>>,
@@ -201,6 +204,7 @@ impl Runtime {
             cache,
             templates: RwLock::new(templates),
             snapshots: RwLock::new(snapshots),
+            imports: tokio::sync::Mutex::new(()),
             store,
             sandboxes: Mutex::new(HashMap::new()),
         });

@@ -67,10 +67,10 @@ pub struct StoredChunks {
     pub elapsed_ms: f64,
 }
 
-const CHUNKS_FILE: &str = "chunks.json";
+pub(crate) const CHUNKS_FILE: &str = "chunks.json";
 
 /// The `chunks.json` of the snapshot folder `dir`, once its ingest finished.
-fn read_stored(dir: &Path) -> Option<StoredChunks> {
+pub(crate) fn read_stored(dir: &Path) -> Option<StoredChunks> {
     let bytes = std::fs::read(dir.join(CHUNKS_FILE)).ok()?;
     serde_json::from_slice(&bytes).ok()
 }
@@ -107,14 +107,14 @@ impl SnapshotRecord {
     }
 
     /// Its files by chunk-store name: the disk, and the device state and RAM file where it has them.
-    fn files(&self) -> Vec<(&'static str, PathBuf)> {
+    pub(crate) fn files(&self) -> Vec<(&'static str, PathBuf)> {
         let mut f = vec![("disk.qcow2", self.disk.clone())];
         f.extend(self.state.clone().map(|p| ("device.state", p)));
         f.extend(self.ram.clone().map(|p| ("ram.mem", p)));
         f
     }
 
-    fn info(&self, paused_ms: f64) -> SnapshotInfo {
+    pub(crate) fn info(&self, paused_ms: f64) -> SnapshotInfo {
         let stored = self.disk.parent().and_then(read_stored);
         SnapshotInfo {
             stored,
@@ -140,7 +140,7 @@ impl Inner {
     pub(crate) fn snapshots_dir(&self) -> PathBuf {
         self.cfg.state_dir.join("snapshots")
     }
-    fn snapshot_ram(&self, id: &str, dir: &Path) -> PathBuf {
+    pub(crate) fn snapshot_ram(&self, id: &str, dir: &Path) -> PathBuf {
         match &self.cfg.ram_dir {
             Some(d) => d.join(format!("snap-{id}.mem")),
             None => dir.join("ram.mem"),
@@ -447,6 +447,9 @@ impl Runtime {
     /// only chunks no earlier file had are written; `chunks.json` appears when all are durable.
     fn spawn_ingest(&self, rec: SnapshotRecord) {
         let store = self.inner.store.clone();
+        let template_build = self
+            .template_record(&rec.template_id)
+            .map(|t| crate::remote::template_build(&t));
         let dir = self.inner.snapshots_dir().join(&rec.id);
         tokio::spawn(async move {
             let t0 = Instant::now();
@@ -480,9 +483,14 @@ impl Runtime {
                 }
                 _ => return,
             }
-            if let Ok(meta) = serde_json::to_vec(&rec) {
+            let shared = crate::remote::SharedSnapshot {
+                record: rec.clone(),
+                stored: out.clone(),
+                template_build: template_build.unwrap_or_default(),
+            };
+            if let Ok(meta) = serde_json::to_vec(&shared) {
                 let _ = store
-                    .put_meta(&format!("snapshots/{}", rec.id), &meta)
+                    .put_meta(&crate::remote::meta_key(&rec.id), &meta)
                     .await;
             }
             tracing::info!(snapshot = %rec.id, bytes_new = out.bytes_new, bytes_data = out.bytes_data, ms = out.elapsed_ms, "snapshot stored as chunks");

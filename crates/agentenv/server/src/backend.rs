@@ -56,6 +56,12 @@ pub trait VmBackend: Send + Sync + 'static {
         mode: SnapshotMode,
     ) -> BoxFuture<'a, Result<SnapshotInfo, SnapshotError>>;
     fn snapshots(&self) -> Vec<SnapshotInfo>;
+    /// Makes snapshot `id_or_name` available, importing it from a chunk store shared with other machines
+    /// where this one lacks it. `Ok(None)`: nowhere.
+    fn import_snapshot<'a>(
+        &'a self,
+        id_or_name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<SnapshotInfo>, SnapshotError>>;
     fn delete_snapshot(&self, id: &str) -> Result<(), SnapshotError>;
     fn fork<'a>(
         &'a self,

@@ -204,6 +204,14 @@ impl VmBackend for FakeBackend {
     fn snapshots(&self) -> Vec<SnapshotInfo> {
         self.snaps.lock().unwrap().clone()
     }
+    fn import_snapshot<'a>(
+        &'a self,
+        id_or_name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<SnapshotInfo>, SnapshotError>> {
+        // The fake shares no store with other machines: only its own snapshots exist.
+        let snap = self.snapshots().into_iter().find(|s| s.id == id_or_name);
+        Box::pin(async move { Ok(snap) })
+    }
     fn delete_snapshot(&self, id: &str) -> Result<(), SnapshotError> {
         let mut snaps = self.snaps.lock().unwrap();
         let before = snaps.len();

@@ -107,6 +107,19 @@ struct ServeArgs {
     paused_retention_s: u64,
     #[arg(long, env = "AGENTENV_RAM_DIR")]
     ram_dir: Option<PathBuf>,
+    /// S3-compatible endpoint of a bucket that keeps every snapshot's chunks (credentials from
+    /// AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY). Servers sharing the bucket restore each other's snapshots.
+    #[arg(long, env = "AGENTENV_S3_ENDPOINT", requires = "s3_bucket")]
+    s3_endpoint: Option<String>,
+    /// Bucket for `--s3-endpoint`.
+    #[arg(long, env = "AGENTENV_S3_BUCKET", requires = "s3_endpoint")]
+    s3_bucket: Option<String>,
+    /// Key prefix inside the bucket.
+    #[arg(long, env = "AGENTENV_S3_PREFIX", default_value = "")]
+    s3_prefix: String,
+    /// Region of the bucket.
+    #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
+    s3_region: String,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -219,6 +232,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     cfg.guest_bin = args.guest_bin;
     cfg.ram_dir = args.ram_dir;
+    if let (Some(endpoint), Some(bucket)) = (args.s3_endpoint, args.s3_bucket) {
+        let env = |k: &str| std::env::var(k).with_context(|| format!("--s3-endpoint needs {k}"));
+        let remote = agentenv_store::RemoteConfig {
+            allow_http: endpoint.starts_with("http://"),
+            endpoint,
+            bucket,
+            region: args.s3_region,
+            access_key_id: env("AWS_ACCESS_KEY_ID")?,
+            secret_access_key: env("AWS_SECRET_ACCESS_KEY")?,
+            prefix: args.s3_prefix,
+            timeout: std::time::Duration::from_secs(60),
+        };
+        tracing::info!(endpoint = %remote.endpoint, bucket = %remote.bucket, "snapshot chunks kept in S3");
+        let mut store = agentenv_store::StoreConfig::local(
+            state_dir.join("runtime/chunks"),
+            agentenv_runtime::config::DEFAULT_STORE_BYTES,
+        )
+        .with_remote(remote);
+        store.chunk_size = agentenv_runtime::config::DEFAULT_CHUNK_BYTES;
+        cfg.store = Some(store);
+    }
     let runtime = runtime_backend::open_with_default_template(cfg).await?;
     tracing::info!(
         accel = runtime_backend::accel_label(&runtime),

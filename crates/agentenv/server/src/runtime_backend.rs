@@ -96,6 +96,12 @@ impl VmBackend for Runtime {
         Runtime::snapshots(self)
     }
 
+    fn import_snapshot<'a>(
+        &'a self,
+        id_or_name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<SnapshotInfo>, SnapshotError>> {
+        Box::pin(Runtime::import_snapshot(self, id_or_name))
+    }
     fn delete_snapshot(&self, id: &str) -> Result<(), SnapshotError> {
         Runtime::delete_snapshot(self, id)
     }

@@ -103,6 +103,11 @@ pub fn scoped_name(tenant: &str, name: &str) -> Result<String, String> {
     })
 }
 
+/// The tenant a runtime snapshot name is scoped to (`None`: the default tenant's).
+pub fn scope_of(scoped: &str) -> Option<&str> {
+    scoped.split_once(NAME_SEP).map(|(t, _)| t)
+}
+
 /// Tenant `tenant`'s view of a runtime snapshot name (`None`: another tenant's).
 pub fn unscoped_name<'a>(tenant: &str, scoped: &'a str) -> Option<&'a str> {
     match scoped.split_once(NAME_SEP) {

@@ -74,6 +74,24 @@ fn free_ports(n: usize) -> Result<Vec<u16>, String> {
     Err("no free loopback ports".into())
 }
 
+/// Whether an absent S3 server fails a test instead of skipping it (`K3_REQUIRE_S3=1` or CI).
+pub fn s3_required() -> bool {
+    std::env::var("K3_REQUIRE_S3").is_ok_and(|v| v == "1")
+        || std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// Starts SeaweedFS, or prints why not and returns `None` (panics instead when [`s3_required`]).
+pub fn weed_or_skip(test: &str, parent: &Path) -> Option<Weed> {
+    match Weed::start(parent) {
+        Ok(w) => Some(w),
+        Err(e) if !s3_required() => {
+            eprintln!("skip {test}: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: S3 server required: {e}"),
+    }
+}
+
 impl Weed {
     /// Starts `weed server` with its data under a fresh folder in `parent` and waits (at most 60 s)
     /// until S3 answers.

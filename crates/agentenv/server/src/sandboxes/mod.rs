@@ -330,7 +330,7 @@ impl Sandboxes {
             }
         }
         let timeout = checked_timeout(req.timeout)?;
-        let source = self.resolve_source(caller, &req.template_id)?;
+        let source = self.resolve_source(caller, &req.template_id).await?;
         let _quota = self.reserve(
             &owner,
             Usage {
@@ -395,8 +395,9 @@ impl Sandboxes {
         Ok(rec)
     }
 
-    /// A template (id or alias) or a live snapshot (id or `name[:tag]`) that `caller` may use.
-    fn resolve_source(&self, caller: &Caller, name: &str) -> Result<Source> {
+    /// A template (id or alias) or a live snapshot (id or `name[:tag]`) that `caller` may use; a snapshot
+    /// stored by another machine in a shared chunk store is imported first.
+    async fn resolve_source(&self, caller: &Caller, name: &str) -> Result<Source> {
         if let Some(t) = self
             .templates(caller)
             .into_iter()
@@ -410,9 +411,13 @@ impl Sandboxes {
                 disk_mb: u32::try_from(t.disk_mib).unwrap_or(u32::MAX),
             });
         }
-        let snap = self
-            .find_snapshot(caller, name)
-            .ok_or_else(|| LifecycleError::TemplateNotFound(name.into()))?;
+        let snap = match self.find_snapshot(caller, name) {
+            Some(s) => s,
+            None => self
+                .import_snapshot(caller, name)
+                .await?
+                .ok_or_else(|| LifecycleError::TemplateNotFound(name.into()))?,
+        };
         let disk_mb = self
             .backend
             .templates()
@@ -663,6 +668,34 @@ impl Sandboxes {
                     .then(|| (owner.clone(), self.as_seen_by(&owner, s)))
             })
             .collect()
+    }
+
+    /// Imports `caller`'s snapshot `name` (an id, or its own `name[:tag]`) from a chunk store shared with
+    /// other machines. It belongs to the tenant its names are scoped to (the default one when unnamed), so
+    /// a tenant can import only its own.
+    async fn import_snapshot(&self, caller: &Caller, name: &str) -> Result<Option<SnapshotInfo>> {
+        let wanted = if name.starts_with("snap-") {
+            name.to_string()
+        } else {
+            match tenants::scoped_name(caller.owner(), name) {
+                Ok(n) => n,
+                Err(_) => return Ok(None),
+            }
+        };
+        let Some(info) = self.backend.import_snapshot(&wanted).await? else {
+            return Ok(None);
+        };
+        let owner = info
+            .names
+            .iter()
+            .find_map(|n| tenants::scope_of(n).map(str::to_string))
+            .unwrap_or_else(|| DEFAULT_TENANT.into());
+        if self.owners.snapshot_owner(&info.id) != owner {
+            self.owners
+                .set_snapshot(&info.id, &owner)
+                .map_err(internal)?;
+        }
+        Ok(caller.sees(&owner).then(|| self.as_seen_by(&owner, info)))
     }
 
     /// `caller`'s snapshot with id or name (`name[:tag]`) `name`.

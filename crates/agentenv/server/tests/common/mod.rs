@@ -47,8 +47,18 @@ impl TestServer {
     /// Starts the server; `with_template: false` skips the default template (no VM boots; for
     /// tests of auth and input checks).
     pub async fn start_with(state_dir: &Path, with_template: bool) -> TestServer {
+        Self::start_with_store(state_dir, with_template, None).await
+    }
+
+    /// [`Self::start_with`] on the chunk store `store` (`None`: the runtime's local default).
+    pub async fn start_with_store(
+        state_dir: &Path,
+        with_template: bool,
+        store: Option<agentenv_store::StoreConfig>,
+    ) -> TestServer {
         let (api_key, _) = keys::load_or_create_api_key(state_dir).unwrap();
         let mut cfg = agentenv_runtime::RuntimeConfig::new(state_dir.join("runtime"));
+        cfg.store = store;
         cfg.accel = match std::env::var("AGENTENV_ACCEL").as_deref() {
             Ok("tcg") => agentenv_runtime::Accel::Tcg,
             Ok("kvm") => agentenv_runtime::Accel::Kvm,

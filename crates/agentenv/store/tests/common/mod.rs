@@ -60,20 +60,12 @@ pub fn allocated(path: &Path) -> u64 {
 
 /// Whether an absent tool fails the test instead of skipping it (`K3_REQUIRE_S3=1` or CI).
 pub fn required() -> bool {
-    std::env::var("K3_REQUIRE_S3").is_ok_and(|v| v == "1")
-        || std::env::var("CI").is_ok_and(|v| v == "true")
+    agentenv_store::testing::s3_required()
 }
 
 /// Starts SeaweedFS, or prints why not and returns `None` (panics instead when [`required`]).
 pub fn weed(test: &str, parent: &Path) -> Option<agentenv_store::testing::Weed> {
-    match agentenv_store::testing::Weed::start(parent) {
-        Ok(w) => Some(w),
-        Err(e) if !required() => {
-            eprintln!("skip {test}: {e}");
-            None
-        }
-        Err(e) => panic!("{test}: S3 server required: {e}"),
-    }
+    agentenv_store::testing::weed_or_skip(test, parent)
 }
 
 /// `qemu-img`/`qemu-io` path, or prints why not and returns `None` (panics instead when [`required`]).
