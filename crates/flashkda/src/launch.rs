@@ -13,7 +13,8 @@ use crate::schedule::{ScheduleRequest, call_plan, workspace_slots};
 use crate::validate::{FwdArgs, FwdPlan, StateDType, check_cu_seqlens, validate};
 
 pub use crate::schedule::{
-    CallPlan, KernelSchedule, ValueSplit, WORKSPACE_AUTO_LIMIT, WORKSPACE_RECORD_BYTES,
+    CallPlan, KernelSchedule, Operands, SPLIT_RECORD_BYTES, ValueSplit, WORKSPACE_AUTO_LIMIT,
+    WORKSPACE_RECORD_BYTES,
 };
 
 mod built {
@@ -111,6 +112,8 @@ pub struct Workspace {
 pub struct FwdOptions {
     pub value_split: ValueSplit,
     pub schedule: KernelSchedule,
+    /// bf16 or split (hi + lo) tensor-core operands on the workspace schedule.
+    pub operands: Operands,
     /// Copy `cu_seqlens` to the host and check it (one small sync). Skipped automatically while
     /// the stream is being captured into a CUDA graph; the kernels clamp bad offsets either way,
     /// never reading out of bounds.
@@ -128,6 +131,7 @@ impl FwdOptions {
         ScheduleRequest {
             schedule: self.schedule,
             value_split: self.value_split,
+            operands: self.operands,
             segment_chunks: self.segment_chunks,
         }
     }
@@ -138,6 +142,7 @@ impl Default for FwdOptions {
         FwdOptions {
             value_split: ValueSplit::Auto,
             schedule: KernelSchedule::Auto,
+            operands: Operands::Auto,
             check_cu_seqlens: true,
             segment_chunks: None,
             workspace: None,
@@ -184,12 +189,10 @@ pub struct KdaKernels {
     two_warps: CudaFunction,
     four_warps: CudaFunction,
     pipelined: CudaFunction,
-    prep: CudaFunction,
-    /// `kda_state_w{1,2,4}`: 1, 2 and 4 warps per block.
-    state: [CudaFunction; 3],
-    /// Segmented passes (context parallelism): (transition, output pass, dynamic smem bytes).
-    segmented: (CudaFunction, CudaFunction, u32),
-    scan: CudaFunction,
+    /// `kda_fwd_ws.cu` (bf16 operands).
+    ws_bf16: WorkspaceKernels,
+    /// `kda_fwd_ws_split.cu` (split operands).
+    ws_split: WorkspaceKernels,
     /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
     /// outside graph capture only.
     workspaces: Mutex<WorkspacePool>,
@@ -212,10 +215,82 @@ struct PooledBuffer {
 
 /// Dynamic shared memory of `kda_fwd_pipe_w4` (`PIPE_SMEM_BYTES` in the .cu, checked there).
 const PIPE_SMEM_BYTES: u32 = 65344;
-/// Dynamic shared memory of `kda_state_w{1,2,4}` (`STATE_SMEM` in kda_fwd_ws.cu, checked there).
-const STATE_SMEM_BYTES: [u32; 3] = [29584, 61216, 66848];
-/// Dynamic shared memory of the 3-stage segmented passes (`STATE_SMEM(4, 3)`).
-const CP_SMEM_BYTES: u32 = 50904;
+/// The kernels of one workspace cubin (`kda_fwd_ws.cu` or `kda_fwd_ws_split.cu`: same names).
+#[derive(Debug)]
+struct WorkspaceKernels {
+    prep: CudaFunction,
+    /// `kda_state_w{1,2,4}`: 1, 2 and 4 warps per block.
+    state: [CudaFunction; 3],
+    /// Dynamic shared memory of `state`.
+    state_smem: [u32; 3],
+    /// Segmented passes (context parallelism): (transition, output pass, dynamic smem bytes).
+    segmented: (CudaFunction, CudaFunction, u32),
+    scan: CudaFunction,
+}
+
+/// Dynamic shared memory of `kda_state_w{1,2,4}` and of the 3-stage segmented passes
+/// (`STATE_SMEM(1, 2)`, `(2, 4)`, `(4, 4)`, `(4, 3)` in kda_fwd_ws.cu, checked there), per record size.
+fn state_smem_bytes(operands: Operands) -> ([u32; 3], u32) {
+    match operands {
+        Operands::Split => ([30608, 63264, 68896], 52440),
+        _ => ([29584, 61216, 66848], 50904),
+    }
+}
+
+impl WorkspaceKernels {
+    fn load(
+        ctx: &Arc<CudaContext>,
+        cubin: Vec<u8>,
+        operands: Operands,
+    ) -> Result<Self, FlashKdaError> {
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .during(match operands {
+                Operands::Split => "loading the kda_fwd_ws_split cubin",
+                _ => "loading the kda_fwd_ws cubin",
+            })?;
+        let prep = module
+            .load_function("kda_prep")
+            .during("loading kda_prep")?;
+        let load_state = |name: &str, bytes: u32| -> Result<CudaFunction, FlashKdaError> {
+            let f = module.load_function(name).during("loading kda_state_w*")?;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .during("allowing the state pass's dynamic shared memory")?;
+            Ok(f)
+        };
+        let (state_smem, cp_smem) = state_smem_bytes(operands);
+        let state = [
+            load_state("kda_state_w1", state_smem[0])?,
+            load_state("kda_state_w2", state_smem[1])?,
+            load_state("kda_state_w4", state_smem[2])?,
+        ];
+        // FLASHKDA_CP_STAGES=4 (tuning only): the 4-stage kernels, 3 blocks per SM instead of 4
+        let segmented = if std::env::var("FLASHKDA_CP_STAGES").is_ok_and(|v| v == "4") {
+            (
+                load_state("kda_cp_transition_w4", state_smem[2])?,
+                load_state("kda_state_w4", state_smem[2])?,
+                state_smem[2],
+            )
+        } else {
+            (
+                load_state("kda_cp_transition_w4s3", cp_smem)?,
+                load_state("kda_cp_state_w4s3", cp_smem)?,
+                cp_smem,
+            )
+        };
+        let scan = load_state("kda_cp_scan", SCAN_SMEM_BYTES)?;
+        Ok(WorkspaceKernels {
+            prep,
+            state,
+            state_smem,
+            segmented,
+            scan,
+        })
+    }
+}
 
 impl KdaKernels {
     /// Loads the cubins into `ctx` (the device's primary context, shared with torch).
@@ -228,7 +303,7 @@ impl KdaKernels {
                 .ok_or(FlashKdaError::KernelsNotBuilt(not_built_reason()))
         };
         let (seq_cubin, pipe_cubin) = (cubin("kda_fwd")?, cubin("kda_fwd_pipelined")?);
-        let ws_cubin = cubin("kda_fwd_ws")?;
+        let (ws_cubin, split_cubin) = (cubin("kda_fwd_ws")?, cubin("kda_fwd_ws_split")?);
         let (major, minor) = ctx
             .compute_capability()
             .during("reading compute capability")?;
@@ -260,41 +335,8 @@ impl KdaKernels {
                 PIPE_SMEM_BYTES as i32,
             )
             .during("allowing 64 KiB of dynamic shared memory")?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(ws_cubin))
-            .during("loading the kda_fwd_ws cubin")?;
-        let prep = module
-            .load_function("kda_prep")
-            .during("loading kda_prep")?;
-        let load_state = |name: &str, bytes: u32| -> Result<CudaFunction, FlashKdaError> {
-            let f = module.load_function(name).during("loading kda_state_w*")?;
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .during("allowing the state pass's dynamic shared memory")?;
-            Ok(f)
-        };
-        let state = [
-            load_state("kda_state_w1", STATE_SMEM_BYTES[0])?,
-            load_state("kda_state_w2", STATE_SMEM_BYTES[1])?,
-            load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
-        ];
-        // FLASHKDA_CP_STAGES=4 (tuning only): the 4-stage kernels, 3 blocks per SM instead of 4
-        let segmented = if std::env::var("FLASHKDA_CP_STAGES").is_ok_and(|v| v == "4") {
-            (
-                load_state("kda_cp_transition_w4", STATE_SMEM_BYTES[2])?,
-                load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
-                STATE_SMEM_BYTES[2],
-            )
-        } else {
-            (
-                load_state("kda_cp_transition_w4s3", CP_SMEM_BYTES)?,
-                load_state("kda_cp_state_w4s3", CP_SMEM_BYTES)?,
-                CP_SMEM_BYTES,
-            )
-        };
-        let scan = load_state("kda_cp_scan", SCAN_SMEM_BYTES)?;
+        let ws_bf16 = WorkspaceKernels::load(ctx, ws_cubin, Operands::Bf16)?;
+        let ws_split = WorkspaceKernels::load(ctx, split_cubin, Operands::Split)?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -305,10 +347,8 @@ impl KdaKernels {
             two_warps,
             four_warps,
             pipelined,
-            prep,
-            state,
-            segmented,
-            scan,
+            ws_bf16,
+            ws_split,
             workspaces: Mutex::new(WorkspacePool::default()),
             sm_count,
         })
@@ -516,13 +556,17 @@ fn launch_workspace_schedule(
 ) -> Result<(), FlashKdaError> {
     let chains = (plan.num_seqs * plan.heads) as u32;
     let slots = workspace_slots(plan);
+    let ws = match call.operands {
+        Operands::Split => &kernels.ws_split,
+        _ => &kernels.ws_bf16,
+    };
     if slots > 0 {
         let cfg = LaunchConfig {
             grid_dim: (slots as u32, plan.heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = stream.launch_builder(&kernels.prep);
+        let mut launch = stream.launch_builder(&ws.prep);
         launch.arg(&params);
         // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace.
         unsafe { launch.launch(cfg) }.during("launching kda_prep")?;
@@ -537,9 +581,9 @@ fn launch_workspace_schedule(
         let cfg = LaunchConfig {
             grid_dim: (chains * slices, 1, 1),
             block_dim: (256 / slices, 1, 1),
-            shared_mem_bytes: STATE_SMEM_BYTES[index],
+            shared_mem_bytes: ws.state_smem[index],
         };
-        let mut launch = stream.launch_builder(&kernels.state[index]);
+        let mut launch = stream.launch_builder(&ws.state[index]);
         launch.arg(&params);
         // SAFETY: reads the records written above and the validated tensors.
         unsafe { launch.launch(cfg) }.during("launching kda_state")?;
@@ -561,7 +605,7 @@ fn launch_workspace_schedule(
         ht: pm,
         ..seg_params
     };
-    let (transition, out_kernel, smem) = &kernels.segmented;
+    let (transition, out_kernel, smem) = &ws.segmented;
     let cfg = LaunchConfig {
         grid_dim: (n_segs * 4, 1, 1),
         block_dim: (128, 1, 1),
@@ -586,7 +630,7 @@ fn launch_workspace_schedule(
         block_dim: (256, 1, 1),
         shared_mem_bytes: SCAN_SMEM_BYTES,
     };
-    let mut launch = stream.launch_builder(&kernels.scan);
+    let mut launch = stream.launch_builder(&ws.scan);
     launch.arg(&scan);
     // SAFETY: reads P, M and h0; writes the start states (workspace) and ht.
     unsafe { launch.launch(cfg) }.during("launching kda_cp_scan")?;

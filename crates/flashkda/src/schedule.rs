@@ -9,6 +9,8 @@ use crate::validate::FwdPlan;
 
 /// Bytes of one prep record (one 16-token chunk slot of one head).
 pub const WORKSPACE_RECORD_BYTES: usize = 13888;
+/// Bytes of one prep record of the split-operand kernels (`kda_fwd_ws_split.cu`: M's lo part added).
+pub const SPLIT_RECORD_BYTES: usize = 14400;
 /// Bytes of one fp32 128x128 state.
 const STATE_F32_BYTES: usize = HEAD_DIM * HEAD_DIM * 4;
 /// Segments shorter than this many chunks cost more in the scan and second pass than they save
@@ -67,11 +69,30 @@ pub enum KernelSchedule {
     Workspace,
 }
 
+/// How the workspace schedule feeds its tensor cores (`reference::emulated::Rounding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Operands {
+    /// The measured choice: [`auto_operands`].
+    #[default]
+    Auto,
+    /// Every operand rounded to bf16 once (`kda_fwd_ws.cu`, `Rounding::KERNEL`).
+    Bf16,
+    /// hi + lo bf16 pairs for the prep products, M, Vb and U (`kda_fwd_ws_split.cu`,
+    /// `Rounding::SPLIT`); workspace schedule only.
+    Split,
+}
+
+/// The operands `Auto` picks for the workspace schedule.
+pub fn auto_operands() -> Operands {
+    Operands::Bf16
+}
+
 /// What the caller asks of a call's schedule (the matching fields of `FwdOptions`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ScheduleRequest {
     pub schedule: KernelSchedule,
     pub value_split: ValueSplit,
+    pub operands: Operands,
     /// `None` = [`plan_segments`], `Some(0)` = off, `Some(c)` = segments of `c` chunks
     /// (fixed-length calls of the `Workspace` schedule only).
     pub segment_chunks: Option<usize>,
@@ -82,6 +103,8 @@ pub struct ScheduleRequest {
 pub struct CallPlan {
     pub schedule: KernelSchedule,
     pub split: ValueSplit,
+    /// `Bf16` or `Split` (never `Auto`); always `Bf16` off the workspace schedule.
+    pub operands: Operands,
     pub segments: Segments,
     /// Zero for the schedules without a workspace.
     pub workspace: WorkspaceLayout,
@@ -115,6 +138,11 @@ pub fn call_plan(
     sm_count: usize,
 ) -> Result<CallPlan, FlashKdaError> {
     let gva = plan.qk_heads != plan.heads;
+    let split_ops = req.operands == Operands::Split;
+    let operands = match req.operands {
+        Operands::Auto => auto_operands(),
+        o => o,
+    };
     let segments = || {
         if plan.varlen {
             return Segments::NONE;
@@ -131,11 +159,18 @@ pub fn call_plan(
         }
     };
     let schedule = match req.schedule {
-        // GVA runs only on the workspace schedule
-        KernelSchedule::Auto if gva => KernelSchedule::Workspace,
-        KernelSchedule::Auto => auto_schedule(workspace_layout(plan, segments()).total_bytes),
+        // GVA and split operands run only on the workspace schedule
+        KernelSchedule::Auto if gva || split_ops => KernelSchedule::Workspace,
+        KernelSchedule::Auto => {
+            auto_schedule(workspace_layout(plan, segments(), operands).total_bytes)
+        }
         s => s,
     };
+    if split_ops && schedule != KernelSchedule::Workspace {
+        return Err(FlashKdaError::OperandsSchedule {
+            schedule: format!("{schedule:?}"),
+        });
+    }
     if gva && schedule != KernelSchedule::Workspace {
         return Err(FlashKdaError::GvaSchedule {
             heads: plan.heads,
@@ -151,6 +186,7 @@ pub fn call_plan(
         return Ok(CallPlan {
             schedule,
             split,
+            operands: Operands::Bf16,
             segments: Segments::NONE,
             workspace: WorkspaceLayout::NONE,
         });
@@ -171,8 +207,9 @@ pub fn call_plan(
         } else {
             split
         },
+        operands,
         segments,
-        workspace: workspace_layout(plan, segments),
+        workspace: workspace_layout(plan, segments, operands),
     })
 }
 
@@ -272,9 +309,18 @@ pub fn workspace_slots(plan: &FwdPlan) -> usize {
     }
 }
 
-/// The workspace of the `Workspace` schedule for `plan` split as `segs`.
-pub fn workspace_layout(plan: &FwdPlan, segs: Segments) -> WorkspaceLayout {
-    let records_bytes = workspace_slots(plan) * plan.heads * WORKSPACE_RECORD_BYTES;
+/// Bytes of one prep record of the workspace kernels fed with `operands`.
+pub fn record_bytes(operands: Operands) -> usize {
+    match operands {
+        Operands::Split => SPLIT_RECORD_BYTES,
+        _ => WORKSPACE_RECORD_BYTES,
+    }
+}
+
+/// The workspace of the `Workspace` schedule for `plan` split as `segs`, with `operands`
+/// (`Bf16` or `Split`) deciding the record size.
+pub fn workspace_layout(plan: &FwdPlan, segs: Segments, operands: Operands) -> WorkspaceLayout {
+    let records_bytes = workspace_slots(plan) * plan.heads * record_bytes(operands);
     if !segs.active() {
         return WorkspaceLayout {
             records_bytes,
@@ -395,6 +441,7 @@ mod tests {
             schedule,
             value_split,
             segment_chunks: None,
+            ..Default::default()
         }
     }
 
@@ -412,7 +459,7 @@ mod tests {
             assert_eq!(c.segments, Segments::NONE);
             assert_eq!(
                 c.workspace.total_bytes,
-                workspace_slots(&p) * h * WORKSPACE_RECORD_BYTES
+                workspace_slots(&p) * h * record_bytes(auto_operands())
             );
         }
         // long and few chains: split into segments, always two blocks per segment and head
@@ -420,14 +467,16 @@ mod tests {
         for split in [ValueSplit::Auto, ValueSplit::Eight] {
             let c = call_plan(&p, &req(KernelSchedule::Auto, split), H200_SMS).unwrap();
             assert_eq!((c.segments.segs_per_seq, c.split), (33, ValueSplit::Two));
-            assert_eq!(c.workspace, workspace_layout(&p, c.segments));
+            assert_eq!(c.workspace, workspace_layout(&p, c.segments, c.operands));
         }
     }
 
     #[test]
     fn auto_falls_back_to_pipelined_above_the_workspace_limit() {
         let p = plan(1, 1 << 19, 64, 1, false);
-        assert!(workspace_layout(&p, Segments::NONE).total_bytes > WORKSPACE_AUTO_LIMIT);
+        assert!(
+            workspace_layout(&p, Segments::NONE, Operands::Bf16).total_bytes > WORKSPACE_AUTO_LIMIT
+        );
         let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
         assert_eq!(c.schedule, KernelSchedule::Pipelined);
         assert_eq!(
@@ -454,7 +503,7 @@ mod tests {
         assert_eq!(c.schedule, KernelSchedule::Workspace);
         assert_eq!(
             c.workspace.total_bytes,
-            (1 << 15) * 64 * WORKSPACE_RECORD_BYTES
+            (1 << 15) * 64 * record_bytes(auto_operands())
         );
         for s in [KernelSchedule::Sequential, KernelSchedule::Pipelined] {
             let e = call_plan(&p, &req(s, ValueSplit::Auto), H200_SMS).unwrap_err();
@@ -524,15 +573,63 @@ mod tests {
     #[test]
     fn workspace_layout_adds_segment_states() {
         let p = plan(1, 65536, 4, 1, false);
-        let none = workspace_layout(&p, Segments::NONE);
+        let none = workspace_layout(&p, Segments::NONE, Operands::Bf16);
         assert_eq!(none.total_bytes, 4096 * 4 * WORKSPACE_RECORD_BYTES);
         let s = Segments::with_chunks(65536, 171);
-        let l = workspace_layout(&p, s);
+        let l = workspace_layout(&p, s, Operands::Bf16);
         assert_eq!(l.pm_offset, none.total_bytes);
         assert_eq!(l.starts_offset - l.pm_offset, 2 * 24 * 4 * STATE_F32_BYTES);
         assert_eq!(l.total_bytes - l.starts_offset, 24 * 4 * STATE_F32_BYTES);
         assert!(l.pm_offset.is_multiple_of(16) && l.starts_offset.is_multiple_of(16));
         let v = plan(1, 345, 8, 2, true);
         assert_eq!(workspace_slots(&v), 345 / 16 + 2);
+    }
+
+    #[test]
+    fn split_operands_run_on_the_workspace_schedule_with_larger_records() {
+        let split = |schedule| ScheduleRequest {
+            schedule,
+            operands: Operands::Split,
+            ..Default::default()
+        };
+        // anchor shape and a split long sequence: workspace schedule, 14400-byte records
+        let p = plan(1, 8192, 96, 1, false);
+        let c = call_plan(&p, &split(KernelSchedule::Auto), H200_SMS).unwrap();
+        assert_eq!(
+            (c.schedule, c.operands),
+            (KernelSchedule::Workspace, Operands::Split)
+        );
+        assert_eq!(c.workspace.total_bytes, 512 * 96 * SPLIT_RECORD_BYTES);
+        let p = plan(1, 65536, 4, 1, false);
+        let c = call_plan(&p, &split(KernelSchedule::Auto), H200_SMS).unwrap();
+        assert!(c.segments.active());
+        assert_eq!(c.workspace.records_bytes, 4096 * 4 * SPLIT_RECORD_BYTES);
+        assert_eq!(
+            c.workspace,
+            workspace_layout(&p, c.segments, Operands::Split)
+        );
+        // above the workspace limit Auto keeps the workspace schedule for split operands
+        let p = plan(1, 1 << 19, 64, 1, false);
+        let c = call_plan(&p, &split(KernelSchedule::Auto), H200_SMS).unwrap();
+        assert_eq!(c.schedule, KernelSchedule::Workspace);
+        // the workspace-free kernels refuse them
+        for s in [KernelSchedule::Sequential, KernelSchedule::Pipelined] {
+            let e = call_plan(&p, &split(s), H200_SMS).unwrap_err();
+            assert!(matches!(e, FlashKdaError::OperandsSchedule { .. }), "{e}");
+        }
+        // Auto resolves to a concrete choice, Bf16 off the workspace schedule
+        let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
+        assert_eq!(c.operands, Operands::Bf16);
+        let c = call_plan(
+            &plan(1, 8192, 96, 1, false),
+            &ScheduleRequest::default(),
+            H200_SMS,
+        )
+        .unwrap();
+        assert_eq!(c.operands, auto_operands());
+        assert_eq!(
+            c.workspace.total_bytes,
+            512 * 96 * record_bytes(auto_operands())
+        );
     }
 }
