@@ -82,10 +82,8 @@ struct __align__(16) PrepSmem {
   unsigned char rec[REC_BYTES];
   bf16 q[CH][RS];
   bf16 k[CH][RS];
-  bf16 g[CH][RS];  // raw g, then ki in place
-#if KDA_SPLIT_OPERANDS
-  bf16 kil[CH][RS];  // lo part of ki (q and k hold the lo parts of qd and kd)
-#endif
+  bf16 g[CH][RS];  // raw g, then ki in place (split: q, k and the record's krT area hold the lo
+                   // parts of qd, kd and ki until the products are done; krT is written last)
   float A[CH][CH + 1];
   float rnq[CH];
   float rnk[CH];
@@ -156,13 +154,13 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
   __syncthreads();  // norms and b visible
 
   // ---- decayed keys/queries (channel tid): kd, qd, krT into the record, ki in place of g
+  uint32_t kr[CH / 2];
   {
     const int ch = tid;
     const float gt = G[CH - 1];
     rec_e[ch] = ex2(gt);
     float kv[CH], qv[CH];
     normed_channel(kv, qv, sm.k, sm.q, sm.rnk, sm.rnq, ch, p.scale);
-    uint32_t kr[CH / 2];
 #pragma unroll
     for (int i = 0; i < CH; ++i) {
       const float e = ex2(G[i]);
@@ -175,7 +173,7 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
       sm.g[i][ch] = kih;
       sm.k[i][ch] = __float2bfloat16_rn(kdf - __bfloat162float(kdh));
       sm.q[i][ch] = __float2bfloat16_rn(qdf - __bfloat162float(qdh));
-      sm.kil[i][ch] = __float2bfloat16_rn(kif - __bfloat162float(kih));
+      krT[swz128(i, ch)] = __float2bfloat16_rn(kif - __bfloat162float(kih));  // ki lo, [16][128]
 #else
       kd[swz128(i, ch)] = __float2bfloat16_rn(kv[i] * e);
       qd[swz128(i, ch)] = __float2bfloat16_rn(qv[i] * e);
@@ -185,10 +183,15 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
 #pragma unroll
     for (int i = 0; i < CH; i += 2)
       kr[i / 2] = pack(kv[i] * ex2(gt - G[i]), kv[i + 1] * ex2(gt - G[i + 1]));
+#if KDA_SPLIT_OPERANDS
+  }
+  // kr stays in registers until the products are done with ki's lo part in the krT area
+#else
     const int sw = (ch >> 2) & 1;
     *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * sw]) = make_uint4(kr[0], kr[1], kr[2], kr[3]);
     *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * (sw ^ 1)]) = make_uint4(kr[4], kr[5], kr[6], kr[7]);
   }
+#endif
   __syncthreads();  // kd, qd, ki visible
 
   // ---- A = diag(b) strict_lower(kd ki^T) and INV (warp 0); M (warp 1)
@@ -197,14 +200,34 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
     const bf16* lhs = do_a ? kd : qd;
     float acc[2][4];
 #if KDA_SPLIT_OPERANDS
-    // (lhs_hi + lhs_lo)(ki_hi + ki_lo)^T without the lo lo term
+    // (lhs_hi + lhs_lo)(ki_hi + ki_lo)^T without the lo lo term: three independent chains
     const bf16(*lhs_lo)[RS] = do_a ? sm.k : sm.q;
-    tile_product(acc, [&](int r, int cc) { return ld32(&lhs[swz128(r, cc)]); },
-                 [&](int r, int cc) { return ld32(&sm.g[r][cc]); }, gq, tq);
-    tile_product_acc(acc, [&](int r, int cc) { return ld32(&lhs[swz128(r, cc)]); },
-                     [&](int r, int cc) { return ld32(&sm.kil[r][cc]); }, gq, tq);
-    tile_product_acc(acc, [&](int r, int cc) { return ld32(&lhs_lo[r][cc]); },
-                     [&](int r, int cc) { return ld32(&sm.g[r][cc]); }, gq, tq);
+    float acc1[2][4], acc2[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = acc1[nt][e] = acc2[nt][e] = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      const int kc = kb * 16 + 2 * tq;
+      const uint32_t a0 = ld32(&lhs[swz128(gq, kc)]), a1 = ld32(&lhs[swz128(gq + 8, kc)]);
+      const uint32_t a2 = ld32(&lhs[swz128(gq, kc + 8)]), a3 = ld32(&lhs[swz128(gq + 8, kc + 8)]);
+      const uint32_t l0 = ld32(&lhs_lo[gq][kc]), l1 = ld32(&lhs_lo[gq + 8][kc]);
+      const uint32_t l2 = ld32(&lhs_lo[gq][kc + 8]), l3 = ld32(&lhs_lo[gq + 8][kc + 8]);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int r = nt * 8 + gq;
+        const uint32_t b0 = ld32(&sm.g[r][kc]), b1 = ld32(&sm.g[r][kc + 8]);
+        const uint32_t c0 = ld32(&krT[swz128(r, kc)]), c1 = ld32(&krT[swz128(r, kc + 8)]);
+        mma(acc[nt], a0, a1, a2, a3, b0, b1, acc[nt]);
+        mma(acc1[nt], a0, a1, a2, a3, c0, c1, acc1[nt]);
+        mma(acc2[nt], l0, l1, l2, l3, b0, b1, acc2[nt]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] += acc1[nt][e] + acc2[nt][e];
 #else
     tile_product(acc, [&](int r, int cc) { return ld32(&lhs[swz128(r, cc)]); },
                  [&](int r, int cc) { return ld32(&sm.g[r][cc]); }, gq, tq);
@@ -233,6 +256,14 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
 #endif
     }
   }
+#if KDA_SPLIT_OPERANDS
+  __syncthreads();  // the products are done with ki's lo part: krT takes its place
+  {
+    const int ch = tid, sw = (ch >> 2) & 1;
+    *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * sw]) = make_uint4(kr[0], kr[1], kr[2], kr[3]);
+    *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * (sw ^ 1)]) = make_uint4(kr[4], kr[5], kr[6], kr[7]);
+  }
+#endif
   __syncthreads();  // record complete
 
   uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(p.ws) +
@@ -626,11 +657,13 @@ extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p
 static_assert(SCAN_SMEM == 155648, "update launch.rs");
 
 #if KDA_SPLIT_OPERANDS
+static_assert(STATE_SMEM(8, 4) == 80160, "update launch.rs");
 static_assert(STATE_SMEM(1, 2) == 30608, "update launch.rs");
 static_assert(STATE_SMEM(2, 4) == 63264, "update launch.rs");
 static_assert(STATE_SMEM(4, 4) == 68896, "update launch.rs");
 static_assert(STATE_SMEM(4, 3) == 52440, "update launch.rs");
 #else
+static_assert(STATE_SMEM(8, 4) == 78112, "update launch.rs");
 static_assert(STATE_SMEM(1, 2) == 29584, "update launch.rs");
 static_assert(STATE_SMEM(2, 4) == 61216, "update launch.rs");
 static_assert(STATE_SMEM(4, 4) == 66848, "update launch.rs");
@@ -639,6 +672,8 @@ static_assert(STATE_SMEM(4, 3) == 50904, "update launch.rs");
 extern "C" __global__ void __launch_bounds__(32) kda_state_w1(const KdaParams p) { state_body<1, 2, false>(p); }
 extern "C" __global__ void __launch_bounds__(64) kda_state_w2(const KdaParams p) { state_body<2, 4, false>(p); }
 extern "C" __global__ void __launch_bounds__(128) kda_state_w4(const KdaParams p) { state_body<4, 4, false>(p); }
+// one block of 8 warps per chain: every record is read once per chain instead of once per slice
+extern "C" __global__ void __launch_bounds__(256, 2) kda_state_w8(const KdaParams p) { state_body<8, 4, false>(p); }
 extern "C" __global__ void __launch_bounds__(128) kda_cp_transition_w4(const KdaParams p) { state_body<4, 4, true>(p); }
 // 3 stages: 4 blocks fit one SM's shared memory (the segmented passes run many blocks per SM)
 extern "C" __global__ void __launch_bounds__(128, 4) kda_cp_transition_w4s3(const KdaParams p) { state_body<4, 3, true>(p); }

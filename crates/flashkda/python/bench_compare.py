@@ -175,6 +175,7 @@ def main():
     ap.add_argument("--long-t", default="65536,262144")
     ap.add_argument("--segments", default="", help="extra segment_chunks values timed on long shapes")
     ap.add_argument("--operands", default="", help="flashkda operands= values (bf16, split) also timed on every shape")
+    ap.add_argument("--value-splits", default="", help="operands:value_split pairs also timed on the anchors (split:4)")
     ap.add_argument("--no-flash-kda", action="store_true", help="do not time the public FlashKDA")
     ap.add_argument("--fla", action="store_true", help="also time fla chunk_kda (autotunes per new shape)")
     ap.add_argument("--accuracy-long", default="4:65536", help="H:T of long cases checked against float64")
@@ -229,14 +230,22 @@ def main():
                 row[f"flashkda_{op}"] = r
                 row[f"speedup_{op}_vs_default"] = m / r["median_ms"]
                 log(f"{label}: flashkda operands={op} {r['median_ms']:.4f} ms ({m / r['median_ms']:.3f}x the default)")
+            for pair in [x for x in args.value_splits.split(",") if x and not is_long]:
+                op, vs = pair.split(":")
+                r = time_fn(lambda: call_flashkda(inp, out, ht, operands=op, value_split=int(vs)), w, it, rp)
+                row[f"flashkda_{op}_vs{vs}"] = r
+                log(f"{label}: flashkda operands={op} value_split={vs} {r['median_ms']:.4f} ms ({m / r['median_ms']:.3f}x the default)")
             if is_long:
                 for sc in [0] + [int(s) for s in args.segments.split(",") if s]:
                     r = time_fn(lambda: call_flashkda(inp, out, ht, segment_chunks=sc), w, it, rp)
                     row[f"flashkda_seg{sc}"] = r
                     log(f"{label}: flashkda segment_chunks={sc} {r['median_ms']:.4f} ms")
-            if is_long and H in (4, 32) and sum(lens) == 65536:
+            if (is_long and H in (4, 32) and sum(lens) == 65536) or label in ("H=96 fixed", "H=64 1024x8"):
                 row["kernels_ms"] = profile_kernels(lambda: call_flashkda(inp, out, ht))
                 log(f"{label}: kernels {row['kernels_ms']}")
+                for op in [o for o in args.operands.split(",") if o]:
+                    row[f"kernels_ms_{op}"] = profile_kernels(lambda: call_flashkda(inp, out, ht, operands=op))
+                    log(f"{label}: kernels operands={op} {row['kernels_ms_' + op]}")
             if not args.no_flash_kda:
                 best = None
                 for st in ("fp32", "bf16"):

@@ -219,21 +219,22 @@ const PIPE_SMEM_BYTES: u32 = 65344;
 #[derive(Debug)]
 struct WorkspaceKernels {
     prep: CudaFunction,
-    /// `kda_state_w{1,2,4}`: 1, 2 and 4 warps per block.
-    state: [CudaFunction; 3],
+    /// `kda_state_w{1,2,4,8}`: 1, 2, 4 and 8 warps per block.
+    state: [CudaFunction; 4],
     /// Dynamic shared memory of `state`.
-    state_smem: [u32; 3],
+    state_smem: [u32; 4],
     /// Segmented passes (context parallelism): (transition, output pass, dynamic smem bytes).
     segmented: (CudaFunction, CudaFunction, u32),
     scan: CudaFunction,
 }
 
-/// Dynamic shared memory of `kda_state_w{1,2,4}` and of the 3-stage segmented passes
-/// (`STATE_SMEM(1, 2)`, `(2, 4)`, `(4, 4)`, `(4, 3)` in kda_fwd_ws.cu, checked there), per record size.
-fn state_smem_bytes(operands: Operands) -> ([u32; 3], u32) {
+/// Dynamic shared memory of `kda_state_w{1,2,4,8}` and of the 3-stage segmented passes
+/// (`STATE_SMEM(1, 2)`, `(2, 4)`, `(4, 4)`, `(8, 4)`, `(4, 3)` in kda_fwd_ws.cu, checked there), per
+/// record size.
+fn state_smem_bytes(operands: Operands) -> ([u32; 4], u32) {
     match operands {
-        Operands::Split => ([30608, 63264, 68896], 52440),
-        _ => ([29584, 61216, 66848], 50904),
+        Operands::Split => ([30608, 63264, 68896, 80160], 52440),
+        _ => ([29584, 61216, 66848, 78112], 50904),
     }
 }
 
@@ -266,6 +267,7 @@ impl WorkspaceKernels {
             load_state("kda_state_w1", state_smem[0])?,
             load_state("kda_state_w2", state_smem[1])?,
             load_state("kda_state_w4", state_smem[2])?,
+            load_state("kda_state_w8", state_smem[3])?,
         ];
         // FLASHKDA_CP_STAGES=4 (tuning only): the 4-stage kernels, 3 blocks per SM instead of 4
         let segmented = if std::env::var("FLASHKDA_CP_STAGES").is_ok_and(|v| v == "4") {
@@ -576,6 +578,7 @@ fn launch_workspace_schedule(
         let (index, slices) = match call.split {
             ValueSplit::Eight => (0, 8u32),
             ValueSplit::Four => (1, 4),
+            ValueSplit::One => (3, 1),
             _ => (2, 2),
         };
         let cfg = LaunchConfig {

@@ -104,7 +104,7 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// bf16 logits; A_log `[H]`, dt_bias `[H, 128]` fp32; states `[N, H, 128, 128]` (row = value
 /// channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
 /// host copy of cu_seqlens (it is skipped anyway while the stream is being captured);
-/// `value_split` is None, 2, 4 or 8; `operands` None (automatic), "bf16" or "split" (hi + lo bf16
+/// `value_split` is None, 1, 2, 4 or 8 (blocks per chain); `operands` None (automatic), "bf16" or "split" (hi + lo bf16
 /// tensor-core operands, more accurate); `segment_chunks` None (automatic), 0 (off) or the segment
 /// length in 16-token chunks; `workspace` a contiguous uint8 CUDA tensor of at least
 /// `workspace_bytes(...)` bytes (None: one from torch's caching allocator, sized by this call's
@@ -175,9 +175,10 @@ fn fwd(
         Some(2) => ValueSplit::Two,
         Some(4) => ValueSplit::Four,
         Some(8) => ValueSplit::Eight,
+        Some(1) => ValueSplit::One,
         Some(x) => {
             return Err(PyValueError::new_err(format!(
-                "value_split must be None, 2, 4 or 8, got {x}"
+                "value_split must be None, 1, 2, 4 or 8, got {x}"
             )));
         }
     };
