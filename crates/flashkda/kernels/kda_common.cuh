@@ -33,7 +33,19 @@ struct KdaParams {
   int qk_heads;            // q/k heads (GVA: num_heads is a multiple; value head h reads q/k head
                            // h / (num_heads / qk_heads)); kda_fwd_ws.cu only
   int pad_;
+  unsigned int* flags;     // kda_fwd_ws_split.cu, overlapped prep and state pass: one ready flag per
+                           // (chunk slot, head), zeroed before the call; null otherwise
 };
+
+// Ready flags of the overlapped prep and state pass (acquire/release at GPU scope).
+__device__ __forceinline__ void flag_release(unsigned int* f) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(f), "r"(1u) : "memory");
+}
+__device__ __forceinline__ unsigned int flag_acquire(const unsigned int* f) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
+  return v;
+}
 
 #define KD 128
 #define CH 16

@@ -95,8 +95,15 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
   const int H = p.num_heads;
+#if KDA_SPLIT_OPERANDS
+  // one dimension, slot-major: the blocks of chunk slot s (all heads) start before those of s + 1,
+  // the order in which an overlapped state pass consumes them
+  const long long slot = blockIdx.x / H;
+  const int h = static_cast<int>(blockIdx.x % H);
+#else
   const long long slot = blockIdx.x;
   const int h = blockIdx.y;
+#endif
 
   // which sequence owns this slot
   int n;
@@ -270,6 +277,13 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
                                         (size_t)(slot * H + h) * REC_BYTES);
   const uint4* src = reinterpret_cast<const uint4*>(sm.rec);
   for (int i = tid; i < REC_BYTES / 16; i += NT) dst[i] = src[i];
+#if KDA_SPLIT_OPERANDS
+  if (p.flags != nullptr) {  // publish the record to an overlapped state pass
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) flag_release(p.flags + slot * H + h);
+  }
+#endif
 }
 
 // ---- mbarrier + TMA bulk copy helpers
@@ -481,6 +495,13 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     const int st = c % ST, nv = nvalid(c);
     const uint32_t bar = smem_u32(&bars[st]);
     const bool with_v = part == 0 && !WARP_V;
+#if KDA_SPLIT_OPERANDS
+    if (p.flags != nullptr) {  // overlapped with the prep: wait until its record is written
+      const unsigned int* f = p.flags + (si.slot0 + c) * H + h;
+      while (flag_acquire(f) == 0) __nanosleep(100);
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the bulk copy reads it next
+    }
+#endif
     mbar_expect_tx(bar, REC_BYTES + (with_v ? nv * VS * 2 : 0));
     bulk_g2s(smem_u32(recs + st * REC_BYTES), ws + (size_t)((si.slot0 + c) * H + h) * REC_BYTES, REC_BYTES, bar);
     const long long t0 = bos + (long long)c * CH;

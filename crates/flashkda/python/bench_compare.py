@@ -175,6 +175,7 @@ def main():
     ap.add_argument("--long-t", default="65536,262144")
     ap.add_argument("--segments", default="", help="extra segment_chunks values timed on long shapes")
     ap.add_argument("--operands", default="", help="flashkda operands= values (bf16, split) also timed on every shape")
+    ap.add_argument("--overlap", action="store_true", help="also time overlap=True (and its graph replay)")
     ap.add_argument("--value-splits", default="", help="operands:value_split pairs also timed on the anchors (split:4)")
     ap.add_argument("--no-flash-kda", action="store_true", help="do not time the public FlashKDA")
     ap.add_argument("--fla", action="store_true", help="also time fla chunk_kda (autotunes per new shape)")
@@ -230,6 +231,18 @@ def main():
                 row[f"flashkda_{op}"] = r
                 row[f"speedup_{op}_vs_default"] = m / r["median_ms"]
                 log(f"{label}: flashkda operands={op} {r['median_ms']:.4f} ms ({m / r['median_ms']:.3f}x the default)")
+            if args.overlap:
+                r = time_fn(lambda: call_flashkda(inp, out, ht, overlap=True), w, it, rp)
+                row["flashkda_overlap"] = r
+                log(f"{label}: flashkda overlap=True {r['median_ms']:.4f} ms ({m / r['median_ms']:.3f}x the default)")
+                o2, h2 = torch.full_like(out, float("nan")), torch.full_like(ht, float("nan"))
+                call_flashkda(inp, out, ht)
+                call_flashkda(inp, o2, h2, overlap=True)
+                torch.cuda.synchronize()
+                row["overlap_equal_default"] = bool(torch.equal(o2, out) and torch.equal(h2, ht))
+                log(f"{label}: overlap output equal to the default: {row['overlap_equal_default']}")
+                if not row["overlap_equal_default"]:
+                    failures.append(f"{label}: overlap=True differs from the default")
             for pair in [x for x in args.value_splits.split(",") if x and not is_long]:
                 op, vs = pair.split(":")
                 r = time_fn(lambda: call_flashkda(inp, out, ht, operands=op, value_split=int(vs)), w, it, rp)
@@ -274,6 +287,11 @@ def main():
                         f"{row['graph_replay']['median_ms']:.4f} ms")
                     if not row["graph_equal_eager"]:
                         failures.append(f"{label}: graph replay differs from eager")
+                    if args.overlap:
+                        graph_check(inp, row, w, it, rp, suffix="_overlap", overlap=True)
+                        log(f"{label}: overlap graph replay equal to eager: {row['graph_equal_eager_overlap']}")
+                        if not row["graph_equal_eager_overlap"]:
+                            failures.append(f"{label}: overlap graph replay differs from eager")
                     for op in [o for o in args.operands.split(",") if o]:
                         graph_check(inp, row, w, it, rp, suffix=f"_{op}", operands=op)
                         log(f"{label}: operands={op} graph replay equal to eager: {row['graph_equal_eager_' + op]}")

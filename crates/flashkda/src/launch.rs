@@ -73,6 +73,7 @@ struct KernelParams {
     segs_per_seq: i32,
     qk_heads: i32,
     pad: i32,
+    flags: u64,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (checked by a test on its size).
@@ -114,6 +115,8 @@ pub struct FwdOptions {
     pub schedule: KernelSchedule,
     /// bf16 or split (hi + lo) tensor-core operands on the workspace schedule.
     pub operands: Operands,
+    /// Prep and state pass at once where safe (`None`: the measured default).
+    pub overlap: Option<bool>,
     /// Copy `cu_seqlens` to the host and check it (one small sync). Skipped automatically while
     /// the stream is being captured into a CUDA graph; the kernels clamp bad offsets either way,
     /// never reading out of bounds.
@@ -132,6 +135,7 @@ impl FwdOptions {
             schedule: self.schedule,
             value_split: self.value_split,
             operands: self.operands,
+            overlap: self.overlap,
             segment_chunks: self.segment_chunks,
         }
     }
@@ -143,6 +147,7 @@ impl Default for FwdOptions {
             value_split: ValueSplit::Auto,
             schedule: KernelSchedule::Auto,
             operands: Operands::Auto,
+            overlap: None,
             check_cu_seqlens: true,
             segment_chunks: None,
             workspace: None,
@@ -196,6 +201,9 @@ pub struct KdaKernels {
     /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
     /// outside graph capture only.
     workspaces: Mutex<WorkspacePool>,
+    /// Highest-priority side streams of the overlapped state pass, one per caller stream, kept
+    /// (never destroyed while a capture may hold them) until the kernels are dropped.
+    side_streams: Mutex<HashMap<usize, SideStream>>,
     sm_count: usize,
 }
 
@@ -205,6 +213,20 @@ struct WorkspacePool {
     /// Buffers replaced after a graph captured them: kept until the kernels are dropped, since a
     /// graph may still replay with their address.
     retired: Vec<OwnedBuffer>,
+}
+
+/// A stream this crate created (destroyed on drop).
+#[derive(Debug)]
+struct SideStream(cudarc::driver::sys::CUstream);
+
+// SAFETY: a CUstream handle may be used from any thread.
+unsafe impl Send for SideStream {}
+
+impl Drop for SideStream {
+    fn drop(&mut self) {
+        // SAFETY: created by create_with_priority below and destroyed once.
+        let _ = unsafe { cudarc::driver::result::stream::destroy(self.0) };
+    }
 }
 
 #[derive(Debug)]
@@ -352,6 +374,7 @@ impl KdaKernels {
             ws_bf16,
             ws_split,
             workspaces: Mutex::new(WorkspacePool::default()),
+            side_streams: Mutex::new(HashMap::new()),
             sm_count,
         })
     }
@@ -467,6 +490,7 @@ pub fn fwd_planned(
         segs_per_seq: 1,
         qk_heads: plan.qk_heads as i32,
         pad: 0,
+        flags: 0,
     };
     if call.schedule == KernelSchedule::Workspace {
         let need = call.workspace.total_bytes.max(1);
@@ -547,6 +571,34 @@ fn pooled_workspace(
     Ok(ptr)
 }
 
+/// The highest-priority side stream kept for `stream` (created on first use).
+fn side_stream(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+) -> Result<Arc<CudaStream>, FlashKdaError> {
+    let mut map = kernels
+        .side_streams
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let key = stream.cu_stream() as usize;
+    let raw = match map.get(&key) {
+        Some(s) => s.0,
+        None => {
+            let (_, greatest) = cudarc::driver::result::stream::get_priority_range()
+                .during("reading the stream priority range")?;
+            let raw = cudarc::driver::result::stream::create_with_priority(
+                cudarc::driver::result::stream::StreamKind::NonBlocking,
+                greatest,
+            )
+            .during("creating the side stream")?;
+            map.insert(key, SideStream(raw));
+            raw
+        }
+    };
+    // SAFETY: `raw` stays alive in the map as long as `kernels`; the wrapper does not destroy it.
+    Ok(unsafe { kernels.ctx.wrap_borrowed_stream(raw) })
+}
+
 /// Prep, then either the state pass, or (context parallelism) the transition pass, the scan and
 /// the segmented state pass.
 fn launch_workspace_schedule(
@@ -562,17 +614,26 @@ fn launch_workspace_schedule(
         Operands::Split => &kernels.ws_split,
         _ => &kernels.ws_bf16,
     };
-    if slots > 0 {
+    let launch_prep = |on: &CudaStream, params: &KernelParams| -> Result<(), FlashKdaError> {
+        if slots == 0 {
+            return Ok(());
+        }
         let cfg = LaunchConfig {
-            grid_dim: (slots as u32, plan.heads as u32, 1),
+            // the split prep is one slot-major grid dimension (slots * heads <= i32::MAX: call_plan)
+            grid_dim: match call.operands {
+                Operands::Split => ((slots * plan.heads) as u32, 1, 1),
+                _ => (slots as u32, plan.heads as u32, 1),
+            },
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = stream.launch_builder(&ws.prep);
-        launch.arg(&params);
-        // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace.
+        let mut launch = on.launch_builder(&ws.prep);
+        launch.arg(params);
+        // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace
+        // (and, overlapped, their ready flags).
         unsafe { launch.launch(cfg) }.during("launching kda_prep")?;
-    }
+        Ok(())
+    };
     let segs = call.segments;
     if !segs.active() {
         let (index, slices) = match call.split {
@@ -586,12 +647,40 @@ fn launch_workspace_schedule(
             block_dim: (256 / slices, 1, 1),
             shared_mem_bytes: ws.state_smem[index],
         };
-        let mut launch = stream.launch_builder(&ws.state[index]);
-        launch.arg(&params);
-        // SAFETY: reads the records written above and the validated tensors.
-        unsafe { launch.launch(cfg) }.during("launching kda_state")?;
+        if !call.overlap {
+            launch_prep(stream, &params)?;
+            let mut launch = stream.launch_builder(&ws.state[index]);
+            launch.arg(&params);
+            // SAFETY: reads the records written above and the validated tensors.
+            unsafe { launch.launch(cfg) }.during("launching kda_state")?;
+            return Ok(());
+        }
+        // Overlapped: flags zeroed on the caller's stream; the state pass on a highest-priority
+        // side stream (its blocks, all resident at once by call_plan's bound, wait on each
+        // record's flag) beside the prep on the caller's stream, which then waits for both.
+        let flags = params.ws + call.workspace.flags_offset as u64;
+        // SAFETY: the flags lie inside the call's workspace.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                flags,
+                0,
+                call.workspace.flags_bytes,
+                stream.cu_stream(),
+            )
+        }
+        .during("zeroing the ready flags")?;
+        let side = side_stream(kernels, stream)?;
+        side.join(stream).during("ordering the side stream")?;
+        let over = KernelParams { flags, ..params };
+        let mut launch = side.launch_builder(&ws.state[index]);
+        launch.arg(&over);
+        // SAFETY: reads each record once its flag is set, and the validated tensors.
+        unsafe { launch.launch(cfg) }.during("launching kda_state (overlapped)")?;
+        launch_prep(stream, &over)?;
+        stream.join(&side).during("joining the side stream")?;
         return Ok(());
     }
+    launch_prep(stream, &params)?;
     let n_segs = chains * segs.segs_per_seq as u32;
     let pm = params.ws + call.workspace.pm_offset as u64;
     let starts = params.ws + call.workspace.starts_offset as u64;
@@ -659,8 +748,9 @@ fn launch_workspace_schedule(
 mod tests {
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, the ws pointer, 2 int32.
-        assert_eq!(std::mem::size_of::<super::KernelParams>(), 152);
+        // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, the ws pointer, 4 int32,
+        // the flags pointer.
+        assert_eq!(std::mem::size_of::<super::KernelParams>(), 160);
         assert_eq!(std::mem::size_of::<super::ScanParams>(), 48);
         assert_eq!(std::mem::align_of::<super::KernelParams>(), 8);
     }

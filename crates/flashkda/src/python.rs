@@ -105,12 +105,13 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
 /// host copy of cu_seqlens (it is skipped anyway while the stream is being captured);
 /// `value_split` is None, 1, 2, 4 or 8 (blocks per chain); `operands` None (automatic), "bf16" or "split" (hi + lo bf16
-/// tensor-core operands, more accurate); `segment_chunks` None (automatic), 0 (off) or the segment
+/// tensor-core operands, more accurate); `overlap` None (automatic) or whether the prep and the state
+/// pass run at once where that is safe; `segment_chunks` None (automatic), 0 (off) or the segment
 /// length in 16-token chunks; `workspace` a contiguous uint8 CUDA tensor of at least
 /// `workspace_bytes(...)` bytes (None: one from torch's caching allocator, sized by this call's
 /// plan). The arguments are validated and the call planned once, here.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None, operands=None))]
+#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None, operands=None, overlap=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
 fn fwd(
     py: Python<'_>,
@@ -132,6 +133,7 @@ fn fwd(
     segment_chunks: Option<usize>,
     workspace: Option<&Bound<'_, PyAny>>,
     operands: Option<&str>,
+    overlap: Option<bool>,
 ) -> PyResult<()> {
     let args = FwdArgs {
         q: view("q", q)?,
@@ -187,6 +189,7 @@ fn fwd(
     let mut opts = FwdOptions {
         value_split: split,
         operands,
+        overlap,
         check_cu_seqlens,
         segment_chunks,
         workspace,
@@ -229,7 +232,7 @@ fn fwd(
 /// needs none): `batch, seq_len` of q, `heads` of v (value heads), `qk_heads` of q (GVA when
 /// fewer; default `heads`), `num_seqs` = len(cu_seqlens) - 1 or batch.
 #[pyfunction]
-#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None, operands=None))]
+#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None, operands=None, overlap=None))]
 #[allow(clippy::too_many_arguments)]
 fn workspace_bytes(
     batch: usize,
@@ -241,6 +244,7 @@ fn workspace_bytes(
     segment_chunks: Option<usize>,
     qk_heads: Option<usize>,
     operands: Option<&str>,
+    overlap: Option<bool>,
 ) -> PyResult<usize> {
     let operands = operands_of(operands)?;
     let kernels = kernels_for(device).map_err(to_py)?;
@@ -257,6 +261,7 @@ fn workspace_bytes(
     let opts = FwdOptions {
         segment_chunks,
         operands,
+        overlap,
         ..Default::default()
     };
     Ok(kernels

@@ -34,6 +34,13 @@ pub const MAX_TRANSITION_WAVES: usize = 8;
 /// most of the GPU idle. Measured gains up to 32 chains (1.7x at H = 32); H = 64 stays whole.
 pub const MAX_SPLIT_CHAINS_PER_SM: f64 = 0.25;
 
+/// The overlapped prep and state pass (the state blocks wait on per-record ready flags) runs only
+/// while every state block fits on the GPU at once with room for prep blocks beside it: at most
+/// this many state blocks per SM (the split kernels' 4-warp blocks take 69 KB: 3 fit per SM).
+pub const OVERLAP_MAX_STATE_BLOCKS_PER_SM: usize = 2;
+/// Whether `overlap: None` overlaps where it is safe (not yet measured on the H200: off).
+pub const AUTO_OVERLAP: bool = false;
+
 /// `Auto` uses the workspace schedule only while its workspace stays below this size.
 pub const WORKSPACE_AUTO_LIMIT: usize = 16 << 30;
 
@@ -99,6 +106,9 @@ pub struct ScheduleRequest {
     pub schedule: KernelSchedule,
     pub value_split: ValueSplit,
     pub operands: Operands,
+    /// Run the prep and the state pass at once (split operands, unsegmented, small enough grids
+    /// only; elsewhere the request is ignored): `None` = [`AUTO_OVERLAP`].
+    pub overlap: Option<bool>,
     /// `None` = [`plan_segments`], `Some(0)` = off, `Some(c)` = segments of `c` chunks
     /// (fixed-length calls of the `Workspace` schedule only).
     pub segment_chunks: Option<usize>,
@@ -111,6 +121,8 @@ pub struct CallPlan {
     pub split: ValueSplit,
     /// `Bf16` or `Split` (never `Auto`); always `Bf16` off the workspace schedule.
     pub operands: Operands,
+    /// The prep and the state pass run at once (the workspace then holds ready flags).
+    pub overlap: bool,
     pub segments: Segments,
     /// Zero for the schedules without a workspace.
     pub workspace: WorkspaceLayout,
@@ -193,6 +205,7 @@ pub fn call_plan(
             schedule,
             split,
             operands: Operands::Bf16,
+            overlap: false,
             segments: Segments::NONE,
             workspace: WorkspaceLayout::NONE,
         });
@@ -200,23 +213,50 @@ pub fn call_plan(
     let segments = segments();
     let slots = workspace_slots(plan);
     let blocks = (plan.num_seqs * plan.heads) as u64 * segments.segs_per_seq as u64 * 8;
-    if slots > i32::MAX as usize || blocks > i32::MAX as u64 {
+    // the split prep runs as one grid dimension of slots * heads blocks
+    if slots > i32::MAX as usize
+        || blocks > i32::MAX as u64
+        || slots * plan.heads > i32::MAX as usize
+    {
         return Err(FlashKdaError::TooLarge(format!(
             "{slots} chunk slots or {blocks} blocks exceed a kernel grid"
         )));
     }
+    // the segmented passes run with two 4-warp blocks per segment and head
+    let split = if segments.active() {
+        ValueSplit::Two
+    } else {
+        split
+    };
+    let state_blocks = plan.num_seqs * plan.heads * blocks_per_chain(split);
+    let overlap = req.overlap.unwrap_or(AUTO_OVERLAP)
+        && operands == Operands::Split
+        && !segments.active()
+        && state_blocks <= OVERLAP_MAX_STATE_BLOCKS_PER_SM * sm_count;
+    let mut workspace = workspace_layout(plan, segments, operands);
+    if overlap {
+        workspace.flags_offset = workspace.total_bytes;
+        workspace.flags_bytes = (slots * plan.heads * 4).next_multiple_of(16);
+        workspace.total_bytes += workspace.flags_bytes;
+    }
     Ok(CallPlan {
         schedule,
-        // the segmented passes run with two 4-warp blocks per segment and head
-        split: if segments.active() {
-            ValueSplit::Two
-        } else {
-            split
-        },
+        split,
         operands,
+        overlap,
         segments,
-        workspace: workspace_layout(plan, segments, operands),
+        workspace,
     })
+}
+
+/// Blocks of the workspace state pass per (sequence, head) for a resolved `split`.
+pub fn blocks_per_chain(split: ValueSplit) -> usize {
+    match split {
+        ValueSplit::One => 1,
+        ValueSplit::Four => 4,
+        ValueSplit::Eight => 8,
+        ValueSplit::Two | ValueSplit::Auto => 2,
+    }
 }
 
 /// How one call is split: `seg_chunks == 0` runs every sequence as one chain.
@@ -292,6 +332,9 @@ pub struct WorkspaceLayout {
     pub pm_offset: usize,
     /// `[B * segs, H, 128, 128]` fp32 start state of every segment.
     pub starts_offset: usize,
+    /// Ready flags of the overlapped passes (`u32` per record; `flags_bytes == 0` without).
+    pub flags_offset: usize,
+    pub flags_bytes: usize,
     pub total_bytes: usize,
 }
 
@@ -301,6 +344,8 @@ impl WorkspaceLayout {
         records_bytes: 0,
         pm_offset: 0,
         starts_offset: 0,
+        flags_offset: 0,
+        flags_bytes: 0,
         total_bytes: 0,
     };
 }
@@ -332,17 +377,22 @@ pub fn workspace_layout(plan: &FwdPlan, segs: Segments, operands: Operands) -> W
             records_bytes,
             pm_offset: records_bytes,
             starts_offset: records_bytes,
+            flags_offset: records_bytes,
+            flags_bytes: 0,
             total_bytes: records_bytes,
         };
     }
     let states = plan.num_seqs * segs.segs_per_seq * plan.heads;
     let pm_offset = records_bytes;
     let starts_offset = pm_offset + 2 * states * STATE_F32_BYTES;
+    let total_bytes = starts_offset + states * STATE_F32_BYTES;
     WorkspaceLayout {
         records_bytes,
         pm_offset,
         starts_offset,
-        total_bytes: starts_offset + states * STATE_F32_BYTES,
+        flags_offset: total_bytes,
+        flags_bytes: 0,
+        total_bytes,
     }
 }
 
@@ -637,5 +687,42 @@ mod tests {
             c.workspace.total_bytes,
             512 * 96 * record_bytes(auto_operands())
         );
+    }
+
+    #[test]
+    fn overlap_only_where_every_state_block_fits_beside_the_prep() {
+        let on = |operands| ScheduleRequest {
+            operands,
+            overlap: Some(true),
+            ..Default::default()
+        };
+        // H=96 fixed: 192 state blocks <= 2 per SM: overlapped, with one flag per record
+        let p = plan(1, 8192, 96, 1, false);
+        let c = call_plan(&p, &on(Operands::Split), H200_SMS).unwrap();
+        assert!(c.overlap);
+        assert_eq!(c.workspace.flags_offset, 512 * 96 * SPLIT_RECORD_BYTES);
+        assert_eq!(c.workspace.flags_bytes, 512 * 96 * 4);
+        assert_eq!(
+            c.workspace.total_bytes,
+            c.workspace.flags_offset + c.workspace.flags_bytes
+        );
+        // 1024x8 at H=96: 1536 blocks cannot all be resident: never overlapped
+        let c = call_plan(&plan(8, 1024, 96, 8, false), &on(Operands::Split), H200_SMS).unwrap();
+        assert!(!c.overlap);
+        assert_eq!(c.workspace.flags_bytes, 0);
+        // bf16 operands, segmented calls and the default (AUTO_OVERLAP) stay sequential
+        assert!(
+            !call_plan(&p, &on(Operands::Bf16), H200_SMS)
+                .unwrap()
+                .overlap
+        );
+        let long = plan(1, 65536, 4, 1, false);
+        assert!(
+            !call_plan(&long, &on(Operands::Split), H200_SMS)
+                .unwrap()
+                .overlap
+        );
+        let d = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
+        assert_eq!(d.overlap, AUTO_OVERLAP);
     }
 }

@@ -48,13 +48,15 @@ fn gpu() -> Option<(KdaKernels, Arc<CudaStream>)> {
     }
 }
 
-/// A kernel variant under test: name, schedule, split override, segment override, operands.
+/// A kernel variant under test: name, schedule, split override, segment override, operands,
+/// overlapped prep and state pass.
 type Variant = (
     &'static str,
     KernelSchedule,
     Option<ValueSplit>,
     Option<usize>,
     Operands,
+    Option<bool>,
 );
 
 /// Kernel variants under test. `FLASHKDA_TEST_KERNELS` (comma list of names) restricts them,
@@ -62,13 +64,14 @@ type Variant = (
 /// sequence into 3-chunk segments (context parallelism; varlen calls run unsplit); `default`
 /// is what a caller without options gets; `split-*` are the split-operand kernels
 /// (`kda_fwd_ws_split.cu`), `split-auto` with the automatic schedule and segments.
-const VARIANTS: [Variant; 12] = [
+const VARIANTS: [Variant; 13] = [
     (
         "sequential",
         KernelSchedule::Sequential,
         None,
         Some(0),
         Operands::Auto,
+        None,
     ),
     (
         "pipelined",
@@ -76,6 +79,7 @@ const VARIANTS: [Variant; 12] = [
         None,
         Some(0),
         Operands::Auto,
+        None,
     ),
     (
         "workspace-4",
@@ -83,6 +87,7 @@ const VARIANTS: [Variant; 12] = [
         Some(ValueSplit::Four),
         Some(0),
         Operands::Bf16,
+        None,
     ),
     (
         "workspace-2",
@@ -90,6 +95,7 @@ const VARIANTS: [Variant; 12] = [
         Some(ValueSplit::Two),
         Some(0),
         Operands::Bf16,
+        None,
     ),
     (
         "workspace-8",
@@ -97,6 +103,7 @@ const VARIANTS: [Variant; 12] = [
         Some(ValueSplit::Eight),
         Some(0),
         Operands::Bf16,
+        None,
     ),
     (
         "workspace-cp3",
@@ -104,6 +111,7 @@ const VARIANTS: [Variant; 12] = [
         None,
         Some(3),
         Operands::Bf16,
+        None,
     ),
     (
         "split-2",
@@ -111,6 +119,7 @@ const VARIANTS: [Variant; 12] = [
         Some(ValueSplit::Two),
         Some(0),
         Operands::Split,
+        None,
     ),
     (
         "split-4",
@@ -118,6 +127,7 @@ const VARIANTS: [Variant; 12] = [
         Some(ValueSplit::Four),
         Some(0),
         Operands::Split,
+        None,
     ),
     (
         "split-8",
@@ -125,6 +135,7 @@ const VARIANTS: [Variant; 12] = [
         Some(ValueSplit::Eight),
         Some(0),
         Operands::Split,
+        None,
     ),
     (
         "split-1",
@@ -132,6 +143,7 @@ const VARIANTS: [Variant; 12] = [
         Some(ValueSplit::One),
         Some(0),
         Operands::Split,
+        None,
     ),
     (
         "split-cp3",
@@ -139,6 +151,7 @@ const VARIANTS: [Variant; 12] = [
         None,
         Some(3),
         Operands::Split,
+        None,
     ),
     (
         "split-auto",
@@ -146,11 +159,27 @@ const VARIANTS: [Variant; 12] = [
         None,
         None,
         Operands::Split,
+        None,
+    ),
+    (
+        "split-overlap",
+        KernelSchedule::Workspace,
+        Some(ValueSplit::Two),
+        Some(0),
+        Operands::Split,
+        Some(true),
     ),
 ];
 
 /// The default call (no options) is always tested as well.
-const DEFAULT_VARIANT: Variant = ("default", KernelSchedule::Auto, None, None, Operands::Auto);
+const DEFAULT_VARIANT: Variant = (
+    "default",
+    KernelSchedule::Auto,
+    None,
+    None,
+    Operands::Auto,
+    None,
+);
 
 fn variants() -> Vec<Variant> {
     let only = std::env::var("FLASHKDA_TEST_KERNELS").unwrap_or_default();
@@ -218,13 +247,14 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     let reference: KdaOutput = recurrence_f64(&p);
     // one emulation per rounding, computed when a variant needs it
     let mut emulations: [Option<KdaOutput>; 2] = [None, None];
-    for (variant, schedule, split, segs, operands) in variants() {
+    for (variant, schedule, split, segs, operands, overlap) in variants() {
         dev.poison().expect("poison");
         let opts = FwdOptions {
             value_split: split.unwrap_or(c.split),
             schedule,
             segment_chunks: c.segments.or(segs),
             operands,
+            overlap,
             ..Default::default()
         };
         let name = format!("{} [{variant}]", c.name);
@@ -288,7 +318,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             };
         }
         log_line(&format!(
-            "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"schedule\":\"{:?}\",\"operands\":\"{:?}\",\"variant\":\"{variant}\",\"seed\":{s},\
+            "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"schedule\":\"{:?}\",\"operands\":\"{:?}\",\"overlap\":{},\"variant\":\"{variant}\",\"seed\":{s},\
              \"rel_out_f64\":{eo:e},\"rel_state_f64\":{es:e},\"rel_out_emulated\":{emo:e},\"rel_state_emulated\":{ems:e},\
              \"nonfinite_out\":{nan_out},\"nonfinite_state\":{nan_st},\"segments\":{},\"seg_chunks\":{}}}",
             c.name,
@@ -303,6 +333,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             opts.value_split,
             schedule,
             call.operands,
+            call.overlap,
             call.segments.segs_per_seq,
             call.segments.seg_chunks
         ));
@@ -506,7 +537,7 @@ fn deterministic_and_rejects_bad_cu_seqlens() {
     let (kernels, stream) = &g;
     let p = KdaProblem::random(&[300, 45], 8, true, seed());
     let mut dev = DeviceProblem::upload(stream, &p, StateIo::both(true), false).unwrap();
-    for (variant, schedule, split, segs, operands) in variants() {
+    for (variant, schedule, split, segs, operands, overlap) in variants() {
         let mut runs = Vec::new();
         for _ in 0..2 {
             dev.poison().unwrap();
@@ -519,6 +550,7 @@ fn deterministic_and_rejects_bad_cu_seqlens() {
                     value_split: split.unwrap_or_default(),
                     segment_chunks: segs,
                     operands,
+                    overlap,
                     ..Default::default()
                 },
             )
