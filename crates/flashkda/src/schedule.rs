@@ -92,12 +92,24 @@ pub enum Operands {
     Split,
 }
 
-/// The operands `Auto` picks for the workspace schedule. H200, 2026-12-01 (tc run 1, same run as
-/// the bf16 kernels): split operands bring the output error against float64 from 4.0e-3 to 1.67e-3
-/// on all six anchor shapes (the bf16 output floor) and the state pass 25 % faster (ldmatrix
-/// fragments, per-warp v copies), at a costlier prep; see docs/benchmarks.md.
-pub fn auto_operands() -> Operands {
-    Operands::Split
+/// `Auto` feeds split operands to calls of at most this many state chains (sequences x heads x
+/// segments) per SM.
+pub const SPLIT_MAX_CHAINS_PER_SM: usize = 2;
+
+/// The operands `Auto` picks for a workspace-schedule call of `state_chains` chains (sequences x
+/// heads x segments) on `sm_count` SMs. H200, 2026-12-01 (tc runs 1-2, same run as the bf16
+/// kernels, docs/benchmarks.md): split operands bring the output error against float64 from
+/// 4.0e-3 to 1.67e-3 on every anchor shape (the bf16 output floor); their state pass is 20-25 %
+/// faster (ldmatrix fragments, per-warp v copies) but their prep 20-25 % slower. With few chains
+/// the sequential state pass sets the time and split wins (H=96 fixed 1.08x, H=64 fixed 1.21x,
+/// B=1 T=8192 H=4 1.11x, H=4 T=64K 1.03x); with many the prep does and bf16 wins (H=96 1024x8
+/// 1.13x, H=32 T=64K 1.07x, H=64 varlen6 1.01x).
+pub fn auto_operands(state_chains: usize, sm_count: usize) -> Operands {
+    if state_chains <= SPLIT_MAX_CHAINS_PER_SM * sm_count {
+        Operands::Split
+    } else {
+        Operands::Bf16
+    }
 }
 
 /// What the caller asks of a call's schedule (the matching fields of `FwdOptions`).
@@ -157,10 +169,6 @@ pub fn call_plan(
 ) -> Result<CallPlan, FlashKdaError> {
     let gva = plan.qk_heads != plan.heads;
     let split_ops = req.operands == Operands::Split;
-    let operands = match req.operands {
-        Operands::Auto => auto_operands(),
-        o => o,
-    };
     let segments = || {
         if plan.varlen {
             return Segments::NONE;
@@ -175,6 +183,13 @@ pub fn call_plan(
             ),
             Some(c) => Segments::with_chunks(plan.seq_len, c),
         }
+    };
+    let operands = match req.operands {
+        Operands::Auto => auto_operands(
+            plan.num_seqs * plan.heads * segments().segs_per_seq,
+            sm_count,
+        ),
+        o => o,
     };
     let schedule = match req.schedule {
         // GVA and split operands run only on the workspace schedule
@@ -503,20 +518,41 @@ mod tests {
 
     #[test]
     fn auto_runs_the_anchor_shapes_on_the_workspace_schedule() {
-        for (b, t, h, n, varlen) in [
-            (1, 8192, 96, 1, false),
-            (1, 8192, 64, 6, true),
-            (8, 1024, 96, 8, false),
+        for (b, t, h, n, varlen, operands) in [
+            (1, 8192, 96, 1, false, Operands::Split),
+            (1, 8192, 64, 1, false, Operands::Split),
+            (1, 8192, 96, 6, true, Operands::Bf16),
+            (1, 8192, 64, 6, true, Operands::Bf16),
+            (8, 1024, 96, 8, false, Operands::Bf16),
+            (8, 1024, 64, 8, false, Operands::Bf16),
         ] {
             let p = plan(b, t, h, n, varlen);
             let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
             assert_eq!(c.schedule, KernelSchedule::Workspace, "B={b} T={t} H={h}");
             assert_eq!(c.split, ValueSplit::Two);
             assert_eq!(c.segments, Segments::NONE);
+            assert_eq!(c.operands, operands, "B={b} T={t} H={h} N={n}");
             assert_eq!(
                 c.workspace.total_bytes,
-                workspace_slots(&p) * h * record_bytes(auto_operands())
+                workspace_slots(&p) * h * record_bytes(operands)
             );
+        }
+        // long single sequences: split operands while segments x heads <= 2 per SM
+        for (t, h, operands) in [
+            (65536, 4, Operands::Split),
+            (65536, 16, Operands::Bf16),
+            (65536, 32, Operands::Bf16),
+            (262144, 4, Operands::Split),
+            (262144, 32, Operands::Bf16),
+            (8192, 4, Operands::Split),
+        ] {
+            let c = call_plan(
+                &plan(1, t, h, 1, false),
+                &ScheduleRequest::default(),
+                H200_SMS,
+            )
+            .unwrap();
+            assert_eq!(c.operands, operands, "T={t} H={h} {:?}", c.segments);
         }
         // long and few chains: split into segments, always two blocks per segment and head
         let p = plan(1, 65536, 4, 1, false);
@@ -559,7 +595,7 @@ mod tests {
         assert_eq!(c.schedule, KernelSchedule::Workspace);
         assert_eq!(
             c.workspace.total_bytes,
-            (1 << 15) * 64 * record_bytes(auto_operands())
+            (1 << 15) * 64 * record_bytes(c.operands)
         );
         for s in [KernelSchedule::Sequential, KernelSchedule::Pipelined] {
             let e = call_plan(&p, &req(s, ValueSplit::Auto), H200_SMS).unwrap_err();
@@ -682,11 +718,9 @@ mod tests {
             H200_SMS,
         )
         .unwrap();
-        assert_eq!(c.operands, auto_operands());
-        assert_eq!(
-            c.workspace.total_bytes,
-            512 * 96 * record_bytes(auto_operands())
-        );
+        assert_eq!(c.operands, auto_operands(96, H200_SMS));
+        assert_eq!(c.operands, Operands::Split);
+        assert_eq!(c.workspace.total_bytes, 512 * 96 * SPLIT_RECORD_BYTES);
     }
 
     #[test]
