@@ -340,27 +340,6 @@ __device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], c
   const float* E = reinterpret_cast<const float*>(rec + R_E);
   const float* b = reinterpret_cast<const float*>(rec + R_B);
   const int lrow = ((lane >> 4) << 3) + (lane & 7), lhalf = (lane >> 3) & 1;
-  // everything the chain needs after the state products is loaded first, so its latency hides
-  // behind them: v, b, and the INV and M fragments (16 x 16 operands: row (l >> 4) * 8 + (l & 7),
-  // half (l >> 3) & 1 of the half swizzle)
-  float vv[2][4], bt[2][2];
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int tok = nt * 8 + 2 * tq + (e & 1);
-      vv[nt][e] = with_v ? __bfloat162float(vrow[tok * vs + gq + 8 * (e >> 1)]) : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) bt[nt][j] = b[nt * 8 + 2 * tq + j];
-  }
-  const int off16 = lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3);
-  uint32_t bi[4], bmh[4], bml[4];
-  ldsm_x4(bi, inv + off16);
-  if (!TRANS) {
-    ldsm_x4(bmh, mh + off16);
-    ldsm_x4(bml, ml + off16);
-  }
 
   float W[2][4], O1[2][4];
 #pragma unroll
@@ -392,13 +371,18 @@ __device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], c
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int tok = nt * 8 + 2 * tq + (e & 1);
-      const float x = tok < nv ? (vv[nt][e] - W[nt][e]) * bt[nt][e & 1] : 0.f;
+      const float vv = with_v ? __bfloat162float(vrow[tok * vs + gq + 8 * (e >> 1)]) : 0.f;
+      const float x = tok < nv ? (vv - W[nt][e]) * b[tok] : 0.f;
       vb[nt][e] = x;
       vlo[nt][e] = x - __bfloat162float(__float2bfloat16_rn(x));
     }
   uint32_t vah[4], val[4];
   pack_tile(vah, vb);
   pack_tile(val, vlo);
+  // 16 x 16 operands (INV, M): row (l >> 4) * 8 + (l & 7), half (l >> 3) & 1 of the half swizzle
+  const int off16 = lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3);
+  uint32_t bi[4];
+  ldsm_x4(bi, inv + off16);
   float U[2][4];
   const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -415,6 +399,24 @@ __device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], c
   pack_tile(uah, U);
   pack_tile(ual, ulo);
 
+  if (!TRANS) {
+    uint32_t bmh[4], bml[4];
+    ldsm_x4(bmh, mh + off16);
+    ldsm_x4(bml, ml + off16);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float O[4];
+      mma(O, uah[0], uah[1], uah[2], uah[3], bmh[2 * nt], bmh[2 * nt + 1], O1[nt]);
+      mma(O, ual[0], ual[1], ual[2], ual[3], bmh[2 * nt], bmh[2 * nt + 1], O);
+      mma(O, uah[0], uah[1], uah[2], uah[3], bml[2 * nt], bml[2 * nt + 1], O);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * tq + (e & 1);
+        ow[tok][gq + 8 * (e >> 1)] = __float2bfloat16_rn(O[e]);
+      }
+    }
+  }
+
   // S = S diag(E) + (U_hi + U_lo)^T kr; krT rows are key channels, 16 tokens each
 #pragma unroll
   for (int np = 0; np < 8; ++np) {
@@ -428,21 +430,6 @@ __device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], c
       const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
       mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
       mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
-    }
-  }
-  // the output tile last: it is off the chain, so it fills the update's latency
-  if (!TRANS) {
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float O[4];
-      mma(O, uah[0], uah[1], uah[2], uah[3], bmh[2 * nt], bmh[2 * nt + 1], O1[nt]);
-      mma(O, ual[0], ual[1], ual[2], ual[3], bmh[2 * nt], bmh[2 * nt + 1], O);
-      mma(O, uah[0], uah[1], uah[2], uah[3], bml[2 * nt], bml[2 * nt + 1], O);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * tq + (e & 1);
-        ow[tok][gq + 8 * (e >> 1)] = __float2bfloat16_rn(O[e]);
-      }
     }
   }
 }
