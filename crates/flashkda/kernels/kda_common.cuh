@@ -33,7 +33,19 @@ struct KdaParams {
   int qk_heads;            // q/k heads (GVA: num_heads is a multiple; value head h reads q/k head
                            // h / (num_heads / qk_heads)); kda_fwd_ws.cu only
   int pad_;
+  unsigned int* flags;     // kda_fwd_ws_split.cu, overlapped prep and state pass: one ready flag per
+                           // (chunk slot, head), zeroed before the call; null otherwise
 };
+
+// Ready flags of the overlapped prep and state pass (acquire/release at GPU scope).
+__device__ __forceinline__ void flag_release(unsigned int* f) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(f), "r"(1u) : "memory");
+}
+__device__ __forceinline__ unsigned int flag_acquire(const unsigned int* f) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
+  return v;
+}
 
 #define KD 128
 #define CH 16
@@ -69,6 +81,8 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ float rcp_approx(float x) {
   float y;
@@ -243,6 +257,22 @@ __device__ __forceinline__ void tile_product(float (&acc)[2][4], Lhs lhs, Ki ki,
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb) {
+    const int kc = kb * 16 + 2 * tq;
+    const uint32_t a0 = lhs(gq, kc), a1 = lhs(gq + 8, kc);
+    const uint32_t a2 = lhs(gq, kc + 8), a3 = lhs(gq + 8, kc + 8);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const uint32_t b0 = ki(nt * 8 + gq, kc), b1 = ki(nt * 8 + gq, kc + 8);
+      mma(acc[nt], a0, a1, a2, a3, b0, b1, acc[nt]);
+    }
+  }
+}
+
+// acc += lhs ki^T (tile_product without clearing acc).
+template <class Lhs, class Ki>
+__device__ __forceinline__ void tile_product_acc(float (&acc)[2][4], Lhs lhs, Ki ki, int gq, int tq) {
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb) {
     const int kc = kb * 16 + 2 * tq;

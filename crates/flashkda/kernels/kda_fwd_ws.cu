@@ -9,9 +9,24 @@
 // copies (record + the block's v rows) ST chunks ahead on an mbarrier; warps only do the
 // state-dependent matmuls, so the per-chunk critical path is short and 128/(16*NW) blocks per
 // chain fill the GPU.
+//
+// KDA_SPLIT_OPERANDS (kda_fwd_ws_split.cu compiles this file with it set to 1): the operands whose
+// bf16 rounding costs accuracy (`reference::emulated::Rounding::SPLIT`) go into the tensor cores as
+// hi + lo bf16 pairs: kd, qd, ki in the prep products A and M; M itself (its lo part is one more
+// record field); Vb and U in the state pass. The B fragments of the state pass are loaded with
+// ldmatrix.
 #include "kda_common.cuh"
 
+#ifndef KDA_SPLIT_OPERANDS
+#define KDA_SPLIT_OPERANDS 0
+#endif
+
+#if KDA_SPLIT_OPERANDS
+#define REC_BYTES 14400
+#define R_ML 13888  // bf16 [16][16], lo part of M, half swizzle
+#else
 #define REC_BYTES 13888
+#endif
 #define R_KD 0      // bf16 [16][128], 16-byte chunks xor-swizzled by row & 7
 #define R_QD 4096   // bf16 [16][128], same swizzle
 #define R_KR 8192   // bf16 krT [128][16], 8-element halves swapped when (row >> 2) & 1
@@ -67,7 +82,8 @@ struct __align__(16) PrepSmem {
   unsigned char rec[REC_BYTES];
   bf16 q[CH][RS];
   bf16 k[CH][RS];
-  bf16 g[CH][RS];  // raw g, then ki in place
+  bf16 g[CH][RS];  // raw g, then ki in place (split: q, k and the record's krT area hold the lo
+                   // parts of qd, kd and ki until the products are done; krT is written last)
   float A[CH][CH + 1];
   float rnq[CH];
   float rnk[CH];
@@ -79,8 +95,15 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
   const int H = p.num_heads;
+#if KDA_SPLIT_OPERANDS
+  // one dimension, slot-major: the blocks of chunk slot s (all heads) start before those of s + 1,
+  // the order in which an overlapped state pass consumes them
+  const long long slot = blockIdx.x / H;
+  const int h = static_cast<int>(blockIdx.x % H);
+#else
   const long long slot = blockIdx.x;
   const int h = blockIdx.y;
+#endif
 
   // which sequence owns this slot
   int n;
@@ -138,27 +161,44 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
   __syncthreads();  // norms and b visible
 
   // ---- decayed keys/queries (channel tid): kd, qd, krT into the record, ki in place of g
+  uint32_t kr[CH / 2];
   {
     const int ch = tid;
     const float gt = G[CH - 1];
     rec_e[ch] = ex2(gt);
     float kv[CH], qv[CH];
     normed_channel(kv, qv, sm.k, sm.q, sm.rnk, sm.rnq, ch, p.scale);
-    uint32_t kr[CH / 2];
 #pragma unroll
     for (int i = 0; i < CH; ++i) {
       const float e = ex2(G[i]);
+#if KDA_SPLIT_OPERANDS
+      // hi parts into the record (the state pass's operands), lo parts in place of q, k
+      const float kdf = kv[i] * e, qdf = qv[i] * e, kif = kv[i] * ex2(-G[i]);
+      const bf16 kdh = __float2bfloat16_rn(kdf), qdh = __float2bfloat16_rn(qdf), kih = __float2bfloat16_rn(kif);
+      kd[swz128(i, ch)] = kdh;
+      qd[swz128(i, ch)] = qdh;
+      sm.g[i][ch] = kih;
+      sm.k[i][ch] = __float2bfloat16_rn(kdf - __bfloat162float(kdh));
+      sm.q[i][ch] = __float2bfloat16_rn(qdf - __bfloat162float(qdh));
+      krT[swz128(i, ch)] = __float2bfloat16_rn(kif - __bfloat162float(kih));  // ki lo, [16][128]
+#else
       kd[swz128(i, ch)] = __float2bfloat16_rn(kv[i] * e);
       qd[swz128(i, ch)] = __float2bfloat16_rn(qv[i] * e);
       sm.g[i][ch] = __float2bfloat16_rn(kv[i] * ex2(-G[i]));
+#endif
     }
 #pragma unroll
     for (int i = 0; i < CH; i += 2)
       kr[i / 2] = pack(kv[i] * ex2(gt - G[i]), kv[i + 1] * ex2(gt - G[i + 1]));
+#if KDA_SPLIT_OPERANDS
+  }
+  // kr stays in registers until the products are done with ki's lo part in the krT area
+#else
     const int sw = (ch >> 2) & 1;
     *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * sw]) = make_uint4(kr[0], kr[1], kr[2], kr[3]);
     *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * (sw ^ 1)]) = make_uint4(kr[4], kr[5], kr[6], kr[7]);
   }
+#endif
   __syncthreads();  // kd, qd, ki visible
 
   // ---- A = diag(b) strict_lower(kd ki^T) and INV (warp 0); M (warp 1)
@@ -166,8 +206,39 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
     const bool do_a = warp == 0;
     const bf16* lhs = do_a ? kd : qd;
     float acc[2][4];
+#if KDA_SPLIT_OPERANDS
+    // (lhs_hi + lhs_lo)(ki_hi + ki_lo)^T without the lo lo term: three independent chains
+    const bf16(*lhs_lo)[RS] = do_a ? sm.k : sm.q;
+    float acc1[2][4], acc2[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = acc1[nt][e] = acc2[nt][e] = 0.f;
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      const int kc = kb * 16 + 2 * tq;
+      const uint32_t a0 = ld32(&lhs[swz128(gq, kc)]), a1 = ld32(&lhs[swz128(gq + 8, kc)]);
+      const uint32_t a2 = ld32(&lhs[swz128(gq, kc + 8)]), a3 = ld32(&lhs[swz128(gq + 8, kc + 8)]);
+      const uint32_t l0 = ld32(&lhs_lo[gq][kc]), l1 = ld32(&lhs_lo[gq + 8][kc]);
+      const uint32_t l2 = ld32(&lhs_lo[gq][kc + 8]), l3 = ld32(&lhs_lo[gq + 8][kc + 8]);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int r = nt * 8 + gq;
+        const uint32_t b0 = ld32(&sm.g[r][kc]), b1 = ld32(&sm.g[r][kc + 8]);
+        const uint32_t c0 = ld32(&krT[swz128(r, kc)]), c1 = ld32(&krT[swz128(r, kc + 8)]);
+        mma(acc[nt], a0, a1, a2, a3, b0, b1, acc[nt]);
+        mma(acc1[nt], a0, a1, a2, a3, c0, c1, acc1[nt]);
+        mma(acc2[nt], l0, l1, l2, l3, b0, b1, acc2[nt]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] += acc1[nt][e] + acc2[nt][e];
+#else
     tile_product(acc, [&](int r, int cc) { return ld32(&lhs[swz128(r, cc)]); },
                  [&](int r, int cc) { return ld32(&sm.g[r][cc]); }, gq, tq);
+#endif
     if (do_a) {
       store_a(sm.A, acc, rec_b, gq, tq);
       __syncwarp();
@@ -175,15 +246,44 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
         invert_column([&](int r, int m) { return sm.A[r][m]; }, lane,
                       [&](int r, int cc, bf16 x) { inv[swz16(r, cc)] = x; });
     } else {
+#if KDA_SPLIT_OPERANDS
+      bf16* ml = reinterpret_cast<bf16*>(sm.rec + R_ML);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
+          const float x = col <= row ? acc[nt][e] : 0.f;
+          const bf16 hi = __float2bfloat16_rn(x);
+          mm[swz16(row, col)] = hi;
+          ml[swz16(row, col)] = __float2bfloat16_rn(x - __bfloat162float(hi));
+        }
+#else
       store_m(acc, [&](int r, int cc, bf16 x) { mm[swz16(r, cc)] = x; }, gq, tq);
+#endif
     }
   }
+#if KDA_SPLIT_OPERANDS
+  __syncthreads();  // the products are done with ki's lo part: krT takes its place
+  {
+    const int ch = tid, sw = (ch >> 2) & 1;
+    *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * sw]) = make_uint4(kr[0], kr[1], kr[2], kr[3]);
+    *reinterpret_cast<uint4*>(&krT[ch * 16 + 8 * (sw ^ 1)]) = make_uint4(kr[4], kr[5], kr[6], kr[7]);
+  }
+#endif
   __syncthreads();  // record complete
 
   uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(p.ws) +
                                         (size_t)(slot * H + h) * REC_BYTES);
   const uint4* src = reinterpret_cast<const uint4*>(sm.rec);
   for (int i = tid; i < REC_BYTES / 16; i += NT) dst[i] = src[i];
+#if KDA_SPLIT_OPERANDS
+  if (p.flags != nullptr) {  // publish the record to an overlapped state pass
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) flag_release(p.flags + slot * H + h);
+  }
+#endif
 }
 
 // ---- mbarrier + TMA bulk copy helpers
@@ -212,6 +312,128 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
+
+#if KDA_SPLIT_OPERANDS
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* ptr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(ptr)));
+}
+
+// One chunk of one warp's 16 state rows with split operands (the rounding of
+// `Rounding::SPLIT`): W^T = S kd^T and O1^T = S qd^T (S as bf16), Vb = (v - W) b as hi + lo,
+// U = INV Vb (fp32 accumulators), out = O1 + M U with M and U as hi + lo (the lo lo term
+// dropped), S = S diag(E) + (U_hi + U_lo)^T kr. B fragments come from ldmatrix: for a 16-row
+// operand tile, lane l addresses row (l >> 4) * 8 + (l & 7), 8-element half (l >> 3) & 1, so
+// registers 0-3 are b0, b1 of n-tile 0 and b0, b1 of n-tile 1. `vrow` points at the warp's value
+// columns of the chunk's v tile (row stride vs).
+template <bool TRANS>
+__device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], const unsigned char* rec,
+                                            const bf16* vrow, int vs, bool with_v, int nv, int lane) {
+  const int gq = lane >> 2, tq = lane & 3;
+  const bf16* kd = reinterpret_cast<const bf16*>(rec + R_KD);
+  const bf16* qd = reinterpret_cast<const bf16*>(rec + R_QD);
+  const bf16* krT = reinterpret_cast<const bf16*>(rec + R_KR);
+  const bf16* inv = reinterpret_cast<const bf16*>(rec + R_INV);
+  const bf16* mh = reinterpret_cast<const bf16*>(rec + R_M);
+  const bf16* ml = reinterpret_cast<const bf16*>(rec + R_ML);
+  const float* E = reinterpret_cast<const float*>(rec + R_E);
+  const float* b = reinterpret_cast<const float*>(rec + R_B);
+  const int lrow = ((lane >> 4) << 3) + (lane & 7), lhalf = (lane >> 3) & 1;
+
+  float W[2][4], O1[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) W[nt][e] = O1[nt][e] = 0.f;
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb) {
+    const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]);
+    const uint32_t a1 = pack(S[2 * kb][2], S[2 * kb][3]);
+    const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]);
+    const uint32_t a3 = pack(S[2 * kb + 1][2], S[2 * kb + 1][3]);
+    const int off = lrow * KD + (((2 * kb + lhalf) ^ (lrow & 7)) << 3);
+    uint32_t bk[4], bq[4];
+    ldsm_x4(bk, kd + off);
+    mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
+    mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
+    if (!TRANS) {
+      ldsm_x4(bq, qd + off);
+      mma(O1[0], a0, a1, a2, a3, bq[0], bq[1], O1[0]);
+      mma(O1[1], a0, a1, a2, a3, bq[2], bq[3], O1[1]);
+    }
+  }
+
+  // Vb = (v - W) b (pad tokens selected to 0: their v rows are stale), split hi + lo
+  float vb[2][4], vlo[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = nt * 8 + 2 * tq + (e & 1);
+      const float vv = with_v ? __bfloat162float(vrow[tok * vs + gq + 8 * (e >> 1)]) : 0.f;
+      const float x = tok < nv ? (vv - W[nt][e]) * b[tok] : 0.f;
+      vb[nt][e] = x;
+      vlo[nt][e] = x - __bfloat162float(__float2bfloat16_rn(x));
+    }
+  uint32_t vah[4], val[4];
+  pack_tile(vah, vb);
+  pack_tile(val, vlo);
+  // 16 x 16 operands (INV, M): row (l >> 4) * 8 + (l & 7), half (l >> 3) & 1 of the half swizzle
+  const int off16 = lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3);
+  uint32_t bi[4];
+  ldsm_x4(bi, inv + off16);
+  float U[2][4];
+  const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    mma(U[nt], vah[0], vah[1], vah[2], vah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
+    mma(U[nt], val[0], val[1], val[2], val[3], bi[2 * nt], bi[2 * nt + 1], U[nt]);
+  }
+  float ulo[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ulo[nt][e] = U[nt][e] - __bfloat162float(__float2bfloat16_rn(U[nt][e]));
+  uint32_t uah[4], ual[4];
+  pack_tile(uah, U);
+  pack_tile(ual, ulo);
+
+  if (!TRANS) {
+    uint32_t bmh[4], bml[4];
+    ldsm_x4(bmh, mh + off16);
+    ldsm_x4(bml, ml + off16);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float O[4];
+      mma(O, uah[0], uah[1], uah[2], uah[3], bmh[2 * nt], bmh[2 * nt + 1], O1[nt]);
+      mma(O, ual[0], ual[1], ual[2], ual[3], bmh[2 * nt], bmh[2 * nt + 1], O);
+      mma(O, uah[0], uah[1], uah[2], uah[3], bml[2 * nt], bml[2 * nt + 1], O);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * tq + (e & 1);
+        ow[tok][gq + 8 * (e >> 1)] = __float2bfloat16_rn(O[e]);
+      }
+    }
+  }
+
+  // S = S diag(E) + (U_hi + U_lo)^T kr; krT rows are key channels, 16 tokens each
+#pragma unroll
+  for (int np = 0; np < 8; ++np) {
+    uint32_t bk[4];
+    const int r = np * 16 + lrow;
+    ldsm_x4(bk, krT + r * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int nt = 2 * np + j;
+      const float2 e01 = *reinterpret_cast<const float2*>(&E[nt * 8 + 2 * tq]);
+      const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
+      mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
+      mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
+    }
+  }
+}
+#endif
 
 // dynamic shared memory of kda_state_w<NW> (mirrored in launch.rs)
 #define STATE_SMEM(NW, ST) ((ST) * (REC_BYTES + CH * 16 * (NW) * 2) + (NW) * CH * TS * 2 + 8 * (ST))
@@ -252,11 +474,34 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     const long long rem = len - (long long)c * CH;
     return rem < CH ? static_cast<int>(rem) : CH;
   };
+  // split kernels: every warp prefetches its own 16 v columns with cp.async (one 16-byte copy
+  // per lane and chunk, rows from nv on zero-filled), so thread 0 issues one bulk copy per chunk
+  // instead of 17 and the warps never wait on each other for v
+  constexpr bool WARP_V = KDA_SPLIT_OPERANDS != 0;
+  const bool warp_v = WARP_V && part == 0;
+  auto issue_v = [&](int c) {
+    if (c < nchunks) {
+      const int st = c % ST, nv = nvalid(c);
+      const int r = lane >> 1, hf = lane & 1;
+      const bool ok = r < nv;
+      const long long t0 = bos + (long long)c * CH;
+      cp_async16(vs + (st * CH + r) * VS + warp * 16 + hf * 8, ok ? p.v + (t0 + r) * hs + hoff + vw + hf * 8 : p.v,
+                 ok ? 16 : 0);
+    }
+    cp_async_commit();  // one group per chunk, empty past the end, so the wait count stays ST - 1
+  };
   // one thread: record + the block's v rows of chunk c into stage c % ST
   auto issue = [&](int c) {
     const int st = c % ST, nv = nvalid(c);
     const uint32_t bar = smem_u32(&bars[st]);
-    const bool with_v = part == 0;
+    const bool with_v = part == 0 && !WARP_V;
+#if KDA_SPLIT_OPERANDS
+    if (p.flags != nullptr) {  // overlapped with the prep: wait until its record is written
+      const unsigned int* f = p.flags + (si.slot0 + c) * H + h;
+      while (flag_acquire(f) == 0) __nanosleep(100);
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the bulk copy reads it next
+    }
+#endif
     mbar_expect_tx(bar, REC_BYTES + (with_v ? nv * VS * 2 : 0));
     bulk_g2s(smem_u32(recs + st * REC_BYTES), ws + (size_t)((si.slot0 + c) * H + h) * REC_BYTES, REC_BYTES, bar);
     const long long t0 = bos + (long long)c * CH;
@@ -272,6 +517,8 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
   __syncthreads();
   if (tid == 0)
     for (int c = 0; c < ST && c < nchunks; ++c) issue(c);
+  if (warp_v)
+    for (int c = 0; c < ST; ++c) issue_v(c);
 
   float S[16][4];
   const size_t sbase = (((size_t)n * H + h) * PARTS + part) * KD * KD;
@@ -293,7 +540,15 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
   for (int c = 0; c < nchunks; ++c) {
     const int st = c % ST, nv = nvalid(c);
     mbar_wait(smem_u32(&bars[st]), static_cast<uint32_t>((c / ST) & 1));
+    if (warp_v) {
+      cp_async_wait_group<ST - 1>();  // this chunk's v group landed (this thread's copy) ...
+      __syncwarp();                   // ... and every lane's
+    }
     const unsigned char* rec = recs + st * REC_BYTES;
+    const bf16* vst = vs + st * CH * VS;
+#if KDA_SPLIT_OPERANDS
+    split_chunk<TRANS>(S, ow, rec, vst + warp * 16, VS, part == 0, nv, lane);
+#else
     const bf16* kd = reinterpret_cast<const bf16*>(rec + R_KD);
     const bf16* qd = reinterpret_cast<const bf16*>(rec + R_QD);
     const bf16* krT = reinterpret_cast<const bf16*>(rec + R_KR);
@@ -301,7 +556,6 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     const bf16* mm = reinterpret_cast<const bf16*>(rec + R_M);
     const float* E = reinterpret_cast<const float*>(rec + R_E);
     const float* b = reinterpret_cast<const float*>(rec + R_B);
-    const bf16* vst = vs + st * CH * VS;
 
     // W^T = S kd^T, O1^T = S qd^T (value rows x tokens), S rounded to bf16
     float W[2][4], O1[2][4];
@@ -328,8 +582,10 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     if (!TRANS) out_tile(ow, ua, [&](int r, int cc) { return ld32(&mm[swz16(r, cc)]); }, O1, gq, tq);
     // S = S diag(E) + U^T kr
     update_state(S, ua, E, [&](int r, int cc) { return ld32(&krT[swz16(r, cc)]); }, gq, tq);
+#endif
     __syncwarp();
     if (!TRANS) store_out(p, ow, bos + (long long)c * CH, nv, hs, hoff, vw, lane);
+    if (warp_v) issue_v(c + ST);  // the warp is done with its v columns of stage st
     // every warp is done with stage st (and with its o tile): refill it ST chunks ahead
     if (NW > 1) __syncthreads(); else __syncwarp();
     if (tid == 0 && c + ST < nchunks) issue(c + ST);
@@ -421,13 +677,24 @@ extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p
 }
 static_assert(SCAN_SMEM == 155648, "update launch.rs");
 
+#if KDA_SPLIT_OPERANDS
+static_assert(STATE_SMEM(8, 4) == 80160, "update launch.rs");
+static_assert(STATE_SMEM(1, 2) == 30608, "update launch.rs");
+static_assert(STATE_SMEM(2, 4) == 63264, "update launch.rs");
+static_assert(STATE_SMEM(4, 4) == 68896, "update launch.rs");
+static_assert(STATE_SMEM(4, 3) == 52440, "update launch.rs");
+#else
+static_assert(STATE_SMEM(8, 4) == 78112, "update launch.rs");
 static_assert(STATE_SMEM(1, 2) == 29584, "update launch.rs");
 static_assert(STATE_SMEM(2, 4) == 61216, "update launch.rs");
 static_assert(STATE_SMEM(4, 4) == 66848, "update launch.rs");
 static_assert(STATE_SMEM(4, 3) == 50904, "update launch.rs");
+#endif
 extern "C" __global__ void __launch_bounds__(32) kda_state_w1(const KdaParams p) { state_body<1, 2, false>(p); }
 extern "C" __global__ void __launch_bounds__(64) kda_state_w2(const KdaParams p) { state_body<2, 4, false>(p); }
 extern "C" __global__ void __launch_bounds__(128) kda_state_w4(const KdaParams p) { state_body<4, 4, false>(p); }
+// one block of 8 warps per chain: every record is read once per chain instead of once per slice
+extern "C" __global__ void __launch_bounds__(256, 2) kda_state_w8(const KdaParams p) { state_body<8, 4, false>(p); }
 extern "C" __global__ void __launch_bounds__(128) kda_cp_transition_w4(const KdaParams p) { state_body<4, 4, true>(p); }
 // 3 stages: 4 blocks fit one SM's shared memory (the segmented passes run many blocks per SM)
 extern "C" __global__ void __launch_bounds__(128, 4) kda_cp_transition_w4s3(const KdaParams p) { state_body<4, 3, true>(p); }

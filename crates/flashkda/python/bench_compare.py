@@ -141,28 +141,28 @@ def rel(x, r):
     return float((x - r).norm() / r.norm())
 
 
-def graph_check(inp, res_row, warmup, iters, repeats):
+def graph_check(inp, res_row, warmup, iters, repeats, suffix="", **kw):
     """Capture flashkda.fwd into a CUDA graph, replay over NaN-poisoned outputs, compare bitwise."""
     out_e = torch.empty_like(inp["v"])
     ht_e = torch.empty_like(inp["h0"])
-    call_flashkda(inp, out_e, ht_e)
+    call_flashkda(inp, out_e, ht_e, **kw)
     torch.cuda.synchronize()
     out_g = torch.empty_like(inp["v"])
     ht_g = torch.empty_like(inp["h0"])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        call_flashkda(inp, out_g, ht_g)  # warm-up on the capture's side stream, as torch advises
+        call_flashkda(inp, out_g, ht_g, **kw)  # warm-up on the capture's side stream, as torch advises
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call_flashkda(inp, out_g, ht_g)
+        call_flashkda(inp, out_g, ht_g, **kw)
     out_g.fill_(float("nan"))
     ht_g.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    res_row["graph_equal_eager"] = bool(torch.equal(out_g, out_e) and torch.equal(ht_g, ht_e))
-    res_row["graph_replay"] = time_fn(graph.replay, warmup, iters, repeats)
+    res_row["graph_equal_eager" + suffix] = bool(torch.equal(out_g, out_e) and torch.equal(ht_g, ht_e))
+    res_row["graph_replay" + suffix] = time_fn(graph.replay, warmup, iters, repeats)
     del graph
 
 
@@ -174,6 +174,9 @@ def main():
     ap.add_argument("--long-heads", default="4,16,32")
     ap.add_argument("--long-t", default="65536,262144")
     ap.add_argument("--segments", default="", help="extra segment_chunks values timed on long shapes")
+    ap.add_argument("--operands", default="", help="flashkda operands= values (bf16, split) also timed on every shape")
+    ap.add_argument("--overlap", action="store_true", help="also time overlap=True (and its graph replay)")
+    ap.add_argument("--value-splits", default="", help="operands:value_split pairs also timed on the anchors (split:4)")
     ap.add_argument("--no-flash-kda", action="store_true", help="do not time the public FlashKDA")
     ap.add_argument("--fla", action="store_true", help="also time fla chunk_kda (autotunes per new shape)")
     ap.add_argument("--accuracy-long", default="4:65536", help="H:T of long cases checked against float64")
@@ -223,14 +226,39 @@ def main():
             row["flashkda"] = time_fn(lambda: call_flashkda(inp, out, ht), w, it, rp)
             m = row["flashkda"]["median_ms"]
             log(f"{label}: flashkda {m:.4f} ms")
+            for op in [o for o in args.operands.split(",") if o]:
+                r = time_fn(lambda: call_flashkda(inp, out, ht, operands=op), w, it, rp)
+                row[f"flashkda_{op}"] = r
+                row[f"speedup_{op}_vs_default"] = m / r["median_ms"]
+                log(f"{label}: flashkda operands={op} {r['median_ms']:.4f} ms ({m / r['median_ms']:.3f}x the default)")
+            if args.overlap:
+                r = time_fn(lambda: call_flashkda(inp, out, ht, overlap=True), w, it, rp)
+                row["flashkda_overlap"] = r
+                log(f"{label}: flashkda overlap=True {r['median_ms']:.4f} ms ({m / r['median_ms']:.3f}x the default)")
+                o2, h2 = torch.full_like(out, float("nan")), torch.full_like(ht, float("nan"))
+                call_flashkda(inp, out, ht)
+                call_flashkda(inp, o2, h2, overlap=True)
+                torch.cuda.synchronize()
+                row["overlap_equal_default"] = bool(torch.equal(o2, out) and torch.equal(h2, ht))
+                log(f"{label}: overlap output equal to the default: {row['overlap_equal_default']}")
+                if not row["overlap_equal_default"]:
+                    failures.append(f"{label}: overlap=True differs from the default")
+            for pair in [x for x in args.value_splits.split(",") if x and not is_long]:
+                op, vs = pair.split(":")
+                r = time_fn(lambda: call_flashkda(inp, out, ht, operands=op, value_split=int(vs)), w, it, rp)
+                row[f"flashkda_{op}_vs{vs}"] = r
+                log(f"{label}: flashkda operands={op} value_split={vs} {r['median_ms']:.4f} ms ({m / r['median_ms']:.3f}x the default)")
             if is_long:
                 for sc in [0] + [int(s) for s in args.segments.split(",") if s]:
                     r = time_fn(lambda: call_flashkda(inp, out, ht, segment_chunks=sc), w, it, rp)
                     row[f"flashkda_seg{sc}"] = r
                     log(f"{label}: flashkda segment_chunks={sc} {r['median_ms']:.4f} ms")
-            if is_long and H in (4, 32) and sum(lens) == 65536:
+            if (is_long and H in (4, 32) and sum(lens) == 65536) or label in ("H=96 fixed", "H=64 1024x8"):
                 row["kernels_ms"] = profile_kernels(lambda: call_flashkda(inp, out, ht))
                 log(f"{label}: kernels {row['kernels_ms']}")
+                for op in [o for o in args.operands.split(",") if o]:
+                    row[f"kernels_ms_{op}"] = profile_kernels(lambda: call_flashkda(inp, out, ht, operands=op))
+                    log(f"{label}: kernels operands={op} {row['kernels_ms_' + op]}")
             if not args.no_flash_kda:
                 best = None
                 for st in ("fp32", "bf16"):
@@ -259,6 +287,16 @@ def main():
                         f"{row['graph_replay']['median_ms']:.4f} ms")
                     if not row["graph_equal_eager"]:
                         failures.append(f"{label}: graph replay differs from eager")
+                    if args.overlap:
+                        graph_check(inp, row, w, it, rp, suffix="_overlap", overlap=True)
+                        log(f"{label}: overlap graph replay equal to eager: {row['graph_equal_eager_overlap']}")
+                        if not row["graph_equal_eager_overlap"]:
+                            failures.append(f"{label}: overlap graph replay differs from eager")
+                    for op in [o for o in args.operands.split(",") if o]:
+                        graph_check(inp, row, w, it, rp, suffix=f"_{op}", operands=op)
+                        log(f"{label}: operands={op} graph replay equal to eager: {row['graph_equal_eager_' + op]}")
+                        if not row["graph_equal_eager_" + op]:
+                            failures.append(f"{label}: operands={op} graph replay differs from eager")
                 except Exception as e:  # noqa: BLE001
                     row["graph_error"] = repr(e)
                     failures.append(f"{label}: graph capture failed: {e!r}")
@@ -277,6 +315,12 @@ def main():
                 call_flashkda(inp, out, ht, segment_chunks=0)
                 torch.cuda.synchronize()
                 row["rel_out_f64_unsplit"] = rel(out, o_ref)
+                for op in [o for o in args.operands.split(",") if o]:
+                    out.fill_(float("nan"))
+                    ht.fill_(float("nan"))
+                    call_flashkda(inp, out, ht, operands=op)
+                    torch.cuda.synchronize()
+                    row[f"rel_out_f64_{op}"], row[f"rel_state_f64_{op}"] = rel(out, o_ref), rel(ht[0], s_ref)
                 if not args.no_flash_kda:
                     fout = torch.full_like(inp["v"], float("nan"))
                     fht = torch.empty_like(inp["h0"])

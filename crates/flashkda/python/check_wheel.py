@@ -63,6 +63,22 @@ def main():
     res["rel_out"], res["rel_state"] = rel(out, o_ref), rel(ht, ht_ref)
     res["all_finite"] = bool(torch.isfinite(out).all() and torch.isfinite(ht).all())
     ok &= res["all_finite"] and res["rel_out"] < 6e-3 and res["rel_state"] < 6e-3
+    # split (hi + lo) tensor-core operands through the Python call: issue 11's 4e-3 bar
+    o_sp = torch.full_like(x["v"], float("nan"))
+    ht_sp = torch.full_like(x["h0"], float("nan"))
+    flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, o_sp, x["A_log"], x["dt_bias"], LB,
+                 initial_state=x["h0"], final_state=ht_sp, cu_seqlens=x["cu"], operands="split")
+    torch.cuda.synchronize()
+    res["split_rel_out"], res["split_rel_state"] = rel(o_sp, o_ref), rel(ht_sp, ht_ref)
+    ok &= bool(torch.isfinite(o_sp).all() and torch.isfinite(ht_sp).all())
+    ok &= res["split_rel_out"] < 4e-3 and res["split_rel_state"] < 4e-3
+    try:
+        flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, o_sp, x["A_log"], x["dt_bias"], LB,
+                     cu_seqlens=x["cu"], operands="fp8")
+        res["bad_operands"] = "no exception"
+        ok = False
+    except ValueError as e:
+        res["bad_operands"] = f"ValueError: {e}"
     # GVA through the Python call (the default call sizes its workspace from the value heads): two q/k heads
     # for four value heads equal q/k repeated per value head (fla's mapping, value head h -> q/k head h // 2)
     qk2 = {n: x[n][:, :, :2].contiguous() for n in ("q", "k")}

@@ -67,6 +67,8 @@ pub enum FlashKdaError {
         qk_heads: usize,
         schedule: String,
     },
+    #[error("split operands run only on the workspace schedule, not {schedule}")]
+    OperandsSchedule { schedule: String },
     #[error("workspace of {have} bytes is too small: this call needs {need} bytes")]
     WorkspaceTooSmall { need: usize, have: usize },
     #[error(

@@ -13,7 +13,8 @@ use crate::schedule::{ScheduleRequest, call_plan, workspace_slots};
 use crate::validate::{FwdArgs, FwdPlan, StateDType, check_cu_seqlens, validate};
 
 pub use crate::schedule::{
-    CallPlan, KernelSchedule, ValueSplit, WORKSPACE_AUTO_LIMIT, WORKSPACE_RECORD_BYTES,
+    CallPlan, KernelSchedule, Operands, SPLIT_RECORD_BYTES, ValueSplit, WORKSPACE_AUTO_LIMIT,
+    WORKSPACE_RECORD_BYTES,
 };
 
 mod built {
@@ -72,6 +73,7 @@ struct KernelParams {
     segs_per_seq: i32,
     qk_heads: i32,
     pad: i32,
+    flags: u64,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (checked by a test on its size).
@@ -111,6 +113,10 @@ pub struct Workspace {
 pub struct FwdOptions {
     pub value_split: ValueSplit,
     pub schedule: KernelSchedule,
+    /// bf16 or split (hi + lo) tensor-core operands on the workspace schedule.
+    pub operands: Operands,
+    /// Prep and state pass at once where safe (`None`: the measured default).
+    pub overlap: Option<bool>,
     /// Copy `cu_seqlens` to the host and check it (one small sync). Skipped automatically while
     /// the stream is being captured into a CUDA graph; the kernels clamp bad offsets either way,
     /// never reading out of bounds.
@@ -128,6 +134,8 @@ impl FwdOptions {
         ScheduleRequest {
             schedule: self.schedule,
             value_split: self.value_split,
+            operands: self.operands,
+            overlap: self.overlap,
             segment_chunks: self.segment_chunks,
         }
     }
@@ -138,6 +146,8 @@ impl Default for FwdOptions {
         FwdOptions {
             value_split: ValueSplit::Auto,
             schedule: KernelSchedule::Auto,
+            operands: Operands::Auto,
+            overlap: None,
             check_cu_seqlens: true,
             segment_chunks: None,
             workspace: None,
@@ -184,15 +194,16 @@ pub struct KdaKernels {
     two_warps: CudaFunction,
     four_warps: CudaFunction,
     pipelined: CudaFunction,
-    prep: CudaFunction,
-    /// `kda_state_w{1,2,4}`: 1, 2 and 4 warps per block.
-    state: [CudaFunction; 3],
-    /// Segmented passes (context parallelism): (transition, output pass, dynamic smem bytes).
-    segmented: (CudaFunction, CudaFunction, u32),
-    scan: CudaFunction,
+    /// `kda_fwd_ws.cu` (bf16 operands).
+    ws_bf16: WorkspaceKernels,
+    /// `kda_fwd_ws_split.cu` (split operands).
+    ws_split: WorkspaceKernels,
     /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
     /// outside graph capture only.
     workspaces: Mutex<WorkspacePool>,
+    /// Highest-priority side streams of the overlapped state pass, one per caller stream, kept
+    /// (never destroyed while a capture may hold them) until the kernels are dropped.
+    side_streams: Mutex<HashMap<usize, SideStream>>,
     sm_count: usize,
 }
 
@@ -204,6 +215,20 @@ struct WorkspacePool {
     retired: Vec<OwnedBuffer>,
 }
 
+/// A stream this crate created (destroyed on drop).
+#[derive(Debug)]
+struct SideStream(cudarc::driver::sys::CUstream);
+
+// SAFETY: a CUstream handle may be used from any thread.
+unsafe impl Send for SideStream {}
+
+impl Drop for SideStream {
+    fn drop(&mut self) {
+        // SAFETY: created by create_with_priority below and destroyed once.
+        let _ = unsafe { cudarc::driver::result::stream::destroy(self.0) };
+    }
+}
+
 #[derive(Debug)]
 struct PooledBuffer {
     buf: OwnedBuffer,
@@ -212,10 +237,84 @@ struct PooledBuffer {
 
 /// Dynamic shared memory of `kda_fwd_pipe_w4` (`PIPE_SMEM_BYTES` in the .cu, checked there).
 const PIPE_SMEM_BYTES: u32 = 65344;
-/// Dynamic shared memory of `kda_state_w{1,2,4}` (`STATE_SMEM` in kda_fwd_ws.cu, checked there).
-const STATE_SMEM_BYTES: [u32; 3] = [29584, 61216, 66848];
-/// Dynamic shared memory of the 3-stage segmented passes (`STATE_SMEM(4, 3)`).
-const CP_SMEM_BYTES: u32 = 50904;
+/// The kernels of one workspace cubin (`kda_fwd_ws.cu` or `kda_fwd_ws_split.cu`: same names).
+#[derive(Debug)]
+struct WorkspaceKernels {
+    prep: CudaFunction,
+    /// `kda_state_w{1,2,4,8}`: 1, 2, 4 and 8 warps per block.
+    state: [CudaFunction; 4],
+    /// Dynamic shared memory of `state`.
+    state_smem: [u32; 4],
+    /// Segmented passes (context parallelism): (transition, output pass, dynamic smem bytes).
+    segmented: (CudaFunction, CudaFunction, u32),
+    scan: CudaFunction,
+}
+
+/// Dynamic shared memory of `kda_state_w{1,2,4,8}` and of the 3-stage segmented passes
+/// (`STATE_SMEM(1, 2)`, `(2, 4)`, `(4, 4)`, `(8, 4)`, `(4, 3)` in kda_fwd_ws.cu, checked there), per
+/// record size.
+fn state_smem_bytes(operands: Operands) -> ([u32; 4], u32) {
+    match operands {
+        Operands::Split => ([30608, 63264, 68896, 80160], 52440),
+        _ => ([29584, 61216, 66848, 78112], 50904),
+    }
+}
+
+impl WorkspaceKernels {
+    fn load(
+        ctx: &Arc<CudaContext>,
+        cubin: Vec<u8>,
+        operands: Operands,
+    ) -> Result<Self, FlashKdaError> {
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .during(match operands {
+                Operands::Split => "loading the kda_fwd_ws_split cubin",
+                _ => "loading the kda_fwd_ws cubin",
+            })?;
+        let prep = module
+            .load_function("kda_prep")
+            .during("loading kda_prep")?;
+        let load_state = |name: &str, bytes: u32| -> Result<CudaFunction, FlashKdaError> {
+            let f = module.load_function(name).during("loading kda_state_w*")?;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .during("allowing the state pass's dynamic shared memory")?;
+            Ok(f)
+        };
+        let (state_smem, cp_smem) = state_smem_bytes(operands);
+        let state = [
+            load_state("kda_state_w1", state_smem[0])?,
+            load_state("kda_state_w2", state_smem[1])?,
+            load_state("kda_state_w4", state_smem[2])?,
+            load_state("kda_state_w8", state_smem[3])?,
+        ];
+        // FLASHKDA_CP_STAGES=4 (tuning only): the 4-stage kernels, 3 blocks per SM instead of 4
+        let segmented = if std::env::var("FLASHKDA_CP_STAGES").is_ok_and(|v| v == "4") {
+            (
+                load_state("kda_cp_transition_w4", state_smem[2])?,
+                load_state("kda_state_w4", state_smem[2])?,
+                state_smem[2],
+            )
+        } else {
+            (
+                load_state("kda_cp_transition_w4s3", cp_smem)?,
+                load_state("kda_cp_state_w4s3", cp_smem)?,
+                cp_smem,
+            )
+        };
+        let scan = load_state("kda_cp_scan", SCAN_SMEM_BYTES)?;
+        Ok(WorkspaceKernels {
+            prep,
+            state,
+            state_smem,
+            segmented,
+            scan,
+        })
+    }
+}
 
 impl KdaKernels {
     /// Loads the cubins into `ctx` (the device's primary context, shared with torch).
@@ -228,7 +327,7 @@ impl KdaKernels {
                 .ok_or(FlashKdaError::KernelsNotBuilt(not_built_reason()))
         };
         let (seq_cubin, pipe_cubin) = (cubin("kda_fwd")?, cubin("kda_fwd_pipelined")?);
-        let ws_cubin = cubin("kda_fwd_ws")?;
+        let (ws_cubin, split_cubin) = (cubin("kda_fwd_ws")?, cubin("kda_fwd_ws_split")?);
         let (major, minor) = ctx
             .compute_capability()
             .during("reading compute capability")?;
@@ -260,41 +359,8 @@ impl KdaKernels {
                 PIPE_SMEM_BYTES as i32,
             )
             .during("allowing 64 KiB of dynamic shared memory")?;
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(ws_cubin))
-            .during("loading the kda_fwd_ws cubin")?;
-        let prep = module
-            .load_function("kda_prep")
-            .during("loading kda_prep")?;
-        let load_state = |name: &str, bytes: u32| -> Result<CudaFunction, FlashKdaError> {
-            let f = module.load_function(name).during("loading kda_state_w*")?;
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .during("allowing the state pass's dynamic shared memory")?;
-            Ok(f)
-        };
-        let state = [
-            load_state("kda_state_w1", STATE_SMEM_BYTES[0])?,
-            load_state("kda_state_w2", STATE_SMEM_BYTES[1])?,
-            load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
-        ];
-        // FLASHKDA_CP_STAGES=4 (tuning only): the 4-stage kernels, 3 blocks per SM instead of 4
-        let segmented = if std::env::var("FLASHKDA_CP_STAGES").is_ok_and(|v| v == "4") {
-            (
-                load_state("kda_cp_transition_w4", STATE_SMEM_BYTES[2])?,
-                load_state("kda_state_w4", STATE_SMEM_BYTES[2])?,
-                STATE_SMEM_BYTES[2],
-            )
-        } else {
-            (
-                load_state("kda_cp_transition_w4s3", CP_SMEM_BYTES)?,
-                load_state("kda_cp_state_w4s3", CP_SMEM_BYTES)?,
-                CP_SMEM_BYTES,
-            )
-        };
-        let scan = load_state("kda_cp_scan", SCAN_SMEM_BYTES)?;
+        let ws_bf16 = WorkspaceKernels::load(ctx, ws_cubin, Operands::Bf16)?;
+        let ws_split = WorkspaceKernels::load(ctx, split_cubin, Operands::Split)?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -305,11 +371,10 @@ impl KdaKernels {
             two_warps,
             four_warps,
             pipelined,
-            prep,
-            state,
-            segmented,
-            scan,
+            ws_bf16,
+            ws_split,
             workspaces: Mutex::new(WorkspacePool::default()),
+            side_streams: Mutex::new(HashMap::new()),
             sm_count,
         })
     }
@@ -425,6 +490,7 @@ pub fn fwd_planned(
         segs_per_seq: 1,
         qk_heads: plan.qk_heads as i32,
         pad: 0,
+        flags: 0,
     };
     if call.schedule == KernelSchedule::Workspace {
         let need = call.workspace.total_bytes.max(1);
@@ -505,6 +571,34 @@ fn pooled_workspace(
     Ok(ptr)
 }
 
+/// The highest-priority side stream kept for `stream` (created on first use).
+fn side_stream(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+) -> Result<Arc<CudaStream>, FlashKdaError> {
+    let mut map = kernels
+        .side_streams
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let key = stream.cu_stream() as usize;
+    let raw = match map.get(&key) {
+        Some(s) => s.0,
+        None => {
+            let (_, greatest) = cudarc::driver::result::stream::get_priority_range()
+                .during("reading the stream priority range")?;
+            let raw = cudarc::driver::result::stream::create_with_priority(
+                cudarc::driver::result::stream::StreamKind::NonBlocking,
+                greatest,
+            )
+            .during("creating the side stream")?;
+            map.insert(key, SideStream(raw));
+            raw
+        }
+    };
+    // SAFETY: `raw` stays alive in the map as long as `kernels`; the wrapper does not destroy it.
+    Ok(unsafe { kernels.ctx.wrap_borrowed_stream(raw) })
+}
+
 /// Prep, then either the state pass, or (context parallelism) the transition pass, the scan and
 /// the segmented state pass.
 fn launch_workspace_schedule(
@@ -516,35 +610,77 @@ fn launch_workspace_schedule(
 ) -> Result<(), FlashKdaError> {
     let chains = (plan.num_seqs * plan.heads) as u32;
     let slots = workspace_slots(plan);
-    if slots > 0 {
+    let ws = match call.operands {
+        Operands::Split => &kernels.ws_split,
+        _ => &kernels.ws_bf16,
+    };
+    let launch_prep = |on: &CudaStream, params: &KernelParams| -> Result<(), FlashKdaError> {
+        if slots == 0 {
+            return Ok(());
+        }
         let cfg = LaunchConfig {
-            grid_dim: (slots as u32, plan.heads as u32, 1),
+            // the split prep is one slot-major grid dimension (slots * heads <= i32::MAX: call_plan)
+            grid_dim: match call.operands {
+                Operands::Split => ((slots * plan.heads) as u32, 1, 1),
+                _ => (slots as u32, plan.heads as u32, 1),
+            },
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = stream.launch_builder(&kernels.prep);
-        launch.arg(&params);
-        // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace.
+        let mut launch = on.launch_builder(&ws.prep);
+        launch.arg(params);
+        // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace
+        // (and, overlapped, their ready flags).
         unsafe { launch.launch(cfg) }.during("launching kda_prep")?;
-    }
+        Ok(())
+    };
     let segs = call.segments;
     if !segs.active() {
         let (index, slices) = match call.split {
             ValueSplit::Eight => (0, 8u32),
             ValueSplit::Four => (1, 4),
+            ValueSplit::One => (3, 1),
             _ => (2, 2),
         };
         let cfg = LaunchConfig {
             grid_dim: (chains * slices, 1, 1),
             block_dim: (256 / slices, 1, 1),
-            shared_mem_bytes: STATE_SMEM_BYTES[index],
+            shared_mem_bytes: ws.state_smem[index],
         };
-        let mut launch = stream.launch_builder(&kernels.state[index]);
-        launch.arg(&params);
-        // SAFETY: reads the records written above and the validated tensors.
-        unsafe { launch.launch(cfg) }.during("launching kda_state")?;
+        if !call.overlap {
+            launch_prep(stream, &params)?;
+            let mut launch = stream.launch_builder(&ws.state[index]);
+            launch.arg(&params);
+            // SAFETY: reads the records written above and the validated tensors.
+            unsafe { launch.launch(cfg) }.during("launching kda_state")?;
+            return Ok(());
+        }
+        // Overlapped: flags zeroed on the caller's stream; the state pass on a highest-priority
+        // side stream (its blocks, all resident at once by call_plan's bound, wait on each
+        // record's flag) beside the prep on the caller's stream, which then waits for both.
+        let flags = params.ws + call.workspace.flags_offset as u64;
+        // SAFETY: the flags lie inside the call's workspace.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                flags,
+                0,
+                call.workspace.flags_bytes,
+                stream.cu_stream(),
+            )
+        }
+        .during("zeroing the ready flags")?;
+        let side = side_stream(kernels, stream)?;
+        side.join(stream).during("ordering the side stream")?;
+        let over = KernelParams { flags, ..params };
+        let mut launch = side.launch_builder(&ws.state[index]);
+        launch.arg(&over);
+        // SAFETY: reads each record once its flag is set, and the validated tensors.
+        unsafe { launch.launch(cfg) }.during("launching kda_state (overlapped)")?;
+        launch_prep(stream, &over)?;
+        stream.join(&side).during("joining the side stream")?;
         return Ok(());
     }
+    launch_prep(stream, &params)?;
     let n_segs = chains * segs.segs_per_seq as u32;
     let pm = params.ws + call.workspace.pm_offset as u64;
     let starts = params.ws + call.workspace.starts_offset as u64;
@@ -561,7 +697,7 @@ fn launch_workspace_schedule(
         ht: pm,
         ..seg_params
     };
-    let (transition, out_kernel, smem) = &kernels.segmented;
+    let (transition, out_kernel, smem) = &ws.segmented;
     let cfg = LaunchConfig {
         grid_dim: (n_segs * 4, 1, 1),
         block_dim: (128, 1, 1),
@@ -586,7 +722,7 @@ fn launch_workspace_schedule(
         block_dim: (256, 1, 1),
         shared_mem_bytes: SCAN_SMEM_BYTES,
     };
-    let mut launch = stream.launch_builder(&kernels.scan);
+    let mut launch = stream.launch_builder(&ws.scan);
     launch.arg(&scan);
     // SAFETY: reads P, M and h0; writes the start states (workspace) and ht.
     unsafe { launch.launch(cfg) }.during("launching kda_cp_scan")?;
@@ -612,8 +748,9 @@ fn launch_workspace_schedule(
 mod tests {
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, the ws pointer, 2 int32.
-        assert_eq!(std::mem::size_of::<super::KernelParams>(), 152);
+        // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, the ws pointer, 4 int32,
+        // the flags pointer.
+        assert_eq!(std::mem::size_of::<super::KernelParams>(), 160);
         assert_eq!(std::mem::size_of::<super::ScanParams>(), 48);
         assert_eq!(std::mem::align_of::<super::KernelParams>(), 8);
     }

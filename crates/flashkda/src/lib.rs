@@ -28,7 +28,8 @@ pub use launch::{
     workspace_bytes,
 };
 pub use schedule::{
-    CallPlan, KernelSchedule, ScheduleRequest, Segments, ValueSplit, call_plan, plan_segments,
+    CallPlan, KernelSchedule, Operands, ScheduleRequest, Segments, ValueSplit, call_plan,
+    plan_segments,
 };
 pub use validate::{DType, Device, FwdArgs, FwdPlan, StateDType, TensorView, validate};
 

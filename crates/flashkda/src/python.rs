@@ -10,7 +10,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::error::FlashKdaError;
-use crate::launch::{FwdOptions, KdaKernels, ValueSplit, Workspace, fwd_planned, open_device};
+use crate::launch::{
+    FwdOptions, KdaKernels, Operands, ValueSplit, Workspace, fwd_planned, open_device,
+};
 use crate::validate::{DType, Device, FwdArgs, TensorView};
 
 fn to_py(e: FlashKdaError) -> PyErr {
@@ -102,12 +104,14 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// bf16 logits; A_log `[H]`, dt_bias `[H, 128]` fp32; states `[N, H, 128, 128]` (row = value
 /// channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
 /// host copy of cu_seqlens (it is skipped anyway while the stream is being captured);
-/// `value_split` is None, 2, 4 or 8; `segment_chunks` None (automatic), 0 (off) or the segment
+/// `value_split` is None, 1, 2, 4 or 8 (blocks per chain); `operands` None (automatic), "bf16" or "split" (hi + lo bf16
+/// tensor-core operands, more accurate); `overlap` None (automatic) or whether the prep and the state
+/// pass run at once where that is safe; `segment_chunks` None (automatic), 0 (off) or the segment
 /// length in 16-token chunks; `workspace` a contiguous uint8 CUDA tensor of at least
 /// `workspace_bytes(...)` bytes (None: one from torch's caching allocator, sized by this call's
 /// plan). The arguments are validated and the call planned once, here.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None))]
+#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None, operands=None, overlap=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
 fn fwd(
     py: Python<'_>,
@@ -128,6 +132,8 @@ fn fwd(
     value_split: Option<u32>,
     segment_chunks: Option<usize>,
     workspace: Option<&Bound<'_, PyAny>>,
+    operands: Option<&str>,
+    overlap: Option<bool>,
 ) -> PyResult<()> {
     let args = FwdArgs {
         q: view("q", q)?,
@@ -171,15 +177,19 @@ fn fwd(
         Some(2) => ValueSplit::Two,
         Some(4) => ValueSplit::Four,
         Some(8) => ValueSplit::Eight,
+        Some(1) => ValueSplit::One,
         Some(x) => {
             return Err(PyValueError::new_err(format!(
-                "value_split must be None, 2, 4 or 8, got {x}"
+                "value_split must be None, 1, 2, 4 or 8, got {x}"
             )));
         }
     };
+    let operands = operands_of(operands)?;
     let kernels = kernels_for(plan.ordinal).map_err(to_py)?;
     let mut opts = FwdOptions {
         value_split: split,
+        operands,
+        overlap,
         check_cu_seqlens,
         segment_chunks,
         workspace,
@@ -222,7 +232,7 @@ fn fwd(
 /// needs none): `batch, seq_len` of q, `heads` of v (value heads), `qk_heads` of q (GVA when
 /// fewer; default `heads`), `num_seqs` = len(cu_seqlens) - 1 or batch.
 #[pyfunction]
-#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None))]
+#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None, operands=None, overlap=None))]
 #[allow(clippy::too_many_arguments)]
 fn workspace_bytes(
     batch: usize,
@@ -233,7 +243,10 @@ fn workspace_bytes(
     device: usize,
     segment_chunks: Option<usize>,
     qk_heads: Option<usize>,
+    operands: Option<&str>,
+    overlap: Option<bool>,
 ) -> PyResult<usize> {
+    let operands = operands_of(operands)?;
     let kernels = kernels_for(device).map_err(to_py)?;
     let plan = crate::validate::FwdPlan {
         batch,
@@ -247,6 +260,8 @@ fn workspace_bytes(
     };
     let opts = FwdOptions {
         segment_chunks,
+        operands,
+        overlap,
         ..Default::default()
     };
     Ok(kernels
@@ -254,6 +269,18 @@ fn workspace_bytes(
         .map_err(to_py)?
         .workspace
         .total_bytes)
+}
+
+/// `operands=` of the Python calls: None, "bf16" or "split".
+fn operands_of(name: Option<&str>) -> PyResult<Operands> {
+    match name {
+        None => Ok(Operands::Auto),
+        Some("bf16") => Ok(Operands::Bf16),
+        Some("split") => Ok(Operands::Split),
+        Some(x) => Err(PyValueError::new_err(format!(
+            "operands must be None, \"bf16\" or \"split\", got {x:?}"
+        ))),
+    }
 }
 
 /// Whether this build embeds the sm_90a kernels.

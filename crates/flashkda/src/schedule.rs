@@ -9,6 +9,8 @@ use crate::validate::FwdPlan;
 
 /// Bytes of one prep record (one 16-token chunk slot of one head).
 pub const WORKSPACE_RECORD_BYTES: usize = 13888;
+/// Bytes of one prep record of the split-operand kernels (`kda_fwd_ws_split.cu`: M's lo part added).
+pub const SPLIT_RECORD_BYTES: usize = 14400;
 /// Bytes of one fp32 128x128 state.
 const STATE_F32_BYTES: usize = HEAD_DIM * HEAD_DIM * 4;
 /// Segments shorter than this many chunks cost more in the scan and second pass than they save
@@ -32,6 +34,13 @@ pub const MAX_TRANSITION_WAVES: usize = 8;
 /// most of the GPU idle. Measured gains up to 32 chains (1.7x at H = 32); H = 64 stays whole.
 pub const MAX_SPLIT_CHAINS_PER_SM: f64 = 0.25;
 
+/// The overlapped prep and state pass (the state blocks wait on per-record ready flags) runs only
+/// while every state block fits on the GPU at once with room for prep blocks beside it: at most
+/// this many state blocks per SM (the split kernels' 4-warp blocks take 69 KB: 3 fit per SM).
+pub const OVERLAP_MAX_STATE_BLOCKS_PER_SM: usize = 2;
+/// Whether `overlap: None` overlaps where it is safe (not yet measured on the H200: off).
+pub const AUTO_OVERLAP: bool = false;
+
 /// `Auto` uses the workspace schedule only while its workspace stays below this size.
 pub const WORKSPACE_AUTO_LIMIT: usize = 16 << 30;
 
@@ -47,6 +56,9 @@ pub enum ValueSplit {
     Two,
     /// Eight one-warp blocks (16 value rows each); `Workspace` schedule only (the others use `Four`).
     Eight,
+    /// One block of 8 warps (all 128 value rows: each prep record is read once per chain);
+    /// `Workspace` schedule only (the others use `Two`).
+    One,
 }
 
 /// Which kernel runs the chunk loop.
@@ -67,11 +79,48 @@ pub enum KernelSchedule {
     Workspace,
 }
 
+/// How the workspace schedule feeds its tensor cores (`reference::emulated::Rounding`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Operands {
+    /// The measured choice: [`auto_operands`].
+    #[default]
+    Auto,
+    /// Every operand rounded to bf16 once (`kda_fwd_ws.cu`, `Rounding::KERNEL`).
+    Bf16,
+    /// hi + lo bf16 pairs for the prep products, M, Vb and U (`kda_fwd_ws_split.cu`,
+    /// `Rounding::SPLIT`); workspace schedule only.
+    Split,
+}
+
+/// `Auto` feeds split operands to calls of at most this many state chains (sequences x heads x
+/// segments) per SM.
+pub const SPLIT_MAX_CHAINS_PER_SM: usize = 2;
+
+/// The operands `Auto` picks for a workspace-schedule call of `state_chains` chains (sequences x
+/// heads x segments) on `sm_count` SMs. H200, 2026-12-01 (tc runs 1-2, same run as the bf16
+/// kernels, docs/benchmarks.md): split operands bring the output error against float64 from
+/// 4.0e-3 to 1.67e-3 on every anchor shape (the bf16 output floor); their state pass is 20-25 %
+/// faster (ldmatrix fragments, per-warp v copies) but their prep 20-25 % slower. With few chains
+/// the sequential state pass sets the time and split wins (H=96 fixed 1.08x, H=64 fixed 1.21x,
+/// B=1 T=8192 H=4 1.11x, H=4 T=64K 1.03x); with many the prep does and bf16 wins (H=96 1024x8
+/// 1.13x, H=32 T=64K 1.07x, H=64 varlen6 1.01x).
+pub fn auto_operands(state_chains: usize, sm_count: usize) -> Operands {
+    if state_chains <= SPLIT_MAX_CHAINS_PER_SM * sm_count {
+        Operands::Split
+    } else {
+        Operands::Bf16
+    }
+}
+
 /// What the caller asks of a call's schedule (the matching fields of `FwdOptions`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ScheduleRequest {
     pub schedule: KernelSchedule,
     pub value_split: ValueSplit,
+    pub operands: Operands,
+    /// Run the prep and the state pass at once (split operands, unsegmented, small enough grids
+    /// only; elsewhere the request is ignored): `None` = [`AUTO_OVERLAP`].
+    pub overlap: Option<bool>,
     /// `None` = [`plan_segments`], `Some(0)` = off, `Some(c)` = segments of `c` chunks
     /// (fixed-length calls of the `Workspace` schedule only).
     pub segment_chunks: Option<usize>,
@@ -82,6 +131,10 @@ pub struct ScheduleRequest {
 pub struct CallPlan {
     pub schedule: KernelSchedule,
     pub split: ValueSplit,
+    /// `Bf16` or `Split` (never `Auto`); always `Bf16` off the workspace schedule.
+    pub operands: Operands,
+    /// The prep and the state pass run at once (the workspace then holds ready flags).
+    pub overlap: bool,
     pub segments: Segments,
     /// Zero for the schedules without a workspace.
     pub workspace: WorkspaceLayout,
@@ -115,6 +168,7 @@ pub fn call_plan(
     sm_count: usize,
 ) -> Result<CallPlan, FlashKdaError> {
     let gva = plan.qk_heads != plan.heads;
+    let split_ops = req.operands == Operands::Split;
     let segments = || {
         if plan.varlen {
             return Segments::NONE;
@@ -130,12 +184,26 @@ pub fn call_plan(
             Some(c) => Segments::with_chunks(plan.seq_len, c),
         }
     };
+    let operands = match req.operands {
+        Operands::Auto => auto_operands(
+            plan.num_seqs * plan.heads * segments().segs_per_seq,
+            sm_count,
+        ),
+        o => o,
+    };
     let schedule = match req.schedule {
-        // GVA runs only on the workspace schedule
-        KernelSchedule::Auto if gva => KernelSchedule::Workspace,
-        KernelSchedule::Auto => auto_schedule(workspace_layout(plan, segments()).total_bytes),
+        // GVA and split operands run only on the workspace schedule
+        KernelSchedule::Auto if gva || split_ops => KernelSchedule::Workspace,
+        KernelSchedule::Auto => {
+            auto_schedule(workspace_layout(plan, segments(), operands).total_bytes)
+        }
         s => s,
     };
+    if split_ops && schedule != KernelSchedule::Workspace {
+        return Err(FlashKdaError::OperandsSchedule {
+            schedule: format!("{schedule:?}"),
+        });
+    }
     if gva && schedule != KernelSchedule::Workspace {
         return Err(FlashKdaError::GvaSchedule {
             heads: plan.heads,
@@ -151,6 +219,8 @@ pub fn call_plan(
         return Ok(CallPlan {
             schedule,
             split,
+            operands: Operands::Bf16,
+            overlap: false,
             segments: Segments::NONE,
             workspace: WorkspaceLayout::NONE,
         });
@@ -158,22 +228,50 @@ pub fn call_plan(
     let segments = segments();
     let slots = workspace_slots(plan);
     let blocks = (plan.num_seqs * plan.heads) as u64 * segments.segs_per_seq as u64 * 8;
-    if slots > i32::MAX as usize || blocks > i32::MAX as u64 {
+    // the split prep runs as one grid dimension of slots * heads blocks
+    if slots > i32::MAX as usize
+        || blocks > i32::MAX as u64
+        || slots * plan.heads > i32::MAX as usize
+    {
         return Err(FlashKdaError::TooLarge(format!(
             "{slots} chunk slots or {blocks} blocks exceed a kernel grid"
         )));
     }
+    // the segmented passes run with two 4-warp blocks per segment and head
+    let split = if segments.active() {
+        ValueSplit::Two
+    } else {
+        split
+    };
+    let state_blocks = plan.num_seqs * plan.heads * blocks_per_chain(split);
+    let overlap = req.overlap.unwrap_or(AUTO_OVERLAP)
+        && operands == Operands::Split
+        && !segments.active()
+        && state_blocks <= OVERLAP_MAX_STATE_BLOCKS_PER_SM * sm_count;
+    let mut workspace = workspace_layout(plan, segments, operands);
+    if overlap {
+        workspace.flags_offset = workspace.total_bytes;
+        workspace.flags_bytes = (slots * plan.heads * 4).next_multiple_of(16);
+        workspace.total_bytes += workspace.flags_bytes;
+    }
     Ok(CallPlan {
         schedule,
-        // the segmented passes run with two 4-warp blocks per segment and head
-        split: if segments.active() {
-            ValueSplit::Two
-        } else {
-            split
-        },
+        split,
+        operands,
+        overlap,
         segments,
-        workspace: workspace_layout(plan, segments),
+        workspace,
     })
+}
+
+/// Blocks of the workspace state pass per (sequence, head) for a resolved `split`.
+pub fn blocks_per_chain(split: ValueSplit) -> usize {
+    match split {
+        ValueSplit::One => 1,
+        ValueSplit::Four => 4,
+        ValueSplit::Eight => 8,
+        ValueSplit::Two | ValueSplit::Auto => 2,
+    }
 }
 
 /// How one call is split: `seg_chunks == 0` runs every sequence as one chain.
@@ -249,6 +347,9 @@ pub struct WorkspaceLayout {
     pub pm_offset: usize,
     /// `[B * segs, H, 128, 128]` fp32 start state of every segment.
     pub starts_offset: usize,
+    /// Ready flags of the overlapped passes (`u32` per record; `flags_bytes == 0` without).
+    pub flags_offset: usize,
+    pub flags_bytes: usize,
     pub total_bytes: usize,
 }
 
@@ -258,6 +359,8 @@ impl WorkspaceLayout {
         records_bytes: 0,
         pm_offset: 0,
         starts_offset: 0,
+        flags_offset: 0,
+        flags_bytes: 0,
         total_bytes: 0,
     };
 }
@@ -272,25 +375,39 @@ pub fn workspace_slots(plan: &FwdPlan) -> usize {
     }
 }
 
-/// The workspace of the `Workspace` schedule for `plan` split as `segs`.
-pub fn workspace_layout(plan: &FwdPlan, segs: Segments) -> WorkspaceLayout {
-    let records_bytes = workspace_slots(plan) * plan.heads * WORKSPACE_RECORD_BYTES;
+/// Bytes of one prep record of the workspace kernels fed with `operands`.
+pub fn record_bytes(operands: Operands) -> usize {
+    match operands {
+        Operands::Split => SPLIT_RECORD_BYTES,
+        _ => WORKSPACE_RECORD_BYTES,
+    }
+}
+
+/// The workspace of the `Workspace` schedule for `plan` split as `segs`, with `operands`
+/// (`Bf16` or `Split`) deciding the record size.
+pub fn workspace_layout(plan: &FwdPlan, segs: Segments, operands: Operands) -> WorkspaceLayout {
+    let records_bytes = workspace_slots(plan) * plan.heads * record_bytes(operands);
     if !segs.active() {
         return WorkspaceLayout {
             records_bytes,
             pm_offset: records_bytes,
             starts_offset: records_bytes,
+            flags_offset: records_bytes,
+            flags_bytes: 0,
             total_bytes: records_bytes,
         };
     }
     let states = plan.num_seqs * segs.segs_per_seq * plan.heads;
     let pm_offset = records_bytes;
     let starts_offset = pm_offset + 2 * states * STATE_F32_BYTES;
+    let total_bytes = starts_offset + states * STATE_F32_BYTES;
     WorkspaceLayout {
         records_bytes,
         pm_offset,
         starts_offset,
-        total_bytes: starts_offset + states * STATE_F32_BYTES,
+        flags_offset: total_bytes,
+        flags_bytes: 0,
+        total_bytes,
     }
 }
 
@@ -395,39 +512,63 @@ mod tests {
             schedule,
             value_split,
             segment_chunks: None,
+            ..Default::default()
         }
     }
 
     #[test]
     fn auto_runs_the_anchor_shapes_on_the_workspace_schedule() {
-        for (b, t, h, n, varlen) in [
-            (1, 8192, 96, 1, false),
-            (1, 8192, 64, 6, true),
-            (8, 1024, 96, 8, false),
+        for (b, t, h, n, varlen, operands) in [
+            (1, 8192, 96, 1, false, Operands::Split),
+            (1, 8192, 64, 1, false, Operands::Split),
+            (1, 8192, 96, 6, true, Operands::Bf16),
+            (1, 8192, 64, 6, true, Operands::Bf16),
+            (8, 1024, 96, 8, false, Operands::Bf16),
+            (8, 1024, 64, 8, false, Operands::Bf16),
         ] {
             let p = plan(b, t, h, n, varlen);
             let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
             assert_eq!(c.schedule, KernelSchedule::Workspace, "B={b} T={t} H={h}");
             assert_eq!(c.split, ValueSplit::Two);
             assert_eq!(c.segments, Segments::NONE);
+            assert_eq!(c.operands, operands, "B={b} T={t} H={h} N={n}");
             assert_eq!(
                 c.workspace.total_bytes,
-                workspace_slots(&p) * h * WORKSPACE_RECORD_BYTES
+                workspace_slots(&p) * h * record_bytes(operands)
             );
+        }
+        // long single sequences: split operands while segments x heads <= 2 per SM
+        for (t, h, operands) in [
+            (65536, 4, Operands::Split),
+            (65536, 16, Operands::Bf16),
+            (65536, 32, Operands::Bf16),
+            (262144, 4, Operands::Split),
+            (262144, 32, Operands::Bf16),
+            (8192, 4, Operands::Split),
+        ] {
+            let c = call_plan(
+                &plan(1, t, h, 1, false),
+                &ScheduleRequest::default(),
+                H200_SMS,
+            )
+            .unwrap();
+            assert_eq!(c.operands, operands, "T={t} H={h} {:?}", c.segments);
         }
         // long and few chains: split into segments, always two blocks per segment and head
         let p = plan(1, 65536, 4, 1, false);
         for split in [ValueSplit::Auto, ValueSplit::Eight] {
             let c = call_plan(&p, &req(KernelSchedule::Auto, split), H200_SMS).unwrap();
             assert_eq!((c.segments.segs_per_seq, c.split), (33, ValueSplit::Two));
-            assert_eq!(c.workspace, workspace_layout(&p, c.segments));
+            assert_eq!(c.workspace, workspace_layout(&p, c.segments, c.operands));
         }
     }
 
     #[test]
     fn auto_falls_back_to_pipelined_above_the_workspace_limit() {
         let p = plan(1, 1 << 19, 64, 1, false);
-        assert!(workspace_layout(&p, Segments::NONE).total_bytes > WORKSPACE_AUTO_LIMIT);
+        assert!(
+            workspace_layout(&p, Segments::NONE, Operands::Bf16).total_bytes > WORKSPACE_AUTO_LIMIT
+        );
         let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
         assert_eq!(c.schedule, KernelSchedule::Pipelined);
         assert_eq!(
@@ -454,7 +595,7 @@ mod tests {
         assert_eq!(c.schedule, KernelSchedule::Workspace);
         assert_eq!(
             c.workspace.total_bytes,
-            (1 << 15) * 64 * WORKSPACE_RECORD_BYTES
+            (1 << 15) * 64 * record_bytes(c.operands)
         );
         for s in [KernelSchedule::Sequential, KernelSchedule::Pipelined] {
             let e = call_plan(&p, &req(s, ValueSplit::Auto), H200_SMS).unwrap_err();
@@ -524,15 +665,98 @@ mod tests {
     #[test]
     fn workspace_layout_adds_segment_states() {
         let p = plan(1, 65536, 4, 1, false);
-        let none = workspace_layout(&p, Segments::NONE);
+        let none = workspace_layout(&p, Segments::NONE, Operands::Bf16);
         assert_eq!(none.total_bytes, 4096 * 4 * WORKSPACE_RECORD_BYTES);
         let s = Segments::with_chunks(65536, 171);
-        let l = workspace_layout(&p, s);
+        let l = workspace_layout(&p, s, Operands::Bf16);
         assert_eq!(l.pm_offset, none.total_bytes);
         assert_eq!(l.starts_offset - l.pm_offset, 2 * 24 * 4 * STATE_F32_BYTES);
         assert_eq!(l.total_bytes - l.starts_offset, 24 * 4 * STATE_F32_BYTES);
         assert!(l.pm_offset.is_multiple_of(16) && l.starts_offset.is_multiple_of(16));
         let v = plan(1, 345, 8, 2, true);
         assert_eq!(workspace_slots(&v), 345 / 16 + 2);
+    }
+
+    #[test]
+    fn split_operands_run_on_the_workspace_schedule_with_larger_records() {
+        let split = |schedule| ScheduleRequest {
+            schedule,
+            operands: Operands::Split,
+            ..Default::default()
+        };
+        // anchor shape and a split long sequence: workspace schedule, 14400-byte records
+        let p = plan(1, 8192, 96, 1, false);
+        let c = call_plan(&p, &split(KernelSchedule::Auto), H200_SMS).unwrap();
+        assert_eq!(
+            (c.schedule, c.operands),
+            (KernelSchedule::Workspace, Operands::Split)
+        );
+        assert_eq!(c.workspace.total_bytes, 512 * 96 * SPLIT_RECORD_BYTES);
+        let p = plan(1, 65536, 4, 1, false);
+        let c = call_plan(&p, &split(KernelSchedule::Auto), H200_SMS).unwrap();
+        assert!(c.segments.active());
+        assert_eq!(c.workspace.records_bytes, 4096 * 4 * SPLIT_RECORD_BYTES);
+        assert_eq!(
+            c.workspace,
+            workspace_layout(&p, c.segments, Operands::Split)
+        );
+        // above the workspace limit Auto keeps the workspace schedule for split operands
+        let p = plan(1, 1 << 19, 64, 1, false);
+        let c = call_plan(&p, &split(KernelSchedule::Auto), H200_SMS).unwrap();
+        assert_eq!(c.schedule, KernelSchedule::Workspace);
+        // the workspace-free kernels refuse them
+        for s in [KernelSchedule::Sequential, KernelSchedule::Pipelined] {
+            let e = call_plan(&p, &split(s), H200_SMS).unwrap_err();
+            assert!(matches!(e, FlashKdaError::OperandsSchedule { .. }), "{e}");
+        }
+        // Auto resolves to a concrete choice, Bf16 off the workspace schedule
+        let c = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
+        assert_eq!(c.operands, Operands::Bf16);
+        let c = call_plan(
+            &plan(1, 8192, 96, 1, false),
+            &ScheduleRequest::default(),
+            H200_SMS,
+        )
+        .unwrap();
+        assert_eq!(c.operands, auto_operands(96, H200_SMS));
+        assert_eq!(c.operands, Operands::Split);
+        assert_eq!(c.workspace.total_bytes, 512 * 96 * SPLIT_RECORD_BYTES);
+    }
+
+    #[test]
+    fn overlap_only_where_every_state_block_fits_beside_the_prep() {
+        let on = |operands| ScheduleRequest {
+            operands,
+            overlap: Some(true),
+            ..Default::default()
+        };
+        // H=96 fixed: 192 state blocks <= 2 per SM: overlapped, with one flag per record
+        let p = plan(1, 8192, 96, 1, false);
+        let c = call_plan(&p, &on(Operands::Split), H200_SMS).unwrap();
+        assert!(c.overlap);
+        assert_eq!(c.workspace.flags_offset, 512 * 96 * SPLIT_RECORD_BYTES);
+        assert_eq!(c.workspace.flags_bytes, 512 * 96 * 4);
+        assert_eq!(
+            c.workspace.total_bytes,
+            c.workspace.flags_offset + c.workspace.flags_bytes
+        );
+        // 1024x8 at H=96: 1536 blocks cannot all be resident: never overlapped
+        let c = call_plan(&plan(8, 1024, 96, 8, false), &on(Operands::Split), H200_SMS).unwrap();
+        assert!(!c.overlap);
+        assert_eq!(c.workspace.flags_bytes, 0);
+        // bf16 operands, segmented calls and the default (AUTO_OVERLAP) stay sequential
+        assert!(
+            !call_plan(&p, &on(Operands::Bf16), H200_SMS)
+                .unwrap()
+                .overlap
+        );
+        let long = plan(1, 65536, 4, 1, false);
+        assert!(
+            !call_plan(&long, &on(Operands::Split), H200_SMS)
+                .unwrap()
+                .overlap
+        );
+        let d = call_plan(&p, &ScheduleRequest::default(), H200_SMS).unwrap();
+        assert_eq!(d.overlap, AUTO_OVERLAP);
     }
 }

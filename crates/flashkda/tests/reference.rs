@@ -235,3 +235,31 @@ fn reference_gradient_matches_finite_differences() {
         &g.dinitial_state,
     );
 }
+
+#[test]
+fn split_operands_bring_the_emulation_near_the_bf16_output_floor() {
+    use flashkda::reference::emulated::{Rounding, emulated_with};
+    // the rounding points of kda_fwd_ws_split.cu against the bf16 ones, same inputs
+    let p = KdaProblem::random(&[100, 37], 3, true, seed());
+    let r = recurrence_f64(&p);
+    let err = |ro: Rounding| {
+        let e = emulated_with(&p, ro);
+        (
+            rel_frobenius(&e.out, &r.out),
+            rel_frobenius(&e.final_state, &r.final_state),
+        )
+    };
+    let (bo, bs) = err(Rounding::KERNEL);
+    let (so, ss) = err(Rounding::SPLIT);
+    let (fo, _) = err(Rounding::NONE);
+    println!(
+        "bf16 operands: out {bo:e} state {bs:e}; split: out {so:e} state {ss:e}; output rounding only: {fo:e}"
+    );
+    assert!(so < 2.5e-3 && ss < 2.5e-3, "split: out {so:e} state {ss:e}");
+    assert!(
+        so < 0.6 * bo && ss < bs,
+        "split {so:e}/{ss:e} vs bf16 {bo:e}/{bs:e}"
+    );
+    // what is left is mostly the bf16 output itself
+    assert!(so < 1.15 * fo, "split out {so:e} vs output-only {fo:e}");
+}

@@ -29,8 +29,96 @@ fn dot32(a: &[f32], b: &[f32]) -> f32 {
         .sum::<f64>() as f32
 }
 
+/// How one operand enters its product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Operand {
+    /// Rounded to bf16 once.
+    Bf16,
+    /// As a hi + lo pair of bf16 values (`hi = bf16(x)`, `lo = bf16(x - hi)`: about 16 bits).
+    Split,
+    /// Unrounded fp32 (the floor of this arithmetic; no kernel does this).
+    F32,
+}
+
+impl Operand {
+    fn apply(self, x: f32) -> f32 {
+        match self {
+            Operand::Bf16 => bf(x),
+            Operand::Split => {
+                let hi = bf(x);
+                hi + bf(x - hi)
+            }
+            Operand::F32 => x,
+        }
+    }
+}
+
+/// How each intermediate value enters the tensor cores. The output is always rounded (it is a
+/// bf16 tensor). Each field is one operand of one product, so it maps onto one kernel change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rounding {
+    /// The operands of the per-chunk products `A = kd kiᵀ` and `M = qd kiᵀ` (`kd`, `qd`, `ki`).
+    pub prep: Operand,
+    /// Decayed keys `kd = k̂ 2^G` as the operand of `W = S kdᵀ`.
+    pub kd: Operand,
+    /// Decayed, scaled queries `qd` as the operand of `O1 = S qdᵀ`.
+    pub qd: Operand,
+    /// Tail-decayed keys `kr = k̂ 2^(Gtot-G)` (operand of the state update).
+    pub kr: Operand,
+    /// `INV = (I + A)^-1`.
+    pub inv: Operand,
+    /// `M = lower(qd kiᵀ)` (operand of `M U`).
+    pub m: Operand,
+    /// The state as the operand of `S kdᵀ` and `S qdᵀ` (it is held in fp32 either way).
+    pub state_operand: Operand,
+    /// `Vb = (v - S kd) b` (operand of `INV Vb`).
+    pub vb: Operand,
+    /// `U = INV Vb` as the operand of the output product `M U`.
+    pub u_out: Operand,
+    /// `U` as the operand of the state update `Uᵀ kr`.
+    pub u_state: Operand,
+}
+
+impl Rounding {
+    /// Every operand bf16: `kda_fwd.cu`, `kda_fwd_pipelined.cu`, `kda_fwd_ws.cu`.
+    pub const KERNEL: Self = Self::all(Operand::Bf16);
+    /// `kda_fwd_ws_split.cu`: hi + lo pairs where bf16 costs the most for the least work
+    /// (`examples/rounding_cost.rs`): the prep products, `M`, `Vb` and `U`.
+    pub const SPLIT: Self = Self {
+        prep: Operand::Split,
+        m: Operand::Split,
+        vb: Operand::Split,
+        u_out: Operand::Split,
+        u_state: Operand::Split,
+        ..Self::KERNEL
+    };
+    /// Nothing rounded but the output: the fp32 floor of this arithmetic.
+    pub const NONE: Self = Self::all(Operand::F32);
+
+    const fn all(o: Operand) -> Self {
+        Self {
+            prep: o,
+            kd: o,
+            qd: o,
+            kr: o,
+            inv: o,
+            m: o,
+            state_operand: o,
+            vb: o,
+            u_out: o,
+            u_state: o,
+        }
+    }
+}
+
 /// Kernel-rounding forward; `final_state` is the fp32 state the kernel holds on chip.
 pub fn emulated(p: &KdaProblem) -> KdaOutput {
+    emulated_with(p, Rounding::KERNEL)
+}
+
+/// [`emulated`] with the bf16 rounding points chosen by `r` (to find what each one costs).
+pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
+    let rd = |o: Operand, x: f32| o.apply(x);
     let lb2 = p.lower_bound * std::f32::consts::LOG2_E;
     per_sequence_head(p, |nseq, h, bos, len| {
         let hd2 = D * D;
@@ -50,6 +138,8 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
             let rn = |x: &[f32]| 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
             let mut kd = vec![vec![0.0f32; D]; n];
             let mut qd = vec![vec![0.0f32; D]; n];
+            let mut kd_p = vec![vec![0.0f32; D]; n]; // the prep products' operands
+            let mut qd_p = vec![vec![0.0f32; D]; n];
             let mut ki = vec![vec![0.0f32; D]; n];
             let mut kr = vec![vec![0.0f32; D]; n];
             let mut e = vec![0.0f32; D];
@@ -74,10 +164,12 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
                     let kn = ks[i][c] * rnk[i];
                     let qn = qs[i][c] * rnq[i] * p.scale;
                     let ex = gcum[i].exp2();
-                    kd[i][c] = bf(kn * ex);
-                    qd[i][c] = bf(qn * ex);
-                    ki[i][c] = bf(kn * (-gcum[i]).exp2());
-                    kr[i][c] = bf(kn * (acc - gcum[i]).exp2());
+                    kd[i][c] = rd(r.kd, kn * ex);
+                    qd[i][c] = rd(r.qd, qn * ex);
+                    kd_p[i][c] = rd(r.prep, kn * ex);
+                    qd_p[i][c] = rd(r.prep, qn * ex);
+                    ki[i][c] = rd(r.prep, kn * (-gcum[i]).exp2());
+                    kr[i][c] = rd(r.kr, kn * (acc - gcum[i]).exp2());
                 }
             }
             // A (fp32, scaled by b), its inverse (fp32 forward substitution), M (bf16)
@@ -88,7 +180,7 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
                         (0..n)
                             .map(|j| {
                                 if j < i {
-                                    dot32(&kd[i], &ki[j]) * b[i]
+                                    dot32(&kd_p[i], &ki[j]) * b[i]
                                 } else {
                                     0.0
                                 }
@@ -106,7 +198,7 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
                         x[i] = acc;
                     }
                     for i in 0..n {
-                        inv[i][j] = bf(x[i]);
+                        inv[i][j] = rd(r.inv, x[i]);
                     }
                 }
             }
@@ -115,7 +207,7 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
                     (0..n)
                         .map(|j| {
                             if j <= i {
-                                bf(dot32(&qd[i], &ki[j]))
+                                rd(r.m, dot32(&qd_p[i], &ki[j]))
                             } else {
                                 0.0
                             }
@@ -124,18 +216,24 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
                 })
                 .collect();
             // state-dependent chain, per value row
-            let sb: Vec<f32> = s.iter().map(|&x| bf(x)).collect();
-            let mut u = vec![vec![0.0f32; D]; n]; // [token][v]
+            let sb: Vec<f32> = s.iter().map(|&x| rd(r.state_operand, x)).collect();
+            let mut u = vec![vec![0.0f32; D]; n]; // [token][v], the output's operand
+            let mut us = vec![vec![0.0f32; D]; n]; // the state update's operand
             for vi in 0..D {
                 let srow = &sb[vi * D..][..D];
                 let vb: Vec<f32> = (0..n)
                     .map(|i| {
                         let w = dot32(srow, &kd[i]);
-                        bf((p.v[((bos + c0 + i) * p.heads + h) * D + vi] - w) * b[i])
+                        rd(
+                            r.vb,
+                            (p.v[((bos + c0 + i) * p.heads + h) * D + vi] - w) * b[i],
+                        )
                     })
                     .collect();
                 for i in 0..n {
-                    u[i][vi] = bf(dot32(&inv[i][..n], &vb));
+                    let x = dot32(&inv[i][..n], &vb);
+                    u[i][vi] = rd(r.u_out, x);
+                    us[i][vi] = rd(r.u_state, x);
                 }
                 for i in 0..n {
                     let o1 = dot32(srow, &qd[i]);
@@ -147,7 +245,7 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
             for vi in 0..D {
                 for c in 0..D {
                     let acc: f64 = (0..n)
-                        .map(|i| f64::from(u[i][vi]) * f64::from(kr[i][c]))
+                        .map(|i| f64::from(us[i][vi]) * f64::from(kr[i][c]))
                         .sum();
                     s[vi * D + c] = (f64::from(s[vi * D + c] * e[c]) + acc) as f32;
                 }
