@@ -498,7 +498,15 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
 #if KDA_SPLIT_OPERANDS
     if (p.flags != nullptr) {  // overlapped with the prep: wait until its record is written
       const unsigned int* f = p.flags + (si.slot0 + c) * H + h;
-      while (flag_acquire(f) == 0) __nanosleep(100);
+      // Bounded: a prep block that never runs (the GPU shared with other work) traps after 2 s instead
+      // of hanging the stream; the caller gets a CUDA error.
+      unsigned long long w0, now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0));
+      while (flag_acquire(f) == 0) {
+        __nanosleep(100);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - w0 > 2000000000ull) __trap();
+      }
       asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the bulk copy reads it next
     }
 #endif
