@@ -277,12 +277,14 @@ fn qcow2_backing(path: &Path) -> std::io::Result<Option<PathBuf>> {
 
 /// Identity of a file's content: device, inode, size, modification time.
 type FileKey = (u64, u64, u64, i64, i64);
+/// Boot files made into memfds, by path.
+type BootFiles = HashMap<PathBuf, (FileKey, Arc<File>)>;
 
 /// `path` as a sealed memfd (no writes, no size change, ever), made once per file and process.
 /// Its inode is a memfd's (mode 0777): any VM uid may reopen it through `/proc/self/fd`, none can change
 /// it. The file's own permissions stay as they are.
 pub fn boot_file(path: &Path) -> Result<Arc<File>, VmmError> {
-    static CACHE: Mutex<Option<HashMap<PathBuf, (FileKey, Arc<File>)>>> = Mutex::new(None);
+    static CACHE: Mutex<Option<BootFiles>> = Mutex::new(None);
     let mut src = File::open(path).map_err(io("open", path))?;
     let m = src.metadata().map_err(io("stat", path))?;
     let key = (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec());
