@@ -174,7 +174,8 @@ fn host_lock() -> Option<std::fs::File> {
     (unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0).then_some(f)
 }
 
-/// Every uid (real, effective, saved, filesystem) of every process under `proc`.
+/// Every uid (real, effective, saved, filesystem) of every process under `proc` that can still run
+/// (a zombie, such as a killed QEMU its parent has not reaped yet, holds nothing).
 pub fn live_uids(proc: &Path) -> BTreeSet<u32> {
     let mut out = BTreeSet::new();
     for e in std::fs::read_dir(proc).into_iter().flatten().flatten() {
@@ -186,12 +187,21 @@ pub fn live_uids(proc: &Path) -> BTreeSet<u32> {
             continue;
         }
         if let Ok(s) = std::fs::read_to_string(e.path().join("status"))
+            && !is_gone(&s)
             && let Some(ids) = status_ids(&s, "Uid:")
         {
             out.extend(ids);
         }
     }
     out
+}
+
+/// Whether a `/proc/<pid>/status` is a zombie's or a dead process's.
+fn is_gone(status: &str) -> bool {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("State:"))
+        .is_some_and(|st| matches!(st.trim_start().chars().next(), Some('Z' | 'X')))
 }
 
 /// The four ids of a `/proc/<pid>/status` line (`Uid:` or `Gid:`): real, effective, saved, filesystem.
@@ -266,6 +276,8 @@ mod tests {
         assert_eq!(status_ids(s, "Uid:"), Some([1_000_003; 4]));
         assert_eq!(status_ids(s, "Gid:"), Some([7, 8, 9, 10]));
         assert_eq!(status_ids("Uid:\t1 2\n", "Uid:"), None);
+        assert!(!is_gone(s) && !is_gone("State:\tS (sleeping)\n"));
+        assert!(is_gone("State:\tZ (zombie)\n") && is_gone("State:\tX (dead)\n"));
         // SAFETY: getuid(2) cannot fail.
         let me = unsafe { libc::getuid() };
         assert!(live_uids(Path::new("/proc")).contains(&me));

@@ -244,3 +244,125 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
     }
     assert!(common::qemu_pids_under(s).is_empty(), "no QEMU left");
 }
+
+/// A QEMU started by an older version (as root, sockets in the sandbox folder, paths on its command
+/// line) is re-attached after an upgrade, and moves to its own uid at its next pause and resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qemu_of_an_older_version_is_adopted_then_confined() {
+    if !agentenv_runtime::uid::running_as_root() {
+        eprintln!("skip: per-VM uids need root");
+        return;
+    }
+    let base = 3_100_000 + rand::random_range(0..10_000u32) * 8;
+    let range = UidRange {
+        base,
+        count: 2,
+        gid: base,
+    };
+    let state = StateDir::new();
+    let s = state.path();
+    {
+        let rt = open(s, range).await;
+        rt.create(spec("old")).await.expect("create");
+        rt.pause("old").await.expect("pause");
+        // Wait until the paused QEMU is gone.
+        for _ in 0..200 {
+            if common::qemu_pids_under(s).is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+    // The older version's layout: no socket folder, everything named by path, QEMU as root.
+    let dir = s.join("sandboxes/old");
+    std::fs::remove_dir_all(dir.join("qemu")).unwrap();
+    let rec = record(s, "old");
+    let m = &rec["machine"];
+    let p = |x: &Path| x.display().to_string();
+    let mut qemu = std::process::Command::new("qemu-system-x86_64")
+        .args([
+            "-M",
+            "microvm,memory-backend=mem",
+            "-accel",
+            "tcg",
+            "-m",
+            "256M",
+            "-smp",
+            "1",
+        ])
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-sandbox",
+        ])
+        .arg("on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
+        .arg("-object")
+        .arg(format!(
+            "memory-backend-file,id=mem,size=256M,mem-path={},share=on",
+            p(&ram_file(s, "old"))
+        ))
+        .args(["-kernel", m["kernel"].as_str().unwrap()])
+        .args(["-initrd", m["initrd"].as_str().unwrap()])
+        .args(["-append", m["cmdline"].as_str().unwrap()])
+        .arg("-chardev")
+        .arg(format!(
+            "file,id=con,path={},append=on",
+            p(&dir.join("console.log"))
+        ))
+        .args(["-serial", "chardev:con", "-qmp"])
+        .arg(format!(
+            "unix:{},server=on,wait=off",
+            p(&dir.join("qmp.sock"))
+        ))
+        .arg("-drive")
+        .arg(format!(
+            "id=root,file={},format=qcow2,if=none,cache=writeback",
+            p(&dir.join("disk.qcow2"))
+        ))
+        .args([
+            "-device",
+            "virtio-blk-device,drive=root",
+            "-device",
+            "virtio-serial-device",
+        ])
+        .arg("-chardev")
+        .arg(format!(
+            "socket,id=agent,path={},server=on,wait=off",
+            p(&dir.join("agent.sock"))
+        ))
+        .args(["-device", "virtserialport,chardev=agent,name=agentenv.0"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("qemu starts");
+    let mut rec = rec.clone();
+    rec["phase"] = serde_json::json!({"phase": "running", "pid": qemu.id()});
+    std::fs::write(dir.join("sandbox.json"), serde_json::to_vec(&rec).unwrap()).unwrap();
+    for _ in 0..200 {
+        if dir.join("qmp.sock").exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    let rt = open(s, range).await;
+    let recovered = rt.recover().await.expect("recover");
+    assert_eq!(recovered.len(), 1, "{recovered:?}");
+    assert_eq!(recovered[0].state, Some(VmState::Running), "{recovered:?}");
+    // Still the old QEMU, as root; the agent answers once its cold boot is done.
+    assert_eq!(agentenv_runtime::uid::process_uid(qemu.id()), Some(0));
+    assert_eq!(run(&rt, "old", "echo up").await.0, "up\n");
+    rt.pause("old").await.expect("pause the old QEMU");
+    rt.resume("old").await.expect("resume confined");
+    assert!(range.contains(vm_uid(s, "old", &range)));
+    assert_eq!(run(&rt, "old", "echo confined").await.0, "confined\n");
+    rt.kill("old").await.expect("kill");
+    // The old QEMU exited at the pause (the runtime saw it a zombie); reap it.
+    let _ = qemu.wait();
+    assert!(common::qemu_pids_under(s).is_empty(), "no QEMU left");
+}
