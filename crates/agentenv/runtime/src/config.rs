@@ -40,6 +40,9 @@ pub struct RuntimeConfig {
     /// Where snapshots are kept as content-addressed chunks (and optionally an S3 bucket).
     /// `None`: a local store in `<state_dir>/chunks` bounded at [`DEFAULT_STORE_BYTES`].
     pub store: Option<agentenv_store::StoreConfig>,
+    /// uids to run QEMU processes as, one per VM ([`crate::uid`]); used only when this process is
+    /// root. `None`: QEMU runs as this process.
+    pub qemu_uids: Option<crate::uid::UidRange>,
 }
 
 /// Bound of the default local chunk store.
@@ -59,6 +62,7 @@ impl RuntimeConfig {
             qemu_img_bin: PathBuf::from("qemu-img"),
             ram_dir: None,
             store: None,
+            qemu_uids: Some(crate::uid::UidRange::default()),
         }
     }
 }

@@ -20,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod fsops;
 pub mod kernel;
+pub mod launch;
 pub mod persist;
 pub mod qemu;
 pub mod qmp;
@@ -29,6 +30,7 @@ pub mod rootfs;
 mod sandbox;
 pub mod snapshot;
 pub mod template;
+pub mod uid;
 pub mod vmm;
 
 use std::collections::{BTreeMap, HashMap};
@@ -171,7 +173,11 @@ impl Runtime {
                 source: std::io::Error::other(e.to_string()),
             })??;
         let accel = accel::choose(&cfg, &kernel, &cache).await;
-        let vmm: Arc<dyn Vmm> = Arc::new(qemu::QemuVmm::new(cfg.qemu_bin.clone(), accel));
+        let vmm: Arc<dyn Vmm> = Arc::new(qemu::QemuVmm::new(
+            cfg.qemu_bin.clone(),
+            accel,
+            cfg.qemu_uids,
+        ));
         let mut templates = BTreeMap::new();
         let tdir = cfg.state_dir.join("templates");
         for e in std::fs::read_dir(&tdir)

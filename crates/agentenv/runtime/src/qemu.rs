@@ -3,6 +3,7 @@
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
@@ -11,10 +12,10 @@ use tokio::sync::Mutex;
 
 use crate::cgroup::{Hierarchy, Limits};
 use crate::config::AccelKind;
+use crate::launch::{Owner, VmFiles};
 use crate::qmp::QmpClient;
-use crate::vmm::{
-    BoxFuture, DiskFormat, Pausable, Restored, Snapshottable, VmInstance, VmSpec, Vmm, VmmError,
-};
+use crate::uid::{Lease, UidPool, UidRange};
+use crate::vmm::{BoxFuture, Pausable, Restored, Snapshottable, VmInstance, VmSpec, Vmm, VmmError};
 
 /// Name of the virtio-serial port that carries the guest agent channel.
 pub const AGENT_PORT_NAME: &str = agentenv_envd::AGENT_CHANNEL;
@@ -32,11 +33,51 @@ pub struct QemuVmm {
     accel: AccelKind,
     /// Where each QEMU gets its memory and CPU limits (`None`: this host has no writable cgroups).
     cgroups: Option<Hierarchy>,
+    /// Per-VM uids (`None`: QEMU runs as this process, which is not root or was told not to).
+    uids: Option<Uids>,
+}
+
+/// The uid pool and the group of every VM.
+#[derive(Clone)]
+struct Uids {
+    pool: Arc<UidPool>,
+    gid: u32,
 }
 
 impl QemuVmm {
-    /// A backend running `bin` with `accel`, confining each QEMU to a cgroup where the host allows it.
-    pub fn new(bin: PathBuf, accel: AccelKind) -> QemuVmm {
+    /// A backend running `bin` with `accel`, confining each QEMU to a cgroup where the host allows it,
+    /// and, when this process is root, starting each QEMU as a uid of its own from `uids`.
+    pub fn new(bin: PathBuf, accel: AccelKind, uids: Option<UidRange>) -> QemuVmm {
+        let uids = match uids {
+            Some(r) if crate::uid::running_as_root() => {
+                let gid = crate::uid::vm_gid(&r, accel == AccelKind::Kvm);
+                tracing::info!(
+                    base = r.base,
+                    count = r.count,
+                    gid,
+                    "each QEMU runs as a uid of its own"
+                );
+                Some(Uids {
+                    pool: Arc::new(UidPool::new(r)),
+                    gid,
+                })
+            }
+            Some(_) => {
+                // SAFETY: geteuid(2) cannot fail.
+                let uid = unsafe { libc::geteuid() };
+                tracing::info!(
+                    uid,
+                    "the runtime is not root: QEMU runs as its uid, already unprivileged (no per-VM uids)"
+                );
+                None
+            }
+            None => {
+                if crate::uid::running_as_root() {
+                    tracing::warn!("per-VM uids are off: QEMU runs as root");
+                }
+                None
+            }
+        };
         let cgroups = Hierarchy::host();
         match &cgroups {
             Some(h) => {
@@ -51,17 +92,19 @@ impl QemuVmm {
             bin,
             accel,
             cgroups,
+            uids,
         }
     }
 
-    /// The full QEMU argument list for `spec`; `incoming` adds `-S -incoming defer` for a restore.
-    pub fn args(&self, spec: &VmSpec, incoming: bool) -> Vec<String> {
-        let s = |p: &Path| p.display().to_string();
-        let format = match spec.disk_format {
-            DiskFormat::Raw => "raw",
-            DiskFormat::Qcow2 => "qcow2",
-        };
-        let mut a: Vec<String> = vec![
+    /// The full QEMU argument list for `spec` with its files `f`; `incoming` adds `-S -incoming defer`
+    /// for a restore.
+    pub fn args(&self, spec: &VmSpec, f: &VmFiles, incoming: bool) -> Vec<String> {
+        let mut a: Vec<String> = f
+            .add_fds
+            .iter()
+            .flat_map(|v| ["-add-fd".to_string(), v.clone()])
+            .collect();
+        a.extend([
             "-M".into(),
             "microvm,memory-backend=mem".into(),
             "-accel".into(),
@@ -82,38 +125,32 @@ impl QemuVmm {
             format!(
                 "memory-backend-file,id=mem,size={}M,mem-path={},share={}",
                 spec.memory_mib,
-                s(&spec.ram_file),
+                f.ram,
                 if spec.ram_shared { "on" } else { "off" }
             ),
             "-kernel".into(),
-            s(&spec.kernel),
+            f.kernel.clone(),
             "-initrd".into(),
-            s(&spec.initrd),
+            f.initrd.clone(),
             "-append".into(),
             spec.cmdline.clone(),
             "-chardev".into(),
-            format!("file,id=con,path={},append=on", s(&spec.console_log())),
+            format!("file,id=con,path={},append=on", f.console),
             "-serial".into(),
             "chardev:con".into(),
             "-qmp".into(),
-            format!("unix:{},server=on,wait=off", s(&spec.qmp_socket())),
+            format!("unix:{},server=on,wait=off", f.qmp_socket),
             "-drive".into(),
-            format!(
-                "id=root,file={},format={format},if=none,cache=writeback",
-                s(&spec.disk)
-            ),
+            f.drive.clone(),
             "-device".into(),
             "virtio-blk-device,drive=root".into(),
             "-device".into(),
             "virtio-serial-device".into(),
             "-chardev".into(),
-            format!(
-                "socket,id=agent,path={},server=on,wait=off",
-                s(&spec.agent_socket())
-            ),
+            format!("socket,id=agent,path={},server=on,wait=off", f.agent_socket),
             "-device".into(),
             format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
-        ];
+        ]);
         if incoming {
             a.extend(["-S".into(), "-incoming".into(), "defer".into()]);
         }
@@ -121,12 +158,52 @@ impl QemuVmm {
     }
 
     async fn spawn(&self, spec: &VmSpec, incoming: bool) -> Result<QemuVm, VmmError> {
+        let lease = match &self.uids {
+            Some(u) => Some(
+                u.pool
+                    .allocate()
+                    .map_err(|e| VmmError::NoUid(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let owner = lease.as_ref().zip(self.uids.as_ref()).map(|(l, u)| Owner {
+            uid: l.uid,
+            gid: u.gid,
+        });
+        match self.spawn_as(spec, incoming, lease).await {
+            Ok(vm) => Ok(vm),
+            Err(e) => {
+                if let (Some(o), Some(u)) = (owner, &self.uids) {
+                    crate::launch::reclaim(&spec.ram_file);
+                    u.pool.release(o.uid);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts QEMU as the uid of `lease` (as this process without one); the lease ends once QEMU has
+    /// exec'd, the uid stays held by the pool.
+    async fn spawn_as(
+        &self,
+        spec: &VmSpec,
+        incoming: bool,
+        lease: Option<Lease>,
+    ) -> Result<QemuVm, VmmError> {
+        let owner = lease.as_ref().zip(self.uids.as_ref()).map(|(l, u)| Owner {
+            uid: l.uid,
+            gid: u.gid,
+        });
+        // Sockets of a QEMU of an older version, in the VM folder itself.
+        for old in ["qmp.sock", "agent.sock"] {
+            let _ = std::fs::remove_file(spec.dir.join(old));
+        }
+        let files = VmFiles::open(spec, owner)?;
         for sock in [spec.qmp_socket(), spec.agent_socket()] {
             let len = sock.as_os_str().len();
             if len > 107 {
                 return Err(VmmError::SocketPath { path: sock, len });
             }
-            let _ = std::fs::remove_file(&sock);
         }
         let log_path = spec.dir.join("qemu.log");
         let log = std::fs::OpenOptions::new()
@@ -139,16 +216,28 @@ impl QemuVmm {
                 source: e,
             })?;
         let mut cmd = Command::new(&self.bin);
-        cmd.args(self.args(spec, incoming))
+        cmd.args(self.args(spec, &files, incoming))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .process_group(0)
             .kill_on_drop(false);
+        if let Some(o) = owner {
+            // std calls setgroups(0) before setuid when it drops from root: no supplementary groups.
+            cmd.uid(o.uid).gid(o.gid);
+        }
+        let fds = files.fds();
+        // SAFETY: the closure only calls fcntl(2) on descriptors this process holds open.
+        unsafe {
+            cmd.pre_exec(move || crate::launch::inherit_in_child(&fds));
+        }
         let mut child = cmd.spawn().map_err(|e| VmmError::Spawn {
             bin: self.bin.display().to_string(),
             source: e,
         })?;
+        // QEMU has exec'd as its uid (spawn returns after exec): other runtimes' checks see it now.
+        drop(lease);
+        drop(files);
         let pid = child.id().unwrap_or(0);
         if let Some(h) = &self.cgroups
             && let Err(e) = h.confine(
@@ -181,13 +270,25 @@ impl QemuVmm {
             qmp: Mutex::new(qmp),
             child: Mutex::new(Some(child)),
             cgroups: self.cgroups.clone(),
+            uid: owner.map(|o| o.uid),
+            pool: self.uids.as_ref().map(|u| u.pool.clone()),
+            released: Default::default(),
         })
+    }
+
+    /// The uid pool, when each VM gets a uid of its own.
+    pub fn uid_pool(&self) -> Option<&UidPool> {
+        self.uids.as_ref().map(|u| u.pool.as_ref())
     }
 }
 
 impl Vmm for QemuVmm {
     fn accel(&self) -> AccelKind {
         self.accel
+    }
+
+    fn per_vm_uids(&self) -> bool {
+        self.uids.is_some()
     }
 
     fn boot<'a>(
@@ -297,23 +398,37 @@ impl Vmm for QemuVmm {
                 return Err(VmmError::NotRunning { pid });
             }
             let qmp = QmpClient::connect(&spec.qmp_socket(), Duration::from_secs(2)).await?;
+            // The QEMU keeps the uid it was started with: hold it, so no new VM gets it too.
+            let uid = crate::uid::process_uid(pid);
+            let pool = self.uids.as_ref().map(|u| u.pool.clone());
+            let uid = match (&pool, uid) {
+                (Some(p), Some(u)) if p.range().contains(u) => {
+                    p.adopt(u);
+                    Some(u)
+                }
+                _ => None,
+            };
             Ok(Box::new(QemuVm {
                 spec: spec.clone(),
                 pid,
                 qmp: Mutex::new(qmp),
                 child: Mutex::new(None),
                 cgroups: self.cgroups.clone(),
+                uid,
+                pool,
+                released: Default::default(),
             }) as Box<dyn VmInstance>)
         })
     }
 }
 
-/// True when `pid` is alive (not a zombie) and its command line names this VM's QMP socket.
+/// True when `pid` is alive (not a zombie) and its command line names this VM's folder (its QMP
+/// socket for older versions, its console log's `-add-fd` now).
 pub fn process_runs_vm(pid: u32, spec: &VmSpec) -> bool {
     let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
         return false;
     };
-    let needle = spec.qmp_socket().display().to_string();
+    let needle = format!("{}/", spec.dir.display());
     let cmdline = String::from_utf8_lossy(&cmdline);
     cmdline.contains(&needle) && !is_zombie(pid)
 }
@@ -339,6 +454,11 @@ struct QemuVm {
     qmp: Mutex<QmpClient>,
     child: Mutex<Option<Child>>,
     cgroups: Option<Hierarchy>,
+    /// The uid it runs as, held in `pool` until it has exited.
+    uid: Option<u32>,
+    pool: Option<Arc<UidPool>>,
+    /// Set once `uid` went back to the pool (a second exit wait must not free it again).
+    released: std::sync::atomic::AtomicBool,
 }
 
 /// The cgroup name of a VM: its folder's name (the sandbox id, or a template build's folder).
@@ -349,11 +469,21 @@ pub fn vm_name(spec: &VmSpec) -> String {
 }
 
 impl QemuVm {
-    /// Waits up to `limit` for the process to exit (then drops its cgroup); true when it did.
+    /// Waits up to `limit` for the process to exit (then drops its cgroup, takes its RAM file back and
+    /// frees its uid); true when it did.
     async fn wait_exit(&self, limit: Duration) -> bool {
         let exited = self.wait_exit_only(limit).await;
         if exited && let Some(h) = &self.cgroups {
             h.release(&vm_name(&self.spec));
+        }
+        if exited
+            && let (Some(uid), Some(pool)) = (self.uid, &self.pool)
+            && !self
+                .released
+                .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            crate::launch::reclaim(&self.spec.ram_file);
+            pool.release(uid);
         }
         exited
     }

@@ -96,6 +96,10 @@ impl Runtime {
                         None,
                     );
                 }
+                if self.inner.vmm.per_vm_uids() {
+                    // Its QEMU may have exited without this runtime seeing it: the RAM file is ours again.
+                    crate::launch::reclaim(&rec.ram_file);
+                }
                 let live = Live {
                     record: rec,
                     vm: None,

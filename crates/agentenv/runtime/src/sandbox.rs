@@ -133,6 +133,19 @@ impl Runtime {
         image: &Image,
     ) -> Result<SandboxVm, CreateError> {
         let inner = &self.inner;
+        // A VM with a uid of its own opens only RAM files it owns (QEMU 7.2 opens even a private
+        // mapping's file read-write), so it gets its own copy of a snapshot's RAM, mapped shared, rather
+        // than a copy-on-write mapping of a file every fork of that snapshot could write.
+        let image = &match &image.start {
+            ImageStart::CowRam { ram, state } if inner.vmm.per_vm_uids() => Image {
+                start: ImageStart::CopyRam {
+                    ram: ram.clone(),
+                    state: state.clone(),
+                },
+                ..image.clone()
+            },
+            _ => image.clone(),
+        };
         let id = spec.sandbox_id.clone();
         let (ram_file, ram_shared) = match &image.start {
             ImageStart::CowRam { ram, .. } => (ram.clone(), false),

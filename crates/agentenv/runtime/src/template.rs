@@ -366,6 +366,8 @@ async fn build_into_cache(
         let _ = vm.kill().await;
         return Err(e.into());
     }
+    // The build VM's socket folder belonged to its uid, which the next VM may get.
+    let _ = std::fs::remove_dir_all(vm_spec.socket_dir());
     std::fs::write(partial.join("complete"), b"").map_err(|e| TemplateError::Io {
         what: "write",
         path: partial.join("complete"),

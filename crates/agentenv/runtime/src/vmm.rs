@@ -51,13 +51,22 @@ pub struct VmSpec {
 }
 
 impl VmSpec {
+    /// Where QEMU creates its sockets: `<dir>/qemu/` (owned by the VM's uid), or `<dir>` itself for a
+    /// QEMU started by an older version (its sockets are there and `qemu/` is not).
+    pub fn socket_dir(&self) -> PathBuf {
+        let new = self.dir.join(SOCKET_DIR);
+        if !new.is_dir() && self.dir.join("qmp.sock").exists() {
+            return self.dir.clone();
+        }
+        new
+    }
     /// QMP control socket of the VM.
     pub fn qmp_socket(&self) -> PathBuf {
-        self.dir.join("qmp.sock")
+        self.socket_dir().join("qmp.sock")
     }
     /// Unix socket of the virtio-serial port `agentenv.0` (the guest agent channel).
     pub fn agent_socket(&self) -> PathBuf {
-        self.dir.join("agent.sock")
+        self.socket_dir().join("agent.sock")
     }
     /// Serial console log.
     pub fn console_log(&self) -> PathBuf {
@@ -90,6 +99,9 @@ pub enum VmmError {
     /// A socket path is longer than a unix socket address allows.
     #[error("socket path too long ({len} bytes, max 107): {path}")]
     SocketPath { path: PathBuf, len: usize },
+    /// No uid is free to start another QEMU as.
+    #[error("{0}")]
+    NoUid(String),
     /// The process to re-attach is gone or is not this VM.
     #[error("VM process {pid} is not running")]
     NotRunning { pid: u32 },
@@ -136,6 +148,11 @@ pub struct Restored {
 pub trait Vmm: Send + Sync {
     /// The accelerator this backend runs guests with.
     fn accel(&self) -> AccelKind;
+    /// Whether every VM runs as a uid of its own. Such a VM can open only RAM files it owns, so a
+    /// snapshot's RAM is copied per sandbox rather than mapped copy-on-write by several VMs.
+    fn per_vm_uids(&self) -> bool {
+        false
+    }
     /// Cold-boots a VM (RAM file created or truncated to size).
     fn boot<'a>(&'a self, spec: &'a VmSpec)
     -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
@@ -155,6 +172,8 @@ pub trait Vmm: Send + Sync {
     ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;
 }
 
+/// The folder of a VM's sockets, in its folder: the only part of it the VM's uid owns.
+pub const SOCKET_DIR: &str = "qemu";
 /// File name of a VM's serial console log, in its folder.
 pub const CONSOLE_LOG: &str = "console.log";
 /// A console log above this many bytes is rotated (the previous part is kept as `console.log.1`).
@@ -218,5 +237,40 @@ mod console_tests {
         w.write_all(b"after").unwrap();
         assert!(std::fs::read(&log).unwrap().ends_with(b"after"));
         assert!(!super::rotate_console_log(&dir.path().join("missing.log"), max).unwrap());
+    }
+}
+
+#[cfg(test)]
+mod socket_tests {
+    use super::*;
+
+    fn spec(dir: &Path) -> VmSpec {
+        VmSpec {
+            dir: dir.to_owned(),
+            kernel: PathBuf::new(),
+            initrd: PathBuf::new(),
+            cmdline: String::new(),
+            vcpus: 1,
+            memory_mib: 128,
+            ram_file: PathBuf::new(),
+            ram_shared: true,
+            disk: PathBuf::new(),
+            disk_format: DiskFormat::Qcow2,
+        }
+    }
+
+    #[test]
+    fn sockets_of_an_older_qemu_are_found_in_the_vm_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(dir.path());
+        let new = dir.path().join(SOCKET_DIR);
+        assert_eq!(s.qmp_socket(), new.join("qmp.sock"), "a new VM");
+        // A QEMU of an older version made its sockets in the VM folder itself.
+        std::fs::write(dir.path().join("qmp.sock"), b"").unwrap();
+        assert_eq!(s.qmp_socket(), dir.path().join("qmp.sock"));
+        assert_eq!(s.agent_socket(), dir.path().join("agent.sock"));
+        // Once restarted by this version, its socket folder wins.
+        std::fs::create_dir(&new).unwrap();
+        assert_eq!(s.agent_socket(), new.join("agent.sock"));
     }
 }

@@ -89,7 +89,6 @@ struct ServeArgs {
     /// Largest accepted data-plane request body (file upload) in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_UPLOAD_BYTES)]
     max_upload_bytes: u64,
-    /// Folder for guest RAM files (e.g. /dev/shm: faster, lost on reboot).
     /// Most running sandboxes at once (429 beyond).
     #[arg(long)]
     max_running: Option<usize>,
@@ -105,6 +104,7 @@ struct ServeArgs {
     /// Paused sandboxes are deleted this many seconds after they were paused.
     #[arg(long, default_value_t = agentenv_server::sandboxes::DEFAULT_PAUSED_RETENTION.as_secs())]
     paused_retention_s: u64,
+    /// Folder for guest RAM files (e.g. /dev/shm/agentenv: faster, lost on reboot).
     #[arg(long, env = "AGENTENV_RAM_DIR")]
     ram_dir: Option<PathBuf>,
     /// S3-compatible endpoint of a bucket that keeps every snapshot's chunks (credentials from
@@ -120,9 +120,31 @@ struct ServeArgs {
     /// Region of the bucket.
     #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
     s3_region: String,
+    /// First uid QEMU processes run as, one uid per VM, when the server runs as root (`off` or 0:
+    /// QEMU runs as the server's user). The VMs' group is this id too (the kvm group under KVM).
+    #[arg(long, env = "AGENTENV_QEMU_UID_BASE", default_value = "1000000", value_parser = parse_uid_base)]
+    qemu_uid_base: UidBase,
+    /// Number of uids from `--qemu-uid-base` (at most this many VMs run at once).
+    #[arg(long, default_value_t = agentenv_runtime::uid::DEFAULT_UID_COUNT)]
+    qemu_uid_count: u32,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
+}
+
+/// `--qemu-uid-base`: the first uid, or `None` for `off`/`0`.
+#[derive(Debug, Clone, Copy)]
+struct UidBase(Option<u32>);
+
+/// `off` or `0`: no per-VM uids; else the first uid (room for the count is checked at start).
+fn parse_uid_base(s: &str) -> Result<UidBase, String> {
+    match s {
+        "off" | "0" => Ok(UidBase(None)),
+        _ => s
+            .parse::<u32>()
+            .map(|b| UidBase(Some(b)))
+            .map_err(|e| format!("{s:?}: {e} (a uid, or off)")),
+    }
 }
 
 fn default_state_dir() -> PathBuf {
@@ -253,6 +275,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         store.chunk_size = agentenv_runtime::config::DEFAULT_CHUNK_BYTES;
         cfg.store = Some(store);
     }
+    cfg.qemu_uids = match args.qemu_uid_base.0 {
+        Some(base) => {
+            anyhow::ensure!(
+                args.qemu_uid_count > 0 && base.checked_add(args.qemu_uid_count).is_some(),
+                "--qemu-uid-base {base} with --qemu-uid-count {} leaves the uid space",
+                args.qemu_uid_count
+            );
+            Some(agentenv_runtime::uid::UidRange {
+                base,
+                count: args.qemu_uid_count,
+                gid: base,
+            })
+        }
+        None => None,
+    };
     let runtime = runtime_backend::open_with_default_template(cfg).await?;
     tracing::info!(
         accel = runtime_backend::accel_label(&runtime),

@@ -128,8 +128,14 @@ pub fn assert_private(dir: &Path) {
 
 /// A runtime on `dir` with the default template installed (built once, then reused from the cache).
 pub async fn runtime(dir: &Path) -> Runtime {
+    runtime_with(dir, |_| {}).await
+}
+
+/// [`runtime`] with `adjust` applied to its configuration.
+pub async fn runtime_with(dir: &Path, adjust: impl FnOnce(&mut RuntimeConfig)) -> Runtime {
     let mut cfg = RuntimeConfig::new(dir);
     cfg.guest_bin = Some(guest_bin());
+    adjust(&mut cfg);
     let rt = Runtime::open(cfg).await.expect("runtime opens");
     rt.ensure_default_template(&|p| eprintln!("template: {:?} {}", p.step, p.detail))
         .await

@@ -1,0 +1,404 @@
+//! What a QEMU process is handed: its files as inherited descriptors, so that a QEMU running as a
+//! VM uid of its own ([`crate::uid`]) needs no permission on the state folder at all.
+//!
+//! - Disks (the overlay and its whole qcow2 backing chain, read-only) and the console log are opened
+//!   here and passed as fd sets (`-add-fd`, `/dev/fdset/N`); the chain is named on the command line
+//!   (`backing.file.filename=`), so QEMU never opens the paths in the qcow2 headers. They stay
+//!   `root 0600`.
+//! - The RAM file is inherited and named `/proc/self/fd/N`. Reopening through that link skips the path
+//!   but not the file's own mode, and QEMU 7.2 opens memory-backend-file RAM `O_RDWR` even with
+//!   `share=off` (it has no `rom=`), so the RAM file is `chown`ed to the VM (`0600`) while it runs.
+//! - The kernel and initrd (public, shared by all VMs, in the cache folder) go in as sealed memfds
+//!   (read-only for everyone, sharable between VMs) when QEMU runs as another uid.
+//! - QEMU creates its QMP and agent sockets in `<vm dir>/qemu/`, a folder owned by the VM (`0700`),
+//!   named `/proc/self/fd/N/…` on the command line. The VM folder itself and its records stay
+//!   `root 0700`/`0600`.
+//!
+//! Every `-add-fd` carries the real path as its `opaque` string, so the command line still names the
+//! VM's folder (recovery finds a sandbox's QEMU by it).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::ffi::OsStringExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::vmm::{DiskFormat, SOCKET_DIR, VmSpec, VmmError};
+
+/// Longest qcow2 backing chain accepted (snapshots of sandboxes made from snapshots, and so on).
+const MAX_CHAIN: usize = 32;
+
+/// The uid and gid a QEMU runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The files of one QEMU start, open; dropped once QEMU has started (it has its own copies).
+pub struct VmFiles {
+    held: Vec<File>,
+    shared: Vec<Arc<File>>,
+    n_sets: usize,
+    /// `-add-fd` values.
+    pub add_fds: Vec<String>,
+    /// `-kernel`, `-initrd`.
+    pub kernel: String,
+    pub initrd: String,
+    /// `mem-path=` of the RAM backend.
+    pub ram: String,
+    /// `path=` of the console chardev.
+    pub console: String,
+    /// QMP and agent socket paths as QEMU binds them.
+    pub qmp_socket: String,
+    pub agent_socket: String,
+    /// The `-drive` value of the root disk.
+    pub drive: String,
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> VmmError {
+    let path = path.to_owned();
+    move |source| VmmError::Io { what, path, source }
+}
+
+/// A comma inside a QEMU option value is written twice.
+fn opt(s: &str) -> String {
+    s.replace(',', ",,")
+}
+
+impl VmFiles {
+    /// Opens every file of `spec` for a QEMU running as `owner` (`None`: as this process), prepares
+    /// its socket folder and hands it and the RAM file to `owner`.
+    pub fn open(spec: &VmSpec, owner: Option<Owner>) -> Result<VmFiles, VmmError> {
+        let mut f = VmFiles {
+            held: Vec::new(),
+            shared: Vec::new(),
+            n_sets: 0,
+            add_fds: Vec::new(),
+            kernel: String::new(),
+            initrd: String::new(),
+            ram: String::new(),
+            console: String::new(),
+            qmp_socket: String::new(),
+            agent_socket: String::new(),
+            drive: String::new(),
+        };
+        let console = spec.console_log();
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&console)
+            .map_err(io("open", &console))?;
+        f.console = format!("/dev/fdset/{}", f.add_set(&console, vec![log]));
+
+        let sock_dir = spec.dir.join(SOCKET_DIR);
+        let _ = std::fs::remove_dir_all(&sock_dir);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&sock_dir)
+            .map_err(io("create", &sock_dir))?;
+        let dir = File::open(&sock_dir).map_err(io("open", &sock_dir))?;
+        let ram = File::options()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&spec.ram_file)
+            .map_err(io("open", &spec.ram_file))?;
+        if let Some(o) = owner {
+            for (file, path) in [(&dir, &sock_dir), (&ram, &spec.ram_file)] {
+                std::os::unix::fs::fchown(file, Some(o.uid), Some(o.gid))
+                    .map_err(io("chown", path))?;
+            }
+            // A RAM file from an older version (or copied) may carry other bits: the VM's alone.
+            ram.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                .map_err(io("chmod", &spec.ram_file))?;
+        }
+        let d = f.inherit(dir);
+        f.qmp_socket = format!("/proc/self/fd/{d}/qmp.sock");
+        f.agent_socket = format!("/proc/self/fd/{d}/agent.sock");
+        f.ram = format!("/proc/self/fd/{}", f.inherit(ram));
+
+        match owner {
+            Some(_) => {
+                f.kernel = f.share(boot_file(&spec.kernel)?);
+                f.initrd = f.share(boot_file(&spec.initrd)?);
+            }
+            None => {
+                f.kernel = spec.kernel.display().to_string();
+                f.initrd = spec.initrd.display().to_string();
+            }
+        }
+
+        let top_format = match spec.disk_format {
+            DiskFormat::Raw => "raw",
+            DiskFormat::Qcow2 => "qcow2",
+        };
+        let rw = File::options()
+            .read(true)
+            .write(true)
+            .open(&spec.disk)
+            .map_err(io("open", &spec.disk))?;
+        let ro = File::open(&spec.disk).map_err(io("open", &spec.disk))?;
+        // QEMU reopens the image read-only while nothing writes it (before `cont`), then read-write:
+        // the set holds both. No image locking: QEMU's locks are per open file, and the set keeps
+        // both open files alive after QEMU closes its copies, so a read lock taken through the
+        // read-only one would outlive its use and refuse the write lock `cont` takes after a
+        // migration. The runtime itself never lets two QEMUs open one overlay.
+        let set = f.add_set(&spec.disk, vec![rw, ro]);
+        f.drive = format!(
+            "id=root,file=/dev/fdset/{set},format={top_format},if=none,cache=writeback,file.locking=off"
+        );
+        let chain = match spec.disk_format {
+            DiskFormat::Raw => Vec::new(),
+            DiskFormat::Qcow2 => {
+                backing_chain(&spec.disk).map_err(io("read backing chain of", &spec.disk))?
+            }
+        };
+        for (depth, (path, format)) in chain.iter().enumerate() {
+            let file = File::open(path).map_err(io("open", path))?;
+            let set = f.add_set(path, vec![file]);
+            let p = "backing.".repeat(depth + 1);
+            f.drive.push_str(&format!(
+                ",{p}driver={format},{p}file.filename=/dev/fdset/{set}"
+            ));
+        }
+        Ok(f)
+    }
+
+    /// Descriptors QEMU must inherit.
+    pub fn fds(&self) -> Vec<RawFd> {
+        self.held
+            .iter()
+            .map(|f| f.as_raw_fd())
+            .chain(self.shared.iter().map(|f| f.as_raw_fd()))
+            .collect()
+    }
+
+    fn inherit(&mut self, f: File) -> RawFd {
+        let fd = f.as_raw_fd();
+        self.held.push(f);
+        fd
+    }
+
+    fn share(&mut self, f: Arc<File>) -> String {
+        let fd = f.as_raw_fd();
+        self.shared.push(f);
+        format!("/proc/self/fd/{fd}")
+    }
+
+    /// Adds `files` (all of `path`) as a new fd set; returns its id.
+    fn add_set(&mut self, path: &Path, files: Vec<File>) -> usize {
+        self.n_sets += 1;
+        let set = self.n_sets;
+        let opaque = opt(&path.display().to_string());
+        for file in files {
+            let fd = self.inherit(file);
+            self.add_fds
+                .push(format!("fd={fd},set={set},opaque={opaque}"));
+        }
+        set
+    }
+}
+
+/// Clears close-on-exec on `fds` in a forked child, so exec hands them to QEMU at the same numbers.
+///
+/// # Safety
+/// For `pre_exec`: runs between fork and exec and only calls fcntl(2).
+pub unsafe fn inherit_in_child(fds: &[RawFd]) -> std::io::Result<()> {
+    for fd in fds {
+        // SAFETY: fcntl on descriptors this process holds open; async-signal-safe.
+        if unsafe { libc::fcntl(*fd, libc::F_SETFD, 0) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The backing files of the qcow2 image `disk`, nearest first, each with its format.
+pub fn backing_chain(disk: &Path) -> std::io::Result<Vec<(PathBuf, &'static str)>> {
+    let mut out = Vec::new();
+    let mut cur = disk.to_owned();
+    while let Some(next) = qcow2_backing(&cur)? {
+        if out.len() >= MAX_CHAIN {
+            return Err(std::io::Error::other(format!(
+                "backing chain longer than {MAX_CHAIN}"
+            )));
+        }
+        let format = if is_qcow2(&next)? { "qcow2" } else { "raw" };
+        out.push((next.clone(), format));
+        if format == "raw" {
+            break;
+        }
+        cur = next;
+    }
+    Ok(out)
+}
+
+fn is_qcow2(path: &Path) -> std::io::Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let n = File::open(path)?.read(&mut magic)?;
+    Ok(n == 4 && &magic == b"QFI\xfb")
+}
+
+/// The backing file named in the header of qcow2 image `path` (relative names resolve against its
+/// folder), `None` without one.
+fn qcow2_backing(path: &Path) -> std::io::Result<Option<PathBuf>> {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(path)?;
+    let mut h = [0u8; 20];
+    f.read_exact_at(&mut h, 0)?;
+    if &h[..4] != b"QFI\xfb" {
+        return Ok(None);
+    }
+    let offset = u64::from_be_bytes(h[8..16].try_into().unwrap_or_default());
+    let len = u32::from_be_bytes(h[16..20].try_into().unwrap_or_default()) as usize;
+    if offset == 0 || len == 0 {
+        return Ok(None);
+    }
+    if len > 1023 {
+        return Err(std::io::Error::other(format!(
+            "backing file name of {} bytes",
+            len
+        )));
+    }
+    let mut name = vec![0u8; len];
+    f.read_exact_at(&mut name, offset)?;
+    let name = PathBuf::from(std::ffi::OsString::from_vec(name));
+    Ok(Some(match path.parent() {
+        Some(dir) if name.is_relative() => dir.join(name),
+        _ => name,
+    }))
+}
+
+/// Identity of a file's content: device, inode, size, modification time.
+type FileKey = (u64, u64, u64, i64, i64);
+/// Boot files made into memfds, by path.
+type BootFiles = HashMap<PathBuf, (FileKey, Arc<File>)>;
+
+/// `path` as a sealed memfd (no writes, no size change, ever), made once per file and process.
+/// Its inode is a memfd's (mode 0777): any VM uid may reopen it through `/proc/self/fd`, none can change
+/// it. The file's own permissions stay as they are.
+pub fn boot_file(path: &Path) -> Result<Arc<File>, VmmError> {
+    static CACHE: Mutex<Option<BootFiles>> = Mutex::new(None);
+    let mut src = File::open(path).map_err(io("open", path))?;
+    let m = src.metadata().map_err(io("stat", path))?;
+    let key = (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec());
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let cache = cache.get_or_insert_with(HashMap::new);
+    if let Some((k, f)) = cache.get(path)
+        && *k == key
+    {
+        return Ok(f.clone());
+    }
+    let name = c"agentenv-boot";
+    // SAFETY: memfd_create with a NUL-terminated name; the fd is owned by the File below.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io("memfd_create for", path)(std::io::Error::last_os_error()));
+    }
+    // SAFETY: fd was just created and is owned by nobody else.
+    let mut mem = unsafe { File::from_raw_fd(fd) };
+    std::io::copy(&mut src, &mut mem).map_err(io("copy", path))?;
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on the memfd owned by `mem`.
+    if unsafe { libc::fcntl(mem.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io("seal", path)(std::io::Error::last_os_error()));
+    }
+    let mem = Arc::new(mem);
+    cache.insert(path.to_owned(), (key, mem.clone()));
+    Ok(mem)
+}
+
+/// Gives `path` (a VM's RAM file after its QEMU exited) back to this process's uid, so a later VM
+/// that gets the same uid cannot open it (a RAM folder such as /dev/shm is reachable by path).
+pub fn reclaim(path: &Path) {
+    let Ok(f) = File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+    else {
+        return;
+    };
+    // SAFETY: getuid/getgid cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    if let Err(e) = std::os::unix::fs::fchown(&f, Some(uid), Some(gid)) {
+        tracing::warn!(path = %path.display(), error = %e, "cannot take a RAM file back from its VM");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qemu_img(args: &[&str]) -> bool {
+        std::process::Command::new("qemu-img")
+            .args(args)
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    #[test]
+    fn backing_chains_are_read_from_qcow2_headers() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = |n: &str| dir.path().join(n).display().to_string();
+        std::fs::write(p("base.raw"), vec![0u8; 1 << 20]).unwrap();
+        if !qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            "-b",
+            &p("base.raw"),
+            &p("mid.qcow2"),
+        ]) {
+            eprintln!("skip: no qemu-img");
+            return;
+        }
+        // The top names its backing file relative to its own folder.
+        assert!(qemu_img(&[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-F",
+            "qcow2",
+            "-b",
+            "mid.qcow2",
+            &p("top.qcow2")
+        ]));
+        let chain = backing_chain(Path::new(&p("top.qcow2"))).unwrap();
+        assert_eq!(
+            chain,
+            vec![
+                (PathBuf::from(p("mid.qcow2")), "qcow2"),
+                (PathBuf::from(p("base.raw")), "raw")
+            ]
+        );
+        assert!(backing_chain(Path::new(&p("base.raw"))).unwrap().is_empty());
+    }
+
+    #[test]
+    fn boot_files_are_sealed_copies_made_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vmlinux");
+        let data: Vec<u8> = (0..100_000).map(|_| rand::random::<u8>()).collect();
+        std::fs::write(&path, &data).unwrap();
+        let a = boot_file(&path).unwrap();
+        let b = boot_file(&path).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        let link = format!("/proc/self/fd/{}", a.as_raw_fd());
+        assert_eq!(std::fs::read(&link).unwrap(), data);
+        let w = File::options().write(true).open(&link).unwrap();
+        use std::io::Write;
+        assert!((&w).write_all(b"x").is_err(), "the memfd is write-sealed");
+        assert_eq!(std::fs::read(&link).unwrap(), data);
+    }
+}

@@ -1,0 +1,368 @@
+//! Per-VM uids (issue 9 "Confinement"): every QEMU runs as a uid of its own with no supplementary
+//! groups, can open no other sandbox's RAM or disk, and uids stay unique across releases and restarts.
+
+mod common;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+
+use agentenv_runtime::uid::UidRange;
+use agentenv_runtime::vmm::VmmError;
+use agentenv_runtime::{CreateError, CreateSpec, Runtime, SnapshotMode, VmState};
+use common::{StateDir, run, runtime_with, token};
+
+fn spec(id: &str) -> CreateSpec {
+    CreateSpec {
+        sandbox_id: id.into(),
+        template_id: "base".into(),
+        ..Default::default()
+    }
+}
+
+fn record(state: &Path, id: &str) -> serde_json::Value {
+    let p = state.join("sandboxes").join(id).join("sandbox.json");
+    serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap()
+}
+
+/// The uid of sandbox `id`'s QEMU, after checking that its real, effective, saved and filesystem uids
+/// are that one uid of `range`, its gids all `range.gid` and its supplementary groups empty.
+fn vm_uid(state: &Path, id: &str, range: &UidRange) -> u32 {
+    let pid = record(state, id)["phase"]["pid"]
+        .as_u64()
+        .expect("running pid");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uids = agentenv_runtime::uid::status_ids(&status, "Uid:").unwrap();
+    let gids = agentenv_runtime::uid::status_ids(&status, "Gid:").unwrap();
+    let groups = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Groups:"))
+        .unwrap();
+    assert!(uids.iter().all(|u| *u == uids[0]), "{id}: uids {uids:?}");
+    assert!(
+        range.contains(uids[0]),
+        "{id}: uid {} outside {range:?}",
+        uids[0]
+    );
+    assert_eq!(gids, [range.gid; 4], "{id}: gids");
+    assert_eq!(groups.trim(), "", "{id}: supplementary groups");
+    uids[0]
+}
+
+fn ram_file(state: &Path, id: &str) -> PathBuf {
+    PathBuf::from(record(state, id)["ram_file"].as_str().unwrap())
+}
+
+/// Opens `path` for reading, then for appending, as `uid`:`gid` in a helper process; both must fail
+/// with EACCES.
+fn assert_denied(uid: u32, gid: u32, path: &Path) {
+    assert!(path.exists(), "{} missing", path.display());
+    for redirect in ["3<", "3>>"] {
+        let out = std::process::Command::new("/bin/sh")
+            .args(["-c", &format!("exec {redirect}\"$1\""), "sh"])
+            .arg(path)
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("Permission denied"),
+            "uid {uid} opened {} ({redirect}): {err}",
+            path.display()
+        );
+    }
+}
+
+fn mode_and_owner(path: &Path) -> (u32, u32) {
+    let m = std::fs::symlink_metadata(path).unwrap();
+    (m.permissions().mode() & 0o777, m.uid())
+}
+
+fn no_free_uid<T: std::fmt::Debug>(r: Result<T, CreateError>) -> bool {
+    matches!(r, Err(CreateError::Vmm(VmmError::NoUid(_))))
+}
+
+async fn open(state: &Path, range: UidRange) -> Runtime {
+    runtime_with(state, |c| c.qemu_uids = Some(range)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_qemu_runs_as_a_uid_of_its_own() {
+    if !agentenv_runtime::uid::running_as_root() {
+        eprintln!("skip: per-VM uids need root (QEMU runs as this user, already unprivileged)");
+        return;
+    }
+    // Three uids of our own (parallel tests take other ranges).
+    let base = 3_000_000 + rand::random_range(0..10_000u32) * 8;
+    let range = UidRange {
+        base,
+        count: 3,
+        gid: base,
+    };
+    let state = StateDir::new();
+    let s = state.path();
+    let rt = open(s, range).await;
+
+    let (a, b) = tokio::join!(rt.create(spec("ua")), rt.create(spec("ub")));
+    a.expect("create ua");
+    b.expect("create ub");
+    rt.create(spec("uc")).await.expect("create uc");
+    let (ua, ub, uc) = (
+        vm_uid(s, "ua", &range),
+        vm_uid(s, "ub", &range),
+        vm_uid(s, "uc", &range),
+    );
+    assert!(ua != ub && ub != uc && ua != uc, "{ua} {ub} {uc}");
+    assert!(
+        no_free_uid(rt.create(spec("ud")).await),
+        "a fourth VM got a uid"
+    );
+    assert!(!s.join("sandboxes/ud").exists());
+
+    // Who owns what: the state stays root's and private; the VM owns its RAM and socket folder.
+    for id in ["ua", "ub"] {
+        let u = vm_uid(s, id, &range);
+        let dir = s.join("sandboxes").join(id);
+        assert_eq!(mode_and_owner(&dir), (0o700, 0), "{id} folder");
+        assert_eq!(mode_and_owner(&dir.join("sandbox.json")), (0o600, 0));
+        assert_eq!(mode_and_owner(&dir.join("disk.qcow2")), (0o600, 0));
+        assert_eq!(mode_and_owner(&dir.join("console.log")), (0o600, 0));
+        assert_eq!(
+            mode_and_owner(&dir.join("qemu")),
+            (0o700, u),
+            "{id} sockets"
+        );
+        assert_eq!(mode_and_owner(&ram_file(s, id)), (0o600, u), "{id} RAM");
+    }
+    common::assert_private(&s.join("sandboxes"));
+    let tok = token();
+    run(&rt, "ub", &format!("echo {tok} > /home/user/t; sync")).await;
+
+    // A VM's uid opens nothing of another sandbox, of the templates or of the state.
+    let tpl: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(s.join("templates/base/template.json")).unwrap())
+            .unwrap();
+    let mut theirs = vec![
+        ram_file(s, "ub"),
+        s.join("sandboxes/ub/disk.qcow2"),
+        s.join("sandboxes/ub/sandbox.json"),
+        s.join("sandboxes/ua/sandbox.json"),
+        PathBuf::from(tpl["base_disk"].as_str().unwrap()),
+        PathBuf::from(tpl["base_ram"].as_str().unwrap()),
+    ];
+    for p in &theirs {
+        assert_denied(ua, range.gid, p);
+    }
+
+    // Pause frees the uid and takes the RAM file back; the next VM gets exactly that uid.
+    // (QEMU exits in the background after a pause returns: the uid is free once it has.)
+    rt.pause("ua").await.expect("pause");
+    let mut created = rt.create(spec("ud")).await;
+    for _ in 0..100 {
+        if !matches!(created, Err(CreateError::Vmm(VmmError::NoUid(_)))) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        created = rt.create(spec("ud")).await;
+    }
+    created.expect("create ud");
+    assert_eq!(
+        mode_and_owner(&ram_file(s, "ua")).1,
+        0,
+        "paused RAM is root's"
+    );
+    assert_eq!(vm_uid(s, "ud", &range), ua, "the released uid is reused");
+    rt.kill("ud").await.expect("kill ud");
+    rt.resume("ua").await.expect("resume");
+    assert_eq!(vm_uid(s, "ua", &range), ua);
+    assert_eq!(run(&rt, "ua", "echo ok").await.0, "ok\n");
+
+    // Snapshot and fork: the fork gets its own copy of the snapshot's RAM, owned by its own uid.
+    let snap = rt
+        .snapshot("ub", "snap-ub", &[], SnapshotMode::Full)
+        .await
+        .expect("snapshot");
+    rt.kill("uc").await.expect("kill uc");
+    let forks = rt.fork("ub", &["uf".to_string()]).await.expect("fork");
+    forks[0].as_ref().expect("fork uf");
+    let uf = vm_uid(s, "uf", &range);
+    assert_eq!(uf, uc);
+    assert_eq!(
+        run(&rt, "uf", "cat /home/user/t").await.0,
+        format!("{tok}\n")
+    );
+    let fork_ram = ram_file(s, "uf");
+    assert!(
+        fork_ram.starts_with(s.join("sandboxes/uf")),
+        "{}",
+        fork_ram.display()
+    );
+    assert_eq!(mode_and_owner(&fork_ram), (0o600, uf));
+    theirs.extend([
+        s.join("snapshots").join(&snap.id).join("disk.qcow2"),
+        s.join("snapshots").join(&snap.id).join("ram.mem"),
+        ram_file(s, "ua"),
+    ]);
+    for p in &theirs {
+        assert_denied(uf, range.gid, p);
+    }
+
+    // A restart adopts the running VMs' uids: none is handed out twice.
+    drop(rt);
+    // Snapshot ingests still finishing in the background keep the chunk store open for a moment.
+    let mut cfg = agentenv_runtime::RuntimeConfig::new(s);
+    cfg.guest_bin = Some(common::guest_bin());
+    cfg.qemu_uids = Some(range);
+    let mut attempt = 0;
+    let rt = loop {
+        match Runtime::open(cfg.clone()).await {
+            Ok(rt) => break rt,
+            Err(e) if attempt < 600 => {
+                attempt += 1;
+                eprintln!("reopen: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("runtime reopens: {e}"),
+        }
+    };
+    let recovered = rt.recover().await.expect("recover");
+    assert!(
+        recovered.iter().all(|r| r.state == Some(VmState::Running)),
+        "{recovered:?}"
+    );
+    assert_eq!(recovered.len(), 3, "{recovered:?}");
+    assert!(
+        no_free_uid(rt.create(spec("ug")).await),
+        "a live uid was handed out again"
+    );
+    rt.kill("ub").await.expect("kill ub");
+    rt.create(spec("ug")).await.expect("create ug");
+    assert_eq!(vm_uid(s, "ug", &range), ub);
+    for id in ["ua", "uf", "ug"] {
+        rt.kill(id).await.expect("kill");
+    }
+    assert!(common::qemu_pids_under(s).is_empty(), "no QEMU left");
+}
+
+/// A QEMU started by an older version (as root, sockets in the sandbox folder, paths on its command
+/// line) is re-attached after an upgrade, and moves to its own uid at its next pause and resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_qemu_of_an_older_version_is_adopted_then_confined() {
+    if !agentenv_runtime::uid::running_as_root() {
+        eprintln!("skip: per-VM uids need root");
+        return;
+    }
+    let base = 3_100_000 + rand::random_range(0..10_000u32) * 8;
+    let range = UidRange {
+        base,
+        count: 2,
+        gid: base,
+    };
+    let state = StateDir::new();
+    let s = state.path();
+    {
+        let rt = open(s, range).await;
+        rt.create(spec("old")).await.expect("create");
+        rt.pause("old").await.expect("pause");
+        // Wait until the paused QEMU is gone.
+        for _ in 0..200 {
+            if common::qemu_pids_under(s).is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+    // The older version's layout: no socket folder, everything named by path, QEMU as root.
+    let dir = s.join("sandboxes/old");
+    std::fs::remove_dir_all(dir.join("qemu")).unwrap();
+    let rec = record(s, "old");
+    let m = &rec["machine"];
+    let p = |x: &Path| x.display().to_string();
+    let mut qemu = std::process::Command::new("qemu-system-x86_64")
+        .args([
+            "-M",
+            "microvm,memory-backend=mem",
+            "-accel",
+            "tcg",
+            "-m",
+            "256M",
+            "-smp",
+            "1",
+        ])
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-sandbox",
+        ])
+        .arg("on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
+        .arg("-object")
+        .arg(format!(
+            "memory-backend-file,id=mem,size=256M,mem-path={},share=on",
+            p(&ram_file(s, "old"))
+        ))
+        .args(["-kernel", m["kernel"].as_str().unwrap()])
+        .args(["-initrd", m["initrd"].as_str().unwrap()])
+        .args(["-append", m["cmdline"].as_str().unwrap()])
+        .arg("-chardev")
+        .arg(format!(
+            "file,id=con,path={},append=on",
+            p(&dir.join("console.log"))
+        ))
+        .args(["-serial", "chardev:con", "-qmp"])
+        .arg(format!(
+            "unix:{},server=on,wait=off",
+            p(&dir.join("qmp.sock"))
+        ))
+        .arg("-drive")
+        .arg(format!(
+            "id=root,file={},format=qcow2,if=none,cache=writeback",
+            p(&dir.join("disk.qcow2"))
+        ))
+        .args([
+            "-device",
+            "virtio-blk-device,drive=root",
+            "-device",
+            "virtio-serial-device",
+        ])
+        .arg("-chardev")
+        .arg(format!(
+            "socket,id=agent,path={},server=on,wait=off",
+            p(&dir.join("agent.sock"))
+        ))
+        .args(["-device", "virtserialport,chardev=agent,name=agentenv.0"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("qemu starts");
+    let mut rec = rec.clone();
+    rec["phase"] = serde_json::json!({"phase": "running", "pid": qemu.id()});
+    std::fs::write(dir.join("sandbox.json"), serde_json::to_vec(&rec).unwrap()).unwrap();
+    for _ in 0..200 {
+        if dir.join("qmp.sock").exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    let rt = open(s, range).await;
+    let recovered = rt.recover().await.expect("recover");
+    assert_eq!(recovered.len(), 1, "{recovered:?}");
+    assert_eq!(recovered[0].state, Some(VmState::Running), "{recovered:?}");
+    // Still the old QEMU, as root; the agent answers once its cold boot is done.
+    assert_eq!(agentenv_runtime::uid::process_uid(qemu.id()), Some(0));
+    assert_eq!(run(&rt, "old", "echo up").await.0, "up\n");
+    rt.pause("old").await.expect("pause the old QEMU");
+    rt.resume("old").await.expect("resume confined");
+    assert!(range.contains(vm_uid(s, "old", &range)));
+    assert_eq!(run(&rt, "old", "echo confined").await.0, "confined\n");
+    rt.kill("old").await.expect("kill");
+    // The old QEMU exited at the pause (the runtime saw it a zombie); reap it.
+    let _ = qemu.wait();
+    assert!(common::qemu_pids_under(s).is_empty(), "no QEMU left");
+}
