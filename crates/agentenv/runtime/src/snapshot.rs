@@ -386,6 +386,13 @@ impl Runtime {
                 &*s,
             )?;
         }
+        // Other machines sharing the store must not import it any more.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let (store, key) = (self.inner.store.clone(), crate::remote::meta_key(id));
+            handle.spawn(async move {
+                let _ = store.delete_meta(&key).await;
+            });
+        }
         self.collect_snapshots();
         Ok(())
     }
@@ -447,6 +454,7 @@ impl Runtime {
     /// only chunks no earlier file had are written; `chunks.json` appears when all are durable.
     fn spawn_ingest(&self, rec: SnapshotRecord) {
         let store = self.inner.store.clone();
+        let inner = self.inner.clone();
         let template_build = self
             .template_record(&rec.template_id)
             .map(|t| crate::remote::template_build(&t));
@@ -488,7 +496,13 @@ impl Runtime {
                 stored: out.clone(),
                 template_build: template_build.unwrap_or_default(),
             };
-            if let Ok(meta) = serde_json::to_vec(&shared) {
+            let live = inner
+                .snapshots
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&rec.id)
+                .is_some_and(|s| !s.deleted);
+            if live && let Ok(meta) = serde_json::to_vec(&shared) {
                 let _ = store
                     .put_meta(&crate::remote::meta_key(&rec.id), &meta)
                     .await;

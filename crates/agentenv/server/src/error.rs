@@ -57,6 +57,7 @@ impl From<LifecycleError> for ApiError {
             L::Runtime(_) | L::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
             L::DeadlineExceeded { .. } => StatusCode::GATEWAY_TIMEOUT,
             L::QuotaExceeded(_) => StatusCode::TOO_MANY_REQUESTS,
+            L::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         };
         ApiError::new(status, e.to_string())
     }
@@ -167,6 +168,22 @@ mod tests {
             "",
         ] {
             assert!(!super::is_json_type(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn no_free_vm_uid_is_503_with_retry_after() {
+        use crate::backend::{CreateError, ResumeError};
+        use agentenv_runtime::vmm::VmmError;
+        use axum::response::IntoResponse;
+        let why = format!("all {} uids in use", rand::random_range(1..9));
+        for e in [
+            crate::sandboxes::LifecycleError::from(CreateError::Vmm(VmmError::NoUid(why.clone()))),
+            crate::sandboxes::LifecycleError::from(ResumeError::Vmm(VmmError::NoUid(why.clone()))),
+        ] {
+            let r = super::ApiError::from(e).into_response();
+            assert_eq!(r.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(r.headers()["retry-after"], "1");
         }
     }
 }

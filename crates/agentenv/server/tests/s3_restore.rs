@@ -143,9 +143,46 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
         )
         .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND, "{:?}", r.json());
+    // Deleted on B: neither B (which may still keep the files) nor a third server imports it again.
+    let r = api_b
+        .call(Method::DELETE, &format!("/templates/{snap}"), None)
+        .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{:?}", r.json());
+    for source in [name.as_str(), snap.as_str()] {
+        let r = api_b
+            .call(
+                Method::POST,
+                "/v2/sandboxes",
+                Some(json!({"templateID": source})),
+            )
+            .await;
+        assert_eq!(
+            r.status,
+            StatusCode::NOT_FOUND,
+            "B, {source}: {:?}",
+            r.json()
+        );
+    }
     b.stop();
-    assert!(
-        common::qemu_pids_under(dir_a.path()).is_empty()
-            && common::qemu_pids_under(dir_b.path()).is_empty()
-    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let dir_c = common::state_dir();
+    let c = TestServer::start_with_store(
+        dir_c.path(),
+        true,
+        Some(store(dir_c.path(), &weed, &bucket)),
+    )
+    .await;
+    let r = c
+        .client()
+        .call(
+            Method::POST,
+            "/v2/sandboxes",
+            Some(json!({"templateID": name})),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "C: {:?}", r.json());
+    c.stop();
+    for d in [&dir_a, &dir_b, &dir_c] {
+        assert!(common::qemu_pids_under(d.path()).is_empty());
+    }
 }

@@ -1,6 +1,7 @@
 //! `LifecycleError` and the conversions from the runtime's errors.
 
 use crate::backend::{CreateError, KillError, PauseError, ResumeError, SnapshotError};
+use agentenv_runtime::vmm::VmmError;
 
 /// Why a lifecycle operation failed. HTTP status is decided at the edge (`error.rs`), nowhere else.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -28,6 +29,9 @@ pub enum LifecycleError {
     /// The operation would take the key over one of its quotas.
     #[error("quota exceeded: {0}")]
     QuotaExceeded(String),
+    /// The host has no room for another VM now (e.g. every QEMU uid is taken); retrying later may work.
+    #[error("no capacity: {0}")]
+    Unavailable(String),
     /// A runtime call missed its deadline; the VM was killed and the sandbox is gone.
     #[error("{op} of sandbox {id} missed its {secs:.0} s deadline; the VM was killed")]
     DeadlineExceeded {
@@ -49,6 +53,7 @@ impl From<CreateError> for LifecycleError {
             CreateError::InvalidId(i) => {
                 LifecycleError::Invalid(format!("invalid sandbox id {i:?}"))
             }
+            CreateError::Vmm(VmmError::NoUid(why)) => LifecycleError::Unavailable(why),
             e => runtime(e),
         }
     }
@@ -67,6 +72,7 @@ impl From<ResumeError> for LifecycleError {
         match e {
             ResumeError::NotFound(i) => LifecycleError::SandboxNotFound(i),
             ResumeError::NotPaused(i) => LifecycleError::AlreadyRunning(i),
+            ResumeError::Vmm(VmmError::NoUid(why)) => LifecycleError::Unavailable(why),
             e => runtime(e),
         }
     }

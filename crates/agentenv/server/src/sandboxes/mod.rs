@@ -9,10 +9,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::backend::{
-    CreateSpec, KillError, SnapshotInfo, SnapshotMode, TemplateError, TemplateInfo, TemplateSpec,
-    VmBackend, VmState,
-};
+use crate::backend::{CreateSpec, KillError, VmBackend, VmState};
 use crate::keys;
 use crate::metrics::Metrics;
 use crate::model::{NewSandbox, SandboxState};
@@ -33,6 +30,7 @@ mod error;
 mod expiry;
 mod owners;
 mod quota;
+mod snapshots;
 
 pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};
 use quota::Usage;
@@ -40,7 +38,7 @@ use quota::Usage;
 pub use error::LifecycleError;
 use owners::Owners;
 
-use crate::tenants::{self, DEFAULT_TENANT, KeyRing};
+use crate::tenants::{DEFAULT_TENANT, KeyRing};
 
 /// Whose request an operation serves: a tenant, which sees and holds only its own sandboxes, snapshots
 /// and templates (others' are "not found"), or the server itself (expiry, data-plane auto-resume).
@@ -605,178 +603,6 @@ impl Sandboxes {
     /// Resumes a paused sandbox on data-plane traffic when it asked for `autoResume`.
     pub async fn auto_resume(&self, id: &str) -> Result<()> {
         self.connect(&Caller::Server, id, None).await.map(|_| ())
-    }
-
-    /// Snapshots a sandbox. It keeps running (stopped only for the capture), with its id and expiry.
-    /// The snapshot is the sandbox owner's, and outlives the sandbox.
-    pub async fn snapshot(
-        &self,
-        caller: &Caller,
-        id: &str,
-        name: Option<String>,
-        memory: bool,
-    ) -> Result<SnapshotInfo> {
-        let owner = self.get_as(caller, id)?.owner;
-        let names = match name {
-            Some(n) => vec![tenants::scoped_name(&owner, &n).map_err(LifecycleError::Invalid)?],
-            None => vec![],
-        };
-        let lock = self.op_lock(id);
-        let _guard = lock.lock().await;
-        self.get_as(caller, id)?;
-        let sid = format!("snap-{}", keys::generate_sandbox_id());
-        let mode = if memory {
-            SnapshotMode::Full
-        } else {
-            SnapshotMode::Filesystem
-        };
-        // The owner is written first: a crash after it leaves only an entry that the next start drops.
-        self.owners.set_snapshot(&sid, &owner).map_err(internal)?;
-        let r = self
-            .within(
-                "snapshot",
-                id,
-                self.cfg.deadlines.snapshot,
-                self.backend.snapshot(id, &sid, &names, mode),
-            )
-            .await;
-        if r.is_err() && self.backend.snapshots().iter().all(|s| s.id != sid) {
-            let _ = self.owners.forget_snapshot(&sid);
-        }
-        r.map(|info| self.as_seen_by(&owner, info))
-    }
-
-    /// `info` with only the names of `owner`, as that tenant wrote them.
-    fn as_seen_by(&self, owner: &str, mut info: SnapshotInfo) -> SnapshotInfo {
-        info.names = info
-            .names
-            .iter()
-            .filter_map(|n| tenants::unscoped_name(owner, n).map(str::to_string))
-            .collect();
-        info
-    }
-
-    /// The live snapshots `caller` may see, as it sees them.
-    fn visible_snapshots(&self, caller: &Caller) -> Vec<(String, SnapshotInfo)> {
-        self.backend
-            .snapshots()
-            .into_iter()
-            .filter_map(|s| {
-                let owner = self.owners.snapshot_owner(&s.id);
-                caller
-                    .sees(&owner)
-                    .then(|| (owner.clone(), self.as_seen_by(&owner, s)))
-            })
-            .collect()
-    }
-
-    /// Imports `caller`'s snapshot `name` (an id, or its own `name[:tag]`) from a chunk store shared with
-    /// other machines. It belongs to the tenant its names are scoped to (the default one when unnamed), so
-    /// a tenant can import only its own.
-    async fn import_snapshot(&self, caller: &Caller, name: &str) -> Result<Option<SnapshotInfo>> {
-        let wanted = if name.starts_with("snap-") {
-            name.to_string()
-        } else {
-            match tenants::scoped_name(caller.owner(), name) {
-                Ok(n) => n,
-                Err(_) => return Ok(None),
-            }
-        };
-        let Some(info) = self.backend.import_snapshot(&wanted).await? else {
-            return Ok(None);
-        };
-        let owner = info
-            .names
-            .iter()
-            .find_map(|n| tenants::scope_of(n).map(str::to_string))
-            .unwrap_or_else(|| DEFAULT_TENANT.into());
-        if self.owners.snapshot_owner(&info.id) != owner {
-            self.owners
-                .set_snapshot(&info.id, &owner)
-                .map_err(internal)?;
-        }
-        Ok(caller.sees(&owner).then(|| self.as_seen_by(&owner, info)))
-    }
-
-    /// `caller`'s snapshot with id or name (`name[:tag]`) `name`.
-    fn find_snapshot(&self, caller: &Caller, name: &str) -> Option<SnapshotInfo> {
-        let wanted = agentenv_runtime::snapshot::normalize_name(name);
-        self.visible_snapshots(caller)
-            .into_iter()
-            .map(|(_, s)| s)
-            .find(|s| s.id == name || wanted.as_ref().is_some_and(|w| s.names.contains(w)))
-    }
-
-    /// Live snapshots `caller` may see, oldest first, optionally of one sandbox and/or with one name
-    /// (`name[:tag]`).
-    pub fn snapshots(
-        &self,
-        caller: &Caller,
-        sandbox_id: Option<&str>,
-        name: Option<&str>,
-    ) -> Result<Vec<SnapshotInfo>> {
-        let wanted =
-            match name {
-                Some(n) => Some(agentenv_runtime::snapshot::normalize_name(n).ok_or_else(
-                    || LifecycleError::Invalid(format!("invalid snapshot name {n:?}")),
-                )?),
-                None => None,
-            };
-        let mut all: Vec<SnapshotInfo> = self
-            .visible_snapshots(caller)
-            .into_iter()
-            .map(|(_, s)| s)
-            .filter(|s| sandbox_id.is_none_or(|id| s.source_sandbox.as_deref() == Some(id)))
-            .filter(|s| wanted.as_ref().is_none_or(|w| s.names.contains(w)))
-            .collect();
-        all.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
-        Ok(all)
-    }
-
-    /// Deletes `caller`'s snapshot by id or name.
-    pub fn delete_snapshot(&self, caller: &Caller, id_or_name: &str) -> Result<()> {
-        let id = self
-            .find_snapshot(caller, id_or_name)
-            .map(|s| s.id)
-            .ok_or_else(|| LifecycleError::SnapshotNotFound(id_or_name.into()))?;
-        self.backend.delete_snapshot(&id)?;
-        if let Err(e) = self.owners.forget_snapshot(&id) {
-            tracing::warn!(snapshot = %id, error = %e, "owner entry of a deleted snapshot stays until the next start");
-        }
-        Ok(())
-    }
-
-    /// Templates `caller` may use: the public ones and its own.
-    pub fn templates(&self, caller: &Caller) -> Vec<TemplateInfo> {
-        self.backend
-            .templates()
-            .into_iter()
-            .filter(|t| {
-                self.owners
-                    .template_owner(&t.id)
-                    .is_none_or(|o| caller.sees(&o))
-            })
-            .collect()
-    }
-
-    /// Builds a template owned by `caller` (minutes).
-    pub async fn build_template(
-        &self,
-        caller: &Caller,
-        spec: TemplateSpec,
-    ) -> std::result::Result<TemplateInfo, TemplateError> {
-        let id = spec.id.clone();
-        let taken = self.backend.templates().iter().any(|t| t.id == id);
-        if !taken && let Err(e) = self.owners.set_template(&id, caller.owner()) {
-            return Err(TemplateError::InvalidSpec(format!(
-                "recording the owner: {e}"
-            )));
-        }
-        let r = self.backend.build_template(spec).await;
-        if r.is_err() && !taken && self.backend.templates().iter().all(|t| t.id != id) {
-            let _ = self.owners.forget_template(&id);
-        }
-        r
     }
 
     /// Forks a sandbox into `count` (1..=20) new ones: one capture, then one restore each. Each result
