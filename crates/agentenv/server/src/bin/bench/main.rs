@@ -51,6 +51,9 @@ struct Args {
     /// Run only the soak: create/pause/resume/kill churn for this many seconds (0: no soak).
     #[arg(long, default_value_t = 0)]
     soak_s: u64,
+    /// Run every QEMU as this process's user instead of a uid of its own (for A/B runs).
+    #[arg(long)]
+    no_qemu_uids: bool,
 }
 
 struct Http {
@@ -361,6 +364,9 @@ async fn main() -> anyhow::Result<()> {
         .tempdir()?;
     let mut cfg = agentenv_runtime::RuntimeConfig::new(state.path().join("runtime"));
     cfg.accel = accel;
+    if args.no_qemu_uids {
+        cfg.qemu_uids = None;
+    }
     let rt = agentenv_runtime::Runtime::open(cfg)
         .await
         .context("opening the runtime")?;
@@ -591,6 +597,7 @@ async fn main() -> anyhow::Result<()> {
         notes: vec![
             format!("command: {}", cmd.join(" ")),
             format!("backend: QEMU -M microvm, accelerator {accel_name}; create restores the template's base snapshot"),
+            format!("QEMU users: {}", if args.no_qemu_uids { "the bench's own (--no-qemu-uids)" } else { "one uid per VM" }),
             "client: HTTP/1.1 on loopback to an in-process agentenv server; one sandbox at a time".into(),
             format!("{} sandboxes, {} command round trips each; medians quoted, stats hold p99", args.iterations, args.commands),
             "caveat: 2-core dev box shared with other builds; TCG is software emulation".into(),
