@@ -180,13 +180,12 @@ fn central(
     (up - down) / (2.0 * eps)
 }
 
-/// `got` vs finite differences `fd`: within 1% of the value plus 1% of the mean magnitude
-/// (dx carries bf16 roundings of each of its K terms).
-fn close(what: &str, got: &[(f64, f64)]) -> Result<(), TestCaseError> {
+/// `got` vs finite differences `fd`: within 1% of the value plus `of_scale` of the mean magnitude.
+fn close(what: &str, got: &[(f64, f64)], of_scale: f64) -> Result<(), TestCaseError> {
     let scale = got.iter().map(|(_, fd)| fd.abs()).sum::<f64>() / got.len().max(1) as f64;
     for (i, &(g, fd)) in got.iter().enumerate() {
         prop_assert!(
-            (g - fd).abs() <= 1e-2 * fd.abs() + 1e-2 * scale + 1e-9,
+            (g - fd).abs() <= 1e-2 * fd.abs() + of_scale * scale + 1e-9,
             "{} sample {}: backward {} vs finite difference {}",
             what,
             i,
@@ -254,9 +253,12 @@ fn check_finite_differences(s: &Shape) -> Result<(), TestCaseError> {
             central(&mut v, &topk, k, |v| &mut v.weights[e][j]),
         ));
     }
-    close("dx", &dx)?;
-    close("dw", &dw)?;
-    close("dW", &dwe)
+    // dx sums K bf16-rounded expert terms (each off by up to 2^-9 of its size) that can cancel, so
+    // its error scales with the terms, not with the sum: allow K * 2^-7 of the mean magnitude. A
+    // missing, doubled or misweighted expert is off by a whole term.
+    close("dx", &dx, 1e-2_f64.max(k as f64 / 128.0))?;
+    close("dw", &dw, 1e-2)?;
+    close("dW", &dwe, 1e-2)
 }
 
 proptest! {
@@ -294,7 +296,7 @@ fn layer_gradients_match_finite_differences_under_a_hot_home_group() {
 fn a_wrong_adjoint_fails_the_finite_difference_check() {
     // Sanity of the check itself: a sign flip in one dx sample must be caught.
     let got = [(1.0, 1.0), (-0.5, 0.5), (0.25, 0.25)];
-    assert!(close("dx", &got).is_err());
+    assert!(close("dx", &got, 8.0 / 128.0).is_err());
 }
 
 #[test]
