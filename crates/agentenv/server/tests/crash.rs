@@ -190,38 +190,7 @@ async fn kill_9_at_every_step_leaves_a_consistent_state() {
     let dir = common::state_dir();
     let dir = dir.path();
     let s = start(dir, None).await;
-    let created = s
-        .api
-        .call(
-            Method::POST,
-            "/v2/sandboxes",
-            Some(json!({"templateID": "base"})),
-        )
-        .await;
-    assert_eq!(created.status, StatusCode::CREATED, "{:?}", created.json());
-    let a = created.json()["sandboxID"].as_str().unwrap().to_string();
-    let token = created.json()["envdAccessToken"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let secret = format!("{:x}", rand::random::<u64>());
-    s.api
-        .run(
-            &a,
-            &token,
-            &format!("echo {secret} > /home/user/keep; sync"),
-        )
-        .await
-        .unwrap();
-    let snap = s
-        .api
-        .call(
-            Method::POST,
-            &sandbox_path(&a, "snapshots"),
-            Some(json!({"name": "keep"})),
-        )
-        .await;
-    assert_eq!(snap.status, StatusCode::CREATED, "{:?}", snap.json());
+    let (a, secret) = sandbox_with_keep_snapshot(&s.api).await;
     s.stop();
 
     // (crash point, request, what sandbox A is afterwards: running, paused, or gone)
@@ -341,26 +310,8 @@ async fn kill_9_at_every_step_leaves_a_consistent_state() {
 
     // The snapshot taken before every crash still restores, with the file written before it.
     let s = start(dir, None).await;
-    let from_snap = s
-        .api
-        .call(
-            Method::POST,
-            "/v2/sandboxes",
-            Some(json!({"templateID": "keep"})),
-        )
-        .await;
-    assert_eq!(
-        from_snap.status,
-        StatusCode::CREATED,
-        "{:?}",
-        from_snap.json()
-    );
-    let v = from_snap.json();
-    let (id, token) = (
-        v["sandboxID"].as_str().unwrap(),
-        v["envdAccessToken"].as_str().unwrap(),
-    );
-    let (out, _) = s.api.run(id, token, "cat /home/user/keep").await.unwrap();
+    let (id, token) = create(&s.api, "keep").await;
+    let (out, _) = s.api.run(&id, &token, "cat /home/user/keep").await.unwrap();
     assert_eq!(out.trim(), secret);
     s.api
         .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
@@ -389,6 +340,29 @@ async fn create(api: &Api, template: &str) -> (String, String) {
     )
 }
 
+/// A sandbox from the template with a secret in `/home/user/keep`, snapshotted as `keep`; returns its id
+/// and the secret.
+async fn sandbox_with_keep_snapshot(api: &Api) -> (String, String) {
+    let (a, token) = create(api, "base").await;
+    let secret = format!("{:x}", rand::random::<u64>());
+    api.run(
+        &a,
+        &token,
+        &format!("echo {secret} > /home/user/keep; sync"),
+    )
+    .await
+    .unwrap();
+    let keep = api
+        .call(
+            Method::POST,
+            &sandbox_path(&a, "snapshots"),
+            Some(json!({"name": "keep"})),
+        )
+        .await;
+    assert_eq!(keep.status, StatusCode::CREATED, "{:?}", keep.json());
+    (a, secret)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qemu_kill_9_mid_snapshot_and_fork_leaves_a_consistent_state() {
     if !cfg!(debug_assertions) {
@@ -399,25 +373,7 @@ async fn qemu_kill_9_mid_snapshot_and_fork_leaves_a_consistent_state() {
     let dir = common::state_dir();
     let dir = dir.path();
     let s = start(dir, None).await;
-    let (a, token) = create(&s.api, "base").await;
-    let secret = format!("{:x}", rand::random::<u64>());
-    s.api
-        .run(
-            &a,
-            &token,
-            &format!("echo {secret} > /home/user/keep; sync"),
-        )
-        .await
-        .unwrap();
-    let keep = s
-        .api
-        .call(
-            Method::POST,
-            &sandbox_path(&a, "snapshots"),
-            Some(json!({"name": "keep"})),
-        )
-        .await;
-    assert_eq!(keep.status, StatusCode::CREATED, "{:?}", keep.json());
+    let (a, secret) = sandbox_with_keep_snapshot(&s.api).await;
     s.stop();
 
     // QEMU dies while its snapshot is captured: the snapshot fails, nothing of it is listed, the

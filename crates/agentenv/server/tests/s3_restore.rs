@@ -24,6 +24,16 @@ fn store(
     c
 }
 
+/// `POST /v2/sandboxes` from `source` (a template, or a snapshot id or name).
+async fn create_from(api: &common::Api, source: &str) -> common::Resp {
+    api.call(
+        Method::POST,
+        "/v2/sandboxes",
+        Some(json!({"templateID": source})),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_taken_on_one_server_starts_on_another() {
     common::ensure_guest_binary();
@@ -40,13 +50,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
     )
     .await;
     let api_a = a.client();
-    let r = api_a
-        .call(
-            Method::POST,
-            "/v2/sandboxes",
-            Some(json!({"templateID": "base"})),
-        )
-        .await;
+    let r = create_from(&api_a, "base").await;
     assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json());
     let (id, token) = (
         r.json()["sandboxID"].as_str().unwrap().to_string(),
@@ -107,13 +111,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
         "nothing local yet: {listed}"
     );
     for source in [name.clone(), snap.clone()] {
-        let r = api_b
-            .call(
-                Method::POST,
-                "/v2/sandboxes",
-                Some(json!({"templateID": source})),
-            )
-            .await;
+        let r = create_from(&api_b, &source).await;
         assert_eq!(r.status, StatusCode::CREATED, "{source}: {:?}", r.json());
         let v = r.json();
         let (nid, ntoken) = (
@@ -135,13 +133,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
         1,
         "imported once: {listed}"
     );
-    let r = api_b
-        .call(
-            Method::POST,
-            "/v2/sandboxes",
-            Some(json!({"templateID": "never-stored"})),
-        )
-        .await;
+    let r = create_from(&api_b, "never-stored").await;
     assert_eq!(r.status, StatusCode::NOT_FOUND, "{:?}", r.json());
     // Deleted on B: neither B (which may still keep the files) nor a third server imports it again.
     let r = api_b
@@ -149,13 +141,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
         .await;
     assert_eq!(r.status, StatusCode::NO_CONTENT, "{:?}", r.json());
     for source in [name.as_str(), snap.as_str()] {
-        let r = api_b
-            .call(
-                Method::POST,
-                "/v2/sandboxes",
-                Some(json!({"templateID": source})),
-            )
-            .await;
+        let r = create_from(&api_b, source).await;
         assert_eq!(
             r.status,
             StatusCode::NOT_FOUND,
@@ -172,14 +158,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
         Some(store(dir_c.path(), &weed, &bucket)),
     )
     .await;
-    let r = c
-        .client()
-        .call(
-            Method::POST,
-            "/v2/sandboxes",
-            Some(json!({"templateID": name})),
-        )
-        .await;
+    let r = create_from(&c.client(), &name).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND, "C: {:?}", r.json());
     c.stop();
     for d in [&dir_a, &dir_b, &dir_c] {
