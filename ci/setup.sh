@@ -10,7 +10,7 @@ SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 # apt: QEMU + guest kernel + userland tools for agentenv, protoc, busybox for the KVM probe.
 APT_PKGS=(build-essential pkg-config curl ca-certificates git python3 python3-venv python3-pip
   qemu-system-x86 qemu-utils busybox-static debootstrap e2fsprogs cpio xz-utils binutils
-  protobuf-compiler linux-image-amd64)
+  protobuf-compiler linux-image-amd64 iproute2 nftables)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

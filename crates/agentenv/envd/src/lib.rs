@@ -68,6 +68,29 @@ pub struct InitRequest {
     /// the default user, folder and environment; it then runs in every sandbox made from the template.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub start: Option<Vec<String>>,
+    /// Address, route and resolver of the guest's NIC (agentenv extension), sent at every create,
+    /// resume and fork: each gets an address of its own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<GuestNetwork>,
+}
+
+/// Name of the guest's one NIC.
+pub const GUEST_NIC: &str = "eth0";
+
+/// The guest NIC's settings in [`InitRequest::network`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestNetwork {
+    /// IPv4 address of [`GUEST_NIC`].
+    pub address: std::net::Ipv4Addr,
+    /// Prefix length of its subnet.
+    pub prefix_len: u8,
+    /// Default gateway.
+    pub gateway: std::net::Ipv4Addr,
+    /// Resolvers written to `/etc/resolv.conf`.
+    pub dns: Vec<std::net::Ipv4Addr>,
+    /// MAC address, `02:..` (locally administered).
+    pub mac: String,
 }
 
 /// Process tag of a template's start command.

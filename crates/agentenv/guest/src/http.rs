@@ -271,6 +271,20 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
             format!("user '{u}' does not exist"),
         );
     }
+    if let Some(n) = &r.network
+        && let Err(why) = crate::net::validate(n)
+    {
+        return http_error(StatusCode::BAD_REQUEST, format!("network: {why}"));
+    }
+    if agent.config.set_clock
+        && let Some(n) = &r.network
+        && let Err(e) = crate::net::configure(n)
+    {
+        return http_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("configuring {}: {e}", agentenv_envd::GUEST_NIC),
+        );
+    }
     if agent.config.set_clock
         && let Some(secs) = r.timestamp.as_ref().and_then(timestamp_secs)
     {

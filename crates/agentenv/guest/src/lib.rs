@@ -18,6 +18,7 @@ pub mod files;
 pub mod fs;
 pub mod http;
 pub mod init;
+pub mod net;
 pub mod port;
 pub mod process;
 pub mod rpc;
@@ -39,7 +40,7 @@ pub struct AgentConfig {
     pub access_token: Option<String>,
     /// Largest accepted `/files` upload, per file, in bytes.
     pub max_upload_bytes: u64,
-    /// Let `/init` set the system clock (only as PID 1 in a VM).
+    /// Let `/init` set the system clock and the NIC (only as the VM's agent).
     pub set_clock: bool,
 }
 

@@ -119,6 +119,18 @@ pub async fn request(
     path: &str,
     json_body: Option<&str>,
 ) -> Result<u16, AgentError> {
+    request_text(link, method, path, json_body)
+        .await
+        .map(|(s, _)| s)
+}
+
+/// [`request`], also returning the response body (at most 4 KiB of it, as text).
+pub async fn request_text(
+    link: &AgentLink,
+    method: &str,
+    path: &str,
+    json_body: Option<&str>,
+) -> Result<(u16, String), AgentError> {
     use http_body_util::{BodyExt, Full};
     let http = |what: &str, e: &dyn std::fmt::Display| AgentError::Http {
         what: format!("{what} {path}"),
@@ -142,9 +154,15 @@ pub async fn request(
     let req = req.body(body).map_err(|e| http("build", &e))?;
     let resp = tx.send_request(req).await.map_err(|e| http("send", &e))?;
     let status = resp.status().as_u16();
-    let _ = resp.into_body().collect().await;
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     driver.abort();
-    Ok(status)
+    let text = String::from_utf8_lossy(&body[..body.len().min(4096)]).into_owned();
+    Ok((status, text))
 }
 
 /// Sends envd `/init` with the host's clock, fresh kernel entropy and `env_vars`: every created,
@@ -152,6 +170,7 @@ pub async fn request(
 pub async fn init(
     link: &AgentLink,
     env_vars: &std::collections::BTreeMap<String, String>,
+    network: Option<agentenv_envd::GuestNetwork>,
 ) -> Result<(), AgentError> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -160,6 +179,7 @@ pub async fn init(
         env_vars: (!env_vars.is_empty()).then(|| env_vars.clone()),
         timestamp: Some(serde_json::json!(now)),
         entropy: Some(agentenv_envd::hex(&host_entropy())),
+        network,
         ..Default::default()
     };
     configure(link, &body).await
@@ -174,11 +194,12 @@ pub async fn configure(
         what: "encode /init".into(),
         detail: e.to_string(),
     })?;
-    let status = request(link, "POST", agentenv_envd::paths::INIT, Some(&body)).await?;
+    let (status, text) =
+        request_text(link, "POST", agentenv_envd::paths::INIT, Some(&body)).await?;
     if !(200..300).contains(&status) {
         return Err(AgentError::Http {
             what: "/init".into(),
-            detail: format!("HTTP {status}"),
+            detail: format!("HTTP {status}: {}", text.trim()),
         });
     }
     Ok(())

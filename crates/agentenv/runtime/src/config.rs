@@ -43,6 +43,8 @@ pub struct RuntimeConfig {
     /// uids to run QEMU processes as, one per VM ([`crate::uid`]); used only when this process is
     /// root. `None`: QEMU runs as this process.
     pub qemu_uids: Option<crate::uid::UidRange>,
+    /// Sandbox networking ([`crate::net`]). `None`: sandboxes get no network.
+    pub network: Option<crate::net::NetConfig>,
 }
 
 /// Bound of the default local chunk store.
@@ -63,6 +65,7 @@ impl RuntimeConfig {
             ram_dir: None,
             store: None,
             qemu_uids: Some(crate::uid::UidRange::default()),
+            network: None,
         }
     }
 }

@@ -26,6 +26,9 @@ pub enum OpenError {
     /// A template record is unreadable.
     #[error(transparent)]
     Record(#[from] PersistError),
+    /// Networking was required and cannot start.
+    #[error(transparent)]
+    Network(crate::net::NetError),
 }
 
 /// Building a template failed.
@@ -92,6 +95,26 @@ pub enum CreateError {
     /// The record could not be written.
     #[error(transparent)]
     Record(#[from] PersistError),
+    /// The sandbox asks for a network this runtime cannot give (the reason says why).
+    #[error("the sandbox asks for network access, but {0}")]
+    NetworkUnavailable(String),
+    /// Setting up its network failed.
+    #[error("sandbox network: {0}")]
+    Network(#[from] crate::net::NetError),
+}
+
+/// [`crate::Runtime::set_network`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    /// No sandbox with this id.
+    #[error("unknown sandbox {0}")]
+    NotFound(String),
+    /// The sandbox has no network to configure (the reason says why).
+    #[error("sandbox {id} has no network: {why}")]
+    Unavailable { id: String, why: String },
+    /// Applying the rules failed.
+    #[error(transparent)]
+    Net(#[from] crate::net::NetError),
 }
 
 /// [`crate::Runtime::pause`] failed.
@@ -143,6 +166,9 @@ pub enum ResumeError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The sandbox's network could not be plugged in again.
+    #[error("sandbox network: {0}")]
+    Network(#[from] crate::net::NetError),
 }
 
 /// [`crate::Runtime::kill`] failed.

@@ -8,12 +8,15 @@ use std::process::Command;
 use k3_common::cpio::CpioWriter;
 
 /// Modules loaded by the initramfs, in load order (`virtio_ring` before `virtio`).
-pub const MODULES: [&str; 10] = [
+pub const MODULES: [&str; 13] = [
     "virtio_ring",
     "virtio",
     "virtio_mmio",
     "virtio_console",
     "virtio_blk",
+    "failover",
+    "net_failover",
+    "virtio_net",
     "crc32c_generic",
     "crc16",
     "mbcache",
@@ -78,6 +81,13 @@ pub fn cmdline() -> String {
     k3_common::kvm::fast_boot_cmdline() + &log
 }
 
+fn initrd_key() -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (MODULES, boot_script()).hash(&mut h);
+    format!("{:016x}", h.finish())
+}
+
 /// Finds Debian's kernel (host `/boot` + `/lib/modules`, else `apt-get download` + `dpkg -x`) and builds
 /// vmlinux and both initramfs images under `cache` (reused when present).
 pub fn prepare(cache: &Path) -> Result<GuestKernel, KernelError> {
@@ -86,7 +96,8 @@ pub fn prepare(cache: &Path) -> Result<GuestKernel, KernelError> {
     let k = GuestKernel {
         release: release.clone(),
         vmlinux: dir.join("vmlinux"),
-        initrd: dir.join("initrd.cpio"),
+        // Named by its content (modules, boot script): a changed list builds a new one.
+        initrd: dir.join(format!("initrd-{}.cpio", initrd_key())),
         probe_initrd: dir.join("probe-k3.cpio"),
     };
     if k.vmlinux.exists() && k.initrd.exists() && k.probe_initrd.exists() {

@@ -21,6 +21,8 @@ pub mod error;
 pub mod fsops;
 pub mod kernel;
 pub mod launch;
+pub mod net;
+pub mod network;
 pub mod persist;
 pub mod qemu;
 pub mod qmp;
@@ -68,6 +70,8 @@ pub struct CreateSpec {
     pub template_id: String,
     /// Environment variables for every process (sent to envd `POST /init`).
     pub env_vars: BTreeMap<String, String>,
+    /// Egress policy; `None`: no network asked for (the NIC stays unplugged).
+    pub network: Option<net::EgressPolicy>,
 }
 
 /// A created sandbox VM.
@@ -117,6 +121,9 @@ pub(crate) struct Inner {
     /// Snapshots as content-addressed chunks (incremental, shared, optionally in S3).
     pub(crate) store: Arc<agentenv_store::ChunkStore>,
     pub(crate) sandboxes: Mutex<HashMap<String, Arc<sandbox::Slot>>>,
+    /// Sandbox networking; `None` with the reason in `net_off`.
+    pub(crate) net: Option<Arc<net::Network>>,
+    pub(crate) net_off: String,
 }
 
 /// Every 2 s, rotates the serial console log of each sandbox above [`vmm::CONSOLE_LOG_MAX`]
@@ -202,6 +209,20 @@ impl Runtime {
             c
         });
         let store = Arc::new(agentenv_store::ChunkStore::open(store_cfg).await?);
+        let (net, net_off) = match &cfg.network {
+            None => (None, "networking is off (`--network off`)".to_string()),
+            Some(nc) => match net::Network::start(nc.clone(), &cfg.state_dir) {
+                Ok(n) => {
+                    n.refill();
+                    (Some(n), String::new())
+                }
+                Err(e) if nc.required => return Err(OpenError::Network(e)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "sandboxes get no network");
+                    (None, e.to_string())
+                }
+            },
+        };
         tracing::info!(state_dir = %cfg.state_dir.display(), accel = accel.as_str(), templates = templates.len(), snapshots = snapshots.len(), "agentenv runtime open");
         let inner = Arc::new(Inner {
             cfg,
@@ -213,6 +234,8 @@ impl Runtime {
             imports: tokio::sync::Mutex::new(()),
             store,
             sandboxes: Mutex::new(HashMap::new()),
+            net,
+            net_off,
         });
         spawn_console_rotation(Arc::downgrade(&inner));
         Ok(Runtime { inner })

@@ -70,6 +70,9 @@ pub struct MachineRecord {
     pub vcpus: u32,
     /// Guest RAM in MiB.
     pub memory_mib: u64,
+    /// A virtio-net device (machines recorded before networking have none).
+    #[serde(default)]
+    pub nic: bool,
 }
 
 impl MachineRecord {
@@ -92,6 +95,8 @@ impl MachineRecord {
             ram_shared: true,
             disk: disk.to_owned(),
             disk_format,
+            nic: self.nic,
+            tap: None,
         }
     }
 }
@@ -271,6 +276,7 @@ mod tests {
                 cmdline: "console=ttyS0".into(),
                 vcpus: 1,
                 memory_mib: 256,
+                nic: true,
             },
             ram_file: "/r.mem".into(),
             ram_shared: true,

@@ -151,6 +151,21 @@ impl QemuVmm {
             "-device".into(),
             format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
         ]);
+        if spec.nic {
+            let device = match &spec.tap {
+                Some(tap) => {
+                    use std::os::fd::AsRawFd;
+                    a.extend([
+                        "-netdev".into(),
+                        format!("tap,id=net0,fd={}", tap.as_raw_fd()),
+                    ]);
+                    "virtio-net-device,netdev=net0"
+                }
+                // A NIC without a peer: the machine shape stays that of its snapshots.
+                None => "virtio-net-device",
+            };
+            a.extend(["-device".into(), device.into()]);
+        }
         if incoming {
             a.extend(["-S".into(), "-incoming".into(), "defer".into()]);
         }
@@ -226,7 +241,11 @@ impl QemuVmm {
             // std calls setgroups(0) before setuid when it drops from root: no supplementary groups.
             cmd.uid(o.uid).gid(o.gid);
         }
-        let fds = files.fds();
+        let mut fds = files.fds();
+        if let Some(tap) = &spec.tap {
+            use std::os::fd::AsRawFd;
+            fds.push(tap.as_raw_fd());
+        }
         // SAFETY: the closure only calls fcntl(2) on descriptors this process holds open.
         unsafe {
             cmd.pre_exec(move || crate::launch::inherit_in_child(&fds));

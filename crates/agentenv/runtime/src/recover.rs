@@ -55,6 +55,7 @@ impl Runtime {
                 detail,
             });
         }
+        self.remove_stale_nets();
         for (pid, id) in vm_processes_under(&dir) {
             let slot = self
                 .inner
@@ -100,13 +101,15 @@ impl Runtime {
                     // Its QEMU may have exited without this runtime seeing it: the RAM file is ours again.
                     crate::launch::reclaim(&rec.ram_file);
                 }
-                let live = Live {
+                let mut live = Live {
                     record: rec,
                     vm: None,
                     agent: None,
                     exiting: None,
                     gone: false,
+                    net: None,
                 };
+                self.recover_net(&mut live).await;
                 self.insert(id, Slot::new(live, VmState::Paused));
                 (Some(VmState::Paused), "paused snapshot kept".into(), None)
             }
@@ -131,13 +134,15 @@ impl Runtime {
                     Ok(_) => "re-attached".to_owned(),
                     Err(e) => format!("re-attached; agent not answering yet: {e}"),
                 };
-                let live = Live {
+                let mut live = Live {
                     record: rec,
                     vm: Some(vm),
                     agent: link.ok(),
                     exiting: None,
                     gone: false,
+                    net: None,
                 };
+                self.recover_net(&mut live).await;
                 self.insert(id, Slot::new(live, VmState::Running));
                 (Some(VmState::Running), detail, Some(pid))
             }

@@ -36,6 +36,8 @@ pub(crate) struct Live {
     pub(crate) exiting: Option<JoinHandle<()>>,
     /// Set once killed, so operations queued behind the kill fail as unknown.
     pub(crate) gone: bool,
+    /// Its network, held from create to kill (also while paused: the address stays).
+    pub(crate) net: Option<crate::net::Attachment>,
 }
 
 impl Slot {
@@ -170,6 +172,7 @@ impl Runtime {
                 agent: None,
                 exiting: None,
                 gone: false,
+                net: None,
             },
             VmState::Running,
         );
@@ -187,6 +190,7 @@ impl Runtime {
                 if let Some(vm) = live.vm.take() {
                     let _ = vm.kill().await;
                 }
+                self.release_net(&mut live);
                 live.gone = true;
                 inner
                     .sandboxes
@@ -215,7 +219,12 @@ impl Runtime {
         };
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         persist::write(&inner.record_path(id), &live.record)?;
-        let vm_spec = inner.spec_of(&live.record);
+        if let Some(policy) = &spec.network {
+            self.attach_net(live, image.machine.nic, policy.clone())
+                .await?;
+        }
+        let mut vm_spec = inner.spec_of(&live.record);
+        vm_spec.tap = live.net.as_ref().map(|n| n.tap()).transpose()?;
         let ram = live.record.ram_file.clone();
         let prepare_ram = {
             let (start_ram, ram, size) = match &image.start {
@@ -267,7 +276,7 @@ impl Runtime {
                 agent::connect_healthy(&vm_spec.agent_socket(), BOOT_ATTEMPT, BOOT_DEADLINE).await?
             }
         };
-        agent::init(&link, &spec.env_vars).await?;
+        agent::init(&link, &spec.env_vars, live.net.as_ref().map(|n| n.guest())).await?;
         live.agent = Some(link);
         tracing::debug!(sandbox = %id, template = %image.template_id, "sandbox created");
         Ok(SandboxVm {
@@ -385,7 +394,8 @@ impl Runtime {
         if let Some(h) = live.exiting.take() {
             let _ = h.await;
         }
-        let spec = self.inner.spec_of(&live.record);
+        let mut spec = self.inner.spec_of(&live.record);
+        spec.tap = live.net.as_ref().map(|n| n.tap()).transpose()?;
         if !spec.ram_shared {
             let size = spec.memory_mib << 20;
             std::fs::File::create(&spec.ram_file)
@@ -427,7 +437,8 @@ impl Runtime {
         .await
         {
             Ok(link) => {
-                agent::init(&link, &Default::default()).await?;
+                let net = live.net.as_ref().map(|n| n.guest());
+                agent::init(&link, &Default::default(), net).await?;
                 live.agent = Some(link);
                 Ok(())
             }
@@ -452,6 +463,7 @@ impl Runtime {
         if let Some(h) = live.exiting.take() {
             let _ = h.await;
         }
+        self.release_net(&mut live);
         self.inner
             .sandboxes
             .lock()

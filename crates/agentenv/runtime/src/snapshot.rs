@@ -417,6 +417,11 @@ impl Runtime {
             k3_common::crash::kill_vm_point("runtime:fork:after-capture", vm.pid());
         }
         let image = snap.image();
+        // Forks keep the parent's egress policy, each in a network of its own.
+        let network = match self.slot(sandbox_id) {
+            Some(slot) => slot.live.lock().await.net.as_ref().map(|n| n.policy()),
+            None => None,
+        };
         let mut set = tokio::task::JoinSet::new();
         for (i, id) in ids.iter().enumerate() {
             let (rt, image) = (self.clone(), image.clone());
@@ -424,6 +429,7 @@ impl Runtime {
                 sandbox_id: id.clone(),
                 template_id: image.template_id.clone(),
                 env_vars: BTreeMap::new(),
+                network: network.clone(),
             };
             set.spawn(async move { (i, rt.create_from(&spec, &image).await) });
         }

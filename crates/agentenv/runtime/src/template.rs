@@ -139,6 +139,7 @@ pub(crate) async fn build(
         cmdline: crate::kernel::cmdline(),
         vcpus: spec.vcpus,
         memory_mib: spec.memory_mib,
+        nic: true,
     };
     let image = match &spec.from_image {
         Some(src) => Some(resolve_image(src).await?),
@@ -418,6 +419,7 @@ impl Hash for MachineRecord {
             &self.cmdline,
             self.vcpus,
             self.memory_mib,
+            self.nic,
         )
             .hash(state);
     }

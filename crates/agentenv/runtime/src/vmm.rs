@@ -48,6 +48,10 @@ pub struct VmSpec {
     pub disk: PathBuf,
     /// Format of `disk`.
     pub disk_format: DiskFormat,
+    /// A virtio-net device (part of the machine shape: a restore must match the saved VM).
+    pub nic: bool,
+    /// The NIC's host side, a tap QEMU inherits; `None` leaves the NIC without a peer.
+    pub tap: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
 }
 
 impl VmSpec {
@@ -256,6 +260,8 @@ mod socket_tests {
             ram_shared: true,
             disk: PathBuf::new(),
             disk_format: DiskFormat::Qcow2,
+            nic: false,
+            tap: None,
         }
     }
 

@@ -7,7 +7,7 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 
 use crate::backend::VmBackend;
 use crate::dataplane::{self, Plane};
@@ -81,6 +81,7 @@ fn control_router() -> Router<AppState> {
         )
         .route("/sandboxes/{id}/timeout", post(routes::set_timeout))
         .route("/sandboxes/{id}/pause", post(routes::pause))
+        .route("/sandboxes/{id}/network", put(routes::set_network))
         .route("/v2/sandboxes/{id}/connect", post(routes::connect_v2))
         .route("/sandboxes/{id}/connect", post(routes::connect_v1))
         .route("/sandboxes/{id}/resume", post(routes::resume))

@@ -7,6 +7,9 @@
 use std::future::Future;
 use std::pin::Pin;
 
+pub use agentenv_runtime::error::NetworkError;
+pub use agentenv_runtime::net::EgressPolicy;
+pub use agentenv_runtime::network::NetworkInfo;
 pub use agentenv_runtime::{
     ConnectError, CreateError, CreateSpec, KillError, PauseError, RecoverError, RecoveredVm,
     ResumeError, SandboxVm, SnapshotError, SnapshotInfo, SnapshotMode, TemplateError, TemplateInfo,
@@ -68,4 +71,14 @@ pub trait VmBackend: Send + Sync + 'static {
         sandbox_id: &'a str,
         ids: &'a [String],
     ) -> BoxFuture<'a, Result<ForkResults, SnapshotError>>;
+    /// Replaces a sandbox's egress policy, without a restart.
+    fn set_network<'a>(
+        &'a self,
+        id: &'a str,
+        policy: EgressPolicy,
+    ) -> BoxFuture<'a, Result<(), NetworkError>>;
+    /// A sandbox's address and policy; `None` without a network.
+    fn network<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Option<NetworkInfo>>;
+    /// Why sandboxes get no network, or `None` when they do.
+    fn networking_off(&self) -> Option<String>;
 }

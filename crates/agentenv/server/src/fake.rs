@@ -21,6 +21,8 @@ pub struct FakeBackend {
     pub wedged: Mutex<std::collections::HashSet<String>>,
     /// Templates "built" (instantly) besides `base`.
     pub built: Mutex<Vec<TemplateInfo>>,
+    /// Egress policies of sandboxes created with one.
+    pub nets: Mutex<BTreeMap<String, EgressPolicy>>,
 }
 
 fn template() -> TemplateInfo {
@@ -100,6 +102,9 @@ impl VmBackend for FakeBackend {
                 .lock()
                 .unwrap()
                 .insert(spec.sandbox_id.clone(), VmState::Running);
+            if let Some(p) = spec.network {
+                self.nets.lock().unwrap().insert(spec.sandbox_id.clone(), p);
+            }
             Ok(vm(&spec.sandbox_id))
         })
     }
@@ -132,6 +137,7 @@ impl VmBackend for FakeBackend {
     fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), KillError>> {
         Box::pin(async move {
             self.kills.fetch_add(1, Ordering::SeqCst);
+            self.nets.lock().unwrap().remove(id);
             self.vms
                 .lock()
                 .unwrap()
@@ -239,6 +245,31 @@ impl VmBackend for FakeBackend {
                 })
                 .collect())
         })
+    }
+    fn set_network<'a>(
+        &'a self,
+        id: &'a str,
+        policy: EgressPolicy,
+    ) -> BoxFuture<'a, Result<(), NetworkError>> {
+        Box::pin(async move {
+            if self.state(id).is_none() {
+                return Err(NetworkError::NotFound(id.into()));
+            }
+            self.nets.lock().unwrap().insert(id.into(), policy);
+            Ok(())
+        })
+    }
+    fn network<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Option<NetworkInfo>> {
+        Box::pin(async move {
+            let policy = self.nets.lock().unwrap().get(id).cloned()?;
+            Some(NetworkInfo {
+                address: std::net::Ipv4Addr::new(10, 200, 0, 2),
+                policy,
+            })
+        })
+    }
+    fn networking_off(&self) -> Option<String> {
+        None
     }
 }
 

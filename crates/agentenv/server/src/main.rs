@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the server (the default).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the OpenAPI document.
     Openapi,
     /// Named API keys (tenants): each sees and controls only its own sandboxes, snapshots and templates.
@@ -63,6 +63,16 @@ enum KeysCommand {
     },
     /// Revoke a key; a running server refuses it from its next request on.
     Revoke { name: String },
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum NetArg {
+    /// On where the host allows it (root, nftables, iproute2), else off with the reason logged.
+    Auto,
+    /// On, or the server does not start.
+    On,
+    /// Sandboxes get no network; creates that ask for the internet fail with 400.
+    Off,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -127,9 +137,36 @@ struct ServeArgs {
     /// Number of uids from `--qemu-uid-base` (at most this many VMs run at once).
     #[arg(long, default_value_t = agentenv_runtime::uid::DEFAULT_UID_COUNT)]
     qemu_uid_count: u32,
+    /// Sandbox networking: a namespace, tap and nftables rules per sandbox, NAT to the uplink.
+    #[arg(long, value_enum, default_value = "auto")]
+    network: NetArg,
+    /// Interface sandbox traffic leaves by (default: that of the host's default route).
+    #[arg(long)]
+    net_uplink: Option<String>,
+    /// Resolver the sandboxes' DNS queries go to, `ip` or `ip:port` (repeatable; default: the host's).
+    #[arg(long, value_parser = parse_resolver)]
+    net_dns: Vec<SocketAddr>,
+    /// Most concurrent connections a sandbox opens (0: no limit).
+    #[arg(long, default_value_t = 1024)]
+    net_max_connections: u32,
+    /// Bandwidth of a sandbox each way, Mbit/s (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    net_bandwidth_mbit: u64,
+    /// Network slots kept ready for creates.
+    #[arg(long, default_value_t = 2)]
+    net_warm: usize,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
+}
+
+fn parse_resolver(s: &str) -> Result<SocketAddr, String> {
+    s.parse::<SocketAddr>()
+        .or_else(|_| {
+            s.parse::<std::net::Ipv4Addr>()
+                .map(|ip| SocketAddr::from((ip, 53)))
+        })
+        .map_err(|_| format!("{s:?} is not an IPv4 address or ip:port"))
 }
 
 /// `--qemu-uid-base`: the first uid, or `None` for `off`/`0`.
@@ -163,7 +200,7 @@ async fn main() -> anyhow::Result<()> {
             println!("{}", openapi::document_json());
             Ok(())
         }
-        Some(Command::Serve(args)) => serve(args).await,
+        Some(Command::Serve(args)) => serve(*args).await,
         Some(Command::Keys { state_dir, command }) => {
             manage_keys(&state_dir.unwrap_or_else(default_state_dir), command)
         }
@@ -290,7 +327,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    cfg.network = (args.network != NetArg::Off).then(|| agentenv_runtime::net::NetConfig {
+        uplink: args.net_uplink,
+        dns_upstream: args.net_dns,
+        limits: agentenv_runtime::net::NetLimits {
+            max_connections: args.net_max_connections,
+            bandwidth_bytes_per_s: args.net_bandwidth_mbit * 125_000,
+        },
+        warm: args.net_warm,
+        required: args.network == NetArg::On,
+    });
     let runtime = runtime_backend::open_with_default_template(cfg).await?;
+    if let Some(why) = runtime.networking_off() {
+        tracing::warn!(reason = why, "sandbox networking is off");
+    }
+    let closer = runtime.clone();
     tracing::info!(
         accel = runtime_backend::accel_label(&runtime),
         "runtime ready"
@@ -342,6 +393,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             tokio::time::sleep(DRAIN_DEADLINE).await;
         } => tracing::warn!(deadline_s = DRAIN_DEADLINE.as_secs(), "drain deadline passed; closing open streams"),
     }
+    closer.close_network();
     tracing::info!("stopped; sandboxes keep running and are recovered on the next start");
     Ok(())
 }

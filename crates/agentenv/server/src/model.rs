@@ -37,8 +37,51 @@ pub struct NewSandbox {
     /// Accepted for old SDKs; an access token is always issued.
     #[serde(default)]
     pub secure: Option<bool>,
-    /// Accepted and ignored: sandboxes have no network device at all.
-    #[serde(default, rename = "allow_internet_access")]
+    /// `false` blocks all egress (as `deny_out: ["0.0.0.0/0"]`); default on.
+    #[serde(
+        default,
+        alias = "allowInternetAccess",
+        rename = "allow_internet_access"
+    )]
+    pub allow_internet_access: Option<bool>,
+    /// Egress rules.
+    #[serde(default)]
+    pub network: Option<NetworkConfig>,
+}
+
+/// E2B's `SandboxNetworkConfig`: the egress fields are enforced, the proxy-side ones accepted.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkConfig {
+    /// Reachable destinations (IPv4, CIDR, host name or `*.domain`); they win over `denyOut`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_out: Option<Vec<String>>,
+    /// Blocked destinations (IPv4, CIDR, host name or `*.domain`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deny_out: Option<Vec<String>>,
+    /// Resolvers allowed when `allowOut` names a domain (the sandbox's own resolver always is).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns_servers: Option<Vec<String>>,
+    /// Accepted; sandbox URLs always need the traffic token here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_public_traffic: Option<bool>,
+    /// Accepted and ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
+}
+
+/// `PUT /sandboxes/{id}/network`: replaces every egress rule at once.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkUpdate {
+    #[serde(default)]
+    pub allow_out: Option<Vec<String>>,
+    #[serde(default)]
+    pub deny_out: Option<Vec<String>>,
+    #[serde(default)]
+    pub dns_servers: Option<Vec<String>>,
+    /// `false`: as `denyOut: ["0.0.0.0/0"]`.
+    #[serde(default)]
     pub allow_internet_access: Option<bool>,
 }
 
@@ -112,6 +155,9 @@ pub struct SandboxDetail {
     pub envd_access_token: String,
     pub domain: Option<String>,
     pub allow_internet_access: bool,
+    /// The egress rules in force (absent without a network).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkConfig>,
     pub lifecycle: Lifecycle,
 }
 

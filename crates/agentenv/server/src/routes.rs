@@ -10,8 +10,8 @@ use crate::backend::TemplateSpec;
 use crate::error::{ApiError, E2bJson};
 use crate::model::{
     BuildTemplateRequest, ConnectRequest, CreatedSandbox, ErrorBody, ForkRequest, ForkResult,
-    ListedSandbox, NewSandbox, PauseRequest, ResumeRequest, SandboxDetail, SandboxState,
-    SnapshotRequest, SnapshotView, TemplateView, TimeoutRequest,
+    ListedSandbox, NetworkUpdate, NewSandbox, PauseRequest, ResumeRequest, SandboxDetail,
+    SandboxState, SnapshotRequest, SnapshotView, TemplateView, TimeoutRequest,
 };
 use crate::sandboxes::{Caller, ListFilter};
 use crate::tenants::Tenant;
@@ -150,7 +150,26 @@ pub async fn get_sandbox(
     Path(id): Path<String>,
 ) -> ApiResult<Json<SandboxDetail>> {
     let rec = s.sandboxes.get_as(&who, &id)?;
-    Ok(Json(views::detail(&rec)))
+    let net = s.sandboxes.network_view(&id).await;
+    Ok(Json(views::detail(&rec, net.as_ref())))
+}
+
+/// Replace the sandbox's egress rules (`allowOut`, `denyOut`, `allowInternetAccess`) at once; new
+/// connections follow them without a restart.
+#[utoipa::path(put, path = "/sandboxes/{sandboxID}/network", tag = "sandboxes", request_body = NetworkUpdate,
+    params(("sandboxID" = String, Path)),
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn set_network(
+    State(s): State<AppState>,
+    Who(who): Who,
+    Path(id): Path<String>,
+    body: axum::body::Bytes,
+) -> ApiResult<StatusCode> {
+    let req: NetworkUpdate = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    s.sandboxes.set_network(&who, &id, req).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// Kill a running or paused sandbox.

@@ -113,4 +113,20 @@ impl VmBackend for Runtime {
     ) -> BoxFuture<'a, Result<ForkResults, SnapshotError>> {
         Box::pin(Runtime::fork(self, sandbox_id, ids))
     }
+
+    fn set_network<'a>(
+        &'a self,
+        id: &'a str,
+        policy: EgressPolicy,
+    ) -> BoxFuture<'a, Result<(), NetworkError>> {
+        Box::pin(Runtime::set_network(self, id, policy))
+    }
+
+    fn network<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Option<NetworkInfo>> {
+        Box::pin(Runtime::network(self, id))
+    }
+
+    fn networking_off(&self) -> Option<String> {
+        Runtime::networking_off(self).map(str::to_owned)
+    }
 }

@@ -335,3 +335,80 @@ async fn each_key_has_its_own_quota_and_request_budget() {
         StatusCode::OK
     );
 }
+
+#[tokio::test]
+async fn network_options_are_checked_shown_and_replaced_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let (api, admin) = open(dir.path(), None).await;
+    let other = key(dir.path(), "other", Quota::default());
+    let body = json!({"templateID": "base", "network": {"allowOut": ["allowed.test", "10.1.2.3/8"], "denyOut": ["0.0.0.0/0"]}});
+    let (st, v) = api
+        .call(&admin, Method::POST, "/v2/sandboxes", Some(body))
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{v}");
+    let id = v["sandboxID"].as_str().unwrap().to_string();
+    let (st, v) = api
+        .call(&admin, Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    assert_eq!(v["allowInternetAccess"], json!(false));
+    assert_eq!(
+        v["network"]["allowOut"],
+        json!(["allowed.test", "10.0.0.0/8"])
+    );
+    assert_eq!(v["network"]["denyOut"], json!(["0.0.0.0/0"]));
+    for bad in [
+        json!({"allowOut": ["not a name!"]}),
+        json!({"denyOut": ["::1"]}),
+        json!({"allowOut": ["x.test"], "dnsServers": ["nope"]}),
+    ] {
+        let (st, v) = api
+            .call(
+                &admin,
+                Method::PUT,
+                &format!("/sandboxes/{id}/network"),
+                Some(bad.clone()),
+            )
+            .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{bad}: {v}");
+        let mut create = json!({"templateID": "base"});
+        create["network"] = bad.clone();
+        let (st, _) = api
+            .call(&admin, Method::POST, "/v2/sandboxes", Some(create))
+            .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "create with {bad}");
+    }
+    // Another key's sandbox is unknown to it; the owner's update replaces every rule.
+    let (st, _) = api
+        .call(
+            &other,
+            Method::PUT,
+            &format!("/sandboxes/{id}/network"),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+    let (st, v) = api
+        .call(
+            &admin,
+            Method::PUT,
+            &format!("/sandboxes/{id}/network"),
+            Some(json!({"allowInternetAccess": true})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::NO_CONTENT, "{v}");
+    let (_, v) = api
+        .call(&admin, Method::GET, &format!("/sandboxes/{id}"), None)
+        .await;
+    assert_eq!(v["allowInternetAccess"], json!(true));
+    assert_eq!(v["network"]["allowOut"], json!([]));
+    let (st, _) = api
+        .call(
+            &admin,
+            Method::PUT,
+            "/sandboxes/nope/network",
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::NOT_FOUND);
+}

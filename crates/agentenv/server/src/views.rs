@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::backend::{SnapshotInfo, TemplateInfo};
+use crate::backend::{NetworkInfo, SnapshotInfo, TemplateInfo};
 use crate::error::ApiError;
 use crate::model::{
     CreatedSandbox, Lifecycle, ListedSandbox, SandboxDetail, SandboxState, TemplateView,
@@ -45,12 +45,13 @@ pub fn listed(rec: &SandboxRecord) -> ListedSandbox {
     }
 }
 
-pub fn detail(rec: &SandboxRecord) -> SandboxDetail {
+pub fn detail(rec: &SandboxRecord, net: Option<&NetworkInfo>) -> SandboxDetail {
     SandboxDetail {
         listed: listed(rec),
         envd_access_token: rec.access_token.clone(),
         domain: None,
-        allow_internet_access: false,
+        allow_internet_access: net.is_some_and(|n| !n.policy.internet_blocked()),
+        network: net.map(crate::sandboxes::network_view),
         lifecycle: Lifecycle {
             auto_resume: rec.auto_resume,
             on_timeout: if rec.auto_pause { "pause" } else { "kill" }.into(),

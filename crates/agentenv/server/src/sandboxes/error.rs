@@ -1,6 +1,8 @@
 //! `LifecycleError` and the conversions from the runtime's errors.
 
-use crate::backend::{CreateError, KillError, PauseError, ResumeError, SnapshotError};
+use crate::backend::{
+    CreateError, KillError, NetworkError, PauseError, ResumeError, SnapshotError,
+};
 use agentenv_runtime::vmm::VmmError;
 
 /// Why a lifecycle operation failed. HTTP status is decided at the edge (`error.rs`), nowhere else.
@@ -54,6 +56,7 @@ impl From<CreateError> for LifecycleError {
                 LifecycleError::Invalid(format!("invalid sandbox id {i:?}"))
             }
             CreateError::Vmm(VmmError::NoUid(why)) => LifecycleError::Unavailable(why),
+            e @ CreateError::NetworkUnavailable(_) => LifecycleError::Invalid(e.to_string()),
             e => runtime(e),
         }
     }
@@ -93,6 +96,16 @@ impl From<SnapshotError> for LifecycleError {
             SnapshotError::InvalidName(n) => LifecycleError::Invalid(format!(
                 "invalid snapshot name {n:?}: use [A-Za-z0-9_.-] (at most 64), optionally :tag"
             )),
+            e => runtime(e),
+        }
+    }
+}
+
+impl From<NetworkError> for LifecycleError {
+    fn from(e: NetworkError) -> Self {
+        match e {
+            NetworkError::NotFound(i) => LifecycleError::SandboxNotFound(i),
+            e @ NetworkError::Unavailable { .. } => LifecycleError::Invalid(e.to_string()),
             e => runtime(e),
         }
     }

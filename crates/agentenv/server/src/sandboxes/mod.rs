@@ -28,6 +28,7 @@ pub const MAX_FORKS: u32 = 20;
 mod config;
 mod error;
 mod expiry;
+mod network;
 mod owners;
 mod quota;
 mod snapshots;
@@ -36,6 +37,7 @@ pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};
 use quota::Usage;
 
 pub use error::LifecycleError;
+pub(crate) use network::view as network_view;
 use owners::Owners;
 
 use crate::tenants::{DEFAULT_TENANT, KeyRing};
@@ -328,6 +330,11 @@ impl Sandboxes {
             }
         }
         let timeout = checked_timeout(req.timeout)?;
+        let network = network::create_policy(req.allow_internet_access, req.network.as_ref())?;
+        // Without networking here, only an explicit ask for the internet is refused (400).
+        let asked = req.allow_internet_access == Some(true)
+            || req.network.as_ref().is_some_and(|n| n.allow_out.is_some());
+        let network = (asked || self.backend.networking_off().is_none()).then_some(network);
         let source = self.resolve_source(caller, &req.template_id).await?;
         let _quota = self.reserve(
             &owner,
@@ -345,6 +352,7 @@ impl Sandboxes {
             sandbox_id: id.clone(),
             template_id: source.id.clone(),
             env_vars: env_vars.clone(),
+            network,
         };
         self.within(
             "create",

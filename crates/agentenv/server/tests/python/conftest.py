@@ -28,8 +28,10 @@ def _free_port() -> int:
 class Server:
     """One agentenv process on a fixed port and state folder; restartable."""
 
-    def __init__(self, binary: str, state_dir: str):
+    def __init__(self, binary: str, state_dir: str, extra_args=(), listen_host: str = "127.0.0.1"):
         self.binary = binary
+        self.extra_args = list(extra_args)
+        self.listen_host = listen_host
         self.state_dir = state_dir
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -39,10 +41,11 @@ class Server:
     def start(self):
         cmd = [
             self.binary, "serve",
-            "--listen", f"127.0.0.1:{self.port}",
+            "--listen", f"{self.listen_host}:{self.port}",
             "--state-dir", self.state_dir,
             "--accel", os.environ.get("AGENTENV_ACCEL", "auto"),
             "--max-upload-bytes", str(MAX_UPLOAD),
+            *self.extra_args,
         ]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -506,6 +506,7 @@ async fn main() -> anyhow::Result<()> {
                 sandbox_id: id.clone(),
                 template_id: "base".into(),
                 env_vars: BTreeMap::new(),
+                network: None,
             })
             .await?;
         direct.push(ms(t));
