@@ -74,6 +74,24 @@ pub struct InitRequest {
     pub network: Option<GuestNetwork>,
 }
 
+/// The `GET /metrics` answer: the guest's own view of its resources.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GuestMetrics {
+    /// Unix seconds.
+    pub ts: u64,
+    pub cpu_count: u32,
+    /// Busy share of all CPUs over 100 ms, percent.
+    pub cpu_used_pct: f64,
+    /// Bytes.
+    pub mem_total: u64,
+    pub mem_used: u64,
+    pub mem_total_mib: u64,
+    pub mem_used_mib: u64,
+    /// Root file system, bytes.
+    pub disk_total: u64,
+    pub disk_used: u64,
+}
+
 /// Name of the guest's one NIC.
 pub const GUEST_NIC: &str = "eth0";
 

@@ -426,17 +426,18 @@ async fn metrics() -> Value {
     let ts = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    json!({
-        "ts": ts,
-        "cpu_count": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "cpu_used_pct": (pct * 100.0).round() / 100.0,
-        "mem_total": total,
-        "mem_used": total.saturating_sub(avail),
-        "mem_total_mib": total >> 20,
-        "mem_used_mib": total.saturating_sub(avail) >> 20,
-        "disk_total": disk_total,
-        "disk_used": disk_used,
-    })
+    let m = agentenv_envd::GuestMetrics {
+        ts,
+        cpu_count: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        cpu_used_pct: (pct * 100.0).round() / 100.0,
+        mem_total: total,
+        mem_used: total.saturating_sub(avail),
+        mem_total_mib: total >> 20,
+        mem_used_mib: total.saturating_sub(avail) >> 20,
+        disk_total,
+        disk_used,
+    };
+    serde_json::to_value(m).unwrap_or_default()
 }
 
 /// (busy+idle, idle) jiffies from /proc/stat.

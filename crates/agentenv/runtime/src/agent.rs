@@ -131,12 +131,21 @@ pub async fn request_text(
     path: &str,
     json_body: Option<&str>,
 ) -> Result<(u16, String), AgentError> {
+    request_on(link.open().await?, method, path, json_body).await
+}
+
+/// [`request_text`] on a stream already open.
+pub async fn request_on(
+    s: MuxStream,
+    method: &str,
+    path: &str,
+    json_body: Option<&str>,
+) -> Result<(u16, String), AgentError> {
     use http_body_util::{BodyExt, Full};
     let http = |what: &str, e: &dyn std::fmt::Display| AgentError::Http {
         what: format!("{what} {path}"),
         detail: e.to_string(),
     };
-    let s = link.open().await?;
     let (mut tx, conn) = hyper::client::conn::http1::handshake::<_, Full<bytes::Bytes>>(
         hyper_util::rt::TokioIo::new(s),
     )

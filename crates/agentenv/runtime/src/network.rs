@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::error::{CreateError, NetworkError};
+use crate::error::{ConnectError, CreateError, NetworkError};
 use crate::net::{EgressPolicy, NetRecord, NetStats};
 use crate::sandbox::Live;
 use crate::{Inner, Runtime};
@@ -30,7 +30,39 @@ fn wants_network(p: &EgressPolicy) -> bool {
     !p.internet_blocked() || !p.allow_out.is_empty()
 }
 
+/// One resource sample of a running sandbox.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    /// What the guest agent reports.
+    pub guest: agentenv_envd::GuestMetrics,
+    /// Its network's counters (`None` without a network).
+    pub net: Option<NetStats>,
+}
+
 impl Runtime {
+    /// A resource sample of running sandbox `id`: the guest's CPU, memory and disk, and its traffic.
+    pub async fn sample(&self, id: &str) -> Result<Sample, ConnectError> {
+        let stream = self.open_agent_stream(id).await?;
+        let (status, body) =
+            crate::agent::request_on(stream, "GET", agentenv_envd::paths::METRICS, None).await?;
+        let guest = (status == 200)
+            .then(|| serde_json::from_str(&body).ok())
+            .flatten()
+            .ok_or_else(|| {
+                ConnectError::Agent(crate::agent::AgentError::Http {
+                    what: "GET /metrics".into(),
+                    detail: format!(
+                        "HTTP {status}: {}",
+                        body.chars().take(200).collect::<String>()
+                    ),
+                })
+            })?;
+        Ok(Sample {
+            guest,
+            net: self.net_stats(id).await,
+        })
+    }
+
     /// Why sandboxes get no network here, or `None` when they do.
     pub fn networking_off(&self) -> Option<&str> {
         self.inner

@@ -82,6 +82,7 @@ fn control_router() -> Router<AppState> {
         .route("/sandboxes/{id}/timeout", post(routes::set_timeout))
         .route("/sandboxes/{id}/pause", post(routes::pause))
         .route("/sandboxes/{id}/network", put(routes::set_network))
+        .route("/sandboxes/{id}/metrics", get(routes::sandbox_metrics))
         .route("/v2/sandboxes/{id}/connect", post(routes::connect_v2))
         .route("/sandboxes/{id}/connect", post(routes::connect_v1))
         .route("/sandboxes/{id}/resume", post(routes::resume))

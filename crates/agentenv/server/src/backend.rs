@@ -9,7 +9,7 @@ use std::pin::Pin;
 
 pub use agentenv_runtime::error::NetworkError;
 pub use agentenv_runtime::net::EgressPolicy;
-pub use agentenv_runtime::network::NetworkInfo;
+pub use agentenv_runtime::network::{NetworkInfo, Sample};
 pub use agentenv_runtime::{
     ConnectError, CreateError, CreateSpec, KillError, PauseError, RecoverError, RecoveredVm,
     ResumeError, SandboxVm, SnapshotError, SnapshotInfo, SnapshotMode, TemplateError, TemplateInfo,
@@ -81,4 +81,6 @@ pub trait VmBackend: Send + Sync + 'static {
     fn network<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Option<NetworkInfo>>;
     /// Why sandboxes get no network, or `None` when they do.
     fn networking_off(&self) -> Option<String>;
+    /// A resource sample of a running sandbox (guest CPU, memory, disk; network counters).
+    fn sample<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Sample, ConnectError>>;
 }

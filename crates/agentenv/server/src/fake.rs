@@ -271,6 +271,29 @@ impl VmBackend for FakeBackend {
     fn networking_off(&self) -> Option<String> {
         None
     }
+    fn sample<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Sample, ConnectError>> {
+        Box::pin(async move {
+            match self.state(id) {
+                None => Err(ConnectError::NotFound(id.into())),
+                Some(VmState::Paused) => Err(ConnectError::Paused(id.into())),
+                Some(VmState::Running) => Ok(Sample {
+                    guest: agentenv_envd::GuestMetrics {
+                        ts: 1_764_547_200,
+                        cpu_count: 1,
+                        mem_total: 256 << 20,
+                        ..Default::default()
+                    },
+                    net: self.nets.lock().unwrap().contains_key(id).then(|| {
+                        agentenv_runtime::net::NetStats {
+                            tx_bytes: 10,
+                            rx_bytes: 20,
+                            dropped_packets: 1,
+                        }
+                    }),
+                }),
+            }
+        })
+    }
 }
 
 #[cfg(test)]

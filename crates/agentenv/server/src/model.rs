@@ -70,6 +70,31 @@ pub struct NetworkConfig {
     pub mask_request_host: Option<String>,
 }
 
+/// One sample of `GET /sandboxes/{id}/metrics` (E2B's `SandboxMetric`, plus the network counters).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxMetric {
+    /// RFC 3339.
+    pub timestamp: String,
+    pub timestamp_unix: i64,
+    pub cpu_count: u32,
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+    /// Bytes the guest sent out (absent without a network).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net_tx_bytes: Option<u64>,
+    /// Bytes the guest received.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net_rx_bytes: Option<u64>,
+    /// Packets dropped by the egress rules, isolation or limits.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub net_dropped_packets: Option<u64>,
+}
+
 /// `PUT /sandboxes/{id}/network`: replaces every egress rule at once.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]

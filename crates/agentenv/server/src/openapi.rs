@@ -26,7 +26,7 @@ impl utoipa::Modify for ApiKeyScheme {
         routes::kill_sandbox, routes::set_timeout, routes::pause, routes::connect_v2, routes::connect_v1,
         routes::resume, routes::list_templates, routes::build_template, routes::health, routes::metrics,
         routes::openapi_json, routes::create_snapshot, routes::list_snapshots, routes::delete_template,
-        routes::fork, routes::list_templates_v2, routes::set_network,
+        routes::fork, routes::list_templates_v2, routes::set_network, routes::sandbox_metrics,
     ),
     modifiers(&ApiKeyScheme)
 )]

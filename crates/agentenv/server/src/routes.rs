@@ -11,7 +11,7 @@ use crate::error::{ApiError, E2bJson};
 use crate::model::{
     BuildTemplateRequest, ConnectRequest, CreatedSandbox, ErrorBody, ForkRequest, ForkResult,
     ListedSandbox, NetworkUpdate, NewSandbox, PauseRequest, ResumeRequest, SandboxDetail,
-    SandboxState, SnapshotRequest, SnapshotView, TemplateView, TimeoutRequest,
+    SandboxMetric, SandboxState, SnapshotRequest, SnapshotView, TemplateView, TimeoutRequest,
 };
 use crate::sandboxes::{Caller, ListFilter};
 use crate::tenants::Tenant;
@@ -152,6 +152,19 @@ pub async fn get_sandbox(
     let rec = s.sandboxes.get_as(&who, &id)?;
     let net = s.sandboxes.network_view(&id).await;
     Ok(Json(views::detail(&rec, net.as_ref())))
+}
+
+/// The sandbox's current CPU, memory, disk and network use (an empty list while paused).
+#[utoipa::path(get, path = "/sandboxes/{sandboxID}/metrics", tag = "sandboxes",
+    params(("sandboxID" = String, Path)),
+    responses((status = 200, body = Vec<SandboxMetric>), (status = 404, body = ErrorBody), (status = 401, body = ErrorBody)),
+    security(("ApiKeyAuth" = [])))]
+pub async fn sandbox_metrics(
+    State(s): State<AppState>,
+    Who(who): Who,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Vec<SandboxMetric>>> {
+    Ok(Json(s.sandboxes.metrics(&who, &id).await?))
 }
 
 /// Replace the sandbox's egress rules (`allowOut`, `denyOut`, `allowInternetAccess`) at once; new

@@ -129,4 +129,8 @@ impl VmBackend for Runtime {
     fn networking_off(&self) -> Option<String> {
         Runtime::networking_off(self).map(str::to_owned)
     }
+
+    fn sample<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Sample, ConnectError>> {
+        Box::pin(Runtime::sample(self, id))
+    }
 }

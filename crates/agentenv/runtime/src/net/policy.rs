@@ -221,14 +221,17 @@ pub fn ruleset(a: &SlotAddrs, p: &EgressPolicy, limits: NetLimits) -> String {
         );
     }
     s.push_str("  counter tx { }\n  counter rx { }\n  counter dropped { }\n");
-    let rate = match limits.bandwidth_bytes_per_s {
+    // Each direction's policer is a rule of its own, matched like the rule after it.
+    let rate = |m: &str| match limits.bandwidth_bytes_per_s {
         0 => String::new(),
         b => format!(
-            "limit rate over {} kbytes/second burst {} kbytes counter name dropped drop\n    ",
+            "{m}limit rate over {} kbytes/second burst {} kbytes counter name dropped drop\n    ",
             b.div_ceil(1024),
             (b / 1024).max(64)
         ),
     };
+    let rate_in = rate(&format!("iifname \"{VETH}\" oifname \"{TAP}\" "));
+    let rate_out = rate("");
     let gw = a.gateway;
     let _ = write!(
         s,
@@ -241,13 +244,13 @@ pub fn ruleset(a: &SlotAddrs, p: &EgressPolicy, limits: NetLimits) -> String {
   }}
   chain forward {{
     type filter hook forward priority 0; policy drop;
-    iifname \"{VETH}\" oifname \"{TAP}\" ct state established,related {rate}counter name rx accept
+    {rate_in}iifname \"{VETH}\" oifname \"{TAP}\" ct state established,related counter name rx accept
     iifname \"{TAP}\" oifname \"{VETH}\" meta nfproto ipv4 jump egress
     counter name dropped
   }}
   chain egress {{
     ip daddr {{ 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/3, {SANDBOX_NET} }} counter name dropped drop
-    {rate}ct state established,related counter name tx accept
+    {rate_out}ct state established,related counter name tx accept
 "
     );
     if limits.max_connections > 0 {
@@ -353,6 +356,14 @@ mod tests {
         assert!(r.contains("elements = { 5.6.7.8 }"));
         assert!(!r.contains("a.test"));
         assert!(r.contains("ct count over 64") && r.contains("limit rate over 1024 kbytes/second"));
+        // No rule of the forward chain accepts without matching both interfaces.
+        let fwd = &r[r.find("chain forward").unwrap()..r.find("chain egress").unwrap()];
+        for rule in fwd.lines().filter(|l| l.contains("accept")) {
+            assert!(
+                rule.contains("iifname") && rule.contains("oifname"),
+                "{rule}"
+            );
+        }
         assert!(r.contains(&format!("ip daddr {} udp dport 53", a.gateway)));
         let open = ruleset(&a, &EgressPolicy::default(), NetLimits::default());
         assert!(!open.contains("ct count") && !open.contains("limit rate"));

@@ -2,8 +2,9 @@
 //! `PUT /sandboxes/{id}/network`, as the runtime's egress policy.
 
 use super::{Caller, LifecycleError, Result, Sandboxes};
+use crate::backend::ConnectError;
 use crate::backend::{EgressPolicy, NetworkInfo};
-use crate::model::{NetworkConfig, NetworkUpdate};
+use crate::model::{NetworkConfig, NetworkUpdate, SandboxMetric};
 
 /// The policy of E2B's fields; a bad entry is a 400 naming it.
 pub(crate) fn policy(
@@ -79,6 +80,32 @@ impl Sandboxes {
         let _guard = lock.lock().await;
         self.backend.set_network(id, p).await?;
         Ok(())
+    }
+
+    /// The current resource sample of sandbox `id`; none while it is paused (as in E2B).
+    pub async fn metrics(&self, caller: &Caller, id: &str) -> Result<Vec<SandboxMetric>> {
+        self.get_as(caller, id)?;
+        let s = match self.backend.sample(id).await {
+            Ok(s) => s,
+            Err(ConnectError::Paused(_)) => return Ok(vec![]),
+            Err(ConnectError::NotFound(i)) => return Err(LifecycleError::SandboxNotFound(i)),
+            Err(e) => return Err(LifecycleError::Runtime(e.to_string())),
+        };
+        let g = s.guest;
+        Ok(vec![SandboxMetric {
+            timestamp: super::rfc3339_ms(g.ts as i64 * 1000),
+            timestamp_unix: g.ts as i64,
+            cpu_count: g.cpu_count,
+            cpu_used_pct: g.cpu_used_pct,
+            mem_used: g.mem_used,
+            mem_total: g.mem_total,
+            mem_cache: 0,
+            disk_used: g.disk_used,
+            disk_total: g.disk_total,
+            net_tx_bytes: s.net.map(|n| n.tx_bytes),
+            net_rx_bytes: s.net.map(|n| n.rx_bytes),
+            net_dropped_packets: s.net.map(|n| n.dropped_packets),
+        }])
     }
 
     /// Sandbox `id`'s network as the API shows it.

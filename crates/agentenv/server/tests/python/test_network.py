@@ -3,11 +3,13 @@ an HTTP server on several addresses, a DNS server and a fake link-local metadata
 touches a real outside address. Needs root, iproute2 and nftables (skips with the reason otherwise;
 fails instead under K3_REQUIRE_KVM=1, as the QEMU tests do)."""
 
+import json
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -197,6 +199,13 @@ def test_a_default_sandbox_reaches_the_internet_by_address_and_name(net):
         assert got == want
         info = sbx.get_info()
         assert info.allow_internet_access is not False
+        # The sandbox's metrics count its traffic (the SDK's call, then the raw counters).
+        assert sbx.get_metrics()[0].cpu_count >= 1
+        req = urllib.request.Request(f"http://127.0.0.1:{net.port}/sandboxes/{sbx.sandbox_id}/metrics",
+                                     headers={"X-API-Key": net.api_key})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            m = json.load(r)[0]
+        assert m["netRxBytes"] > 8 << 20 and m["netTxBytes"] > 0, m
     finally:
         sbx.kill()
 
@@ -338,3 +347,31 @@ def test_isolation_holds_also_after_pause_resume_and_fork(net):
     finally:
         a.kill()
         b.kill()
+
+
+def test_connection_limit_holds_and_drops_are_counted(net):
+    """The server runs with `--net-max-connections 64`: the guest gets 64 connections at once, no more."""
+    sbx = create(net)
+    try:
+        code = (
+            "import socket\n"
+            "ok = []\n"
+            "for i in range(80):\n"
+            "    s = socket.socket(); s.settimeout(3)\n"
+            "    try:\n"
+            f"        s.connect(('{WEB}', 80)); ok.append(s)\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "print(len(ok))\n"
+        )
+        sbx.files.write("/tmp/conns.py", code)
+        n = int(sbx.commands.run("python3 /tmp/conns.py", timeout=120).stdout.strip())
+        assert n == 64, n
+        # Once they close, new connections work again.
+        assert reaches(sbx, f"http://{WEB}/")
+        req = urllib.request.Request(f"http://127.0.0.1:{net.port}/sandboxes/{sbx.sandbox_id}/metrics",
+                                     headers={"X-API-Key": net.api_key})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.load(r)[0]["netDroppedPackets"] >= 16
+    finally:
+        sbx.kill()
