@@ -29,6 +29,8 @@ pub struct Findings {
     pub tiers: Vec<TierStatus>,
     pub cuda: CudaProbe,
     pub kvm: KvmVerdict,
+    /// Why agentenv sandboxes get no network here (`None`: they do).
+    pub sandbox_network_off: Option<String>,
 }
 
 impl Findings {
@@ -149,6 +151,7 @@ pub fn probe(recheck: bool) -> Findings {
         tiers: vec![cpu, sm90, nvlink, kvm_status],
         cuda,
         kvm,
+        sandbox_network_off: k3_common::netcheck::sandbox_network_blocker(),
     }
 }
 
@@ -183,6 +186,12 @@ pub fn run(json: bool, recheck: bool) -> anyhow::Result<()> {
         ]);
     }
     println!("{table}");
+    match &f.sandbox_network_off {
+        None => println!("agentenv sandbox networking: yes (namespaces, taps, nftables)"),
+        Some(why) => {
+            println!("agentenv sandbox networking: no ({why}); sandboxes start without a network")
+        }
+    }
     if let CudaProbe::Available(inv) = &f.cuda {
         for d in &inv.devices {
             println!(

@@ -22,6 +22,7 @@ pub mod device;
 pub mod fsutil;
 pub mod kvm;
 pub mod machine;
+pub mod netcheck;
 pub mod provenance;
 pub mod report;
 pub mod require;

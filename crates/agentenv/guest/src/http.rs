@@ -277,13 +277,18 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         return http_error(StatusCode::BAD_REQUEST, format!("network: {why}"));
     }
     if agent.config.set_clock
-        && let Some(n) = &r.network
-        && let Err(e) = crate::net::configure(n)
+        && let Some(n) = r.network.clone()
     {
-        return http_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("configuring {}: {e}", agentenv_envd::GUEST_NIC),
-        );
+        // Applied in the background: it costs tens of ms under TCG (cold code paths after a
+        // restore), and only process starts need it (they wait for it).
+        agent.net_ready.send_replace(false);
+        let ready = agent.net_ready.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = crate::net::configure(&n) {
+                tracing::warn!(error = %e, nic = agentenv_envd::GUEST_NIC, "configuring the NIC failed");
+            }
+            ready.send_replace(true);
+        });
     }
     if agent.config.set_clock
         && let Some(secs) = r.timestamp.as_ref().and_then(timestamp_secs)
@@ -317,6 +322,7 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         }
     });
     if let Some(argv) = start.filter(|a| !a.is_empty()) {
+        agent.network_settled().await;
         let settings = agent.settings();
         let Some(user) = users::lookup(&settings.default_user) else {
             return http_error(

@@ -55,6 +55,9 @@ impl Default for AgentConfig {
     }
 }
 
+/// Longest wait of a process start for the NIC settings.
+pub const NET_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Mutable settings changed by `/init`.
 #[derive(Debug, Clone, Default)]
 pub struct Settings {
@@ -74,6 +77,8 @@ pub struct Agent {
     settings: RwLock<Settings>,
     procs: Arc<process::ProcessTable>,
     watchers: watch::Watchers,
+    /// `false` while `/init`'s NIC settings are being applied (in the background).
+    net_ready: tokio::sync::watch::Sender<bool>,
 }
 
 impl Agent {
@@ -90,6 +95,7 @@ impl Agent {
             settings: RwLock::new(settings),
             procs: Arc::default(),
             watchers: watch::Watchers::default(),
+            net_ready: tokio::sync::watch::channel(true).0,
         })
     }
 
@@ -99,6 +105,13 @@ impl Agent {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// Waits until the NIC settings of the last `/init` are applied (at most [`NET_WAIT`]), so a
+    /// process started right after a create finds its network.
+    pub async fn network_settled(&self) {
+        let mut rx = self.net_ready.subscribe();
+        let _ = tokio::time::timeout(NET_WAIT, rx.wait_for(|ready| *ready)).await;
     }
 
     fn update_settings(&self, f: impl FnOnce(&mut Settings)) {

@@ -142,6 +142,9 @@ fn main() -> anyhow::Result<()> {
             k3_common::telemetry::init("info");
             let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
             let cfg = agent_config(&agent, true, set_clock);
+            if set_clock && let Err(e) = agentenv_guest::net::prepare() {
+                eprintln!("agentenv-guest: preparing the NIC: {e}");
+            }
             rt.block_on(async move {
                 let a = Agent::new(cfg);
                 tracing::info!(%port, "agentenv-guest agent serving the virtio port");

@@ -52,7 +52,10 @@ pub async fn dispatch(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
             };
             let ka = keepalive_interval(&headers);
             let r = match (service, method.as_str()) {
-                (Service::Process, "Start") => start(&agent, &user, &msg, &headers, ka),
+                (Service::Process, "Start") => {
+                    agent.network_settled().await;
+                    start(&agent, &user, &msg, &headers, ka)
+                }
                 (Service::Process, _) => connect(&agent, &msg, ka),
                 _ => watch_dir(&user, &msg, ka),
             };

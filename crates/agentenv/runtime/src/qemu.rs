@@ -159,10 +159,10 @@ impl QemuVmm {
                         "-netdev".into(),
                         format!("tap,id=net0,fd={}", tap.as_raw_fd()),
                     ]);
-                    "virtio-net-device,netdev=net0"
+                    "virtio-net-device,netdev=net0,guest_announce=off"
                 }
                 // A NIC without a peer: the machine shape stays that of its snapshots.
-                None => "virtio-net-device",
+                None => "virtio-net-device,guest_announce=off",
             };
             a.extend(["-device".into(), device.into()]);
         }

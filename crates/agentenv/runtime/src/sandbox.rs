@@ -219,10 +219,12 @@ impl Runtime {
         };
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         persist::write(&inner.record_path(id), &live.record)?;
+        let t0 = std::time::Instant::now();
         if let Some(policy) = &spec.network {
             self.attach_net(live, image.machine.nic, policy.clone())
                 .await?;
         }
+        let t_net = t0.elapsed();
         let mut vm_spec = inner.spec_of(&live.record);
         vm_spec.tap = live.net.as_ref().map(|n| n.tap()).transpose()?;
         let ram = live.record.ram_file.clone();
@@ -254,19 +256,22 @@ impl Runtime {
         let link = match state {
             Some(state) => {
                 let restored = inner.vmm.restore(&vm_spec, &state).await?;
+                let t_restore = t0.elapsed();
                 live.record.phase = SandboxPhase::Running {
                     pid: restored.vm.pid(),
                 };
                 let vm = live.vm.insert(restored.vm);
                 persist::write(&inner.record_path(id), &live.record)?;
                 vm.cont().await?;
-                agent::healthy_from(
+                let link = agent::healthy_from(
                     Some(restored.agent),
                     &vm_spec.agent_socket(),
                     HEALTH_ATTEMPT,
                     HEALTH_DEADLINE,
                 )
-                .await?
+                .await?;
+                tracing::debug!(sandbox = %id, ?t_net, ?t_restore, healthy = ?t0.elapsed(), "create phases");
+                link
             }
             None => {
                 let vm = inner.vmm.boot(&vm_spec).await?;
@@ -277,6 +282,7 @@ impl Runtime {
             }
         };
         agent::init(&link, &spec.env_vars, live.net.as_ref().map(|n| n.guest())).await?;
+        tracing::debug!(sandbox = %id, init = ?t0.elapsed(), "create: /init done");
         live.agent = Some(link);
         tracing::debug!(sandbox = %id, template = %image.template_id, "sandbox created");
         Ok(SandboxVm {

@@ -18,7 +18,7 @@ use crate::vmm::DiskFormat;
 use crate::{Inner, valid_id};
 
 /// Bumped whenever the way a base snapshot is made changes (invalidates cached builds).
-const BUILD_FORMAT: u32 = 3;
+const BUILD_FORMAT: u32 = 4;
 
 /// Time for the guest agent to notice a host (dis)connect and re-open its port (it waits 100 ms).
 const SETTLE: Duration = Duration::from_millis(500);

@@ -283,13 +283,13 @@ impl VmBackend for FakeBackend {
                         mem_total: 256 << 20,
                         ..Default::default()
                     },
-                    net: self.nets.lock().unwrap().contains_key(id).then(|| {
+                    net: self.nets.lock().unwrap().contains_key(id).then_some(
                         agentenv_runtime::net::NetStats {
                             tx_bytes: 10,
                             rx_bytes: 20,
                             dropped_packets: 1,
-                        }
-                    }),
+                        },
+                    ),
                 }),
             }
         })

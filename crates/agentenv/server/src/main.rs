@@ -153,7 +153,7 @@ struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     net_bandwidth_mbit: u64,
     /// Network slots kept ready for creates.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 4)]
     net_warm: usize,
     /// Log as JSON lines.
     #[arg(long)]

@@ -91,15 +91,40 @@ pub fn parse_response(msg: &[u8]) -> Option<Answer> {
     Some(Answer { name, addrs })
 }
 
-/// A SERVFAIL answer to `query` (same id and question).
-fn servfail(query: &[u8]) -> Vec<u8> {
+const SERVFAIL: u8 = 2;
+const REFUSED: u8 = 5;
+
+/// An answer to `query` with no records and response code `rcode` (same id and question).
+fn empty_answer(query: &[u8], rcode: u8) -> Vec<u8> {
     let mut r = query.to_vec();
     if r.len() >= 12 {
         r[2] = 0x80 | (query[2] & 0x01); // QR, keep RD
-        r[3] = 0x80 | 2; // RA, SERVFAIL
+        r[3] = 0x80 | rcode; // RA
         r[6..12].fill(0);
     }
     r
+}
+
+/// What the resolver does with a query for `name` under `policy`.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Handling {
+    /// Ask upstream and pass the answer on.
+    Forward,
+    /// Ask upstream (so the addresses join `deny_dns`) but answer REFUSED.
+    ForwardAndRefuse,
+    /// Answer REFUSED without asking: with all egress blocked, only names `allow_out` covers resolve
+    /// (no DNS tunnel out of a sandbox without internet).
+    Refuse,
+}
+
+/// The handling of a query for `name`.
+pub fn handling(policy: &EgressPolicy, name: &str) -> Handling {
+    match policy.name_verdict(name) {
+        Some(true) => Handling::Forward,
+        Some(false) => Handling::ForwardAndRefuse,
+        None if policy.internet_blocked() => Handling::Refuse,
+        None => Handling::Forward,
+    }
 }
 
 async fn ask_upstream(query: &[u8], upstream: &[SocketAddr]) -> Option<Vec<u8>> {
@@ -169,20 +194,28 @@ pub fn serve(
                 return;
             };
             let query = buf[..n].to_vec();
-            if question(&query).is_none() {
+            let Some(name) = question(&query) else {
                 continue;
-            }
+            };
             let (sock, policy, upstream) = (sock.clone(), policy.clone(), upstream.clone());
             tokio::spawn(async move {
-                let reply = match ask_upstream(&query, &upstream).await {
-                    Some(r) => {
-                        if let Some(ans) = parse_response(&r) {
-                            let p = policy.read().unwrap_or_else(|e| e.into_inner()).clone();
-                            let _ = tokio::task::spawn_blocking(move || learn(a, &p, &ans)).await;
+                let p = policy.read().unwrap_or_else(|e| e.into_inner()).clone();
+                let how = handling(&p, &name);
+                let reply = match how {
+                    Handling::Refuse => empty_answer(&query, REFUSED),
+                    _ => match ask_upstream(&query, &upstream).await {
+                        Some(r) => {
+                            if let Some(ans) = parse_response(&r) {
+                                let _ =
+                                    tokio::task::spawn_blocking(move || learn(a, &p, &ans)).await;
+                            }
+                            match how {
+                                Handling::ForwardAndRefuse => empty_answer(&query, REFUSED),
+                                _ => r,
+                            }
                         }
-                        r
-                    }
-                    None => servfail(&query),
+                        None => empty_answer(&query, SERVFAIL),
+                    },
                 };
                 let _ = sock.send_to(&reply, from).await;
             });
@@ -258,7 +291,21 @@ mod tests {
         evil[12] = 0xc0;
         evil[13] = 12;
         assert!(question(&evil).is_none());
-        let f = servfail(&r);
+        let f = empty_answer(&r, SERVFAIL);
         assert_eq!((f[0], f[1], f[3] & 0x0f), (0x12, 0x34, 2));
+    }
+
+    #[test]
+    fn without_internet_only_allowed_names_resolve() {
+        let p = |i, a: &[&str], d: &[&str]| {
+            let v = |x: &[&str]| x.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+            EgressPolicy::from_e2b(i, &v(a), &v(d)).unwrap()
+        };
+        let closed = p(false, &["ok.test"], &[]);
+        assert_eq!(handling(&closed, "ok.test"), Handling::Forward);
+        assert_eq!(handling(&closed, "exfil.evil.test"), Handling::Refuse);
+        let open = p(true, &[], &["*.bad.test"]);
+        assert_eq!(handling(&open, "x.bad.test"), Handling::ForwardAndRefuse);
+        assert_eq!(handling(&open, "fine.test"), Handling::Forward);
     }
 }

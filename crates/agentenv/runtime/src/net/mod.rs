@@ -19,6 +19,11 @@ use std::sync::{Arc, Mutex, RwLock};
 pub use policy::{EgressPolicy, NetLimits, Target};
 pub use slot::SlotAddrs;
 
+/// Wait before warm slots are made again after one was taken, and before a released one is
+/// deleted: the `ip`/`nft` runs and the kernel's namespace teardown then do not compete with the
+/// restore in flight (measured on 2 cores: they add tens of ms to a create when they overlap).
+const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(1500);
+
 /// Where owner markers of slots live (`<index>` holds the owner's path).
 const OWNERS_DIR: &str = "/run/agentenv-net";
 
@@ -70,21 +75,7 @@ pub struct NetConfig {
 
 /// Why networking cannot run here, or `None` when it can (root, `/dev/net/tun`, `ip`, `nft`).
 pub fn unavailable_reason() -> Option<String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not root (CAP_NET_ADMIN is needed)".into());
-    }
-    if !Path::new("/dev/net/tun").exists() {
-        return Some("/dev/net/tun is missing".into());
-    }
-    for (tool, arg) in [("ip", "-V"), ("nft", "--version")] {
-        if let Err(e) = slot::run_tool(tool, &[arg], "") {
-            return Some(format!(
-                "`{tool}` does not run ({e}); install iproute2 and nftables"
-            ));
-        }
-    }
-    None
+    k3_common::netcheck::sandbox_network_blocker()
 }
 
 /// The interface of the host's default route (`/proc/net/route`).
@@ -177,6 +168,9 @@ pub struct Network {
     /// This runtime's state folder: slot markers start with it.
     owner: String,
     warm: Mutex<Vec<slot::Slot>>,
+    filling: std::sync::atomic::AtomicBool,
+    /// Released slots waiting for their deletion.
+    dying: Mutex<Vec<SlotAddrs>>,
 }
 
 impl Network {
@@ -207,6 +201,8 @@ impl Network {
             upstream: Arc::new(upstream),
             owner: state_dir.display().to_string(),
             warm: Mutex::new(Vec::new()),
+            filling: Default::default(),
+            dying: Mutex::new(Vec::new()),
         });
         let gone = net.remove_stale(None);
         if gone > 0 {
@@ -232,20 +228,31 @@ impl Network {
         Ok(s)
     }
 
-    /// Fills the warm pool up to its size, in the background.
+    /// Fills the warm pool up to its size, in the background, after [`REFILL_DELAY`] (so the
+    /// `ip`/`nft` runs do not compete with the restore that just took a slot).
     pub fn refill(self: &Arc<Self>) {
         let me = self.clone();
-        tokio::task::spawn_blocking(move || {
-            while me.warm.lock().unwrap_or_else(|e| e.into_inner()).len() < me.cfg.warm {
-                match me.new_slot() {
-                    Ok(s) => me.warm.lock().unwrap_or_else(|e| e.into_inner()).push(s),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "preparing a network slot failed");
-                        return;
-                    }
+        tokio::spawn(async move {
+            tokio::time::sleep(REFILL_DELAY).await;
+            let _ = tokio::task::spawn_blocking(move || me.fill()).await;
+        });
+    }
+
+    fn fill(&self) {
+        use std::sync::atomic::Ordering;
+        if self.filling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        while self.warm.lock().unwrap_or_else(|e| e.into_inner()).len() < self.cfg.warm {
+            match self.new_slot() {
+                Ok(s) => self.warm.lock().unwrap_or_else(|e| e.into_inner()).push(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "preparing a network slot failed");
+                    break;
                 }
             }
-        });
+        }
+        self.filling.store(false, Ordering::Release);
     }
 
     /// Gives sandbox `owner` (its folder) a slot with `policy` in force.
@@ -372,8 +379,22 @@ impl Network {
     /// Ends an attachment: its namespace (tap, veth, rules) goes, in the background.
     pub fn release(self: &Arc<Self>, att: Attachment) {
         att.resolver.abort();
+        let a = att.addrs;
+        self.dying.lock().unwrap_or_else(|e| e.into_inner()).push(a);
+        drop(att);
         let me = self.clone();
-        tokio::task::spawn_blocking(move || me.forget(att.addrs));
+        tokio::spawn(async move {
+            tokio::time::sleep(REFILL_DELAY).await;
+            let _ = tokio::task::spawn_blocking(move || {
+                let mut d = me.dying.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(i) = d.iter().position(|x| *x == a) {
+                    d.swap_remove(i);
+                    drop(d);
+                    me.forget(a);
+                }
+            })
+            .await;
+        });
     }
 
     fn warm_marker(&self) -> String {
@@ -410,10 +431,13 @@ impl Network {
         n
     }
 
-    /// Deletes the warm slots (the runtime is closing).
+    /// Deletes the warm slots and those released but not yet deleted (the runtime is closing).
     pub fn drain(&self) {
         for s in std::mem::take(&mut *self.warm.lock().unwrap_or_else(|e| e.into_inner())) {
             self.forget(s.addrs);
+        }
+        for a in std::mem::take(&mut *self.dying.lock().unwrap_or_else(|e| e.into_inner())) {
+            self.forget(a);
         }
     }
 }

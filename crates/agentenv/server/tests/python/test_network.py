@@ -215,6 +215,9 @@ def test_allow_internet_access_false_blocks_all_egress(net):
     try:
         assert not reaches(sbx, f"http://{WEB}/")
         assert not reaches(sbx, "http://allowed.test/")
+        # Not even names resolve: no DNS tunnel out.
+        r = sbx.commands.run("getent hosts other.test || echo unresolved", timeout=30)
+        assert "unresolved" in r.stdout and WEB3 not in r.stdout
     finally:
         sbx.kill()
 
@@ -255,6 +258,8 @@ def test_allow_and_deny_by_domain(net):
     try:
         assert not reaches(sbx, "http://denied.test/")
         assert reaches(sbx, "http://other.test/")
+        # Its address is denied too once the name was asked for (a guest that knows it cannot go round).
+        assert not reaches(sbx, f"http://{WEB2}/")
     finally:
         sbx.kill()
 

@@ -25,6 +25,7 @@ use agentenv_server::backend::VmBackend;
 use agentenv_server::{keys, runtime_backend};
 
 mod load;
+mod net;
 
 #[derive(Parser)]
 #[command(
@@ -54,6 +55,9 @@ struct Args {
     /// Run every QEMU as this process's user instead of a uid of its own (for A/B runs).
     #[arg(long)]
     no_qemu_uids: bool,
+    /// Give sandboxes a network (to the bench's own test internet) and time its throughput.
+    #[arg(long)]
+    network: bool,
 }
 
 struct Http {
@@ -117,8 +121,13 @@ impl Http {
 
     /// One `commands.run("true")`-style Start stream through the data plane, to its end.
     async fn command(&self, id: &str, token: &str) -> anyhow::Result<()> {
+        self.run(id, token, "true").await.map(|_| ())
+    }
+
+    /// Runs `script` with bash in the guest through the data plane; returns its stdout.
+    async fn run(&self, id: &str, token: &str, script: &str) -> anyhow::Result<String> {
         let msg = serde_json::to_vec(
-            &json!({"process": {"cmd": "/bin/bash", "args": ["-c", "true"]}, "stdin": false}),
+            &json!({"process": {"cmd": "/bin/bash", "args": ["-c", script]}, "stdin": false}),
         )?;
         let mut body = vec![0u8];
         body.extend_from_slice(&(msg.len() as u32).to_be_bytes());
@@ -139,8 +148,29 @@ impl Http {
                 String::from_utf8_lossy(&bytes)
             );
         }
-        Ok(())
+        Ok(stdout_of(&bytes))
     }
+}
+
+/// The stdout of a Connect stream of process events (envelopes: flags, length, JSON).
+fn stdout_of(mut b: &[u8]) -> String {
+    use base64::Engine;
+    let mut out = Vec::new();
+    while b.len() >= 5 {
+        let n = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
+        let Some(msg) = b.get(5..5 + n) else { break };
+        if let Ok(v) = serde_json::from_slice::<Value>(msg)
+            && let Some(d) = v["event"]["data"]["stdout"].as_str()
+        {
+            out.extend(
+                base64::engine::general_purpose::STANDARD
+                    .decode(d)
+                    .unwrap_or_default(),
+            );
+        }
+        b = &b[5 + n..];
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Snapshot, fork, create-from-snapshot and concurrent-create figures, and PSS per idle fork.
@@ -367,6 +397,16 @@ async fn main() -> anyhow::Result<()> {
     if args.no_qemu_uids {
         cfg.qemu_uids = None;
     }
+    let internet = match args.network {
+        true => Some(net::Internet::up().context("the test internet")?),
+        false => None,
+    };
+    cfg.network = internet.as_ref().map(|i| agentenv_runtime::net::NetConfig {
+        uplink: Some(i.uplink.clone()),
+        warm: 2,
+        required: true,
+        ..Default::default()
+    });
     let rt = agentenv_runtime::Runtime::open(cfg)
         .await
         .context("opening the runtime")?;
@@ -493,7 +533,22 @@ async fn main() -> anyhow::Result<()> {
             .await?;
         kill.push(ms(t));
     }
-    let v2 = snapshot_figures(&http, args.iterations).await?;
+    let mut v2 = snapshot_figures(&http, args.iterations).await?;
+    if internet.is_some() {
+        let c = http
+            .json(
+                Method::POST,
+                "/v2/sandboxes",
+                json!({"templateID": "base"}),
+                201,
+            )
+            .await?;
+        let id = c["sandboxID"].as_str().context("sandboxID")?.to_string();
+        let token = c["envdAccessToken"].as_str().context("token")?.to_string();
+        v2.extend(net::throughput(&http, &id, &token).await?);
+        http.send(Method::DELETE, &format!("/sandboxes/{id}"), &[], vec![])
+            .await?;
+    }
     let (load_ms, load_errors, load_rate) =
         load::get_list(&http, args.load_conns, args.load_requests, 4).await?;
     // Same-run baseline: the runtime's own create (no HTTP, no records).
@@ -573,7 +628,11 @@ async fn main() -> anyhow::Result<()> {
     let figures: Vec<Figure> = figures
         .into_iter()
         .chain(v2)
-        .map(|f| f.param("accel", accel_name).param("n", args.iterations))
+        .map(|f| {
+            f.param("accel", accel_name)
+                .param("n", args.iterations)
+                .param("network", if args.network { "on" } else { "off" })
+        })
         .collect();
     let plot = Plot {
         title: format!("agentenv lifecycle latency CDF ({accel_name})"),
@@ -599,6 +658,7 @@ async fn main() -> anyhow::Result<()> {
             format!("command: {}", cmd.join(" ")),
             format!("backend: QEMU -M microvm, accelerator {accel_name}; create restores the template's base snapshot"),
             format!("QEMU users: {}", if args.no_qemu_uids { "the bench's own (--no-qemu-uids)" } else { "one uid per VM" }),
+            format!("network: {}", if args.network { "on (namespace, tap and nftables per sandbox; NAT to the bench's test internet namespace)" } else { "off" }),
             "client: HTTP/1.1 on loopback to an in-process agentenv server; one sandbox at a time".into(),
             format!("{} sandboxes, {} command round trips each; medians quoted, stats hold p99", args.iterations, args.commands),
             "caveat: 2-core dev box shared with other builds; TCG is software emulation".into(),
