@@ -5,7 +5,7 @@
 // The value rows of the state are independent chains (row i of S only meets v[i], dout[i] and the
 // shared q, k, alpha, beta), so `kda_bwd_rows` gives each warp one row (4 key channels per lane, fp32)
 // and each block 16 rows of one (sequence, head). It walks the sequence forward once, saving the row
-// every CK tokens in the workspace (checkpoints), then walks the chunks backwards: from a chunk's
+// every CK (16 or 64) tokens in the workspace (checkpoints), then walks the chunks backwards: from a chunk's
 // checkpoint it recomputes the 16-token sub-chunk starts (registers), then per sub-chunk the state
 // before every token (registers), and runs the token backward in reverse. The sums over value rows
 // (d q_hat, d k_hat, d alpha per channel, d beta per token) go through shared-memory atomics per
@@ -54,11 +54,13 @@ struct KdaBwdParams {
 };
 
 #define KD 128
-#define SUB 16          // tokens per sub-chunk (states kept in registers)
-#define CK 64           // tokens per checkpoint
-#define NSUB (CK / SUB)
+#ifndef KDA_BWD_SUB
+#define KDA_BWD_SUB 16
+#endif
+#define SUB KDA_BWD_SUB  // tokens per sub-chunk (states kept in registers): 16, or 8 (kda_bwd_s8.cu)
+#define MIN_BLOCKS (SUB == 8 ? 2 : 1)  // 8: 64 registers, two blocks per SM
 #define ROWS 16         // value rows (warps) per block
-#define ACC_W (3 * KD + 1)  // per token: dqh[128], dkh[128], dalpha[128], dbeta_raw
+#define ACC_W (3 * KD + 4)  // per token: dqh[128], dkh[128], dalpha[128], dbeta_raw, 3 pad (float4 rows)
 
 __device__ __forceinline__ void seq_range(const KdaBwdParams& p, int n, long long& bos, long long& len) {
   if (p.cu_seqlens != nullptr) {
@@ -106,10 +108,13 @@ struct BwdSmem {
   float beta[SUB];       // sigmoid(beta logit)
   float v[SUB][ROWS];    // this block's value rows
   float dout[SUB][ROWS];
-  float acc[SUB][ACC_W];
+  // per-warp (row) contributions of two tokens, summed over the rows by plain loads (float
+  // atomics on shared memory are compare-and-swap loops, slow under contention)
+  __align__(16) float part[2][ROWS][ACC_W];
 };
 
-static_assert(sizeof(BwdSmem) == 51328, "ROWS_SMEM_BYTES in src/launch/bwd.rs");
+static_assert(sizeof(BwdSmem) == (3 * SUB * KD + SUB + 2 * SUB * ROWS + 2 * ROWS * ACC_W) * 4,
+              "rows_smem_bytes in src/launch/bwd.rs");
 
 // Warp w prepares token t0 + w of the sub-chunk (nt tokens; the rest zero: alpha 1, k 0, beta 0,
 // which leaves the state unchanged).
@@ -169,7 +174,11 @@ __device__ __forceinline__ float fwd_token(float (&S)[4], const BwdSmem& s, int 
   return pred;
 }
 
-extern "C" __global__ void __launch_bounds__(ROWS * 32, 1) kda_bwd_rows(KdaBwdParams p) {
+// CK: tokens per checkpoint (16: the sub-chunk starts are the checkpoints; 64: 4x less workspace,
+// the sub-chunk starts recomputed from each checkpoint).
+template <int CK>
+__device__ __forceinline__ void rows_body(const KdaBwdParams& p) {
+  constexpr int NSUB = CK / SUB;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   BwdSmem& s = *reinterpret_cast<BwdSmem*>(smem_raw);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -184,7 +193,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32, 1) kda_bwd_rows(KdaBwdPa
   const size_t sbase = ((size_t)n * p.num_heads + h) * hd2 + (size_t)vi * KD + c;
   const long long nck = (len + CK - 1) / CK;
   const long long slot0 = bos / CK + n;
-  for (int e = threadIdx.x; e < SUB * ACC_W; e += blockDim.x) (&s.acc[0][0])[e] = 0.f;
+  for (int e = threadIdx.x; e < 2 * ROWS * ACC_W; e += blockDim.x) (&s.part[0][0][0])[e] = 0.f;
 
   // 1. forward, saving the row at the start of every CK-token chunk
   float S[4];
@@ -269,24 +278,35 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32, 1) kda_bwd_rows(KdaBwdPa
           dal[e] = ds1 * S0[i][e];
           dS[e] = ds1 * al[e];
         }
-        if (i < nt) {
+        const bool live = i < nt;  // padded tokens contribute nothing
+        float* part = s.part[i & 1][warp];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            atomicAdd(&s.acc[i][c + 32 * e], dqh[e]);
-            atomicAdd(&s.acc[i][KD + c + 32 * e], dkh[e]);
-            atomicAdd(&s.acc[i][2 * KD + c + 32 * e], dal[e]);
-          }
-          if (lane == 0) {
-            atomicAdd(&s.acc[i][3 * KD], du * res);
-            p.dv[((t0 + i) * p.num_heads + h) * KD + vi] = __float2bfloat16(b * du);
-          }
+        for (int e = 0; e < 4; ++e) {
+          part[c + 32 * e] = live ? dqh[e] : 0.f;
+          part[KD + c + 32 * e] = live ? dkh[e] : 0.f;
+          part[2 * KD + c + 32 * e] = live ? dal[e] : 0.f;
         }
-      }
-      __syncthreads();
-      for (int e = threadIdx.x; e < nt * ACC_W; e += blockDim.x) {
-        const int i = e / ACC_W, f = e % ACC_W;
-        atomicAdd(p.acc + ((t0 + i) * p.num_heads + h) * ACC_W + f, s.acc[i][f]);
-        s.acc[i][f] = 0.f;
+        if (lane == 0) {
+          part[3 * KD] = live ? du * res : 0.f;
+          if (live) p.dv[((t0 + i) * p.num_heads + h) * KD + vi] = __float2bfloat16(b * du);
+        }
+        if ((i & 1) == 0) {
+          // tokens i and i + 1: sum the rows' contributions, one float4 global atomic each
+          __syncthreads();
+          for (int e = threadIdx.x; e < 2 * (ACC_W / 4); e += blockDim.x) {
+            const int tk = i + e / (ACC_W / 4), f = 4 * (e % (ACC_W / 4));
+            if (tk < nt) {
+              float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+              for (int w = 0; w < ROWS; ++w) {
+                const float4 x = *reinterpret_cast<const float4*>(&s.part[tk & 1][w][f]);
+                sum.x += x.x; sum.y += x.y; sum.z += x.z; sum.w += x.w;
+              }
+              atomicAdd(reinterpret_cast<float4*>(p.acc + ((t0 + tk) * p.num_heads + h) * ACC_W + f), sum);
+            }
+          }
+          __syncthreads();
+        }
       }
     }
   }
@@ -301,6 +321,9 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32, 1) kda_bwd_rows(KdaBwdPa
     }
   }
 }
+
+extern "C" __global__ void __launch_bounds__(ROWS * 32, MIN_BLOCKS) kda_bwd_rows_c16(KdaBwdParams p) { rows_body<16>(p); }
+extern "C" __global__ void __launch_bounds__(ROWS * 32, MIN_BLOCKS) kda_bwd_rows_c64(KdaBwdParams p) { rows_body<64>(p); }
 
 #define FIN_TOK 64  // tokens per kda_bwd_finish block
 

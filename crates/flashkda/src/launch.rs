@@ -18,7 +18,10 @@ pub use crate::schedule::{
 };
 
 mod bwd;
-pub use bwd::{BWD_CHECKPOINT_TOKENS, BwdOptions, bwd, bwd_validated, bwd_workspace_bytes};
+pub use bwd::{
+    BWD_CHECKPOINT_LIMIT, BwdOptions, bwd, bwd_checkpoint_tokens, bwd_sub_chunk_tokens,
+    bwd_validated, bwd_workspace_bytes,
+};
 
 mod built {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
@@ -333,7 +336,7 @@ impl KdaKernels {
         };
         let (seq_cubin, pipe_cubin) = (cubin("kda_fwd")?, cubin("kda_fwd_pipelined")?);
         let (ws_cubin, split_cubin) = (cubin("kda_fwd_ws")?, cubin("kda_fwd_ws_split")?);
-        let bwd_cubin = cubin("kda_bwd")?;
+        let (bwd_cubin, bwd_s8_cubin) = (cubin("kda_bwd")?, cubin("kda_bwd_s8")?);
         let (major, minor) = ctx
             .compute_capability()
             .during("reading compute capability")?;
@@ -370,7 +373,10 @@ impl KdaKernels {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(bwd_cubin))
             .during("loading the kda_bwd cubin")?;
-        let bwd = bwd::BwdKernels::load(&module)?;
+        let s8 = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(bwd_s8_cubin))
+            .during("loading the kda_bwd_s8 cubin")?;
+        let bwd = bwd::BwdKernels::load(&module, &s8)?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,

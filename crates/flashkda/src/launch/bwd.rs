@@ -11,16 +11,50 @@ use crate::error::{DriverContext, FlashKdaError};
 use crate::reference::HEAD_DIM;
 use crate::validate::{BwdArgs, BwdPlan, StateDType, check_cu_seqlens, validate_bwd};
 
-/// Tokens per checkpoint (`CK` in the .cu).
-pub const BWD_CHECKPOINT_TOKENS: usize = 64;
+/// Tokens per state checkpoint of the backward (`CK` in the .cu): 16 (no recomputed sub-chunk
+/// starts) while the checkpoints take at most [`BWD_CHECKPOINT_LIMIT`] bytes, 64 above.
+/// `FLASHKDA_BWD_CK=16|64` overrides (measurement only).
+pub fn bwd_checkpoint_tokens(plan: &BwdPlan) -> usize {
+    match std::env::var("FLASHKDA_BWD_CK").as_deref() {
+        Ok("16") => return 16,
+        Ok("64") => return 64,
+        _ => {}
+    }
+    if checkpoint_bytes(plan, 16) <= BWD_CHECKPOINT_LIMIT {
+        16
+    } else {
+        64
+    }
+}
+
+/// Workspace bound of the 16-token checkpoints.
+pub const BWD_CHECKPOINT_LIMIT: usize = 4 << 30;
+
+fn checkpoint_bytes(plan: &BwdPlan, ck: usize) -> usize {
+    let p = &plan.fwd;
+    let slots = p.batch * p.seq_len / ck + p.num_seqs + 1;
+    slots * p.heads * HEAD_DIM * HEAD_DIM * 4
+}
 /// Value rows per `kda_bwd_rows` block (`ROWS`).
 const ROWS: usize = 16;
 /// Floats of row sums per (token, head) (`ACC_W`).
-const ACC_W: usize = 3 * HEAD_DIM + 1;
+const ACC_W: usize = 3 * HEAD_DIM + 4;
 /// Tokens per `kda_bwd_finish` block (`FIN_TOK`).
 const FIN_TOK: usize = 64;
-/// Dynamic shared memory of `kda_bwd_rows` (`sizeof(BwdSmem)`).
-const ROWS_SMEM_BYTES: u32 = (3 * 16 * 128 + 16 + 2 * 16 * 16 + 16 * ACC_W as u32) * 4;
+/// Dynamic shared memory of `kda_bwd_rows_*` (`sizeof(BwdSmem)`) for `sub`-token sub-chunks.
+const fn rows_smem_bytes(sub: usize) -> u32 {
+    ((3 * sub * HEAD_DIM + sub + 2 * sub * ROWS + 2 * ROWS * ACC_W) * 4) as u32
+}
+
+/// Tokens per sub-chunk of the backward (`SUB`: `kda_bwd.cu` 16, `kda_bwd_s8.cu` 8);
+/// `FLASHKDA_BWD_SUB=8|16` overrides (measurement only).
+pub fn bwd_sub_chunk_tokens() -> usize {
+    match std::env::var("FLASHKDA_BWD_SUB").as_deref() {
+        Ok("8") => 8,
+        Ok("16") => 16,
+        _ => 16,
+    }
+}
 
 /// Mirror of `struct KdaBwdParams` in `kernels/kda_bwd.cu` (the one definition of the kernels'
 /// argument list; passed by value).
@@ -66,20 +100,36 @@ unsafe impl DeviceRepr for BwdKernelParams {}
 /// The backward kernels of one device.
 #[derive(Debug)]
 pub(super) struct BwdKernels {
-    rows: CudaFunction,
+    /// `kda_bwd_rows_c16`, `kda_bwd_rows_c64` of `kda_bwd.cu` (16-token sub-chunks) and of
+    /// `kda_bwd_s8.cu` (8).
+    rows: [[CudaFunction; 2]; 2],
     finish: CudaFunction,
 }
 
 impl BwdKernels {
-    pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, FlashKdaError> {
-        let rows = module
-            .load_function("kda_bwd_rows")
-            .during("loading kda_bwd_rows")?;
-        rows.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            ROWS_SMEM_BYTES as i32,
-        )
-        .during("allowing kda_bwd_rows's dynamic shared memory")?;
+    pub(super) fn load(
+        module: &Arc<CudaModule>,
+        s8: &Arc<CudaModule>,
+    ) -> Result<Self, FlashKdaError> {
+        let load = |m: &Arc<CudaModule>, name: &str, sub: usize| {
+            let f = m.load_function(name).during("loading kda_bwd_rows_*")?;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                rows_smem_bytes(sub) as i32,
+            )
+            .during("allowing kda_bwd_rows's dynamic shared memory")?;
+            Ok::<_, FlashKdaError>(f)
+        };
+        let rows = [
+            [
+                load(module, "kda_bwd_rows_c16", 16)?,
+                load(module, "kda_bwd_rows_c64", 16)?,
+            ],
+            [
+                load(s8, "kda_bwd_rows_c16", 8)?,
+                load(s8, "kda_bwd_rows_c64", 8)?,
+            ],
+        ];
         let finish = module
             .load_function("kda_bwd_finish")
             .during("loading kda_bwd_finish")?;
@@ -109,14 +159,14 @@ impl Default for BwdOptions {
 fn layout(plan: &BwdPlan) -> (usize, usize) {
     let p = &plan.fwd;
     let total = p.batch * p.seq_len;
-    let slots = total / BWD_CHECKPOINT_TOKENS + p.num_seqs + 1;
-    let ckpt = slots * p.heads * HEAD_DIM * HEAD_DIM * 4;
+    let ckpt = checkpoint_bytes(plan, bwd_checkpoint_tokens(plan));
     let acc_off = ckpt.next_multiple_of(256);
     (acc_off, acc_off + total * p.heads * ACC_W * 4)
 }
 
-/// Workspace bytes of a validated backward call: fp32 checkpoints of the state every 64 tokens
-/// (1 KiB per token and head) and the row sums (1540 bytes per token and head). Nothing is saved
+/// Workspace bytes of a validated backward call: fp32 checkpoints of the state every 16 tokens
+/// (4 KiB per token and head; every 64 tokens, 1 KiB, above [`BWD_CHECKPOINT_LIMIT`]) and the row
+/// sums (1552 bytes per token and head). Nothing is saved
 /// by the forward for the backward beyond its inputs.
 pub fn bwd_workspace_bytes(plan: &BwdPlan) -> usize {
     layout(plan).1
@@ -236,12 +286,14 @@ pub fn bwd_validated(
     };
     let bk = &kernels.bwd;
     if chains > 0 {
+        let sub = bwd_sub_chunk_tokens();
         let cfg = LaunchConfig {
             grid_dim: (chains as u32, (HEAD_DIM / ROWS) as u32, 1),
             block_dim: ((ROWS * 32) as u32, 1, 1),
-            shared_mem_bytes: ROWS_SMEM_BYTES,
+            shared_mem_bytes: rows_smem_bytes(sub),
         };
-        let mut launch = stream.launch_builder(&bk.rows);
+        let rows = &bk.rows[usize::from(sub == 8)][usize::from(bwd_checkpoint_tokens(plan) == 64)];
+        let mut launch = stream.launch_builder(rows);
         launch.arg(&params);
         // SAFETY: reads the validated inputs; writes dv, dinitial_state and the workspace.
         unsafe { launch.launch(cfg) }.during("launching kda_bwd_rows")?;
@@ -267,6 +319,8 @@ mod tests {
         // 21 pointers, 2 int64, 5 int32, 2 float, 1 int32 pad = 168 + 16 + 32 = 216 bytes
         assert_eq!(std::mem::size_of::<super::BwdKernelParams>(), 216);
         assert_eq!(std::mem::align_of::<super::BwdKernelParams>(), 8);
-        assert_eq!(super::ROWS_SMEM_BYTES, 51328);
+        assert_eq!(super::rows_smem_bytes(16), 76352);
+        assert_eq!(super::rows_smem_bytes(8), 63008);
+        assert_eq!(super::ACC_W % 4, 0);
     }
 }
