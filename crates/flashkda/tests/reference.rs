@@ -255,6 +255,48 @@ fn reference_gradient_matches_finite_differences() {
 }
 
 #[test]
+fn chunked_gradient_equals_the_token_recurrence_gradient() {
+    use flashkda::reference::{chunked_grad_f64, recurrence_grad_f64};
+    use rand::{Rng, SeedableRng};
+    let s = seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(s ^ 0xc4);
+    for (p, dfinal) in [
+        (KdaProblem::random_gva(&[37, 5, 0, 20], 2, 1, true, s), true),
+        (KdaProblem::random(&[70], 1, false, s ^ 1), false),
+    ] {
+        let n_out = p.tokens() * p.heads * HEAD_DIM;
+        let n_st = p.seq_lens.len() * p.heads * HEAD_DIM * HEAD_DIM;
+        let dout: Vec<f64> = (0..n_out).map(|_| rng.random::<f64>() - 0.5).collect();
+        let df: Vec<f64> = (0..n_st).map(|_| rng.random::<f64>() - 0.5).collect();
+        let df = dfinal.then_some(&df[..]);
+        let want = recurrence_grad_f64(&p, &dout, df);
+        for chunk in [1, 5, 16, 64] {
+            let got = chunked_grad_f64(&p, &dout, df, chunk);
+            for (name, a, b) in [
+                ("dq", &got.dq, &want.dq),
+                ("dk", &got.dk, &want.dk),
+                ("dv", &got.dv, &want.dv),
+                ("dg", &got.dg, &want.dg),
+                ("dbeta", &got.dbeta, &want.dbeta),
+                ("dA_log", &got.da_log, &want.da_log),
+                ("ddt_bias", &got.ddt_bias, &want.ddt_bias),
+                ("dinitial_state", &got.dinitial_state, &want.dinitial_state),
+            ] {
+                let e = if b.iter().all(|&x| x == 0.0) {
+                    a.iter().fold(0.0f64, |m, x| m.max(x.abs()))
+                } else {
+                    rel_frobenius(a, b)
+                };
+                assert!(
+                    e < 1e-10,
+                    "chunk {chunk}: {name} rel error {e:e} (seed {s})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn split_operands_bring_the_emulation_near_the_bf16_output_floor() {
     use flashkda::reference::emulated::{Rounding, emulated_with};
     // the rounding points of kda_fwd_ws_split.cu against the bf16 ones, same inputs

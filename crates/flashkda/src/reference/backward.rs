@@ -27,14 +27,14 @@ pub struct KdaGrads {
     pub dinitial_state: Vec<f64>,
 }
 
-fn l2(x: &[f32]) -> ([f64; D], f64) {
+pub(super) fn l2(x: &[f32]) -> ([f64; D], f64) {
     let ss: f64 = x.iter().map(|&a| f64::from(a) * f64::from(a)).sum();
     let r = 1.0 / (ss + NORM_EPS).sqrt();
     (std::array::from_fn(|c| f64::from(x[c]) * r), r)
 }
 
 /// `dx` of `x_hat = x * r` with `r = (sum x^2 + eps)^(-1/2)`, given `d x_hat`.
-fn l2_backward(x: &[f32], r: f64, dxh: &[f64; D]) -> [f64; D] {
+pub(super) fn l2_backward(x: &[f32], r: f64, dxh: &[f64; D]) -> [f64; D] {
     let dot: f64 = (0..D).map(|c| f64::from(x[c]) * dxh[c]).sum();
     std::array::from_fn(|c| r * dxh[c] - f64::from(x[c]) * r * r * r * dot)
 }
