@@ -3,6 +3,9 @@
 
 use std::sync::Arc;
 
+mod bwd;
+pub use bwd::{DeviceGrads, ReadGrads};
+
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use crate::error::{DriverContext, FlashKdaError};

@@ -17,6 +17,12 @@ pub use crate::schedule::{
     WORKSPACE_RECORD_BYTES,
 };
 
+mod bwd;
+pub use bwd::{
+    BWD_CHECKPOINT_LIMIT, BwdOptions, bwd, bwd_checkpoint_tokens, bwd_sub_chunk_tokens,
+    bwd_validated, bwd_workspace_bytes,
+};
+
 mod built {
     include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
 }
@@ -198,6 +204,8 @@ pub struct KdaKernels {
     ws_bf16: WorkspaceKernels,
     /// `kda_fwd_ws_split.cu` (split operands).
     ws_split: WorkspaceKernels,
+    /// `kda_bwd.cu`.
+    bwd: bwd::BwdKernels,
     /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
     /// outside graph capture only.
     workspaces: Mutex<WorkspacePool>,
@@ -328,6 +336,7 @@ impl KdaKernels {
         };
         let (seq_cubin, pipe_cubin) = (cubin("kda_fwd")?, cubin("kda_fwd_pipelined")?);
         let (ws_cubin, split_cubin) = (cubin("kda_fwd_ws")?, cubin("kda_fwd_ws_split")?);
+        let (bwd_cubin, bwd_s8_cubin) = (cubin("kda_bwd")?, cubin("kda_bwd_s8")?);
         let (major, minor) = ctx
             .compute_capability()
             .during("reading compute capability")?;
@@ -361,6 +370,13 @@ impl KdaKernels {
             .during("allowing 64 KiB of dynamic shared memory")?;
         let ws_bf16 = WorkspaceKernels::load(ctx, ws_cubin, Operands::Bf16)?;
         let ws_split = WorkspaceKernels::load(ctx, split_cubin, Operands::Split)?;
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(bwd_cubin))
+            .during("loading the kda_bwd cubin")?;
+        let s8 = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(bwd_s8_cubin))
+            .during("loading the kda_bwd_s8 cubin")?;
+        let bwd = bwd::BwdKernels::load(&module, &s8)?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -373,6 +389,7 @@ impl KdaKernels {
             pipelined,
             ws_bf16,
             ws_split,
+            bwd,
             workspaces: Mutex::new(WorkspacePool::default()),
             side_streams: Mutex::new(HashMap::new()),
             sm_count,

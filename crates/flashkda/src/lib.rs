@@ -24,14 +24,18 @@ pub mod validate;
 
 pub use error::FlashKdaError;
 pub use launch::{
-    FwdOptions, KdaKernels, Workspace, fwd, fwd_planned, fwd_validated, kernels_built, open_device,
-    workspace_bytes,
+    BWD_CHECKPOINT_LIMIT, BwdOptions, FwdOptions, KdaKernels, Workspace, bwd,
+    bwd_checkpoint_tokens, bwd_sub_chunk_tokens, bwd_validated, bwd_workspace_bytes, fwd,
+    fwd_planned, fwd_validated, kernels_built, open_device, workspace_bytes,
 };
 pub use schedule::{
     CallPlan, KernelSchedule, Operands, ScheduleRequest, Segments, ValueSplit, call_plan,
     plan_segments,
 };
-pub use validate::{DType, Device, FwdArgs, FwdPlan, StateDType, TensorView, validate};
+pub use validate::{
+    BwdArgs, BwdPlan, DType, Device, FwdArgs, FwdPlan, StateDType, TensorView, validate,
+    validate_bwd,
+};
 
 /// "1" when build.rs compiled the kernels, "0" otherwise (CI asserts "1" with K3_REQUIRE_KERNELS=1).
 pub const KERNELS_BUILT_ENV: &str = env!("FLASHKDA_KERNELS_BUILT");

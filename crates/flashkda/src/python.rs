@@ -13,7 +13,7 @@ use crate::error::FlashKdaError;
 use crate::launch::{
     FwdOptions, KdaKernels, Operands, ValueSplit, Workspace, fwd_planned, open_device,
 };
-use crate::validate::{DType, Device, FwdArgs, TensorView};
+use crate::validate::{BwdArgs, DType, Device, FwdArgs, TensorView};
 
 fn to_py(e: FlashKdaError) -> PyErr {
     match e {
@@ -228,6 +228,95 @@ fn fwd(
         .map_err(to_py)
 }
 
+/// KDA backward on torch's current stream: from the forward's inputs and the upstream gradients
+/// `dout` (like `out`) and `dfinal_state` (like the final state, or None), writes `dq`, `dk` (like
+/// q), `dv`, `dg` (like v), `dbeta` (like beta), fp32 `dA_log [H]`, `ddt_bias [H, 128]` and, when
+/// given, `dinitial_state` (`[N, H, 128, 128]`, bf16 or fp32). The workspace comes from torch's
+/// caching allocator.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, dout, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, initial_state=None, dfinal_state=None, dinitial_state=None, cu_seqlens=None, check_cu_seqlens=true))]
+#[allow(non_snake_case, clippy::too_many_arguments)]
+fn bwd(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    k: &Bound<'_, PyAny>,
+    v: &Bound<'_, PyAny>,
+    g: &Bound<'_, PyAny>,
+    beta: &Bound<'_, PyAny>,
+    scale: f32,
+    A_log: &Bound<'_, PyAny>,
+    dt_bias: &Bound<'_, PyAny>,
+    lower_bound: f32,
+    dout: &Bound<'_, PyAny>,
+    dq: &Bound<'_, PyAny>,
+    dk: &Bound<'_, PyAny>,
+    dv: &Bound<'_, PyAny>,
+    dg: &Bound<'_, PyAny>,
+    dbeta: &Bound<'_, PyAny>,
+    dA_log: &Bound<'_, PyAny>,
+    ddt_bias: &Bound<'_, PyAny>,
+    initial_state: Option<&Bound<'_, PyAny>>,
+    dfinal_state: Option<&Bound<'_, PyAny>>,
+    dinitial_state: Option<&Bound<'_, PyAny>>,
+    cu_seqlens: Option<&Bound<'_, PyAny>>,
+    check_cu_seqlens: bool,
+) -> PyResult<()> {
+    let args = BwdArgs {
+        q: view("q", q)?,
+        k: view("k", k)?,
+        v: view("v", v)?,
+        g: view("g", g)?,
+        beta: view("beta", beta)?,
+        a_log: view("A_log", A_log)?,
+        dt_bias: view("dt_bias", dt_bias)?,
+        initial_state: opt_view("initial_state", initial_state)?,
+        cu_seqlens: opt_view("cu_seqlens", cu_seqlens)?,
+        scale,
+        lower_bound,
+        dout: view("dout", dout)?,
+        dfinal_state: opt_view("dfinal_state", dfinal_state)?,
+        dq: view("dq", dq)?,
+        dk: view("dk", dk)?,
+        dv: view("dv", dv)?,
+        dg: view("dg", dg)?,
+        dbeta: view("dbeta", dbeta)?,
+        da_log: view("dA_log", dA_log)?,
+        ddt_bias: view("ddt_bias", ddt_bias)?,
+        dinitial_state: opt_view("dinitial_state", dinitial_state)?,
+    };
+    let plan = crate::validate::validate_bwd(&args).map_err(to_py)?;
+    let ordinal = plan.fwd.ordinal;
+    let kernels = kernels_for(ordinal).map_err(to_py)?;
+    let torch = py.import("torch")?;
+    let need = crate::launch::bwd_workspace_bytes(&plan).max(16);
+    let kw = PyDict::new(py);
+    kw.set_item("dtype", torch.getattr("uint8")?)?;
+    kw.set_item("device", q.getattr("device")?)?;
+    // stream-ordered on torch's current stream; alive until the call is enqueued
+    let ws_t = torch.call_method("empty", (need,), Some(&kw))?;
+    let opts = crate::launch::BwdOptions {
+        check_cu_seqlens,
+        workspace: Some(Workspace {
+            ptr: ws_t.call_method0("data_ptr")?.extract()?,
+            bytes: need,
+        }),
+    };
+    let stream_ptr: usize = torch
+        .getattr("cuda")?
+        .call_method1("current_stream", (ordinal,))?
+        .getattr("cuda_stream")?
+        .extract()?;
+    // SAFETY: as in `fwd`: torch's live stream of the device's primary context.
+    let stream = unsafe {
+        kernels
+            .context()
+            .wrap_borrowed_stream(stream_ptr as cudarc::driver::sys::CUstream)
+    };
+    let r = py.detach(|| crate::launch::bwd_validated(&kernels, &stream, &args, &plan, &opts));
+    drop(ws_t);
+    r.map_err(to_py)
+}
+
 /// Workspace bytes of a default `fwd` call with these sizes on cuda:`device` (0 when the call
 /// needs none): `batch, seq_len` of q, `heads` of v (value heads), `qk_heads` of q (GVA when
 /// fewer; default `heads`), `num_seqs` = len(cu_seqlens) - 1 or batch.
@@ -292,6 +381,7 @@ fn kernels_built() -> bool {
 #[pymodule]
 fn _flashkda(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fwd, m)?)?;
+    m.add_function(wrap_pyfunction!(bwd, m)?)?;
     m.add_function(wrap_pyfunction!(kernels_built, m)?)?;
     m.add_function(wrap_pyfunction!(workspace_bytes, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -373,3 +373,123 @@ pub fn check_cu_seqlens(cu: &[i64], total: usize) -> Result<(), FlashKdaError> {
     }
     Ok(())
 }
+
+/// Arguments of one backward call: the forward's inputs, the upstream gradients `dout`
+/// (`[B, T, H, 128]` bf16, like `out`) and `dfinal_state` (like the final state; absent = zeros),
+/// and the gradient outputs: `dq`, `dk` (like q), `dv`, `dg` (like v), `dbeta` (like beta), fp32
+/// `da_log [H]` and `ddt_bias [H, 128]`, and optionally `dinitial_state` (`[N, H, 128, 128]`,
+/// bf16 or fp32; the gradient at the initial state, zeros when absent).
+#[derive(Debug, Clone)]
+pub struct BwdArgs {
+    pub q: TensorView,
+    pub k: TensorView,
+    pub v: TensorView,
+    pub g: TensorView,
+    pub beta: TensorView,
+    pub a_log: TensorView,
+    pub dt_bias: TensorView,
+    pub initial_state: Option<TensorView>,
+    pub cu_seqlens: Option<TensorView>,
+    pub scale: f32,
+    pub lower_bound: f32,
+    pub dout: TensorView,
+    pub dfinal_state: Option<TensorView>,
+    pub dq: TensorView,
+    pub dk: TensorView,
+    pub dv: TensorView,
+    pub dg: TensorView,
+    pub dbeta: TensorView,
+    pub da_log: TensorView,
+    pub ddt_bias: TensorView,
+    pub dinitial_state: Option<TensorView>,
+}
+
+/// What [`validate_bwd`] found: the forward's sizes, the dtype of the forward-side states
+/// (`initial_state` / `dfinal_state`), and that of `dinitial_state`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BwdPlan {
+    pub fwd: FwdPlan,
+    pub dinitial_state: Option<StateDType>,
+}
+
+/// Checks every tensor of a backward call (the forward's rules for the inputs, and each gradient
+/// shaped like its input). Does not read device memory.
+pub fn validate_bwd(a: &BwdArgs) -> Result<BwdPlan, FlashKdaError> {
+    let fwd_args = FwdArgs {
+        q: a.q.clone(),
+        k: a.k.clone(),
+        v: a.v.clone(),
+        g: a.g.clone(),
+        beta: a.beta.clone(),
+        out: a.v.clone(),
+        a_log: a.a_log.clone(),
+        dt_bias: a.dt_bias.clone(),
+        initial_state: a.initial_state.clone(),
+        final_state: None,
+        cu_seqlens: a.cu_seqlens.clone(),
+        scale: a.scale,
+        lower_bound: a.lower_bound,
+    };
+    let mut plan = validate(&fwd_args)?;
+    let o = plan.ordinal;
+    for (name, t, like) in [
+        ("dout", &a.dout, &a.v),
+        ("dq", &a.dq, &a.q),
+        ("dk", &a.dk, &a.q),
+        ("dv", &a.dv, &a.v),
+        ("dg", &a.dg, &a.v),
+    ] {
+        check_dtype(name, t, DType::BF16)?;
+        check_layout(name, t, &like.shape, o, 16)?;
+    }
+    check_dtype("dbeta", &a.dbeta, DType::BF16)?;
+    check_layout("dbeta", &a.dbeta, &a.beta.shape, o, 2)?;
+    check_dtype("dA_log", &a.da_log, DType::F32)?;
+    check_layout("dA_log", &a.da_log, &a.a_log.shape, o, 4)?;
+    check_dtype("ddt_bias", &a.ddt_bias, DType::F32)?;
+    check_layout("ddt_bias", &a.ddt_bias, &a.dt_bias.shape, o, 4)?;
+    let st = [plan.num_seqs, plan.heads, HEAD_DIM, HEAD_DIM];
+    let state_dtype = |name: &'static str, t: &TensorView| -> Result<StateDType, FlashKdaError> {
+        let d = match t.dtype {
+            DType::BF16 => StateDType::BF16,
+            DType::F32 => StateDType::F32,
+            other => {
+                return Err(FlashKdaError::DType {
+                    tensor: name,
+                    expected: "bfloat16 or float32",
+                    found: other.name().into(),
+                });
+            }
+        };
+        check_layout(name, t, &st, o, 8)?;
+        Ok(d)
+    };
+    if let Some(t) = &a.dfinal_state {
+        let d = state_dtype("dfinal_state", t)?;
+        match plan.state {
+            Some(s) if s != d => {
+                return Err(FlashKdaError::StateDTypeMismatch {
+                    initial: dtype_name(s),
+                    final_: dtype_name(d),
+                });
+            }
+            _ => plan.state = Some(d),
+        }
+    }
+    let dinitial_state = a
+        .dinitial_state
+        .as_ref()
+        .map(|t| state_dtype("dinitial_state", t))
+        .transpose()?;
+    Ok(BwdPlan {
+        fwd: plan,
+        dinitial_state,
+    })
+}
+
+fn dtype_name(d: StateDType) -> &'static str {
+    match d {
+        StateDType::BF16 => "bfloat16",
+        StateDType::F32 => "float32",
+    }
+}

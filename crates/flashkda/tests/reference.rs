@@ -181,19 +181,21 @@ fn loss(p: &KdaProblem, dout: &[f64], dfinal: &[f64]) -> f64 {
     a + b
 }
 
-#[test]
-fn reference_gradient_matches_finite_differences() {
+/// Checks every gradient of `p` against central finite differences of the float64 recurrence
+/// (8 random coordinates per input); `dfinal`: a random upstream gradient of the final state.
+fn check_gradient(p: KdaProblem, dfinal: bool, s: u64) {
     use flashkda::reference::recurrence_grad_f64;
     use rand::{Rng, SeedableRng};
-    let s = seed();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(s);
-    // GVA (2 value heads over 1 q/k head), two sequences, an initial state
-    let p = KdaProblem::random_gva(&[6, 3], 2, 1, true, s);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(s ^ 0x9e37);
     let n_out = p.tokens() * p.heads * HEAD_DIM;
     let n_st = p.seq_lens.len() * p.heads * HEAD_DIM * HEAD_DIM;
     let dout: Vec<f64> = (0..n_out).map(|_| rng.random::<f64>() - 0.5).collect();
-    let dfinal: Vec<f64> = (0..n_st).map(|_| rng.random::<f64>() - 0.5).collect();
-    let g = recurrence_grad_f64(&p, &dout, Some(&dfinal));
+    let df: Vec<f64> = if dfinal {
+        (0..n_st).map(|_| rng.random::<f64>() - 0.5).collect()
+    } else {
+        vec![0.0; n_st]
+    };
+    let g = recurrence_grad_f64(&p, &dout, dfinal.then_some(&df[..]));
     // central differences with a step exact in f32 (inputs are bf16-representable, |x| < 2^13)
     let step = 2f32.powi(-10);
     type Field = fn(&mut KdaProblem) -> &mut Vec<f32>;
@@ -215,8 +217,7 @@ fn reference_gradient_matches_finite_differences() {
                 set(&mut hi, i, step);
                 let mut lo = p.clone();
                 set(&mut lo, i, -step);
-                let fd = (loss(&hi, &dout, &dfinal) - loss(&lo, &dout, &dfinal))
-                    / (2.0 * f64::from(step));
+                let fd = (loss(&hi, &dout, &df) - loss(&lo, &dout, &df)) / (2.0 * f64::from(step));
                 num += (fd - an[i]).powi(2);
                 den += an[i].powi(2);
             }
@@ -228,12 +229,71 @@ fn reference_gradient_matches_finite_differences() {
         let len = field(&mut p.clone()).len();
         check(name, &|q: &mut KdaProblem, i, d| field(q)[i] += d, len, an);
     }
-    check(
-        "initial_state",
-        &|q: &mut KdaProblem, i, d| q.initial_state.as_mut().unwrap()[i] += d,
-        n_st,
-        &g.dinitial_state,
-    );
+    if p.initial_state.is_some() {
+        check(
+            "initial_state",
+            &|q: &mut KdaProblem, i, d| q.initial_state.as_mut().unwrap()[i] += d,
+            n_st,
+            &g.dinitial_state,
+        );
+    } else {
+        assert!(g.dinitial_state.iter().all(|&x| x == 0.0));
+    }
+}
+
+#[test]
+fn reference_gradient_matches_finite_differences() {
+    let s = seed();
+    // varlen, GVA (2 value heads over 1 q/k head), an initial state, d(final state)
+    check_gradient(KdaProblem::random_gva(&[6, 3], 2, 1, true, s), true, s);
+    // fixed length across two reference checkpoints (64 tokens), no state, dout only
+    check_gradient(KdaProblem::random(&[70], 1, false, s ^ 1), false, s ^ 1);
+    // varlen without an initial state but with d(final state); batched-like equal lengths
+    check_gradient(KdaProblem::random(&[5, 5, 9], 2, false, s ^ 2), true, s ^ 2);
+    // fixed length with an initial state and no d(final state)
+    check_gradient(KdaProblem::random(&[20], 1, true, s ^ 3), false, s ^ 3);
+}
+
+#[test]
+fn chunked_gradient_equals_the_token_recurrence_gradient() {
+    use flashkda::reference::{chunked_grad_f64, recurrence_grad_f64};
+    use rand::{Rng, SeedableRng};
+    let s = seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(s ^ 0xc4);
+    for (p, dfinal) in [
+        (KdaProblem::random_gva(&[37, 5, 0, 20], 2, 1, true, s), true),
+        (KdaProblem::random(&[70], 1, false, s ^ 1), false),
+    ] {
+        let n_out = p.tokens() * p.heads * HEAD_DIM;
+        let n_st = p.seq_lens.len() * p.heads * HEAD_DIM * HEAD_DIM;
+        let dout: Vec<f64> = (0..n_out).map(|_| rng.random::<f64>() - 0.5).collect();
+        let df: Vec<f64> = (0..n_st).map(|_| rng.random::<f64>() - 0.5).collect();
+        let df = dfinal.then_some(&df[..]);
+        let want = recurrence_grad_f64(&p, &dout, df);
+        for chunk in [1, 5, 16, 64] {
+            let got = chunked_grad_f64(&p, &dout, df, chunk);
+            for (name, a, b) in [
+                ("dq", &got.dq, &want.dq),
+                ("dk", &got.dk, &want.dk),
+                ("dv", &got.dv, &want.dv),
+                ("dg", &got.dg, &want.dg),
+                ("dbeta", &got.dbeta, &want.dbeta),
+                ("dA_log", &got.da_log, &want.da_log),
+                ("ddt_bias", &got.ddt_bias, &want.ddt_bias),
+                ("dinitial_state", &got.dinitial_state, &want.dinitial_state),
+            ] {
+                let e = if b.iter().all(|&x| x == 0.0) {
+                    a.iter().fold(0.0f64, |m, x| m.max(x.abs()))
+                } else {
+                    rel_frobenius(a, b)
+                };
+                assert!(
+                    e < 1e-10,
+                    "chunk {chunk}: {name} rel error {e:e} (seed {s})"
+                );
+            }
+        }
+    }
 }
 
 #[test]

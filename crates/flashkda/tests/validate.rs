@@ -159,3 +159,105 @@ fn cu_seqlens_contents() {
         Err(FlashKdaError::CuSeqlens(_))
     ));
 }
+
+fn bwd_args(b: usize, tt: usize, h: usize) -> flashkda::BwdArgs {
+    let f = args(b, tt, h);
+    let act = [b, tt, h, 128];
+    flashkda::BwdArgs {
+        q: f.q,
+        k: f.k,
+        v: f.v,
+        g: f.g,
+        beta: f.beta,
+        a_log: f.a_log,
+        dt_bias: f.dt_bias,
+        initial_state: None,
+        cu_seqlens: None,
+        scale: f.scale,
+        lower_bound: f.lower_bound,
+        dout: t(DType::BF16, &act, 0x11000),
+        dfinal_state: None,
+        dq: t(DType::BF16, &act, 0x12000),
+        dk: t(DType::BF16, &act, 0x13000),
+        dv: t(DType::BF16, &act, 0x14000),
+        dg: t(DType::BF16, &act, 0x15000),
+        dbeta: t(DType::BF16, &[b, tt, h], 0x16000),
+        da_log: t(DType::F32, &[h], 0x17000),
+        ddt_bias: t(DType::F32, &[h, 128], 0x18000),
+        dinitial_state: None,
+    }
+}
+
+#[test]
+fn bwd_validation_checks_every_gradient() {
+    use flashkda::validate_bwd;
+    let p = validate_bwd(&bwd_args(2, 64, 4)).unwrap();
+    assert_eq!(
+        (p.fwd.num_seqs, p.fwd.state, p.dinitial_state),
+        (2, None, None)
+    );
+    let mut a = bwd_args(1, 64, 4);
+    a.cu_seqlens = Some(t(DType::I64, &[4], 0x9000));
+    a.dfinal_state = Some(t(DType::F32, &[3, 4, 128, 128], 0xa000));
+    a.dinitial_state = Some(t(DType::BF16, &[3, 4, 128, 128], 0xb000));
+    let p = validate_bwd(&a).unwrap();
+    assert_eq!(
+        (p.fwd.num_seqs, p.fwd.state, p.dinitial_state),
+        (3, Some(StateDType::F32), Some(StateDType::BF16))
+    );
+    // a forward-input error is the forward's
+    let mut a = bwd_args(1, 8, 2);
+    a.lower_bound = 0.5;
+    assert!(matches!(
+        validate_bwd(&a),
+        Err(FlashKdaError::LowerBound(_))
+    ));
+    // each gradient by name
+    let mut a = bwd_args(1, 8, 2);
+    a.dout.dtype = DType::F32;
+    assert!(matches!(
+        validate_bwd(&a),
+        Err(FlashKdaError::DType { tensor: "dout", .. })
+    ));
+    let mut a = bwd_args(1, 8, 2);
+    a.dk = t(DType::BF16, &[1, 8, 2, 64], 0x13000);
+    assert!(matches!(
+        validate_bwd(&a),
+        Err(FlashKdaError::Shape { tensor: "dk", .. })
+    ));
+    let mut a = bwd_args(1, 8, 2);
+    a.dbeta.ptr = 0x16001;
+    assert!(matches!(
+        validate_bwd(&a),
+        Err(FlashKdaError::Misaligned {
+            tensor: "dbeta",
+            ..
+        })
+    ));
+    let mut a = bwd_args(1, 8, 2);
+    a.ddt_bias.device = Device::Other("cpu".into());
+    assert!(matches!(
+        validate_bwd(&a),
+        Err(FlashKdaError::Device {
+            tensor: "ddt_bias",
+            ..
+        })
+    ));
+    // the upstream state gradient must match the initial state's dtype
+    let mut a = bwd_args(1, 8, 2);
+    a.initial_state = Some(t(DType::BF16, &[1, 2, 128, 128], 0xa000));
+    a.dfinal_state = Some(t(DType::F32, &[1, 2, 128, 128], 0xc000));
+    assert!(matches!(
+        validate_bwd(&a),
+        Err(FlashKdaError::StateDTypeMismatch { .. })
+    ));
+    let mut a = bwd_args(1, 8, 2);
+    a.dinitial_state = Some(t(DType::I64, &[1, 2, 128, 128], 0xb000));
+    assert!(matches!(
+        validate_bwd(&a),
+        Err(FlashKdaError::DType {
+            tensor: "dinitial_state",
+            ..
+        })
+    ));
+}

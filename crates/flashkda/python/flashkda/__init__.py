@@ -13,15 +13,19 @@ caching allocator (stream-ordered, and from the graph's private pool while captu
 your own ``workspace`` (``flashkda.workspace(q, cu_seqlens, v=v)``). Long fixed-length sequences are
 split into segments processed in parallel (intra-card context parallelism) automatically.
 
+Training: ``o, ht = flashkda.chunk_kda(q, k, v, g, beta, A_log, dt_bias, ...)`` returns outputs with
+gradients (sm_90a backward kernels; see ``flashkda.autograd``).
+
 To make flash-linear-attention's ``chunk_kda`` use it: ``flashkda.register_fla_backend()``
 (opt out with ``FLASHKDA_FLA=0``).
 """
 
 from flashkda import _flashkda
 from flashkda._flashkda import __version__, kernels_built
+from flashkda.autograd import chunk_kda
 from flashkda.fla_backend import register_fla_backend
 
-__all__ = ["__version__", "fwd", "kernels_built", "register_fla_backend", "workspace", "workspace_bytes"]
+__all__ = ["__version__", "chunk_kda", "fwd", "kernels_built", "register_fla_backend", "workspace", "workspace_bytes"]
 
 
 def workspace_bytes(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None):

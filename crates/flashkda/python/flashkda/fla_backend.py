@@ -9,7 +9,8 @@ Usage::
                                   lower_bound=-5, A_log=A_log, dt_bias=dt_bias, state_v_first=True)
 
 It takes precedence over fla's FlashKDA backend (priority 2 < 3) for the calls it accepts
-(inference, bf16, K = V = 128, GVA included, fused gate/norm/sigmoid, ``state_v_first=True``,
+(inference and training: with gradients enabled and an input that requires them, the call goes
+through ``flashkda.chunk_kda``'s autograd function and the sm_90a backward; bf16, K = V = 128, GVA included, fused gate/norm/sigmoid, ``state_v_first=True``,
 ``lower_bound`` in [-5, 0)); anything else falls through to the next backend or to Triton.
 Opt out with the environment variable ``FLASHKDA_FLA=0`` (read at every call).
 """
@@ -27,8 +28,6 @@ def _verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
             cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
     import torch
 
-    if torch.is_grad_enabled():
-        return False, "flashkda is forward-only (use torch.inference_mode() or no_grad)"
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False, "flashkda needs an sm_90 (Hopper) CUDA device"
     if q.dtype != torch.bfloat16 or q.shape[-1] != 128 or v.shape[-1] != 128:
@@ -53,7 +52,7 @@ def _chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
                cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
     import torch
 
-    from flashkda import fwd
+    from flashkda import chunk_kda, fwd
 
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -61,14 +60,19 @@ def _chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     n = len(cu_seqlens) - 1 if cu_seqlens is not None else q.shape[0]
     if dt_bias.ndim == 1:
         dt_bias = dt_bias.view(H, -1)
-    out = torch.empty_like(v)
+    if cu_seqlens is not None and cu_seqlens.dtype != torch.long:
+        cu_seqlens = cu_seqlens.to(torch.long)
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32).contiguous()
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)):
+        # fp32 states (as fla's); the final state of a call without one comes out fp32 as well
+        return chunk_kda(q, k, v, g, beta, A_log, dt_bias, scale=float(scale), lower_bound=float(lower_bound),
+                         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    out = torch.empty_like(v)
     final_state = None
     if output_final_state:
         final_state = torch.empty(n, H, 128, 128, dtype=torch.float32, device=q.device)
-    if cu_seqlens is not None and cu_seqlens.dtype != torch.long:
-        cu_seqlens = cu_seqlens.to(torch.long)
     fwd(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), float(scale), out,
         A_log.to(torch.float32).contiguous(), dt_bias.to(torch.float32).contiguous(), float(lower_bound),
         initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,
@@ -89,7 +93,7 @@ def register_fla_backend() -> bool:
         return False
 
     class FlashKdaBackend(BaseBackend):
-        """k3-stack flashkda (Rust + sm_90a CUDA), forward only."""
+        """k3-stack flashkda (Rust + sm_90a CUDA), forward and backward."""
 
         backend_type = "flashkda"
         package_name = "flashkda"

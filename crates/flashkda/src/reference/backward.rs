@@ -1,6 +1,7 @@
 //! Float64 reference gradient of the token recurrence (`docs/specs/kda.md §1.3`), by hand-written reverse mode
-//! through every token, the fused gate, the L2 norms and the beta sigmoid: the ground truth for a
-//! backward kernel (issue 13). Keeps every per-token state, so it is for test-sized problems.
+//! through every token, the fused gate, the L2 norms and the beta sigmoid: the ground truth for the
+//! backward kernel (issue 13). Keeps a state every 64 tokens per (sequence, head) and runs the
+//! pairs on all cores.
 
 use super::{HEAD_DIM, KdaProblem, NORM_EPS, initial_state_f64, sigmoid};
 
@@ -26,23 +27,66 @@ pub struct KdaGrads {
     pub dinitial_state: Vec<f64>,
 }
 
-fn l2(x: &[f32]) -> ([f64; D], f64) {
+pub(super) fn l2(x: &[f32]) -> ([f64; D], f64) {
     let ss: f64 = x.iter().map(|&a| f64::from(a) * f64::from(a)).sum();
     let r = 1.0 / (ss + NORM_EPS).sqrt();
     (std::array::from_fn(|c| f64::from(x[c]) * r), r)
 }
 
 /// `dx` of `x_hat = x * r` with `r = (sum x^2 + eps)^(-1/2)`, given `d x_hat`.
-fn l2_backward(x: &[f32], r: f64, dxh: &[f64; D]) -> [f64; D] {
+pub(super) fn l2_backward(x: &[f32], r: f64, dxh: &[f64; D]) -> [f64; D] {
     let dot: f64 = (0..D).map(|c| f64::from(x[c]) * dxh[c]).sum();
     std::array::from_fn(|c| r * dxh[c] - f64::from(x[c]) * r * r * r * dot)
 }
 
+/// One (sequence, head)'s share of the gradients (token rows relative to the sequence start).
+struct HeadGrads {
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+    dg: Vec<f64>,
+    dbeta: Vec<f64>,
+    da_log: f64,
+    ddt_bias: [f64; D],
+    dinitial_state: Vec<f64>,
+}
+
+/// Tokens between the saved states of the reference backward (recomputed in between).
+const CHECKPOINT: usize = 64;
+
 /// Reference gradient for upstream gradients `dout` (`[T, H, 128]`) and `dfinal`
-/// (`[N, H, 128, 128]`, or none).
+/// (`[N, H, 128, 128]`, or none). Runs the (sequence, head) pairs on all cores, each keeping a
+/// state every 64 tokens and recomputing the ones in between.
 pub fn recurrence_grad_f64(p: &KdaProblem, dout: &[f64], dfinal: Option<&[f64]>) -> KdaGrads {
     let (h_n, hq) = (p.heads, p.qk_heads);
     let t_all = p.tokens();
+    let cu = p.cu_seqlens();
+    let tasks: Vec<(usize, usize)> = (0..p.seq_lens.len())
+        .flat_map(|n| (0..h_n).map(move |h| (n, h)))
+        .collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(tasks.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done: Vec<Vec<(usize, HeadGrads)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(n, h)) = tasks.get(i) else { break };
+                        out.push((i, head_grad(p, n, h, cu[n] as usize, dout, dfinal)));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("reference gradient worker panicked"))
+            .collect()
+    });
     let mut g = KdaGrads {
         dq: vec![0.0; t_all * hq * D],
         dk: vec![0.0; t_all * hq * D],
@@ -53,106 +97,187 @@ pub fn recurrence_grad_f64(p: &KdaProblem, dout: &[f64], dfinal: Option<&[f64]>)
         ddt_bias: vec![0.0; h_n * D],
         dinitial_state: vec![0.0; p.seq_lens.len() * h_n * D * D],
     };
-    let scale = f64::from(p.scale);
-    let lb = f64::from(p.lower_bound);
-    let cu = p.cu_seqlens();
-    for n in 0..p.seq_lens.len() {
-        let (bos, len) = (cu[n] as usize, p.seq_lens[n]);
-        for h in 0..h_n {
-            let a = f64::from(p.a_log[h]).exp();
-            // forward, keeping the state before every token
-            let mut s = initial_state_f64(p, n, h);
-            let mut states = Vec::with_capacity(len);
-            for t in bos..bos + len {
-                states.push(s.clone());
-                step(p, t, h, a, lb, &mut s);
+    for (i, hg) in done.into_iter().flatten() {
+        let (n, h) = tasks[i];
+        let bos = cu[n] as usize;
+        for r in 0..p.seq_lens[n] {
+            let t = bos + r;
+            let qo = p.qk_offset(t, h);
+            let base = (t * h_n + h) * D;
+            for c in 0..D {
+                g.dq[qo + c] += hg.dq[r * D + c];
+                g.dk[qo + c] += hg.dk[r * D + c];
+                g.dv[base + c] = hg.dv[r * D + c];
+                g.dg[base + c] = hg.dg[r * D + c];
             }
-            // backward
+            g.dbeta[t * h_n + h] = hg.dbeta[r];
+        }
+        g.da_log[h] += hg.da_log;
+        for c in 0..D {
+            g.ddt_bias[h * D + c] += hg.ddt_bias[c];
+        }
+        if p.initial_state.is_some() {
             let sb = (n * h_n + h) * D * D;
-            let mut ds: Vec<f64> = match dfinal {
-                Some(df) => df[sb..sb + D * D].to_vec(),
-                None => vec![0.0; D * D],
-            };
-            for (i, t) in (bos..bos + len).enumerate().rev() {
-                let s0 = &states[i];
-                let base = (t * h_n + h) * D;
-                let qo = p.qk_offset(t, h);
-                let (qh, rq) = l2(&p.q[qo..qo + D]);
-                let (kh, rk) = l2(&p.k[qo..qo + D]);
-                let x: [f64; D] = std::array::from_fn(|c| {
-                    a * (f64::from(p.g[base + c]) + f64::from(p.dt_bias[h * D + c]))
-                });
-                let sig: [f64; D] = std::array::from_fn(|c| sigmoid(x[c]));
-                let alpha: [f64; D] = std::array::from_fn(|c| (lb * sig[c]).exp());
-                let beta = sigmoid(f64::from(p.beta[t * h_n + h]));
-                let vrow = &p.v[base..base + D];
-                // recompute this token's intermediates
-                let mut s1 = vec![0.0; D * D];
-                let mut pred = [0.0f64; D];
-                for vi in 0..D {
-                    for c in 0..D {
-                        s1[vi * D + c] = s0[vi * D + c] * alpha[c];
-                        pred[vi] += s1[vi * D + c] * kh[c];
-                    }
-                }
-                let u: [f64; D] = std::array::from_fn(|vi| beta * (f64::from(vrow[vi]) - pred[vi]));
-                // o = scale * S2 q_hat, S2 = S1 + u k_hat^T
-                let dout_t = &dout[base..base + D];
-                let mut dqh = [0.0f64; D];
-                for vi in 0..D {
-                    for c in 0..D {
-                        let s2 = s1[vi * D + c] + u[vi] * kh[c];
-                        dqh[c] += scale * s2 * dout_t[vi];
-                        ds[vi * D + c] += scale * dout_t[vi] * qh[c];
-                    }
-                }
-                // dS2 = ds; du = dS2 k_hat; dk_hat = dS2^T u + S1^T dp
-                let mut dkh = [0.0f64; D];
-                let mut du = [0.0f64; D];
-                for vi in 0..D {
-                    for c in 0..D {
-                        du[vi] += ds[vi * D + c] * kh[c];
-                        dkh[c] += ds[vi * D + c] * u[vi];
-                    }
-                }
-                let mut dbeta = 0.0;
-                let mut dp = [0.0f64; D];
-                for vi in 0..D {
-                    g.dv[base + vi] += beta * du[vi];
-                    dbeta += du[vi] * (f64::from(vrow[vi]) - pred[vi]);
-                    dp[vi] = -beta * du[vi];
-                }
-                // dS1 = dS2 + dp k_hat^T; dS = dS1 diag(alpha); dalpha = sum_v dS1 * S
-                let mut dalpha = [0.0f64; D];
-                for vi in 0..D {
-                    for c in 0..D {
-                        let ds1 = ds[vi * D + c] + dp[vi] * kh[c];
-                        dkh[c] += s1[vi * D + c] * dp[vi];
-                        dalpha[c] += ds1 * s0[vi * D + c];
-                        ds[vi * D + c] = ds1 * alpha[c];
-                    }
-                }
-                // alpha = exp(lb * sigmoid(x)), x = a (g + dt_bias), a = exp(A_log)
-                for c in 0..D {
-                    let dx = dalpha[c] * alpha[c] * lb * sig[c] * (1.0 - sig[c]);
-                    g.dg[base + c] += dx * a;
-                    g.ddt_bias[h * D + c] += dx * a;
-                    g.da_log[h] += dx * x[c]; // dx / dA_log = x
-                }
-                g.dbeta[t * h_n + h] += dbeta * beta * (1.0 - beta);
-                let dq = l2_backward(&p.q[qo..qo + D], rq, &dqh);
-                let dk = l2_backward(&p.k[qo..qo + D], rk, &dkh);
-                for c in 0..D {
-                    g.dq[qo + c] += dq[c];
-                    g.dk[qo + c] += dk[c];
-                }
-            }
-            if p.initial_state.is_some() {
-                g.dinitial_state[sb..sb + D * D].copy_from_slice(&ds);
-            }
+            g.dinitial_state[sb..sb + D * D].copy_from_slice(&hg.dinitial_state);
         }
     }
     g
+}
+
+fn head_grad(
+    p: &KdaProblem,
+    n: usize,
+    h: usize,
+    bos: usize,
+    dout: &[f64],
+    dfinal: Option<&[f64]>,
+) -> HeadGrads {
+    let h_n = p.heads;
+    let len = p.seq_lens[n];
+    let scale = f64::from(p.scale);
+    let lb = f64::from(p.lower_bound);
+    let a = f64::from(p.a_log[h]).exp();
+    let mut g = HeadGrads {
+        dq: vec![0.0; len * D],
+        dk: vec![0.0; len * D],
+        dv: vec![0.0; len * D],
+        dg: vec![0.0; len * D],
+        dbeta: vec![0.0; len],
+        da_log: 0.0,
+        ddt_bias: [0.0; D],
+        dinitial_state: Vec::new(),
+    };
+    // forward, keeping the state before every CHECKPOINT-th token
+    let mut s = initial_state_f64(p, n, h);
+    let mut checkpoints = Vec::with_capacity(len.div_ceil(CHECKPOINT));
+    for r in 0..len {
+        if r % CHECKPOINT == 0 {
+            checkpoints.push(s.clone());
+        }
+        step(p, bos + r, h, a, lb, &mut s);
+    }
+    let sb = (n * h_n + h) * D * D;
+    let mut ds: Vec<f64> = match dfinal {
+        Some(df) => df[sb..sb + D * D].to_vec(),
+        None => vec![0.0; D * D],
+    };
+    for (j, ck) in checkpoints.iter().enumerate().rev() {
+        let r0 = j * CHECKPOINT;
+        let r1 = (r0 + CHECKPOINT).min(len);
+        // the states before tokens r0..r1
+        let mut states = Vec::with_capacity(r1 - r0);
+        let mut s = ck.clone();
+        for r in r0..r1 {
+            states.push(s.clone());
+            step(p, bos + r, h, a, lb, &mut s);
+        }
+        for r in (r0..r1).rev() {
+            token_backward(
+                p,
+                h,
+                bos + r,
+                r,
+                a,
+                lb,
+                scale,
+                &states[r - r0],
+                dout,
+                &mut ds,
+                &mut g,
+            );
+        }
+    }
+    g.dinitial_state = ds;
+    g
+}
+
+/// Backward of token `t` (row `r` of its sequence) with `s0` the state before it and `ds` the
+/// gradient of the state after it (updated in place to the gradient of the state before it).
+#[allow(clippy::too_many_arguments)]
+fn token_backward(
+    p: &KdaProblem,
+    h: usize,
+    t: usize,
+    r: usize,
+    a: f64,
+    lb: f64,
+    scale: f64,
+    s0: &[f64],
+    dout: &[f64],
+    ds: &mut [f64],
+    g: &mut HeadGrads,
+) {
+    let h_n = p.heads;
+    let base = (t * h_n + h) * D;
+    let qo = p.qk_offset(t, h);
+    let (qh, rq) = l2(&p.q[qo..qo + D]);
+    let (kh, rk) = l2(&p.k[qo..qo + D]);
+    let x: [f64; D] =
+        std::array::from_fn(|c| a * (f64::from(p.g[base + c]) + f64::from(p.dt_bias[h * D + c])));
+    let sig: [f64; D] = std::array::from_fn(|c| sigmoid(x[c]));
+    let alpha: [f64; D] = std::array::from_fn(|c| (lb * sig[c]).exp());
+    let beta = sigmoid(f64::from(p.beta[t * h_n + h]));
+    let vrow = &p.v[base..base + D];
+    // recompute this token's intermediates
+    let mut s1 = vec![0.0; D * D];
+    let mut pred = [0.0f64; D];
+    for vi in 0..D {
+        for c in 0..D {
+            s1[vi * D + c] = s0[vi * D + c] * alpha[c];
+            pred[vi] += s1[vi * D + c] * kh[c];
+        }
+    }
+    let u: [f64; D] = std::array::from_fn(|vi| beta * (f64::from(vrow[vi]) - pred[vi]));
+    // o = scale * S2 q_hat, S2 = S1 + u k_hat^T
+    let dout_t = &dout[base..base + D];
+    let mut dqh = [0.0f64; D];
+    for vi in 0..D {
+        for c in 0..D {
+            let s2 = s1[vi * D + c] + u[vi] * kh[c];
+            dqh[c] += scale * s2 * dout_t[vi];
+            ds[vi * D + c] += scale * dout_t[vi] * qh[c];
+        }
+    }
+    // dS2 = ds; du = dS2 k_hat; dk_hat = dS2^T u + S1^T dp
+    let mut dkh = [0.0f64; D];
+    let mut du = [0.0f64; D];
+    for vi in 0..D {
+        for c in 0..D {
+            du[vi] += ds[vi * D + c] * kh[c];
+            dkh[c] += ds[vi * D + c] * u[vi];
+        }
+    }
+    let mut dbeta = 0.0;
+    let mut dp = [0.0f64; D];
+    for vi in 0..D {
+        g.dv[r * D + vi] = beta * du[vi];
+        dbeta += du[vi] * (f64::from(vrow[vi]) - pred[vi]);
+        dp[vi] = -beta * du[vi];
+    }
+    // dS1 = dS2 + dp k_hat^T; dS = dS1 diag(alpha); dalpha = sum_v dS1 * S
+    let mut dalpha = [0.0f64; D];
+    for vi in 0..D {
+        for c in 0..D {
+            let ds1 = ds[vi * D + c] + dp[vi] * kh[c];
+            dkh[c] += s1[vi * D + c] * dp[vi];
+            dalpha[c] += ds1 * s0[vi * D + c];
+            ds[vi * D + c] = ds1 * alpha[c];
+        }
+    }
+    // alpha = exp(lb * sigmoid(x)), x = a (g + dt_bias), a = exp(A_log)
+    for c in 0..D {
+        let dx = dalpha[c] * alpha[c] * lb * sig[c] * (1.0 - sig[c]);
+        g.dg[r * D + c] = dx * a;
+        g.ddt_bias[c] += dx * a;
+        g.da_log += dx * x[c]; // dx / dA_log = x
+    }
+    g.dbeta[r] = dbeta * beta * (1.0 - beta);
+    let dq = l2_backward(&p.q[qo..qo + D], rq, &dqh);
+    let dk = l2_backward(&p.k[qo..qo + D], rk, &dkh);
+    for c in 0..D {
+        g.dq[r * D + c] = dq[c];
+        g.dk[r * D + c] = dk[c];
+    }
 }
 
 /// One token of the recurrence on state `s` (`[v][k]`), as `recurrence_f64`.

@@ -11,12 +11,14 @@
 
 mod backward;
 mod chunked;
+mod chunked_grad;
 pub mod emulated;
 pub mod metrics;
 mod segmented;
 
 pub use backward::{KdaGrads, recurrence_grad_f64};
 pub use chunked::chunked_f64;
+pub use chunked_grad::chunked_grad_f64;
 pub use segmented::segmented_f64;
 
 use rand::{Rng, SeedableRng};
