@@ -158,6 +158,10 @@ pub fn run(args: &BenchArgs<'_>) -> anyhow::Result<()> {
         cmd.args(["--tier", job.tier.as_str(), "--out"])
             .arg(&part)
             .envs(provenance.env());
+        // Sandbox networking where the host allows it: the report then has the guest's throughput.
+        if job.system == "agentenv" && k3_common::netcheck::sandbox_network_blocker().is_none() {
+            cmd.arg("--network");
+        }
         let needs = match needs {
             Ok(n) => n,
             Err(e) => {
