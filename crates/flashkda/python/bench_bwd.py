@@ -30,6 +30,7 @@ os.environ.setdefault("FLASHKDA_FLA", "0")
 import torch  # noqa: E402
 
 import flashkda  # noqa: E402
+from flashkda.testing import time_median as time_fn  # noqa: E402
 
 D, LB = 128, -5.0
 ANCHORS = [("fixed", [8192]), ("varlen6", [1300, 547, 2048, 963, 271, 3063]), ("1024x8", [1024] * 8)]
@@ -159,26 +160,6 @@ def check(res, heads=(96, 64)):
     out["ok"] = ok
     res["check"] = out
     return ok
-
-
-def time_fn(fn, warmup, iters, repeats):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    all_ms, blocks = [], []
-    for _ in range(repeats):
-        st = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        en = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        for i in range(iters):
-            st[i].record()
-            fn()
-            en[i].record()
-        torch.cuda.synchronize()
-        ms = sorted(s.elapsed_time(e) for s, e in zip(st, en))
-        blocks.append(ms[len(ms) // 2])
-        all_ms.extend(ms)
-    all_ms.sort()
-    return {"median_ms": all_ms[len(all_ms) // 2], "block_medians_ms": blocks, "n": len(all_ms)}
 
 
 def saved_bytes(fn, x):

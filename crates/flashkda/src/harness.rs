@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 mod bwd;
-pub use bwd::{DeviceGrads, ReadGrads};
+pub use bwd::DeviceGrads;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 

@@ -458,27 +458,14 @@ pub fn fwd_planned(
     call: &CallPlan,
     opts: &FwdOptions,
 ) -> Result<(), FlashKdaError> {
-    if plan.ordinal != kernels.ctx.ordinal() {
-        return Err(FlashKdaError::Device {
-            tensor: "q",
-            expected: kernels.ctx.ordinal(),
-            found: format!("cuda:{}", plan.ordinal),
-        });
-    }
-    kernels.ctx.bind_to_thread().during("binding the context")?;
-    // SAFETY: queries the capture status of the caller's live stream.
-    let capturing = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
-        .during("querying the stream's capture status")?
-        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let capturing = begin_call(
+        kernels,
+        stream,
+        plan,
+        args.cu_seqlens.as_ref(),
+        opts.check_cu_seqlens,
+    )?;
     let total = plan.batch * plan.seq_len;
-    if let (Some(cu), true, false) = (&args.cu_seqlens, opts.check_cu_seqlens, capturing) {
-        let mut host = vec![0i64; plan.num_seqs + 1];
-        // SAFETY: `cu` was validated as num_seqs + 1 contiguous int64 on this device.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host, cu.ptr, stream.cu_stream()) }
-            .during("copying cu_seqlens to the host")?;
-        stream.synchronize().during("waiting for cu_seqlens")?;
-        check_cu_seqlens(&host, total)?;
-    }
     let chains = plan.num_seqs * plan.heads;
     if chains == 0 {
         return Ok(());
@@ -511,24 +498,7 @@ pub fn fwd_planned(
     };
     if call.schedule == KernelSchedule::Workspace {
         let need = call.workspace.total_bytes.max(1);
-        let ws = match opts.workspace {
-            Some(w) if w.bytes < need => {
-                return Err(FlashKdaError::WorkspaceTooSmall {
-                    need,
-                    have: w.bytes,
-                });
-            }
-            Some(w) if w.ptr == 0 || !w.ptr.is_multiple_of(16) => {
-                return Err(FlashKdaError::Misaligned {
-                    tensor: "workspace",
-                    ptr: w.ptr,
-                    align: 16,
-                });
-            }
-            Some(w) => w.ptr,
-            None => pooled_workspace(kernels, stream, need, capturing)?,
-        };
-        params.ws = ws;
+        params.ws = workspace_ptr(kernels, stream, opts.workspace, need, capturing)?;
         return launch_workspace_schedule(kernels, stream, plan, call, params);
     }
     let (func, slices, threads, smem) = match (call.schedule, call.split) {
@@ -550,6 +520,62 @@ pub fn fwd_planned(
 
 /// The stream's pooled workspace of at least `need` bytes. Grows only outside capture; a buffer
 /// a graph captured is retired (kept alive), never freed, when it is replaced.
+/// The start of every call (forward and backward): checks the device, binds the context and,
+/// outside a stream capture and when `check` is set, checks `cu_seqlens` on the host. Returns
+/// whether the stream is capturing.
+fn begin_call(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+    plan: &FwdPlan,
+    cu_seqlens: Option<&crate::validate::TensorView>,
+    check: bool,
+) -> Result<bool, FlashKdaError> {
+    if plan.ordinal != kernels.ctx.ordinal() {
+        return Err(FlashKdaError::Device {
+            tensor: "q",
+            expected: kernels.ctx.ordinal(),
+            found: format!("cuda:{}", plan.ordinal),
+        });
+    }
+    kernels.ctx.bind_to_thread().during("binding the context")?;
+    // SAFETY: queries the capture status of the caller's live stream.
+    let capturing = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
+        .during("querying the stream's capture status")?
+        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    if let (Some(cu), true, false) = (cu_seqlens, check, capturing) {
+        let mut host = vec![0i64; plan.num_seqs + 1];
+        // SAFETY: `cu` was validated as num_seqs + 1 contiguous int64 on this device.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host, cu.ptr, stream.cu_stream()) }
+            .during("copying cu_seqlens to the host")?;
+        stream.synchronize().during("waiting for cu_seqlens")?;
+        check_cu_seqlens(&host, plan.batch * plan.seq_len)?;
+    }
+    Ok(capturing)
+}
+
+/// The caller's workspace (checked: at least `need` bytes, 16-aligned) or this stream's pooled one.
+fn workspace_ptr(
+    kernels: &KdaKernels,
+    stream: &CudaStream,
+    given: Option<Workspace>,
+    need: usize,
+    capturing: bool,
+) -> Result<u64, FlashKdaError> {
+    match given {
+        Some(w) if w.bytes < need => Err(FlashKdaError::WorkspaceTooSmall {
+            need,
+            have: w.bytes,
+        }),
+        Some(w) if w.ptr == 0 || !w.ptr.is_multiple_of(16) => Err(FlashKdaError::Misaligned {
+            tensor: "workspace",
+            ptr: w.ptr,
+            align: 16,
+        }),
+        Some(w) => Ok(w.ptr),
+        None => pooled_workspace(kernels, stream, need, capturing),
+    }
+}
+
 fn pooled_workspace(
     kernels: &KdaKernels,
     stream: &CudaStream,

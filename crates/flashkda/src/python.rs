@@ -92,6 +92,46 @@ fn view(name: &str, t: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     })
 }
 
+/// `need` bytes from torch's caching allocator on `like`'s device (stream-ordered on torch's current
+/// stream; the graph's private pool while capturing): the tensor, to keep alive until the call is
+/// enqueued, and its [`Workspace`].
+fn torch_workspace<'py>(
+    py: Python<'py>,
+    torch: &Bound<'py, PyModule>,
+    like: &Bound<'py, PyAny>,
+    need: usize,
+) -> PyResult<(Bound<'py, PyAny>, Workspace)> {
+    let kw = PyDict::new(py);
+    kw.set_item("dtype", torch.getattr("uint8")?)?;
+    kw.set_item("device", like.getattr("device")?)?;
+    let t = torch.call_method("empty", (need,), Some(&kw))?;
+    let ws = Workspace {
+        ptr: t.call_method0("data_ptr")?.extract()?,
+        bytes: need,
+    };
+    Ok((t, ws))
+}
+
+/// torch's current stream of cuda:`ordinal`, borrowed.
+fn torch_stream(
+    torch: &Bound<'_, PyModule>,
+    kernels: &KdaKernels,
+    ordinal: usize,
+) -> PyResult<Arc<cudarc::driver::CudaStream>> {
+    let stream_ptr: usize = torch
+        .getattr("cuda")?
+        .call_method1("current_stream", (ordinal,))?
+        .getattr("cuda_stream")?
+        .extract()?;
+    // SAFETY: torch owns the stream and keeps it alive for this call; it belongs to the device's
+    // primary context, which `kernels` was loaded into.
+    Ok(unsafe {
+        kernels
+            .context()
+            .wrap_borrowed_stream(stream_ptr as cudarc::driver::sys::CUstream)
+    })
+}
+
 fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorView>> {
     match t {
         Some(t) if !t.is_none() => view(name, t).map(Some),
@@ -202,28 +242,11 @@ fn fwd(
     let mut _owned = None;
     let need = call.workspace.total_bytes;
     if opts.workspace.is_none() && need > 0 {
-        let kw = PyDict::new(py);
-        kw.set_item("dtype", torch.getattr("uint8")?)?;
-        kw.set_item("device", q.getattr("device")?)?;
-        let t = torch.call_method("empty", (need,), Some(&kw))?;
-        opts.workspace = Some(Workspace {
-            ptr: t.call_method0("data_ptr")?.extract()?,
-            bytes: need,
-        });
+        let (t, ws) = torch_workspace(py, &torch, q, need)?;
+        opts.workspace = Some(ws);
         _owned = Some(t);
     }
-    let stream_ptr: usize = torch
-        .getattr("cuda")?
-        .call_method1("current_stream", (plan.ordinal,))?
-        .getattr("cuda_stream")?
-        .extract()?;
-    // SAFETY: torch owns the stream and keeps it alive for this call; it belongs to the device's
-    // primary context, which `kernels` was loaded into.
-    let stream = unsafe {
-        kernels
-            .context()
-            .wrap_borrowed_stream(stream_ptr as cudarc::driver::sys::CUstream)
-    };
+    let stream = torch_stream(&torch, &kernels, plan.ordinal)?;
     py.detach(|| fwd_planned(&kernels, &stream, &args, &plan, &call, &opts))
         .map_err(to_py)
 }
@@ -289,29 +312,13 @@ fn bwd(
     let kernels = kernels_for(ordinal).map_err(to_py)?;
     let torch = py.import("torch")?;
     let need = crate::launch::bwd_workspace_bytes(&plan).max(16);
-    let kw = PyDict::new(py);
-    kw.set_item("dtype", torch.getattr("uint8")?)?;
-    kw.set_item("device", q.getattr("device")?)?;
     // stream-ordered on torch's current stream; alive until the call is enqueued
-    let ws_t = torch.call_method("empty", (need,), Some(&kw))?;
+    let (ws_t, ws) = torch_workspace(py, &torch, q, need)?;
     let opts = crate::launch::BwdOptions {
         check_cu_seqlens,
-        workspace: Some(Workspace {
-            ptr: ws_t.call_method0("data_ptr")?.extract()?,
-            bytes: need,
-        }),
+        workspace: Some(ws),
     };
-    let stream_ptr: usize = torch
-        .getattr("cuda")?
-        .call_method1("current_stream", (ordinal,))?
-        .getattr("cuda_stream")?
-        .extract()?;
-    // SAFETY: as in `fwd`: torch's live stream of the device's primary context.
-    let stream = unsafe {
-        kernels
-            .context()
-            .wrap_borrowed_stream(stream_ptr as cudarc::driver::sys::CUstream)
-    };
+    let stream = torch_stream(&torch, &kernels, ordinal)?;
     let r = py.detach(|| crate::launch::bwd_validated(&kernels, &stream, &args, &plan, &opts));
     drop(ws_t);
     r.map_err(to_py)

@@ -130,6 +130,28 @@ fn check_dtype(name: &'static str, t: &TensorView, want: DType) -> Result<(), Fl
     Ok(())
 }
 
+/// A state tensor (`[N, H, 128, 128]`, contiguous, on `ordinal`): its dtype, bf16 or fp32.
+fn state_view(
+    name: &'static str,
+    t: &TensorView,
+    shape: [usize; 4],
+    ordinal: usize,
+) -> Result<StateDType, FlashKdaError> {
+    let d = match t.dtype {
+        DType::BF16 => StateDType::BF16,
+        DType::F32 => StateDType::F32,
+        other => {
+            return Err(FlashKdaError::DType {
+                tensor: name,
+                expected: "bfloat16 or float32",
+                found: other.name().into(),
+            });
+        }
+    };
+    check_layout(name, t, &shape, ordinal, 8)?;
+    Ok(d)
+}
+
 fn check_layout(
     name: &'static str,
     t: &TensorView,
@@ -288,21 +310,8 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
             cu.shape[0] - 1
         }
     };
-    let state_dtype = |name: &'static str, t: &TensorView| -> Result<StateDType, FlashKdaError> {
-        let d = match t.dtype {
-            DType::BF16 => StateDType::BF16,
-            DType::F32 => StateDType::F32,
-            other => {
-                return Err(FlashKdaError::DType {
-                    tensor: name,
-                    expected: "bfloat16 or float32",
-                    found: other.name().into(),
-                });
-            }
-        };
-        check_layout(name, t, &[num_seqs, heads, HEAD_DIM, HEAD_DIM], ordinal, 8)?;
-        Ok(d)
-    };
+    let state_dtype =
+        |name, t: &TensorView| state_view(name, t, [num_seqs, heads, HEAD_DIM, HEAD_DIM], ordinal);
     let h0 = args
         .initial_state
         .as_ref()
@@ -449,21 +458,7 @@ pub fn validate_bwd(a: &BwdArgs) -> Result<BwdPlan, FlashKdaError> {
     check_dtype("ddt_bias", &a.ddt_bias, DType::F32)?;
     check_layout("ddt_bias", &a.ddt_bias, &a.dt_bias.shape, o, 4)?;
     let st = [plan.num_seqs, plan.heads, HEAD_DIM, HEAD_DIM];
-    let state_dtype = |name: &'static str, t: &TensorView| -> Result<StateDType, FlashKdaError> {
-        let d = match t.dtype {
-            DType::BF16 => StateDType::BF16,
-            DType::F32 => StateDType::F32,
-            other => {
-                return Err(FlashKdaError::DType {
-                    tensor: name,
-                    expected: "bfloat16 or float32",
-                    found: other.name().into(),
-                });
-            }
-        };
-        check_layout(name, t, &st, o, 8)?;
-        Ok(d)
-    };
+    let state_dtype = |name, t: &TensorView| state_view(name, t, st, o);
     if let Some(t) = &a.dfinal_state {
         let d = state_dtype("dfinal_state", t)?;
         match plan.state {

@@ -3,7 +3,8 @@
 //! reason printed, where no Hopper GPU is. Run with `--test-threads=1` (each case uses all cores
 //! for the reference). `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case.
 
-use std::io::Write;
+mod common;
+use common::{gpu, log_line, seed};
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
@@ -11,9 +12,7 @@ use flashkda::harness::{DeviceProblem, StateIo};
 use flashkda::reference::emulated::{Rounding, emulated_with};
 use flashkda::reference::metrics::rel_frobenius;
 use flashkda::reference::{KdaOutput, KdaProblem, recurrence_f64};
-use flashkda::{
-    FlashKdaError, FwdOptions, KdaKernels, KernelSchedule, Operands, ValueSplit, fwd, open_device,
-};
+use flashkda::{FlashKdaError, FwdOptions, KdaKernels, KernelSchedule, Operands, ValueSplit, fwd};
 
 /// Acceptance bar: relative Frobenius error against float64.
 const BAR_F64: f64 = 6e-3;
@@ -21,32 +20,6 @@ const BAR_F64: f64 = 6e-3;
 const BAR_EMULATED: f64 = 3e-3;
 /// Split-operand kernels against float64 on every case (issue 11's bar; anchor shapes: 3e-3).
 const BAR_SPLIT: f64 = 4e-3;
-
-/// `K3_REQUIRE_GPU=1` (GPU runners, device runs) turns a skip into a failure.
-fn skip(why: String) -> Option<(KdaKernels, Arc<CudaStream>)> {
-    if std::env::var("K3_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        panic!("K3_REQUIRE_GPU=1 but {why}");
-    }
-    println!("SKIPPED: {why}");
-    None
-}
-
-fn gpu() -> Option<(KdaKernels, Arc<CudaStream>)> {
-    let ctx = match open_device(0) {
-        Ok(c) => c,
-        Err(e) => return skip(format!("no CUDA device ({e})")),
-    };
-    match KdaKernels::load(&ctx) {
-        Ok(k) => {
-            let stream = ctx.new_stream().expect("stream");
-            Some((k, stream))
-        }
-        Err(FlashKdaError::Arch { major, minor, .. }) => {
-            skip(format!("GPU is sm_{major}{minor}, kernels need sm_90"))
-        }
-        Err(e) => panic!("a CUDA device is present but the kernels cannot be loaded: {e}"),
-    }
-}
 
 /// A kernel variant under test: name, schedule, split override, segment override, operands,
 /// overlapped prep and state pass.
@@ -193,25 +166,6 @@ fn variants() -> Vec<Variant> {
         "FLASHKDA_TEST_KERNELS={only:?} names no variant"
     );
     picked
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
-
-fn log_line(line: &str) {
-    println!("{line}");
-    if let Ok(path) = std::env::var("FLASHKDA_GPU_LOG") {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .expect("log file");
-        writeln!(f, "{line}").expect("write log");
-    }
 }
 
 struct Case<'a> {

@@ -4,58 +4,19 @@
 //! printed, where no Hopper GPU is; `K3_REQUIRE_GPU=1` turns the skip into a failure. Run with
 //! `--test-threads=1`. `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case.
 
-use std::io::Write;
+mod common;
+use common::{gpu, log_line, seed};
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use flashkda::harness::{DeviceProblem, ReadGrads, StateIo};
+use flashkda::harness::{DeviceProblem, StateIo};
 use flashkda::reference::metrics::rel_frobenius;
 use flashkda::reference::{HEAD_DIM, KdaGrads, KdaProblem, recurrence_grad_f64};
-use flashkda::{BwdOptions, FlashKdaError, KdaKernels, bwd, open_device};
+use flashkda::{BwdOptions, FlashKdaError, KdaKernels, bwd};
 use rand::{Rng, SeedableRng};
 
 /// Every gradient within this relative Frobenius error of float64 (issue 13).
 const BAR: f64 = 1e-2;
-
-fn gpu() -> Option<(KdaKernels, Arc<CudaStream>)> {
-    let skip = |why: String| {
-        if std::env::var("K3_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-            panic!("K3_REQUIRE_GPU=1 but {why}");
-        }
-        println!("SKIPPED: {why}");
-        None
-    };
-    let ctx = match open_device(0) {
-        Ok(c) => c,
-        Err(e) => return skip(format!("no CUDA device ({e})")),
-    };
-    match KdaKernels::load(&ctx) {
-        Ok(k) => Some((k, ctx.new_stream().expect("stream"))),
-        Err(FlashKdaError::Arch { major, minor, .. }) => {
-            skip(format!("GPU is sm_{major}{minor}, kernels need sm_90"))
-        }
-        Err(e) => panic!("a CUDA device is present but the kernels cannot be loaded: {e}"),
-    }
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
-
-fn log_line(line: &str) {
-    println!("{line}");
-    if let Ok(path) = std::env::var("FLASHKDA_GPU_LOG") {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .expect("log file");
-        writeln!(f, "{line}").expect("write log");
-    }
-}
 
 fn bf16(x: f64) -> f32 {
     half::bf16::from_f64(x).to_f32()
@@ -115,7 +76,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     stream
         .synchronize()
         .unwrap_or_else(|e| panic!("{}: kernel failed: {e}", c.name));
-    let got: ReadGrads = dev
+    let got: KdaGrads = dev
         .read_grads(&grads)
         .unwrap_or_else(|e| panic!("{}: {e}", c.name));
     let d64: Vec<f64> = dout.iter().map(|&x| f64::from(x)).collect();

@@ -23,6 +23,13 @@ impl Inner {
     fn net_record_path(&self, id: &str) -> PathBuf {
         self.sandbox_dir(id).join(NET_RECORD)
     }
+
+    /// Writes sandbox `id`'s `net.json` (atomically).
+    fn write_net_record(&self, id: &str, rec: &NetRecord) -> Result<(), (PathBuf, std::io::Error)> {
+        let path = self.net_record_path(id);
+        let text = serde_json::to_vec(rec).map_err(|e| (path.clone(), e.into()))?;
+        k3_common::fsutil::write_atomic(&path, &text).map_err(|e| (path, e))
+    }
 }
 
 /// True when `p` lets anything out (so the sandbox needs a network at all).
@@ -91,18 +98,15 @@ impl Runtime {
             }
         };
         let att = net.attach(&inner.sandbox_dir(&id), policy.clone()).await?;
-        let rec = NetRecord {
-            slot: att.addrs.index,
-            policy,
-        };
+        let slot = att.addrs.index;
         live.net = Some(att);
-        let path = inner.net_record_path(&id);
-        let text = serde_json::to_vec(&rec).unwrap_or_default();
-        k3_common::fsutil::write_atomic(&path, &text).map_err(|e| CreateError::Io {
-            what: "write",
-            path,
-            source: e,
-        })
+        inner
+            .write_net_record(&id, &NetRecord { slot, policy })
+            .map_err(|(path, source)| CreateError::Io {
+                what: "write",
+                path,
+                source,
+            })
     }
 
     pub(crate) fn release_net(&self, live: &mut Live) {
@@ -134,9 +138,9 @@ impl Runtime {
             slot: att.addrs.index,
             policy,
         };
-        let path = self.inner.net_record_path(id);
-        let _ =
-            k3_common::fsutil::write_atomic(&path, &serde_json::to_vec(&rec).unwrap_or_default());
+        if let Err((path, e)) = self.inner.write_net_record(id, &rec) {
+            tracing::warn!(sandbox = %id, path = %path.display(), error = %e, "net.json not updated");
+        }
         Ok(())
     }
 
@@ -171,8 +175,7 @@ impl Runtime {
             tracing::warn!(sandbox = %id, "unreadable net.json: the sandbox keeps no network");
             return;
         };
-        let exists = crate::net::slot::existing().contains(&rec.slot);
-        let att = if exists {
+        let att = if crate::net::slot::exists(rec.slot) {
             net.adopt(rec.slot, rec.policy.clone()).await
         } else {
             net.attach(&self.inner.sandbox_dir(&id), rec.policy.clone())

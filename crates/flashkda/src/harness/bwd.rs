@@ -5,7 +5,7 @@ use cudarc::driver::CudaSlice;
 
 use super::{CANARY_BF16, CANARY_F32, CANARY_LEN, DeviceProblem, NAN_BF16, bits};
 use crate::error::{DriverContext, FlashKdaError};
-use crate::reference::HEAD_DIM;
+use crate::reference::{HEAD_DIM, KdaGrads};
 use crate::validate::{BwdArgs, DType};
 
 /// A gradient output: bf16 or fp32 elements followed by a canary.
@@ -26,19 +26,6 @@ pub struct DeviceGrads {
     da_log: Out,
     ddt_bias: Out,
     dh0: Option<Out>,
-}
-
-/// Read-back gradients (f64; `dinitial_state` empty when not requested).
-#[derive(Debug, Clone)]
-pub struct ReadGrads {
-    pub dq: Vec<f64>,
-    pub dk: Vec<f64>,
-    pub dv: Vec<f64>,
-    pub dg: Vec<f64>,
-    pub dbeta: Vec<f64>,
-    pub da_log: Vec<f64>,
-    pub ddt_bias: Vec<f64>,
-    pub dinitial_state: Vec<f64>,
 }
 
 impl DeviceProblem {
@@ -124,7 +111,7 @@ impl DeviceProblem {
     }
 
     /// Reads every gradient output back; errors when a canary changed.
-    pub fn read_grads(&self, g: &DeviceGrads) -> Result<ReadGrads, String> {
+    pub fn read_grads(&self, g: &DeviceGrads) -> Result<KdaGrads, String> {
         let s = &self.stream;
         let read = |name: &str, o: &Out| -> Result<Vec<f64>, String> {
             let (vals, ok): (Vec<f64>, bool) = match o {
@@ -154,7 +141,7 @@ impl DeviceProblem {
                 Err(format!("canary after `{name}` overwritten"))
             }
         };
-        Ok(ReadGrads {
+        Ok(KdaGrads {
             dq: read("dq", &g.dq)?,
             dk: read("dk", &g.dk)?,
             dv: read("dv", &g.dv)?,

@@ -6,10 +6,10 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 
-use super::{KdaKernels, Workspace, pooled_workspace};
+use super::{KdaKernels, Workspace, begin_call, workspace_ptr};
 use crate::error::{DriverContext, FlashKdaError};
 use crate::reference::HEAD_DIM;
-use crate::validate::{BwdArgs, BwdPlan, StateDType, check_cu_seqlens, validate_bwd};
+use crate::validate::{BwdArgs, BwdPlan, StateDType, validate_bwd};
 
 /// Tokens per state checkpoint of the backward (`CK` in the .cu): 16 (no recomputed sub-chunk
 /// starts) while the checkpoints take at most [`BWD_CHECKPOINT_LIMIT`] bytes, 64 above.
@@ -195,27 +195,14 @@ pub fn bwd_validated(
     opts: &BwdOptions,
 ) -> Result<(), FlashKdaError> {
     let fp = &plan.fwd;
-    if fp.ordinal != kernels.ctx.ordinal() {
-        return Err(FlashKdaError::Device {
-            tensor: "q",
-            expected: kernels.ctx.ordinal(),
-            found: format!("cuda:{}", fp.ordinal),
-        });
-    }
-    kernels.ctx.bind_to_thread().during("binding the context")?;
-    // SAFETY: queries the capture status of the caller's live stream.
-    let capturing = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
-        .during("querying the stream's capture status")?
-        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let capturing = begin_call(
+        kernels,
+        stream,
+        fp,
+        args.cu_seqlens.as_ref(),
+        opts.check_cu_seqlens,
+    )?;
     let total = fp.batch * fp.seq_len;
-    if let (Some(cu), true, false) = (&args.cu_seqlens, opts.check_cu_seqlens, capturing) {
-        let mut host = vec![0i64; fp.num_seqs + 1];
-        // SAFETY: `cu` was validated as num_seqs + 1 contiguous int64 on this device.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host, cu.ptr, stream.cu_stream()) }
-            .during("copying cu_seqlens to the host")?;
-        stream.synchronize().during("waiting for cu_seqlens")?;
-        check_cu_seqlens(&host, total)?;
-    }
     let s = stream.cu_stream();
     // dA_log and ddt_bias are sums over tokens (atomics): zero them first
     // SAFETY: both were validated as contiguous fp32 tensors of these sizes on this device.
@@ -230,23 +217,7 @@ pub fn bwd_validated(
         return Ok(());
     }
     let (acc_off, need) = layout(plan);
-    let ws = match opts.workspace {
-        Some(w) if w.bytes < need => {
-            return Err(FlashKdaError::WorkspaceTooSmall {
-                need,
-                have: w.bytes,
-            });
-        }
-        Some(w) if w.ptr == 0 || !w.ptr.is_multiple_of(16) => {
-            return Err(FlashKdaError::Misaligned {
-                tensor: "workspace",
-                ptr: w.ptr,
-                align: 16,
-            });
-        }
-        Some(w) => w.ptr,
-        None => pooled_workspace(kernels, stream, need, capturing)?,
-    };
+    let ws = workspace_ptr(kernels, stream, opts.workspace, need, capturing)?;
     let acc = ws + acc_off as u64;
     // SAFETY: the row sums lie inside the workspace.
     unsafe { cudarc::driver::result::memset_d8_async(acc, 0, total * fp.heads * ACC_W * 4, s) }

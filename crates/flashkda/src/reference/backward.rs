@@ -27,6 +27,23 @@ pub struct KdaGrads {
     pub dinitial_state: Vec<f64>,
 }
 
+impl KdaGrads {
+    /// All-zero gradients of `p`'s shapes.
+    pub fn zeros(p: &KdaProblem) -> KdaGrads {
+        let (t, h, hq) = (p.tokens(), p.heads, p.qk_heads);
+        KdaGrads {
+            dq: vec![0.0; t * hq * D],
+            dk: vec![0.0; t * hq * D],
+            dv: vec![0.0; t * h * D],
+            dg: vec![0.0; t * h * D],
+            dbeta: vec![0.0; t * h],
+            da_log: vec![0.0; h],
+            ddt_bias: vec![0.0; h * D],
+            dinitial_state: vec![0.0; p.seq_lens.len() * h * D * D],
+        }
+    }
+}
+
 pub(super) fn l2(x: &[f32]) -> ([f64; D], f64) {
     let ss: f64 = x.iter().map(|&a| f64::from(a) * f64::from(a)).sum();
     let r = 1.0 / (ss + NORM_EPS).sqrt();
@@ -58,8 +75,7 @@ const CHECKPOINT: usize = 64;
 /// (`[N, H, 128, 128]`, or none). Runs the (sequence, head) pairs on all cores, each keeping a
 /// state every 64 tokens and recomputing the ones in between.
 pub fn recurrence_grad_f64(p: &KdaProblem, dout: &[f64], dfinal: Option<&[f64]>) -> KdaGrads {
-    let (h_n, hq) = (p.heads, p.qk_heads);
-    let t_all = p.tokens();
+    let h_n = p.heads;
     let cu = p.cu_seqlens();
     let tasks: Vec<(usize, usize)> = (0..p.seq_lens.len())
         .flat_map(|n| (0..h_n).map(move |h| (n, h)))
@@ -87,16 +103,7 @@ pub fn recurrence_grad_f64(p: &KdaProblem, dout: &[f64], dfinal: Option<&[f64]>)
             .map(|h| h.join().expect("reference gradient worker panicked"))
             .collect()
     });
-    let mut g = KdaGrads {
-        dq: vec![0.0; t_all * hq * D],
-        dk: vec![0.0; t_all * hq * D],
-        dv: vec![0.0; t_all * h_n * D],
-        dg: vec![0.0; t_all * h_n * D],
-        dbeta: vec![0.0; t_all * h_n],
-        da_log: vec![0.0; h_n],
-        ddt_bias: vec![0.0; h_n * D],
-        dinitial_state: vec![0.0; p.seq_lens.len() * h_n * D * D],
-    };
+    let mut g = KdaGrads::zeros(p);
     for (i, hg) in done.into_iter().flatten() {
         let (n, h) = tasks[i];
         let bos = cu[n] as usize;

@@ -266,18 +266,8 @@ pub fn chunked_grad_f64(
     chunk: usize,
 ) -> KdaGrads {
     assert!(chunk > 0, "chunk must be positive");
-    let (h_n, hq) = (p.heads, p.qk_heads);
-    let t_all = p.tokens();
-    let mut g = KdaGrads {
-        dq: vec![0.0; t_all * hq * D],
-        dk: vec![0.0; t_all * hq * D],
-        dv: vec![0.0; t_all * h_n * D],
-        dg: vec![0.0; t_all * h_n * D],
-        dbeta: vec![0.0; t_all * h_n],
-        da_log: vec![0.0; h_n],
-        ddt_bias: vec![0.0; h_n * D],
-        dinitial_state: vec![0.0; p.seq_lens.len() * h_n * D * D],
-    };
+    let h_n = p.heads;
+    let mut g = KdaGrads::zeros(p);
     let scale = f64::from(p.scale);
     let lb = f64::from(p.lower_bound);
     let cu = p.cu_seqlens();

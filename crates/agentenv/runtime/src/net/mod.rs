@@ -73,9 +73,12 @@ pub struct NetConfig {
     pub required: bool,
 }
 
-/// Why networking cannot run here, or `None` when it can (root, `/dev/net/tun`, `ip`, `nft`).
-pub fn unavailable_reason() -> Option<String> {
-    k3_common::netcheck::sandbox_network_blocker()
+/// A blocking task that did not finish (panicked or cancelled), as a [`NetError`].
+fn joined(what: &str, e: tokio::task::JoinError) -> NetError {
+    NetError::Tool {
+        program: what.into(),
+        detail: e.to_string(),
+    }
 }
 
 /// The interface of the host's default route (`/proc/net/route`).
@@ -176,7 +179,7 @@ pub struct Network {
 impl Network {
     /// Checks the host, installs the host table and enables forwarding on the uplink.
     pub fn start(cfg: NetConfig, state_dir: &Path) -> Result<Arc<Network>, NetError> {
-        if let Some(why) = unavailable_reason() {
+        if let Some(why) = k3_common::netcheck::sandbox_network_blocker() {
             return Err(NetError::Unavailable(why));
         }
         let uplink = cfg
@@ -287,10 +290,7 @@ impl Network {
             }
         })
         .await
-        .map_err(|e| NetError::Tool {
-            program: "attach".into(),
-            detail: e.to_string(),
-        })??;
+        .map_err(|e| joined("attach", e))??;
         self.refill();
         self.finish_attach(s, Some(tap), policy)
     }
@@ -323,21 +323,10 @@ impl Network {
         let p = policy.clone();
         let dns = tokio::task::spawn_blocking(move || {
             slot::load_rules(&a, policy::ruleset(&a, &p, me.cfg.limits))?;
-            let gw = a.gateway;
-            let dns = slot::in_netns(&a.netns(), move || {
-                let s = std::net::UdpSocket::bind((gw, 53))
-                    .map_err(|e| NetError::io("bind resolver", Path::new("udp/53"), e))?;
-                s.set_nonblocking(true)
-                    .map_err(|e| NetError::io("nonblocking", Path::new("udp/53"), e))?;
-                Ok(s)
-            })?;
-            Ok::<_, NetError>(dns)
+            slot::bind_resolver(&a)
         })
         .await
-        .map_err(|e| NetError::Tool {
-            program: "adopt".into(),
-            detail: e.to_string(),
-        })??;
+        .map_err(|e| joined("adopt", e))??;
         self.finish_attach(slot::Slot { addrs: a, dns }, None, policy)
     }
 
@@ -346,10 +335,7 @@ impl Network {
         let (a, limits, p) = (att.addrs, self.cfg.limits, policy.clone());
         tokio::task::spawn_blocking(move || slot::load_rules(&a, policy::ruleset(&a, &p, limits)))
             .await
-            .map_err(|e| NetError::Tool {
-                program: "update".into(),
-                detail: e.to_string(),
-            })??;
+            .map_err(|e| joined("update", e))??;
         *att.policy.write().unwrap_or_else(|e| e.into_inner()) = policy;
         Ok(())
     }
@@ -360,10 +346,7 @@ impl Network {
         let (tx_bytes, rx_bytes, dropped_packets) =
             tokio::task::spawn_blocking(move || slot::counters(&a))
                 .await
-                .map_err(|e| NetError::Tool {
-                    program: "stats".into(),
-                    detail: e.to_string(),
-                })??;
+                .map_err(|e| joined("stats", e))??;
         Ok(NetStats {
             tx_bytes,
             rx_bytes,

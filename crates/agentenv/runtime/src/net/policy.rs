@@ -118,23 +118,13 @@ pub struct NetLimits {
     pub bandwidth_bytes_per_s: u64,
 }
 
-/// What a sandbox may reach.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// What a sandbox may reach; the default is internet on, as in E2B.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EgressPolicy {
     /// `allow_out`: reachable even where `deny_out` matches.
     pub allow_out: Vec<Target>,
     /// `deny_out`; `allow_internet_access=false` is `deny_out = [0.0.0.0/0]`.
     pub deny_out: Vec<Target>,
-}
-
-impl Default for EgressPolicy {
-    /// Internet on, as in E2B.
-    fn default() -> EgressPolicy {
-        EgressPolicy {
-            allow_out: vec![],
-            deny_out: vec![],
-        }
-    }
 }
 
 impl EgressPolicy {

@@ -199,10 +199,7 @@ pub fn create() -> Result<Slot, NetError> {
         in_netns(&ns, move || {
             write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
             let _ = std::fs::write("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1");
-            let dns = UdpSocket::bind((gw, 53)).map_err(|e| NetError::io("bind resolver", Path::new("udp/53"), e))?;
-            dns.set_nonblocking(true)
-                .map_err(|e| NetError::io("nonblocking", Path::new("udp/53"), e))?;
-            Ok(dns)
+            bind_resolver_here(gw)
         })
     });
     match result {
@@ -212,6 +209,28 @@ pub fn create() -> Result<Slot, NetError> {
             Err(e)
         }
     }
+}
+
+/// The guest resolver's socket, `gw:53`, nonblocking; call inside the slot's namespace.
+fn bind_resolver_here(gw: Ipv4Addr) -> Result<UdpSocket, NetError> {
+    let io = |what, e| NetError::io(what, Path::new("udp/53"), e);
+    let dns = UdpSocket::bind((gw, 53)).map_err(|e| io("bind resolver", e))?;
+    dns.set_nonblocking(true)
+        .map_err(|e| io("nonblocking", e))?;
+    Ok(dns)
+}
+
+/// The resolver's socket in slot `a`'s namespace (again, after a restart).
+pub fn bind_resolver(a: &SlotAddrs) -> Result<UdpSocket, NetError> {
+    let gw = a.gateway;
+    in_netns(&a.netns(), move || bind_resolver_here(gw))
+}
+
+/// Whether slot `index`'s namespace exists on this host.
+pub fn exists(index: u32) -> bool {
+    Path::new(NETNS_DIR)
+        .join(SlotAddrs::of(index).netns())
+        .exists()
 }
 
 /// Deletes slot `a`'s namespace (its tap and veth pair go with it); a missing one is fine.

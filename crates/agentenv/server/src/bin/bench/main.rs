@@ -119,6 +119,24 @@ impl Http {
         Ok(serde_json::from_slice(&bytes).unwrap_or(Value::Null))
     }
 
+    /// `POST /v2/sandboxes` with `body`: the new sandbox's id and envd access token.
+    async fn create(&self, body: Value) -> anyhow::Result<(String, String)> {
+        let c = self.json(Method::POST, "/v2/sandboxes", body, 201).await?;
+        let id = c["sandboxID"].as_str().context("sandboxID")?.to_string();
+        let token = c["envdAccessToken"]
+            .as_str()
+            .context("envdAccessToken")?
+            .to_string();
+        Ok((id, token))
+    }
+
+    /// `DELETE /sandboxes/{id}`.
+    async fn kill(&self, id: &str) -> anyhow::Result<()> {
+        self.send(Method::DELETE, &format!("/sandboxes/{id}"), &[], vec![])
+            .await
+            .map(|_| ())
+    }
+
     /// One `commands.run("true")`-style Start stream through the data plane, to its end.
     async fn command(&self, id: &str, token: &str) -> anyhow::Result<()> {
         self.run(id, token, "true").await.map(|_| ())
@@ -175,20 +193,8 @@ fn stdout_of(mut b: &[u8]) -> String {
 
 /// Snapshot, fork, create-from-snapshot and concurrent-create figures, and PSS per idle fork.
 async fn snapshot_figures(http: &Http, n: usize) -> anyhow::Result<Vec<Figure>> {
-    let create = |template: &str| {
-        let body = json!({"templateID": template, "timeout": 600});
-        async move {
-            let c = http.json(Method::POST, "/v2/sandboxes", body, 201).await?;
-            let id = c["sandboxID"].as_str().context("sandboxID")?.to_string();
-            let token = c["envdAccessToken"].as_str().context("token")?.to_string();
-            anyhow::Ok((id, token))
-        }
-    };
-    let kill = |id: String| async move {
-        http.send(Method::DELETE, &format!("/sandboxes/{id}"), &[], vec![])
-            .await
-            .map(|_| ())
-    };
+    let create = |template: &str| http.create(json!({"templateID": template, "timeout": 600}));
+    let kill = |id: String| async move { http.kill(&id).await };
     let (src, src_token) = create("base").await?;
     http.command(&src, &src_token).await?;
     let (mut snap, mut from_snap, mut fork8) = (vec![], vec![], vec![]);
@@ -495,20 +501,8 @@ async fn main() -> anyhow::Result<()> {
         (vec![], vec![], vec![], vec![], vec![]);
     for _ in 0..args.iterations {
         let t = Instant::now();
-        let c = http
-            .json(
-                Method::POST,
-                "/v2/sandboxes",
-                json!({"templateID": "base"}),
-                201,
-            )
-            .await?;
+        let (id, token) = http.create(json!({"templateID": "base"})).await?;
         create.push(ms(t));
-        let id = c["sandboxID"].as_str().context("sandboxID")?.to_string();
-        let token = c["envdAccessToken"]
-            .as_str()
-            .context("envdAccessToken")?
-            .to_string();
         for _ in 0..args.commands {
             let t = Instant::now();
             http.command(&id, &token).await?;
@@ -529,25 +523,14 @@ async fn main() -> anyhow::Result<()> {
         resume.push(ms(t));
         http.command(&id, &token).await?;
         let t = Instant::now();
-        http.send(Method::DELETE, &format!("/sandboxes/{id}"), &[], vec![])
-            .await?;
+        http.kill(&id).await?;
         kill.push(ms(t));
     }
     let mut v2 = snapshot_figures(&http, args.iterations).await?;
     if internet.is_some() {
-        let c = http
-            .json(
-                Method::POST,
-                "/v2/sandboxes",
-                json!({"templateID": "base"}),
-                201,
-            )
-            .await?;
-        let id = c["sandboxID"].as_str().context("sandboxID")?.to_string();
-        let token = c["envdAccessToken"].as_str().context("token")?.to_string();
+        let (id, token) = http.create(json!({"templateID": "base"})).await?;
         v2.extend(net::throughput(&http, &id, &token).await?);
-        http.send(Method::DELETE, &format!("/sandboxes/{id}"), &[], vec![])
-            .await?;
+        http.kill(&id).await?;
     }
     let (load_ms, load_errors, load_rate) =
         load::get_list(&http, args.load_conns, args.load_requests, 4).await?;

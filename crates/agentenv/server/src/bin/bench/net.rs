@@ -3,9 +3,8 @@
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::process::Command;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use k3_common::report::Figure;
 use k3_common::stats;
 
@@ -14,17 +13,7 @@ pub const SERVER: &str = "203.0.113.10";
 const MIB: usize = 64;
 
 fn ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .context("running ip")?;
-    if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    agentenv_runtime::net::slot::run_tool("ip", args, "")?;
     Ok(())
 }
 
