@@ -159,7 +159,13 @@ impl Runtime {
         let slot = self.slot(id)?;
         let net = self.inner.net.as_ref()?;
         let live = slot.live.lock().await;
-        net.stats(live.net.as_ref()?).await.ok()
+        match net.stats(live.net.as_ref()?).await {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(sandbox = %id, error = %e, "no traffic counters");
+                None
+            }
+        }
     }
 
     /// Re-takes the network of a sandbox kept by recovery (its slot, or a new one when the host lost

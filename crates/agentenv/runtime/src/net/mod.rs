@@ -24,6 +24,9 @@ pub use slot::SlotAddrs;
 /// restore in flight (measured on 2 cores: they add tens of ms to a create when they overlap).
 const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(1500);
 
+/// Reads of a sandbox's counters before [`Network::stats`] gives up.
+const STATS_TRIES: u32 = 3;
+
 /// Where owner markers of slots live (`<index>` holds the owner's path).
 const OWNERS_DIR: &str = "/run/agentenv-net";
 
@@ -341,12 +344,25 @@ impl Network {
     }
 
     /// The counters of an attachment.
+    /// A read that fails (the `nft` run, under load) is logged and tried again, [`STATS_TRIES`] times.
     pub async fn stats(&self, att: &Attachment) -> Result<NetStats, NetError> {
         let a = att.addrs;
-        let (tx_bytes, rx_bytes, dropped_packets) =
-            tokio::task::spawn_blocking(move || slot::counters(&a))
+        let mut tries = 0;
+        let (tx_bytes, rx_bytes, dropped_packets) = loop {
+            tries += 1;
+            let r = tokio::task::spawn_blocking(move || slot::counters(&a))
                 .await
-                .map_err(|e| joined("stats", e))??;
+                .map_err(|e| joined("stats", e))
+                .and_then(|r| r);
+            match r {
+                Ok(c) => break c,
+                Err(e) if tries < STATS_TRIES => {
+                    tracing::warn!(netns = %a.netns(), error = %e, "reading the traffic counters failed; again");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         Ok(NetStats {
             tx_bytes,
             rx_bytes,
