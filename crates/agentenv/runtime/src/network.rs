@@ -181,11 +181,11 @@ impl Runtime {
             tracing::warn!(sandbox = %id, "unreadable net.json: the sandbox keeps no network");
             return;
         };
-        let att = if crate::net::slot::exists(rec.slot) {
-            net.adopt(rec.slot, rec.policy.clone()).await
+        let dir = self.inner.sandbox_dir(&id);
+        let att = if crate::net::slot::exists(rec.slot) && crate::net::held_by(rec.slot, &dir) {
+            net.adopt(&dir, rec.slot, rec.policy.clone()).await
         } else {
-            net.attach(&self.inner.sandbox_dir(&id), rec.policy.clone())
-                .await
+            net.attach(&dir, rec.policy.clone()).await
         };
         match att {
             Ok(a) => live.net = Some(a),

@@ -27,9 +27,6 @@ const REFILL_DELAY: std::time::Duration = std::time::Duration::from_millis(1500)
 /// Reads of a sandbox's counters before [`Network::stats`] gives up.
 const STATS_TRIES: u32 = 3;
 
-/// Where owner markers of slots live (`<index>` holds the owner's path).
-const OWNERS_DIR: &str = "/run/agentenv-net";
-
 /// Errors of sandbox networking.
 #[derive(Debug, thiserror::Error)]
 pub enum NetError {
@@ -124,6 +121,8 @@ pub struct Attachment {
     tap: Mutex<Option<Arc<OwnedFd>>>,
     policy: Arc<RwLock<EgressPolicy>>,
     resolver: tokio::task::JoinHandle<()>,
+    /// The slot's marker while this attachment holds it.
+    marker: String,
 }
 
 impl Attachment {
@@ -167,16 +166,58 @@ pub struct NetStats {
     pub dropped_packets: u64,
 }
 
+/// A slot's marker: `<pid> <owner>`, the process managing the slot and the sandbox folder holding
+/// it (`<state folder>/warm` for a warm one). Other processes delete a slot only once that process
+/// is gone (and its sandbox folder too), and a deletion checks the marker under the host lock.
+fn marker(owner: &str) -> String {
+    format!("{} {owner}", std::process::id())
+}
+
+/// A marker's process (`None`: unreadable, or written by an older version) and owner.
+fn parse_marker(m: &str) -> (Option<u32>, &str) {
+    match m.split_once(' ') {
+        Some((pid, owner)) if pid.parse::<u32>().is_ok() => (pid.parse().ok(), owner),
+        _ => (None, m),
+    }
+}
+
+/// Whether slot `index`'s marker names sandbox folder `owner`.
+pub fn held_by(index: u32, owner: &Path) -> bool {
+    slot::marker(index).is_some_and(|m| Path::new(parse_marker(&m).1) == owner)
+}
+
+/// Whether a slot marked `m` is left over, seen from process `me` of state folder `state`; `known`
+/// (after recovery): the sandbox folders of this state folder that hold a slot rightly.
+fn is_stale(m: &str, me: u32, state: &str, known: Option<&[String]>) -> bool {
+    let (pid, owner) = parse_marker(m);
+    if pid == Some(me) {
+        return false;
+    }
+    let warm = owner.ends_with("/warm") || owner.contains("/warm/");
+    let ours = owner.starts_with(&format!("{state}/"));
+    let alive = pid.is_some_and(|p| Path::new("/proc").join(p.to_string()).exists());
+    match (ours, warm) {
+        // A previous run of this state folder (one runtime per folder at a time).
+        (true, true) => true,
+        (true, false) => {
+            !Path::new(owner).exists() || known.is_some_and(|k| !k.iter().any(|o| o == owner))
+        }
+        // Another runtime's: only once it is gone.
+        (false, true) => !alive,
+        (false, false) => !alive && !Path::new(owner).exists(),
+    }
+}
+
 /// Networking of one runtime.
 pub struct Network {
     cfg: NetConfig,
     upstream: Arc<Vec<SocketAddr>>,
-    /// This runtime's state folder: slot markers start with it.
-    owner: String,
+    /// This runtime's state folder: the owners in its slot markers start with it.
+    state: String,
     warm: Mutex<Vec<slot::Slot>>,
     filling: std::sync::atomic::AtomicBool,
-    /// Released slots waiting for their deletion.
-    dying: Mutex<Vec<SlotAddrs>>,
+    /// Released slots (and their markers) waiting for their deletion.
+    dying: Mutex<Vec<(SlotAddrs, String)>>,
 }
 
 impl Network {
@@ -195,8 +236,6 @@ impl Network {
         slot::run_tool("nft", &["-f", "-"], &host_rules())?;
         let fwd = format!("/proc/sys/net/ipv4/conf/{uplink}/forwarding");
         std::fs::write(&fwd, "1").map_err(|e| NetError::io("write", Path::new(&fwd), e))?;
-        std::fs::create_dir_all(OWNERS_DIR)
-            .map_err(|e| NetError::io("create", Path::new(OWNERS_DIR), e))?;
         let upstream = match cfg.dns_upstream.is_empty() {
             true => dns::host_resolvers(),
             false => cfg.dns_upstream.clone(),
@@ -205,7 +244,7 @@ impl Network {
         let net = Arc::new(Network {
             cfg,
             upstream: Arc::new(upstream),
-            owner: state_dir.display().to_string(),
+            state: state_dir.display().to_string(),
             warm: Mutex::new(Vec::new()),
             filling: Default::default(),
             dying: Mutex::new(Vec::new()),
@@ -220,17 +259,14 @@ impl Network {
         Ok(net)
     }
 
-    fn mark(&self, index: u32, owner: &str) {
-        let _ = std::fs::write(Path::new(OWNERS_DIR).join(index.to_string()), owner);
-    }
-
     fn new_slot(&self) -> Result<slot::Slot, NetError> {
-        let s = slot::create()?;
-        self.mark(s.addrs.index, &self.warm_marker());
-        slot::load_rules(
-            &s.addrs,
-            policy::ruleset(&s.addrs, &EgressPolicy::default(), self.cfg.limits),
-        )?;
+        let warm = self.warm_marker();
+        let s = slot::create(&warm)?;
+        let rules = policy::ruleset(&s.addrs, &EgressPolicy::default(), self.cfg.limits);
+        if let Err(e) = slot::load_rules(&s.addrs, rules) {
+            self.forget(s.addrs, &warm);
+            return Err(e);
+        }
         Ok(s)
     }
 
@@ -269,15 +305,15 @@ impl Network {
     ) -> Result<Attachment, NetError> {
         let warm = self.warm.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let me = self.clone();
-        let owner = owner.display().to_string();
-        let p = policy.clone();
+        let mark = marker(&owner.display().to_string());
+        let (p, m) = (policy.clone(), mark.clone());
         let (s, tap) = tokio::task::spawn_blocking(move || {
-            let policy = p;
+            let (policy, mark) = (p, m);
             let s = match warm {
                 Some(s) => s,
                 None => me.new_slot()?,
             };
-            me.mark(s.addrs.index, &owner);
+            slot::set_marker(s.addrs.index, &mark);
             let done = (|| {
                 if policy != EgressPolicy::default() {
                     slot::load_rules(&s.addrs, policy::ruleset(&s.addrs, &policy, me.cfg.limits))?;
@@ -287,7 +323,7 @@ impl Network {
             match done {
                 Ok(tap) => Ok((s, tap)),
                 Err(e) => {
-                    me.forget(s.addrs);
+                    me.forget(s.addrs, &mark);
                     Err(e)
                 }
             }
@@ -295,7 +331,7 @@ impl Network {
         .await
         .map_err(|e| joined("attach", e))??;
         self.refill();
-        self.finish_attach(s, Some(tap), policy)
+        self.finish_attach(s, Some(tap), policy, mark)
     }
 
     fn finish_attach(
@@ -303,6 +339,7 @@ impl Network {
         s: slot::Slot,
         tap: Option<OwnedFd>,
         policy: EgressPolicy,
+        marker: String,
     ) -> Result<Attachment, NetError> {
         let policy = Arc::new(RwLock::new(policy));
         let resolver = dns::serve(s.addrs, s.dns, policy.clone(), self.upstream.clone())
@@ -312,25 +349,30 @@ impl Network {
             tap: Mutex::new(tap.map(Arc::new)),
             policy,
             resolver,
+            marker,
         })
     }
 
-    /// Takes over slot `index` of a sandbox of a previous run (its QEMU may still hold the tap).
+    /// Takes over slot `index` of sandbox `owner` (its folder) of a previous run (its QEMU may
+    /// still hold the tap).
     pub async fn adopt(
         self: &Arc<Self>,
+        owner: &Path,
         index: u32,
         policy: EgressPolicy,
     ) -> Result<Attachment, NetError> {
         let a = SlotAddrs::of(index);
         let me = self.clone();
-        let p = policy.clone();
+        let mark = marker(&owner.display().to_string());
+        let (p, m) = (policy.clone(), mark.clone());
         let dns = tokio::task::spawn_blocking(move || {
+            slot::set_marker(index, &m);
             slot::load_rules(&a, policy::ruleset(&a, &p, me.cfg.limits))?;
             slot::bind_resolver(&a)
         })
         .await
         .map_err(|e| joined("adopt", e))??;
-        self.finish_attach(slot::Slot { addrs: a, dns }, None, policy)
+        self.finish_attach(slot::Slot { addrs: a, dns }, None, policy, mark)
     }
 
     /// Replaces the policy of a running attachment (new connections follow it at once).
@@ -370,26 +412,29 @@ impl Network {
         })
     }
 
-    fn forget(&self, a: SlotAddrs) {
-        slot::destroy(&a);
-        let _ = std::fs::remove_file(Path::new(OWNERS_DIR).join(a.index.to_string()));
+    /// Deletes slot `a` if it is still marked `mark` (its number may be another's by now).
+    fn forget(&self, a: SlotAddrs, mark: &str) {
+        slot::remove_if(a.index, |m| m == mark);
     }
 
     /// Ends an attachment: its namespace (tap, veth, rules) goes, in the background.
     pub fn release(self: &Arc<Self>, att: Attachment) {
         att.resolver.abort();
-        let a = att.addrs;
-        self.dying.lock().unwrap_or_else(|e| e.into_inner()).push(a);
+        let (a, mark) = (att.addrs, att.marker.clone());
+        self.dying
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((a, mark.clone()));
         drop(att);
         let me = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(REFILL_DELAY).await;
             let _ = tokio::task::spawn_blocking(move || {
                 let mut d = me.dying.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(i) = d.iter().position(|x| *x == a) {
+                if let Some(i) = d.iter().position(|x| x.0 == a) {
                     d.swap_remove(i);
                     drop(d);
-                    me.forget(a);
+                    me.forget(a, &mark);
                 }
             })
             .await;
@@ -397,46 +442,30 @@ impl Network {
     }
 
     fn warm_marker(&self) -> String {
-        format!("{}/warm/{}", self.owner, std::process::id())
+        marker(&format!("{}/warm", self.state))
     }
 
-    /// Removes slots left by a crash: warm ones of a dead process, ones of sandbox folders that are
-    /// gone, and, with `known` (after recovery), ones of this state folder no known sandbox holds.
-    /// Returns how many went.
+    /// Removes slots left by a crash (see [`is_stale`]); `known`, after recovery: the sandbox
+    /// folders that hold a slot rightly. Returns how many went.
     pub fn remove_stale(&self, known: Option<&[String]>) -> usize {
-        let (prefix, warm) = (format!("{}/", self.owner), self.warm_marker());
-        let mut n = 0;
-        for index in slot::existing() {
-            let Ok(marker) = std::fs::read_to_string(Path::new(OWNERS_DIR).join(index.to_string()))
-            else {
-                continue; // being made right now
-            };
-            let stale = match marker.rsplit_once("/warm/") {
-                Some((_, pid)) => {
-                    marker != warm
-                        && (!Path::new("/proc").join(pid).exists() || marker.starts_with(&prefix))
-                }
-                None => {
-                    !Path::new(&marker).exists()
-                        || known
-                            .is_some_and(|k| marker.starts_with(&prefix) && !k.contains(&marker))
-                }
-            };
-            if stale {
-                self.forget(SlotAddrs::of(index));
-                n += 1;
-            }
-        }
-        n
+        let me = std::process::id();
+        slot::existing()
+            .into_iter()
+            .filter(|&index| {
+                // No marker: being made right now.
+                slot::remove_if(index, |m| is_stale(m, me, &self.state, known))
+            })
+            .count()
     }
 
     /// Deletes the warm slots and those released but not yet deleted (the runtime is closing).
     pub fn drain(&self) {
+        let warm = self.warm_marker();
         for s in std::mem::take(&mut *self.warm.lock().unwrap_or_else(|e| e.into_inner())) {
-            self.forget(s.addrs);
+            self.forget(s.addrs, &warm);
         }
-        for a in std::mem::take(&mut *self.dying.lock().unwrap_or_else(|e| e.into_inner())) {
-            self.forget(a);
+        for (a, m) in std::mem::take(&mut *self.dying.lock().unwrap_or_else(|e| e.into_inner())) {
+            self.forget(a, &m);
         }
     }
 }
@@ -446,4 +475,60 @@ impl Network {
 pub struct NetRecord {
     pub slot: u32,
     pub policy: EgressPolicy,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_is_stale_only_once_its_process_and_sandbox_are_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state").display().to_string();
+        let live_sbx = dir.path().join("state/sandboxes/a");
+        std::fs::create_dir_all(&live_sbx).unwrap();
+        let live_sbx = live_sbx.display().to_string();
+        let gone_sbx = format!("{state}/sandboxes/gone");
+        let other = dir.path().join("other").display().to_string();
+        let me = std::process::id();
+        let alive = 1; // init
+        let dead = u32::MAX - 1;
+        let m = |pid: u32, owner: &str| format!("{pid} {owner}");
+        let stale = |mk: &str, known: Option<&[String]>| is_stale(mk, me, &state, known);
+        // Mine now: never.
+        assert!(!stale(&m(me, &format!("{state}/warm")), None));
+        assert!(!stale(&m(me, &gone_sbx), None));
+        // A previous run of this state folder: warm ones, and sandboxes gone or not known.
+        assert!(stale(&m(dead, &format!("{state}/warm")), None));
+        assert!(stale(&m(dead, &gone_sbx), None));
+        assert!(!stale(&m(dead, &live_sbx), None));
+        assert!(!stale(&m(dead, &live_sbx), Some(std::slice::from_ref(&live_sbx))));
+        assert!(stale(&m(dead, &live_sbx), Some(&[])));
+        // Another runtime's, while it lives: never, even if the sandbox folder is gone already
+        // (released, deletion pending).
+        assert!(!stale(&m(alive, &format!("{other}/warm")), None));
+        assert!(!stale(
+            &m(alive, &format!("{other}/sandboxes/x")),
+            Some(&[])
+        ));
+        // ... and once it is gone: warm ones, and sandboxes whose folder is gone.
+        assert!(stale(&m(dead, &format!("{other}/warm")), None));
+        assert!(stale(&m(dead, &format!("{other}/sandboxes/x")), None));
+        let kept = dir.path().join("other/sandboxes/y");
+        std::fs::create_dir_all(&kept).unwrap();
+        assert!(!stale(&m(dead, &kept.display().to_string()), Some(&[])));
+        // Markers of an older version (no process): by folder alone.
+        assert!(stale(&format!("{other}/warm/123"), None));
+        assert!(stale(&format!("{other}/sandboxes/x"), None));
+    }
+
+    #[test]
+    fn markers_name_their_process_and_owner() {
+        let m = marker("/s/sandboxes/a b");
+        assert_eq!(
+            parse_marker(&m),
+            (Some(std::process::id()), "/s/sandboxes/a b")
+        );
+        assert_eq!(parse_marker("/old/path"), (None, "/old/path"));
+    }
 }

@@ -154,8 +154,13 @@ pub struct Slot {
     pub dns: UdpSocket,
 }
 
-/// Takes the lowest free slot number host-wide and builds its namespace.
-pub fn create() -> Result<Slot, NetError> {
+/// Where slot markers live: file `<index>` says who holds the slot (see `Network`).
+const OWNERS_DIR: &str = "/run/agentenv-net";
+
+/// The host-wide lock over slot numbers and markers; held while the returned file is open.
+fn host_lock() -> Result<File, NetError> {
+    std::fs::create_dir_all(OWNERS_DIR)
+        .map_err(|e| NetError::io("create", Path::new(OWNERS_DIR), e))?;
     let lock = File::options()
         .create(true)
         .truncate(false)
@@ -164,6 +169,46 @@ pub fn create() -> Result<Slot, NetError> {
         .map_err(|e| NetError::io("open", Path::new(HOST_LOCK), e))?;
     // SAFETY: flock on an open fd; released when `lock` closes.
     unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+    Ok(lock)
+}
+
+fn marker_path(index: u32) -> PathBuf {
+    Path::new(OWNERS_DIR).join(index.to_string())
+}
+
+/// Slot `index`'s marker; `None`: it has none (yet).
+pub fn marker(index: u32) -> Option<String> {
+    std::fs::read_to_string(marker_path(index)).ok()
+}
+
+/// Replaces slot `index`'s marker (whole: a reader never sees a part).
+pub fn set_marker(index: u32, marker: &str) {
+    let (path, tmp) = (marker_path(index), marker_path(index).with_extension("new"));
+    if std::fs::write(&tmp, marker)
+        .and_then(|_| std::fs::rename(&tmp, &path))
+        .is_err()
+    {
+        tracing::warn!(index, "writing a slot marker failed");
+    }
+}
+
+/// Deletes slot `index` (namespace and marker) if its marker passes `stale`, checked under the
+/// host lock: a slot number another process took meanwhile is left alone. Returns whether it went.
+pub fn remove_if(index: u32, stale: impl FnOnce(&str) -> bool) -> bool {
+    let Ok(_lock) = host_lock() else { return false };
+    match marker(index) {
+        Some(m) if stale(&m) => {
+            destroy(&SlotAddrs::of(index));
+            let _ = std::fs::remove_file(marker_path(index));
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Takes the lowest free slot number host-wide, marks it with `marker` and builds its namespace.
+pub fn create(marker: &str) -> Result<Slot, NetError> {
+    let lock = host_lock()?;
     let index = (0..MAX_SLOTS)
         .find(|i| {
             !Path::new(NETNS_DIR)
@@ -181,14 +226,16 @@ pub fn create() -> Result<Slot, NetError> {
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+    set_marker(index, marker);
     let host = format!(
         "netns add {ns}\nlink add {hif} type veth peer name {VETH} netns {ns}\naddr add {}/30 dev {hif}\nlink set {hif} up\nroute add {}/30 via {} dev {hif}\n",
         a.host,
         a.guest_net(),
         a.ns
     );
-    let result = run_tool("ip", &["-batch", "-"], &host).and_then(|_| {
-        drop(lock);
+    let host = run_tool("ip", &["-batch", "-"], &host);
+    drop(lock);
+    let result = host.and_then(|_| {
         write_sysctl(&format!("/proc/sys/net/ipv4/conf/{hif}/forwarding"), "1")?;
         let inside = format!(
             "link set lo up\naddr add {}/30 dev {VETH}\nlink set {VETH} up\nroute add default via {}\ntuntap add {TAP} mode tap\naddr add {}/30 dev {TAP}\nlink set {TAP} up\n",
@@ -205,7 +252,7 @@ pub fn create() -> Result<Slot, NetError> {
     match result {
         Ok(dns) => Ok(Slot { addrs: a, dns }),
         Err(e) => {
-            destroy(&a);
+            remove_if(index, |m| m == marker);
             Err(e)
         }
     }
@@ -234,7 +281,7 @@ pub fn exists(index: u32) -> bool {
 }
 
 /// Deletes slot `a`'s namespace (its tap and veth pair go with it); a missing one is fine.
-pub fn destroy(a: &SlotAddrs) {
+fn destroy(a: &SlotAddrs) {
     if let Err(e) = run_tool("ip", &["netns", "del", &a.netns()], "")
         && Path::new(NETNS_DIR).join(a.netns()).exists()
     {
