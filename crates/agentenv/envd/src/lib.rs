@@ -28,10 +28,22 @@ pub mod paths {
     pub const FILES_COMPOSE: &str = "/files/compose";
     /// `POST`: flush the guest's file systems (agentenv extension; before filesystem snapshots).
     pub const SYNC: &str = "/sync";
+    /// `POST` [`super::ExecRequest`]: runs a command for the host (template builds), answering with
+    /// [`super::ExecEvent`]s, one JSON object per line (agentenv extension).
+    pub const EXEC: &str = "/exec";
     /// Every plain path above.
-    pub const ALL: [&str; 7] = [HEALTH, INIT, ENVS, METRICS, FILES, FILES_COMPOSE, SYNC];
+    pub const ALL: [&str; 8] = [
+        HEALTH,
+        INIT,
+        ENVS,
+        METRICS,
+        FILES,
+        FILES_COMPOSE,
+        SYNC,
+        EXEC,
+    ];
     /// Paths only the host (runtime) may call; the data-plane proxy refuses them.
-    pub const HOST_ONLY: [&str; 2] = [INIT, SYNC];
+    pub const HOST_ONLY: [&str; 3] = [INIT, SYNC, EXEC];
     /// Connect RPC service prefixes (`/process.Process/Start`, ...).
     pub const RPC_PREFIXES: [&str; 2] = ["/process.Process/", "/filesystem.Filesystem/"];
 
@@ -109,6 +121,48 @@ pub struct GuestNetwork {
     pub dns: Vec<std::net::Ipv4Addr>,
     /// MAC address, `02:..` (locally administered).
     pub mac: String,
+}
+
+/// The `POST /exec` body: one shell command (`bash -l -c`), run by the guest agent for the host.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct ExecRequest {
+    /// The script, as `bash -l -c` gets it.
+    pub cmd: String,
+    /// Run as this user (must exist in the guest).
+    pub user: String,
+    /// Working folder; `None`: the user's home.
+    pub cwd: Option<String>,
+    /// Over the sandbox's environment.
+    pub envs: BTreeMap<String, String>,
+    /// Killed after this long (0: no limit).
+    pub timeout_ms: u64,
+    /// Standard input, base64 (closed after it; `None`: empty).
+    pub stdin_b64: Option<String>,
+    /// Start it in the background with tag [`START_TAG`] and answer at once with
+    /// [`ExecEvent::Started`] (a template's start command).
+    pub background: bool,
+}
+
+/// Largest `/exec` body (standard input included), in bytes.
+pub const MAX_EXEC_BODY: usize = 96 << 20;
+
+/// One line of the `/exec` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ExecEvent {
+    /// Running in the background (`background`), with this pid.
+    Started(u32),
+    /// Output (UTF-8, lossy).
+    Stdout(String),
+    Stderr(String),
+    /// The end: the exit code (−1 when killed by a signal) and Go-style status text.
+    Exit {
+        code: i32,
+        status: String,
+    },
+    /// It could not start.
+    Error(String),
 }
 
 /// Process tag of a template's start command.

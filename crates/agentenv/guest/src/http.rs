@@ -198,6 +198,7 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         (Method::GET, "/files") => crate::files::download(&agent, req).await,
         (Method::POST, "/files") => crate::files::upload(&agent, req).await,
         (Method::POST, "/init") => init(&agent, req).await,
+        (Method::POST, agentenv_envd::paths::EXEC) => crate::exec::exec(&agent, req).await,
         (Method::POST, "/sync") => {
             // SAFETY: sync(2) takes no arguments.
             tokio::task::spawn_blocking(|| unsafe { libc::sync() })

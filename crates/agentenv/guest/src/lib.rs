@@ -14,6 +14,7 @@
 //! - `GET /envs` → the merged env vars; `GET /metrics` → cpu/memory/disk usage JSON.
 
 pub mod envd;
+pub mod exec;
 pub mod files;
 pub mod fs;
 pub mod http;

@@ -174,6 +174,88 @@ pub async fn request_on(
     Ok((status, text))
 }
 
+/// Runs `req` through envd `/exec` on stream `s`, handing each output event to `on_event`, within
+/// `deadline`. Returns the exit code and status text, or, for a background start, the pid as code.
+pub async fn exec_on(
+    s: MuxStream,
+    req: &agentenv_envd::ExecRequest,
+    deadline: Duration,
+    mut on_event: impl FnMut(agentenv_envd::ExecEvent) + Send,
+) -> Result<(i32, String), AgentError> {
+    use agentenv_envd::ExecEvent;
+    use http_body_util::{BodyExt, Full};
+    let path = agentenv_envd::paths::EXEC;
+    let http = |what: &str, e: &dyn std::fmt::Display| AgentError::Http {
+        what: format!("{what} {path}"),
+        detail: e.to_string(),
+    };
+    let run = async {
+        let body = serde_json::to_vec(req).map_err(|e| http("encode", &e))?;
+        let (mut tx, conn) = hyper::client::conn::http1::handshake::<_, Full<bytes::Bytes>>(
+            hyper_util::rt::TokioIo::new(s),
+        )
+        .await
+        .map_err(|e| http("handshake", &e))?;
+        let driver = tokio::spawn(conn);
+        let r = hyper::Request::builder()
+            .method("POST")
+            .uri(path)
+            .header(hyper::header::HOST, "envd")
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(bytes::Bytes::from(body)))
+            .map_err(|e| http("build", &e))?;
+        let resp = tx.send_request(r).await.map_err(|e| http("send", &e))?;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if !status.is_success() {
+            let text = body
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            driver.abort();
+            return Err(AgentError::Http {
+                what: path.into(),
+                detail: format!("HTTP {status}: {}", String::from_utf8_lossy(&text).trim()),
+            });
+        }
+        let mut buf: Vec<u8> = Vec::new();
+        let end = loop {
+            let Some(frame) = body.frame().await else {
+                break Err(http("read", &"the answer ended before the command"));
+            };
+            let frame = frame.map_err(|e| http("read", &e))?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            buf.extend_from_slice(&data);
+            let mut done = None;
+            while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
+                let lineb: Vec<u8> = buf.drain(..=nl).collect();
+                let ev: ExecEvent =
+                    serde_json::from_slice(&lineb).map_err(|e| http("decode", &e))?;
+                match ev {
+                    ExecEvent::Exit { code, status } => done = Some(Ok((code, status))),
+                    ExecEvent::Started(pid) => done = Some(Ok((pid as i32, "started".into()))),
+                    ExecEvent::Error(e) => done = Some(Err(http("start", &e))),
+                    ev => on_event(ev),
+                }
+            }
+            if let Some(d) = done {
+                break d;
+            }
+        };
+        driver.abort();
+        end
+    };
+    tokio::time::timeout(deadline, run)
+        .await
+        .map_err(|_| AgentError::Timeout {
+            what: path.into(),
+            secs: deadline.as_secs(),
+        })?
+}
+
 /// Sends envd `/init` with the host's clock, fresh kernel entropy and `env_vars`: every created,
 /// resumed or forked machine then has the right time and its own random stream.
 pub async fn init(

@@ -488,6 +488,18 @@ impl Runtime {
         Ok(())
     }
 
+    /// Runs one command in sandbox `id` through envd `/exec` (see [`agent::exec_on`]).
+    pub async fn exec(
+        &self,
+        id: &str,
+        req: &agentenv_envd::ExecRequest,
+        deadline: std::time::Duration,
+        on_event: impl FnMut(agentenv_envd::ExecEvent) + Send,
+    ) -> Result<(i32, String), ConnectError> {
+        let s = self.open_agent_stream(id).await?;
+        Ok(agent::exec_on(s, req, deadline, on_event).await?)
+    }
+
     /// Opens one stream to envd in the guest (carry one HTTP/1.1 connection on it). Reconnects the mux
     /// session once if the previous one has ended.
     pub async fn open_agent_stream(&self, id: &str) -> Result<MuxStream, ConnectError> {

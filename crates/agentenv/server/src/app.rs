@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 
 use crate::backend::VmBackend;
+use crate::build_routes;
 use crate::dataplane::{self, Plane};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -98,6 +99,24 @@ fn control_router() -> Router<AppState> {
             get(routes::list_templates).post(routes::build_template),
         )
         .route("/v2/templates", get(routes::list_templates_v2))
+        .route("/v3/templates", post(build_routes::request_build))
+        .route(
+            "/templates/{id}/files/{hash}",
+            get(build_routes::file_link)
+                .put(build_routes::upload_file)
+                .layer(axum::extract::DefaultBodyLimit::max(
+                    crate::sandboxes::MAX_BUILD_FILE_BYTES,
+                )),
+        )
+        .route(
+            "/v2/templates/{id}/builds/{build}",
+            post(build_routes::start_build),
+        )
+        .route(
+            "/templates/{id}/builds/{build}/status",
+            get(build_routes::build_status),
+        )
+        .route("/templates/aliases/{alias}", get(build_routes::alias))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(routes::openapi_json))
@@ -115,10 +134,16 @@ async fn refuse_declared_oversize(req: Request, next: Next) -> Response {
         .headers()
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > MAX_JSON_BYTES) {
+    // COPY archives of template builds are larger than JSON bodies.
+    let upload = req.method() == axum::http::Method::PUT && req.uri().path().contains("/files/");
+    let limit = match upload {
+        true => crate::sandboxes::MAX_BUILD_FILE_BYTES,
+        false => MAX_JSON_BYTES,
+    };
+    if declared.is_some_and(|n| n > limit) {
         return crate::error::ApiError::new(
             axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-            format!("request body exceeds the limit of {MAX_JSON_BYTES} bytes"),
+            format!("request body exceeds the limit of {limit} bytes"),
         )
         .into_response();
     }

@@ -7,6 +7,7 @@
 use std::future::Future;
 use std::pin::Pin;
 
+pub use agentenv_envd::{ExecEvent, ExecRequest};
 pub use agentenv_runtime::error::NetworkError;
 pub use agentenv_runtime::net::EgressPolicy;
 pub use agentenv_runtime::network::{NetworkInfo, Sample};
@@ -81,6 +82,15 @@ pub trait VmBackend: Send + Sync + 'static {
     fn network<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Option<NetworkInfo>>;
     /// Why sandboxes get no network, or `None` when they do.
     fn networking_off(&self) -> Option<String>;
+    /// Runs one command in a running sandbox to its end (or starts it in the background), handing
+    /// its output to `on_event`; the exit code and status text (template builds).
+    fn exec<'a>(
+        &'a self,
+        id: &'a str,
+        req: ExecRequest,
+        deadline: std::time::Duration,
+        on_event: Box<dyn FnMut(ExecEvent) + Send + 'a>,
+    ) -> BoxFuture<'a, Result<(i32, String), ConnectError>>;
     /// A resource sample of a running sandbox (guest CPU, memory, disk; network counters).
     fn sample<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Sample, ConnectError>>;
 }

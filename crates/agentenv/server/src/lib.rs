@@ -16,6 +16,7 @@
 
 pub mod app;
 pub mod backend;
+pub mod build_routes;
 pub mod dataplane;
 pub mod error;
 #[cfg(test)]

@@ -320,3 +320,131 @@ pub struct ForkResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorBody>,
 }
+
+/// Body of `POST /v3/templates` (`Template.build`).
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateBuildRequestV3 {
+    /// `name` or `name:tag`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Deprecated form of `name`.
+    #[serde(default)]
+    pub alias: Option<String>,
+    #[serde(default)]
+    pub tags: Option<Vec<String>>,
+    /// Accepted; a build's sandboxes have its base template's size.
+    #[serde(default)]
+    pub cpu_count: Option<u32>,
+    #[serde(default, rename = "memoryMB")]
+    pub memory_mb: Option<u32>,
+}
+
+/// Answer of `POST /v3/templates`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateRequestResponseV3 {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    pub public: bool,
+    pub names: Vec<String>,
+    pub tags: Vec<String>,
+    pub aliases: Vec<String>,
+}
+
+/// Answer of `GET /templates/{templateID}/files/{hash}`: where to `PUT` the COPY archive.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateBuildFileUpload {
+    pub present: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Headers the upload must carry.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headers: Option<BTreeMap<String, String>>,
+}
+
+/// One step of a build.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateStep {
+    /// `RUN`, `COPY`, `ENV`, `WORKDIR` or `USER`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// SHA-256 of a COPY's files, as uploaded.
+    #[serde(default)]
+    pub files_hash: Option<String>,
+    /// Accepted; every build runs every step.
+    #[serde(default)]
+    pub force: Option<bool>,
+}
+
+/// Body of `POST /v2/templates/{templateID}/builds/{buildID}`.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateBuildStartV2 {
+    #[serde(default)]
+    pub from_image: Option<String>,
+    #[serde(default)]
+    pub from_template: Option<String>,
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub from_image_registry: Option<serde_json::Value>,
+    #[serde(default)]
+    pub force: Option<bool>,
+    #[serde(default)]
+    pub steps: Vec<TemplateStep>,
+    #[serde(default)]
+    pub start_cmd: Option<String>,
+    #[serde(default)]
+    pub ready_cmd: Option<String>,
+}
+
+/// One build log line.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct BuildLogEntry {
+    /// RFC 3339.
+    pub timestamp: String,
+    pub message: String,
+    /// `debug`, `info`, `warn` or `error`.
+    pub level: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+}
+
+/// Why a build failed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BuildStatusReason {
+    pub message: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+    pub log_entries: Vec<BuildLogEntry>,
+}
+
+/// Answer of `GET /templates/{templateID}/builds/{buildID}/status`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateBuildInfo {
+    /// Always empty (E2B's V1 field); see `logEntries`.
+    pub logs: Vec<String>,
+    #[serde(rename = "logEntries")]
+    pub log_entries: Vec<BuildLogEntry>,
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    #[serde(rename = "buildID")]
+    pub build_id: String,
+    /// `waiting`, `building`, `ready` or `error`.
+    pub status: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<BuildStatusReason>,
+}
+
+/// Answer of `GET /templates/aliases/{alias}`.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct TemplateAliasResponse {
+    #[serde(rename = "templateID")]
+    pub template_id: String,
+    pub public: bool,
+}

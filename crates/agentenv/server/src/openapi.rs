@@ -3,7 +3,7 @@
 use utoipa::OpenApi;
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
 
-use crate::routes;
+use crate::{build_routes, routes};
 
 struct ApiKeyScheme;
 
@@ -27,6 +27,8 @@ impl utoipa::Modify for ApiKeyScheme {
         routes::resume, routes::list_templates, routes::build_template, routes::health, routes::metrics,
         routes::openapi_json, routes::create_snapshot, routes::list_snapshots, routes::delete_template,
         routes::fork, routes::list_templates_v2, routes::set_network, routes::sandbox_metrics,
+        build_routes::request_build, build_routes::file_link, build_routes::upload_file,
+        build_routes::start_build, build_routes::build_status, build_routes::alias,
     ),
     modifiers(&ApiKeyScheme)
 )]

@@ -130,6 +130,16 @@ impl VmBackend for Runtime {
         Runtime::networking_off(self).map(str::to_owned)
     }
 
+    fn exec<'a>(
+        &'a self,
+        id: &'a str,
+        req: ExecRequest,
+        deadline: std::time::Duration,
+        on_event: Box<dyn FnMut(ExecEvent) + Send + 'a>,
+    ) -> BoxFuture<'a, Result<(i32, String), ConnectError>> {
+        Box::pin(async move { Runtime::exec(self, id, &req, deadline, on_event).await })
+    }
+
     fn sample<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Sample, ConnectError>> {
         Box::pin(Runtime::sample(self, id))
     }

@@ -299,3 +299,117 @@ pub fn parse_snapshot_query(raw: Option<&str>) -> Result<SnapshotQuery, ApiError
     }
     Ok(q)
 }
+
+/// A build request's steps as the builder takes them; a malformed step is a 400 that names it.
+pub fn build_plan(
+    req: crate::model::TemplateBuildStartV2,
+) -> Result<crate::sandboxes::BuildPlan, ApiError> {
+    use crate::sandboxes::Step;
+    let mut steps = Vec::with_capacity(req.steps.len());
+    for (i, s) in req.steps.into_iter().enumerate() {
+        let bad = |why: &str| ApiError::bad_request(format!("step {} ({}): {why}", i + 1, s.kind));
+        let arg = |n: usize| s.args.get(n).filter(|a| !a.is_empty()).cloned();
+        let user = |n: usize| -> Result<Option<String>, ApiError> {
+            match arg(n) {
+                Some(u)
+                    if !u
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"_.-:".contains(&b)) =>
+                {
+                    Err(bad("a user is [A-Za-z0-9_.-], optionally :group"))
+                }
+                u => Ok(u),
+            }
+        };
+        steps.push(match s.kind.as_str() {
+            "RUN" => Step::Run {
+                cmd: arg(0).ok_or_else(|| bad("no command"))?,
+                user: user(1)?,
+            },
+            "COPY" => {
+                let src = arg(0).ok_or_else(|| bad("no source"))?;
+                if src.starts_with('/') || src.split('/').any(|c| c == "..") {
+                    return Err(bad("the source is a path inside the build context"));
+                }
+                let mode = match arg(3) {
+                    Some(m) => Some(u32::from_str_radix(&m, 8).map_err(|_| bad("mode is octal"))?),
+                    None => None,
+                };
+                Step::Copy {
+                    src,
+                    dest: arg(1).ok_or_else(|| bad("no destination"))?,
+                    user: user(2)?,
+                    mode,
+                    files_hash: s.files_hash.clone().ok_or_else(|| bad("no filesHash"))?,
+                }
+            }
+            "ENV" => {
+                if s.args.is_empty() || s.args.len() % 2 != 0 {
+                    return Err(bad("ENV takes name, value pairs"));
+                }
+                let kv: Vec<(String, String)> = s
+                    .args
+                    .chunks(2)
+                    .map(|c| (c[0].clone(), c[1].clone()))
+                    .collect();
+                let name_ok = |k: &str| {
+                    !k.is_empty()
+                        && !k.starts_with(|c: char| c.is_ascii_digit())
+                        && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+                };
+                if !kv.iter().all(|(k, _)| name_ok(k)) {
+                    return Err(bad("a variable name is [A-Za-z_][A-Za-z0-9_]*"));
+                }
+                Step::Env(kv)
+            }
+            "WORKDIR" => Step::Workdir(arg(0).ok_or_else(|| bad("no folder"))?),
+            "USER" => Step::User(user(0)?.ok_or_else(|| bad("no user"))?),
+            _ => return Err(bad("unsupported step type (RUN, COPY, ENV, WORKDIR, USER)")),
+        });
+    }
+    Ok(crate::sandboxes::BuildPlan {
+        from_template: req.from_template.filter(|t| !t.is_empty()),
+        from_image: req.from_image.filter(|t| !t.is_empty()),
+        steps,
+        start_cmd: req.start_cmd.filter(|c| !c.trim().is_empty()),
+        ready_cmd: req.ready_cmd.filter(|c| !c.trim().is_empty()),
+    })
+}
+
+fn log_entry(e: &crate::sandboxes::LogEntry) -> crate::model::BuildLogEntry {
+    use crate::sandboxes::LogLevel;
+    crate::model::BuildLogEntry {
+        timestamp: rfc3339_ms(e.at_ms),
+        message: e.message.clone(),
+        level: match e.level {
+            LogLevel::Info => "info",
+            LogLevel::Warn => "warn",
+            LogLevel::Error => "error",
+        }
+        .into(),
+        step: e.step.clone(),
+    }
+}
+
+/// A build's status answer.
+pub fn build_info(v: &crate::sandboxes::BuildView) -> crate::model::TemplateBuildInfo {
+    use crate::sandboxes::BuildStatus;
+    crate::model::TemplateBuildInfo {
+        logs: vec![],
+        log_entries: v.logs.iter().map(log_entry).collect(),
+        template_id: v.template_id.clone(),
+        build_id: v.build_id.clone(),
+        status: match v.status {
+            BuildStatus::Waiting => "waiting",
+            BuildStatus::Building => "building",
+            BuildStatus::Ready => "ready",
+            BuildStatus::Error => "error",
+        }
+        .into(),
+        reason: v.failure.as_ref().map(|f| crate::model::BuildStatusReason {
+            message: f.message.clone(),
+            step: f.step.clone(),
+            log_entries: vec![],
+        }),
+    }
+}

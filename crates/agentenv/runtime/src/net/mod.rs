@@ -502,7 +502,10 @@ mod tests {
         assert!(stale(&m(dead, &format!("{state}/warm")), None));
         assert!(stale(&m(dead, &gone_sbx), None));
         assert!(!stale(&m(dead, &live_sbx), None));
-        assert!(!stale(&m(dead, &live_sbx), Some(std::slice::from_ref(&live_sbx))));
+        assert!(!stale(
+            &m(dead, &live_sbx),
+            Some(std::slice::from_ref(&live_sbx))
+        ));
         assert!(stale(&m(dead, &live_sbx), Some(&[])));
         // Another runtime's, while it lives: never, even if the sandbox folder is gone already
         // (released, deletion pending).

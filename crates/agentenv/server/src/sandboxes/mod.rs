@@ -25,6 +25,7 @@ const IDEMPOTENCY_WINDOW: Duration = Duration::from_secs(300);
 /// Forks per call (E2B's bound).
 pub const MAX_FORKS: u32 = 20;
 
+mod builds;
 mod config;
 mod error;
 mod expiry;
@@ -33,6 +34,10 @@ mod owners;
 mod quota;
 mod snapshots;
 
+pub use builds::{
+    BuildFailure, BuildPlan, BuildStatus, BuildView, BuiltTemplate, LogEntry, LogLevel,
+    MAX_BUILD_FILE_BYTES, Step,
+};
 pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};
 use quota::Usage;
 
@@ -100,6 +105,8 @@ pub struct Sandboxes {
     owners: Owners,
     /// Each tenant's own quota.
     ring: Arc<KeyRing>,
+    /// Template builds (`Template.build`).
+    builds: builds::Builds,
 }
 
 impl Sandboxes {
@@ -165,6 +172,7 @@ impl Sandboxes {
         }
         Ok(Arc::new(Sandboxes {
             backend,
+            builds: builds::Builds::new(store.state_dir()),
             store,
             metrics,
             cfg,

@@ -15,11 +15,24 @@ impl Sandboxes {
         name: Option<String>,
         memory: bool,
     ) -> Result<SnapshotInfo> {
+        self.snapshot_named(caller, id, name.as_slice(), memory)
+            .await
+    }
+
+    /// [`Sandboxes::snapshot`] with any number of names (`name[:tag]`), each moved from an older
+    /// snapshot of the owner that had it.
+    pub(super) async fn snapshot_named(
+        &self,
+        caller: &Caller,
+        id: &str,
+        names: &[String],
+        memory: bool,
+    ) -> Result<SnapshotInfo> {
         let owner = self.get_as(caller, id)?.owner;
-        let names = match name {
-            Some(n) => vec![tenants::scoped_name(&owner, &n).map_err(LifecycleError::Invalid)?],
-            None => vec![],
-        };
+        let names = names
+            .iter()
+            .map(|n| tenants::scoped_name(&owner, n).map_err(LifecycleError::Invalid))
+            .collect::<Result<Vec<_>>>()?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
         self.get_as(caller, id)?;
