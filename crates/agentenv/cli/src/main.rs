@@ -1,7 +1,9 @@
 //! `aenv`: command-line client for an agentenv server (E2B-compatible API).
 
 mod client;
+mod dockerfile;
 mod process;
+mod template_build;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -140,9 +142,15 @@ enum SnapshotCmd {
 enum TemplateCmd {
     /// List templates.
     List,
-    /// Build a template (Debian bookworm minbase + guest agent, booted once into a base snapshot).
+    /// Build a template (Debian bookworm minbase + guest agent, booted once into a base snapshot), or,
+    /// with --dockerfile, run a Dockerfile's steps in a sandbox and snapshot it as template `id`
+    /// (`name[:tag]`).
     Build {
         id: String,
+        /// Dockerfile (subset: FROM a template or image, RUN, COPY, ENV, WORKDIR, USER, CMD); its folder
+        /// is the build context.
+        #[arg(long, conflicts_with = "from_image")]
+        dockerfile: Option<PathBuf>,
         #[arg(long = "alias")]
         aliases: Vec<String>,
         #[arg(long)]
@@ -275,6 +283,19 @@ async fn run(cli: &Cli, api: &ApiClient) -> anyhow::Result<i32> {
         }
         Command::Template(TemplateCmd::Build {
             id,
+            dockerfile: Some(path),
+            ..
+        }) => {
+            let t = template_build::from_dockerfile(api, id, path).await?;
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&t)?)
+            } else {
+                println!("built template {} ({id})", s(&t, "templateID"))
+            }
+        }
+        Command::Template(TemplateCmd::Build {
+            id,
+            dockerfile: None,
             aliases,
             cpus,
             memory_mb,

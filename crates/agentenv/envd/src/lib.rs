@@ -123,6 +123,13 @@ pub struct GuestNetwork {
     pub mac: String,
 }
 
+/// The request head that asks envd for a raw tunnel to TCP `port` on the guest's loopback
+/// (`CONNECT 127.0.0.1:<port>`, agentenv extension); envd answers `200` and then carries bytes both
+/// ways, or `502` when nothing listens there. The host opens tunnels for the data plane's user ports.
+pub fn tunnel_request(port: u16) -> String {
+    format!("CONNECT 127.0.0.1:{port} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n")
+}
+
 /// The `POST /exec` body: one shell command (`bash -l -c`), run by the guest agent for the host.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, rename_all = "camelCase")]

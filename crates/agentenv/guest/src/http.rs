@@ -194,6 +194,9 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
             };
         }
     }
+    if method == Method::CONNECT {
+        return crate::tunnel::connect(req).await;
+    }
     match (method, path.as_str()) {
         (Method::GET, "/files") => crate::files::download(&agent, req).await,
         (Method::POST, "/files") => crate::files::upload(&agent, req).await,

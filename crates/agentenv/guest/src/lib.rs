@@ -23,6 +23,7 @@ pub mod net;
 pub mod port;
 pub mod process;
 pub mod rpc;
+pub mod tunnel;
 pub mod users;
 pub mod watch;
 
@@ -132,6 +133,7 @@ impl Agent {
         hyper::server::conn::http1::Builder::new()
             .keep_alive(true)
             .serve_connection(hyper_util::rt::TokioIo::new(io), svc)
+            .with_upgrades()
             .await
     }
 }

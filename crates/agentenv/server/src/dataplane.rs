@@ -8,13 +8,15 @@ use axum::response::Response;
 use hyper_util::rt::TokioIo;
 
 use crate::app::AppState;
-use crate::backend::ConnectError;
+use crate::backend::{AgentStream, ConnectError};
 use crate::error::ApiError;
 use crate::model::SandboxState;
 use crate::store::SandboxRecord;
 
 /// The envd port inside every sandbox: `agentenv_envd::ENVD_PORT` as header text (a test checks it).
 pub const ENVD_PORT: &str = "49983";
+/// Longest wait for envd to open a tunnel to a user port.
+const TUNNEL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Paths served by envd.
 pub fn is_envd_path(path: &str) -> bool {
@@ -139,25 +141,66 @@ pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Respo
         })?,
         Plane::Control => unreachable!("control-plane requests never reach the proxy"),
     };
-    let port = req
+    let port_text = req
         .headers()
         .get("e2b-sandbox-port")
         .and_then(|v| v.to_str().ok())
         .unwrap_or(ENVD_PORT);
-    if port != ENVD_PORT {
-        return Err(ApiError::bad_gateway(format!(
-            "sandbox {}: port is not open: {port} (sandboxes have no network device; only envd on {ENVD_PORT} is reachable)",
-            rec.sandbox_id
-        )));
+    let port = port_text
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| ApiError::bad_request(format!("invalid E2b-Sandbox-Port {port_text:?}")))?;
+    if req.method() == axum::http::Method::CONNECT {
+        return Err(ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "CONNECT is not forwarded to sandboxes",
+        ));
     }
-    if agentenv_envd::paths::HOST_ONLY.contains(&req.uri().path()) {
+    let port = (port_text != ENVD_PORT).then_some(port);
+    if port.is_none() && agentenv_envd::paths::HOST_ONLY.contains(&req.uri().path()) {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
             format!("{} is reachable from the host only", req.uri().path()),
         ));
     }
     let rec = ensure_running(state, rec).await?;
-    forward(state, &rec, req).await
+    forward(state, &rec, req, port).await
+}
+
+/// Turns agent stream `s` into a tunnel to guest port `port` (envd's `CONNECT`).
+async fn open_tunnel(s: &mut AgentStream, id: &str, port: u16) -> Result<(), ApiError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let closed = |why: String| {
+        ApiError::bad_gateway(format!(
+            "The sandbox {id} is running but port is not open: {port} ({why})"
+        ))
+    };
+    let head = async {
+        s.write_all(agentenv_envd::tunnel_request(port).as_bytes())
+            .await
+            .map_err(|e| closed(e.to_string()))?;
+        let mut head = Vec::with_capacity(128);
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if head.len() > 8192 || s.read(&mut b).await.map_err(|e| closed(e.to_string()))? == 0 {
+                return Err(closed("envd closed the tunnel".into()));
+            }
+            head.push(b[0]);
+        }
+        Ok(head)
+    };
+    let head = tokio::time::timeout(TUNNEL_DEADLINE, head)
+        .await
+        .map_err(|_| closed("no answer from envd".into()))??;
+    let status = head.split(|b| *b == b' ').nth(1).unwrap_or_default();
+    if status != b"200" {
+        return Err(closed(format!(
+            "envd answered {}",
+            String::from_utf8_lossy(status)
+        )));
+    }
+    Ok(())
 }
 
 async fn ensure_running(state: &AppState, rec: SandboxRecord) -> Result<SandboxRecord, ApiError> {
@@ -187,6 +230,7 @@ async fn forward(
     state: &AppState,
     rec: &SandboxRecord,
     req: Request,
+    port: Option<u16>,
 ) -> Result<Response, ApiError> {
     let (mut parts, body) = req.into_parts();
     let limit = state.max_upload_bytes;
@@ -206,14 +250,18 @@ async fn forward(
         .map_err(|e| ApiError::bad_request(format!("bad URI: {e}")))?;
     parts.version = Version::HTTP_11;
     strip_for_guest(&mut parts.headers);
+    let host = format!(
+        "localhost:{}",
+        port.map_or(ENVD_PORT.to_string(), |p| p.to_string())
+    );
     parts.headers.insert(
         header::HOST,
-        header::HeaderValue::from_static("localhost:49983"),
+        header::HeaderValue::from_str(&host).map_err(|e| ApiError::bad_request(e.to_string()))?,
     );
     let body = Body::new(http_body_util::Limited::new(body, limit as usize));
 
     let id = &rec.sandbox_id;
-    let stream = state
+    let mut stream = state
         .sandboxes
         .backend()
         .open_agent_stream(id)
@@ -226,6 +274,9 @@ async fn forward(
                 "sandbox {id} is running but its port is not open: envd unreachable: {e}"
             )),
         })?;
+    if let Some(p) = port {
+        open_tunnel(&mut stream, id, p).await?;
+    }
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| {

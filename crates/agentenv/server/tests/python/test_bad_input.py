@@ -69,12 +69,12 @@ def test_envd_token_and_upload_limit(sandbox, server):
     assert ok.is_success
     # Token-only routing (SDK 2.7-2.25 connect objects send no id header).
     assert httpx.get(f"{server.url}/health", headers={"X-Access-Token": token}).is_success
-    # User ports: no network in the guest.
+    # A user port nothing listens on.
     r = httpx.get(f"{server.url}/", headers={**envd, "E2b-Sandbox-Port": "8080", "X-Access-Token": token})
     _assert_error(r, 502)
     assert "port is not open" in r.json()["message"]
     # envd's host-only routes are refused on the data plane, also to token holders.
-    for path in ("/init", "/sync"):
+    for path in ("/init", "/sync", "/exec"):
         r = httpx.post(f"{server.url}{path}", json={"envVars": {"X": "1"}}, headers={**envd, "X-Access-Token": token})
         _assert_error(r, 403)
     assert sandbox.commands.run("echo ${X:-unset}").stdout == "unset\n"

@@ -1,0 +1,38 @@
+"""A server in the sandbox is reachable through the data plane on its port (`E2b-Sandbox-Port`), as the SDK's
+`get_sandbox_url`/`get_host` and the code interpreter address it; a closed port is a 502 naming it."""
+
+import secrets
+import time
+
+import httpx
+
+
+def test_a_guest_port_is_reachable_through_the_data_plane(server, sandbox):
+    token = secrets.token_hex(6)
+    sandbox.files.write("/home/user/www/index.html", f"hello {token}")
+    sandbox.files.write("/home/user/www/sub/data.bin", bytes(range(256)) * 4096)
+    sandbox.commands.run("cd /home/user/www && python3 -m http.server 8765", background=True)
+    detail = httpx.get(f"{server.url}/sandboxes/{sandbox.sandbox_id}", headers={"X-API-KEY": server.api_key}).json()
+    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8765",
+               "X-Access-Token": detail["envdAccessToken"]}
+    deadline = time.time() + 60
+    while True:
+        r = httpx.get(f"{server.url}/index.html", headers=headers, timeout=30)
+        if r.status_code == 200 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    assert r.text == f"hello {token}"
+    # A second request, with a 1 MiB binary answer, and a folder listing.
+    big = httpx.get(f"{server.url}/sub/data.bin", headers=headers, timeout=30)
+    assert big.status_code == 200 and big.content == bytes(range(256)) * 4096
+    listing = httpx.get(f"{server.url}/sub/", headers=headers, timeout=30)
+    assert listing.status_code == 200 and "data.bin" in listing.text
+    # Another port: closed.
+    closed = httpx.get(f"{server.url}/", headers={**headers, "E2b-Sandbox-Port": "8766"}, timeout=30)
+    assert closed.status_code == 502 and "port is not open" in closed.json()["message"]
+    bad = httpx.get(f"{server.url}/", headers={**headers, "E2b-Sandbox-Port": "99999"}, timeout=30)
+    assert bad.status_code == 400
+    # Without the sandbox's token: refused.
+    r = httpx.get(f"{server.url}/index.html", headers={**headers, "X-Access-Token": "nope"}, timeout=30)
+    assert r.status_code == 401
