@@ -298,8 +298,68 @@ pub fn tree_bytes(tree: &Path) -> Result<u64, RootfsError> {
     Ok(total)
 }
 
-/// Adds the default user, hostname and the guest agent to `tree` (idempotent).
+/// Where the host keeps CA certificates of its own (`update-ca-certificates`' input). Guests trust them
+/// too, so HTTPS through an egress proxy the host trusts (a TLS-intercepting one) works in sandboxes.
+pub const HOST_CA_DIR: &str = "/usr/local/share/ca-certificates";
+
+/// The host's own CA certificates: the `*.crt` files of [`HOST_CA_DIR`] holding a PEM certificate,
+/// sorted by name.
+pub fn host_cas() -> Vec<(String, Vec<u8>)> {
+    let mut all: Vec<(String, Vec<u8>)> = std::fs::read_dir(HOST_CA_DIR)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_str()?.to_string();
+            let pem = std::fs::read(e.path()).ok()?;
+            (name.ends_with(".crt") && pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----"))
+                .then_some((name, pem))
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+/// Adds [`host_cas`] to `tree`: the files to its [`HOST_CA_DIR`], the PEMs to its CA bundle, and pip
+/// pointed at the bundle (pip in a venv otherwise reads its own). Idempotent.
+fn add_host_cas(tree: &Path) -> Result<(), RootfsError> {
+    add_cas(tree, &host_cas())
+}
+
+fn add_cas(tree: &Path, cas: &[(String, Vec<u8>)]) -> Result<(), RootfsError> {
+    let bundle = tree.join("etc/ssl/certs/ca-certificates.crt");
+    if cas.is_empty() || !bundle.exists() {
+        return Ok(());
+    }
+    let dir = tree.join(HOST_CA_DIR.trim_start_matches('/'));
+    std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+    let mut text = std::fs::read(&bundle).map_err(io("read", &bundle))?;
+    for (name, pem) in cas {
+        let p = dir.join(name);
+        std::fs::write(&p, pem).map_err(io("write", &p))?;
+        if !text.windows(pem.len()).any(|w| w == pem.as_slice()) {
+            if !text.ends_with(b"\n") {
+                text.push(b'\n');
+            }
+            text.extend_from_slice(pem);
+        }
+    }
+    std::fs::write(&bundle, &text).map_err(io("write", &bundle))?;
+    let pip = tree.join("etc/pip.conf");
+    if !pip.exists() {
+        std::fs::write(
+            &pip,
+            "[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n",
+        )
+        .map_err(io("write", &pip))?;
+    }
+    Ok(())
+}
+
+/// Adds the default user, hostname, the host's own CAs ([`host_cas`]) and the guest agent to `tree`
+/// (idempotent).
 pub fn customize(tree: &Path, guest_bin: &Path) -> Result<(), RootfsError> {
+    add_host_cas(tree)?;
     let passwd = tree.join("etc/passwd");
     let text = std::fs::read_to_string(&passwd).map_err(io("read", &passwd))?;
     if !text.lines().any(|l| l.starts_with("user:")) {
@@ -471,6 +531,38 @@ mod tests {
             .filter(|n| n != "debootstrap.wgetrc")
             .collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    #[test]
+    fn host_cas_join_the_bundle_once_and_pip_reads_it() {
+        let tree = tempfile::tempdir().unwrap();
+        let certs = tree.path().join("etc/ssl/certs");
+        std::fs::create_dir_all(&certs).unwrap();
+        std::fs::write(
+            certs.join("ca-certificates.crt"),
+            b"-----BEGIN CERTIFICATE-----\ndebian\n",
+        )
+        .unwrap();
+        let pem = format!(
+            "-----BEGIN CERTIFICATE-----\nk3-{}\n-----END CERTIFICATE-----\n",
+            rand::random::<u64>()
+        );
+        let cas = vec![("proxy.crt".to_string(), pem.clone().into_bytes())];
+        add_cas(tree.path(), &cas).unwrap();
+        add_cas(tree.path(), &cas).unwrap();
+        let bundle = std::fs::read_to_string(certs.join("ca-certificates.crt")).unwrap();
+        assert!(bundle.starts_with("-----BEGIN CERTIFICATE-----\ndebian\n"));
+        assert_eq!(bundle.matches(&pem).count(), 1);
+        let copied = tree
+            .path()
+            .join("usr/local/share/ca-certificates/proxy.crt");
+        assert_eq!(std::fs::read_to_string(copied).unwrap(), pem);
+        let pip = std::fs::read_to_string(tree.path().join("etc/pip.conf")).unwrap();
+        assert!(pip.contains("cert = /etc/ssl/certs/ca-certificates.crt"));
+        // No bundle (an image without ca-certificates): nothing is added.
+        let bare = tempfile::tempdir().unwrap();
+        add_cas(bare.path(), &cas).unwrap();
+        assert!(!bare.path().join("etc/pip.conf").exists());
     }
 
     #[test]

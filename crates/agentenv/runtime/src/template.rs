@@ -408,6 +408,7 @@ fn build_key(
         .hash(&mut h);
     (inner.vmm.accel().as_str(), inner.cfg.qemu_bin.as_os_str()).hash(&mut h);
     image.map(|i| i.digest.as_str()).hash(&mut h);
+    crate::rootfs::host_cas().hash(&mut h);
     Ok(format!("{:016x}", h.finish()))
 }
 
