@@ -73,6 +73,9 @@ pub struct MachineRecord {
     /// A virtio-net device (machines recorded before networking have none).
     #[serde(default)]
     pub nic: bool,
+    /// QEMU `-cpu` model (machines recorded before have none: QEMU's default, `qemu64`).
+    #[serde(default)]
+    pub cpu: Option<String>,
 }
 
 impl MachineRecord {
@@ -97,6 +100,7 @@ impl MachineRecord {
             disk_format,
             nic: self.nic,
             tap: None,
+            cpu: self.cpu.clone(),
         }
     }
 }
@@ -277,6 +281,7 @@ mod tests {
                 vcpus: 1,
                 memory_mib: 256,
                 nic: true,
+                cpu: None,
             },
             ram_file: "/r.mem".into(),
             ram_shared: true,

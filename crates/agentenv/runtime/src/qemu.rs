@@ -113,6 +113,11 @@ impl QemuVmm {
             format!("{}M", spec.memory_mib),
             "-smp".into(),
             spec.vcpus.to_string(),
+        ]);
+        if let Some(cpu) = &spec.cpu {
+            a.extend(["-cpu".into(), cpu.clone()]);
+        }
+        a.extend([
             "-nodefaults".into(),
             "-no-user-config".into(),
             "-display".into(),

@@ -140,6 +140,7 @@ pub(crate) async fn build(
         vcpus: spec.vcpus,
         memory_mib: spec.memory_mib,
         nic: true,
+        cpu: Some(cpu_model(inner.vmm.accel()).into()),
     };
     let image = match &spec.from_image {
         Some(src) => Some(resolve_image(src).await?),
@@ -382,6 +383,15 @@ async fn build_into_cache(
     })
 }
 
+/// The CPU model of new machines: the host's under KVM; under TCG everything TCG emulates but 5-level
+/// paging (so wheels built for x86-64-v2/v3, such as numpy 2.4's, run; QEMU's default `qemu64` lacks SSE4.2).
+fn cpu_model(accel: crate::AccelKind) -> &'static str {
+    match accel {
+        crate::AccelKind::Kvm => "host",
+        crate::AccelKind::Tcg => "max,la57=off",
+    }
+}
+
 fn build_key(
     inner: &Inner,
     spec: &TemplateSpec,
@@ -421,6 +431,7 @@ impl Hash for MachineRecord {
             self.vcpus,
             self.memory_mib,
             self.nic,
+            &self.cpu,
         )
             .hash(state);
     }

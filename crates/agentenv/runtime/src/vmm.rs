@@ -52,6 +52,8 @@ pub struct VmSpec {
     pub nic: bool,
     /// The NIC's host side, a tap QEMU inherits; `None` leaves the NIC without a peer.
     pub tap: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
+    /// QEMU `-cpu` model; `None`: QEMU's default.
+    pub cpu: Option<String>,
 }
 
 impl VmSpec {
@@ -262,6 +264,7 @@ mod socket_tests {
             disk_format: DiskFormat::Qcow2,
             nic: false,
             tap: None,
+            cpu: None,
         }
     }
 

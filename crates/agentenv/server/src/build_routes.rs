@@ -32,9 +32,15 @@ pub async fn request_build(
         .or(req.alias)
         .filter(|n| !n.is_empty())
         .ok_or_else(|| ApiError::bad_request("name is required"))?;
-    let t = s
-        .sandboxes
-        .request_build(&who, &name, &req.tags.unwrap_or_default())?;
+    let t = s.sandboxes.request_build(
+        &who,
+        &name,
+        &req.tags.unwrap_or_default(),
+        crate::sandboxes::BuildSize {
+            vcpus: req.cpu_count,
+            memory_mib: req.memory_mb.map(u64::from),
+        },
+    )?;
     let base = name
         .split_once(':')
         .map_or(name.as_str(), |(n, _)| n)

@@ -82,6 +82,8 @@ impl VmBackend for FakeBackend {
             let t = TemplateInfo {
                 id: spec.id,
                 aliases: spec.aliases,
+                vcpus: spec.vcpus,
+                memory_mib: spec.memory_mib,
                 ..template()
             };
             self.built.lock().unwrap().push(t.clone());
@@ -813,7 +815,7 @@ mod fake_tests {
         let fake = Arc::new(FakeBackend::default());
         let s = open(dir.path(), fake.clone()).await;
         let t = s
-            .request_build(&me(), "app:v1", &["stable".into()])
+            .request_build(&me(), "app:v1", &["stable".into()], BuildSize::default())
             .unwrap();
         assert_eq!(t.names, ["app:stable", "app:v1"]);
         let hash = "ab".repeat(32);
@@ -914,7 +916,9 @@ mod fake_tests {
             .unwrap();
         assert_eq!(tail.logs.len(), 1);
         // A second build of the name keeps the template id.
-        let again = s.request_build(&me(), "app", &[]).unwrap();
+        let again = s
+            .request_build(&me(), "app", &[], BuildSize::default())
+            .unwrap();
         assert_eq!(again.template_id, t.template_id);
         assert_ne!(again.build_id, t.build_id);
     }
@@ -924,7 +928,17 @@ mod fake_tests {
         let dir = tempfile::tempdir().unwrap();
         let fake = Arc::new(FakeBackend::default());
         let s = open(dir.path(), fake.clone()).await;
-        let t = s.request_build(&me(), "broken", &[]).unwrap();
+        let t = s
+            .request_build(
+                &me(),
+                "broken",
+                &[],
+                BuildSize {
+                    vcpus: None,
+                    memory_mib: Some(1024),
+                },
+            )
+            .unwrap();
         let plan = BuildPlan {
             steps: vec![
                 Step::Run {
@@ -950,6 +964,26 @@ mod fake_tests {
         assert_eq!(f.step.as_deref(), Some("2"));
         assert!(f.message.contains("exit status 3"), "{}", f.message);
         assert_eq!(fake.execs.lock().unwrap().len(), 2);
+        // Its 1 GiB machine came from a base template of that size, built once.
+        assert!(
+            fake.built
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|t| t.id == "base-1c-1024m" && t.memory_mib == 1024)
+        );
+        assert!(matches!(
+            s.request_build(
+                &me(),
+                "huge",
+                &[],
+                BuildSize {
+                    vcpus: Some(1000),
+                    memory_mib: None
+                }
+            ),
+            Err(LifecycleError::Invalid(_))
+        ));
         assert!(s.snapshots(&me(), None, None).unwrap().is_empty());
         assert!(s.list(&me(), &ListFilter::default()).is_empty());
         // Unknown builds and other tenants' templates are not found; a bad hash is refused.
@@ -967,7 +1001,7 @@ mod fake_tests {
             Err(LifecycleError::Invalid(_))
         ));
         assert!(matches!(
-            s.request_build(&me(), "bad name", &[]),
+            s.request_build(&me(), "bad name", &[], BuildSize::default()),
             Err(LifecycleError::Invalid(_))
         ));
     }

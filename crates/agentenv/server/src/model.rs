@@ -333,9 +333,10 @@ pub struct TemplateBuildRequestV3 {
     pub alias: Option<String>,
     #[serde(default)]
     pub tags: Option<Vec<String>>,
-    /// Accepted; a build's sandboxes have its base template's size.
+    /// vCPUs of the template's sandboxes (from `base` only: others keep their size).
     #[serde(default)]
     pub cpu_count: Option<u32>,
+    /// Memory of the template's sandboxes, MiB (from `base` only).
     #[serde(default, rename = "memoryMB")]
     pub memory_mb: Option<u32>,
 }

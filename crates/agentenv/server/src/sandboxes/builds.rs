@@ -108,6 +108,13 @@ pub struct BuildView {
     pub failure: Option<BuildFailure>,
 }
 
+/// The machine a build asks for (`cpuCount`, `memoryMB`); `None`: the base template's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BuildSize {
+    pub vcpus: Option<u32>,
+    pub memory_mib: Option<u64>,
+}
+
 /// A template the builder made (or is making).
 #[derive(Debug, Clone)]
 pub struct BuiltTemplate {
@@ -119,6 +126,7 @@ pub struct BuiltTemplate {
 }
 
 struct Build {
+    size: BuildSize,
     status: BuildStatus,
     logs: Vec<LogEntry>,
     failure: Option<BuildFailure>,
@@ -220,7 +228,16 @@ impl Sandboxes {
         caller: &Caller,
         name: &str,
         tags: &[String],
+        size: BuildSize,
     ) -> Result<BuiltTemplate> {
+        let base = crate::backend::TemplateSpec::base();
+        crate::backend::TemplateSpec {
+            vcpus: size.vcpus.unwrap_or(base.vcpus),
+            memory_mib: size.memory_mib.unwrap_or(base.memory_mib),
+            ..base
+        }
+        .check_size()
+        .map_err(|e| LifecycleError::Invalid(e.to_string()))?;
         let (base, tag) = match name.split_once(':') {
             Some((n, t)) => (n, Some(t)),
             None => (name, None),
@@ -257,6 +274,7 @@ impl Sandboxes {
         entry.builds.insert(
             build_id.clone(),
             Arc::new(Mutex::new(Build {
+                size,
                 status: BuildStatus::Waiting,
                 logs: vec![],
                 failure: None,
@@ -360,7 +378,7 @@ impl Sandboxes {
                 )));
             }
         }
-        {
+        let size = {
             let mut b = build.lock().unwrap_or_else(|e| e.into_inner());
             if b.status != BuildStatus::Waiting {
                 return Err(LifecycleError::Invalid(format!(
@@ -368,7 +386,8 @@ impl Sandboxes {
                 )));
             }
             b.status = BuildStatus::Building;
-        }
+            b.size
+        };
         let names = self
             .builds
             .lock()
@@ -386,7 +405,7 @@ impl Sandboxes {
             log.info(None, format!("Building template {tid}/{bid}"));
             let r = tokio::time::timeout(
                 BUILD_DEADLINE,
-                me.run_build(&caller, &tid, &names, &plan, &log),
+                me.run_build(&caller, &tid, &names, &plan, size, &log),
             )
             .await
             .unwrap_or_else(|_| {
@@ -467,6 +486,7 @@ impl Sandboxes {
         template_id: &str,
         names: &[String],
         plan: &BuildPlan,
+        size: BuildSize,
         log: &BuildLog,
     ) -> StepResult<String> {
         let base = match (&plan.from_template, &plan.from_image) {
@@ -482,6 +502,7 @@ impl Sandboxes {
                 ));
             }
         };
+        let base = self.sized_base(caller, base, size, log).await?;
         log.info(Some(BASE_STEP), format!("FROM {base}"));
         let sbx = self
             .create(
@@ -517,6 +538,45 @@ impl Sandboxes {
             tracing::warn!(sandbox = %id, error = %e, "killing a build sandbox failed");
         }
         r
+    }
+
+    /// `base` itself, or, when `size` asks for another machine than the base template's, a base template
+    /// of that size (built once, as `base-<vcpus>c-<MiB>m`). Other templates keep their own size.
+    async fn sized_base(
+        &self,
+        caller: &Caller,
+        base: String,
+        size: BuildSize,
+        log: &BuildLog,
+    ) -> StepResult<String> {
+        let spec = crate::backend::TemplateSpec::base();
+        let (vcpus, memory_mib) = (
+            size.vcpus.unwrap_or(spec.vcpus),
+            size.memory_mib.unwrap_or(spec.memory_mib),
+        );
+        if base != BASE || (vcpus, memory_mib) == (spec.vcpus, spec.memory_mib) {
+            return Ok(base);
+        }
+        let id = format!("base-{vcpus}c-{memory_mib}m");
+        if self.templates(caller).iter().any(|t| t.id == id) {
+            return Ok(id);
+        }
+        log.info(
+            Some(BASE_STEP),
+            format!("Building the base template with {vcpus} vCPUs and {memory_mib} MiB as {id}"),
+        );
+        self.build_template(
+            &Caller::Server,
+            crate::backend::TemplateSpec {
+                id: id.clone(),
+                vcpus,
+                memory_mib,
+                ..spec
+            },
+        )
+        .await
+        .map_err(|e| fail(BASE_STEP, format!("building {id}: {e}")))?;
+        Ok(id)
     }
 
     async fn exec(

@@ -35,7 +35,7 @@ mod quota;
 mod snapshots;
 
 pub use builds::{
-    BuildFailure, BuildPlan, BuildStatus, BuildView, BuiltTemplate, LogEntry, LogLevel,
+    BuildFailure, BuildPlan, BuildSize, BuildStatus, BuildView, BuiltTemplate, LogEntry, LogLevel,
     MAX_BUILD_FILE_BYTES, Step,
 };
 pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};
