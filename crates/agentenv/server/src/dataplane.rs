@@ -124,15 +124,28 @@ pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Respo
                 .sandboxes
                 .get(id)
                 .ok_or_else(|| ApiError::bad_gateway(format!("The sandbox {id} was not found")))?;
-            let token = req
-                .headers()
-                .get("x-access-token")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("");
-            if !crate::keys::secret_eq(token, &rec.access_token) {
-                return Err(ApiError::unauthorized(
-                    "missing or wrong X-Access-Token for this sandbox",
-                ));
+            let header = |n: &str| {
+                req.headers()
+                    .get(n)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("")
+            };
+            let envd_ok = crate::keys::secret_eq(header("x-access-token"), &rec.access_token);
+            // A user port also opens with the sandbox's traffic token (the code interpreter sends only it).
+            let user_port = header("e2b-sandbox-port")
+                .parse::<u16>()
+                .is_ok_and(|p| p.to_string() != ENVD_PORT);
+            let traffic_ok = user_port
+                && crate::keys::secret_eq(
+                    header("e2b-traffic-access-token"),
+                    &crate::keys::traffic_token(&rec.access_token),
+                );
+            if !envd_ok && !traffic_ok {
+                return Err(ApiError::unauthorized(if user_port {
+                    "missing or wrong E2B-Traffic-Access-Token (or X-Access-Token) for this sandbox"
+                } else {
+                    "missing or wrong X-Access-Token for this sandbox"
+                }));
             }
             rec
         }

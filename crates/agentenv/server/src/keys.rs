@@ -38,6 +38,14 @@ pub fn generate_access_token() -> String {
 }
 
 /// A fresh DNS-label-safe sandbox id: 20 of `[a-z0-9]`.
+/// The token that opens a sandbox's user ports (E2B's `trafficAccessToken`), derived from its envd access
+/// token one way: holding it reaches the sandbox's servers but not envd.
+pub fn traffic_token(access_token: &str) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(format!("agentenv-traffic:{access_token}").as_bytes());
+    d[..20].iter().map(|b| format!("{b:02x}")).collect()
+}
+
 pub fn generate_sandbox_id() -> String {
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::rng();

@@ -62,7 +62,7 @@ pub struct NetworkConfig {
     /// Resolvers allowed when `allowOut` names a domain (the sandbox's own resolver always is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns_servers: Option<Vec<String>>,
-    /// Accepted; sandbox URLs always need the traffic token here.
+    /// Accepted; a sandbox's user ports always need its `trafficAccessToken` (or its envd token) here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allow_public_traffic: Option<bool>,
     /// Accepted and ignored.

@@ -24,7 +24,7 @@ pub fn created(rec: &SandboxRecord) -> CreatedSandbox {
         envd_access_token: rec.access_token.clone(),
         alias: rec.alias.clone(),
         domain: None,
-        traffic_access_token: None,
+        traffic_access_token: Some(crate::keys::traffic_token(&rec.access_token)),
     }
 }
 

@@ -36,3 +36,11 @@ def test_a_guest_port_is_reachable_through_the_data_plane(server, sandbox):
     # Without the sandbox's token: refused.
     r = httpx.get(f"{server.url}/index.html", headers={**headers, "X-Access-Token": "nope"}, timeout=30)
     assert r.status_code == 401
+    # The traffic token of the create answer opens user ports (as the code interpreter sends it), not envd.
+    traffic = sandbox.traffic_access_token
+    assert traffic and traffic != detail["envdAccessToken"]
+    only_traffic = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8765", "E2B-Traffic-Access-Token": traffic}
+    r = httpx.get(f"{server.url}/index.html", headers=only_traffic, timeout=30)
+    assert r.status_code == 200 and r.text == f"hello {token}"
+    envd = {**only_traffic, "E2b-Sandbox-Port": "49983"}
+    assert httpx.get(f"{server.url}/health", headers=envd, timeout=30).status_code == 401
