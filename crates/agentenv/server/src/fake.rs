@@ -26,6 +26,8 @@ pub struct FakeBackend {
     /// Commands `exec` ran, in order, with their sandbox. A command exits with the number after its
     /// last `exit ` (else 0) and prints itself.
     pub execs: Mutex<Vec<(String, ExecRequest)>>,
+    /// What `networking_off` answers.
+    pub net_off: Mutex<Option<String>>,
 }
 
 fn template() -> TemplateInfo {
@@ -274,7 +276,7 @@ impl VmBackend for FakeBackend {
         })
     }
     fn networking_off(&self) -> Option<String> {
-        None
+        self.net_off.lock().unwrap().clone()
     }
     fn exec<'a>(
         &'a self,
@@ -927,6 +929,7 @@ mod fake_tests {
     async fn a_failing_step_fails_the_build_with_its_number_and_kills_the_vm() {
         let dir = tempfile::tempdir().unwrap();
         let fake = Arc::new(FakeBackend::default());
+        *fake.net_off.lock().unwrap() = Some("not root".into());
         let s = open(dir.path(), fake.clone()).await;
         let t = s
             .request_build(
@@ -962,6 +965,12 @@ mod fake_tests {
         assert_eq!(v.status, BuildStatus::Error);
         let f = v.failure.unwrap();
         assert_eq!(f.step.as_deref(), Some("2"));
+        // Without networking the log says why downloads will fail.
+        assert!(
+            v.logs
+                .iter()
+                .any(|l| l.level == LogLevel::Warn && l.message.contains("not root"))
+        );
         assert!(f.message.contains("exit status 3"), "{}", f.message);
         assert_eq!(fake.execs.lock().unwrap().len(), 2);
         // Its 1 GiB machine came from a base template of that size, built once.

@@ -504,6 +504,12 @@ impl Sandboxes {
         };
         let base = self.sized_base(caller, base, size, log).await?;
         log.info(Some(BASE_STEP), format!("FROM {base}"));
+        if let Some(why) = self.backend.networking_off() {
+            log.warn(
+                Some(BASE_STEP),
+                format!("sandboxes get no network on this server ({why}): steps that download (apt, pip, npm) will fail"),
+            );
+        }
         let sbx = self
             .create(
                 caller,
@@ -778,16 +784,18 @@ fn entry(level: LogLevel, step: Option<String>, message: String) -> LogEntry {
 struct BuildLog(Arc<Mutex<Build>>);
 
 impl BuildLog {
-    fn info(&self, step: Option<&str>, message: impl Into<String>) {
+    fn push(&self, level: LogLevel, step: Option<&str>, message: String) {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .logs
-            .push(entry(
-                LogLevel::Info,
-                step.map(str::to_string),
-                message.into(),
-            ));
+            .push(entry(level, step.map(str::to_string), message));
+    }
+    fn info(&self, step: Option<&str>, message: impl Into<String>) {
+        self.push(LogLevel::Info, step, message.into());
+    }
+    fn warn(&self, step: Option<&str>, message: impl Into<String>) {
+        self.push(LogLevel::Warn, step, message.into());
     }
 }
 
