@@ -17,6 +17,8 @@
 pub mod app;
 pub mod backend;
 pub mod build_routes;
+#[cfg(test)]
+mod build_tests;
 pub mod dataplane;
 pub mod error;
 #[cfg(test)]

@@ -25,6 +25,7 @@ const IDEMPOTENCY_WINDOW: Duration = Duration::from_secs(300);
 /// Forks per call (E2B's bound).
 pub const MAX_FORKS: u32 = 20;
 
+mod build_script;
 mod builds;
 mod config;
 mod error;
