@@ -268,10 +268,7 @@ impl Sandboxes {
             .lock()
             .get(template_id)
             .and_then(|t| t.builds.get(build_id).cloned())
-            .ok_or_else(|| {
-                LifecycleError::Invalid(format!("no build {build_id} of template {template_id}"))
-            })
-            .map_err(|_| LifecycleError::TemplateNotFound(format!("{template_id}/{build_id}")))
+            .ok_or_else(|| LifecycleError::TemplateNotFound(format!("{template_id}/{build_id}")))
     }
 
     fn file_path(&self, template_id: &str, hash: &str) -> PathBuf {
