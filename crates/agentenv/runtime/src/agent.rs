@@ -134,14 +134,21 @@ pub async fn request_text(
     request_on(link.open().await?, method, path, json_body).await
 }
 
-/// [`request_text`] on a stream already open.
-pub async fn request_on(
+/// Sends one HTTP/1.1 request to envd on stream `s` (a JSON body when given); returns the response and
+/// the connection's driver task (abort it once the body is read).
+async fn send_on(
     s: MuxStream,
     method: &str,
     path: &str,
-    json_body: Option<&str>,
-) -> Result<(u16, String), AgentError> {
-    use http_body_util::{BodyExt, Full};
+    json_body: Option<Vec<u8>>,
+) -> Result<
+    (
+        hyper::Response<hyper::body::Incoming>,
+        tokio::task::JoinHandle<()>,
+    ),
+    AgentError,
+> {
+    use http_body_util::Full;
     let http = |what: &str, e: &dyn std::fmt::Display| AgentError::Http {
         what: format!("{what} {path}"),
         detail: e.to_string(),
@@ -151,7 +158,9 @@ pub async fn request_on(
     )
     .await
     .map_err(|e| http("handshake", &e))?;
-    let driver = tokio::spawn(conn);
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
     let mut req = hyper::Request::builder()
         .method(method)
         .uri(path)
@@ -159,9 +168,22 @@ pub async fn request_on(
     if json_body.is_some() {
         req = req.header(hyper::header::CONTENT_TYPE, "application/json");
     }
-    let body = Full::new(bytes::Bytes::from(json_body.unwrap_or("").to_owned()));
-    let req = req.body(body).map_err(|e| http("build", &e))?;
+    let req = req
+        .body(Full::new(bytes::Bytes::from(json_body.unwrap_or_default())))
+        .map_err(|e| http("build", &e))?;
     let resp = tx.send_request(req).await.map_err(|e| http("send", &e))?;
+    Ok((resp, driver))
+}
+
+/// [`request_text`] on a stream already open.
+pub async fn request_on(
+    s: MuxStream,
+    method: &str,
+    path: &str,
+    json_body: Option<&str>,
+) -> Result<(u16, String), AgentError> {
+    use http_body_util::BodyExt;
+    let (resp, driver) = send_on(s, method, path, json_body.map(|b| b.as_bytes().to_vec())).await?;
     let status = resp.status().as_u16();
     let body = resp
         .into_body()
@@ -183,7 +205,7 @@ pub async fn exec_on(
     mut on_event: impl FnMut(agentenv_envd::ExecEvent) + Send,
 ) -> Result<(i32, String), AgentError> {
     use agentenv_envd::ExecEvent;
-    use http_body_util::{BodyExt, Full};
+    use http_body_util::BodyExt;
     let path = agentenv_envd::paths::EXEC;
     let http = |what: &str, e: &dyn std::fmt::Display| AgentError::Http {
         what: format!("{what} {path}"),
@@ -191,20 +213,7 @@ pub async fn exec_on(
     };
     let run = async {
         let body = serde_json::to_vec(req).map_err(|e| http("encode", &e))?;
-        let (mut tx, conn) = hyper::client::conn::http1::handshake::<_, Full<bytes::Bytes>>(
-            hyper_util::rt::TokioIo::new(s),
-        )
-        .await
-        .map_err(|e| http("handshake", &e))?;
-        let driver = tokio::spawn(conn);
-        let r = hyper::Request::builder()
-            .method("POST")
-            .uri(path)
-            .header(hyper::header::HOST, "envd")
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(bytes::Bytes::from(body)))
-            .map_err(|e| http("build", &e))?;
-        let resp = tx.send_request(r).await.map_err(|e| http("send", &e))?;
+        let (resp, driver) = send_on(s, "POST", path, Some(body)).await?;
         let status = resp.status();
         let mut body = resp.into_body();
         if !status.is_success() {
