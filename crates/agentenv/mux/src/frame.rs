@@ -1,6 +1,6 @@
 //! Wire format: `[u32 stream_id BE][u8 kind][u32 len BE][payload]`.
 
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncReadExt};
 
 use crate::MuxError;
 
@@ -163,33 +163,50 @@ pub fn parse_header(h: &[u8; HEADER_LEN]) -> Result<(u32, Kind, usize), MuxError
     Ok((stream_id, kind, len))
 }
 
+/// The bytes every HELLO frame starts with: its header and the magic.
+fn hello_prefix() -> [u8; HEADER_LEN + 8] {
+    let mut p = [0u8; HEADER_LEN + 8];
+    p[4] = Kind::Hello as u8;
+    p[5..9].copy_from_slice(&(HELLO_PAYLOAD_LEN as u32).to_be_bytes());
+    p[9..].copy_from_slice(&HELLO_MAGIC);
+    p
+}
+
 /// Discards bytes until a complete, well-formed HELLO frame has been read; returns its nonce.
 /// Used by a fresh server session on a channel that may hold a restored peer's half-sent frames.
-pub async fn hunt_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Option<u64>, MuxError> {
-    let mut prefix = Vec::with_capacity(HEADER_LEN + 8);
-    prefix.extend_from_slice(&0u32.to_be_bytes());
-    prefix.push(Kind::Hello as u8);
-    prefix.extend_from_slice(&(HELLO_PAYLOAD_LEN as u32).to_be_bytes());
-    prefix.extend_from_slice(&HELLO_MAGIC);
-    // Sliding window over the last prefix.len() bytes; constant memory.
-    let mut window: Vec<u8> = Vec::with_capacity(prefix.len());
-    let mut byte = [0u8; 1];
+/// Scans whole buffers (a restored guest skips a 64 KiB preamble, and is slow per byte under TCG).
+pub async fn hunt_hello<R: AsyncBufRead + Unpin>(r: &mut R) -> Result<Option<u64>, MuxError> {
+    let prefix = hello_prefix();
+    let finder = memchr::memmem::Finder::new(&prefix);
+    // The last prefix.len() - 1 bytes already consumed: a match may straddle two buffers.
+    let mut tail: Vec<u8> = Vec::with_capacity(2 * prefix.len());
     loop {
-        let n = r.read(&mut byte).await.map_err(MuxError::Io)?;
-        if n == 0 {
+        let buf = r.fill_buf().await.map_err(MuxError::Io)?;
+        if buf.is_empty() {
             return Ok(None);
         }
-        if window.len() == prefix.len() {
-            window.remove(0);
+        let n = buf.len();
+        let mut found = None;
+        if !tail.is_empty() {
+            let mut joined = tail.clone();
+            joined.extend_from_slice(&buf[..n.min(prefix.len() - 1)]);
+            found = finder
+                .find(&joined)
+                .map(|pos| pos + prefix.len() - tail.len());
         }
-        window.push(byte[0]);
-        if window == prefix {
+        let found = found.or_else(|| finder.find(buf).map(|pos| pos + prefix.len()));
+        if let Some(end) = found {
+            r.consume(end);
             let mut nonce = [0u8; 8];
             r.read_exact(&mut nonce)
                 .await
                 .map_err(|e| MuxError::Protocol(format!("EOF inside HELLO: {e}")))?;
             return Ok(Some(u64::from_be_bytes(nonce)));
         }
+        tail.extend_from_slice(&buf[n.saturating_sub(prefix.len() - 1)..]);
+        let excess = tail.len().saturating_sub(prefix.len() - 1);
+        tail.drain(..excess);
+        r.consume(n);
     }
 }
 
@@ -253,5 +270,39 @@ mod tests {
             read_frame(&mut r).await.unwrap().unwrap(),
             Frame::empty(1, Kind::Open)
         );
+    }
+
+    #[tokio::test]
+    async fn hunt_finds_a_hello_split_across_reads() {
+        for _ in 0..50 {
+            let nonce: u64 = rand::random();
+            let zeros = rand::random_range(0..3 * MAX_PAYLOAD);
+            let mut buf = vec![0u8; zeros];
+            buf.extend((0..rand::random_range(0..40)).map(|_| rand::random::<u8>()));
+            Frame::hello(nonce).encode_into(&mut buf);
+            Frame::empty(7, Kind::Open).encode_into(&mut buf);
+            // Buffers of 1..=32 bytes put the HELLO across boundaries at every offset.
+            let cap = rand::random_range(1..=32);
+            let mut r = tokio::io::BufReader::with_capacity(cap, buf.as_slice());
+            assert_eq!(hunt_hello(&mut r).await.unwrap(), Some(nonce));
+            assert_eq!(
+                read_frame(&mut r).await.unwrap().unwrap(),
+                Frame::empty(7, Kind::Open)
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn hunt_ends_at_eof_without_a_hello() {
+        let mut buf = vec![0u8; 1000];
+        Frame::hello(5).encode_into(&mut buf);
+        buf.truncate(buf.len() - 3);
+        let mut r = buf.as_slice();
+        assert!(matches!(
+            hunt_hello(&mut r).await,
+            Err(MuxError::Protocol(_))
+        ));
+        let mut r = &[0u8; 100][..];
+        assert_eq!(hunt_hello(&mut r).await.unwrap(), None);
     }
 }

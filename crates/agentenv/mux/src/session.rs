@@ -12,8 +12,9 @@ use crate::frame::{self, Frame, HEADER_LEN, Kind, MAX_PAYLOAD};
 use crate::stream::{Delivery, MuxStream, StreamShared};
 use crate::{MAX_STREAMS, MuxError};
 
-/// How often the client repeats its HELLO until the server acknowledges it.
-const HELLO_RETRY: Duration = Duration::from_millis(100);
+/// How often the client repeats its HELLO until the server acknowledges it. A clean channel (the
+/// server at a frame boundary, as after every snapshot of an idle channel) answers the first one.
+const HELLO_RETRY: Duration = Duration::from_millis(150);
 /// Nonce of the HELLO a server sends when it starts: "any session you had with me is gone".
 const RESTART_NONCE: u64 = 0;
 
@@ -160,11 +161,9 @@ impl Session {
             inner.send_frame(Frame::hello(RESTART_NONCE));
         }
         if role == Role::Client {
-            // Completes any frame a restored peer was half-way through reading; at a frame
-            // boundary the zero header is invalid and a server restarts its HELLO hunt.
-            let _ = inner
-                .tx
-                .send(Outgoing::Raw(vec![0u8; MAX_PAYLOAD + HEADER_LEN]));
+            // A zero header: at a frame boundary it is invalid, so a restored server restarts its
+            // HELLO hunt. The first retry sends a full frame of zeros (see `hello_retry_task`).
+            let _ = inner.tx.send(Outgoing::Raw(vec![0u8; HEADER_LEN]));
             inner.send_frame(Frame::hello(nonce));
         }
         let mut tasks = vec![
@@ -327,6 +326,7 @@ fn push_encoded(o: &Outgoing, out: &mut Vec<u8>) {
 
 async fn hello_retry_task(inner: Arc<Inner>, nonce: u64) {
     let mut rx = inner.phase.subscribe();
+    let mut first = true;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(HELLO_RETRY) => {}
@@ -335,6 +335,15 @@ async fn hello_retry_task(inner: Arc<Inner>, nonce: u64) {
         if *rx.borrow() != Phase::Handshaking {
             return;
         }
+        // A server restored half-way through a frame took the first HELLO as payload: the zeros of
+        // the longest frame complete it, and the zero header after them restarts its hunt.
+        let zeros = if first {
+            MAX_PAYLOAD + HEADER_LEN
+        } else {
+            HEADER_LEN
+        };
+        first = false;
+        let _ = inner.tx.send(Outgoing::Raw(vec![0u8; zeros]));
         inner.send_frame(Frame::hello(nonce));
     }
 }

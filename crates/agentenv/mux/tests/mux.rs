@@ -197,7 +197,7 @@ async fn client_sees_garbage_as_error() {
     let (client_io, mut raw): (DuplexStream, DuplexStream) = tokio::io::duplex(256 * 1024);
     let client = Session::client(client_io);
     // Read the client's preamble + HELLO, answer with the HELLO ack, then garbage.
-    let nonce = agentenv_mux::frame::hunt_hello(&mut raw)
+    let nonce = agentenv_mux::frame::hunt_hello(&mut tokio::io::BufReader::new(&mut raw))
         .await
         .unwrap()
         .unwrap();
@@ -271,7 +271,7 @@ async fn server_skips_a_dirty_channel_before_hello() {
 async fn client_learns_that_the_server_restarted() {
     let (client_io, mut raw) = tokio::io::duplex(256 * 1024);
     let client = Session::client(client_io);
-    let nonce = agentenv_mux::frame::hunt_hello(&mut raw)
+    let nonce = agentenv_mux::frame::hunt_hello(&mut tokio::io::BufReader::new(&mut raw))
         .await
         .unwrap()
         .unwrap();
@@ -329,4 +329,67 @@ async fn zeros_after_hello_make_the_server_hunt_again_in_place() {
     s.read_exact(&mut buf).await.unwrap();
     assert_eq!(&buf, b"new");
     assert_eq!(srv.nonce(), 2);
+}
+
+/// A server restored half-way through a frame: its old session read a DATA header and part of the
+/// payload from a host that is gone. A new client's first HELLO is swallowed as payload; its retry
+/// completes the frame and the session comes up.
+#[tokio::test]
+async fn client_recovers_a_server_restored_mid_frame() {
+    for _ in 0..8 {
+        let (mut raw, srv_io) = tokio::io::duplex(1 << 20);
+        let srv = Session::server(srv_io);
+        let len = rand::random_range(64..MAX_PAYLOAD);
+        let mut out = Vec::new();
+        Frame::hello(1).encode_into(&mut out);
+        Frame::empty(3, Kind::Open).encode_into(&mut out);
+        Frame {
+            stream_id: 3,
+            kind: Kind::Data,
+            payload: random_bytes(len),
+        }
+        .encode_into(&mut out);
+        out.truncate(out.len() - rand::random_range(40..len));
+        raw.write_all(&out).await.unwrap();
+        let _old = srv.accept().await.unwrap();
+        let echo = spawn_echo(srv);
+        let client = Session::client(raw);
+        let mut s = tokio::time::timeout(std::time::Duration::from_secs(10), client.open())
+            .await
+            .expect("the handshake recovers")
+            .unwrap();
+        let data = random_bytes(1000);
+        s.write_all(&data).await.unwrap();
+        let mut got = vec![0u8; data.len()];
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, data);
+        echo.abort();
+    }
+}
+
+/// A server at a frame boundary (an idle channel) answers the first HELLO: the handshake needs no
+/// retry, so no 64 KiB of zeros cross a slow channel. Time is paused, so a retry would advance it.
+#[tokio::test(start_paused = true)]
+async fn clean_channel_needs_no_retry() {
+    let (mut raw, srv_io) = tokio::io::duplex(1 << 20);
+    let srv = Session::server(srv_io);
+    let mut out = Vec::new();
+    Frame::hello(1).encode_into(&mut out);
+    Frame::empty(3, Kind::Open).encode_into(&mut out);
+    raw.write_all(&out).await.unwrap();
+    let _old = srv.accept().await.unwrap();
+    let echo = spawn_echo(srv);
+    let t0 = tokio::time::Instant::now();
+    let client = Session::client(raw);
+    let mut s = client.open().await.unwrap();
+    assert!(
+        t0.elapsed() < std::time::Duration::from_millis(100),
+        "{:?}",
+        t0.elapsed()
+    );
+    s.write_all(b"x").await.unwrap();
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"x");
+    echo.abort();
 }

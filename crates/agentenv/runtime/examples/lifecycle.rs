@@ -19,6 +19,10 @@ async fn with_ram_dir(n: usize, ram_dir: std::path::PathBuf) -> Result<Lifecycle
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let n = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())

@@ -1,6 +1,7 @@
 //! Host side of the guest agent channel: the mux client over the virtio-serial unix socket, and the
 //! small HTTP/1.1 exchanges the runtime itself makes with envd (`/health`, `/init`).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,10 +63,33 @@ pub async fn connect_healthy(
 /// the guest is not reading its port, so reconnecting early would only queue connections QEMU never
 /// accepts. A new connection (fresh session, fresh HELLO) is made only once the session has ended.
 pub async fn healthy_from(
+    first: Option<UnixStream>,
+    socket: &Path,
+    attempt: Duration,
+    deadline: Duration,
+) -> Result<AgentLink, AgentError> {
+    answering(first, socket, attempt, deadline, Probe::Health).await
+}
+
+/// What [`answering`] sends until the agent answers 2xx.
+pub enum Probe<'a> {
+    /// `GET /health`.
+    Health,
+    /// `POST /init` ([`init_body`], built afresh per attempt): a restored machine is then up and
+    /// configured in one round trip. A 4xx answer is final.
+    Init {
+        env_vars: &'a BTreeMap<String, String>,
+        network: Option<agentenv_envd::GuestNetwork>,
+    },
+}
+
+/// Like [`healthy_from`], with `probe` as the question.
+pub async fn answering(
     mut first: Option<UnixStream>,
     socket: &Path,
     attempt: Duration,
     deadline: Duration,
+    probe: Probe<'_>,
 ) -> Result<AgentLink, AgentError> {
     let end = tokio::time::Instant::now() + deadline;
     let mut last = String::from("no attempt");
@@ -92,22 +116,43 @@ pub async fn healthy_from(
                 }
             }
         };
-        match tokio::time::timeout(
-            attempt,
-            request(&current, "GET", agentenv_envd::paths::HEALTH, None),
-        )
-        .await
-        {
-            Ok(Ok(status)) if (200..300).contains(&status) => return Ok(current),
-            Ok(Ok(status)) => last = format!("/health answered {status}"),
+        let (path, answer) = match &probe {
+            Probe::Health => (
+                agentenv_envd::paths::HEALTH,
+                tokio::time::timeout(
+                    attempt,
+                    request_text(&current, "GET", agentenv_envd::paths::HEALTH, None),
+                )
+                .await,
+            ),
+            Probe::Init { env_vars, network } => {
+                let body = init_body(env_vars, network.clone())?;
+                let path = agentenv_envd::paths::INIT;
+                let answer = request_text(&current, "POST", path, Some(&body));
+                (path, tokio::time::timeout(attempt, answer).await)
+            }
+        };
+        match answer {
+            Ok(Ok((status, _))) if (200..300).contains(&status) => return Ok(current),
+            Ok(Ok((status, text))) if matches!(probe, Probe::Init { .. }) && status < 500 => {
+                return Err(AgentError::Http {
+                    what: path.into(),
+                    detail: format!("HTTP {status}: {}", text.trim()),
+                });
+            }
+            Ok(Ok((status, _))) => last = format!("{path} answered {status}"),
             Ok(Err(e)) => last = e.to_string(),
             Err(_) => last = format!("no answer within {} ms", attempt.as_millis()),
         }
         tracing::debug!(socket = %socket.display(), %last, "agent not healthy yet");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    let path = match probe {
+        Probe::Health => agentenv_envd::paths::HEALTH,
+        Probe::Init { .. } => agentenv_envd::paths::INIT,
+    };
     Err(AgentError::Timeout {
-        what: format!("/health ({last})"),
+        what: format!("{path} ({last})"),
         secs: deadline.as_secs(),
     })
 }
@@ -265,13 +310,12 @@ pub async fn exec_on(
         })?
 }
 
-/// Sends envd `/init` with the host's clock, fresh kernel entropy and `env_vars`: every created,
-/// resumed or forked machine then has the right time and its own random stream.
-pub async fn init(
-    link: &AgentLink,
-    env_vars: &std::collections::BTreeMap<String, String>,
+/// The `/init` body of a created, resumed or forked machine: the host's clock, fresh kernel entropy,
+/// `env_vars` and its network, so that it has the right time and its own random stream.
+pub fn init_body(
+    env_vars: &BTreeMap<String, String>,
     network: Option<agentenv_envd::GuestNetwork>,
-) -> Result<(), AgentError> {
+) -> Result<String, AgentError> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
@@ -282,7 +326,19 @@ pub async fn init(
         network,
         ..Default::default()
     };
-    configure(link, &body).await
+    serde_json::to_string(&body).map_err(|e| AgentError::Http {
+        what: "encode /init".into(),
+        detail: e.to_string(),
+    })
+}
+
+/// Sends envd `/init` ([`init_body`]) on a live link.
+pub async fn init(
+    link: &AgentLink,
+    env_vars: &BTreeMap<String, String>,
+    network: Option<agentenv_envd::GuestNetwork>,
+) -> Result<(), AgentError> {
+    post_init(link, &init_body(env_vars, network)?).await
 }
 
 /// Sends one `/init` body as it is.
@@ -294,8 +350,11 @@ pub async fn configure(
         what: "encode /init".into(),
         detail: e.to_string(),
     })?;
-    let (status, text) =
-        request_text(link, "POST", agentenv_envd::paths::INIT, Some(&body)).await?;
+    post_init(link, &body).await
+}
+
+async fn post_init(link: &AgentLink, body: &str) -> Result<(), AgentError> {
+    let (status, text) = request_text(link, "POST", agentenv_envd::paths::INIT, Some(body)).await?;
     if !(200..300).contains(&status) {
         return Err(AgentError::Http {
             what: "/init".into(),

@@ -24,6 +24,7 @@ pub mod launch;
 pub mod net;
 pub mod network;
 pub mod persist;
+mod prepared;
 pub mod qemu;
 pub mod qmp;
 mod recover;
@@ -124,6 +125,8 @@ pub(crate) struct Inner {
     /// Sandbox networking; `None` with the reason in `net_off`.
     pub(crate) net: Option<Arc<net::Network>>,
     pub(crate) net_off: String,
+    /// RAM copies and overlays made ahead of creates.
+    pub(crate) prepared: Arc<prepared::Prepared>,
 }
 
 /// Every 2 s, rotates the serial console log of each sandbox above [`vmm::CONSOLE_LOG_MAX`]
@@ -224,6 +227,15 @@ impl Runtime {
             },
         };
         tracing::info!(state_dir = %cfg.state_dir.display(), accel = accel.as_str(), templates = templates.len(), snapshots = snapshots.len(), "agentenv runtime open");
+        let prepared = Arc::new(prepared::Prepared::open(
+            cfg.state_dir.join("prepared"),
+            match &cfg.ram_dir {
+                Some(d) => d.join(format!(".prepared-{}", prepared::dir_tag(&cfg.state_dir))),
+                None => cfg.state_dir.join("prepared"),
+            },
+            cfg.qemu_img_bin.clone(),
+            prepared::Prepared::PER_IMAGE,
+        ));
         let inner = Arc::new(Inner {
             cfg,
             vmm,
@@ -236,6 +248,7 @@ impl Runtime {
             sandboxes: Mutex::new(HashMap::new()),
             net,
             net_off,
+            prepared,
         });
         spawn_console_rotation(Arc::downgrade(&inner));
         Ok(Runtime { inner })

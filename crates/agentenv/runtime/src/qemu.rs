@@ -351,7 +351,9 @@ impl Vmm for QemuVmm {
                 path: device_state.to_owned(),
                 source: e,
             })?;
+            let t0 = std::time::Instant::now();
             let vm = self.spawn(spec, true).await?;
+            let spawned = t0.elapsed();
             let r = async {
                 let sock = spec.agent_socket();
                 let agent =
@@ -396,6 +398,7 @@ impl Vmm for QemuVmm {
                         }
                     }
                 }
+                tracing::debug!(?spawned, loaded = ?t0.elapsed(), "restore phases");
                 Ok::<_, VmmError>(agent)
             }
             .await;

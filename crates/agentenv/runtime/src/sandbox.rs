@@ -1,13 +1,13 @@
 //! Sandbox lifecycle: create (restore from the template's base snapshot), pause, resume, kill, agent streams.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use agentenv_mux::MuxStream;
 use tokio::task::JoinHandle;
 
-use crate::agent::{self, AgentLink};
+use crate::agent::{self, AgentLink, Probe};
 use crate::error::{ConnectError, CreateError, KillError, PauseError, ResumeError};
 use crate::fsops;
 use crate::persist::{self, RECORD_VERSION, SandboxPhase, SandboxRecord};
@@ -108,6 +108,19 @@ pub(crate) enum ImageStart {
     Boot,
 }
 
+impl Image {
+    /// The RAM file a create copies, for images started from a copy of their RAM.
+    pub(crate) fn ram_copied(&self) -> Option<&Path> {
+        match &self.start {
+            ImageStart::CopyRam { ram, .. } => Some(ram),
+            _ => None,
+        }
+    }
+}
+
+/// How long after a create its image's prepared files are topped up (the create itself goes first).
+const REFILL_DELAY: Duration = Duration::from_millis(300);
+
 impl Runtime {
     /// Creates a sandbox from a template (id or alias) or a snapshot (id or `name[:tag]`) and returns once
     /// the guest agent answers and has taken the host's clock, fresh entropy and `env_vars` (`/init`).
@@ -126,13 +139,16 @@ impl Runtime {
                 source: std::io::Error::other(e.to_string()),
             })?;
         }
-        self.create_from(&spec, &image).await
+        self.create_from(&spec, &image, true).await
     }
 
+    /// Creates sandbox `spec.sandbox_id` from `image`; `reused` (a create an API caller may repeat, not
+    /// a fork) keeps files prepared for the next create from the same image ([`crate::prepared`]).
     pub(crate) async fn create_from(
         &self,
         spec: &CreateSpec,
         image: &Image,
+        reused: bool,
     ) -> Result<SandboxVm, CreateError> {
         let inner = &self.inner;
         // A VM with a uid of its own opens only RAM files it owns (QEMU 7.2 opens even a private
@@ -183,6 +199,14 @@ impl Runtime {
             }
             map.insert(id.clone(), slot.clone());
         }
+        if reused {
+            let (disk, ram) = (image.disk.clone(), image.ram_copied().map(Path::to_owned));
+            let prepared = inner.prepared.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(REFILL_DELAY).await;
+                prepared.refill(&disk, ram.as_deref());
+            });
+        }
         let mut live = slot.live.lock().await;
         match self.create_locked(&mut live, image, spec).await {
             Ok(vm) => Ok(vm),
@@ -217,9 +241,10 @@ impl Runtime {
             let path = path.clone();
             move |source| CreateError::Io { what, path, source }
         };
+        let t0 = std::time::Instant::now();
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         persist::write(&inner.record_path(id), &live.record)?;
-        let t0 = std::time::Instant::now();
+        let t_record = t0.elapsed();
         if let Some(policy) = &spec.network {
             self.attach_net(live, image.machine.nic, policy.clone())
                 .await?;
@@ -228,25 +253,37 @@ impl Runtime {
         let mut vm_spec = inner.spec_of(&live.record);
         vm_spec.tap = live.net.as_ref().map(|n| n.tap()).transpose()?;
         let ram = live.record.ram_file.clone();
-        let prepare_ram = {
-            let (start_ram, ram, size) = match &image.start {
-                ImageStart::CopyRam { ram: src, .. } => (Some(src.clone()), Some(ram), 0),
-                ImageStart::Stream { .. } => (None, Some(ram), image.machine.memory_mib << 20),
-                _ => (None, None, 0),
+        if let Some(ready) = inner.prepared.take(&image.disk, image.ram_copied()) {
+            std::fs::rename(&ready.overlay, &vm_spec.disk).map_err(io("overlay", &vm_spec.disk))?;
+            if let Some(r) = &ready.ram {
+                std::fs::rename(r, &ram).map_err(io("prepare RAM", &ram))?;
+            }
+        } else {
+            let prepare_ram = {
+                let (start_ram, ram) = match &image.start {
+                    ImageStart::CopyRam { ram: src, .. } => (Some(src.clone()), Some(ram.clone())),
+                    _ => (None, None),
+                };
+                tokio::task::spawn_blocking(move || match (start_ram, ram) {
+                    (Some(src), Some(dst)) => fsops::sparse_copy(&src, &dst).map(|_| ()),
+                    _ => Ok(()),
+                })
             };
-            tokio::task::spawn_blocking(move || match (start_ram, ram) {
-                (Some(src), Some(dst)) => fsops::sparse_copy(&src, &dst).map(|_| ()),
-                (None, Some(dst)) => std::fs::File::create(&dst).and_then(|f| f.set_len(size)),
-                _ => Ok(()),
-            })
-        };
-        let overlay = fsops::create_overlay(&inner.cfg.qemu_img_bin, &image.disk, &vm_spec.disk);
-        let (prepared, overlaid) = tokio::join!(prepare_ram, overlay);
-        overlaid.map_err(io("overlay", &vm_spec.disk))?;
-        prepared
-            .map_err(|e| std::io::Error::other(e.to_string()))
-            .and_then(|r| r)
-            .map_err(io("prepare RAM", &live.record.ram_file))?;
+            let overlay =
+                fsops::create_overlay(&inner.cfg.qemu_img_bin, &image.disk, &vm_spec.disk);
+            let (prepared, overlaid) = tokio::join!(prepare_ram, overlay);
+            overlaid.map_err(io("overlay", &vm_spec.disk))?;
+            prepared
+                .map_err(|e| std::io::Error::other(e.to_string()))
+                .and_then(|r| r)
+                .map_err(io("prepare RAM", &live.record.ram_file))?;
+        }
+        if let ImageStart::Stream { .. } = &image.start {
+            std::fs::File::create(&ram)
+                .and_then(|f| f.set_len(image.machine.memory_mib << 20))
+                .map_err(io("prepare RAM", &ram))?;
+        }
+        let t_disk = t0.elapsed();
         let state = match &image.start {
             ImageStart::CopyRam { state, .. }
             | ImageStart::CowRam { state, .. }
@@ -263,14 +300,16 @@ impl Runtime {
                 let vm = live.vm.insert(restored.vm);
                 persist::write(&inner.record_path(id), &live.record)?;
                 vm.cont().await?;
-                let link = agent::healthy_from(
-                    Some(restored.agent),
-                    &vm_spec.agent_socket(),
-                    HEALTH_ATTEMPT,
-                    HEALTH_DEADLINE,
-                )
-                .await?;
-                tracing::debug!(sandbox = %id, ?t_net, ?t_restore, healthy = ?t0.elapsed(), "create phases");
+                let t_cont = t0.elapsed();
+                let probe = Probe::Init {
+                    env_vars: &spec.env_vars,
+                    network: live.net.as_ref().map(|n| n.guest()),
+                };
+                let sock = vm_spec.agent_socket();
+                let first = Some(restored.agent);
+                let link =
+                    agent::answering(first, &sock, HEALTH_ATTEMPT, HEALTH_DEADLINE, probe).await?;
+                tracing::debug!(sandbox = %id, ?t_record, ?t_net, ?t_disk, ?t_restore, ?t_cont, initialised = ?t0.elapsed(), "create phases");
                 link
             }
             None => {
@@ -278,11 +317,12 @@ impl Runtime {
                 live.record.phase = SandboxPhase::Running { pid: vm.pid() };
                 live.vm = Some(vm);
                 persist::write(&inner.record_path(id), &live.record)?;
-                agent::connect_healthy(&vm_spec.agent_socket(), BOOT_ATTEMPT, BOOT_DEADLINE).await?
+                let sock = vm_spec.agent_socket();
+                let link = agent::connect_healthy(&sock, BOOT_ATTEMPT, BOOT_DEADLINE).await?;
+                agent::init(&link, &spec.env_vars, live.net.as_ref().map(|n| n.guest())).await?;
+                link
             }
         };
-        agent::init(&link, &spec.env_vars, live.net.as_ref().map(|n| n.guest())).await?;
-        tracing::debug!(sandbox = %id, init = ?t0.elapsed(), "create: /init done");
         live.agent = Some(link);
         tracing::debug!(sandbox = %id, template = %image.template_id, "sandbox created");
         Ok(SandboxVm {
@@ -434,22 +474,16 @@ impl Runtime {
         }
         slot.set_state(VmState::Running);
         let _ = std::fs::remove_file(self.inner.device_state_path(id));
-        match agent::healthy_from(
-            Some(sock),
-            &spec.agent_socket(),
-            HEALTH_ATTEMPT,
-            HEALTH_DEADLINE,
-        )
-        .await
-        {
-            Ok(link) => {
-                let net = live.net.as_ref().map(|n| n.guest());
-                agent::init(&link, &Default::default(), net).await?;
-                live.agent = Some(link);
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
+        let env_vars = Default::default();
+        let probe = Probe::Init {
+            env_vars: &env_vars,
+            network: live.net.as_ref().map(|n| n.guest()),
+        };
+        let socket = spec.agent_socket();
+        let link =
+            agent::answering(Some(sock), &socket, HEALTH_ATTEMPT, HEALTH_DEADLINE, probe).await?;
+        live.agent = Some(link);
+        Ok(())
     }
 
     /// Kills a sandbox (running or paused) and removes its files.

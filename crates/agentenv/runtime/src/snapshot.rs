@@ -381,6 +381,7 @@ impl Runtime {
                 .ok_or_else(|| SnapshotError::NotFound(id.into()))?;
             s.deleted = true;
             s.names.clear();
+            self.inner.prepared.forget(&s.image().disk);
             persist::write(
                 &self.inner.snapshots_dir().join(id).join("snapshot.json"),
                 &*s,
@@ -431,7 +432,7 @@ impl Runtime {
                 env_vars: BTreeMap::new(),
                 network: network.clone(),
             };
-            set.spawn(async move { (i, rt.create_from(&spec, &image).await) });
+            set.spawn(async move { (i, rt.create_from(&spec, &image, false).await) });
         }
         let mut out: Vec<Option<Result<SandboxVm, CreateError>>> =
             ids.iter().map(|_| None).collect();
