@@ -45,6 +45,12 @@ pub struct RuntimeConfig {
     pub qemu_uids: Option<crate::uid::UidRange>,
     /// Sandbox networking ([`crate::net`]). `None`: sandboxes get no network.
     pub network: Option<crate::net::NetConfig>,
+    /// VMs kept restored and stopped per image once it has been used, so a create only continues one
+    /// ([`crate::warm`]). 0: every create restores.
+    pub warm_vms: usize,
+    /// How long a paused sandbox's QEMU stays, stopped, so that a resume only continues it
+    /// ([`crate::Runtime::pause`]). Zero: it exits at once.
+    pub keep_paused: std::time::Duration,
 }
 
 /// Bound of the default local chunk store.
@@ -66,6 +72,8 @@ impl RuntimeConfig {
             store: None,
             qemu_uids: Some(crate::uid::UidRange::default()),
             network: None,
+            warm_vms: 2,
+            keep_paused: std::time::Duration::from_secs(30),
         }
     }
 }

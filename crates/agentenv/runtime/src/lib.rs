@@ -35,6 +35,7 @@ pub mod snapshot;
 pub mod template;
 pub mod uid;
 pub mod vmm;
+mod warm;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -127,6 +128,8 @@ pub(crate) struct Inner {
     pub(crate) net_off: String,
     /// RAM copies and overlays made ahead of creates.
     pub(crate) prepared: Arc<prepared::Prepared>,
+    /// VMs restored ahead of creates.
+    pub(crate) warm: warm::WarmPool,
 }
 
 /// Every 2 s, rotates the serial console log of each sandbox above [`vmm::CONSOLE_LOG_MAX`]
@@ -148,6 +151,17 @@ fn spawn_console_rotation(inner: std::sync::Weak<Inner>) {
                 let log = inner.sandbox_dir(&id).join(vmm::CONSOLE_LOG);
                 if let Err(e) = vmm::rotate_console_log(&log, vmm::CONSOLE_LOG_MAX) {
                     tracing::warn!(sandbox = %id, error = %e, "console log rotation failed");
+                }
+            }
+            // Sandboxes on warm VMs keep their console in the VM's folder.
+            for e in std::fs::read_dir(inner.warm.dir())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let log = e.path().join(vmm::CONSOLE_LOG);
+                if let Err(e) = vmm::rotate_console_log(&log, vmm::CONSOLE_LOG_MAX) {
+                    tracing::warn!(log = %log.display(), error = %e, "console log rotation failed");
                 }
             }
         }
@@ -236,6 +250,7 @@ impl Runtime {
             cfg.qemu_img_bin.clone(),
             prepared::Prepared::PER_IMAGE,
         ));
+        let warm = warm::WarmPool::new(cfg.state_dir.join("vms"), cfg.warm_vms);
         let inner = Arc::new(Inner {
             cfg,
             vmm,
@@ -249,6 +264,7 @@ impl Runtime {
             net,
             net_off,
             prepared,
+            warm,
         });
         spawn_console_rotation(Arc::downgrade(&inner));
         Ok(Runtime { inner })

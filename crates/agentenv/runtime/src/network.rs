@@ -25,7 +25,11 @@ impl Inner {
     }
 
     /// Writes sandbox `id`'s `net.json` (atomically).
-    fn write_net_record(&self, id: &str, rec: &NetRecord) -> Result<(), (PathBuf, std::io::Error)> {
+    pub(crate) fn write_net_record(
+        &self,
+        id: &str,
+        rec: &NetRecord,
+    ) -> Result<(), (PathBuf, std::io::Error)> {
         let path = self.net_record_path(id);
         let text = serde_json::to_vec(rec).map_err(|e| (path.clone(), e.into()))?;
         k3_common::fsutil::write_atomic(&path, &text).map_err(|e| (path, e))
@@ -193,8 +197,52 @@ impl Runtime {
         }
     }
 
-    /// Deletes the warm network slots (the process is stopping; sandboxes keep theirs).
-    pub fn close_network(&self) {
+    /// [`Runtime::close`] without waiting (for a caller that cannot await, such as a `Drop`): warm VMs
+    /// and kept paused QEMUs get SIGKILL; sandboxes keep running.
+    pub fn close_now(&self) {
+        for w in self.inner.warm.drain() {
+            crate::warm::discard(w, self.inner.net.as_ref());
+        }
+        let slots: Vec<_> = self
+            .inner
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for slot in slots {
+            if let Ok(mut live) = slot.live.try_lock()
+                && let Some(k) = live.kept.take()
+            {
+                k.kill_now();
+            }
+        }
+        if let Some(net) = &self.inner.net {
+            net.drain();
+        }
+    }
+
+    /// Kills the warm VMs and deletes the warm network slots (the process is stopping; sandboxes keep
+    /// theirs).
+    pub async fn close(&self) {
+        for w in self.inner.warm.drain() {
+            self.discard_warm(w).await;
+        }
+        let slots: Vec<_> = self
+            .inner
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for slot in slots {
+            let kept = slot.live.lock().await.kept.take();
+            if let Some(k) = kept {
+                k.end().await;
+            }
+        }
         if let Some(net) = &self.inner.net {
             net.drain();
         }

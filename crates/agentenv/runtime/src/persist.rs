@@ -161,6 +161,10 @@ pub struct SandboxRecord {
     pub created_at: String,
     /// Lifecycle phase.
     pub phase: SandboxPhase,
+    /// Folder of the VM's files (disk, sockets, console) when it is not the sandbox's own folder: a
+    /// warm VM the sandbox took ([`crate::warm`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_dir: Option<PathBuf>,
 }
 
 fn yes() -> bool {
@@ -288,6 +292,7 @@ mod tests {
             parent_snapshot: None,
             created_at: "2026-11-29T00:00:00Z".into(),
             phase: SandboxPhase::Running { pid },
+            vm_dir: Some(format!("/state/vms/w{}", rand::random::<u16>()).into()),
         };
         write(&path, &rec).unwrap();
         assert_eq!(read::<SandboxRecord>(&path).unwrap(), rec);

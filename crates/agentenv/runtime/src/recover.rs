@@ -55,6 +55,17 @@ impl Runtime {
                 detail,
             });
         }
+        let held: std::collections::HashSet<std::path::PathBuf> = self
+            .inner
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .filter_map(|id| persist::read::<SandboxRecord>(&self.inner.record_path(id)).ok())
+            .filter_map(|r| r.vm_dir)
+            .collect();
+        self.remove_stale_warm(&held, &keep_pids);
+        // After the warm VMs' folders are gone, so that their slots count as stale.
         self.remove_stale_nets();
         for (pid, id) in vm_processes_under(&dir) {
             let slot = self
@@ -108,6 +119,7 @@ impl Runtime {
                     exiting: None,
                     gone: false,
                     net: None,
+                    kept: None,
                 };
                 self.recover_net(&mut live).await;
                 self.insert(id, Slot::new(live, VmState::Paused));
@@ -141,6 +153,7 @@ impl Runtime {
                     exiting: None,
                     gone: false,
                     net: None,
+                    kept: None,
                 };
                 self.recover_net(&mut live).await;
                 self.insert(id, Slot::new(live, VmState::Running));
@@ -160,6 +173,9 @@ impl Runtime {
     fn remove_files(&self, id: &str) {
         if let Ok(rec) = persist::read::<SandboxRecord>(&self.inner.record_path(id)) {
             let _ = std::fs::remove_file(&rec.ram_file);
+            if let Some(d) = &rec.vm_dir {
+                let _ = std::fs::remove_dir_all(d);
+            }
         }
         let _ = std::fs::remove_file(self.inner.ram_file(id));
         let _ = std::fs::remove_dir_all(self.inner.sandbox_dir(id));
@@ -167,7 +183,7 @@ impl Runtime {
 }
 
 /// Live QEMU processes whose command line names a sandbox folder under `dir`: (pid, sandbox id).
-fn vm_processes_under(dir: &Path) -> Vec<(u32, String)> {
+pub(crate) fn vm_processes_under(dir: &Path) -> Vec<(u32, String)> {
     let needle = format!("{}/", dir.display());
     let me = std::process::id();
     let Ok(rd) = std::fs::read_dir("/proc") else {

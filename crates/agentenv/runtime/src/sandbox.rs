@@ -38,6 +38,40 @@ pub(crate) struct Live {
     pub(crate) gone: bool,
     /// Its network, held from create to kill (also while paused: the address stays).
     pub(crate) net: Option<crate::net::Attachment>,
+    /// While paused: its QEMU, stopped but kept for a while, which a resume continues.
+    pub(crate) kept: Option<Kept>,
+}
+
+/// A paused sandbox's QEMU, stopped after its state was committed, with its agent session. A resume
+/// within [`crate::RuntimeConfig::keep_paused`] continues it (no process start, no state load, no mux
+/// handshake); after that it exits and a resume restores from the committed files.
+pub(crate) struct Kept {
+    vm: Box<dyn VmInstance>,
+    link: AgentLink,
+    /// The RAM file the process maps (the record names the resume's file once the RAM went into the
+    /// state).
+    ram_file: PathBuf,
+    expiry: JoinHandle<()>,
+}
+
+impl Kept {
+    /// SIGKILLs the kept QEMU without waiting.
+    pub(crate) fn kill_now(self) {
+        self.expiry.abort();
+        let pid = self.vm.pid();
+        if pid > 0 && self.vm.alive() {
+            // SAFETY: plain syscall on the pid of a QEMU this runtime started.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+
+    /// Lets the kept QEMU exit.
+    pub(crate) async fn end(self) {
+        self.expiry.abort();
+        if let Err(e) = self.vm.shutdown().await {
+            tracing::warn!(error = %e, "VMM did not exit cleanly after pause");
+        }
+    }
 }
 
 impl Slot {
@@ -66,7 +100,10 @@ impl Inner {
         }
     }
     pub(crate) fn spec_of(&self, rec: &SandboxRecord) -> VmSpec {
-        let dir = self.sandbox_dir(&rec.id);
+        let dir = rec
+            .vm_dir
+            .clone()
+            .unwrap_or_else(|| self.sandbox_dir(&rec.id));
         let mut spec = rec.machine.spec(
             &dir,
             &rec.ram_file,
@@ -180,6 +217,7 @@ impl Runtime {
             parent_snapshot: image.parent.clone(),
             created_at: k3_common::time::now_rfc3339(),
             phase: SandboxPhase::Starting,
+            vm_dir: None,
         };
         let slot = Slot::new(
             Live {
@@ -189,6 +227,7 @@ impl Runtime {
                 exiting: None,
                 gone: false,
                 net: None,
+                kept: None,
             },
             VmState::Running,
         );
@@ -200,11 +239,14 @@ impl Runtime {
             map.insert(id.clone(), slot.clone());
         }
         if reused {
-            let (disk, ram) = (image.disk.clone(), image.ram_copied().map(Path::to_owned));
-            let prepared = inner.prepared.clone();
+            let (rt, image) = (self.clone(), image.clone());
+            let network = self.wants_warm_net(&image, spec);
             tokio::spawn(async move {
                 tokio::time::sleep(REFILL_DELAY).await;
-                prepared.refill(&disk, ram.as_deref());
+                if let Some(net) = network {
+                    rt.refill_warm(&image, net);
+                }
+                rt.inner.prepared.refill(&image.disk, image.ram_copied());
             });
         }
         let mut live = slot.live.lock().await;
@@ -223,6 +265,12 @@ impl Runtime {
                     .remove(&id);
                 let _ = std::fs::remove_dir_all(inner.sandbox_dir(&id));
                 let _ = std::fs::remove_file(inner.ram_file(&id));
+                if let Some(d) = &live.record.vm_dir {
+                    if live.record.ram_shared {
+                        let _ = std::fs::remove_file(&live.record.ram_file);
+                    }
+                    let _ = std::fs::remove_dir_all(d);
+                }
                 Err(e)
             }
         }
@@ -245,6 +293,14 @@ impl Runtime {
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         persist::write(&inner.record_path(id), &live.record)?;
         let t_record = t0.elapsed();
+        if let Some(network) = self.wants_warm_net(image, spec)
+            && let Some(key) = crate::warm::Key::of(image, network)
+            && let Some(w) = inner.warm.take(&key)
+        {
+            let r = self.create_warm(live, image, spec, w).await;
+            tracing::debug!(sandbox = %id, ?t_record, initialised = ?t0.elapsed(), "create phases (warm VM)");
+            return r;
+        }
         if let Some(policy) = &spec.network {
             self.attach_net(live, image.machine.nic, policy.clone())
                 .await?;
@@ -334,6 +390,70 @@ impl Runtime {
         })
     }
 
+    /// Whether a create of `spec` from `image` can take a warm VM, and then whether with a network:
+    /// `None` when it cannot (it asks for a network this runtime or the template lacks, which the cold
+    /// path reports).
+    fn wants_warm_net(&self, image: &Image, spec: &CreateSpec) -> Option<bool> {
+        let with_net = self.inner.net.is_some() && image.machine.nic;
+        match &spec.network {
+            None => Some(false),
+            Some(_) if with_net => Some(true),
+            Some(_) => None,
+        }
+    }
+
+    /// Finishes a create on warm VM `w`: the sandbox takes its folder, RAM and network slot, then it
+    /// runs on and takes the host's clock, fresh entropy, `env_vars` and its network (`/init`).
+    async fn create_warm(
+        &self,
+        live: &mut Live,
+        image: &Image,
+        spec: &CreateSpec,
+        w: crate::warm::WarmVm,
+    ) -> Result<SandboxVm, CreateError> {
+        let inner = &self.inner;
+        let id = &spec.sandbox_id;
+        live.record.vm_dir = Some(w.dir.clone());
+        live.record.ram_file = w.ram_file.clone();
+        live.record.ram_shared = w.ram_shared;
+        live.record.phase = SandboxPhase::Running { pid: w.vm.pid() };
+        live.vm = Some(w.vm);
+        if let (Some(mut att), Some(net)) = (w.net, &inner.net) {
+            net.reown(&mut att, &inner.sandbox_dir(id));
+            let policy = spec.network.clone().unwrap_or_default();
+            let slot = att.addrs.index;
+            let att = live.net.insert(att);
+            if policy != att.policy() {
+                net.update(att, policy.clone()).await?;
+            }
+            inner
+                .write_net_record(id, &crate::net::NetRecord { slot, policy })
+                .map_err(|(path, source)| CreateError::Io {
+                    what: "write",
+                    path,
+                    source,
+                })?;
+        }
+        persist::write(&inner.record_path(id), &live.record)?;
+        if let Some(vm) = &live.vm {
+            vm.cont().await?;
+        }
+        agent::init(
+            &w.link,
+            &spec.env_vars,
+            live.net.as_ref().map(|n| n.guest()),
+        )
+        .await?;
+        live.agent = Some(w.link);
+        Ok(SandboxVm {
+            id: id.clone(),
+            template_id: image.template_id.clone(),
+            vcpus: image.machine.vcpus,
+            memory_mib: image.machine.memory_mib,
+            envd_version: image.envd_version.clone(),
+        })
+    }
+
     /// The template (id or alias) or live snapshot (id or name) called `name`.
     pub(crate) fn image(&self, name: &str) -> Option<Image> {
         if let Some(tpl) = self.template_record(name) {
@@ -362,7 +482,8 @@ impl Runtime {
     }
 
     /// Pauses a running sandbox: stop, save the device state (RAM is already in its file), commit the
-    /// record, let QEMU exit. Memory, processes and files survive, also across a server restart.
+    /// record. Memory, processes and files survive, also across a server restart. The stopped QEMU
+    /// stays for [`crate::RuntimeConfig::keep_paused`] (a resume meanwhile continues it), then exits.
     pub async fn pause(&self, id: &str) -> Result<(), PauseError> {
         let slot = self
             .slot(id)
@@ -374,6 +495,7 @@ impl Runtime {
         let Some(vm) = live.vm.take() else {
             return Err(PauseError::AlreadyPaused(id.into()));
         };
+        let (ram_before, link) = (live.record.ram_file.clone(), live.agent.clone());
         let r = async {
             vm.stop().await?;
             let state = self.inner.device_state_path(id);
@@ -409,11 +531,39 @@ impl Runtime {
         match r {
             Ok(()) => {
                 slot.set_state(VmState::Paused);
-                live.exiting = Some(tokio::spawn(async move {
-                    if let Err(e) = vm.shutdown().await {
-                        tracing::warn!(error = %e, "VMM did not exit cleanly after pause");
+                let keep = self.inner.cfg.keep_paused;
+                match link {
+                    Some(link) if !keep.is_zero() => {
+                        let (weak, pid) = (Arc::downgrade(&slot), vm.pid());
+                        let expiry = tokio::spawn(async move {
+                            tokio::time::sleep(keep).await;
+                            let Some(slot) = weak.upgrade() else { return };
+                            let kept = {
+                                let mut live = slot.live.lock().await;
+                                match &live.kept {
+                                    Some(k) if k.vm.pid() == pid => live.kept.take(),
+                                    _ => None,
+                                }
+                            };
+                            if let Some(k) = kept {
+                                k.end().await;
+                            }
+                        });
+                        live.kept = Some(Kept {
+                            vm,
+                            link,
+                            ram_file: ram_before,
+                            expiry,
+                        });
                     }
-                }));
+                    _ => {
+                        live.exiting = Some(tokio::spawn(async move {
+                            if let Err(e) = vm.shutdown().await {
+                                tracing::warn!(error = %e, "VMM did not exit cleanly after pause");
+                            }
+                        }));
+                    }
+                }
                 Ok(())
             }
             Err(e) => {
@@ -436,6 +586,12 @@ impl Runtime {
         }
         if live.vm.is_some() {
             return Err(ResumeError::NotPaused(id.into()));
+        }
+        if let Some(k) = live.kept.take() {
+            if k.vm.alive() {
+                return self.resume_kept(&slot, &mut live, k).await;
+            }
+            k.end().await;
         }
         if let Some(h) = live.exiting.take() {
             let _ = h.await;
@@ -486,6 +642,32 @@ impl Runtime {
         Ok(())
     }
 
+    /// Resumes a paused sandbox by continuing its kept QEMU, then `/init` (host clock, fresh entropy).
+    async fn resume_kept(&self, slot: &Slot, live: &mut Live, k: Kept) -> Result<(), ResumeError> {
+        let id = live.record.id.clone();
+        k.expiry.abort();
+        let before = (live.record.ram_file.clone(), live.record.phase.clone());
+        live.record.ram_file = k.ram_file.clone();
+        live.record.phase = SandboxPhase::Running { pid: k.vm.pid() };
+        if let Err(e) = persist::write(&self.inner.record_path(&id), &live.record) {
+            (live.record.ram_file, live.record.phase) = before;
+            k.end().await;
+            return Err(e.into());
+        }
+        let vm = live.vm.insert(k.vm);
+        vm.cont().await?;
+        slot.set_state(VmState::Running);
+        let _ = std::fs::remove_file(self.inner.device_state_path(&id));
+        agent::init(
+            &k.link,
+            &Default::default(),
+            live.net.as_ref().map(|n| n.guest()),
+        )
+        .await?;
+        live.agent = Some(k.link);
+        Ok(())
+    }
+
     /// Kills a sandbox (running or paused) and removes its files.
     pub async fn kill(&self, id: &str) -> Result<(), KillError> {
         let slot = self
@@ -500,6 +682,10 @@ impl Runtime {
         if let Some(vm) = live.vm.take() {
             vm.kill().await?;
         }
+        if let Some(k) = live.kept.take() {
+            k.expiry.abort();
+            k.vm.kill().await?;
+        }
         if let Some(h) = live.exiting.take() {
             let _ = h.await;
         }
@@ -512,6 +698,12 @@ impl Runtime {
         let dir = self.inner.sandbox_dir(id);
         // The record goes first, so a crash mid-removal leaves no record pointing at half-removed files.
         let _ = std::fs::remove_file(self.inner.record_path(id));
+        if let Some(d) = &live.record.vm_dir {
+            if live.record.ram_shared {
+                let _ = std::fs::remove_file(&live.record.ram_file);
+            }
+            let _ = std::fs::remove_dir_all(d);
+        }
         // A private mapping of a snapshot's RAM is not ours to remove.
         let _ = std::fs::remove_file(self.inner.ram_file(id));
         std::fs::remove_dir_all(&dir).map_err(|e| KillError::Io {

@@ -382,6 +382,7 @@ impl Runtime {
             s.deleted = true;
             s.names.clear();
             self.inner.prepared.forget(&s.image().disk);
+            self.inner.warm.forget(&s.image().disk, &self.inner);
             persist::write(
                 &self.inner.snapshots_dir().join(id).join("snapshot.json"),
                 &*s,
@@ -622,7 +623,7 @@ async fn capture_files(
     partial: &Path,
     ram_out: Option<&Path>,
 ) -> Result<(), SnapshotError> {
-    let disk = inner.sandbox_dir(&rec.id).join("disk.qcow2");
+    let disk = inner.spec_of(rec).disk;
     let disk_out = partial.join("disk.qcow2");
     let ram = ram_out.map(|o| (rec.ram_file.clone(), o.to_owned()));
     let r = tokio::task::spawn_blocking(move || -> std::io::Result<()> {

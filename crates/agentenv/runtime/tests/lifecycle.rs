@@ -68,31 +68,116 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
     match agentenv_runtime::cgroup::Hierarchy::host() {
         None => eprintln!("cgroup check skipped: this host mounts no writable cgroup hierarchy"),
         Some(h) => {
-            let pids = common::qemu_pids_under(state.path());
+            // Named after the VM's folder: the sandbox's own, or the warm VM's it took.
+            let vm_dir = common::vm_dir(state.path(), &id);
+            let name = vm_dir.file_name().unwrap().to_string_lossy().into_owned();
+            let pids = common::qemu_pids_under(&vm_dir);
             assert_eq!(pids.len(), 1, "{pids:?}");
             let own = std::fs::read_to_string(format!("/proc/{}/cgroup", pids[0])).unwrap();
-            assert!(own.contains(&format!("agentenv/{id}")), "{own}");
+            assert!(own.contains(&format!("agentenv/{name}")), "{own}");
             let want = agentenv_runtime::cgroup::Limits::for_vm(256, 1).memory_bytes;
             let file = match &h {
                 agentenv_runtime::cgroup::Hierarchy::V1 { .. } => "memory.limit_in_bytes",
                 agentenv_runtime::cgroup::Hierarchy::V2 { .. } => "memory.max",
             };
-            let limit = std::fs::read_to_string(h.groups(&id)[0].join(file)).unwrap();
+            let limit = std::fs::read_to_string(h.groups(&name)[0].join(file)).unwrap();
             assert_eq!(limit.trim().parse::<u64>().unwrap(), want);
         }
     }
 
+    let vm_dir = common::vm_dir(state.path(), &id);
+    let name = vm_dir.file_name().unwrap().to_string_lossy().into_owned();
     rt.kill(&id).await.expect("kill");
     assert_eq!(rt.vm_state(&id), None);
     if let Some(h) = agentenv_runtime::cgroup::Hierarchy::host() {
         assert!(
-            h.groups(&id).iter().all(|g| !g.exists()),
+            h.groups(&name).iter().all(|g| !g.exists()),
             "cgroups of {id} left"
         );
     }
+    assert!(!vm_dir.exists(), "the VM's folder is removed");
+    assert!(
+        common::qemu_pids_under(&vm_dir).is_empty(),
+        "no QEMU of the sandbox left after kill"
+    );
+    // Closing kills the warm VMs the create left for the next one.
+    rt.close().await;
     assert!(
         common::qemu_pids_under(state.path()).is_empty(),
-        "no QEMU left after kill"
+        "no QEMU left after close"
+    );
+}
+
+/// After one create from a template, the next ones take warm VMs (restored and stopped ahead): each is
+/// a distinct machine with the host's clock and its own random stream, its files live in the warm VM's
+/// folder, pause and resume work on it, and kill and close leave nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_vms_serve_creates_as_distinct_machines() {
+    let state = StateDir::new();
+    let rt = runtime(state.path()).await;
+    let first = format!("w0-{}", &token()[..8]);
+    rt.create(spec(&first)).await.expect("create");
+    assert_eq!(
+        common::vm_dir(state.path(), &first),
+        state.path().join("sandboxes").join(&first)
+    );
+    // The create left warm VMs behind (made in the background, one at a time).
+    let vms = state.path().join("vms");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while common::qemu_pids_under(&vms).len() < 2 {
+        assert!(std::time::Instant::now() < deadline, "no warm VMs made");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let mut seen = Vec::new();
+    let mut ids = vec![first];
+    for i in 0..2 {
+        let id = format!("w{}-{}", i + 1, &token()[..8]);
+        let mut s = spec(&id);
+        let value = token();
+        s.env_vars.insert("AENV_W".into(), value.clone());
+        rt.create(s).await.expect("create on a warm VM");
+        ids.push(id.clone());
+        let dir = common::vm_dir(state.path(), &id);
+        assert!(dir.starts_with(&vms), "{} took no warm VM", dir.display());
+        let (out, code) = run(
+            &rt,
+            &id,
+            "echo $AENV_W; date +%s; head -c 16 /dev/urandom | od -An -tx1",
+        )
+        .await;
+        assert_eq!(code, 0, "{out}");
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], value);
+        let guest: i64 = lines[1].trim().parse().unwrap();
+        let host = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        assert!(
+            (guest - host).abs() <= 2,
+            "guest clock {guest}, host {host}"
+        );
+        seen.push(lines[2].to_owned());
+        seen.push(dir.display().to_string());
+        rt.pause(&id).await.expect("pause");
+        rt.resume(&id).await.expect("resume");
+        let (out, _) = run(&rt, &id, "echo $AENV_W").await;
+        assert_eq!(out.trim(), value);
+    }
+    let unique: std::collections::HashSet<_> = seen.iter().collect();
+    assert_eq!(
+        unique.len(),
+        seen.len(),
+        "two warm VMs look alike: {seen:?}"
+    );
+    for id in &ids {
+        rt.kill(id).await.expect("kill");
+    }
+    rt.close().await;
+    assert!(
+        common::qemu_pids_under(state.path()).is_empty(),
+        "no QEMU left after close"
     );
 }
 

@@ -83,8 +83,14 @@ fn no_free_uid<T: std::fmt::Debug>(r: Result<T, CreateError>) -> bool {
     matches!(r, Err(CreateError::Vmm(VmmError::NoUid(_))))
 }
 
+/// Without warm VMs or kept paused ones: each would hold one of the test's few uids.
 async fn open(state: &Path, range: UidRange) -> Runtime {
-    runtime_with(state, |c| c.qemu_uids = Some(range)).await
+    runtime_with(state, |c| {
+        c.qemu_uids = Some(range);
+        c.warm_vms = 0;
+        c.keep_paused = std::time::Duration::ZERO;
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -214,6 +220,8 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
     let mut cfg = agentenv_runtime::RuntimeConfig::new(s);
     cfg.guest_bin = Some(common::guest_bin());
     cfg.qemu_uids = Some(range);
+    cfg.warm_vms = 0;
+    cfg.keep_paused = std::time::Duration::ZERO;
     let mut attempt = 0;
     let rt = loop {
         match Runtime::open(cfg.clone()).await {

@@ -155,6 +155,10 @@ struct ServeArgs {
     /// Network slots kept ready for creates.
     #[arg(long, default_value_t = 4)]
     net_warm: usize,
+    /// VMs kept restored and stopped per recently used template or snapshot, so that a create only
+    /// continues one (0: every create restores). Each holds a QEMU process and its RAM copy.
+    #[arg(long, env = "AGENTENV_WARM_VMS", default_value_t = 2)]
+    warm_vms: usize,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -291,6 +295,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     cfg.guest_bin = args.guest_bin;
     cfg.ram_dir = args.ram_dir;
+    cfg.warm_vms = args.warm_vms;
     if let (Some(endpoint), Some(bucket)) = (args.s3_endpoint, args.s3_bucket) {
         let env = |k: &str| std::env::var(k).with_context(|| format!("--s3-endpoint needs {k}"));
         let remote = agentenv_store::RemoteConfig {
@@ -393,7 +398,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             tokio::time::sleep(DRAIN_DEADLINE).await;
         } => tracing::warn!(deadline_s = DRAIN_DEADLINE.as_secs(), "drain deadline passed; closing open streams"),
     }
-    closer.close_network();
+    closer.close().await;
     tracing::info!("stopped; sandboxes keep running and are recovered on the next start");
     Ok(())
 }

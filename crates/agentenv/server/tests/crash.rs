@@ -110,6 +110,21 @@ impl Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// A graceful stop (SIGTERM): the server closes its runtime, so warm VMs and kept paused QEMUs
+    /// exit; sandboxes keep running.
+    async fn close(mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        for _ in 0..300 {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the server did not stop within 30 s of SIGTERM");
+    }
 }
 
 /// Checks the invariants after a restart; returns the sandboxes by state.
@@ -139,13 +154,13 @@ async fn check_consistent(api: &Api, dir: &Path, point: &str) -> (Vec<Value>, Ve
         assert_eq!(s["state"], "paused", "{point}: {s}");
     }
     // One QEMU per running sandbox, none for paused or gone ones (orphans are SIGKILLed at start).
-    let mut qemus = common::qemu_pids_under(dir);
+    let mut qemus = common::sandbox_qemu_pids_under(dir);
     for _ in 0..50 {
         if qemus.len() == running.len() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-        qemus = common::qemu_pids_under(dir);
+        qemus = common::sandbox_qemu_pids_under(dir);
     }
     assert_eq!(
         qemus.len(),
@@ -316,7 +331,7 @@ async fn kill_9_at_every_step_leaves_a_consistent_state() {
     s.api
         .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
         .await;
-    s.stop();
+    s.close().await;
     assert!(
         common::qemu_pids_under(dir).is_empty(),
         "QEMU left after the test"
@@ -464,7 +479,7 @@ async fn qemu_kill_9_mid_snapshot_and_fork_leaves_a_consistent_state() {
     s.api
         .call(Method::DELETE, &format!("/sandboxes/{c}"), None)
         .await;
-    s.stop();
+    s.close().await;
     assert!(
         common::qemu_pids_under(dir).is_empty(),
         "QEMU left after the test"

@@ -155,7 +155,7 @@ async fn template_from_an_oci_image_honours_its_config() {
         .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
         .await;
     assert_eq!(gone.status, StatusCode::NO_CONTENT);
-    server.stop();
+    server.close().await;
     // No QEMU of this state folder outlives the test (its folder is deleted with it).
     let left = common::qemu_pids_under(dir.path());
     assert!(left.is_empty(), "QEMU left running: {left:?}");

@@ -95,7 +95,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
     api_a
         .call(Method::DELETE, &format!("/sandboxes/{id}"), None)
         .await;
-    a.stop();
+    a.close().await;
 
     // Server B has its own state folder and an empty cache; only the bucket is shared.
     let b = TestServer::start_with_store(
@@ -149,7 +149,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
             r.json()
         );
     }
-    b.stop();
+    b.close().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let dir_c = common::state_dir();
     let c = TestServer::start_with_store(
@@ -160,7 +160,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
     .await;
     let r = create_from(&c.client(), &name).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND, "C: {:?}", r.json());
-    c.stop();
+    c.close().await;
     for d in [&dir_a, &dir_b, &dir_c] {
         assert!(common::qemu_pids_under(d.path()).is_empty());
     }

@@ -385,6 +385,13 @@ impl Network {
         Ok(())
     }
 
+    /// Hands `att`'s slot to a new owner folder (a warm VM's slot taken by a sandbox).
+    pub fn reown(&self, att: &mut Attachment, owner: &Path) {
+        let mark = marker(&owner.display().to_string());
+        slot::set_marker(att.addrs.index, &mark);
+        att.marker = mark;
+    }
+
     /// The counters of an attachment.
     /// A read that fails (the `nft` run, under load) is logged and tried again, [`STATS_TRIES`] times.
     pub async fn stats(&self, att: &Attachment) -> Result<NetStats, NetError> {

@@ -209,23 +209,17 @@ pub fn remove_if(index: u32, stale: impl FnOnce(&str) -> bool) -> bool {
 /// Takes the lowest free slot number host-wide, marks it with `marker` and builds its namespace.
 pub fn create(marker: &str) -> Result<Slot, NetError> {
     let lock = host_lock()?;
+    // Free: neither its namespace nor its host interface exists. An interface without a namespace
+    // belongs to a namespace being torn down, or one a process elsewhere still holds open.
     let index = (0..MAX_SLOTS)
         .find(|i| {
-            !Path::new(NETNS_DIR)
-                .join(SlotAddrs::of(*i).netns())
-                .exists()
+            let a = SlotAddrs::of(*i);
+            !Path::new(NETNS_DIR).join(a.netns()).exists()
+                && !Path::new("/sys/class/net").join(a.host_if()).exists()
         })
         .ok_or(NetError::Exhausted(MAX_SLOTS))?;
     let a = SlotAddrs::of(index);
     let (ns, hif) = (a.netns(), a.host_if());
-    // A host interface left by a namespace the kernel is still tearing down: wait for it briefly.
-    let sys = PathBuf::from("/sys/class/net").join(&hif);
-    for _ in 0..200 {
-        if !sys.exists() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
     set_marker(index, marker);
     let host = format!(
         "netns add {ns}\nlink add {hif} type veth peer name {VETH} netns {ns}\naddr add {}/30 dev {hif}\nlink set {hif} up\nroute add {}/30 via {} dev {hif}\n",

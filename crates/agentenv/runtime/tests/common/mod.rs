@@ -83,6 +83,14 @@ impl Drop for StateDir {
     }
 }
 
+/// The folder of sandbox `id`'s VM files (its record's `vm_dir`, else its own folder).
+pub fn vm_dir(state: &Path, id: &str) -> std::path::PathBuf {
+    let dir = state.join("sandboxes").join(id);
+    let rec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("sandbox.json")).unwrap()).unwrap();
+    rec["vm_dir"].as_str().map_or(dir, Into::into)
+}
+
 /// Pids of QEMU processes whose command line names `dir`.
 pub fn qemu_pids_under(dir: &Path) -> Vec<u32> {
     let needle = dir.display().to_string();

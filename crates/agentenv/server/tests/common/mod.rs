@@ -36,6 +36,13 @@ pub struct TestServer {
     pub state: AppState,
     task: tokio::task::JoinHandle<()>,
     pub accel: String,
+    runtime: agentenv_runtime::Runtime,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.runtime.close_now();
+    }
 }
 
 impl TestServer {
@@ -73,6 +80,7 @@ impl TestServer {
             agentenv_runtime::Runtime::open(cfg).await.expect("runtime")
         };
         let accel = runtime_backend::accel_label(&rt).to_string();
+        let runtime = rt.clone();
         let backend: Arc<dyn agentenv_server::backend::VmBackend> = Arc::new(rt);
         let state = AppState::open(
             backend,
@@ -98,12 +106,23 @@ impl TestServer {
             state,
             task,
             accel,
+            runtime,
         }
     }
 
-    /// Stops serving (VMs keep running, as after a process exit).
+    /// Stops as a graceful shutdown does: serving ends and the runtime closes (its warm VMs and kept
+    /// paused QEMUs exit; sandboxes keep running).
+    pub async fn close(self) {
+        self.task.abort();
+        self.runtime.close().await;
+    }
+
+    /// Stops serving (sandbox VMs keep running, as after a process exit; the warm VMs and kept paused
+    /// QEMUs a dead process would leave for the next start's recovery are killed at once, since a test
+    /// may never start another).
     pub fn stop(self) {
         self.task.abort();
+        self.runtime.close_now();
     }
 
     pub fn client(&self) -> Api {
@@ -346,6 +365,41 @@ pub fn b64_decode(s: &str) -> Vec<u8> {
 
 pub fn path_of(dir: &tempfile::TempDir) -> PathBuf {
     dir.path().to_path_buf()
+}
+
+/// [`qemu_pids_under`] without idle warm VMs: QEMUs in a `vms/` folder no sandbox record names.
+pub fn sandbox_qemu_pids_under(dir: &Path) -> Vec<u32> {
+    let held: Vec<String> = walk_records(dir)
+        .into_iter()
+        .filter_map(|rec| rec["vm_dir"].as_str().map(|d| format!("{d}/")))
+        .collect();
+    qemu_pids_under(dir)
+        .into_iter()
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd);
+            !cmd.contains("/vms/w") || held.iter().any(|d| cmd.contains(d.as_str()))
+        })
+        .collect()
+}
+
+/// Every `sandboxes/*/sandbox.json` under `dir`, parsed.
+fn walk_records(dir: &Path) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() && !p.is_symlink() {
+                stack.push(p);
+            } else if p.file_name().is_some_and(|n| n == "sandbox.json")
+                && let Ok(v) = serde_json::from_slice(&std::fs::read(&p).unwrap_or_default())
+            {
+                out.push(v);
+            }
+        }
+    }
+    out
 }
 
 /// Live (not zombie) QEMU processes whose command line names `dir`.

@@ -1,0 +1,349 @@
+//! VMs restored ahead of creates. Per image (and with or without a network), a few QEMUs have loaded
+//! the image's state, answered one request (so that TCG has translated the guest's hot paths) and
+//! stopped. A create takes one, continues it and sends `/init` with the host's clock, fresh entropy, its
+//! env and network: no process start, no state load and no mux handshake on its critical path.
+//!
+//! A warm VM's files live in `<state>/vms/w<n>/`; the sandbox that takes it records that folder
+//! (`SandboxRecord::vm_dir`). Warm VMs nobody took are killed when the runtime closes, and by the next
+//! runtime's recovery after a crash.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::agent::{self, AgentLink, Probe};
+use crate::error::CreateError;
+use crate::net::{Attachment, EgressPolicy};
+use crate::sandbox::{Image, ImageStart};
+use crate::vmm::{DiskFormat, VmInstance};
+use crate::{Inner, Runtime, fsops};
+
+/// A stopped VM of an image, with its live agent session.
+pub(crate) struct WarmVm {
+    pub(crate) dir: PathBuf,
+    pub(crate) vm: Box<dyn VmInstance>,
+    pub(crate) link: AgentLink,
+    pub(crate) ram_file: PathBuf,
+    pub(crate) ram_shared: bool,
+    pub(crate) net: Option<Attachment>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    disk: PathBuf,
+    state: PathBuf,
+    ram: PathBuf,
+    network: bool,
+}
+
+impl Key {
+    /// The pool of `image` (`None`: not kept warm, e.g. a cold-booted filesystem snapshot).
+    pub(crate) fn of(image: &Image, network: bool) -> Option<Key> {
+        let (ram, state) = match &image.start {
+            ImageStart::CopyRam { ram, state } | ImageStart::CowRam { ram, state } => (ram, state),
+            ImageStart::Stream { .. } | ImageStart::Boot => return None,
+        };
+        Some(Key {
+            disk: image.disk.clone(),
+            state: state.clone(),
+            ram: ram.clone(),
+            network,
+        })
+    }
+}
+
+/// The warm VMs of one runtime.
+pub(crate) struct WarmPool {
+    dir: PathBuf,
+    per_image: usize,
+    ready: Mutex<HashMap<Key, Vec<WarmVm>>>,
+    filling: Mutex<HashSet<Key>>,
+    /// One warm VM is made at a time: creates keep the cores.
+    work: tokio::sync::Semaphore,
+    next: AtomicU64,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+/// How long a warm VM's first answer may take.
+const WARM_DEADLINE: Duration = Duration::from_secs(60);
+
+impl WarmPool {
+    pub(crate) fn new(dir: PathBuf, per_image: usize) -> WarmPool {
+        WarmPool {
+            dir,
+            per_image,
+            ready: Mutex::new(HashMap::new()),
+            filling: Mutex::new(HashSet::new()),
+            work: tokio::sync::Semaphore::new(1),
+            next: AtomicU64::new(0),
+            closed: Default::default(),
+        }
+    }
+
+    /// `<state>/vms`.
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A warm VM of `key` whose QEMU still runs.
+    pub(crate) fn take(&self, key: &Key) -> Option<WarmVm> {
+        loop {
+            let w = self.lock().get_mut(key)?.pop()?;
+            if w.vm.alive() {
+                return Some(w);
+            }
+            tracing::warn!(dir = %w.dir.display(), "a warm VM died while waiting; dropped");
+            discard(w, None);
+        }
+    }
+
+    /// Kills every warm VM of images on `disk` (its snapshot is going away).
+    pub(crate) fn forget(&self, disk: &Path, inner: &Inner) {
+        let gone: Vec<WarmVm> = {
+            let mut map = self.lock();
+            let keys: Vec<Key> = map.keys().filter(|k| k.disk == disk).cloned().collect();
+            keys.iter()
+                .flat_map(|k| map.remove(k).unwrap_or_default())
+                .collect()
+        };
+        for w in gone {
+            discard(w, inner.net.as_ref());
+        }
+    }
+
+    /// Takes every warm VM out, and makes no more (the runtime is closing).
+    pub(crate) fn drain(&self) -> Vec<WarmVm> {
+        self.closed.store(true, Ordering::SeqCst);
+        self.lock().drain().flat_map(|(_, v)| v).collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Vec<WarmVm>>> {
+        self.ready.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for WarmPool {
+    fn drop(&mut self) {
+        for w in self.lock().drain().flat_map(|(_, v)| v) {
+            discard(w, None);
+        }
+    }
+}
+
+/// Kills a warm VM at once and removes its files (and gives its network slot back when `net` is given).
+pub(crate) fn discard(w: WarmVm, net: Option<&Arc<crate::net::Network>>) {
+    let pid = w.vm.pid();
+    if pid > 0 && w.vm.alive() {
+        // SAFETY: plain syscall on the pid of a QEMU this runtime started.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+    }
+    if let (Some(att), Some(net)) = (w.net, net) {
+        net.release(att);
+    }
+    if w.ram_shared {
+        let _ = std::fs::remove_file(&w.ram_file);
+    }
+    let _ = std::fs::remove_dir_all(&w.dir);
+}
+
+impl Runtime {
+    /// Kills warm VM `w`, waiting for its exit, and removes its files and network slot.
+    pub(crate) async fn discard_warm(&self, w: WarmVm) {
+        if let Err(e) = w.vm.kill().await {
+            tracing::warn!(dir = %w.dir.display(), error = %e, "a warm VM did not exit");
+        }
+        discard(w, self.inner.net.as_ref());
+    }
+
+    /// Tops `image`'s warm VMs (with or without a network) up to the kept number, in the background.
+    pub(crate) fn refill_warm(&self, image: &Image, network: bool) {
+        let inner = &self.inner;
+        let Some(key) = Key::of(image, network) else {
+            return;
+        };
+        if inner.warm.per_image == 0
+            || !inner
+                .warm
+                .filling
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key.clone())
+        {
+            return;
+        }
+        let (rt, image) = (self.clone(), image.clone());
+        tokio::spawn(async move {
+            let pool = &rt.inner.warm;
+            while pool.lock().get(&key).map_or(0, Vec::len) < pool.per_image {
+                let Ok(_permit) = pool.work.acquire().await else {
+                    break;
+                };
+                if pool.closed.load(Ordering::SeqCst) {
+                    break;
+                }
+                match rt.make_warm(&image, network).await {
+                    Ok(w) if pool.closed.load(Ordering::SeqCst) => rt.discard_warm(w).await,
+                    Ok(w) => pool.lock().entry(key.clone()).or_default().push(w),
+                    Err(e) => {
+                        tracing::warn!(image = %image.template_id, error = %e, "making a warm VM failed");
+                        break;
+                    }
+                }
+            }
+            pool.filling
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
+        });
+    }
+
+    async fn make_warm(&self, image: &Image, network: bool) -> Result<WarmVm, CreateError> {
+        let inner = &self.inner;
+        let n = inner.warm.next.fetch_add(1, Ordering::Relaxed);
+        let dir = inner.warm.dir.join(format!("w{n}"));
+        let io = |what, path: &Path| {
+            let path = path.to_owned();
+            move |source| CreateError::Io { what, path, source }
+        };
+        std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+        let (ram_file, ram_shared, state) = match &image.start {
+            ImageStart::CopyRam { state, .. } => (
+                match &inner.cfg.ram_dir {
+                    Some(d) => d.join(format!(
+                        "warm-{}-w{n}.mem",
+                        crate::prepared::dir_tag(&inner.cfg.state_dir)
+                    )),
+                    None => dir.join("ram.mem"),
+                },
+                true,
+                state.clone(),
+            ),
+            ImageStart::CowRam { ram, state } => (ram.clone(), false, state.clone()),
+            _ => return Err(CreateError::UnknownTemplate(image.template_id.clone())),
+        };
+        let mut w = WarmVmParts {
+            dir: dir.clone(),
+            ram_file: ram_file.clone(),
+            ram_shared,
+            net: None,
+        };
+        let r = async {
+            let mut spec =
+                image
+                    .machine
+                    .spec(&dir, &ram_file, &dir.join("disk.qcow2"), DiskFormat::Qcow2);
+            spec.ram_shared = ram_shared;
+            match inner.prepared.take(&image.disk, image.ram_copied()) {
+                Some(ready) => {
+                    std::fs::rename(&ready.overlay, &spec.disk)
+                        .map_err(io("overlay", &spec.disk))?;
+                    if let Some(r) = &ready.ram {
+                        std::fs::rename(r, &ram_file).map_err(io("RAM copy", &ram_file))?;
+                    }
+                }
+                None => {
+                    fsops::create_overlay(&inner.cfg.qemu_img_bin, &image.disk, &spec.disk)
+                        .await
+                        .map_err(io("overlay", &spec.disk))?;
+                    if let Some(src) = image.ram_copied() {
+                        let (src, dst) = (src.to_owned(), ram_file.clone());
+                        tokio::task::spawn_blocking(move || fsops::sparse_copy(&src, &dst))
+                            .await
+                            .map_err(|e| std::io::Error::other(e.to_string()))
+                            .and_then(|r| r)
+                            .map_err(io("RAM copy", &ram_file))?;
+                    }
+                }
+            }
+            if network && let Some(net) = &inner.net {
+                let att = net.attach(&dir, EgressPolicy::default()).await?;
+                spec.tap = Some(att.tap()?);
+                w.net = Some(att);
+            }
+            let restored = inner.vmm.restore(&spec, &state).await?;
+            let vm = restored.vm;
+            let warmed = async {
+                vm.cont().await?;
+                let sock = spec.agent_socket();
+                let link = agent::answering(
+                    Some(restored.agent),
+                    &sock,
+                    Duration::from_secs(3),
+                    WARM_DEADLINE,
+                    Probe::Health,
+                )
+                .await?;
+                vm.stop().await?;
+                Ok::<_, CreateError>(link)
+            }
+            .await;
+            match warmed {
+                Ok(link) => Ok((vm, link)),
+                Err(e) => {
+                    let _ = vm.kill().await;
+                    Err(e)
+                }
+            }
+        }
+        .await;
+        match r {
+            Ok((vm, link)) => Ok(WarmVm {
+                dir: w.dir,
+                vm,
+                link,
+                ram_file: w.ram_file,
+                ram_shared: w.ram_shared,
+                net: w.net,
+            }),
+            Err(e) => {
+                if let (Some(att), Some(net)) = (w.net.take(), &inner.net) {
+                    net.release(att);
+                }
+                if w.ram_shared {
+                    let _ = std::fs::remove_file(&w.ram_file);
+                }
+                let _ = std::fs::remove_dir_all(&w.dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// Kills QEMUs under `vms/` that neither this pool nor a kept sandbox (`keep_pids`) runs, and
+    /// removes every `vms/` folder no sandbox holds (`held`): what a previous process left.
+    pub(crate) fn remove_stale_warm(&self, held: &HashSet<PathBuf>, keep_pids: &[u32]) {
+        let pool = &self.inner.warm;
+        for (pid, name) in crate::recover::vm_processes_under(&pool.dir) {
+            let dir = pool.dir.join(&name);
+            if !keep_pids.contains(&pid) && !pool.is_pooled(&dir) {
+                tracing::warn!(pid, dir = %dir.display(), "killing a QEMU left by a previous run");
+                // SAFETY: plain syscall on a pid whose command line names our vms folder.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            }
+        }
+        let Ok(rd) = std::fs::read_dir(&pool.dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let dir = e.path();
+            if !held.contains(&dir) && !pool.is_pooled(&dir) {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+}
+
+impl WarmPool {
+    fn is_pooled(&self, dir: &Path) -> bool {
+        self.lock().values().flatten().any(|w| w.dir == dir)
+    }
+}
+
+/// The parts of a warm VM being made, for cleanup on failure.
+struct WarmVmParts {
+    dir: PathBuf,
+    ram_file: PathBuf,
+    ram_shared: bool,
+    net: Option<Attachment>,
+}
