@@ -646,7 +646,7 @@ impl Runtime {
     async fn resume_kept(&self, slot: &Slot, live: &mut Live, k: Kept) -> Result<(), ResumeError> {
         let id = live.record.id.clone();
         k.expiry.abort();
-        let before = (live.record.ram_file.clone(), live.record.phase.clone());
+        let before = (live.record.ram_file.clone(), live.record.phase);
         live.record.ram_file = k.ram_file.clone();
         live.record.phase = SandboxPhase::Running { pid: k.vm.pid() };
         if let Err(e) = persist::write(&self.inner.record_path(&id), &live.record) {
