@@ -1,0 +1,373 @@
+// kda_bwd_chunk.cu, launches 4 and 5: the per-chunk gradients and the finish.
+#pragma once
+
+struct __align__(16) ChunkSmem {
+  bf16 s0[KD][SROW];    // chunk start state [value row][key channel]
+  bf16 ds[KD][SROW];    // d(chunk end state)
+  bf16 t[5][CH][SROW];  // dO, U, dU, dv, Wr: [token][value row]
+  bf16 raw[3][CH][KD];  // q, k, g of the chunk
+  float G[CH][FS];      // cumulative log2 decay
+  float qgm[CH][FS];    // q_hat scale 2^(G - Gm), Gm = G of token 7 (halves the exponent range)
+  float kgm[CH][FS];    // k_hat 2^(G - Gm)
+  float kim[CH][FS];    // k_hat 2^(Gm - G)
+  float dgs[CH][FS];    // d G per token
+  float am[CH][CH + 1]; // A = strict_lower(k k^T decayed), unscaled by b
+  float x[CH][CH + 1];  // X = (I + diag(b) A)^-1
+  float dm[CH][CH + 1]; // dM (j <= i)
+  float dt[CH][CH + 1]; // dT, then dX
+  float y[CH][CH + 1];  // X^T dX
+  float da[CH][CH + 1]; // dA (l < j)
+  float tp[CH][CH + 1]; // products summed into db
+  float tp2[CH][CH + 1];
+  float dgn[KD];        // d G of the chunk's last token from the end state
+  float b[CH], db[CH], rq[CH], rk[CH];
+};
+
+#define CHUNK_SMEM 154432
+static_assert(sizeof(ChunkSmem) == CHUNK_SMEM, "chunk_smem_bytes in src/launch/bwd.rs");
+
+extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdParams p) {
+  extern __shared__ __align__(16) unsigned char chunk_raw[];
+  ChunkSmem& s = *reinterpret_cast<ChunkSmem*>(chunk_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int H = p.num_heads;
+  const long long slot = blockIdx.x / H;
+  const int h = (int)(blockIdx.x % H);
+  int n;
+  if (p.cu_seqlens != nullptr) {
+    int lo = 0, hi = p.num_seqs - 1;  // largest n with slot0(n) <= slot
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      long long a = p.cu_seqlens[mid];
+      a = a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
+      if (a / CH + mid <= slot) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+  } else {
+    n = (int)(slot / ((p.seq_len + CH - 1) / CH));
+  }
+  long long bos, len, slot0;
+  bseq(p, n, bos, len, slot0);
+  const long long c = slot - slot0;
+  if (c < 0 || c * CH >= len) return;  // unused slot (block-uniform)
+  const long long rem = len - c * CH;
+  const int nv = rem < CH ? (int)rem : CH;
+  const long long t0 = bos + c * CH;
+  const size_t sh = (size_t)slot * H + h;
+  const long long hs = (long long)H * KD, qhs = (long long)p.qk_heads * KD;
+  const int hq = h / (H / p.qk_heads);
+
+  // ---- loads
+  {
+    const bf16* s0g = p.sst + sh * KD * KD;
+    const bf16* dsg = p.dss + sh * KD * KD;
+    for (int i = tid; i < 2 * KD * 16; i += 256) {
+      const int w = i >> 11, r = (i >> 4) & 127, cc = i & 15;
+      cp_async16(w ? &s.ds[r][cc * 8] : &s.s0[r][cc * 8], (w ? dsg : s0g) + r * KD + cc * 8, 16);
+    }
+    const bf16* wu = p.wu + sh * 3 * CH * KD;
+    for (int i = tid; i < 8 * CH * 16; i += 256) {
+      const int w = i >> 8, r = (i >> 4) & 15, cc = i & 15;
+      const bf16* src;
+      bool ok = true;
+      bf16* dst = w < 5 ? &s.t[w][r][cc * 8] : &s.raw[w - 5][r][cc * 8];
+      switch (w) {
+        case 0: src = p.dout + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
+        case 1: src = wu + (CH + r) * KD; break;
+        case 2: src = wu + (2 * CH + r) * KD; break;
+        case 3: src = p.dv + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
+        case 4: src = wu + r * KD; break;
+        case 5: src = p.q + (t0 + r) * qhs + (long long)hq * KD; ok = r < nv; break;
+        case 6: src = p.k + (t0 + r) * qhs + (long long)hq * KD; ok = r < nv; break;
+        default: src = p.g + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
+      }
+      cp_async16(dst, ok ? src + cc * 8 : p.q, ok ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+  }
+  __syncthreads();
+
+  // ---- norms, b, gate cumsum and the decayed rows (fp32)
+  {
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+      const int r = warp + 8 * rr;
+      const bf16* row = &s.raw[r < CH ? 0 : 1][r & 15][0];
+      float x = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = __bfloat162float(row[lane + 32 * e]);
+        x = fmaf(v, v, x);
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+      if (lane == 0) (r < CH ? s.rq : s.rk)[r & 15] = rsqrtf(x + 1e-6f);
+    }
+    if (tid < CH) s.b[tid] = tid < nv ? sigmoidf_(__bfloat162float(p.beta[(t0 + tid) * H + h])) : 0.f;
+  }
+  __syncthreads();
+  if (tid < KD) {
+    const int ch = tid;
+    const float exp_a = __expf(p.a_log[h]), dtb = p.dt_bias[h * KD + ch];
+    const float lb2 = p.lower_bound * 1.4426950408889634f;
+    float G[CH], acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const float gam = lb2 * sigmoidf_(exp_a * (__bfloat162float(s.raw[2][i][ch]) + dtb));
+      acc += i < nv ? gam : 0.f;
+      G[i] = acc;
+    }
+    const float gm = G[7];
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      const float kv = __bfloat162float(s.raw[1][i][ch]) * s.rk[i];
+      const float qv = __bfloat162float(s.raw[0][i][ch]) * s.rq[i] * p.scale;
+      const float ep = ex2(G[i] - gm), em = ex2(gm - G[i]);
+      s.G[i][ch] = G[i];
+      s.qgm[i][ch] = qv * ep;
+      s.kgm[i][ch] = kv * ep;
+      s.kim[i][ch] = kv * em;
+    }
+  }
+  __syncthreads();
+  {
+    const int j = tid >> 4, l = tid & 15;
+    float a = 0.f;
+    if (l < j) {
+#pragma unroll 8
+      for (int ch = 0; ch < KD; ++ch) a = fmaf(s.kgm[j][ch], s.kim[l][ch], a);
+    }
+    s.am[j][l] = a;
+  }
+  __syncthreads();
+  if (tid < CH) {  // column tid of X by forward substitution
+    const int jc = tid;
+    float xv[CH];
+#pragma unroll
+    for (int i = 0; i < CH; ++i) {
+      float v = i == jc ? 1.f : 0.f;
+#pragma unroll
+      for (int m = 0; m < i; ++m) v = fmaf(-s.b[i] * s.am[i][m], xv[m], v);
+      xv[i] = v;
+      s.x[i][jc] = v;
+    }
+  }
+
+  // ---- products over the value rows on mma: warp w owns key channels [16w, 16w + 16)
+  const int lj = lane >> 3, lr = (lane & 7) + 8 * (lj & 1), lc = 8 * (lj >> 1);
+  float dqd[2][4] = {}, dkd[2][4] = {}, dkr[2][4] = {};
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb) {
+    uint32_t bs[4], bd[4];
+    ldsm_x4_t(bs, &s.s0[16 * kb + lr][16 * warp + lc]);
+    ldsm_x4_t(bd, &s.ds[16 * kb + lr][16 * warp + lc]);
+    const int kc = 16 * kb + 2 * tq;
+    uint32_t a[3][4];
+#pragma unroll
+    for (int w = 0; w < 3; ++w) {
+      const int ti = w == 0 ? 0 : (w == 1 ? 3 : 1);  // dO, dv, U
+      a[w][0] = ld32(&s.t[ti][gq][kc]);
+      a[w][1] = ld32(&s.t[ti][gq + 8][kc]);
+      a[w][2] = ld32(&s.t[ti][gq][kc + 8]);
+      a[w][3] = ld32(&s.t[ti][gq + 8][kc + 8]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma(dqd[nt], a[0][0], a[0][1], a[0][2], a[0][3], bs[2 * nt], bs[2 * nt + 1], dqd[nt]);
+      mma(dkd[nt], a[1][0], a[1][1], a[1][2], a[1][3], bs[2 * nt], bs[2 * nt + 1], dkd[nt]);
+      mma(dkr[nt], a[2][0], a[2][1], a[2][2], a[2][3], bd[2 * nt], bd[2 * nt + 1], dkr[nt]);
+    }
+  }
+  if (warp >= 6) {  // dM = dO U^T (warp 6), dT = dU Wr^T (warp 7)
+    const int ta = warp == 6 ? 0 : 2, tb = warp == 6 ? 1 : 4;
+    float acc[2][4] = {};
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      const int kc = 16 * kb + 2 * tq;
+      const uint32_t a0 = ld32(&s.t[ta][gq][kc]), a1 = ld32(&s.t[ta][gq + 8][kc]);
+      const uint32_t a2 = ld32(&s.t[ta][gq][kc + 8]), a3 = ld32(&s.t[ta][gq + 8][kc + 8]);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        mma(acc[nt], a0, a1, a2, a3, ld32(&s.t[tb][nt * 8 + gq][kc]), ld32(&s.t[tb][nt * 8 + gq][kc + 8]), acc[nt]);
+    }
+    float (*dst)[CH + 1] = warp == 6 ? s.dm : s.dt;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
+        dst[row][col] = col <= row ? acc[nt][e] : 0.f;
+      }
+  }
+  {  // d G_last from S_n = S0 diag(E) + ...: E sum_v dS S0 (this warp's channels)
+    const int ch = 16 * warp + (lane & 15), half = lane >> 4;
+    float a = 0.f;
+#pragma unroll 8
+    for (int r = 64 * half; r < 64 * half + 64; ++r)
+      a = fmaf(__bfloat162float(s.ds[r][ch]), __bfloat162float(s.s0[r][ch]), a);
+    a += __shfl_xor_sync(0xffffffffu, a, 16);
+    if (lane < 16) s.dgn[ch] = a * ex2(s.G[CH - 1][ch]);
+  }
+  __syncthreads();
+
+  // ---- WY backward (16 x 16, fp32): dX = dT diag(b), db += diag(X^T dT), dL = -X^T dX X^T
+  {
+    const int i = tid >> 4, j = tid & 15;
+    const float dtv = s.dt[i][j];
+    s.tp[i][j] = s.x[i][j] * dtv;
+    s.dt[i][j] = dtv * s.b[j];
+  }
+  __syncthreads();
+  {
+    const int i = tid >> 4, j = tid & 15;
+    float a = 0.f;
+#pragma unroll
+    for (int l = 0; l < CH; ++l) a = fmaf(s.x[l][i], s.dt[l][j], a);
+    s.y[i][j] = a;
+  }
+  __syncthreads();
+  {
+    const int jr = tid >> 4, l = tid & 15;
+    float dl = 0.f;
+    if (l < jr) {
+#pragma unroll
+      for (int r = 0; r < CH; ++r) dl = fmaf(-s.y[jr][r], s.x[l][r], dl);
+    }
+    s.tp2[jr][l] = dl * s.am[jr][l];
+    s.da[jr][l] = dl * s.b[jr];
+  }
+  __syncthreads();
+  if (tid < CH) {
+    float a = 0.f;
+#pragma unroll
+    for (int r = 0; r < CH; ++r) a += s.tp[r][tid] + s.tp2[tid][r];
+    s.db[tid] = a;
+    if (tid < nv) p.acc[((t0 + tid) * H + h) * ACC_W + 3 * KD] = a;
+  }
+
+  // ---- d q_hat, d k_hat, d G of this lane's 8 (token, channel) elements
+  float gn_part[2][2] = {};
+  const float scale = p.scale;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = gq + 8 * (e >> 1), ch = 16 * warp + nt * 8 + 2 * tq + (e & 1);
+      const float gi = s.G[i][ch], gm = s.G[7][ch], gl = s.G[CH - 1][ch];
+      const float eg = ex2(gi), ep = ex2(gi - gm), em = ex2(gm - gi), er = ex2(gl - gi);
+      float sm1 = 0.f, sm2 = 0.f, sa1 = 0.f, sa2 = 0.f;
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const float ki = s.kim[j][ch], kg = s.kgm[j][ch], qg = s.qgm[j][ch];
+        sm1 = fmaf(s.dm[i][j], ki, sm1);
+        sm2 = fmaf(s.dm[j][i], qg, sm2);
+        sa1 = fmaf(s.da[i][j], ki, sa1);
+        sa2 = fmaf(s.da[j][i], kg, sa2);
+      }
+      const float qs = s.qgm[i][ch] * em, kn = s.kgm[i][ch] * em;
+      const float dqm = ep * sm1, dkm = em * sm2, dka1 = ep * sa1, dka2 = em * sa2;
+      const float xq = dqd[nt][e], xk = -dkd[nt][e], xr = dkr[nt][e];
+      const float dqs = eg * xq + dqm;
+      const float dk = eg * xk + er * xr + dkm + dka1 + dka2;
+      const float krx = kn * er * xr;
+      const float dG = qs * eg * xq + kn * eg * xk - krx + qs * dqm - kn * dkm + kn * dka1 - kn * dka2;
+      gn_part[nt][e & 1] += krx;
+      s.dgs[i][ch] = dG;
+      if (i < nv) {
+        float* a = p.acc + ((t0 + i) * H + h) * ACC_W;
+        a[ch] = scale * dqs;
+        a[KD + ch] = dk;
+      }
+    }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = gn_part[nt][e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      gn_part[nt][e] = v;
+    }
+  __syncwarp();
+  if (gq == 0) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) s.dgn[16 * warp + nt * 8 + 2 * tq + e] += gn_part[nt][e];
+  }
+  __syncwarp();
+  if (lane < 16) {  // d gamma_j = sum_{i >= j} d G_i (+ d G_last)
+    const int ch = 16 * warp + lane;
+    float run = s.dgn[ch];
+    for (int j = CH - 1; j >= 0; --j) {
+      run += s.dgs[j][ch];
+      if (j < nv) p.acc[((t0 + j) * H + h) * ACC_W + 2 * KD + ch] = run;
+    }
+  }
+}
+
+#define FIN_TOK 64  // tokens per kda_bwd_finish block
+
+__device__ __forceinline__ float block_sum128(float x, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+  __syncthreads();
+  return red[0] + red[1] + red[2] + red[3];
+}
+
+// Grid (token blocks, q/k heads), 128 threads (one per channel): dq, dk (L2-norm backward of the
+// row sums, summed over the value heads of a GVA group), dg, dbeta, and this block's share of
+// ddt_bias and dA_log.
+extern "C" __global__ void __launch_bounds__(128) kda_bwd_finish(KdaBwdParams p) {
+  __shared__ float red[4];
+  const int c = threadIdx.x;
+  const int hq = blockIdx.y;
+  const int group = p.num_heads / p.qk_heads;
+  const long long t_begin = (long long)blockIdx.x * FIN_TOK;
+  const long long t_end = t_begin + FIN_TOK < p.total_tokens ? t_begin + FIN_TOK : p.total_tokens;
+  const float lb = p.lower_bound;
+  float ddtb[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // group <= 8 kept in registers
+  float dal_log[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (long long t = t_begin; t < t_end; ++t) {
+    float dqh = 0.f, dkh = 0.f;
+    for (int gi = 0; gi < group; ++gi) {
+      const int h = hq * group + gi;
+      const float* a = p.acc + (t * p.num_heads + h) * ACC_W;
+      dqh += a[c];
+      dkh += a[KD + c];
+      const float ea = expf(p.a_log[h]);
+      const float x = ea * (__bfloat162float(p.g[(t * p.num_heads + h) * KD + c]) + p.dt_bias[h * KD + c]);
+      const float sg = 1.f / (1.f + expf(-x));
+      const float dx = a[2 * KD + c] * lb * sg * (1.f - sg);
+      p.dg[(t * p.num_heads + h) * KD + c] = __float2bfloat16(dx * ea);
+      if (gi < 8) {
+        ddtb[gi] += dx * ea;
+        dal_log[gi] += dx * x;
+      } else {
+        atomicAdd(&p.ddt_bias[h * KD + c], dx * ea);
+        atomicAdd(&p.da_log[h], dx * x);
+      }
+      if (c == 0) {
+        const float b = 1.f / (1.f + expf(-__bfloat162float(p.beta[t * p.num_heads + h])));
+        p.dbeta[t * p.num_heads + h] = __float2bfloat16(a[3 * KD] * b * (1.f - b));
+      }
+    }
+    const size_t qo = ((size_t)t * p.qk_heads + hq) * KD + c;
+    const float q = __bfloat162float(p.q[qo]), k = __bfloat162float(p.k[qo]);
+    const float sq = block_sum128(q * q, red), dq_dot = block_sum128(q * dqh, red);
+    const float sk = block_sum128(k * k, red), dk_dot = block_sum128(k * dkh, red);
+    const float rq = 1.f / sqrtf(sq + 1e-6f), rk = 1.f / sqrtf(sk + 1e-6f);
+    p.dq[qo] = __float2bfloat16(rq * dqh - q * rq * rq * rq * dq_dot);
+    p.dk[qo] = __float2bfloat16(rk * dkh - k * rk * rk * rk * dk_dot);
+  }
+  for (int gi = 0; gi < group && gi < 8; ++gi) {
+    const int h = hq * group + gi;
+    atomicAdd(&p.ddt_bias[h * KD + c], ddtb[gi]);
+    const float s = block_sum128(dal_log[gi], red);
+    if (c == 0) atomicAdd(&p.da_log[h], s);
+  }
+}
