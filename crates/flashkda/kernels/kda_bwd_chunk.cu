@@ -36,10 +36,11 @@ struct KdaBwdParams {
   float* ddt_bias;      // [H, 128], zeroed by the launcher
   void* dh0;            // [N, H, 128, 128] or null
   const unsigned char* rec;  // [slots, H] prep records
-  bf16* sst;            // [slots, H, 128, 128] chunk start states
-  bf16* dss;            // [slots, H, 128, 128] d(chunk end state)
+  bf16* sst;            // [slots, H, 128 key, 128 value] chunk start states (transposed)
+  bf16* dss;            // [slots, H, 128 key, 128 value] d(chunk end state) (transposed)
   bf16* wu;             // [slots, H, 3, 16, 128]: Wr, U, dU ([token][value row])
-  float* acc;           // [T, H, ACC_W] row sums
+  float* acc;           // [T, H, ACC_W] row sums (GVA only)
+  float* part;          // [slots, H, PART_W]: per-chunk ddt_bias[128], dA_log (not GVA)
   long long seq_len;
   long long total_tokens;
   int num_heads;
@@ -49,12 +50,13 @@ struct KdaBwdParams {
   int dh0_fp32;
   float scale;
   float lower_bound;
-  int pad_;
+  int fused;            // 1 (no GVA): kdab_chunk writes dq, dk, dg, dbeta and the partial sums
 };
 
 #define ACC_W (3 * KD + 4)  // per (token, head): dq_hat[128], dk_hat[128], dgamma[128], db, 3 pad
 #define SROW 136            // padded bf16 row stride of the 16 x 128 and 128 x 128 tiles
 #define FS 129              // padded fp32 row stride
+#define PART_W 132          // floats of a chunk's partial sums
 
 __device__ __forceinline__ void bseq(const KdaBwdParams& p, int n, long long& bos, long long& len, long long& slot0) {
   if (p.cu_seqlens != nullptr) {
@@ -123,12 +125,23 @@ __device__ __forceinline__ void load_rows(float (&S)[16][4], const void* base, i
   }
 }
 
-__device__ __forceinline__ void store_rows_bf16(const float (&S)[16][4], bf16* dst, int r0, int tq) {
+// The warp's 16 state rows (fp32 fragments) as bf16 into the transposed tile dst[key][value]: lanes
+// gq and gq ^ 1 swap halves so each stores a (value row, value row + 1) pair.
+__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* dst, int r0, int gq, int tq) {
+  const bool even = (gq & 1) == 0;
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) {
     const int col = nt * 8 + 2 * tq;
-    *reinterpret_cast<__nv_bfloat162*>(dst + (size_t)r0 * KD + col) = __floats2bfloat162_rn(S[nt][0], S[nt][1]);
-    *reinterpret_cast<__nv_bfloat162*>(dst + (size_t)(r0 + 8) * KD + col) = __floats2bfloat162_rn(S[nt][2], S[nt][3]);
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = r0 + 8 * hr;
+      const float x0 = S[nt][2 * hr], x1 = S[nt][2 * hr + 1];
+      const float recv = __shfl_xor_sync(0xffffffffu, even ? x1 : x0, 4);
+      if (even)
+        *reinterpret_cast<__nv_bfloat162*>(dst + (size_t)col * KD + r) = __floats2bfloat162_rn(x0, recv);
+      else
+        *reinterpret_cast<__nv_bfloat162*>(dst + (size_t)(col + 1) * KD + r - 1) = __floats2bfloat162_rn(recv, x1);
+    }
   }
 }
 
@@ -183,7 +196,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
     const long long slot = slot0 + c, rem = len - (long long)c * CH;
     const int nv = rem < CH ? (int)rem : CH;
     const size_t sh = (size_t)slot * H + h;
-    store_rows_bf16(S, p.sst + sh * KD * KD, vw + gq, tq);
+    store_rows_t(S, p.sst + sh * KD * KD, vw + gq, gq, tq);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
     const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
@@ -286,7 +299,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
     const long long slot = slot0 + c, t0 = bos + (long long)c * CH;
     const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
-    store_rows_bf16(dS, p.dss + sh * KD * KD, vw + gq, tq);
+    store_rows_t(dS, p.dss + sh * KD * KD, vw + gq, gq, tq);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* qd = reinterpret_cast<const bf16*>(st.rec + R_QD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);

@@ -2,8 +2,6 @@
 #pragma once
 
 struct __align__(16) ChunkSmem {
-  bf16 s0[KD][SROW];    // chunk start state [value row][key channel]
-  bf16 ds[KD][SROW];    // d(chunk end state)
   bf16 t[5][CH][SROW];  // dO, U, dU, dv, Wr: [token][value row]
   bf16 raw[3][CH][KD];  // q, k, g of the chunk
   float G[CH][FS];      // cumulative log2 decay
@@ -20,13 +18,14 @@ struct __align__(16) ChunkSmem {
   float tp[CH][CH + 1]; // products summed into db
   float tp2[CH][CH + 1];
   float dgn[KD];        // d G of the chunk's last token from the end state
-  float b[CH], db[CH], rq[CH], rk[CH];
+  float dot[8][CH][2];  // per warp: q . dq_hat, k . dk_hat of each token
+  float b[CH], db[CH], rq[CH], rk[CH], pal[8];
 };
 
-#define CHUNK_SMEM 154432
+#define CHUNK_SMEM 85856
 static_assert(sizeof(ChunkSmem) == CHUNK_SMEM, "chunk_smem_bytes in src/launch/bwd.rs");
 
-extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdParams p) {
+extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdParams p) {
   extern __shared__ __align__(16) unsigned char chunk_raw[];
   ChunkSmem& s = *reinterpret_cast<ChunkSmem*>(chunk_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
@@ -49,22 +48,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdPara
   long long bos, len, slot0;
   bseq(p, n, bos, len, slot0);
   const long long c = slot - slot0;
-  if (c < 0 || c * CH >= len) return;  // unused slot (block-uniform)
+  const size_t sh = (size_t)slot * H + h;
+  if (c < 0 || c * CH >= len) {  // unused slot (block-uniform): no partial sums
+    if (p.fused && tid < PART_W) p.part[sh * PART_W + tid] = 0.f;
+    return;
+  }
   const long long rem = len - c * CH;
   const int nv = rem < CH ? (int)rem : CH;
   const long long t0 = bos + c * CH;
-  const size_t sh = (size_t)slot * H + h;
   const long long hs = (long long)H * KD, qhs = (long long)p.qk_heads * KD;
   const int hq = h / (H / p.qk_heads);
 
   // ---- loads
   {
-    const bf16* s0g = p.sst + sh * KD * KD;
-    const bf16* dsg = p.dss + sh * KD * KD;
-    for (int i = tid; i < 2 * KD * 16; i += 256) {
-      const int w = i >> 11, r = (i >> 4) & 127, cc = i & 15;
-      cp_async16(w ? &s.ds[r][cc * 8] : &s.s0[r][cc * 8], (w ? dsg : s0g) + r * KD + cc * 8, 16);
-    }
     const bf16* wu = p.wu + sh * 3 * CH * KD;
     for (int i = tid; i < 8 * CH * 16; i += 256) {
       const int w = i >> 8, r = (i >> 4) & 15, cc = i & 15;
@@ -84,8 +80,20 @@ extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdPara
       cp_async16(dst, ok ? src + cc * 8 : p.q, ok ? 16 : 0);
     }
     cp_async_commit();
-    cp_async_wait_all();
   }
+  // B fragments (k = value row, n = key channel) of the transposed start state, straight from global
+  const bf16* s0t = p.sst + sh * KD * KD;
+  const bf16* dst_ = p.dss + sh * KD * KD;
+  uint32_t bs[8][2][2];
+#pragma unroll
+  for (int kb = 0; kb < 8; ++kb)
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const bf16* r = s0t + (size_t)(16 * warp + nt * 8 + gq) * KD + 16 * kb + 2 * tq;
+      bs[kb][nt][0] = __ldg(reinterpret_cast<const unsigned int*>(r));
+      bs[kb][nt][1] = __ldg(reinterpret_cast<const unsigned int*>(r + 8));
+    }
+  cp_async_wait_all();
   __syncthreads();
 
   // ---- norms, b, gate cumsum and the decayed rows (fp32)
@@ -155,13 +163,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdPara
   }
 
   // ---- products over the value rows on mma: warp w owns key channels [16w, 16w + 16)
-  const int lj = lane >> 3, lr = (lane & 7) + 8 * (lj & 1), lc = 8 * (lj >> 1);
   float dqd[2][4] = {}, dkd[2][4] = {}, dkr[2][4] = {};
+  float gn2[2] = {0.f, 0.f};  // sum over this lane's value rows of dS S0 (channel 16w + 8nt + gq)
 #pragma unroll
   for (int kb = 0; kb < 8; ++kb) {
-    uint32_t bs[4], bd[4];
-    ldsm_x4_t(bs, &s.s0[16 * kb + lr][16 * warp + lc]);
-    ldsm_x4_t(bd, &s.ds[16 * kb + lr][16 * warp + lc]);
     const int kc = 16 * kb + 2 * tq;
     uint32_t a[3][4];
 #pragma unroll
@@ -174,9 +179,19 @@ extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdPara
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      mma(dqd[nt], a[0][0], a[0][1], a[0][2], a[0][3], bs[2 * nt], bs[2 * nt + 1], dqd[nt]);
-      mma(dkd[nt], a[1][0], a[1][1], a[1][2], a[1][3], bs[2 * nt], bs[2 * nt + 1], dkd[nt]);
-      mma(dkr[nt], a[2][0], a[2][1], a[2][2], a[2][3], bd[2 * nt], bd[2 * nt + 1], dkr[nt]);
+      const bf16* r = dst_ + (size_t)(16 * warp + nt * 8 + gq) * KD + kc;
+      const uint32_t d0 = __ldg(reinterpret_cast<const unsigned int*>(r));
+      const uint32_t d1 = __ldg(reinterpret_cast<const unsigned int*>(r + 8));
+      mma(dqd[nt], a[0][0], a[0][1], a[0][2], a[0][3], bs[kb][nt][0], bs[kb][nt][1], dqd[nt]);
+      mma(dkd[nt], a[1][0], a[1][1], a[1][2], a[1][3], bs[kb][nt][0], bs[kb][nt][1], dkd[nt]);
+      mma(dkr[nt], a[2][0], a[2][1], a[2][2], a[2][3], d0, d1, dkr[nt]);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const uint32_t sv = bs[kb][nt][hf], dv = hf ? d1 : d0;
+        const float2 sf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv));
+        const float2 df = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dv));
+        gn2[nt] = fmaf(sf.x, df.x, fmaf(sf.y, df.y, gn2[nt]));
+      }
     }
   }
   if (warp >= 6) {  // dM = dO U^T (warp 6), dT = dU Wr^T (warp 7)
@@ -201,13 +216,14 @@ extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdPara
       }
   }
   {  // d G_last from S_n = S0 diag(E) + ...: E sum_v dS S0 (this warp's channels)
-    const int ch = 16 * warp + (lane & 15), half = lane >> 4;
-    float a = 0.f;
-#pragma unroll 8
-    for (int r = 64 * half; r < 64 * half + 64; ++r)
-      a = fmaf(__bfloat162float(s.ds[r][ch]), __bfloat162float(s.s0[r][ch]), a);
-    a += __shfl_xor_sync(0xffffffffu, a, 16);
-    if (lane < 16) s.dgn[ch] = a * ex2(s.G[CH - 1][ch]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float v = gn2[nt];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      const int ch = 16 * warp + nt * 8 + gq;
+      if (tq == 0) s.dgn[ch] = v * ex2(s.G[CH - 1][ch]);
+    }
   }
   __syncthreads();
 
@@ -243,11 +259,15 @@ extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdPara
 #pragma unroll
     for (int r = 0; r < CH; ++r) a += s.tp[r][tid] + s.tp2[tid][r];
     s.db[tid] = a;
-    if (tid < nv) p.acc[((t0 + tid) * H + h) * ACC_W + 3 * KD] = a;
+    if (tid < nv && !p.fused) p.acc[((t0 + tid) * H + h) * ACC_W + 3 * KD] = a;
+    if (tid < nv && p.fused) {
+      const float bb = s.b[tid];
+      p.dbeta[(t0 + tid) * H + h] = __float2bfloat16(a * bb * (1.f - bb));
+    }
   }
 
   // ---- d q_hat, d k_hat, d G of this lane's 8 (token, channel) elements
-  float gn_part[2][2] = {};
+  float gn_part[2][2] = {}, dqh[2][4], dkh[2][4];
   const float scale = p.scale;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
@@ -274,9 +294,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdPara
       const float dG = qs * eg * xq + kn * eg * xk - krx + qs * dqm - kn * dkm + kn * dka1 - kn * dka2;
       gn_part[nt][e & 1] += krx;
       s.dgs[i][ch] = dG;
-      if (i < nv) {
+      dqh[nt][e] = scale * dqs;
+      dkh[nt][e] = dk;
+      if (i < nv && !p.fused) {
         float* a = p.acc + ((t0 + i) * H + h) * ACC_W;
-        a[ch] = scale * dqs;
+        a[ch] = dqh[nt][e];
         a[KD + ch] = dk;
       }
     }
@@ -298,14 +320,102 @@ extern "C" __global__ void __launch_bounds__(256, 1) kdab_chunk(const KdaBwdPara
       for (int e = 0; e < 2; ++e) s.dgn[16 * warp + nt * 8 + 2 * tq + e] += gn_part[nt][e];
   }
   __syncwarp();
-  if (lane < 16) {  // d gamma_j = sum_{i >= j} d G_i (+ d G_last)
+  if (lane < 16) {  // d gamma_j = sum_{i >= j} d G_i (+ d G_last); fused: the gate chain rule
     const int ch = 16 * warp + lane;
-    float run = s.dgn[ch];
+    const float ea = __expf(p.a_log[h]), dtb = p.dt_bias[h * KD + ch], lb = p.lower_bound;
+    float run = s.dgn[ch], pdt = 0.f, pal = 0.f;
     for (int j = CH - 1; j >= 0; --j) {
       run += s.dgs[j][ch];
-      if (j < nv) p.acc[((t0 + j) * H + h) * ACC_W + 2 * KD + ch] = run;
+      if (j >= nv) continue;
+      if (!p.fused) {
+        p.acc[((t0 + j) * H + h) * ACC_W + 2 * KD + ch] = run;
+      } else {
+        const float x = ea * (__bfloat162float(s.raw[2][j][ch]) + dtb);
+        const float sg = 1.f / (1.f + __expf(-x));
+        const float dx = run * lb * sg * (1.f - sg);
+        p.dg[(t0 + j) * hs + (long long)h * KD + ch] = __float2bfloat16(dx * ea);
+        pdt += dx * ea;
+        pal += dx * x;
+      }
+    }
+    if (p.fused) {
+      p.part[sh * PART_W + ch] = pdt;
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) pal += __shfl_xor_sync(0x0000ffffu, pal, o);
+      if (lane == 0) s.pal[warp] = pal;
     }
   }
+  if (!p.fused) return;  // block-uniform
+  // ---- fused finish: L2-norm backward of q and k (token dots over the 8 warps' channels)
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = gq + 8 * hr;
+    float pq = 0.f, pk = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int ch = 16 * warp + nt * 8 + 2 * tq + e;
+        pq = fmaf(__bfloat162float(s.raw[0][i][ch]), dqh[nt][2 * hr + e], pq);
+        pk = fmaf(__bfloat162float(s.raw[1][i][ch]), dkh[nt][2 * hr + e], pk);
+      }
+    pq += __shfl_xor_sync(0xffffffffu, pq, 1);
+    pq += __shfl_xor_sync(0xffffffffu, pq, 2);
+    pk += __shfl_xor_sync(0xffffffffu, pk, 1);
+    pk += __shfl_xor_sync(0xffffffffu, pk, 2);
+    if (tq == 0) {
+      s.dot[warp][i][0] = pq;
+      s.dot[warp][i][1] = pk;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) a += s.pal[w];
+    p.part[sh * PART_W + KD] = a;
+  }
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int i = gq + 8 * hr;
+    if (i >= nv) continue;
+    float dq_dot = 0.f, dk_dot = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      dq_dot += s.dot[w][i][0];
+      dk_dot += s.dot[w][i][1];
+    }
+    const float rq = s.rq[i], rk = s.rk[i];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int ch = 16 * warp + nt * 8 + 2 * tq;
+      const float q0 = __bfloat162float(s.raw[0][i][ch]), q1 = __bfloat162float(s.raw[0][i][ch + 1]);
+      const float k0 = __bfloat162float(s.raw[1][i][ch]), k1 = __bfloat162float(s.raw[1][i][ch + 1]);
+      const float cq = rq * rq * rq * dq_dot, ck = rk * rk * rk * dk_dot;
+      const size_t o = (size_t)(t0 + i) * qhs + (size_t)hq * KD + ch;
+      *reinterpret_cast<__nv_bfloat162*>(p.dq + o) =
+          __floats2bfloat162_rn(rq * dqh[nt][2 * hr] - q0 * cq, rq * dqh[nt][2 * hr + 1] - q1 * cq);
+      *reinterpret_cast<__nv_bfloat162*>(p.dk + o) =
+          __floats2bfloat162_rn(rk * dkh[nt][2 * hr] - k0 * ck, rk * dkh[nt][2 * hr + 1] - k1 * ck);
+    }
+  }
+}
+
+// Fused path: ddt_bias and dA_log of head blockIdx.x, summed over the chunk slots' partials.
+extern "C" __global__ void __launch_bounds__(128) kdab_reduce(KdaBwdParams p, int slots) {
+  __shared__ float red[4];
+  const int h = blockIdx.x, c = threadIdx.x;
+  const float* part = p.part + (size_t)h * PART_W;
+  const size_t stride = (size_t)p.num_heads * PART_W;
+  float a = 0.f, al = 0.f;
+  for (int sl = 0; sl < slots; ++sl) a += part[sl * stride + c];
+  for (int sl = c; sl < slots; sl += 128) al += part[sl * stride + KD];
+  p.ddt_bias[h * KD + c] = a;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) al += __shfl_xor_sync(0xffffffffu, al, o);
+  if ((c & 31) == 0) red[c >> 5] = al;
+  __syncthreads();
+  if (c == 0) p.da_log[h] = red[0] + red[1] + red[2] + red[3];
 }
 
 #define FIN_TOK 64  // tokens per kda_bwd_finish block

@@ -27,7 +27,9 @@ const fn pass_smem_bytes(nw: usize) -> u32 {
     (2 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)) as u32
 }
 /// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
-const CHUNK_SMEM_BYTES: u32 = 154432;
+const CHUNK_SMEM_BYTES: u32 = 85856;
+/// Floats of one chunk's partial sums (`PART_W`: ddt_bias[128], dA_log, 3 pad).
+const PART_W: usize = 132;
 
 /// Warps (16 value rows each) per block of the two state passes: 4 (two blocks per chain) while
 /// that still gives 2 blocks per SM, else 2.
@@ -36,7 +38,8 @@ pub fn bwd_pass_warps(chains: usize, sm_count: usize) -> usize {
 }
 
 /// Offsets of the backward workspace (bytes, 256-aligned): the prep records, the chunk start
-/// states, the d(chunk end) states, the Wr/U/dU tiles, the row sums; and the total.
+/// states, the d(chunk end) states, the Wr/U/dU tiles, then either the per-token row sums (GVA,
+/// for `kda_bwd_finish`) or the per-chunk partial sums of ddt_bias and dA_log; and the total.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BwdLayout {
     pub rec: usize,
@@ -44,30 +47,41 @@ pub struct BwdLayout {
     pub dss: usize,
     pub wu: usize,
     pub acc: usize,
+    pub part: usize,
     pub total: usize,
 }
 
-/// [`BwdLayout`] of `slots` chunk slots, `tokens` tokens and `heads` value heads.
-pub fn bwd_layout(slots: usize, tokens: usize, heads: usize) -> BwdLayout {
+/// [`BwdLayout`] of `slots` chunk slots, `tokens` tokens and `heads` value heads; `gva`: q/k heads
+/// shared by several value heads (the row sums path).
+pub fn bwd_layout(slots: usize, tokens: usize, heads: usize, gva: bool) -> BwdLayout {
     let sh = slots * heads;
     let rec = 0;
     let sst = (rec + sh * SPLIT_RECORD_BYTES).next_multiple_of(256);
     let dss = (sst + sh * STATE_BYTES).next_multiple_of(256);
     let wu = (dss + sh * STATE_BYTES).next_multiple_of(256);
     let acc = (wu + sh * WU_BYTES).next_multiple_of(256);
+    let acc_bytes = if gva { tokens * heads * ACC_W * 4 } else { 0 };
+    let part = (acc + acc_bytes).next_multiple_of(256);
+    let part_bytes = if gva { 0 } else { sh * PART_W * 4 };
     BwdLayout {
         rec,
         sst,
         dss,
         wu,
         acc,
-        total: acc + tokens * heads * ACC_W * 4,
+        part,
+        total: part + part_bytes,
     }
 }
 
 fn layout(plan: &BwdPlan) -> BwdLayout {
     let p = &plan.fwd;
-    bwd_layout(workspace_slots(p), p.batch * p.seq_len, p.heads)
+    bwd_layout(
+        workspace_slots(p),
+        p.batch * p.seq_len,
+        p.heads,
+        p.qk_heads != p.heads,
+    )
 }
 
 /// Mirror of `struct KdaBwdParams` in `kernels/kda_bwd.cu` (the one definition of the kernels'
@@ -99,6 +113,7 @@ struct BwdKernelParams {
     dss: u64,
     wu: u64,
     acc: u64,
+    part: u64,
     seq_len: i64,
     total_tokens: i64,
     num_heads: i32,
@@ -108,7 +123,7 @@ struct BwdKernelParams {
     dh0_fp32: i32,
     scale: f32,
     lower_bound: f32,
-    pad: i32,
+    fused: i32,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (size checked by a test).
@@ -123,6 +138,7 @@ pub(super) struct BwdKernels {
     /// `kdab_dstates_w2`, `kdab_dstates_w4`.
     dstates: [CudaFunction; 2],
     chunk: CudaFunction,
+    reduce: CudaFunction,
     finish: CudaFunction,
 }
 
@@ -150,6 +166,7 @@ impl BwdKernels {
                 load("kdab_dstates_w4", pass_smem_bytes(4))?,
             ],
             chunk: load("kdab_chunk", CHUNK_SMEM_BYTES)?,
+            reduce: load("kdab_reduce", 0)?,
             finish: load("kda_bwd_finish", 0)?,
         })
     }
@@ -174,9 +191,10 @@ impl Default for BwdOptions {
 }
 
 /// Workspace bytes of a validated backward call, per 16-token chunk slot and head: the prep
-/// record (14400), the chunk's start state and d(end state) (bf16, 32 KiB each) and the Wr, U, dU
-/// tiles (12 KiB); per token and head the row sums (1552). Temporary: nothing is saved by the
-/// forward for the backward beyond its inputs.
+/// record (14400), the chunk's start state and d(end state) (bf16, 32 KiB each), the Wr, U, dU
+/// tiles (12 KiB) and the partial sums (528); with GVA the per-token row sums (1552 per token and
+/// head) instead of the partial sums. Temporary: nothing is saved by the forward for the backward
+/// beyond its inputs.
 pub fn bwd_workspace_bytes(plan: &BwdPlan) -> usize {
     layout(plan).total
 }
@@ -252,6 +270,7 @@ pub fn bwd_validated(
         dss: ws + lay.dss as u64,
         wu: ws + lay.wu as u64,
         acc: ws + lay.acc as u64,
+        part: ws + lay.part as u64,
         seq_len: fp.seq_len as i64,
         total_tokens: total as i64,
         num_heads: fp.heads as i32,
@@ -261,7 +280,7 @@ pub fn bwd_validated(
         dh0_fp32: i32::from(plan.dinitial_state == Some(StateDType::F32)),
         scale: args.scale,
         lower_bound: args.lower_bound,
-        pad: 0,
+        fused: i32::from(fp.qk_heads == fp.heads),
     };
     let bk = &kernels.bwd;
     let slots = workspace_slots(fp);
@@ -331,7 +350,21 @@ pub fn bwd_validated(
         // SAFETY: reads the workspace, inputs and dv; writes the row sums.
         unsafe { launch.launch(cfg) }.during("launching kdab_chunk")?;
     }
-    if total > 0 {
+    if params.fused == 1 {
+        if fp.heads > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (fp.heads as u32, 1, 1),
+                block_dim: (HEAD_DIM as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let n = slots as i32;
+            let mut launch = stream.launch_builder(&bk.reduce);
+            launch.arg(&params);
+            launch.arg(&n);
+            // SAFETY: reads the partial sums of every slot; writes dA_log and ddt_bias.
+            unsafe { launch.launch(cfg) }.during("launching kdab_reduce")?;
+        }
+    } else if total > 0 {
         let cfg = LaunchConfig {
             grid_dim: (total.div_ceil(FIN_TOK) as u32, fp.qk_heads as u32, 1),
             block_dim: (HEAD_DIM as u32, 1, 1),
@@ -351,8 +384,8 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 24 pointers, 2 int64, 5 int32, 2 float, 1 int32 pad = 192 + 16 + 32 = 240 bytes
-        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 240);
+        // 25 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 200 + 16 + 32 = 248 bytes
+        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 248);
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
         assert_eq!(pass_smem_bytes(2), 31360);
         assert_eq!(pass_smem_bytes(4), 33408);
@@ -361,22 +394,30 @@ mod tests {
 
     #[test]
     fn layout_is_aligned_disjoint_and_sized() {
-        let l = bwd_layout(512, 8192, 96);
         let sh = 512 * 96;
-        for off in [l.rec, l.sst, l.dss, l.wu, l.acc] {
-            assert_eq!(off % 256, 0);
+        for gva in [false, true] {
+            let l = bwd_layout(512, 8192, 96, gva);
+            for off in [l.rec, l.sst, l.dss, l.wu, l.acc, l.part] {
+                assert_eq!(off % 256, 0);
+            }
+            assert!(l.sst >= sh * SPLIT_RECORD_BYTES);
+            assert!(l.dss >= l.sst + sh * STATE_BYTES);
+            assert!(l.wu >= l.dss + sh * STATE_BYTES);
+            assert!(l.acc >= l.wu + sh * WU_BYTES);
+            if gva {
+                assert!(l.part >= l.acc + 8192 * 96 * ACC_W * 4);
+                assert_eq!(l.total, l.part);
+            } else {
+                assert_eq!(l.part, l.acc);
+                assert_eq!(l.total, l.part + sh * PART_W * 4);
+            }
         }
-        assert!(l.sst >= sh * SPLIT_RECORD_BYTES);
-        assert!(l.dss >= l.sst + sh * STATE_BYTES);
-        assert!(l.wu >= l.dss + sh * STATE_BYTES);
-        assert!(l.acc >= l.wu + sh * WU_BYTES);
-        assert_eq!(l.total, l.acc + 8192 * 96 * 1552);
-        // per token and head: (14400 + 2 * 32768 + 12288) / 16 + 1552 bytes
-        let per = (SPLIT_RECORD_BYTES + 2 * STATE_BYTES + WU_BYTES) / CHUNK + ACC_W * 4;
-        assert_eq!(per, 7316);
-        assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + 5 * 256);
-        let empty = bwd_layout(0, 0, 4);
-        assert_eq!(empty.total, 0);
+        // per token and head without GVA: (14400 + 2 * 32768 + 12288 + 528) / 16 bytes
+        let per = (SPLIT_RECORD_BYTES + 2 * STATE_BYTES + WU_BYTES + PART_W * 4) / CHUNK;
+        assert_eq!(per, 5797);
+        let l = bwd_layout(512, 8192, 96, false);
+        assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + 6 * 256);
+        assert_eq!(bwd_layout(0, 0, 4, false).total, 0);
     }
 
     #[test]
