@@ -2,14 +2,15 @@
 // Five launches over one workspace (src/launch/bwd.rs):
 //  1. kda_prep (kda_fwd_ws.cu, split): the per-(chunk slot, head) records: kd, qd (scaled), krT,
 //     INV = (I + diag(b) A)^-1, M (scaled), E = 2^G_last, b.
-//  2. kdab_states: the forward state pass again, storing per chunk the start state S0 (bf16),
-//     Wr = v - kd S0^T and U = INV diag(b) Wr (bf16); parallel over value-row slices.
+//  2. kdab_states: the forward state pass again, storing per chunk the start state S0 (bf16,
+//     transposed) and Wr = v - kd S0^T (bf16); parallel over value-row slices.
 //  3. kdab_dstates: the reverse pass over chunks: dS (fp32, mma fragments) enters as d(end state),
 //     is stored (bf16), gives dU = M^T dO + KR dS^T, dv = diag(b) INV^T dU, and leaves as
 //     dS diag(E) + dO^T qd - dv^T kd; parallel over value-row slices.
-//  4. kdab_chunk: one block per (chunk, head) over all value rows: dO S0, dv S0, U dS, dO U^T,
-//     dU Wr^T on mma, the 16x16 WY backward (dbeta, dA) in fp32, then d q_hat, d k_hat, d gamma
-//     and d b (the row sums) into the workspace.
+//  4. kdab_chunk: one block per (chunk, head) over all value rows: U = X diag(b) Wr and dO U^T in
+//     fp32, dO S0, dv S0, U dS (U hi + lo), dU Wr^T on mma, the 16x16 WY backward (dbeta, dA) in
+//     fp32, then d q_hat, d k_hat, d gamma, d b and, without GVA, the finish (dq, dk, dg, dbeta
+//     and per-chunk partial sums of ddt_bias and dA_log; kdab_reduce adds those up).
 //  5. kda_bwd_finish: L2-norm, gate and sigmoid chain rules; dA_log, ddt_bias.
 #define KDA_SPLIT_OPERANDS 1
 #include "kda_fwd_ws.cu"
@@ -38,7 +39,7 @@ struct KdaBwdParams {
   const unsigned char* rec;  // [slots, H] prep records
   bf16* sst;            // [slots, H, 128 key, 128 value] chunk start states (transposed)
   bf16* dss;            // [slots, H, 128 key, 128 value] d(chunk end state) (transposed)
-  bf16* wu;             // [slots, H, 3, 16, 128]: Wr, U, dU ([token][value row])
+  bf16* wu;             // [slots, H, 2, 16, 128]: Wr, dU ([token][value row])
   float* acc;           // [T, H, ACC_W] row sums (GVA only)
   float* part;          // [slots, H, PART_W]: per-chunk ddt_bias[128], dA_log (not GVA)
   long long seq_len;
@@ -214,7 +215,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
       mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
     }
     // Wr = v - W (stored), Vb = Wr b split hi + lo; U = INV Vb
-    bf16* wr = p.wu + sh * 3 * CH * KD;
+    bf16* wr = p.wu + sh * 2 * CH * KD;
     float vb[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -236,14 +237,6 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
       mma(U[nt], vah[0], vah[1], vah[2], vah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
       mma(U[nt], val[0], val[1], val[2], val[3], bi[2 * nt], bi[2 * nt + 1], U[nt]);
     }
-    bf16* us = wr + CH * KD;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
-        us[tok * KD + vw + r] = __float2bfloat16_rn(U[nt][e]);
-      }
     uint32_t uah[4], ual[4];
     split_tile(uah, ual, U, 1.f);
     // S = S diag(E) + U^T kr
@@ -330,7 +323,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
       mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
       mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
     }
-    bf16* dus = p.wu + (sh * 3 + 2) * CH * KD;
+    bf16* dus = p.wu + (sh * 2 + 1) * CH * KD;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
