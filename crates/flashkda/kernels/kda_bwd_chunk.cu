@@ -58,6 +58,7 @@ struct KdaBwdParams {
 #define SROW 136            // padded bf16 row stride of the 16 x 128 and 128 x 128 tiles
 #define FS 129              // padded fp32 row stride
 #define PART_W 132          // floats of a chunk's partial sums
+#define PST 3               // stages of the state passes' cp.async pipeline (PST - 1 chunks ahead)
 
 __device__ __forceinline__ void bseq(const KdaBwdParams& p, int n, long long& bos, long long& len, long long& slot0) {
   if (p.cu_seqlens != nullptr) {
@@ -184,18 +185,23 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
   const int lrow = ((lane >> 4) << 3) + (lane & 7), lhalf = (lane >> 3) & 1;
   float S[16][4];
   load_rows(S, p.h0, p.state_fp32, ((size_t)n * H + h) * KD * KD, vw + gq, tq);
-  if (nch > 0) pass_prefetch<NT, VS>(stg[0], p, p.v, slot0, h, bos, len < CH ? (int)len : CH, v0, tid);
+  auto nvalid = [&](int c) {
+    const long long rem = len - (long long)c * CH;
+    return rem < CH ? (int)rem : CH;
+  };
+  auto issue = [&](int c) {  // one commit group per chunk, empty past the end
+    if (c < nch) pass_prefetch<NT, VS>(stg[c % PST], p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    else cp_async_commit();
+  };
+#pragma unroll
+  for (int c = 0; c < PST - 1; ++c) issue(c);
   for (int c = 0; c < nch; ++c) {
-    cp_async_wait_all();
+    cp_async_wait_group<PST - 2>();
     __syncthreads();
-    if (c + 1 < nch) {
-      const long long rem = len - (long long)(c + 1) * CH;
-      pass_prefetch<NT, VS>(stg[(c + 1) & 1], p, p.v, slot0 + c + 1, h, bos + (long long)(c + 1) * CH,
-                            rem < CH ? (int)rem : CH, v0, tid);
-    }
-    const PassStage<VS>& st = stg[c & 1];
-    const long long slot = slot0 + c, rem = len - (long long)c * CH;
-    const int nv = rem < CH ? (int)rem : CH;
+    issue(c + PST - 1);
+    const PassStage<VS>& st = stg[c % PST];
+    const long long slot = slot0 + c;
+    const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
     store_rows_t(S, p.sst + sh * KD * KD, vw + gq, gq, tq);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
@@ -279,16 +285,19 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
     const long long rem = len - (long long)c * CH;
     return rem < CH ? (int)rem : CH;
   };
-  if (nch > 0)
-    pass_prefetch<NT, VS>(stg[(nch - 1) & 1], p, p.dout, slot0 + nch - 1, h, bos + (long long)(nch - 1) * CH,
-                          nvalid(nch - 1), v0, tid);
-  for (int c = nch - 1; c >= 0; --c) {
-    cp_async_wait_all();
+  auto issue = [&](int k) {  // k-th chunk from the end; one commit group each, empty past the start
+    const int c = nch - 1 - k;
+    if (c >= 0) pass_prefetch<NT, VS>(stg[k % PST], p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    else cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < PST - 1; ++k) issue(k);
+  for (int k = 0; k < nch; ++k) {
+    const int c = nch - 1 - k;
+    cp_async_wait_group<PST - 2>();
     __syncthreads();
-    if (c > 0)
-      pass_prefetch<NT, VS>(stg[(c - 1) & 1], p, p.dout, slot0 + c - 1, h, bos + (long long)(c - 1) * CH,
-                            nvalid(c - 1), v0, tid);
-    const PassStage<VS>& st = stg[c & 1];
+    issue(k + PST - 1);
+    const PassStage<VS>& st = stg[k % PST];
     const long long slot = slot0 + c, t0 = bos + (long long)c * CH;
     const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
@@ -389,10 +398,10 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
   }
 }
 
-#define PASS_SMEM(NW) (2 * (REC_BYTES + CH * (16 * (NW) + 8) * 2))
-static_assert(sizeof(PassStage<32>) * 2 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(2) == 31360, "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(4) == 33408, "pass_smem_bytes in src/launch/bwd.rs");
+#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2))
+static_assert(sizeof(PassStage<32>) * PST == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(2) == 47040, "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(4) == 50112, "pass_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2>(p); }
 extern "C" __global__ void __launch_bounds__(128) kdab_states_w4(const KdaBwdParams p) { states_body<4>(p); }

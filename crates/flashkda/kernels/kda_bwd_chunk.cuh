@@ -81,18 +81,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     }
     cp_async_commit();
   }
-  // B fragments (k = value row, n = key channel) of the transposed start state, straight from global
+  // the transposed states (B fragments of the products over the value rows) into L2 now
   const bf16* s0t = p.sst + sh * KD * KD;
   const bf16* dst_ = p.dss + sh * KD * KD;
-  uint32_t bs[8][2][2];
-#pragma unroll
-  for (int kb = 0; kb < 8; ++kb)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const bf16* r = s0t + (size_t)(16 * warp + nt * 8 + gq) * KD + 16 * kb + 2 * tq;
-      bs[kb][nt][0] = __ldg(reinterpret_cast<const unsigned int*>(r));
-      bs[kb][nt][1] = __ldg(reinterpret_cast<const unsigned int*>(r + 8));
-    }
+  for (int i = tid; i < 2 * KD * KD * 2 / 128; i += 256) {
+    const char* a = reinterpret_cast<const char*>(i < KD * KD * 2 / 128 ? s0t : dst_) + (i % (KD * KD * 2 / 128)) * 128;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
   cp_async_wait_all();
   __syncthreads();
 
@@ -189,39 +184,51 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   float dqd[2][4] = {}, dkd[2][4] = {}, dkr[2][4] = {};
   float gn2[2] = {0.f, 0.f};  // sum over this lane's value rows of dS S0 (channel 16w + 8nt + gq)
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb) {
-    const int kc = 16 * kb + 2 * tq;
-    uint32_t a[2][4], uh[4], ul[4];
+  for (int half = 0; half < 2; ++half) {
+    uint32_t bs[4][2][2], bd[4][2][2];  // (k = value row, n = key channel), half the value rows at once
 #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const int ti = w == 0 ? 0 : 2;  // dO, dv
-      a[w][0] = ld32(&s.t[ti][gq][kc]);
-      a[w][1] = ld32(&s.t[ti][gq + 8][kc]);
-      a[w][2] = ld32(&s.t[ti][gq][kc + 8]);
-      a[w][3] = ld32(&s.t[ti][gq + 8][kc + 8]);
-    }
+    for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {  // U as hi + lo A fragments
-      const int row = gq + 8 * (r & 1), col = kc + 8 * (r >> 1);
-      const float u0 = s.uf[row][col], u1 = s.uf[row][col + 1];
-      uh[r] = pack(u0, u1);
-      ul[r] = pack(lo_of(u0), lo_of(u1));
-    }
+      for (int nt = 0; nt < 2; ++nt) {
+        const size_t o = (size_t)(16 * warp + nt * 8 + gq) * KD + 16 * (4 * half + kk) + 2 * tq;
+        bs[kk][nt][0] = __ldg(reinterpret_cast<const unsigned int*>(s0t + o));
+        bs[kk][nt][1] = __ldg(reinterpret_cast<const unsigned int*>(s0t + o + 8));
+        bd[kk][nt][0] = __ldg(reinterpret_cast<const unsigned int*>(dst_ + o));
+        bd[kk][nt][1] = __ldg(reinterpret_cast<const unsigned int*>(dst_ + o + 8));
+      }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const bf16* r = dst_ + (size_t)(16 * warp + nt * 8 + gq) * KD + kc;
-      const uint32_t d0 = __ldg(reinterpret_cast<const unsigned int*>(r));
-      const uint32_t d1 = __ldg(reinterpret_cast<const unsigned int*>(r + 8));
-      mma(dqd[nt], a[0][0], a[0][1], a[0][2], a[0][3], bs[kb][nt][0], bs[kb][nt][1], dqd[nt]);
-      mma(dkd[nt], a[1][0], a[1][1], a[1][2], a[1][3], bs[kb][nt][0], bs[kb][nt][1], dkd[nt]);
-      mma(dkr[nt], uh[0], uh[1], uh[2], uh[3], d0, d1, dkr[nt]);
-      mma(dkr[nt], ul[0], ul[1], ul[2], ul[3], d0, d1, dkr[nt]);
+    for (int kk = 0; kk < 4; ++kk) {
+      const int kc = 16 * (4 * half + kk) + 2 * tq;
+      uint32_t a[2][4], uh[4], ul[4];
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const uint32_t sv = bs[kb][nt][hf], dv = hf ? d1 : d0;
-        const float2 sf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv));
-        const float2 df = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dv));
-        gn2[nt] = fmaf(sf.x, df.x, fmaf(sf.y, df.y, gn2[nt]));
+      for (int w = 0; w < 2; ++w) {
+        const int ti = w == 0 ? 0 : 2;  // dO, dv
+        a[w][0] = ld32(&s.t[ti][gq][kc]);
+        a[w][1] = ld32(&s.t[ti][gq + 8][kc]);
+        a[w][2] = ld32(&s.t[ti][gq][kc + 8]);
+        a[w][3] = ld32(&s.t[ti][gq + 8][kc + 8]);
+      }
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // U as hi + lo A fragments
+        const int row = gq + 8 * (r & 1), col = kc + 8 * (r >> 1);
+        const float u0 = s.uf[row][col], u1 = s.uf[row][col + 1];
+        uh[r] = pack(u0, u1);
+        ul[r] = pack(lo_of(u0), lo_of(u1));
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t s0 = bs[kk][nt][0], s1 = bs[kk][nt][1], d0 = bd[kk][nt][0], d1 = bd[kk][nt][1];
+        mma(dqd[nt], a[0][0], a[0][1], a[0][2], a[0][3], s0, s1, dqd[nt]);
+        mma(dkd[nt], a[1][0], a[1][1], a[1][2], a[1][3], s0, s1, dkd[nt]);
+        mma(dkr[nt], uh[0], uh[1], uh[2], uh[3], d0, d1, dkr[nt]);
+        mma(dkr[nt], ul[0], ul[1], ul[2], ul[3], d0, d1, dkr[nt]);
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const uint32_t sv = hf ? s1 : s0, dv = hf ? d1 : d0;
+          const float2 sf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv));
+          const float2 df = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dv));
+          gn2[nt] = fmaf(sf.x, df.x, fmaf(sf.y, df.y, gn2[nt]));
+        }
       }
     }
   }
@@ -360,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
         p.acc[((t0 + j) * H + h) * ACC_W + 2 * KD + ch] = run;
       } else {
         const float x = ea * (__bfloat162float(s.raw[2][j][ch]) + dtb);
-        const float sg = 1.f / (1.f + __expf(-x));
+        const float sg = sigmoidf_(x);
         const float dx = run * lb * sg * (1.f - sg);
         p.dg[(t0 + j) * hs + (long long)h * KD + ch] = __float2bfloat16(dx * ea);
         pdt += dx * ea;

@@ -24,7 +24,7 @@ const STATE_BYTES: usize = HEAD_DIM * HEAD_DIM * 2;
 const WU_BYTES: usize = 2 * CHUNK * HEAD_DIM * 2;
 /// Dynamic shared memory of `kdab_states_w*` / `kdab_dstates_w*` (`PASS_SMEM(NW)`).
 const fn pass_smem_bytes(nw: usize) -> u32 {
-    (2 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)) as u32
+    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)) as u32
 }
 /// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
 const CHUNK_SMEM_BYTES: u32 = 89760;
@@ -387,8 +387,8 @@ mod tests {
         // 25 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 200 + 16 + 32 = 248 bytes
         assert_eq!(std::mem::size_of::<BwdKernelParams>(), 248);
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
-        assert_eq!(pass_smem_bytes(2), 31360);
-        assert_eq!(pass_smem_bytes(4), 33408);
+        assert_eq!(pass_smem_bytes(2), 47040);
+        assert_eq!(pass_smem_bytes(4), 50112);
         assert_eq!(ACC_W % 4, 0);
     }
 
