@@ -1,8 +1,32 @@
 // kda_bwd_chunk.cu, launches 4 and 5: the per-chunk gradients and the finish.
 #pragma once
 
+// hi + lo bf16 fragments of fp32 values: a product of two split operands is three mma (lo lo dropped).
+__device__ __forceinline__ void split2(uint32_t& hi, uint32_t& lo, float x0, float x1) {
+  hi = pack(x0, x1);
+  lo = pack(lo_of(x0), lo_of(x1));
+}
+
+// A fragments (m = row, k = column) of a 16 x 16 fp32 tile read as f(row, col).
+template <class F>
+__device__ __forceinline__ void afrag16(uint32_t (&hi)[4], uint32_t (&lo)[4], F f, int gq, int tq) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int row = gq + 8 * (r & 1), col = 2 * tq + 8 * (r >> 1);
+    split2(hi[r], lo[r], f(row, col), f(row, col + 1));
+  }
+}
+
+// acc += A B with A, B both split (3 mma).
+__device__ __forceinline__ void mma3(float (&acc)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                     uint32_t bh0, uint32_t bh1, uint32_t bl0, uint32_t bl1) {
+  mma(acc, ah[0], ah[1], ah[2], ah[3], bh0, bh1, acc);
+  mma(acc, ah[0], ah[1], ah[2], ah[3], bl0, bl1, acc);
+  mma(acc, al[0], al[1], al[2], al[3], bh0, bh1, acc);
+}
+
 struct __align__(16) ChunkSmem {
-  bf16 t[4][CH][SROW];  // dO, dU, dv, Wr: [token][value row]
+  bf16 t[5][CH][SROW];  // dO, dU (hi), dv, Wr, dU (lo): [token][value row]
   bf16 raw[3][CH][KD];  // q, k, g of the chunk
   float G[CH][FS];      // cumulative log2 decay
   float qgm[CH][FS];    // q_hat scale 2^(G - Gm), Gm = G of token 7 (halves the exponent range)
@@ -18,12 +42,13 @@ struct __align__(16) ChunkSmem {
   float da[CH][CH + 1]; // dA (l < j)
   float tp[CH][CH + 1]; // products summed into db
   float tp2[CH][CH + 1];
+  float pb[2][8][CH][CH + 1];  // per-warp partial 16 x 16 products (A; dM and dT)
   float dgn[KD];        // d G of the chunk's last token from the end state
   float dot[8][CH][2];  // per warp: q . dq_hat, k . dk_hat of each token
   float b[CH], db[CH], rq[CH], rk[CH], pal[8];
 };
 
-#define CHUNK_SMEM 89760
+#define CHUNK_SMEM 111520
 static_assert(sizeof(ChunkSmem) == CHUNK_SMEM, "chunk_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdParams p) {
@@ -62,12 +87,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 
   // ---- loads
   {
-    const bf16* wu = p.wu + sh * 2 * CH * KD;
-    for (int i = tid; i < 7 * CH * 16; i += 256) {
+    const bf16* wu = p.wu + sh * 3 * CH * KD;
+    for (int i = tid; i < 8 * CH * 16; i += 256) {
       const int w = i >> 8, r = (i >> 4) & 15, cc = i & 15;
       const bf16* src;
       bool ok = true;
-      bf16* dst = w < 4 ? &s.t[w][r][cc * 8] : &s.raw[w - 4][r][cc * 8];
+      bf16* dst = w < 4 ? &s.t[w][r][cc * 8] : (w == 7 ? &s.t[4][r][cc * 8] : &s.raw[w - 4][r][cc * 8]);
       switch (w) {
         case 0: src = p.dout + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
         case 1: src = wu + (CH + r) * KD; break;
@@ -75,7 +100,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
         case 3: src = wu + r * KD; break;
         case 4: src = p.q + (t0 + r) * qhs + (long long)hq * KD; ok = r < nv; break;
         case 5: src = p.k + (t0 + r) * qhs + (long long)hq * KD; ok = r < nv; break;
-        default: src = p.g + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
+        case 6: src = p.g + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
+        default: src = wu + (2 * CH + r) * KD; break;
       }
       cp_async16(dst, ok ? src + cc * 8 : p.q, ok ? 16 : 0);
     }
@@ -134,14 +160,29 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     }
   }
   __syncthreads();
+  {  // A partial over this warp's 16 channels: kgm kim^T, split operands
+    const int kc = 16 * warp + 2 * tq;
+    uint32_t ah[4], al[4];
+    afrag16(ah, al, [&](int r, int cc) { return s.kgm[r][kc - 2 * tq + cc]; }, gq, tq);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int l = nt * 8 + gq;
+      uint32_t bh0, bl0, bh1, bl1;
+      split2(bh0, bl0, s.kim[l][kc], s.kim[l][kc + 1]);
+      split2(bh1, bl1, s.kim[l][kc + 8], s.kim[l][kc + 9]);
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      mma3(acc, ah, al, bh0, bh1, bl0, bl1);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s.pb[0][warp][gq + 8 * (e >> 1)][nt * 8 + 2 * tq + (e & 1)] = acc[e];
+    }
+  }
+  __syncthreads();
   {
     const int j = tid >> 4, l = tid & 15;
     float a = 0.f;
-    if (l < j) {
-#pragma unroll 8
-      for (int ch = 0; ch < KD; ++ch) a = fmaf(s.kgm[j][ch], s.kim[l][ch], a);
-    }
-    s.am[j][l] = a;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) a += s.pb[0][w][j][l];
+    s.am[j][l] = l < j ? a : 0.f;
   }
   __syncthreads();
   if (tid < CH) {  // column tid of X by forward substitution
@@ -157,27 +198,48 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     }
   }
   __syncthreads();
-  {  // U = X diag(b) Wr in fp32
-    const int i = tid >> 4, v0 = tid & 15;
-    float u[8] = {};
+  const int lj = lane >> 3, lr = (lane & 7) + 8 * (lj & 1), lc = 8 * (lj >> 1);  // ldmatrix.trans rows
+  {  // U = (X diag(b)) Wr, this warp's 16 value rows: X b split, Wr exact
+    uint32_t ah[4], al[4], bw[4];
+    afrag16(ah, al, [&](int r, int cc) { return s.x[r][cc] * s.b[cc]; }, gq, tq);
+    ldsm_x4_t(bw, &s.t[3][lr][16 * warp + lc]);
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      const float xb = s.x[i][j] * s.b[j];
+    for (int nt = 0; nt < 2; ++nt) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      mma(acc, ah[0], ah[1], ah[2], ah[3], bw[2 * nt], bw[2 * nt + 1], acc);
+      mma(acc, al[0], al[1], al[2], al[3], bw[2 * nt], bw[2 * nt + 1], acc);
 #pragma unroll
-      for (int m = 0; m < 8; ++m) u[m] = fmaf(xb, __bfloat162float(s.t[3][j][v0 + 16 * m]), u[m]);
+      for (int e = 0; e < 4; ++e) s.uf[gq + 8 * (e >> 1)][16 * warp + nt * 8 + 2 * tq + (e & 1)] = acc[e];
     }
-#pragma unroll
-    for (int m = 0; m < 8; ++m) s.uf[i][v0 + 16 * m] = u[m];
   }
   __syncthreads();
-  {  // dM = dO U^T (j <= i), fp32
-    const int i = tid >> 4, j = tid & 15;
-    float a = 0.f;
-    if (j <= i) {
-#pragma unroll 8
-      for (int v = 0; v < KD; ++v) a = fmaf(__bfloat162float(s.t[0][i][v]), s.uf[j][v], a);
+  {  // partials over this warp's 16 value rows: dM = dO U^T (U split), dT = (dU hi + lo) Wr^T
+    const int kc = 16 * warp + 2 * tq;
+    const uint32_t o0 = ld32(&s.t[0][gq][kc]), o1 = ld32(&s.t[0][gq + 8][kc]);
+    const uint32_t o2 = ld32(&s.t[0][gq][kc + 8]), o3 = ld32(&s.t[0][gq + 8][kc + 8]);
+    const uint32_t h0 = ld32(&s.t[1][gq][kc]), h1 = ld32(&s.t[1][gq + 8][kc]);
+    const uint32_t h2 = ld32(&s.t[1][gq][kc + 8]), h3 = ld32(&s.t[1][gq + 8][kc + 8]);
+    const uint32_t l0 = ld32(&s.t[4][gq][kc]), l1 = ld32(&s.t[4][gq + 8][kc]);
+    const uint32_t l2 = ld32(&s.t[4][gq][kc + 8]), l3 = ld32(&s.t[4][gq + 8][kc + 8]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int j = nt * 8 + gq;
+      uint32_t uh0, ul0, uh1, ul1;
+      split2(uh0, ul0, s.uf[j][kc], s.uf[j][kc + 1]);
+      split2(uh1, ul1, s.uf[j][kc + 8], s.uf[j][kc + 9]);
+      float dmv[4] = {0.f, 0.f, 0.f, 0.f}, dtv[4] = {0.f, 0.f, 0.f, 0.f};
+      mma(dmv, o0, o1, o2, o3, uh0, uh1, dmv);
+      mma(dmv, o0, o1, o2, o3, ul0, ul1, dmv);
+      const uint32_t w0 = ld32(&s.t[3][j][kc]), w1 = ld32(&s.t[3][j][kc + 8]);
+      mma(dtv, h0, h1, h2, h3, w0, w1, dtv);
+      mma(dtv, l0, l1, l2, l3, w0, w1, dtv);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
+        s.pb[0][warp][row][col] = dmv[e];
+        s.pb[1][warp][row][col] = dtv[e];
+      }
     }
-    s.dm[i][j] = a;
   }
 
   // ---- products over the value rows on mma: warp w owns key channels [16w, 16w + 16)
@@ -232,25 +294,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       }
     }
   }
-  if (warp == 7) {  // dT = dU Wr^T (j <= i)
-    float acc[2][4] = {};
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const int kc = 16 * kb + 2 * tq;
-      const uint32_t a0 = ld32(&s.t[1][gq][kc]), a1 = ld32(&s.t[1][gq + 8][kc]);
-      const uint32_t a2 = ld32(&s.t[1][gq][kc + 8]), a3 = ld32(&s.t[1][gq + 8][kc + 8]);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-        mma(acc[nt], a0, a1, a2, a3, ld32(&s.t[3][nt * 8 + gq][kc]), ld32(&s.t[3][nt * 8 + gq][kc + 8]), acc[nt]);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
-        s.dt[row][col] = col <= row ? acc[nt][e] : 0.f;
-      }
-  }
   {  // d G_last from S_n = S0 diag(E) + ...: E sum_v dS S0 (this warp's channels)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -260,6 +303,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       const int ch = 16 * warp + nt * 8 + gq;
       if (tq == 0) s.dgn[ch] = v * ex2(s.G[CH - 1][ch]);
     }
+  }
+  __syncthreads();
+  {
+    const int i = tid >> 4, j = tid & 15;
+    float m = 0.f, t = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      m += s.pb[0][w][i][j];
+      t += s.pb[1][w][i][j];
+    }
+    s.dm[i][j] = j <= i ? m : 0.f;
+    s.dt[i][j] = j <= i ? t : 0.f;
   }
   __syncthreads();
 
@@ -305,6 +360,31 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   // ---- d q_hat, d k_hat, d G of this lane's 8 (token, channel) elements
   float gn_part[2][2] = {}, dqh[2][4], dkh[2][4];
   const float scale = p.scale;
+  // sums over the chunk's tokens j: dM KIm, dM^T QGm, dA KIm, dA^T KGm (split operands)
+  float sm1[2][4] = {}, sm2[2][4] = {}, sa1[2][4] = {}, sa2[2][4] = {};
+  {
+    uint32_t mh[4], ml[4], mth[4], mtl[4], dh[4], dl[4], dth[4], dtl[4];
+    afrag16(mh, ml, [&](int r, int cc) { return s.dm[r][cc]; }, gq, tq);
+    afrag16(mth, mtl, [&](int r, int cc) { return s.dm[cc][r]; }, gq, tq);
+    afrag16(dh, dl, [&](int r, int cc) { return s.da[r][cc]; }, gq, tq);
+    afrag16(dth, dtl, [&](int r, int cc) { return s.da[cc][r]; }, gq, tq);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int ch = 16 * warp + nt * 8 + gq;
+      uint32_t bh[3][2], bl[3][2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int j = 2 * tq + 8 * hf;
+        split2(bh[0][hf], bl[0][hf], s.kim[j][ch], s.kim[j + 1][ch]);
+        split2(bh[1][hf], bl[1][hf], s.qgm[j][ch], s.qgm[j + 1][ch]);
+        split2(bh[2][hf], bl[2][hf], s.kgm[j][ch], s.kgm[j + 1][ch]);
+      }
+      mma3(sm1[nt], mh, ml, bh[0][0], bh[0][1], bl[0][0], bl[0][1]);
+      mma3(sm2[nt], mth, mtl, bh[1][0], bh[1][1], bl[1][0], bl[1][1]);
+      mma3(sa1[nt], dh, dl, bh[0][0], bh[0][1], bl[0][0], bl[0][1]);
+      mma3(sa2[nt], dth, dtl, bh[2][0], bh[2][1], bl[2][0], bl[2][1]);
+    }
+  }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -312,17 +392,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       const int i = gq + 8 * (e >> 1), ch = 16 * warp + nt * 8 + 2 * tq + (e & 1);
       const float gi = s.G[i][ch], gm = s.G[7][ch], gl = s.G[CH - 1][ch];
       const float eg = ex2(gi), ep = ex2(gi - gm), em = ex2(gm - gi), er = ex2(gl - gi);
-      float sm1 = 0.f, sm2 = 0.f, sa1 = 0.f, sa2 = 0.f;
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-        const float ki = s.kim[j][ch], kg = s.kgm[j][ch], qg = s.qgm[j][ch];
-        sm1 = fmaf(s.dm[i][j], ki, sm1);
-        sm2 = fmaf(s.dm[j][i], qg, sm2);
-        sa1 = fmaf(s.da[i][j], ki, sa1);
-        sa2 = fmaf(s.da[j][i], kg, sa2);
-      }
       const float qs = s.qgm[i][ch] * em, kn = s.kgm[i][ch] * em;
-      const float dqm = ep * sm1, dkm = em * sm2, dka1 = ep * sa1, dka2 = em * sa2;
+      const float dqm = ep * sm1[nt][e], dkm = em * sm2[nt][e], dka1 = ep * sa1[nt][e], dka2 = em * sa2[nt][e];
       const float xq = dqd[nt][e], xk = -dkd[nt][e], xr = dkr[nt][e];
       const float dqs = eg * xq + dqm;
       const float dk = eg * xk + er * xr + dkm + dka1 + dka2;
@@ -356,11 +427,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       for (int e = 0; e < 2; ++e) s.dgn[16 * warp + nt * 8 + 2 * tq + e] += gn_part[nt][e];
   }
   __syncwarp();
-  if (lane < 16) {  // d gamma_j = sum_{i >= j} d G_i (+ d G_last); fused: the gate chain rule
-    const int ch = 16 * warp + lane;
+  {  // d gamma_j = sum_{i >= j} d G_i (+ d G_last); fused: the gate chain rule. Lane: channel
+     // 16w + (lane & 15), tokens [8 hf, 8 hf + 8) with hf = lane >> 4.
+    const int ch = 16 * warp + (lane & 15), hf = lane >> 4;
     const float ea = __expf(p.a_log[h]), dtb = p.dt_bias[h * KD + ch], lb = p.lower_bound;
-    float run = s.dgn[ch], pdt = 0.f, pal = 0.f;
-    for (int j = CH - 1; j >= 0; --j) {
+    float loc = 0.f;
+#pragma unroll
+    for (int j = 8 * hf; j < 8 * hf + 8; ++j) loc += s.dgs[j][ch];
+    const float upper = __shfl_sync(0xffffffffu, loc, (lane & 15) + 16);
+    float run = s.dgn[ch] + (hf ? 0.f : upper), pdt = 0.f, pal = 0.f;
+#pragma unroll
+    for (int jj = 7; jj >= 0; --jj) {
+      const int j = 8 * hf + jj;
       run += s.dgs[j][ch];
       if (j >= nv) continue;
       if (!p.fused) {
@@ -375,9 +453,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       }
     }
     if (p.fused) {
-      p.part[sh * PART_W + ch] = pdt;
+      pdt += __shfl_xor_sync(0xffffffffu, pdt, 16);
+      if (lane < 16) p.part[sh * PART_W + ch] = pdt;
 #pragma unroll
-      for (int o = 8; o > 0; o >>= 1) pal += __shfl_xor_sync(0x0000ffffu, pal, o);
+      for (int o = 16; o > 0; o >>= 1) pal += __shfl_xor_sync(0xffffffffu, pal, o);
       if (lane == 0) s.pal[warp] = pal;
     }
   }
