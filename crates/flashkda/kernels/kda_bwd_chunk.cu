@@ -127,24 +127,27 @@ __device__ __forceinline__ void load_rows(float (&S)[16][4], const void* base, i
   }
 }
 
-// The warp's 16 state rows (fp32 fragments) as bf16 into the transposed tile dst[key][value]: lanes
-// gq and gq ^ 1 swap halves so each stores a (value row, value row + 1) pair.
-__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* dst, int r0, int gq, int tq) {
-  const bool even = (gq & 1) == 0;
+// The warp's 16 state rows (fp32 fragments) as bf16 into the transposed global tile dst[key][value]
+// (columns r0 .. r0 + 15): stmatrix.trans into the warp's staging tile ot[128][16], then 16-byte stores.
+__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int r0, int lane) {
+  const int mi = lane >> 3, c = lane & 7;
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    const int col = nt * 8 + 2 * tq;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = r0 + 8 * hr;
-      const float x0 = S[nt][2 * hr], x1 = S[nt][2 * hr + 1];
-      const float recv = __shfl_xor_sync(0xffffffffu, even ? x1 : x0, 4);
-      if (even)
-        *reinterpret_cast<__nv_bfloat162*>(dst + (size_t)col * KD + r) = __floats2bfloat162_rn(x0, recv);
-      else
-        *reinterpret_cast<__nv_bfloat162*>(dst + (size_t)(col + 1) * KD + r - 1) = __floats2bfloat162_rn(recv, x1);
-    }
+  for (int np = 0; np < 8; ++np) {
+    const int nt = 2 * np;
+    const uint32_t r[4] = {pack(S[nt][0], S[nt][1]), pack(S[nt][2], S[nt][3]), pack(S[nt + 1][0], S[nt + 1][1]),
+                           pack(S[nt + 1][2], S[nt + 1][3])};
+    const bf16* a = ot + (size_t)((nt + (mi >> 1)) * 8 + c) * 16 + 8 * (mi & 1);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(a)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
   }
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < 8; ++it) {
+    const int idx = it * 32 + lane, row = idx >> 1, hf = idx & 1;
+    *reinterpret_cast<uint4*>(dst + (size_t)row * KD + r0 + 8 * hf) = *reinterpret_cast<const uint4*>(ot + row * 16 + 8 * hf);
+  }
+  __syncwarp();
 }
 
 // Stage of the two state passes: a record and a 16 x VS tile (v or dout) of this block's rows.
@@ -176,6 +179,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
   extern __shared__ __align__(16) unsigned char bsm_raw[];
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // staging
   const int H = p.num_heads;
   const int slice = blockIdx.x % SLICES, h = (blockIdx.x / SLICES) % H, n = blockIdx.x / (SLICES * H);
   long long bos, len, slot0;
@@ -203,7 +207,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
     const long long slot = slot0 + c;
     const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
-    store_rows_t(S, p.sst + sh * KD * KD, vw + gq, gq, tq);
+    store_rows_t(S, ots, p.sst + sh * KD * KD, vw, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
     const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
@@ -270,6 +274,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
   extern __shared__ __align__(16) unsigned char bsm_raw[];
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // staging
   const int H = p.num_heads;
   const int slice = blockIdx.x % SLICES, h = (blockIdx.x / SLICES) % H, n = blockIdx.x / (SLICES * H);
   long long bos, len, slot0;
@@ -301,7 +306,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
     const long long slot = slot0 + c, t0 = bos + (long long)c * CH;
     const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
-    store_rows_t(dS, p.dss + sh * KD * KD, vw + gq, gq, tq);
+    store_rows_t(dS, ots, p.dss + sh * KD * KD, vw, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* qd = reinterpret_cast<const bf16*>(st.rec + R_QD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
@@ -400,10 +405,10 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
   }
 }
 
-#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2))
-static_assert(sizeof(PassStage<32>) * PST == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(2) == 47040, "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(4) == 50112, "pass_smem_bytes in src/launch/bwd.rs");
+#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * KD * 16 * 2)
+static_assert(sizeof(PassStage<32>) * PST + 2 * KD * 16 * 2 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(2) == 55232, "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(4) == 66496, "pass_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2>(p); }
 extern "C" __global__ void __launch_bounds__(128) kdab_states_w4(const KdaBwdParams p) { states_body<4>(p); }

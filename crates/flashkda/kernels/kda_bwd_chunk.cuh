@@ -33,7 +33,7 @@ struct __align__(16) ChunkSmem {
   float kgm[CH][FS];    // k_hat 2^(G - Gm)
   float kim[CH][FS];    // k_hat 2^(Gm - G)
   float dgs[CH][FS];    // d G per token
-  float uf[CH][FS];     // U = X diag(b) Wr, fp32 (its bf16 rounding costs dg accuracy)
+  float uf[CH][KD + 4]; // U = X diag(b) Wr, fp32 (its bf16 rounding costs dg accuracy); float4 rows
   float am[CH][CH + 1]; // A = strict_lower(k k^T decayed), unscaled by b
   float x[CH][CH + 1];  // X = (I + diag(b) A)^-1
   float dm[CH][CH + 1]; // dM (j <= i)
@@ -48,7 +48,7 @@ struct __align__(16) ChunkSmem {
   float b[CH], db[CH], rq[CH], rk[CH], pal[8];
 };
 
-#define CHUNK_SMEM 111520
+#define CHUNK_SMEM 111712
 static_assert(sizeof(ChunkSmem) == CHUNK_SMEM, "chunk_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdParams p) {
@@ -245,51 +245,57 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   // ---- products over the value rows on mma: warp w owns key channels [16w, 16w + 16)
   float dqd[2][4] = {}, dkd[2][4] = {}, dkr[2][4] = {};
   float gn2[2] = {0.f, 0.f};  // sum over this lane's value rows of dS S0 (channel 16w + 8nt + gq)
+  // The contraction index of k-step kb is permuted: lane tq's k pairs (2tq, 2tq + 1) and (2tq + 8,
+  // 2tq + 9) are value rows vb + 4 (kb & 1) + (0, 1) and + (2, 3), vb = 32 (kb >> 1) + 8 tq, so one
+  // 16-byte load per operand row covers two k-steps (A and B permuted alike: the sum is the same).
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    uint32_t bs[4][2][2], bd[4][2][2];  // (k = value row, n = key channel), half the value rows at once
+    uint4 bs[2][2], bd[2][2];
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const size_t o = (size_t)(16 * warp + nt * 8 + gq) * KD + 16 * (4 * half + kk) + 2 * tq;
-        bs[kk][nt][0] = __ldg(reinterpret_cast<const unsigned int*>(s0t + o));
-        bs[kk][nt][1] = __ldg(reinterpret_cast<const unsigned int*>(s0t + o + 8));
-        bd[kk][nt][0] = __ldg(reinterpret_cast<const unsigned int*>(dst_ + o));
-        bd[kk][nt][1] = __ldg(reinterpret_cast<const unsigned int*>(dst_ + o + 8));
-      }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const int kc = 16 * (4 * half + kk) + 2 * tq;
-      uint32_t a[2][4], uh[4], ul[4];
-#pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        const int ti = w == 0 ? 0 : 2;  // dO, dv
-        a[w][0] = ld32(&s.t[ti][gq][kc]);
-        a[w][1] = ld32(&s.t[ti][gq + 8][kc]);
-        a[w][2] = ld32(&s.t[ti][gq][kc + 8]);
-        a[w][3] = ld32(&s.t[ti][gq + 8][kc + 8]);
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {  // U as hi + lo A fragments
-        const int row = gq + 8 * (r & 1), col = kc + 8 * (r >> 1);
-        const float u0 = s.uf[row][col], u1 = s.uf[row][col + 1];
-        uh[r] = pack(u0, u1);
-        ul[r] = pack(lo_of(u0), lo_of(u1));
-      }
+    for (int m2 = 0; m2 < 2; ++m2)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t s0 = bs[kk][nt][0], s1 = bs[kk][nt][1], d0 = bd[kk][nt][0], d1 = bd[kk][nt][1];
-        mma(dqd[nt], a[0][0], a[0][1], a[0][2], a[0][3], s0, s1, dqd[nt]);
-        mma(dkd[nt], a[1][0], a[1][1], a[1][2], a[1][3], s0, s1, dkd[nt]);
-        mma(dkr[nt], uh[0], uh[1], uh[2], uh[3], d0, d1, dkr[nt]);
-        mma(dkr[nt], ul[0], ul[1], ul[2], ul[3], d0, d1, dkr[nt]);
+        const size_t o = (size_t)(16 * warp + nt * 8 + gq) * KD + 32 * (2 * half + m2) + 8 * tq;
+        bs[m2][nt] = __ldg(reinterpret_cast<const uint4*>(s0t + o));
+        bd[m2][nt] = __ldg(reinterpret_cast<const uint4*>(dst_ + o));
+      }
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const uint32_t sv = hf ? s1 : s0, dv = hf ? d1 : d0;
-          const float2 sf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv));
-          const float2 df = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dv));
-          gn2[nt] = fmaf(sf.x, df.x, fmaf(sf.y, df.y, gn2[nt]));
+    for (int m2 = 0; m2 < 2; ++m2) {
+      const int vb = 32 * (2 * half + m2) + 8 * tq;
+      const uint4 o0 = *reinterpret_cast<const uint4*>(&s.t[0][gq][vb]);
+      const uint4 o1 = *reinterpret_cast<const uint4*>(&s.t[0][gq + 8][vb]);
+      const uint4 w0 = *reinterpret_cast<const uint4*>(&s.t[2][gq][vb]);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(&s.t[2][gq + 8][vb]);
+      const float4 u00 = *reinterpret_cast<const float4*>(&s.uf[gq][vb]);
+      const float4 u01 = *reinterpret_cast<const float4*>(&s.uf[gq][vb + 4]);
+      const float4 u10 = *reinterpret_cast<const float4*>(&s.uf[gq + 8][vb]);
+      const float4 u11 = *reinterpret_cast<const float4*>(&s.uf[gq + 8][vb + 4]);
+#pragma unroll
+      for (int odd = 0; odd < 2; ++odd) {
+        const uint32_t ao[4] = {odd ? o0.z : o0.x, odd ? o1.z : o1.x, odd ? o0.w : o0.y, odd ? o1.w : o1.y};
+        const uint32_t aw[4] = {odd ? w0.z : w0.x, odd ? w1.z : w1.x, odd ? w0.w : w0.y, odd ? w1.w : w1.y};
+        const float4 ua = odd ? u01 : u00, ub = odd ? u11 : u10;
+        uint32_t uh[4], ul[4];
+        split2(uh[0], ul[0], ua.x, ua.y);
+        split2(uh[1], ul[1], ub.x, ub.y);
+        split2(uh[2], ul[2], ua.z, ua.w);
+        split2(uh[3], ul[3], ub.z, ub.w);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const uint4 sb = bs[m2][nt], db = bd[m2][nt];
+          const uint32_t s0 = odd ? sb.z : sb.x, s1 = odd ? sb.w : sb.y;
+          const uint32_t d0 = odd ? db.z : db.x, d1 = odd ? db.w : db.y;
+          mma(dqd[nt], ao[0], ao[1], ao[2], ao[3], s0, s1, dqd[nt]);
+          mma(dkd[nt], aw[0], aw[1], aw[2], aw[3], s0, s1, dkd[nt]);
+          mma(dkr[nt], uh[0], uh[1], uh[2], uh[3], d0, d1, dkr[nt]);
+          mma(dkr[nt], ul[0], ul[1], ul[2], ul[3], d0, d1, dkr[nt]);
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const uint32_t sv = hf ? s1 : s0, dv = hf ? d1 : d0;
+            const float2 sf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv));
+            const float2 df = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dv));
+            gn2[nt] = fmaf(sf.x, df.x, fmaf(sf.y, df.y, gn2[nt]));
+          }
         }
       }
     }

@@ -24,10 +24,10 @@ const STATE_BYTES: usize = HEAD_DIM * HEAD_DIM * 2;
 const WU_BYTES: usize = 3 * CHUNK * HEAD_DIM * 2;
 /// Dynamic shared memory of `kdab_states_w*` / `kdab_dstates_w*` (`PASS_SMEM(NW)`).
 const fn pass_smem_bytes(nw: usize) -> u32 {
-    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)) as u32
+    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * HEAD_DIM * 16 * 2) as u32
 }
 /// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
-const CHUNK_SMEM_BYTES: u32 = 111520;
+const CHUNK_SMEM_BYTES: u32 = 111712;
 /// Floats of one chunk's partial sums (`PART_W`: ddt_bias[128], dA_log, 3 pad).
 const PART_W: usize = 132;
 
@@ -387,8 +387,8 @@ mod tests {
         // 25 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 200 + 16 + 32 = 248 bytes
         assert_eq!(std::mem::size_of::<BwdKernelParams>(), 248);
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
-        assert_eq!(pass_smem_bytes(2), 47040);
-        assert_eq!(pass_smem_bytes(4), 50112);
+        assert_eq!(pass_smem_bytes(2), 55232);
+        assert_eq!(pass_smem_bytes(4), 66496);
         assert_eq!(ACC_W % 4, 0);
     }
 
