@@ -39,7 +39,7 @@ struct KdaBwdParams {
   const unsigned char* rec;  // [slots, H] prep records
   bf16* sst;            // [slots, H, 128 key, 128 value] chunk start states (transposed)
   bf16* dss;            // [slots, H, 128 key, 128 value] d(chunk end state) (transposed)
-  bf16* wu;             // [slots, H, 3, 16, 128]: Wr, dU hi, dU lo ([token][value row])
+  bf16* wu;             // [slots, H, 4, 16, 128]: Wr hi, dU hi, dU lo, Wr lo ([token][value row])
   float* acc;           // [T, H, ACC_W] row sums (GVA only)
   float* part;          // [slots, H, PART_W]: per-chunk ddt_bias[128], dA_log (not GVA)
   long long seq_len;
@@ -225,7 +225,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
       mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
     }
     // Wr = v - W (stored), Vb = Wr b split hi + lo; U = INV Vb
-    bf16* wr = p.wu + sh * 3 * CH * KD;
+    bf16* wr = p.wu + sh * 4 * CH * KD;
     float vb[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -233,7 +233,9 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
       for (int e = 0; e < 4; ++e) {
         const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
         const float x = tok < nv ? __bfloat162float(st.t[tok][vl + r]) - W[nt][e] : 0.f;
-        wr[tok * KD + vw + r] = __float2bfloat16_rn(x);
+        const bf16 xh = __float2bfloat16_rn(x);
+        wr[tok * KD + vw + r] = xh;
+        wr[3 * CH * KD + tok * KD + vw + r] = __float2bfloat16_rn(x - __bfloat162float(xh));
         vb[nt][e] = x * b[tok];
       }
     uint32_t vah[4], val[4];
@@ -337,7 +339,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
       mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
       mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
     }
-    bf16* dus = p.wu + (sh * 3 + 1) * CH * KD;
+    bf16* dus = p.wu + (sh * 4 + 1) * CH * KD;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll

@@ -32,7 +32,7 @@ struct __align__(16) ChunkSmem {
   float qgm[CH][FS];    // q_hat scale 2^(G - Gm), Gm = G of token 7 (halves the exponent range)
   float kgm[CH][FS];    // k_hat 2^(G - Gm)
   float kim[CH][FS];    // k_hat 2^(Gm - G)
-  float dgs[CH][FS];    // d G per token
+  float dgs[CH][FS];    // d G per token (until phase D: Wr's lo part, bf16 [16][SROW])
   float uf[CH][KD + 4]; // U = X diag(b) Wr, fp32 (its bf16 rounding costs dg accuracy); float4 rows
   float am[CH][CH + 1]; // A = strict_lower(k k^T decayed), unscaled by b
   float x[CH][CH + 1];  // X = (I + diag(b) A)^-1
@@ -85,14 +85,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   const long long hs = (long long)H * KD, qhs = (long long)p.qk_heads * KD;
   const int hq = h / (H / p.qk_heads);
 
+  bf16 (*wrlo)[SROW] = reinterpret_cast<bf16 (*)[SROW]>(&s.dgs[0][0]);
   // ---- loads
   {
-    const bf16* wu = p.wu + sh * 3 * CH * KD;
-    for (int i = tid; i < 8 * CH * 16; i += 256) {
+    const bf16* wu = p.wu + sh * 4 * CH * KD;
+    for (int i = tid; i < 9 * CH * 16; i += 256) {
       const int w = i >> 8, r = (i >> 4) & 15, cc = i & 15;
       const bf16* src;
       bool ok = true;
-      bf16* dst = w < 4 ? &s.t[w][r][cc * 8] : (w == 7 ? &s.t[4][r][cc * 8] : &s.raw[w - 4][r][cc * 8]);
+      bf16* dst = w < 4 ? &s.t[w][r][cc * 8]
+                  : (w == 7 ? &s.t[4][r][cc * 8] : (w == 8 ? &wrlo[r][cc * 8] : &s.raw[w - 4][r][cc * 8]));
       switch (w) {
         case 0: src = p.dout + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
         case 1: src = wu + (CH + r) * KD; break;
@@ -101,7 +103,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
         case 4: src = p.q + (t0 + r) * qhs + (long long)hq * KD; ok = r < nv; break;
         case 5: src = p.k + (t0 + r) * qhs + (long long)hq * KD; ok = r < nv; break;
         case 6: src = p.g + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
-        default: src = wu + (2 * CH + r) * KD; break;
+        case 7: src = wu + (2 * CH + r) * KD; break;
+        default: src = wu + (3 * CH + r) * KD; break;
       }
       cp_async16(dst, ok ? src + cc * 8 : p.q, ok ? 16 : 0);
     }
@@ -199,15 +202,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   }
   __syncthreads();
   const int lj = lane >> 3, lr = (lane & 7) + 8 * (lj & 1), lc = 8 * (lj >> 1);  // ldmatrix.trans rows
-  {  // U = (X diag(b)) Wr, this warp's 16 value rows: X b split, Wr exact
+  {  // U = (X diag(b)) Wr, this warp's 16 value rows: X b and Wr split
     uint32_t ah[4], al[4], bw[4];
     afrag16(ah, al, [&](int r, int cc) { return s.x[r][cc] * s.b[cc]; }, gq, tq);
+    uint32_t bwl[4];
     ldsm_x4_t(bw, &s.t[3][lr][16 * warp + lc]);
+    ldsm_x4_t(bwl, &wrlo[lr][16 * warp + lc]);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      mma(acc, ah[0], ah[1], ah[2], ah[3], bw[2 * nt], bw[2 * nt + 1], acc);
-      mma(acc, al[0], al[1], al[2], al[3], bw[2 * nt], bw[2 * nt + 1], acc);
+      mma3(acc, ah, al, bw[2 * nt], bw[2 * nt + 1], bwl[2 * nt], bwl[2 * nt + 1]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) s.uf[gq + 8 * (e >> 1)][16 * warp + nt * 8 + 2 * tq + (e & 1)] = acc[e];
     }

@@ -20,8 +20,8 @@ const FIN_TOK: usize = 64;
 const CHUNK: usize = 16;
 /// Bytes of one bf16 128 x 128 state.
 const STATE_BYTES: usize = HEAD_DIM * HEAD_DIM * 2;
-/// Bytes of the per-(chunk, head) Wr, dU hi, dU lo tiles (bf16 `[3][16][128]`).
-const WU_BYTES: usize = 3 * CHUNK * HEAD_DIM * 2;
+/// Bytes of the per-(chunk, head) Wr hi, dU hi, dU lo, Wr lo tiles (bf16 `[4][16][128]`).
+const WU_BYTES: usize = 4 * CHUNK * HEAD_DIM * 2;
 /// Dynamic shared memory of `kdab_states_w*` / `kdab_dstates_w*` (`PASS_SMEM(NW)`).
 const fn pass_smem_bytes(nw: usize) -> u32 {
     (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * HEAD_DIM * 16 * 2) as u32
@@ -191,8 +191,8 @@ impl Default for BwdOptions {
 }
 
 /// Workspace bytes of a validated backward call, per 16-token chunk slot and head: the prep
-/// record (14400), the chunk's start state and d(end state) (bf16, 32 KiB each), the Wr and dU (hi + lo)
-/// tiles (12 KiB) and the partial sums (528); with GVA the per-token row sums (1552 per token and
+/// record (14400), the chunk's start state and d(end state) (bf16, 32 KiB each), the Wr and dU tiles
+/// (hi + lo bf16, 16 KiB) and the partial sums (528); with GVA the per-token row sums (1552 per token and
 /// head) instead of the partial sums. Temporary: nothing is saved by the forward for the backward
 /// beyond its inputs.
 pub fn bwd_workspace_bytes(plan: &BwdPlan) -> usize {
@@ -412,9 +412,9 @@ mod tests {
                 assert_eq!(l.total, l.part + sh * PART_W * 4);
             }
         }
-        // per token and head without GVA: (14400 + 2 * 32768 + 12288 + 528) / 16 bytes
+        // per token and head without GVA: (14400 + 2 * 32768 + 16384 + 528) / 16 bytes
         let per = (SPLIT_RECORD_BYTES + 2 * STATE_BYTES + WU_BYTES + PART_W * 4) / CHUNK;
-        assert_eq!(per, 5797);
+        assert_eq!(per, 6053);
         let l = bwd_layout(512, 8192, 96, false);
         assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + 6 * 256);
         assert_eq!(bwd_layout(0, 0, 4, false).total, 0);
