@@ -42,6 +42,7 @@ struct KdaBwdParams {
   bf16* wu;             // [slots, H, 4, 16, 128]: Wr hi, dU hi, dU lo, Wr lo ([token][value row])
   float* acc;           // [T, H, ACC_W] row sums (GVA only)
   float* part;          // [slots, H, PART_W]: per-chunk ddt_bias[128], dA_log (not GVA)
+  float* dgl;           // [N, H, 8, 128]: per 16-row tile, sum_v dht S0 of the last chunk (fp32 S0)
   long long seq_len;
   long long total_tokens;
   int num_heads;
@@ -206,6 +207,39 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
     const PassStage<VS>& st = stg[c % PST];
     const long long slot = slot0 + c;
     const int nv = nvalid(c);
+    if (c == nch - 1 && p.dht != nullptr) {
+      // d G_last of the last chunk from the fp32 start state (bf16 storage costs dg accuracy there)
+      float part[16][2];
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const int col = nt * 8 + 2 * tq;
+        part[nt][0] = part[nt][1] = 0.f;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const size_t o = ((size_t)n * H + h) * KD * KD + (size_t)(vw + gq + 8 * hr) * KD + col;
+          float d0, d1;
+          if (p.state_fp32) {
+            const float2 x = *reinterpret_cast<const float2*>(static_cast<const float*>(p.dht) + o);
+            d0 = x.x; d1 = x.y;
+          } else {
+            const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.dht) + o);
+            d0 = __low2float(x); d1 = __high2float(x);
+          }
+          part[nt][0] = fmaf(d0, S[nt][2 * hr], part[nt][0]);
+          part[nt][1] = fmaf(d1, S[nt][2 * hr + 1], part[nt][1]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = part[nt][e];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (gq == 0) p.dgl[(((size_t)n * H + h) * 8 + vw / 16) * KD + nt * 8 + 2 * tq + e] = v;
+        }
+    }
     const size_t sh = (size_t)slot * H + h;
     store_rows_t(S, ots, p.sst + sh * KD * KD, vw, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);

@@ -81,6 +81,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   }
   const long long rem = len - c * CH;
   const int nv = rem < CH ? (int)rem : CH;
+  const bool last = rem <= CH;  // the sequence's last chunk
   const long long t0 = bos + c * CH;
   const long long hs = (long long)H * KD, qhs = (long long)p.qk_heads * KD;
   const int hq = h / (H / p.qk_heads);
@@ -311,6 +312,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       v += __shfl_xor_sync(0xffffffffu, v, 1);
       v += __shfl_xor_sync(0xffffffffu, v, 2);
       const int ch = 16 * warp + nt * 8 + gq;
+      if (last) {  // the last chunk: from the state pass's fp32 start state (or 0 without dht)
+        v = 0.f;
+        if (p.dht != nullptr)
+#pragma unroll
+          for (int rt = 0; rt < 8; ++rt) v += p.dgl[(((size_t)n * H + h) * 8 + rt) * KD + ch];
+      }
       if (tq == 0) s.dgn[ch] = v * ex2(s.G[CH - 1][ch]);
     }
   }

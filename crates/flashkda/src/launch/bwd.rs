@@ -48,12 +48,14 @@ pub struct BwdLayout {
     pub wu: usize,
     pub acc: usize,
     pub part: usize,
+    /// Per (sequence, head, 16-row tile): the last chunk's `sum_v dht S0` (128 fp32).
+    pub dgl: usize,
     pub total: usize,
 }
 
-/// [`BwdLayout`] of `slots` chunk slots, `tokens` tokens and `heads` value heads; `gva`: q/k heads
-/// shared by several value heads (the row sums path).
-pub fn bwd_layout(slots: usize, tokens: usize, heads: usize, gva: bool) -> BwdLayout {
+/// [`BwdLayout`] of `slots` chunk slots, `tokens` tokens, `seqs` sequences and `heads` value heads;
+/// `gva`: q/k heads shared by several value heads (the row sums path).
+pub fn bwd_layout(slots: usize, tokens: usize, seqs: usize, heads: usize, gva: bool) -> BwdLayout {
     let sh = slots * heads;
     let rec = 0;
     let sst = (rec + sh * SPLIT_RECORD_BYTES).next_multiple_of(256);
@@ -63,6 +65,7 @@ pub fn bwd_layout(slots: usize, tokens: usize, heads: usize, gva: bool) -> BwdLa
     let acc_bytes = if gva { tokens * heads * ACC_W * 4 } else { 0 };
     let part = (acc + acc_bytes).next_multiple_of(256);
     let part_bytes = if gva { 0 } else { sh * PART_W * 4 };
+    let dgl = (part + part_bytes).next_multiple_of(256);
     BwdLayout {
         rec,
         sst,
@@ -70,7 +73,8 @@ pub fn bwd_layout(slots: usize, tokens: usize, heads: usize, gva: bool) -> BwdLa
         wu,
         acc,
         part,
-        total: part + part_bytes,
+        dgl,
+        total: dgl + seqs * heads * 8 * HEAD_DIM * 4,
     }
 }
 
@@ -79,6 +83,7 @@ fn layout(plan: &BwdPlan) -> BwdLayout {
     bwd_layout(
         workspace_slots(p),
         p.batch * p.seq_len,
+        p.num_seqs,
         p.heads,
         p.qk_heads != p.heads,
     )
@@ -114,6 +119,7 @@ struct BwdKernelParams {
     wu: u64,
     acc: u64,
     part: u64,
+    dgl: u64,
     seq_len: i64,
     total_tokens: i64,
     num_heads: i32,
@@ -193,8 +199,8 @@ impl Default for BwdOptions {
 /// Workspace bytes of a validated backward call, per 16-token chunk slot and head: the prep
 /// record (14400), the chunk's start state and d(end state) (bf16, 32 KiB each), the Wr and dU tiles
 /// (hi + lo bf16, 16 KiB) and the partial sums (528); with GVA the per-token row sums (1552 per token and
-/// head) instead of the partial sums. Temporary: nothing is saved by the forward for the backward
-/// beyond its inputs.
+/// head) instead of the partial sums; 4 KiB per sequence and head. Temporary: nothing is saved by
+/// the forward for the backward beyond its inputs.
 pub fn bwd_workspace_bytes(plan: &BwdPlan) -> usize {
     layout(plan).total
 }
@@ -271,6 +277,7 @@ pub fn bwd_validated(
         wu: ws + lay.wu as u64,
         acc: ws + lay.acc as u64,
         part: ws + lay.part as u64,
+        dgl: ws + lay.dgl as u64,
         seq_len: fp.seq_len as i64,
         total_tokens: total as i64,
         num_heads: fp.heads as i32,
@@ -384,8 +391,8 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 25 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 200 + 16 + 32 = 248 bytes
-        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 248);
+        // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 208 + 16 + 32 = 256 bytes
+        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 256);
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
         assert_eq!(pass_smem_bytes(2), 55232);
         assert_eq!(pass_smem_bytes(4), 66496);
@@ -395,29 +402,31 @@ mod tests {
     #[test]
     fn layout_is_aligned_disjoint_and_sized() {
         let sh = 512 * 96;
+        let dgl_bytes = 96 * 8 * HEAD_DIM * 4;
         for gva in [false, true] {
-            let l = bwd_layout(512, 8192, 96, gva);
-            for off in [l.rec, l.sst, l.dss, l.wu, l.acc, l.part] {
+            let l = bwd_layout(512, 8192, 1, 96, gva);
+            for off in [l.rec, l.sst, l.dss, l.wu, l.acc, l.part, l.dgl] {
                 assert_eq!(off % 256, 0);
             }
             assert!(l.sst >= sh * SPLIT_RECORD_BYTES);
             assert!(l.dss >= l.sst + sh * STATE_BYTES);
             assert!(l.wu >= l.dss + sh * STATE_BYTES);
             assert!(l.acc >= l.wu + sh * WU_BYTES);
+            assert_eq!(l.total, l.dgl + dgl_bytes);
             if gva {
                 assert!(l.part >= l.acc + 8192 * 96 * ACC_W * 4);
-                assert_eq!(l.total, l.part);
+                assert_eq!(l.dgl, l.part);
             } else {
                 assert_eq!(l.part, l.acc);
-                assert_eq!(l.total, l.part + sh * PART_W * 4);
+                assert!(l.dgl >= l.part + sh * PART_W * 4);
             }
         }
         // per token and head without GVA: (14400 + 2 * 32768 + 16384 + 528) / 16 bytes
         let per = (SPLIT_RECORD_BYTES + 2 * STATE_BYTES + WU_BYTES + PART_W * 4) / CHUNK;
         assert_eq!(per, 6053);
-        let l = bwd_layout(512, 8192, 96, false);
-        assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + 6 * 256);
-        assert_eq!(bwd_layout(0, 0, 4, false).total, 0);
+        let l = bwd_layout(512, 8192, 1, 96, false);
+        assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + dgl_bytes + 7 * 256);
+        assert_eq!(bwd_layout(0, 0, 0, 4, false).total, 0);
     }
 
     #[test]
