@@ -203,7 +203,7 @@ pub struct KdaKernels {
     ws_bf16: WorkspaceKernels,
     /// `kda_fwd_ws_split.cu` (split operands).
     ws_split: WorkspaceKernels,
-    /// `kda_bwd.cu`.
+    /// `kda_bwd_chunk.cu`.
     bwd: bwd::BwdKernels,
     /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
     /// outside graph capture only.

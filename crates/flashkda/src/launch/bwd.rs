@@ -89,7 +89,7 @@ fn layout(plan: &BwdPlan) -> BwdLayout {
     )
 }
 
-/// Mirror of `struct KdaBwdParams` in `kernels/kda_bwd.cu` (the one definition of the kernels'
+/// Mirror of `struct KdaBwdParams` in `kernels/kda_bwd_chunk.cu` (the one definition of the kernels'
 /// argument list; passed by value).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
