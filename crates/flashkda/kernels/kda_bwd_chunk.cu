@@ -1,17 +1,18 @@
 // KDA backward on tensor cores, chunked (16-token chunks, the math of `reference::chunked_grad_f64`).
-// Five launches over one workspace (src/launch/bwd.rs):
+// Launches over one workspace (src/launch/bwd.rs):
 //  1. kda_prep (kda_fwd_ws.cu, split): the per-(chunk slot, head) records: kd, qd (scaled), krT,
 //     INV = (I + diag(b) A)^-1, M (scaled), E = 2^G_last, b.
 //  2. kdab_states: the forward state pass again, storing per chunk the start state S0 (bf16,
-//     transposed) and Wr = v - kd S0^T (bf16); parallel over value-row slices.
+//     transposed) and Wr = v - kd S0^T (hi + lo bf16), and for the last chunk sum_v dht S0 from the
+//     fp32 state; parallel over value-row slices.
 //  3. kdab_dstates: the reverse pass over chunks: dS (fp32, mma fragments) enters as d(end state),
-//     is stored (bf16), gives dU = M^T dO + KR dS^T, dv = diag(b) INV^T dU, and leaves as
-//     dS diag(E) + dO^T qd - dv^T kd; parallel over value-row slices.
-//  4. kdab_chunk: one block per (chunk, head) over all value rows: U = X diag(b) Wr and dO U^T in
-//     fp32, dO S0, dv S0, U dS (U hi + lo), dU Wr^T on mma, the 16x16 WY backward (dbeta, dA) in
-//     fp32, then d q_hat, d k_hat, d gamma, d b and, without GVA, the finish (dq, dk, dg, dbeta
-//     and per-chunk partial sums of ddt_bias and dA_log; kdab_reduce adds those up).
-//  5. kda_bwd_finish: L2-norm, gate and sigmoid chain rules; dA_log, ddt_bias.
+//     is stored (bf16), gives dU = M^T dO + KR dS^T (stored hi + lo), dv = diag(b) INV^T dU, and
+//     leaves as dS diag(E) + dO^T qd - dv^T kd; parallel over value-row slices.
+//  4. kdab_chunk (.cuh): one block per (chunk, head) over all value rows: U = X diag(b) Wr, dO U^T,
+//     dO S0, dv S0, U dS, dU Wr^T on mma (split operands where bf16 costs accuracy), the 16x16 WY
+//     backward (dbeta, dA) in fp32, then d q_hat, d k_hat, d gamma, d b and, without GVA, the
+//     finish (dq, dk, dg, dbeta, per-chunk partial sums of ddt_bias and dA_log for kdab_reduce).
+//  5. GVA only: kda_bwd_finish (L2-norm, gate and sigmoid chain rules over the row sums).
 #define KDA_SPLIT_OPERANDS 1
 #include "kda_fwd_ws.cu"
 
