@@ -19,8 +19,7 @@ pub use crate::schedule::{
 
 mod bwd;
 pub use bwd::{
-    BWD_CHECKPOINT_LIMIT, BwdOptions, bwd, bwd_checkpoint_tokens, bwd_sub_chunk_tokens,
-    bwd_validated, bwd_workspace_bytes,
+    BwdLayout, BwdOptions, bwd, bwd_layout, bwd_pass_warps, bwd_validated, bwd_workspace_bytes,
 };
 
 mod built {
@@ -204,7 +203,7 @@ pub struct KdaKernels {
     ws_bf16: WorkspaceKernels,
     /// `kda_fwd_ws_split.cu` (split operands).
     ws_split: WorkspaceKernels,
-    /// `kda_bwd.cu`.
+    /// `kda_bwd_chunk.cu`.
     bwd: bwd::BwdKernels,
     /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
     /// outside graph capture only.
@@ -336,7 +335,7 @@ impl KdaKernels {
         };
         let (seq_cubin, pipe_cubin) = (cubin("kda_fwd")?, cubin("kda_fwd_pipelined")?);
         let (ws_cubin, split_cubin) = (cubin("kda_fwd_ws")?, cubin("kda_fwd_ws_split")?);
-        let (bwd_cubin, bwd_s8_cubin) = (cubin("kda_bwd")?, cubin("kda_bwd_s8")?);
+        let bwd_cubin = cubin("kda_bwd_chunk")?;
         let (major, minor) = ctx
             .compute_capability()
             .during("reading compute capability")?;
@@ -372,11 +371,8 @@ impl KdaKernels {
         let ws_split = WorkspaceKernels::load(ctx, split_cubin, Operands::Split)?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(bwd_cubin))
-            .during("loading the kda_bwd cubin")?;
-        let s8 = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(bwd_s8_cubin))
-            .during("loading the kda_bwd_s8 cubin")?;
-        let bwd = bwd::BwdKernels::load(&module, &s8)?;
+            .during("loading the kda_bwd_chunk cubin")?;
+        let bwd = bwd::BwdKernels::load(&module)?;
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,

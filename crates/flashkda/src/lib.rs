@@ -24,9 +24,9 @@ pub mod validate;
 
 pub use error::FlashKdaError;
 pub use launch::{
-    BWD_CHECKPOINT_LIMIT, BwdOptions, FwdOptions, KdaKernels, Workspace, bwd,
-    bwd_checkpoint_tokens, bwd_sub_chunk_tokens, bwd_validated, bwd_workspace_bytes, fwd,
-    fwd_planned, fwd_validated, kernels_built, open_device, workspace_bytes,
+    BwdLayout, BwdOptions, FwdOptions, KdaKernels, Workspace, bwd, bwd_layout, bwd_pass_warps,
+    bwd_validated, bwd_workspace_bytes, fwd, fwd_planned, fwd_validated, kernels_built,
+    open_device, workspace_bytes,
 };
 pub use schedule::{
     CallPlan, KernelSchedule, Operands, ScheduleRequest, Segments, ValueSplit, call_plan,

@@ -6,9 +6,9 @@
 
 Inputs as ``flashkda.fwd`` (raw q/k, raw gate g, beta logits; fused gate, L2 norm and sigmoid
 inside; states ``[N, H, V, K]``). Gradients flow to q, k, v, g, beta, A_log, dt_bias and
-initial_state, computed by the sm_90a backward kernels on torch's current stream. Nothing beyond
-the inputs is saved for backward: the backward recomputes the states (checkpoints every 64 tokens
-in a temporary workspace).
+initial_state, computed by the chunked sm_90a backward on torch's current stream. Nothing beyond
+the inputs is saved for backward: the backward recomputes the 16-token chunk states into a
+temporary workspace (from torch's caching allocator).
 """
 
 from __future__ import annotations

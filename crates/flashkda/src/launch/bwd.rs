@@ -1,62 +1,95 @@
-//! The backward launch (`kernels/kda_bwd.cu`): `kda_bwd_rows` (checkpointed forward, then the
-//! token backward of every value row) and `kda_bwd_finish` (input gradients from the row sums).
+//! The backward launch (`kernels/kda_bwd_chunk.cu`): the prep records, the state pass storing the
+//! chunk start states, the reverse state-gradient pass, the per-chunk gradients and the finish.
 
 use cudarc::driver::{
     CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use std::sync::Arc;
 
-use super::{KdaKernels, Workspace, begin_call, workspace_ptr};
+use super::{KdaKernels, KernelParams, Workspace, begin_call, workspace_ptr};
 use crate::error::{DriverContext, FlashKdaError};
 use crate::reference::HEAD_DIM;
+use crate::schedule::{SPLIT_RECORD_BYTES, workspace_slots};
 use crate::validate::{BwdArgs, BwdPlan, StateDType, validate_bwd};
 
-/// Tokens per state checkpoint of the backward (`CK` in the .cu): 16 (no recomputed sub-chunk
-/// starts) while the checkpoints take at most [`BWD_CHECKPOINT_LIMIT`] bytes, 64 above.
-/// `FLASHKDA_BWD_CK=16|64` overrides (measurement only).
-pub fn bwd_checkpoint_tokens(plan: &BwdPlan) -> usize {
-    match std::env::var("FLASHKDA_BWD_CK").as_deref() {
-        Ok("16") => return 16,
-        Ok("64") => return 64,
-        _ => {}
-    }
-    if checkpoint_bytes(plan, 16) <= BWD_CHECKPOINT_LIMIT {
-        16
-    } else {
-        64
-    }
-}
-
-/// Workspace bound of the 16-token checkpoints.
-pub const BWD_CHECKPOINT_LIMIT: usize = 4 << 30;
-
-fn checkpoint_bytes(plan: &BwdPlan, ck: usize) -> usize {
-    let p = &plan.fwd;
-    let slots = p.batch * p.seq_len / ck + p.num_seqs + 1;
-    slots * p.heads * HEAD_DIM * HEAD_DIM * 4
-}
-/// Value rows per `kda_bwd_rows` block (`ROWS`).
-const ROWS: usize = 16;
-/// Floats of row sums per (token, head) (`ACC_W`).
+/// Floats of row sums per (token, head) (`ACC_W`: d q_hat, d k_hat, d gamma, d b, 3 pad).
 const ACC_W: usize = 3 * HEAD_DIM + 4;
 /// Tokens per `kda_bwd_finish` block (`FIN_TOK`).
 const FIN_TOK: usize = 64;
-/// Dynamic shared memory of `kda_bwd_rows_*` (`sizeof(BwdSmem)`) for `sub`-token sub-chunks.
-const fn rows_smem_bytes(sub: usize) -> u32 {
-    ((3 * sub * HEAD_DIM + sub + 2 * sub * ROWS + 2 * ROWS * ACC_W) * 4) as u32
+/// Tokens per chunk of the backward (the forward's prep chunk).
+const CHUNK: usize = 16;
+/// Bytes of one bf16 128 x 128 state.
+const STATE_BYTES: usize = HEAD_DIM * HEAD_DIM * 2;
+/// Bytes of the per-(chunk, head) Wr hi, dU hi, dU lo, Wr lo tiles (bf16 `[4][16][128]`).
+const WU_BYTES: usize = 4 * CHUNK * HEAD_DIM * 2;
+/// Dynamic shared memory of `kdab_states_w*` / `kdab_dstates_w*` (`PASS_SMEM(NW)`).
+const fn pass_smem_bytes(nw: usize) -> u32 {
+    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * HEAD_DIM * 16 * 2) as u32
+}
+/// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
+const CHUNK_SMEM_BYTES: u32 = 111712;
+/// Floats of one chunk's partial sums (`PART_W`: ddt_bias[128], dA_log, 3 pad).
+const PART_W: usize = 132;
+
+/// Warps (16 value rows each) per block of the two state passes: 4 (two blocks per chain) while
+/// that still gives 2 blocks per SM, else 2.
+pub fn bwd_pass_warps(chains: usize, sm_count: usize) -> usize {
+    if chains * 2 >= 2 * sm_count { 4 } else { 2 }
 }
 
-/// Tokens per sub-chunk of the backward (`SUB`: `kda_bwd.cu` 16, `kda_bwd_s8.cu` 8);
-/// `FLASHKDA_BWD_SUB=8|16` overrides (measurement only).
-pub fn bwd_sub_chunk_tokens() -> usize {
-    match std::env::var("FLASHKDA_BWD_SUB").as_deref() {
-        Ok("8") => 8,
-        Ok("16") => 16,
-        _ => 16,
+/// Offsets of the backward workspace (bytes, 256-aligned): the prep records, the chunk start
+/// states, the d(chunk end) states, the Wr/dU tiles, then either the per-token row sums (GVA,
+/// for `kda_bwd_finish`) or the per-chunk partial sums of ddt_bias and dA_log; and the total.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BwdLayout {
+    pub rec: usize,
+    pub sst: usize,
+    pub dss: usize,
+    pub wu: usize,
+    pub acc: usize,
+    pub part: usize,
+    /// Per (sequence, head, 16-row tile): the last chunk's `sum_v dht S0` (128 fp32).
+    pub dgl: usize,
+    pub total: usize,
+}
+
+/// [`BwdLayout`] of `slots` chunk slots, `tokens` tokens, `seqs` sequences and `heads` value heads;
+/// `gva`: q/k heads shared by several value heads (the row sums path).
+pub fn bwd_layout(slots: usize, tokens: usize, seqs: usize, heads: usize, gva: bool) -> BwdLayout {
+    let sh = slots * heads;
+    let rec = 0;
+    let sst = (rec + sh * SPLIT_RECORD_BYTES).next_multiple_of(256);
+    let dss = (sst + sh * STATE_BYTES).next_multiple_of(256);
+    let wu = (dss + sh * STATE_BYTES).next_multiple_of(256);
+    let acc = (wu + sh * WU_BYTES).next_multiple_of(256);
+    let acc_bytes = if gva { tokens * heads * ACC_W * 4 } else { 0 };
+    let part = (acc + acc_bytes).next_multiple_of(256);
+    let part_bytes = if gva { 0 } else { sh * PART_W * 4 };
+    let dgl = (part + part_bytes).next_multiple_of(256);
+    BwdLayout {
+        rec,
+        sst,
+        dss,
+        wu,
+        acc,
+        part,
+        dgl,
+        total: dgl + seqs * heads * 8 * HEAD_DIM * 4,
     }
 }
 
-/// Mirror of `struct KdaBwdParams` in `kernels/kda_bwd.cu` (the one definition of the kernels'
+fn layout(plan: &BwdPlan) -> BwdLayout {
+    let p = &plan.fwd;
+    bwd_layout(
+        workspace_slots(p),
+        p.batch * p.seq_len,
+        p.num_seqs,
+        p.heads,
+        p.qk_heads != p.heads,
+    )
+}
+
+/// Mirror of `struct KdaBwdParams` in `kernels/kda_bwd_chunk.cu` (the one definition of the kernels'
 /// argument list; passed by value).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -80,8 +113,13 @@ struct BwdKernelParams {
     da_log: u64,
     ddt_bias: u64,
     dh0: u64,
-    ckpt: u64,
+    rec: u64,
+    sst: u64,
+    dss: u64,
+    wu: u64,
     acc: u64,
+    part: u64,
+    dgl: u64,
     seq_len: i64,
     total_tokens: i64,
     num_heads: i32,
@@ -91,49 +129,52 @@ struct BwdKernelParams {
     dh0_fp32: i32,
     scale: f32,
     lower_bound: f32,
-    pad: i32,
+    fused: i32,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (size checked by a test).
 unsafe impl DeviceRepr for BwdKernelParams {}
 
-/// The backward kernels of one device.
+/// The backward kernels of one device (`kda_bwd_chunk.cu`).
 #[derive(Debug)]
 pub(super) struct BwdKernels {
-    /// `kda_bwd_rows_c16`, `kda_bwd_rows_c64` of `kda_bwd.cu` (16-token sub-chunks) and of
-    /// `kda_bwd_s8.cu` (8).
-    rows: [[CudaFunction; 2]; 2],
+    prep: CudaFunction,
+    /// `kdab_states_w2`, `kdab_states_w4`.
+    states: [CudaFunction; 2],
+    /// `kdab_dstates_w2`, `kdab_dstates_w4`.
+    dstates: [CudaFunction; 2],
+    chunk: CudaFunction,
+    reduce: CudaFunction,
     finish: CudaFunction,
 }
 
 impl BwdKernels {
-    pub(super) fn load(
-        module: &Arc<CudaModule>,
-        s8: &Arc<CudaModule>,
-    ) -> Result<Self, FlashKdaError> {
-        let load = |m: &Arc<CudaModule>, name: &str, sub: usize| {
-            let f = m.load_function(name).during("loading kda_bwd_rows_*")?;
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                rows_smem_bytes(sub) as i32,
-            )
-            .during("allowing kda_bwd_rows's dynamic shared memory")?;
+    pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, FlashKdaError> {
+        let load = |name: &'static str, smem: u32| {
+            let f = module.load_function(name).during(name)?;
+            if smem > 48 * 1024 {
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .during("allowing a backward kernel's dynamic shared memory")?;
+            }
             Ok::<_, FlashKdaError>(f)
         };
-        let rows = [
-            [
-                load(module, "kda_bwd_rows_c16", 16)?,
-                load(module, "kda_bwd_rows_c64", 16)?,
+        Ok(BwdKernels {
+            prep: load("kda_prep", 0)?,
+            states: [
+                load("kdab_states_w2", pass_smem_bytes(2))?,
+                load("kdab_states_w4", pass_smem_bytes(4))?,
             ],
-            [
-                load(s8, "kda_bwd_rows_c16", 8)?,
-                load(s8, "kda_bwd_rows_c64", 8)?,
+            dstates: [
+                load("kdab_dstates_w2", pass_smem_bytes(2))?,
+                load("kdab_dstates_w4", pass_smem_bytes(4))?,
             ],
-        ];
-        let finish = module
-            .load_function("kda_bwd_finish")
-            .during("loading kda_bwd_finish")?;
-        Ok(BwdKernels { rows, finish })
+            chunk: load("kdab_chunk", CHUNK_SMEM_BYTES)?,
+            reduce: load("kdab_reduce", 0)?,
+            finish: load("kda_bwd_finish", 0)?,
+        })
     }
 }
 
@@ -155,21 +196,13 @@ impl Default for BwdOptions {
     }
 }
 
-/// Offsets of the backward workspace: row checkpoints, then the per-(token, head) row sums.
-fn layout(plan: &BwdPlan) -> (usize, usize) {
-    let p = &plan.fwd;
-    let total = p.batch * p.seq_len;
-    let ckpt = checkpoint_bytes(plan, bwd_checkpoint_tokens(plan));
-    let acc_off = ckpt.next_multiple_of(256);
-    (acc_off, acc_off + total * p.heads * ACC_W * 4)
-}
-
-/// Workspace bytes of a validated backward call: fp32 checkpoints of the state every 16 tokens
-/// (4 KiB per token and head; every 64 tokens, 1 KiB, above [`BWD_CHECKPOINT_LIMIT`]) and the row
-/// sums (1552 bytes per token and head). Nothing is saved
-/// by the forward for the backward beyond its inputs.
+/// Workspace bytes of a validated backward call, per 16-token chunk slot and head: the prep
+/// record (14400), the chunk's start state and d(end state) (bf16, 32 KiB each), the Wr and dU tiles
+/// (hi + lo bf16, 16 KiB) and the partial sums (528); with GVA the per-token row sums (1552 per token and
+/// head) instead of the partial sums; 4 KiB per sequence and head. Temporary: nothing is saved by
+/// the forward for the backward beyond its inputs.
 pub fn bwd_workspace_bytes(plan: &BwdPlan) -> usize {
-    layout(plan).1
+    layout(plan).total
 }
 
 /// Validates `args` and enqueues the backward on `stream`: writes dq, dk, dv, dg, dbeta, dA_log,
@@ -216,12 +249,8 @@ pub fn bwd_validated(
     if total == 0 && chains == 0 {
         return Ok(());
     }
-    let (acc_off, need) = layout(plan);
-    let ws = workspace_ptr(kernels, stream, opts.workspace, need, capturing)?;
-    let acc = ws + acc_off as u64;
-    // SAFETY: the row sums lie inside the workspace.
-    unsafe { cudarc::driver::result::memset_d8_async(acc, 0, total * fp.heads * ACC_W * 4, s) }
-        .during("zeroing the row sums")?;
+    let lay = layout(plan);
+    let ws = workspace_ptr(kernels, stream, opts.workspace, lay.total, capturing)?;
     let params = BwdKernelParams {
         q: args.q.ptr,
         k: args.k.ptr,
@@ -242,8 +271,13 @@ pub fn bwd_validated(
         da_log: args.da_log.ptr,
         ddt_bias: args.ddt_bias.ptr,
         dh0: args.dinitial_state.as_ref().map_or(0, |t| t.ptr),
-        ckpt: ws,
-        acc,
+        rec: ws + lay.rec as u64,
+        sst: ws + lay.sst as u64,
+        dss: ws + lay.dss as u64,
+        wu: ws + lay.wu as u64,
+        acc: ws + lay.acc as u64,
+        part: ws + lay.part as u64,
+        dgl: ws + lay.dgl as u64,
         seq_len: fp.seq_len as i64,
         total_tokens: total as i64,
         num_heads: fp.heads as i32,
@@ -253,23 +287,91 @@ pub fn bwd_validated(
         dh0_fp32: i32::from(plan.dinitial_state == Some(StateDType::F32)),
         scale: args.scale,
         lower_bound: args.lower_bound,
-        pad: 0,
+        fused: i32::from(fp.qk_heads == fp.heads),
     };
     let bk = &kernels.bwd;
-    if chains > 0 {
-        let sub = bwd_sub_chunk_tokens();
-        let cfg = LaunchConfig {
-            grid_dim: (chains as u32, (HEAD_DIM / ROWS) as u32, 1),
-            block_dim: ((ROWS * 32) as u32, 1, 1),
-            shared_mem_bytes: rows_smem_bytes(sub),
+    let slots = workspace_slots(fp);
+    let sh = (slots * fp.heads) as u32;
+    if sh > 0 {
+        let prep = KernelParams {
+            q: args.q.ptr,
+            k: args.k.ptr,
+            v: args.v.ptr,
+            g: args.g.ptr,
+            beta: args.beta.ptr,
+            a_log: args.a_log.ptr,
+            dt_bias: args.dt_bias.ptr,
+            out: 0,
+            h0: 0,
+            ht: 0,
+            cu_seqlens: params.cu_seqlens,
+            seq_len: params.seq_len,
+            total_tokens: params.total_tokens,
+            num_heads: params.num_heads,
+            num_seqs: params.num_seqs,
+            state_fp32: 0,
+            scale: args.scale,
+            lower_bound: args.lower_bound,
+            ws: params.rec,
+            seg_chunks: 0,
+            segs_per_seq: 0,
+            qk_heads: params.qk_heads,
+            pad: 0,
+            flags: 0,
         };
-        let rows = &bk.rows[usize::from(sub == 8)][usize::from(bwd_checkpoint_tokens(plan) == 64)];
-        let mut launch = stream.launch_builder(rows);
-        launch.arg(&params);
-        // SAFETY: reads the validated inputs; writes dv, dinitial_state and the workspace.
-        unsafe { launch.launch(cfg) }.during("launching kda_bwd_rows")?;
+        let cfg = LaunchConfig {
+            grid_dim: (sh, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(&bk.prep);
+        launch.arg(&prep);
+        // SAFETY: reads the validated inputs, writes the records of the workspace.
+        unsafe { launch.launch(cfg) }.during("launching kda_prep (backward)")?;
     }
-    if total > 0 {
+    if chains > 0 {
+        let nw = bwd_pass_warps(chains, kernels.sm_count);
+        let cfg = LaunchConfig {
+            grid_dim: ((chains * HEAD_DIM / (16 * nw)) as u32, 1, 1),
+            block_dim: ((32 * nw) as u32, 1, 1),
+            shared_mem_bytes: pass_smem_bytes(nw),
+        };
+        let i = usize::from(nw == 4);
+        let mut launch = stream.launch_builder(&bk.states[i]);
+        launch.arg(&params);
+        // SAFETY: reads the records and inputs; writes the states and Wr tiles of the workspace.
+        unsafe { launch.launch(cfg) }.during("launching kdab_states")?;
+        let mut launch = stream.launch_builder(&bk.dstates[i]);
+        launch.arg(&params);
+        // SAFETY: reads the records, dout, dfinal_state; writes dv, dinitial_state, the workspace.
+        unsafe { launch.launch(cfg) }.during("launching kdab_dstates")?;
+    }
+    if sh > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: (sh, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: CHUNK_SMEM_BYTES,
+        };
+        let mut launch = stream.launch_builder(&bk.chunk);
+        launch.arg(&params);
+        // SAFETY: reads the workspace, inputs and dv; writes the row sums.
+        unsafe { launch.launch(cfg) }.during("launching kdab_chunk")?;
+    }
+    if params.fused == 1 {
+        if fp.heads > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (fp.heads as u32, 1, 1),
+                block_dim: (HEAD_DIM as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let n = slots as i32;
+            let mut launch = stream.launch_builder(&bk.reduce);
+            launch.arg(&params);
+            launch.arg(&n);
+            // SAFETY: reads the partial sums of every slot; writes dA_log and ddt_bias.
+            unsafe { launch.launch(cfg) }.during("launching kdab_reduce")?;
+        }
+    } else if total > 0 {
         let cfg = LaunchConfig {
             grid_dim: (total.div_ceil(FIN_TOK) as u32, fp.qk_heads as u32, 1),
             block_dim: (HEAD_DIM as u32, 1, 1),
@@ -285,13 +387,53 @@ pub fn bwd_validated(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 21 pointers, 2 int64, 5 int32, 2 float, 1 int32 pad = 168 + 16 + 32 = 216 bytes
-        assert_eq!(std::mem::size_of::<super::BwdKernelParams>(), 216);
-        assert_eq!(std::mem::align_of::<super::BwdKernelParams>(), 8);
-        assert_eq!(super::rows_smem_bytes(16), 76352);
-        assert_eq!(super::rows_smem_bytes(8), 63008);
-        assert_eq!(super::ACC_W % 4, 0);
+        // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 208 + 16 + 32 = 256 bytes
+        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 256);
+        assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
+        assert_eq!(pass_smem_bytes(2), 55232);
+        assert_eq!(pass_smem_bytes(4), 66496);
+        assert_eq!(ACC_W % 4, 0);
+    }
+
+    #[test]
+    fn layout_is_aligned_disjoint_and_sized() {
+        let sh = 512 * 96;
+        let dgl_bytes = 96 * 8 * HEAD_DIM * 4;
+        for gva in [false, true] {
+            let l = bwd_layout(512, 8192, 1, 96, gva);
+            for off in [l.rec, l.sst, l.dss, l.wu, l.acc, l.part, l.dgl] {
+                assert_eq!(off % 256, 0);
+            }
+            assert!(l.sst >= sh * SPLIT_RECORD_BYTES);
+            assert!(l.dss >= l.sst + sh * STATE_BYTES);
+            assert!(l.wu >= l.dss + sh * STATE_BYTES);
+            assert!(l.acc >= l.wu + sh * WU_BYTES);
+            assert_eq!(l.total, l.dgl + dgl_bytes);
+            if gva {
+                assert!(l.part >= l.acc + 8192 * 96 * ACC_W * 4);
+                assert_eq!(l.dgl, l.part);
+            } else {
+                assert_eq!(l.part, l.acc);
+                assert!(l.dgl >= l.part + sh * PART_W * 4);
+            }
+        }
+        // per token and head without GVA: (14400 + 2 * 32768 + 16384 + 528) / 16 bytes
+        let per = (SPLIT_RECORD_BYTES + 2 * STATE_BYTES + WU_BYTES + PART_W * 4) / CHUNK;
+        assert_eq!(per, 6053);
+        let l = bwd_layout(512, 8192, 1, 96, false);
+        assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + dgl_bytes + 7 * 256);
+        assert_eq!(bwd_layout(0, 0, 0, 4, false).total, 0);
+    }
+
+    #[test]
+    fn pass_warps_keep_two_blocks_per_sm() {
+        assert_eq!(bwd_pass_warps(96, 132), 2);
+        assert_eq!(bwd_pass_warps(132, 132), 4);
+        assert_eq!(bwd_pass_warps(8 * 64, 132), 4);
+        assert_eq!(bwd_pass_warps(1, 132), 2);
     }
 }

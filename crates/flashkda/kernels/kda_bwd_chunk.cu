@@ -1,0 +1,455 @@
+// KDA backward on tensor cores, chunked (16-token chunks, the math of `reference::chunked_grad_f64`).
+// Launches over one workspace (src/launch/bwd.rs):
+//  1. kda_prep (kda_fwd_ws.cu, split): the per-(chunk slot, head) records: kd, qd (scaled), krT,
+//     INV = (I + diag(b) A)^-1, M (scaled), E = 2^G_last, b.
+//  2. kdab_states: the forward state pass again, storing per chunk the start state S0 (bf16,
+//     transposed) and Wr = v - kd S0^T (hi + lo bf16), and for the last chunk sum_v dht S0 from the
+//     fp32 state; parallel over value-row slices.
+//  3. kdab_dstates: the reverse pass over chunks: dS (fp32, mma fragments) enters as d(end state),
+//     is stored (bf16), gives dU = M^T dO + KR dS^T (stored hi + lo), dv = diag(b) INV^T dU, and
+//     leaves as dS diag(E) + dO^T qd - dv^T kd; parallel over value-row slices.
+//  4. kdab_chunk (.cuh): one block per (chunk, head) over all value rows: U = X diag(b) Wr, dO U^T,
+//     dO S0, dv S0, U dS, dU Wr^T on mma (split operands where bf16 costs accuracy), the 16x16 WY
+//     backward (dbeta, dA) in fp32, then d q_hat, d k_hat, d gamma, d b and, without GVA, the
+//     finish (dq, dk, dg, dbeta, per-chunk partial sums of ddt_bias and dA_log for kdab_reduce).
+//  5. GVA only: kda_bwd_finish (L2-norm, gate and sigmoid chain rules over the row sums).
+#define KDA_SPLIT_OPERANDS 1
+#include "kda_fwd_ws.cu"
+
+// Mirrored by `BwdKernelParams` in src/launch/bwd.rs (size checked by a test there).
+struct KdaBwdParams {
+  const bf16* q;        // [T, Hqk, 128]
+  const bf16* k;
+  const bf16* v;        // [T, H, 128]
+  const bf16* g;
+  const bf16* beta;     // [T, H] logits
+  const float* a_log;   // [H]
+  const float* dt_bias; // [H, 128]
+  const void* h0;       // [N, H, 128, 128] or null (zeros)
+  const long long* cu_seqlens;
+  const bf16* dout;     // [T, H, 128]
+  const void* dht;      // [N, H, 128, 128] or null (zeros)
+  bf16* dq;             // [T, Hqk, 128]
+  bf16* dk;
+  bf16* dv;             // [T, H, 128]
+  bf16* dg;
+  bf16* dbeta;          // [T, H]
+  float* da_log;        // [H], zeroed by the launcher
+  float* ddt_bias;      // [H, 128], zeroed by the launcher
+  void* dh0;            // [N, H, 128, 128] or null
+  const unsigned char* rec;  // [slots, H] prep records
+  bf16* sst;            // [slots, H, 128 key, 128 value] chunk start states (transposed)
+  bf16* dss;            // [slots, H, 128 key, 128 value] d(chunk end state) (transposed)
+  bf16* wu;             // [slots, H, 4, 16, 128]: Wr hi, dU hi, dU lo, Wr lo ([token][value row])
+  float* acc;           // [T, H, ACC_W] row sums (GVA only)
+  float* part;          // [slots, H, PART_W]: per-chunk ddt_bias[128], dA_log (not GVA)
+  float* dgl;           // [N, H, 8, 128]: per 16-row tile, sum_v dht S0 of the last chunk (fp32 S0)
+  long long seq_len;
+  long long total_tokens;
+  int num_heads;
+  int qk_heads;
+  int num_seqs;
+  int state_fp32;       // h0 / dht
+  int dh0_fp32;
+  float scale;
+  float lower_bound;
+  int fused;            // 1 (no GVA): kdab_chunk writes dq, dk, dg, dbeta and the partial sums
+};
+
+#define ACC_W (3 * KD + 4)  // per (token, head): dq_hat[128], dk_hat[128], dgamma[128], db, 3 pad
+#define SROW 136            // padded bf16 row stride of the 16 x 128 and 128 x 128 tiles
+#define FS 129              // padded fp32 row stride
+#define PART_W 132          // floats of a chunk's partial sums
+#define PST 3               // stages of the state passes' cp.async pipeline (PST - 1 chunks ahead)
+
+__device__ __forceinline__ void bseq(const KdaBwdParams& p, int n, long long& bos, long long& len, long long& slot0) {
+  if (p.cu_seqlens != nullptr) {
+    auto cl = [&](int i) {
+      long long a = p.cu_seqlens[i];
+      return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
+    };
+    const long long a = cl(n);
+    long long e = cl(n + 1);
+    e = e < a ? a : e;
+    bos = a;
+    len = e - a;
+    slot0 = a / CH + n;
+  } else {
+    bos = (long long)n * p.seq_len;
+    len = p.seq_len;
+    slot0 = (long long)n * ((p.seq_len + CH - 1) / CH);
+  }
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* ptr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(ptr)));
+}
+
+__device__ __forceinline__ uint32_t pair_raw(bf16 lo, bf16 hi) {
+  return (uint32_t)__bfloat16_as_ushort(lo) | ((uint32_t)__bfloat16_as_ushort(hi) << 16);
+}
+
+// x - bf16(x): the lo part of a split operand.
+__device__ __forceinline__ float lo_of(float x) { return x - __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ void split_tile(uint32_t (&hi)[4], uint32_t (&lo)[4], const float (&x)[2][4], float sign) {
+  float y[2][4], l[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      y[nt][e] = sign * x[nt][e];
+      l[nt][e] = lo_of(y[nt][e]);
+    }
+  pack_tile(hi, y);
+  pack_tile(lo, l);
+}
+
+// State rows (fp32 fragments, the load_state layout) from a forward-side state tensor.
+__device__ __forceinline__ void load_rows(float (&S)[16][4], const void* base, int fp32, size_t sbase, int r0, int tq) {
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int col = nt * 8 + 2 * tq;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const size_t o = sbase + (size_t)(r0 + 8 * hr) * KD + col;
+      float x0 = 0.f, x1 = 0.f;
+      if (base != nullptr && fp32) {
+        const float2 x = *reinterpret_cast<const float2*>(static_cast<const float*>(base) + o);
+        x0 = x.x; x1 = x.y;
+      } else if (base != nullptr) {
+        const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(base) + o);
+        x0 = __low2float(x); x1 = __high2float(x);
+      }
+      S[nt][2 * hr] = x0;
+      S[nt][2 * hr + 1] = x1;
+    }
+  }
+}
+
+// The warp's 16 state rows (fp32 fragments) as bf16 into the transposed global tile dst[key][value]
+// (columns r0 .. r0 + 15): stmatrix.trans into the warp's staging tile ot[128][16], then 16-byte stores.
+__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int r0, int lane) {
+  const int mi = lane >> 3, c = lane & 7;
+#pragma unroll
+  for (int np = 0; np < 8; ++np) {
+    const int nt = 2 * np;
+    const uint32_t r[4] = {pack(S[nt][0], S[nt][1]), pack(S[nt][2], S[nt][3]), pack(S[nt + 1][0], S[nt + 1][1]),
+                           pack(S[nt + 1][2], S[nt + 1][3])};
+    const bf16* a = ot + (size_t)((nt + (mi >> 1)) * 8 + c) * 16 + 8 * (mi & 1);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(a)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+  }
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < 8; ++it) {
+    const int idx = it * 32 + lane, row = idx >> 1, hf = idx & 1;
+    *reinterpret_cast<uint4*>(dst + (size_t)row * KD + r0 + 8 * hf) = *reinterpret_cast<const uint4*>(ot + row * 16 + 8 * hf);
+  }
+  __syncwarp();
+}
+
+// Stage of the two state passes: a record and a 16 x VS tile (v or dout) of this block's rows.
+template <int VS>
+struct __align__(16) PassStage {
+  unsigned char rec[REC_BYTES];
+  bf16 t[CH][VS + 8];
+};
+
+template <int NT, int VS>
+__device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, const KdaBwdParams& p, const bf16* src, long long slot,
+                                              int h, long long t0, int nv, int v0, int tid) {
+  const uint4* rs = reinterpret_cast<const uint4*>(p.rec + (size_t)(slot * p.num_heads + h) * REC_BYTES);
+  for (int i = tid; i < REC_BYTES / 16; i += NT) cp_async16(st.rec + 16 * i, rs + i, 16);
+  constexpr int VCH = VS / 8;
+  const long long hs = (long long)p.num_heads * KD;
+  for (int i = tid; i < CH * VCH; i += NT) {
+    const int r = i / VCH, cc = i % VCH;
+    const bool ok = r < nv;
+    cp_async16(&st.t[r][cc * 8], ok ? src + (t0 + r) * hs + (long long)h * KD + v0 + cc * 8 : src, ok ? 16 : 0);
+  }
+  cp_async_commit();
+}
+
+// ---- 2. forward state pass, storing S0, Wr and U per chunk
+template <int NW>
+__device__ __forceinline__ void states_body(const KdaBwdParams& p) {
+  constexpr int VS = 16 * NW, SLICES = KD / VS, NT = 32 * NW;
+  extern __shared__ __align__(16) unsigned char bsm_raw[];
+  PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // staging
+  const int H = p.num_heads;
+  const int slice = blockIdx.x % SLICES, h = (blockIdx.x / SLICES) % H, n = blockIdx.x / (SLICES * H);
+  long long bos, len, slot0;
+  bseq(p, n, bos, len, slot0);
+  const int v0 = slice * VS, vl = warp * 16, vw = v0 + vl;
+  const int nch = (int)((len + CH - 1) / CH);
+  const int lrow = ((lane >> 4) << 3) + (lane & 7), lhalf = (lane >> 3) & 1;
+  float S[16][4];
+  load_rows(S, p.h0, p.state_fp32, ((size_t)n * H + h) * KD * KD, vw + gq, tq);
+  auto nvalid = [&](int c) {
+    const long long rem = len - (long long)c * CH;
+    return rem < CH ? (int)rem : CH;
+  };
+  auto issue = [&](int c) {  // one commit group per chunk, empty past the end
+    if (c < nch) pass_prefetch<NT, VS>(stg[c % PST], p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    else cp_async_commit();
+  };
+#pragma unroll
+  for (int c = 0; c < PST - 1; ++c) issue(c);
+  for (int c = 0; c < nch; ++c) {
+    cp_async_wait_group<PST - 2>();
+    __syncthreads();
+    issue(c + PST - 1);
+    const PassStage<VS>& st = stg[c % PST];
+    const long long slot = slot0 + c;
+    const int nv = nvalid(c);
+    if (c == nch - 1 && p.dht != nullptr) {
+      // d G_last of the last chunk from the fp32 start state (bf16 storage costs dg accuracy there)
+      float part[16][2];
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const int col = nt * 8 + 2 * tq;
+        part[nt][0] = part[nt][1] = 0.f;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const size_t o = ((size_t)n * H + h) * KD * KD + (size_t)(vw + gq + 8 * hr) * KD + col;
+          float d0, d1;
+          if (p.state_fp32) {
+            const float2 x = *reinterpret_cast<const float2*>(static_cast<const float*>(p.dht) + o);
+            d0 = x.x; d1 = x.y;
+          } else {
+            const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.dht) + o);
+            d0 = __low2float(x); d1 = __high2float(x);
+          }
+          part[nt][0] = fmaf(d0, S[nt][2 * hr], part[nt][0]);
+          part[nt][1] = fmaf(d1, S[nt][2 * hr + 1], part[nt][1]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float v = part[nt][e];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          if (gq == 0) p.dgl[(((size_t)n * H + h) * 8 + vw / 16) * KD + nt * 8 + 2 * tq + e] = v;
+        }
+    }
+    const size_t sh = (size_t)slot * H + h;
+    store_rows_t(S, ots, p.sst + sh * KD * KD, vw, lane);
+    const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
+    const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
+    const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
+    const float* E = reinterpret_cast<const float*>(st.rec + R_E);
+    const float* b = reinterpret_cast<const float*>(st.rec + R_B);
+    // W^T = S kd^T (value rows x tokens)
+    float W[2][4] = {};
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]), a1 = pack(S[2 * kb][2], S[2 * kb][3]);
+      const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]), a3 = pack(S[2 * kb + 1][2], S[2 * kb + 1][3]);
+      uint32_t bk[4];
+      ldsm_x4(bk, kd + lrow * KD + (((2 * kb + lhalf) ^ (lrow & 7)) << 3));
+      mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
+      mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
+    }
+    // Wr = v - W (stored), Vb = Wr b split hi + lo; U = INV Vb
+    bf16* wr = p.wu + sh * 4 * CH * KD;
+    float vb[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
+        const float x = tok < nv ? __bfloat162float(st.t[tok][vl + r]) - W[nt][e] : 0.f;
+        const bf16 xh = __float2bfloat16_rn(x);
+        wr[tok * KD + vw + r] = xh;
+        wr[3 * CH * KD + tok * KD + vw + r] = __float2bfloat16_rn(x - __bfloat162float(xh));
+        vb[nt][e] = x * b[tok];
+      }
+    uint32_t vah[4], val[4];
+    split_tile(vah, val, vb, 1.f);
+    uint32_t bi[4];
+    ldsm_x4(bi, inv + lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3));
+    float U[2][4];
+    const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma(U[nt], vah[0], vah[1], vah[2], vah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
+      mma(U[nt], val[0], val[1], val[2], val[3], bi[2 * nt], bi[2 * nt + 1], U[nt]);
+    }
+    uint32_t uah[4], ual[4];
+    split_tile(uah, ual, U, 1.f);
+    // S = S diag(E) + U^T kr
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      uint32_t bk[4];
+      const int r = np * 16 + lrow;
+      ldsm_x4(bk, krT + r * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int nt = 2 * np + j;
+        const float2 e01 = *reinterpret_cast<const float2*>(&E[nt * 8 + 2 * tq]);
+        const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
+        mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
+        mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
+      }
+    }
+  }
+}
+
+// ---- 3. reverse state-gradient pass
+template <int NW>
+__device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
+  constexpr int VS = 16 * NW, SLICES = KD / VS, NT = 32 * NW;
+  extern __shared__ __align__(16) unsigned char bsm_raw[];
+  PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // staging
+  const int H = p.num_heads;
+  const int slice = blockIdx.x % SLICES, h = (blockIdx.x / SLICES) % H, n = blockIdx.x / (SLICES * H);
+  long long bos, len, slot0;
+  bseq(p, n, bos, len, slot0);
+  const int v0 = slice * VS, vl = warp * 16, vw = v0 + vl;
+  const int nch = (int)((len + CH - 1) / CH);
+  const int lj = lane >> 3, lr = (lane & 7) + 8 * (lj & 1), lc = 8 * (lj >> 1);  // ldmatrix.trans rows
+  const size_t sbase = ((size_t)n * H + h) * KD * KD;
+  const long long hs = (long long)H * KD;
+  float dS[16][4];
+  load_rows(dS, p.dht, p.state_fp32, sbase, vw + gq, tq);
+  auto nvalid = [&](int c) {
+    const long long rem = len - (long long)c * CH;
+    return rem < CH ? (int)rem : CH;
+  };
+  auto issue = [&](int k) {  // k-th chunk from the end; one commit group each, empty past the start
+    const int c = nch - 1 - k;
+    if (c >= 0) pass_prefetch<NT, VS>(stg[k % PST], p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    else cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < PST - 1; ++k) issue(k);
+  for (int k = 0; k < nch; ++k) {
+    const int c = nch - 1 - k;
+    cp_async_wait_group<PST - 2>();
+    __syncthreads();
+    issue(k + PST - 1);
+    const PassStage<VS>& st = stg[k % PST];
+    const long long slot = slot0 + c, t0 = bos + (long long)c * CH;
+    const int nv = nvalid(c);
+    const size_t sh = (size_t)slot * H + h;
+    store_rows_t(dS, ots, p.dss + sh * KD * KD, vw, lane);
+    const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
+    const bf16* qd = reinterpret_cast<const bf16*>(st.rec + R_QD);
+    const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
+    const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
+    const bf16* mm = reinterpret_cast<const bf16*>(st.rec + R_M);
+    const float* E = reinterpret_cast<const float*>(st.rec + R_E);
+    const float* b = reinterpret_cast<const float*>(st.rec + R_B);
+    // dU^T = dS kr^T + dO^T M (value rows x tokens)
+    float dU[2][4] = {};
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      const uint32_t a0 = pack(dS[2 * kb][0], dS[2 * kb][1]), a1 = pack(dS[2 * kb][2], dS[2 * kb][3]);
+      const uint32_t a2 = pack(dS[2 * kb + 1][0], dS[2 * kb + 1][1]);
+      const uint32_t a3 = pack(dS[2 * kb + 1][2], dS[2 * kb + 1][3]);
+      uint32_t bk[4];
+      ldsm_x4_t(bk, krT + swz16(16 * kb + lr, lc));
+      mma(dU[0], a0, a1, a2, a3, bk[0], bk[1], dU[0]);
+      mma(dU[1], a0, a1, a2, a3, bk[2], bk[3], dU[1]);
+    }
+    uint32_t oa[4];  // dO^T as an A operand (value rows x tokens)
+    oa[0] = pair_raw(st.t[2 * tq][vl + gq], st.t[2 * tq + 1][vl + gq]);
+    oa[1] = pair_raw(st.t[2 * tq][vl + gq + 8], st.t[2 * tq + 1][vl + gq + 8]);
+    oa[2] = pair_raw(st.t[2 * tq + 8][vl + gq], st.t[2 * tq + 9][vl + gq]);
+    oa[3] = pair_raw(st.t[2 * tq + 8][vl + gq + 8], st.t[2 * tq + 9][vl + gq + 8]);
+    {
+      uint32_t bm[4];
+      ldsm_x4_t(bm, mm + swz16(lr, lc));
+      mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
+      mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
+    }
+    bf16* dus = p.wu + (sh * 4 + 1) * CH * KD;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
+        const bf16 hi = __float2bfloat16_rn(dU[nt][e]);
+        dus[tok * KD + vw + r] = hi;
+        dus[CH * KD + tok * KD + vw + r] = __float2bfloat16_rn(dU[nt][e] - __bfloat162float(hi));
+      }
+    // dv^T = (dU^T INV) diag(b)
+    uint32_t dh[4], dl[4];
+    split_tile(dh, dl, dU, 1.f);
+    float dW[2][4];
+    {
+      uint32_t bi[4];
+      ldsm_x4_t(bi, inv + swz16(lr, lc));
+      const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma(dW[nt], dh[0], dh[1], dh[2], dh[3], bi[2 * nt], bi[2 * nt + 1], zero4);
+        mma(dW[nt], dl[0], dl[1], dl[2], dl[3], bi[2 * nt], bi[2 * nt + 1], dW[nt]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
+        dW[nt][e] *= b[tok];
+        if (tok < nv) p.dv[(t0 + tok) * hs + (long long)h * KD + vw + r] = __float2bfloat16_rn(dW[nt][e]);
+      }
+    uint32_t wh[4], wl[4];
+    split_tile(wh, wl, dW, -1.f);
+    // dS = dS diag(E) + dO^T qd - dv^T kd
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      uint32_t bq[4], bk[4];
+      ldsm_x4_t(bq, qd + swz128(lr, 16 * np + lc));
+      ldsm_x4_t(bk, kd + swz128(lr, 16 * np + lc));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int nt = 2 * np + j;
+        const float2 e01 = *reinterpret_cast<const float2*>(&E[nt * 8 + 2 * tq]);
+        const float cin[4] = {dS[nt][0] * e01.x, dS[nt][1] * e01.y, dS[nt][2] * e01.x, dS[nt][3] * e01.y};
+        mma(dS[nt], oa[0], oa[1], oa[2], oa[3], bq[2 * j], bq[2 * j + 1], cin);
+        mma(dS[nt], wh[0], wh[1], wh[2], wh[3], bk[2 * j], bk[2 * j + 1], dS[nt]);
+        mma(dS[nt], wl[0], wl[1], wl[2], wl[3], bk[2 * j], bk[2 * j + 1], dS[nt]);
+      }
+    }
+  }
+  if (p.dh0 != nullptr) {
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int col = nt * 8 + 2 * tq;
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const size_t o = sbase + (size_t)(vw + gq + 8 * hr) * KD + col;
+        if (p.dh0_fp32)
+          *reinterpret_cast<float2*>(static_cast<float*>(p.dh0) + o) = make_float2(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
+        else
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dh0) + o) =
+              __floats2bfloat162_rn(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
+      }
+    }
+  }
+}
+
+#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * KD * 16 * 2)
+static_assert(sizeof(PassStage<32>) * PST + 2 * KD * 16 * 2 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(2) == 55232, "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(4) == 66496, "pass_smem_bytes in src/launch/bwd.rs");
+
+extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2>(p); }
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4(const KdaBwdParams p) { states_body<4>(p); }
+extern "C" __global__ void __launch_bounds__(64) kdab_dstates_w2(const KdaBwdParams p) { dstates_body<2>(p); }
+extern "C" __global__ void __launch_bounds__(128) kdab_dstates_w4(const KdaBwdParams p) { dstates_body<4>(p); }
+
+#include "kda_bwd_chunk.cuh"
