@@ -14,6 +14,7 @@ pub mod node;
 pub mod placement;
 pub mod schema;
 pub mod store;
+pub mod testing;
 
 pub use error::ClusterError;
 pub use node::Registration;

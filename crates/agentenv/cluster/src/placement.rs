@@ -106,9 +106,7 @@ pub fn place(candidates: &[Candidate<'_>], demand: &Demand<'_>) -> Result<Choice
             + 1.0 / (1.0 + f64::from(sandboxes));
         let better = match &best {
             None => true,
-            Some((s, k, b, _)) => {
-                score > *s || (score == *s && (sandboxes, &n.id) < (*k, &b.id))
-            }
+            Some((s, k, b, _)) => score > *s || (score == *s && (sandboxes, &n.id) < (*k, &b.id)),
         };
         if better {
             best = Some((score, sandboxes, n, local));

@@ -14,8 +14,8 @@
 //! Invariant: records are JSON with a `version` field; a reader refuses a newer version instead of
 //! misreading it ([`decode`]).
 
-use serde::{Deserialize, Serialize};
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 /// Version of every record this build writes.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -178,10 +178,11 @@ pub enum DecodeError {
 
 /// Decodes the record under `key`, refusing versions newer than [`SCHEMA_VERSION`].
 pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, DecodeError> {
-    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|error| DecodeError::Json {
-        key: key.to_string(),
-        error,
-    })?;
+    let value: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|error| DecodeError::Json {
+            key: key.to_string(),
+            error,
+        })?;
     let found = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
     if found > u64::from(SCHEMA_VERSION) {
         return Err(DecodeError::Newer {
@@ -218,7 +219,10 @@ mod tests {
     fn newer_records_are_refused() {
         let bytes = br#"{"version": 99, "node": "a"}"#;
         let r = decode::<IdempotencyEntry>("k", bytes);
-        assert!(matches!(r, Err(DecodeError::Newer { found: 99, .. })), "{r:?}");
+        assert!(
+            matches!(r, Err(DecodeError::Newer { found: 99, .. })),
+            "{r:?}"
+        );
         let ok: IdempotencyEntry = decode("k", br#"{"version": 1, "node": "a"}"#).unwrap();
         assert_eq!(ok.node, "a");
         assert!(decode::<IdempotencyEntry>("k", b"{").is_err());

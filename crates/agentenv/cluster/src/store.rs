@@ -10,8 +10,8 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOpt
 
 use crate::error::ClusterError;
 use crate::schema::{
-    Claim, IdempotencyEntry, Keys, NodeRecord, SCHEMA_VERSION, SandboxEntry, SnapshotEntry,
-    decode, encode,
+    Claim, IdempotencyEntry, Keys, NodeRecord, SCHEMA_VERSION, SandboxEntry, SnapshotEntry, decode,
+    encode,
 };
 
 type Result<T, E = ClusterError> = std::result::Result<T, E>;
@@ -164,14 +164,23 @@ impl ClusterStore {
             etcd_client::TxnOpResponse::Get(g) => Some(g),
             _ => None,
         });
-        let nodes = gets.next().map(|g| Self::decode_all(g.kvs())).unwrap_or_default();
-        let claims = gets.next().map(|g| Self::decode_all(g.kvs())).unwrap_or_default();
+        let nodes = gets
+            .next()
+            .map(|g| Self::decode_all(g.kvs()))
+            .unwrap_or_default();
+        let claims = gets
+            .next()
+            .map(|g| Self::decode_all(g.kvs()))
+            .unwrap_or_default();
         Ok(ClusterView { nodes, claims })
     }
 
     /// One node's record, if it is live.
     pub async fn node(&self, id: &str) -> Result<Option<NodeRecord>> {
-        Ok(self.get::<NodeRecord>(&self.keys.node(id)).await?.map(|v| v.value))
+        Ok(self
+            .get::<NodeRecord>(&self.keys.node(id))
+            .await?
+            .map(|v| v.value))
     }
 
     async fn get<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<Versioned<T>>> {
@@ -190,7 +199,10 @@ impl ClusterStore {
     async fn lease(&self, ttl: Duration) -> Result<i64> {
         let mut lease = self.client.lease_client();
         let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
-        Ok(self.call("grant lease", lease.grant(secs, None)).await?.id())
+        Ok(self
+            .call("grant lease", lease.grant(secs, None))
+            .await?
+            .id())
     }
 
     /// Claims `claim.node` for one create, in one transaction that also checks the node is still
@@ -203,7 +215,11 @@ impl ClusterStore {
     ) -> Result<ClaimOutcome> {
         let lease = self.lease(CLAIM_TTL).await?;
         let claim_key = self.keys.claim(&claim.node, &format!("{lease:x}"));
-        let mut when = vec![Compare::version(self.keys.node(&claim.node), CompareOp::Greater, 0)];
+        let mut when = vec![Compare::version(
+            self.keys.node(&claim.node),
+            CompareOp::Greater,
+            0,
+        )];
         let mut then = vec![TxnOp::put(
             claim_key,
             encode(claim),
@@ -213,7 +229,11 @@ impl ClusterStore {
         if let Some((tenant, key)) = idempotency {
             let idem_key = self.keys.idempotency(tenant, key);
             let idem_lease = self.lease(IDEMPOTENCY_TTL).await?;
-            when.push(Compare::create_revision(idem_key.clone(), CompareOp::Equal, 0));
+            when.push(Compare::create_revision(
+                idem_key.clone(),
+                CompareOp::Equal,
+                0,
+            ));
             then.push(TxnOp::put(
                 idem_key.clone(),
                 encode(&IdempotencyEntry {
@@ -258,7 +278,10 @@ impl ClusterStore {
                 ),
             ]);
         let mut kv = self.client.kv_client();
-        Ok(self.call("record a sandbox", kv.txn(txn)).await?.succeeded())
+        Ok(self
+            .call("record a sandbox", kv.txn(txn))
+            .await?
+            .succeeded())
     }
 
     pub async fn sandbox(&self, id: &str) -> Result<Option<Versioned<SandboxEntry>>> {
@@ -269,18 +292,30 @@ impl ClusterStore {
     pub async fn sandboxes(&self) -> Result<Vec<SandboxEntry>> {
         let mut kv = self.client.kv_client();
         let opts = GetOptions::new().with_prefix();
-        let resp = self.call("list sandboxes", kv.get(self.keys.sandboxes(), Some(opts))).await?;
-        Ok(Self::decode_all(resp.kvs()).into_iter().map(|v| v.value).collect())
+        let resp = self
+            .call("list sandboxes", kv.get(self.keys.sandboxes(), Some(opts)))
+            .await?;
+        Ok(Self::decode_all(resp.kvs())
+            .into_iter()
+            .map(|v| v.value)
+            .collect())
     }
 
     /// Replaces a sandbox's entry if it is still at `mod_revision`; false if another writer came first.
     pub async fn update_sandbox(&self, entry: &SandboxEntry, mod_revision: i64) -> Result<bool> {
         let key = self.keys.sandbox(&entry.sandbox_id);
         let txn = Txn::new()
-            .when([Compare::mod_revision(key.clone(), CompareOp::Equal, mod_revision)])
+            .when([Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                mod_revision,
+            )])
             .and_then([TxnOp::put(key, encode(entry), None)]);
         let mut kv = self.client.kv_client();
-        Ok(self.call("update a sandbox", kv.txn(txn)).await?.succeeded())
+        Ok(self
+            .call("update a sandbox", kv.txn(txn))
+            .await?
+            .succeeded())
     }
 
     /// Forgets a sandbox and its token.
@@ -298,7 +333,9 @@ impl ClusterStore {
     /// The sandbox whose access token has this SHA-256.
     pub async fn sandbox_by_token(&self, token_sha256: &str) -> Result<Option<String>> {
         let mut kv = self.client.kv_client();
-        let resp = self.call("find a token", kv.get(self.keys.token(token_sha256), None)).await?;
+        let resp = self
+            .call("find a token", kv.get(self.keys.token(token_sha256), None))
+            .await?;
         Ok(resp
             .kvs()
             .first()
