@@ -123,6 +123,9 @@ pub struct Claim {
 pub enum EntryState {
     Running,
     Paused,
+    /// Paused, and being adopted by `node` after its first node left (adopting is idempotent, so
+    /// whoever sees this state finishes the move).
+    Moving,
 }
 
 /// What another node needs to take over a paused sandbox: a snapshot of it in the shared bucket and the

@@ -301,8 +301,13 @@ impl ClusterStore {
             .collect())
     }
 
-    /// Replaces a sandbox's entry if it is still at `mod_revision`; false if another writer came first.
-    pub async fn update_sandbox(&self, entry: &SandboxEntry, mod_revision: i64) -> Result<bool> {
+    /// Replaces a sandbox's entry if it is still at `mod_revision`, returning its new revision; `None`
+    /// if another writer came first.
+    pub async fn update_sandbox(
+        &self,
+        entry: &SandboxEntry,
+        mod_revision: i64,
+    ) -> Result<Option<i64>> {
         let key = self.keys.sandbox(&entry.sandbox_id);
         let txn = Txn::new()
             .when([Compare::mod_revision(
@@ -312,10 +317,10 @@ impl ClusterStore {
             )])
             .and_then([TxnOp::put(key, encode(entry), None)]);
         let mut kv = self.client.kv_client();
-        Ok(self
-            .call("update a sandbox", kv.txn(txn))
-            .await?
-            .succeeded())
+        let resp = self.call("update a sandbox", kv.txn(txn)).await?;
+        Ok(resp
+            .succeeded()
+            .then(|| resp.header().map_or(0, |h| h.revision())))
     }
 
     /// Forgets a sandbox and its token.

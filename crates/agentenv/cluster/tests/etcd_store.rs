@@ -120,12 +120,18 @@ async fn claims_registration_and_an_etcd_outage() {
     let seen = s.sandbox("sbx1").await.unwrap().unwrap();
     let mut moved = entry.clone();
     moved.node = "n2".into();
-    assert!(s.update_sandbox(&moved, seen.mod_revision).await.unwrap());
     assert!(
-        !other
+        s.update_sandbox(&moved, seen.mod_revision)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        other
             .update_sandbox(&entry, seen.mod_revision)
             .await
             .unwrap()
+            .is_none()
     );
     assert_eq!(s.sandbox("sbx1").await.unwrap().unwrap().value.node, "n2");
 
