@@ -122,6 +122,7 @@ fn control_router() -> Router<AppState> {
             post(routes::cluster_handoff),
         )
         .route("/cluster/adopt", post(routes::cluster_adopt))
+        .route("/cluster/snapshots/{id}", get(routes::cluster_snapshot))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(routes::openapi_json))

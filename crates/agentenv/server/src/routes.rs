@@ -574,3 +574,23 @@ pub async fn cluster_adopt(
     let rec = s.sandboxes.adopt(body.handoff, &body.snapshot_id).await?;
     Ok((StatusCode::CREATED, Json(views::created(&rec))))
 }
+
+/// Whether a snapshot's chunks are durable in the store yet (`GET /cluster/snapshots/{id}`), so a
+/// gateway can answer a snapshot request only once every node can import it.
+pub async fn cluster_snapshot(
+    State(s): State<AppState>,
+    Who(who): Who,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    server_key_only(&who)?;
+    let snap = s
+        .sandboxes
+        .backend()
+        .snapshots()
+        .into_iter()
+        .find(|x| x.id == id)
+        .ok_or_else(|| ApiError::not_found(format!("snapshot '{id}' not found")))?;
+    Ok(Json(
+        serde_json::json!({"snapshotID": snap.id, "stored": snap.stored.is_some()}),
+    ))
+}

@@ -26,6 +26,8 @@ const DEMAND_MEMORY_MB: u64 = 512;
 const CREATE_ATTEMPTS: usize = 3;
 /// Largest create/fork/snapshot answer the gateway reads to learn ids.
 const MAX_ANSWER_BYTES: usize = 4 << 20;
+/// Longest wait for a new snapshot's chunks to reach the shared bucket.
+const STORE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(120);
 
 pub fn router() -> Router<Gateway> {
     Router::new()
@@ -348,6 +350,9 @@ async fn record_snapshot(
                     .collect()
             })
             .unwrap_or_default();
+        if node.shared_store {
+            wait_stored(gw, node, id).await?;
+        }
         let entry = SnapshotEntry {
             version: SCHEMA_VERSION,
             snapshot_id: id.into(),
@@ -360,6 +365,30 @@ async fn record_snapshot(
         }
     }
     Ok(Response::from_parts(parts, Body::from(bytes)))
+}
+
+/// Waits (at most [`STORE_DEADLINE`]) until snapshot `id` is durable in the shared bucket, so any node
+/// can start sandboxes from it once the snapshot call answered.
+async fn wait_stored(gw: &Gateway, node: &NodeRecord, id: &str) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + STORE_DEADLINE;
+    let path = format!("/cluster/snapshots/{id}");
+    loop {
+        let r = gw.node_call(node, Method::GET, &path, None).await?;
+        if r.status().is_success() {
+            let bytes = proxy::read_body(r.into_body(), 64 << 10).await?;
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+            if v.get("stored").and_then(|s| s.as_bool()) == Some(true) {
+                return Ok(());
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(GatewayError::NodeTimeout {
+                node: node.id.clone(),
+                secs: STORE_DEADLINE.as_secs(),
+            });
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// Asks every live node (the client's key and query), in parallel; the answers in node order.
