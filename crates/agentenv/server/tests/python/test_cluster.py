@@ -169,7 +169,7 @@ class Cluster:
             n = Server(binary, state)
             n.extra_args = [
                 "--join", self.etcd_url, "--advertise", n.url, "--join-ttl-s", str(TTL_S),
-                "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--network", "off",
+                "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--net-warm", "1",
             ]
             self.nodes.append(n)
         self.gateways = []
@@ -224,6 +224,18 @@ class Cluster:
                  and _http("GET", f"{n.url}/sandboxes/{sandbox_id}", self.key)[0] == 200]
         assert len(found) == 1, f"{sandbox_id} is on {len(found)} nodes"
         return found[0]
+
+    def listed(self, gw, query="state=running,paused"):
+        status, body = _http("GET", f"{gw.url}/v2/sandboxes?{query}", self.key)
+        assert status == 200, body
+        return {x["sandboxID"] for x in body}
+
+    def fork(self, gw, sandbox_id, count):
+        """`POST /sandboxes/{id}/fork` (the SDK has `fork` only from 2.63): the new ids."""
+        status, body = _http("POST", f"{gw.url}/sandboxes/{sandbox_id}/fork", self.key,
+                             {"count": count, "timeout": 300}, timeout=300)
+        assert status == 201, body
+        return [f["sandbox"]["sandboxID"] for f in body]
 
     def use(self, gw):
         os.environ["E2B_API_URL"] = os.environ["E2B_SANDBOX_URL"] = gw.url
@@ -296,8 +308,7 @@ def test_placement_spreads_over_nodes_through_both_gateways(cluster):
         # Either gateway lists all three, and reaches each one's envd.
         for g in cluster.gateways:
             cluster.use(g)
-            listed = {x.sandbox_id for x in Sandbox.list().next_items()}
-            assert {s.sandbox_id for s in made} <= listed
+            assert {s.sandbox_id for s in made} <= cluster.listed(g)
             for s in made:
                 again = Sandbox.connect(s.sandbox_id)
                 again.files.write("/tmp/via.txt", g.url)
@@ -314,27 +325,30 @@ def test_placement_spreads_over_nodes_through_both_gateways(cluster):
 def test_snapshot_and_fork_through_the_gateway(cluster):
     from e2b import Sandbox
 
-    cluster.use(cluster.gateways[1])
+    g = cluster.gateways[1]
+    cluster.use(g)
     src = Sandbox.create("base", timeout=300)
-    made = [src]
+    made = [src.sandbox_id]
     try:
         secret = secrets.token_hex(8)
         src.files.write("/home/user/secret.txt", secret)
-        snap = src.create_snapshot()
-        # Sandboxes from the snapshot, placed by the gateway (any node: others import it from S3).
+        status, snap = _http("POST", f"{g.url}/sandboxes/{src.sandbox_id}/snapshots", cluster.key, {}, timeout=300)
+        assert status == 201, snap
+        # Sandboxes from the snapshot, placed by the gateway (any node: the others import it from S3).
         for _ in range(2):
-            s = Sandbox.create(snap.snapshot_id, timeout=300)
-            made.append(s)
+            s = Sandbox.create(snap["snapshotID"], timeout=300)
+            made.append(s.sandbox_id)
             assert s.files.read("/home/user/secret.txt") == secret
-        assert snap.snapshot_id in [x.snapshot_id for x in Sandbox.list_snapshots().next_items()]
-        forks = src.fork(count=2, timeout=300)
+        status, snaps = _http("GET", f"{g.url}/snapshots", cluster.key)
+        assert status == 200 and snap["snapshotID"] in [x["snapshotID"] for x in snaps], snaps
+        forks = cluster.fork(g, src.sandbox_id, 2)
         made.extend(forks)
         for f in forks:
-            assert f.files.read("/home/user/secret.txt") == secret
-            assert cluster.node_of(f.sandbox_id).url == cluster.node_of(src.sandbox_id).url
+            assert Sandbox.connect(f).files.read("/home/user/secret.txt") == secret
+            assert cluster.node_of(f).url == cluster.node_of(src.sandbox_id).url
     finally:
-        for s in made:
-            s.kill()
+        for sid in made:
+            _http("DELETE", f"{g.url}/sandboxes/{sid}", cluster.key)
 
 
 def test_bad_input_and_keys_at_the_gateway(cluster):
@@ -356,7 +370,10 @@ def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
     from e2b import Sandbox
 
     cluster.use(cluster.gateways[0])
-    s = Sandbox.create("base", timeout=300)
+    status, made = _http("POST", f"{cluster.gateways[0].url}/v2/sandboxes", cluster.key,
+                         {"templateID": "base", "timeout": 300}, timeout=300)
+    assert status == 201, made
+    s = Sandbox.connect(made["sandboxID"])
     try:
         cluster.etcd.kill9()
         g = cluster.gateways[0].url
@@ -369,7 +386,7 @@ def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
         # The data plane too (the map is in etcd): a JSON error, not a hang.
         status, answer = _http("GET", f"{g}/files?path=/tmp/x", headers={
             "E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "49983",
-            "X-Access-Token": s._envd_access_token or ""}, timeout=30)
+            "X-Access-Token": made["envdAccessToken"]}, timeout=30)
         assert status == 503 and answer["code"] == 503, answer
         cluster.etcd.start()
         _wait("the gateway serves again", lambda: _http("GET", f"{g}/sandboxes/{s.sandbox_id}", cluster.key)[0] == 200)
@@ -387,7 +404,7 @@ def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(clus
     secret = secrets.token_hex(8)
     paused.files.write("/home/user/keep.txt", secret)
     # A fork runs on the same node: it will be the running sandbox that node takes with it.
-    running = paused.fork(count=1, timeout=300)[0]
+    running = Sandbox.connect(cluster.fork(cluster.gateways[0], paused.sandbox_id, 1)[0])
     node = cluster.node_of(paused.sandbox_id)
     assert cluster.node_of(running.sandbox_id) is node
     assert pause(paused) in (True, None)
@@ -425,7 +442,7 @@ def test_kill9_of_a_gateway_the_other_serves_on(cluster):
         assert again.commands.run("echo still").stdout == "still\n"
         t = Sandbox.create("base", timeout=300)
         assert t.commands.run("echo new").stdout == "new\n"
-        assert {s.sandbox_id, t.sandbox_id} <= {x.sandbox_id for x in Sandbox.list().next_items()}
+        assert {s.sandbox_id, t.sandbox_id} <= cluster.listed(cluster.gateways[1])
         t.kill()
         # A restarted gateway lost nothing: the state is in etcd.
         cluster.gateways[0].start()
