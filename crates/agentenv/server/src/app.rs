@@ -122,7 +122,10 @@ fn control_router() -> Router<AppState> {
             post(routes::cluster_handoff),
         )
         .route("/cluster/adopt", post(routes::cluster_adopt))
-        .route("/cluster/snapshots/{id}", get(routes::cluster_snapshot))
+        .route(
+            "/cluster/snapshots/{id}",
+            get(routes::cluster_snapshot).delete(routes::cluster_drop_handoff),
+        )
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(routes::openapi_json))

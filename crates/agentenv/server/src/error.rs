@@ -199,6 +199,54 @@ pub fn gateway_response(e: crate::gateway::GatewayError, data_plane: bool) -> Re
 
 #[cfg(test)]
 mod tests {
+    use crate::gateway::GatewayError as G;
+
+    async fn answer(e: G, data_plane: bool) -> (u16, serde_json::Value) {
+        let r = super::gateway_response(e, data_plane);
+        let status = r.status().as_u16();
+        let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+        (status, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[tokio::test]
+    async fn gateway_errors_are_typed_json() {
+        let lost = || G::SandboxLost {
+            id: "s1".into(),
+            node: "n1".into(),
+        };
+        let (status, body) = answer(lost(), false).await;
+        assert_eq!((status, body["code"].as_u64()), (410, Some(410)));
+        assert!(body["message"].as_str().unwrap().contains("lost"), "{body}");
+        // On the data plane the SDK must read it as "not running": 502 and "was not found".
+        let (status, body) = answer(lost(), true).await;
+        assert_eq!(status, 502);
+        assert!(
+            body["message"].as_str().unwrap().contains("was not found"),
+            "{body}"
+        );
+        let (status, _) = answer(G::SandboxNotFound("s2".into()), false).await;
+        assert_eq!(status, 404);
+        let etcd = || agentenv_cluster::ClusterError::Unavailable {
+            what: "get",
+            why: "deadline".into(),
+        };
+        for data_plane in [false, true] {
+            let (status, body) = answer(G::Etcd(etcd()), data_plane).await;
+            assert_eq!((status, body["code"].as_u64()), (503, Some(503)));
+        }
+        let (status, _) = answer(G::Invalid("bad".into()), false).await;
+        assert_eq!(status, 400);
+        let (status, _) = answer(
+            G::NodeTimeout {
+                node: "n".into(),
+                secs: 1,
+            },
+            false,
+        )
+        .await;
+        assert_eq!(status, 504);
+    }
+
     #[test]
     fn json_content_types() {
         for ok in [

@@ -594,3 +594,14 @@ pub async fn cluster_snapshot(
         serde_json::json!({"snapshotID": snap.id, "stored": snap.stored.is_some()}),
     ))
 }
+
+/// Deletes a handoff snapshot (`DELETE /cluster/snapshots/{id}`) once its sandbox runs again.
+pub async fn cluster_drop_handoff(
+    State(s): State<AppState>,
+    Who(who): Who,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    server_key_only(&who)?;
+    s.sandboxes.drop_handoff(&id)?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -191,7 +191,8 @@ async fn finish_move(
     done.state = EntryState::Running;
     done.handoff = None;
     done.updated_at_ms = crate::sandboxes::now_ms();
-    // Losing this compare-and-put means another gateway finished the same move: fine.
+    // Losing this compare-and-put means another gateway finished the same move. The handoff snapshot
+    // stays: the adopted sandbox's disk, and every later snapshot of it, are based on it.
     gw.store.update_sandbox(&done, entry.mod_revision).await?;
     tracing::info!(sandbox = %id, node = %node.id, "sandbox adopted");
     Ok(node)

@@ -236,7 +236,11 @@ async fn by_id_inner(gw: &Gateway, req: Request) -> Result<Response> {
             paused(gw, &node, &id).await?;
         }
         (Method::POST, "connect" | "resume") if status.is_success() => {
-            set_state(gw, &id, EntryState::Running, None).await?;
+            // Resumed where it was paused: the handoff snapshot is no base of anything (a moved
+            // sandbox's is kept, see `locate::finish_move`).
+            if let Some(h) = set_state(gw, &id, EntryState::Running, None).await? {
+                drop_handoff(gw, &node, &h.snapshot_id).await;
+            }
         }
         (Method::DELETE, "")
             if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_FOUND =>
@@ -281,18 +285,22 @@ async fn paused(gw: &Gateway, node: &NodeRecord, id: &str) -> Result<()> {
             }
         }
     }
-    set_state(gw, id, EntryState::Paused, handoff).await
+    if let Some(old) = set_state(gw, id, EntryState::Paused, handoff).await? {
+        drop_handoff(gw, node, &old.snapshot_id).await;
+    }
+    Ok(())
 }
 
+/// Records a sandbox's state; returns the handoff it replaced.
 async fn set_state(
     gw: &Gateway,
     id: &str,
     state: EntryState,
     handoff: Option<Handoff>,
-) -> Result<()> {
+) -> Result<Option<Handoff>> {
     for _ in 0..3 {
         let Some(cur) = gw.store.sandbox(id).await? else {
-            return Ok(());
+            return Ok(None);
         };
         let mut next = cur.value.clone();
         next.state = state;
@@ -304,11 +312,25 @@ async fn set_state(
             .await?
             .is_some()
         {
-            return Ok(());
+            return Ok(cur.value.handoff);
         }
     }
     tracing::warn!(sandbox = %id, "its entry kept changing; state not recorded");
-    Ok(())
+    Ok(None)
+}
+
+/// Deletes a handoff snapshot that is no longer needed (its sandbox runs again); best effort.
+async fn drop_handoff(gw: &Gateway, node: &NodeRecord, snapshot_id: &str) {
+    let path = format!("/cluster/snapshots/{snapshot_id}");
+    match gw.node_call(node, Method::DELETE, &path, None).await {
+        Ok(r) if r.status().is_success() => {}
+        Ok(r) => {
+            tracing::warn!(snapshot = %snapshot_id, status = %r.status(), "deleting a handoff snapshot was refused")
+        }
+        Err(e) => {
+            tracing::warn!(snapshot = %snapshot_id, error = %e, "deleting a handoff snapshot failed")
+        }
+    }
 }
 
 async fn record_forks(

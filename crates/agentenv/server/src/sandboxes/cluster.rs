@@ -177,3 +177,14 @@ impl Sandboxes {
         Ok(rec)
     }
 }
+
+impl Sandboxes {
+    /// Deletes a handoff snapshot once its sandbox runs again (files a sandbox was restored from stay
+    /// until it is gone). Only handoff snapshots: anything else is "not found".
+    pub fn drop_handoff(&self, snapshot_id: &str) -> Result<()> {
+        if self.owners.snapshot_owner(snapshot_id) != HANDOFF_TENANT {
+            return Err(LifecycleError::SnapshotNotFound(snapshot_id.into()));
+        }
+        self.delete_snapshot(&Caller::Server, snapshot_id)
+    }
+}

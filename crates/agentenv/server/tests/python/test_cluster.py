@@ -440,6 +440,13 @@ def test_kill9_of_a_gateway_the_other_serves_on(cluster):
         cluster.use(cluster.gateways[1])
         again = Sandbox.connect(s.sandbox_id)
         assert again.commands.run("echo still").stdout == "still\n"
+        # Pause and resume through the survivor, on the same node (its handoff snapshot is dropped).
+        again.files.write("/home/user/kept.txt", "kept")
+        node = cluster.node_of(s.sandbox_id)
+        assert pause(again) in (True, None)
+        again = Sandbox.connect(s.sandbox_id)
+        assert again.files.read("/home/user/kept.txt") == "kept"
+        assert cluster.node_of(s.sandbox_id) is node
         t = Sandbox.create("base", timeout=300)
         assert t.commands.run("echo new").stdout == "new\n"
         assert {s.sandbox_id, t.sandbox_id} <= cluster.listed(cluster.gateways[1])
