@@ -96,10 +96,11 @@ impl Gateway {
 
 /// The gateway's route table: data plane first, then the API-key check, then the control plane.
 pub fn app(gw: Gateway) -> Router {
+    // Error answers of the control plane are `{code, message}` JSON; the data plane's pass as envd sent them.
     routes::router()
+        .layer(middleware::from_fn(crate::error::json_errors))
         .layer(middleware::from_fn_with_state(gw.clone(), require_api_key))
         .layer(middleware::from_fn_with_state(gw.clone(), dispatch))
-        .layer(middleware::from_fn(crate::error::json_errors))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(gw)
 }

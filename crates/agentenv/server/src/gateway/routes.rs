@@ -413,7 +413,8 @@ async fn wait_stored(gw: &Gateway, node: &NodeRecord, id: &str) -> Result<()> {
     }
 }
 
-/// Asks every live node (the client's key and query), in parallel; the answers in node order.
+/// Asks every live node (the client's key and query), in parallel; the answers in node order, without
+/// nodes that cannot be reached.
 async fn ask_all(gw: &Gateway, req: Request) -> Result<Vec<(NodeRecord, Response)>> {
     let view = gw.store.view().await?;
     let (parts, _) = req.into_parts();
@@ -427,7 +428,15 @@ async fn ask_all(gw: &Gateway, req: Request) -> Result<Vec<(NodeRecord, Response
     });
     let mut out = vec![];
     for (node, r) in futures_util::future::join_all(calls).await {
-        let resp = r?;
+        let resp = match r {
+            Ok(r) => r,
+            // A node that just died is still registered until its lease expires: list without it.
+            Err(e @ (GatewayError::Node { .. } | GatewayError::NodeTimeout { .. })) => {
+                tracing::warn!(node = %node.id, error = %e, "listing without an unreachable node");
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         if !resp.status().is_success() {
             // A 4xx is the same for every node (bad query, bad key): pass the first one on.
             return Err(GatewayError::Upstream(Box::new(resp)));
