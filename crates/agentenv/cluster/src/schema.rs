@@ -3,7 +3,7 @@
 //! Layout (under a prefix, `/agentenv/v1/` by default; tests give each cluster its own):
 //! - `nodes/<node>`: [`NodeRecord`], attached to the node's lease, so it disappears when the node stops
 //!   refreshing it.
-//! - `claims/<node>/<claim>`: [`Claim`], one per placement in flight or not yet in the node's record,
+//! - `claims/<node>/<random>`: [`Claim`], one per placement in flight or not yet in the node's record,
 //!   on a short lease of the gateway's.
 //! - `sandboxes/<sandbox>`: [`SandboxEntry`], which node holds the sandbox, and the handoff of a paused one.
 //! - `tokens/<sha256 of access token>`: the sandbox id (data-plane routing by access token).

@@ -4,7 +4,8 @@
 //! connection is [`ClusterError::Unavailable`], never a hang. Writes that decide something (a
 //! placement, a sandbox's node, a takeover) are transactions that compare before they put.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
 
@@ -31,7 +32,7 @@ pub struct Versioned<T> {
     pub mod_revision: i64,
 }
 
-/// Nodes and claims read at one revision.
+/// Nodes, and the claims their records may not include yet.
 #[derive(Debug, Clone, Default)]
 pub struct ClusterView {
     pub nodes: Vec<Versioned<NodeRecord>>,
@@ -84,6 +85,25 @@ pub struct ClusterStore {
     client: Client,
     keys: Keys,
     deadline: Duration,
+    /// Leases shared by the claims (and idempotency keys) written within a third of their TTL, so a
+    /// placement costs one transaction, not a lease grant too.
+    claim_lease: Arc<SharedLease>,
+    idempotency_lease: Arc<SharedLease>,
+}
+
+/// One lease for every record written within a window of `ttl / 3`; each lives `ttl` to `ttl · 4/3`.
+struct SharedLease {
+    ttl: Duration,
+    current: tokio::sync::Mutex<Option<(i64, Instant)>>,
+}
+
+impl SharedLease {
+    fn new(ttl: Duration) -> Arc<SharedLease> {
+        Arc::new(SharedLease {
+            ttl,
+            current: tokio::sync::Mutex::new(None),
+        })
+    }
 }
 
 impl ClusterStore {
@@ -105,6 +125,8 @@ impl ClusterStore {
             client,
             keys: Keys::new(prefix),
             deadline,
+            claim_lease: SharedLease::new(CLAIM_TTL),
+            idempotency_lease: SharedLease::new(IDEMPOTENCY_TTL),
         })
     }
 
@@ -152,26 +174,25 @@ impl ClusterStore {
             .collect()
     }
 
-    /// Live nodes and claims, at one revision.
+    /// Live nodes, and the claims newer than the oldest node record (older ones count for nothing:
+    /// every node's record already includes them).
     pub async fn view(&self) -> Result<ClusterView> {
-        let txn = Txn::new().and_then([
-            TxnOp::get(self.keys.nodes(), Some(GetOptions::new().with_prefix())),
-            TxnOp::get(self.keys.claims(), Some(GetOptions::new().with_prefix())),
-        ]);
         let mut kv = self.client.kv_client();
-        let resp = self.call("read nodes", kv.txn(txn)).await?;
-        let mut gets = resp.op_responses().into_iter().filter_map(|r| match r {
-            etcd_client::TxnOpResponse::Get(g) => Some(g),
-            _ => None,
-        });
-        let nodes = gets
-            .next()
-            .map(|g| Self::decode_all(g.kvs()))
-            .unwrap_or_default();
-        let claims = gets
-            .next()
-            .map(|g| Self::decode_all(g.kvs()))
-            .unwrap_or_default();
+        let opts = GetOptions::new().with_prefix();
+        let resp = self
+            .call("read nodes", kv.get(self.keys.nodes(), Some(opts)))
+            .await?;
+        let nodes: Vec<Versioned<NodeRecord>> = Self::decode_all(resp.kvs());
+        let Some(oldest) = nodes.iter().map(|n| n.mod_revision).min() else {
+            return Ok(ClusterView::default());
+        };
+        let opts = GetOptions::new()
+            .with_prefix()
+            .with_min_create_revision(oldest + 1);
+        let resp = self
+            .call("read claims", kv.get(self.keys.claims(), Some(opts)))
+            .await?;
+        let claims = Self::decode_all(resp.kvs());
         Ok(ClusterView { nodes, claims })
     }
 
@@ -196,6 +217,25 @@ impl ClusterStore {
         }
     }
 
+    /// The shared lease of `slot`, granted anew once its window is over.
+    async fn shared_lease(&self, slot: &SharedLease) -> Result<i64> {
+        let mut cur = slot.current.lock().await;
+        if let Some((id, at)) = *cur
+            && at.elapsed() < slot.ttl / 3
+        {
+            return Ok(id);
+        }
+        let id = self.lease(slot.ttl + slot.ttl / 3).await?;
+        *cur = Some((id, Instant::now()));
+        Ok(id)
+    }
+
+    /// Forgets the shared leases (after a failed write: the lease may be gone).
+    async fn reset_shared_leases(&self) {
+        *self.claim_lease.current.lock().await = None;
+        *self.idempotency_lease.current.lock().await = None;
+    }
+
     async fn lease(&self, ttl: Duration) -> Result<i64> {
         let mut lease = self.client.lease_client();
         let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
@@ -213,8 +253,10 @@ impl ClusterStore {
         claim: &Claim,
         idempotency: Option<(&str, &str)>,
     ) -> Result<ClaimOutcome> {
-        let lease = self.lease(CLAIM_TTL).await?;
-        let claim_key = self.keys.claim(&claim.node, &format!("{lease:x}"));
+        let lease = self.shared_lease(&self.claim_lease).await?;
+        let claim_key = self
+            .keys
+            .claim(&claim.node, &format!("{:016x}", rand::random::<u64>()));
         let mut when = vec![Compare::version(
             self.keys.node(&claim.node),
             CompareOp::Greater,
@@ -228,7 +270,7 @@ impl ClusterStore {
         let mut otherwise = vec![];
         if let Some((tenant, key)) = idempotency {
             let idem_key = self.keys.idempotency(tenant, key);
-            let idem_lease = self.lease(IDEMPOTENCY_TTL).await?;
+            let idem_lease = self.shared_lease(&self.idempotency_lease).await?;
             when.push(Compare::create_revision(
                 idem_key.clone(),
                 CompareOp::Equal,
@@ -246,7 +288,13 @@ impl ClusterStore {
         }
         let txn = Txn::new().when(when).and_then(then).or_else(otherwise);
         let mut kv = self.client.kv_client();
-        let resp = self.call("claim a node", kv.txn(txn)).await?;
+        let resp = match self.call("claim a node", kv.txn(txn)).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.reset_shared_leases().await;
+                return Err(e);
+            }
+        };
         if resp.succeeded() {
             return Ok(ClaimOutcome::Claimed);
         }

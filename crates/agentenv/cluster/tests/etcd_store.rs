@@ -60,11 +60,12 @@ async fn claims_registration_and_an_etcd_outage() {
     let s = store(&etcd.endpoint, "/test/a").await;
 
     // A node registers; its record is visible and goes when it leaves.
+    // Refreshed rarely here, so the claims below stay newer than its record (pending load).
     let report: agentenv_cluster::node::Report = Arc::new(|| node("n1"));
     let reg = Registration::start(
         s.clone(),
-        Duration::from_secs(2),
-        Duration::from_millis(500),
+        Duration::from_secs(60),
+        Duration::from_secs(30),
         report,
     )
     .await
@@ -94,6 +95,7 @@ async fn claims_registration_and_an_etcd_outage() {
     // A claim counts as pending load until the node's record is newer than it.
     let view = s.view().await.unwrap();
     assert_eq!(view.claims.len(), 1);
+    assert_eq!(view.candidates()[0].pending.sandboxes, 1);
     // A claim on a node that is not registered fails.
     assert_eq!(
         s.claim(&claim("nope"), None).await.unwrap(),

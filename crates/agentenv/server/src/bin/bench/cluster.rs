@@ -130,7 +130,7 @@ pub async fn run(
     let notes = vec![
         "gateway and node in one process on loopback; etcd 3.4 (Debian etcd-server) on loopback, its data on the bench's temp folder".into(),
         format!("create: {iterations} through the gateway and {iterations} direct, interleaved; each killed before the next"),
-        format!("placements: {CONCURRENCY} concurrent schedulers, each reading all {SIM_NODES} node records and the claims at one revision, scoring every node and claiming the winner in one transaction"),
+        format!("placements: {CONCURRENCY} concurrent schedulers in one process (one ClusterStore), each reading all {SIM_NODES} node records (refreshed every 2 s, 20 snapshot names each) and the claims newer than them, scoring every node and claiming the winner in one transaction"),
     ];
     Ok(ClusterFigures { figures, notes })
 }
@@ -163,6 +163,7 @@ async fn placements_per_second(
             shared_store: true,
             updated_at_ms: 0,
         };
+        // Refreshed like a real node's (every DEFAULT_INTERVAL), so claims count until the next refresh.
         let report: agentenv_cluster::node::Report = Arc::new(move || rec.clone());
         regs.push(
             Registration::start(
