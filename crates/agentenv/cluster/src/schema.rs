@@ -181,22 +181,25 @@ pub enum DecodeError {
 
 /// Decodes the record under `key`, refusing versions newer than [`SCHEMA_VERSION`].
 pub fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, DecodeError> {
-    let value: serde_json::Value =
-        serde_json::from_slice(bytes).map_err(|error| DecodeError::Json {
-            key: key.to_string(),
-            error,
-        })?;
-    let found = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+    #[derive(Deserialize)]
+    struct Version {
+        #[serde(default)]
+        version: u64,
+    }
+    let json = |error| DecodeError::Json {
+        key: key.to_string(),
+        error,
+    };
+    let found = serde_json::from_slice::<Version>(bytes)
+        .map_err(json)?
+        .version;
     if found > u64::from(SCHEMA_VERSION) {
         return Err(DecodeError::Newer {
             key: key.to_string(),
             found,
         });
     }
-    serde_json::from_value(value).map_err(|error| DecodeError::Json {
-        key: key.to_string(),
-        error,
-    })
+    serde_json::from_slice(bytes).map_err(json)
 }
 
 /// JSON bytes of a record.

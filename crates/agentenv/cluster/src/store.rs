@@ -176,9 +176,12 @@ impl ClusterStore {
 
     /// Live nodes, and the claims newer than the oldest node record (older ones count for nothing:
     /// every node's record already includes them).
+    ///
+    /// Serializable reads (the member's own copy, no consensus round): placement may see a state a few
+    /// milliseconds old; the claim transaction is what must be current, and it is linearizable.
     pub async fn view(&self) -> Result<ClusterView> {
         let mut kv = self.client.kv_client();
-        let opts = GetOptions::new().with_prefix();
+        let opts = GetOptions::new().with_prefix().with_serializable();
         let resp = self
             .call("read nodes", kv.get(self.keys.nodes(), Some(opts)))
             .await?;
@@ -188,6 +191,7 @@ impl ClusterStore {
         };
         let opts = GetOptions::new()
             .with_prefix()
+            .with_serializable()
             .with_min_create_revision(oldest + 1);
         let resp = self
             .call("read claims", kv.get(self.keys.claims(), Some(opts)))

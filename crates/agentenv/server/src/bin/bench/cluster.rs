@@ -84,7 +84,7 @@ pub async fn run(
     server.abort();
     reg.leave().await;
 
-    let (rate, latency, conflicts) = placements_per_second(&endpoints, placements).await?;
+    let p = placements_per_second(&endpoints, placements).await?;
     drop(etcd);
     let p99 = |v: &[f64]| stats::percentile(v, 99.0);
     let figures = vec![
@@ -113,19 +113,25 @@ pub async fn run(
         .param("n", iterations),
         Figure::new(
             "placements per second (100 simulated nodes, real etcd)",
-            rate,
+            p.rate,
             "1/s",
             Better::Higher,
         )
         .param("placements", placements)
         .param("concurrency", CONCURRENCY)
-        .param("lost claim races", conflicts),
+        .param("lost claim races", p.lost),
         Figure::timing(
             "one placement (read nodes and claims, place, claim transaction)",
-            &latency,
+            &p.latency,
             "ms",
         )
         .param("nodes", SIM_NODES),
+        Figure::timing(
+            "  of which: reading nodes and claims, placing",
+            &p.read,
+            "ms",
+        ),
+        Figure::timing("  of which: the claim transaction", &p.claim, "ms"),
     ];
     let notes = vec![
         "gateway and node in one process on loopback; etcd 3.4 (Debian etcd-server) on loopback, its data on the bench's temp folder".into(),
@@ -138,10 +144,7 @@ pub async fn run(
 const CONCURRENCY: usize = 8;
 
 /// Placements per second, per-placement latency (ms), and claims lost to a node leaving.
-async fn placements_per_second(
-    endpoints: &[String],
-    total: usize,
-) -> anyhow::Result<(f64, Vec<f64>, usize)> {
+async fn placements_per_second(endpoints: &[String], total: usize) -> anyhow::Result<Placements> {
     let store = ClusterStore::connect(endpoints, "/bench/sim/", Duration::from_secs(5)).await?;
     let mut regs = vec![];
     for i in 0..SIM_NODES {
@@ -182,12 +185,13 @@ async fn placements_per_second(
         .map(|k| {
             let store = store.clone();
             tokio::spawn(async move {
-                let mut lat = vec![];
+                let (mut lat, mut read, mut write) = (vec![], vec![], vec![]);
                 let mut lost = 0usize;
                 for j in 0..per_task {
                     let source = format!("snap-{}", (k * 31 + j * 17) % 300);
                     let t = Instant::now();
                     let view = store.view().await?;
+                    read.push(ms(t));
                     let choice = place(
                         &view.candidates(),
                         &Demand {
@@ -204,25 +208,39 @@ async fn placements_per_second(
                         memory_mb: 512,
                         at_ms: 0,
                     };
+                    let tw = Instant::now();
                     if store.claim(&claim, None).await? != ClaimOutcome::Claimed {
                         lost += 1;
                     }
+                    write.push(ms(tw));
                     lat.push(ms(t));
                 }
-                anyhow::Ok((lat, lost))
+                anyhow::Ok((lat, read, write, lost))
             })
         })
         .collect();
-    let mut latency = vec![];
-    let mut lost = 0;
+    let mut p = Placements::default();
     for t in tasks {
-        let (l, n) = t.await??;
-        latency.extend(l);
-        lost += n;
+        let (l, r, w, n) = t.await??;
+        p.latency.extend(l);
+        p.read.extend(r);
+        p.claim.extend(w);
+        p.lost += n;
     }
-    let rate = latency.len() as f64 / t0.elapsed().as_secs_f64();
+    p.rate = p.latency.len() as f64 / t0.elapsed().as_secs_f64();
     for r in regs {
         r.leave().await;
     }
-    Ok((rate, latency, lost))
+    Ok(p)
+}
+
+#[derive(Default)]
+struct Placements {
+    rate: f64,
+    latency: Vec<f64>,
+    /// Reading the view, and placing on it (ms).
+    read: Vec<f64>,
+    /// The claim transaction (ms).
+    claim: Vec<f64>,
+    lost: usize,
 }
