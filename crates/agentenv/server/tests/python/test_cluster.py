@@ -84,6 +84,14 @@ def _wait(what: str, probe, timeout: float = WAIT_S):
     raise AssertionError(f"{what}: not within {timeout} s (last error: {last!r})")
 
 
+def _create(template):
+    """`Sandbox.create` without internet (the nodes run `--network off`: the cluster needs no host
+    networking; SDK 2.7 asks for the internet unless told not to)."""
+    from e2b import Sandbox
+
+    return Sandbox.create(template, timeout=300, allow_internet_access=False)
+
+
 class Proc:
     """A helper process with a log file."""
 
@@ -169,7 +177,7 @@ class Cluster:
             n = Server(binary, state)
             n.extra_args = [
                 "--join", self.etcd_url, "--advertise", n.url, "--join-ttl-s", str(TTL_S),
-                "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--net-warm", "1",
+                "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--network", "off",
             ]
             self.nodes.append(n)
         self.gateways = []
@@ -300,7 +308,7 @@ def test_placement_spreads_over_nodes_through_both_gateways(cluster):
     try:
         for i in range(3):
             cluster.use(cluster.gateways[i % 2])
-            s = Sandbox.create("base", timeout=300)
+            s = _create("base")
             made.append(s)
             assert s.commands.run(f"echo {i}").stdout == f"{i}\n"
         # One on each node.
@@ -327,7 +335,7 @@ def test_snapshot_and_fork_through_the_gateway(cluster):
 
     g = cluster.gateways[1]
     cluster.use(g)
-    src = Sandbox.create("base", timeout=300)
+    src = _create("base")
     made = [src.sandbox_id]
     try:
         secret = secrets.token_hex(8)
@@ -336,7 +344,7 @@ def test_snapshot_and_fork_through_the_gateway(cluster):
         assert status == 201, snap
         # Sandboxes from the snapshot, placed by the gateway (any node: the others import it from S3).
         for _ in range(2):
-            s = Sandbox.create(snap["snapshotID"], timeout=300)
+            s = _create(snap["snapshotID"])
             made.append(s.sandbox_id)
             assert s.files.read("/home/user/secret.txt") == secret
         status, snaps = _http("GET", f"{g.url}/snapshots", cluster.key)
@@ -400,7 +408,7 @@ def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(clus
     from e2b import Sandbox
 
     cluster.use(cluster.gateways[0])
-    paused = Sandbox.create("base", timeout=300)
+    paused = _create("base")
     secret = secrets.token_hex(8)
     paused.files.write("/home/user/keep.txt", secret)
     # A fork runs on the same node: it will be the running sandbox that node takes with it.
@@ -434,7 +442,7 @@ def test_kill9_of_a_gateway_the_other_serves_on(cluster):
     from e2b import Sandbox
 
     cluster.use(cluster.gateways[0])
-    s = Sandbox.create("base", timeout=300)
+    s = _create("base")
     try:
         cluster.gateways[0].kill9()
         cluster.use(cluster.gateways[1])
@@ -447,7 +455,7 @@ def test_kill9_of_a_gateway_the_other_serves_on(cluster):
         again = Sandbox.connect(s.sandbox_id)
         assert again.files.read("/home/user/kept.txt") == "kept"
         assert cluster.node_of(s.sandbox_id) is node
-        t = Sandbox.create("base", timeout=300)
+        t = _create("base")
         assert t.commands.run("echo new").stdout == "new\n"
         assert {s.sandbox_id, t.sandbox_id} <= cluster.listed(cluster.gateways[1])
         t.kill()
