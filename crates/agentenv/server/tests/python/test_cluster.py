@@ -143,6 +143,7 @@ def _http(method, url, key=None, body=None, headers=None, timeout=60):
 class Cluster:
     def __init__(self, binary, root, etcd_bin, weed_bin):
         self.root = root
+        self.binary = binary
         self.key = "e2b_" + secrets.token_hex(20)
         self.bucket = f"k3-cluster-{secrets.token_hex(4)}"
         # etcd
@@ -186,6 +187,7 @@ class Cluster:
             g = Proc([binary, "gateway", "--etcd", self.etcd_url, "--listen", f"127.0.0.1:{port}",
                       "--state-dir", self._state_dir(f"gw{i}")], f"{root}/gw{i}.log")
             g.url = f"http://127.0.0.1:{port}"
+            g.state = os.path.join(root, f"gw{i}")
             self.gateways.append(g)
 
     def _state_dir(self, name):
@@ -237,6 +239,17 @@ class Cluster:
         status, body = _http("GET", f"{gw.url}/v2/sandboxes?{query}", self.key)
         assert status == 200, body
         return {x["sandboxID"] for x in body}
+
+    def named_key(self, name):
+        """A tenant key made with `agentenv keys create` and copied to every node and gateway (the key
+        files are the cluster's one key store, kept in sync by the operator)."""
+        first = self.gateways[0].state
+        out = subprocess.run([self.binary, "keys", "--state-dir", first, "create", name],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        src = os.path.join(first, "server", "keys.json")
+        for d in [g.state for g in self.gateways[1:]] + [n.state_dir for n in self.nodes]:
+            shutil.copy2(src, os.path.join(d, "server", "keys.json"))
+        return out.splitlines()[-1]
 
     def fork(self, gw, sandbox_id, count):
         """`POST /sandboxes/{id}/fork` (the SDK has `fork` only from 2.63): the new ids."""
@@ -372,6 +385,38 @@ def test_bad_input_and_keys_at_the_gateway(cluster):
     assert status == 404 and body["code"] == 404, body
     status, body = _http("GET", f"{g}/sandboxes/nosuchsandbox", cluster.key)
     assert status == 404 and body["code"] == 404
+
+
+def test_tenants_see_only_their_own_sandboxes_through_the_gateway(cluster):
+    team = cluster.named_key("team-b")
+    g0, g1 = cluster.gateways[0].url, cluster.gateways[1].url
+    status, mine = _http("POST", f"{g0}/v2/sandboxes", cluster.key,
+                         {"templateID": "base", "timeout": 300, "allow_internet_access": False}, timeout=300)
+    assert status == 201, mine
+    try:
+        # Keys are reread when the files change: the other gateway knows the new key too.
+        _wait("the new key is accepted", lambda: _http("GET", f"{g1}/v2/sandboxes", team)[0] == 200, 30)
+        for g in (g0, g1):
+            status, body = _http("GET", f"{g}/sandboxes/{mine['sandboxID']}", team)
+            assert status == 404 and body["code"] == 404, body
+            status, body = _http("DELETE", f"{g}/sandboxes/{mine['sandboxID']}", team)
+            assert status == 404, body
+            status, listed = _http("GET", f"{g}/v2/sandboxes", team)
+            assert status == 200 and mine["sandboxID"] not in [x["sandboxID"] for x in listed], listed
+        # The node routes need the server key.
+        status, body = _http("GET", f"{g0}/cluster/nodes", team)
+        assert status == 403 and body["code"] == 403, body
+        status, body = _http("POST", f"{cluster.nodes[0].url}/cluster/adopt", team, {"snapshotID": "x"})
+        assert status == 403, body
+        # Its own sandbox works.
+        status, theirs = _http("POST", f"{g1}/v2/sandboxes", team,
+                               {"templateID": "base", "timeout": 300, "allow_internet_access": False}, timeout=300)
+        assert status == 201, theirs
+        status, listed = _http("GET", f"{g0}/v2/sandboxes", team)
+        assert [x["sandboxID"] for x in listed] == [theirs["sandboxID"]], listed
+        assert _http("DELETE", f"{g0}/sandboxes/{theirs['sandboxID']}", team)[0] == 204
+    finally:
+        _http("DELETE", f"{g0}/sandboxes/{mine['sandboxID']}", cluster.key)
 
 
 def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
