@@ -126,6 +126,8 @@ pub enum EntryState {
     /// Paused, and being adopted by `node` after its first node left (adopting is idempotent, so
     /// whoever sees this state finishes the move).
     Moving,
+    /// Killed while `node` was away: gone for clients; `node` kills its copy when it returns. Leased.
+    Killed,
 }
 
 /// What another node needs to take over a paused sandbox: a snapshot of it in the shared bucket and the

@@ -21,6 +21,8 @@ type Result<T, E = ClusterError> = std::result::Result<T, E>;
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(3);
 /// How long a placement claim counts as load if its node never reports it.
 pub const CLAIM_TTL: Duration = Duration::from_secs(15);
+/// How long the entry of a sandbox killed while its node was away waits for that node to return.
+pub const KILLED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// How long an `Idempotency-Key` maps to its node (the server's own dedupe window).
 pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(300);
 
@@ -383,6 +385,31 @@ impl ClusterStore {
         }
         let mut kv = self.client.kv_client();
         self.call("forget a sandbox", kv.txn(Txn::new().and_then(ops)))
+            .await
+            .map(drop)
+    }
+
+    /// Marks a sandbox killed while its node is away (the entry then lives [`KILLED_TTL`], so the node
+    /// can kill its copy when it returns) and forgets its token.
+    pub async fn mark_killed(
+        &self,
+        entry: &SandboxEntry,
+        token_sha256: Option<&str>,
+    ) -> Result<()> {
+        let lease = self.lease(KILLED_TTL).await?;
+        let mut e = entry.clone();
+        e.state = crate::schema::EntryState::Killed;
+        e.handoff = None;
+        let mut ops = vec![TxnOp::put(
+            self.keys.sandbox(&e.sandbox_id),
+            encode(&e),
+            Some(PutOptions::new().with_lease(lease)),
+        )];
+        if let Some(t) = token_sha256 {
+            ops.push(TxnOp::delete(self.keys.token(t), None));
+        }
+        let mut kv = self.client.kv_client();
+        self.call("mark a sandbox killed", kv.txn(Txn::new().and_then(ops)))
             .await
             .map(drop)
     }

@@ -42,6 +42,7 @@ pub async fn join(
         .map(|m| u32::try_from(m).unwrap_or(u32::MAX));
     let shared_store = cfg.shared_store;
     let node = id.clone();
+    let sandboxes_for_reconcile = sandboxes.clone();
     let report = Arc::new(move || {
         let load = sandboxes.load();
         let backend = sandboxes.backend();
@@ -73,9 +74,64 @@ pub async fn join(
             updated_at_ms: crate::sandboxes::now_ms(),
         }
     });
-    let reg = Registration::start(store, cfg.ttl, cfg.interval, report).await?;
+    let reg = Registration::start(store.clone(), cfg.ttl, cfg.interval, report).await?;
     tracing::info!(node = %id, advertise = %cfg.advertise, "joined the cluster");
+    if let Err(e) = drop_moved(&store, &id, &sandboxes_for_reconcile).await {
+        tracing::warn!(error = %e, "checking for sandboxes moved away while this node was gone failed");
+    }
     Ok(reg)
+}
+
+/// A node back after its lease expired may hold sandboxes the cluster settled without it: paused ones
+/// another node has adopted since (their entry names a live node other than this one) and ones a client
+/// killed meanwhile (entry `killed`). Their local copies are dropped; the rest, running ones included
+/// (their QEMUs outlive the server), carry on.
+async fn drop_moved(
+    store: &ClusterStore,
+    me: &str,
+    sandboxes: &Sandboxes,
+) -> Result<(), agentenv_cluster::ClusterError> {
+    for entry in store.sandboxes().await? {
+        if entry.node == me && entry.state == agentenv_cluster::EntryState::Killed {
+            // Killed by a client while this node was away.
+            if sandboxes.get(&entry.sandbox_id).is_some() {
+                match sandboxes
+                    .kill(&crate::sandboxes::Caller::Server, &entry.sandbox_id)
+                    .await
+                {
+                    Ok(()) => {
+                        tracing::info!(sandbox = %entry.sandbox_id, "killed a sandbox a client killed while this node was away")
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %entry.sandbox_id, error = %e, "killing a sandbox killed meanwhile failed")
+                    }
+                }
+            }
+            store.remove_sandbox(&entry.sandbox_id, None).await?;
+            continue;
+        }
+        if entry.node == me {
+            continue;
+        }
+        let paused_here = sandboxes
+            .get(&entry.sandbox_id)
+            .is_some_and(|r| r.state == crate::model::SandboxState::Paused);
+        if !paused_here || store.node(&entry.node).await?.is_none() {
+            continue;
+        }
+        match sandboxes
+            .kill(&crate::sandboxes::Caller::Server, &entry.sandbox_id)
+            .await
+        {
+            Ok(()) => {
+                tracing::info!(sandbox = %entry.sandbox_id, now_on = %entry.node, "dropped the local copy of a sandbox another node took over")
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %entry.sandbox_id, error = %e, "dropping a moved sandbox failed")
+            }
+        }
+    }
+    Ok(())
 }
 
 /// This node's id, made once and kept in `<state>/server/node_id`.

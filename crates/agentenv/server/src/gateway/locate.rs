@@ -47,6 +47,7 @@ pub async fn locate(gw: &Gateway, id: &str, tenant: Option<&str>) -> Result<Loca
         .sandbox(id)
         .await?
         .filter(|e| tenant.is_none_or(|t| e.value.owner == t))
+        .filter(|e| e.value.state != EntryState::Killed)
         .ok_or_else(|| GatewayError::SandboxNotFound(id.into()))?;
     if let Some(node) = gw.store.node(&entry.value.node).await? {
         return Ok(Located::Live { node, entry });

@@ -220,11 +220,14 @@ async fn by_id_inner(gw: &Gateway, req: Request) -> Result<Response> {
     let resumes = method == Method::POST && matches!(action.as_str(), "connect" | "resume");
     let node = match running_node(gw, &id, Some(&tenant.name), |_| resumes).await {
         Ok(n) => n,
-        // Killing a sandbox that is gone with its node: forget it.
+        // Killing a sandbox whose node is away: gone for clients now; the node kills its copy when
+        // it returns (`join::drop_moved`).
         Err(GatewayError::SandboxLost { .. } | GatewayError::PausedElsewhere { .. })
             if method == Method::DELETE && action.is_empty() =>
         {
-            gw.store.remove_sandbox(&id, None).await?;
+            if let Some(e) = gw.store.sandbox(&id).await? {
+                gw.store.mark_killed(&e.value, None).await?;
+            }
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
         Err(e) => return Err(e),
@@ -469,7 +472,7 @@ async fn list(gw: &Gateway, req: Request) -> Result<Response> {
                 .and_then(|v| v.as_str())
                 .unwrap_or_default();
             let owner = entries.iter().find(|e| e.sandbox_id == id);
-            if owner.is_some_and(|e| e.node != node.id) {
+            if owner.is_some_and(|e| e.node != node.id || e.state == EntryState::Killed) {
                 continue;
             }
             items.push(sort_key(item));

@@ -480,6 +480,16 @@ def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(clus
     assert not running.is_running()
     status, _ = _http("DELETE", f"{cluster.gateways[1].url}/sandboxes/{running.sandbox_id}", cluster.key)
     assert status == 204
+    # The node comes back (the lost one's QEMU outlived the kill -9): its copy of the moved sandbox and
+    # the sandbox killed meanwhile go; the gateway keeps routing to the new node.
+    node.start()
+    cluster.wait_nodes(3)
+    _wait("the returning node drops its copy of the moved sandbox",
+          lambda: _http("GET", f"{node.url}/sandboxes/{paused.sandbox_id}", cluster.key)[0] == 404)
+    _wait("the returning node kills the sandbox killed while it was away",
+          lambda: _http("GET", f"{node.url}/sandboxes/{running.sandbox_id}", cluster.key)[0] == 404)
+    assert running.sandbox_id not in cluster.listed(cluster.gateways[0])
+    assert back.files.read("/home/user/keep.txt") == secret
     back.kill()
 
 
