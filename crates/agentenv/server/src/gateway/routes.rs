@@ -230,6 +230,23 @@ async fn by_id_inner(gw: &Gateway, req: Request) -> Result<Response> {
             }
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
+        // Its info, from the handoff record: paused, resumable elsewhere.
+        Err(GatewayError::PausedElsewhere { .. }) if method == Method::GET && action.is_empty() => {
+            let entry = gw
+                .store
+                .sandbox(&id)
+                .await?
+                .ok_or_else(|| GatewayError::SandboxNotFound(id.clone()))?;
+            let rec: crate::sandboxes::HandoffRecord = entry
+                .value
+                .handoff
+                .as_ref()
+                .and_then(|h| serde_json::from_value(h.record.clone()).ok())
+                .ok_or_else(|| GatewayError::SandboxNotFound(id.clone()))?;
+            let mut sandbox = rec.sandbox;
+            sandbox.state = crate::model::SandboxState::Paused;
+            return Ok(axum::Json(crate::views::detail(&sandbox, None)).into_response());
+        }
         Err(e) => return Err(e),
     };
     let resp = proxy::forward(&gw.http, &node.id, &node.url, req, CONTROL_DEADLINE).await?;

@@ -465,6 +465,10 @@ def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(clus
     node.proc.send_signal(signal.SIGKILL)
     node.proc.wait()
     cluster.wait_nodes(2)
+    # Until someone resumes it, it is listed and shown paused (from its handoff record).
+    status, info = _http("GET", f"{cluster.gateways[1].url}/sandboxes/{paused.sandbox_id}", cluster.key)
+    assert status == 200 and info["state"] == "paused", info
+    assert paused.sandbox_id in cluster.listed(cluster.gateways[1], "state=paused")
 
     # The paused one resumes elsewhere, with its files and its id and token.
     back = Sandbox.connect(paused.sandbox_id)
