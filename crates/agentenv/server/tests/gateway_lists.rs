@@ -114,9 +114,13 @@ async fn paging_through_the_gateway_merges_both_nodes_in_order() {
             .with_state(b),
     )
     .await;
-    let store = ClusterStore::connect(&[etcd.endpoint.clone()], "/t/lists", Duration::from_secs(2))
-        .await
-        .unwrap();
+    let store = ClusterStore::connect(
+        std::slice::from_ref(&etcd.endpoint),
+        "/t/lists",
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
     let mut regs = vec![];
     for (id, url) in [("a", url_a), ("b", url_b)] {
         let rec = node(id, &url);
