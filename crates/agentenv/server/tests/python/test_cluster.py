@@ -61,7 +61,9 @@ def _require_or_skip(what: str):
 
 
 def _which(name: str, env: str):
-    path = os.environ.get(env) or shutil.which(name)
+    if os.environ.get(env):
+        return os.environ[env] if os.access(os.environ[env], os.X_OK) else None
+    path = shutil.which(name)
     if not path:
         venv = os.environ.get("VIRTUAL_ENV") or os.path.dirname(os.path.dirname(os.path.abspath(os.sys.executable)))
         cand = os.path.join(venv, "bin", name)
