@@ -7,10 +7,11 @@ cd "$(dirname "$0")/.."
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
-# apt: QEMU + guest kernel + userland tools for agentenv, protoc, busybox for the KVM probe.
+# apt: QEMU + guest kernel + userland tools for agentenv, protoc (with the well-known protos that
+# etcd-client's build needs), busybox for the KVM probe, etcd for the agentenv cluster tests.
 APT_PKGS=(build-essential pkg-config curl ca-certificates git python3 python3-venv python3-pip
   qemu-system-x86 qemu-utils busybox-static debootstrap e2fsprogs cpio xz-utils binutils
-  protobuf-compiler linux-image-amd64 iproute2 nftables)
+  protobuf-compiler libprotobuf-dev linux-image-amd64 iproute2 nftables etcd-server)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -32,6 +33,8 @@ if ! dpkg-query -W -f='${Status}' docker-registry 2>/dev/null | grep -q "ok inst
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends docker-registry >/dev/null
 fi
 export K3_REQUIRE_REGISTRY="${K3_REQUIRE_REGISTRY:-1}"
+# The agentenv cluster tests (etcd-server from apt, weed below) fail instead of skipping.
+export K3_REQUIRE_CLUSTER="${K3_REQUIRE_CLUSTER:-1}"
 
 # Rust (the workspace needs 1.95 or newer).
 export PATH="$HOME/.cargo/bin:$PATH"

@@ -117,6 +117,15 @@ fn control_router() -> Router<AppState> {
             get(build_routes::build_status),
         )
         .route("/templates/aliases/{alias}", get(build_routes::alias))
+        .route(
+            "/cluster/sandboxes/{id}/handoff",
+            post(routes::cluster_handoff),
+        )
+        .route("/cluster/adopt", post(routes::cluster_adopt))
+        .route(
+            "/cluster/snapshots/{id}",
+            get(routes::cluster_snapshot).delete(routes::cluster_drop_handoff),
+        )
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(routes::openapi_json))
@@ -190,14 +199,7 @@ async fn require_api_key(State(state): State<AppState>, mut req: Request, next: 
     match key.map(|k| (k, state.keys.authenticate(k))) {
         Some((_, Some(tenant))) => {
             if let Some(Err(wait)) = tenant.limiter.as_ref().map(|b| b.take()) {
-                return ApiError::new(
-                    axum::http::StatusCode::TOO_MANY_REQUESTS,
-                    format!(
-                        "rate limit exceeded: retry in {} ms",
-                        wait.as_millis().max(1)
-                    ),
-                )
-                .into_response();
+                return ApiError::rate_limited(wait).into_response();
             }
             req.extensions_mut().insert(tenant);
             next.run(req).await

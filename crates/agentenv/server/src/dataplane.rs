@@ -56,7 +56,7 @@ pub fn classify(path: &str, headers: &HeaderMap) -> Plane {
     Plane::Control
 }
 
-const HOP_HEADERS: [&str; 7] = [
+pub(crate) const HOP_HEADERS: [&str; 7] = [
     "connection",
     "keep-alive",
     "proxy-connection",

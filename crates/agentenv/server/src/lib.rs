@@ -23,6 +23,8 @@ pub mod dataplane;
 pub mod error;
 #[cfg(test)]
 mod fake;
+pub mod gateway;
+pub mod join;
 pub mod keys;
 pub mod metrics;
 pub mod model;

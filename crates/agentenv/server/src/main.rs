@@ -29,6 +29,8 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Print the OpenAPI document.
     Openapi,
+    /// One E2B endpoint in front of the nodes of a cluster (state in etcd; run as many as you like).
+    Gateway(GatewayArgs),
     /// Named API keys (tenants): each sees and controls only its own sandboxes, snapshots and templates.
     Keys {
         /// State folder of the server.
@@ -37,6 +39,29 @@ enum Command {
         #[command(subcommand)]
         command: KeysCommand,
     },
+}
+
+#[derive(clap::Args, Clone)]
+struct GatewayArgs {
+    /// etcd endpoints (comma-separated), e.g. http://127.0.0.1:2379.
+    #[arg(long, env = "AGENTENV_ETCD", value_delimiter = ',', required = true)]
+    etcd: Vec<String>,
+    /// Address to listen on.
+    #[arg(long, env = "AGENTENV_LISTEN", default_value = "127.0.0.1:3000")]
+    listen: SocketAddr,
+    /// State folder holding the API keys (`server/api_key`, `server/keys.json`): the same key files as
+    /// every node's.
+    #[arg(long, env = "AGENTENV_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// Key prefix of the cluster in etcd.
+    #[arg(long, default_value = agentenv_cluster::schema::DEFAULT_PREFIX)]
+    etcd_prefix: String,
+    /// Control-plane requests per second of each key at this gateway (0: unlimited).
+    #[arg(long, default_value_t = agentenv_server::ratelimit::DEFAULT_RATE_LIMIT.per_second)]
+    rate_limit: f64,
+    /// Log as JSON lines.
+    #[arg(long)]
+    log_json: bool,
 }
 
 #[derive(Subcommand)]
@@ -159,6 +184,24 @@ struct ServeArgs {
     /// continues one (0: every create restores). Each holds a QEMU process and its RAM copy.
     #[arg(long, env = "AGENTENV_WARM_VMS", default_value_t = 2)]
     warm_vms: usize,
+    /// Join the cluster whose state is in this etcd (comma-separated endpoints): register with a lease
+    /// and keep the node's record fresh. Needs `--advertise`.
+    #[arg(
+        long,
+        env = "AGENTENV_JOIN",
+        value_delimiter = ',',
+        requires = "advertise"
+    )]
+    join: Vec<String>,
+    /// URL gateways reach this server at (with `--join`).
+    #[arg(long, env = "AGENTENV_ADVERTISE")]
+    advertise: Option<String>,
+    /// Key prefix of the cluster in etcd (with `--join`).
+    #[arg(long, default_value = agentenv_cluster::schema::DEFAULT_PREFIX)]
+    etcd_prefix: String,
+    /// Lease TTL of the node's record, seconds: a node that stops refreshing leaves after this long.
+    #[arg(long, default_value_t = agentenv_cluster::node::DEFAULT_TTL.as_secs())]
+    join_ttl_s: u64,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -205,6 +248,7 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Serve(args)) => serve(*args).await,
+        Some(Command::Gateway(args)) => gateway(args).await,
         Some(Command::Keys { state_dir, command }) => {
             manage_keys(&state_dir.unwrap_or_else(default_state_dir), command)
         }
@@ -342,6 +386,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         warm: args.net_warm,
         required: args.network == NetArg::On,
     });
+    let cfg_has_bucket = cfg.store.as_ref().is_some_and(|s| s.remote.is_some());
     let runtime = runtime_backend::open_with_default_template(cfg).await?;
     if let Some(why) = runtime.networking_off() {
         tracing::warn!(reason = why, "sandbox networking is off");
@@ -352,6 +397,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         "runtime ready"
     );
 
+    let shared_store = cfg_has_bucket;
     let backend: Arc<dyn agentenv_server::backend::VmBackend> = Arc::new(runtime);
     let state = AppState::open(
         backend,
@@ -382,6 +428,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     println!(
         "agentenv listening on http://{addr}  (E2B_API_URL = E2B_SANDBOX_URL = http://{addr})"
     );
+    let registration = match (args.join.is_empty(), args.advertise) {
+        (false, Some(advertise)) => {
+            let ttl = std::time::Duration::from_secs(args.join_ttl_s.max(1));
+            let join = agentenv_server::join::JoinConfig {
+                etcd: args.join,
+                prefix: args.etcd_prefix,
+                advertise,
+                ttl,
+                interval: ttl / 3,
+                max_running: args.max_running,
+                shared_store,
+            };
+            Some(agentenv_server::join::join(&state_dir, state.sandboxes.clone(), join).await?)
+        }
+        _ => None,
+    };
     tracing::info!(%addr, "listening");
     // SIGTERM drains: no new connections, in-flight requests (and the lifecycle calls and record
     // writes under them) finish. Open Connect streams would hold the drain forever, so it has a deadline.
@@ -398,8 +460,59 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             tokio::time::sleep(DRAIN_DEADLINE).await;
         } => tracing::warn!(deadline_s = DRAIN_DEADLINE.as_secs(), "drain deadline passed; closing open streams"),
     }
+    if let Some(r) = registration {
+        r.leave().await;
+    }
     closer.close().await;
     tracing::info!("stopped; sandboxes keep running and are recovered on the next start");
+    Ok(())
+}
+
+async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let format = if args.log_json {
+        k3_common::telemetry::LogFormat::Json
+    } else {
+        k3_common::telemetry::LogFormat::Text
+    };
+    k3_common::telemetry::init_with("info", format);
+    let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating {}", state_dir.display()))?;
+    let (api_key, fresh) = keys::load_or_create_api_key(&state_dir)?;
+    if fresh {
+        println!(
+            "New API key (shown once; copy {} to every node's state folder):\n  {api_key}",
+            state_dir.join("server/api_key").display()
+        );
+    }
+    let rate_limit = (args.rate_limit > 0.0).then_some(agentenv_server::ratelimit::RateLimit {
+        per_second: args.rate_limit,
+        burst: 2.0 * args.rate_limit,
+    });
+    let ring = Arc::new(agentenv_server::tenants::KeyRing::open(
+        &state_dir,
+        api_key.clone(),
+        Default::default(),
+        rate_limit,
+    ));
+    let store = agentenv_cluster::ClusterStore::connect(
+        &args.etcd,
+        &args.etcd_prefix,
+        agentenv_cluster::store::DEFAULT_DEADLINE,
+    )
+    .await
+    .context("connecting to etcd")?;
+    let gw = agentenv_server::gateway::Gateway::new(store, ring, api_key);
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    println!(
+        "agentenv gateway listening on http://{addr}  (E2B_API_URL = E2B_SANDBOX_URL = http://{addr})"
+    );
+    axum::serve(listener, agentenv_server::gateway::app(gw))
+        .with_graceful_shutdown(shutdown())
+        .await?;
     Ok(())
 }
 

@@ -527,3 +527,81 @@ pub async fn fork(
         .collect();
     Ok((StatusCode::CREATED, Json(out)))
 }
+
+/// Body of `POST /cluster/adopt` and answer of `POST /cluster/sandboxes/{id}/handoff`: node to node
+/// through the gateway, not part of the E2B API (so not in the OpenAPI document).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct HandoffBody {
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: String,
+    pub handoff: crate::sandboxes::HandoffRecord,
+}
+
+/// The cluster routes are the server key's only (gateways hold it); any other key gets 403.
+fn server_key_only(who: &Caller) -> ApiResult<()> {
+    match who {
+        Caller::Tenant(t) if &**t == crate::tenants::DEFAULT_TENANT => Ok(()),
+        _ => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "cluster routes need the server's own key",
+        )),
+    }
+}
+
+/// Snapshots a paused sandbox into the shared store for another node (`agentenv gateway` calls it after
+/// a pause).
+pub async fn cluster_handoff(
+    State(s): State<AppState>,
+    Who(who): Who,
+    Path(id): Path<String>,
+) -> ApiResult<Json<HandoffBody>> {
+    server_key_only(&who)?;
+    let (snapshot_id, handoff) = s.sandboxes.handoff(&Caller::Server, &id).await?;
+    Ok(Json(HandoffBody {
+        snapshot_id,
+        handoff,
+    }))
+}
+
+/// Continues a sandbox handed off by a node that left the cluster.
+pub async fn cluster_adopt(
+    State(s): State<AppState>,
+    Who(who): Who,
+    body: Result<Json<HandoffBody>, axum::extract::rejection::JsonRejection>,
+) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
+    server_key_only(&who)?;
+    let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let rec = s.sandboxes.adopt(body.handoff, &body.snapshot_id).await?;
+    Ok((StatusCode::CREATED, Json(views::created(&rec))))
+}
+
+/// Whether a snapshot's chunks are durable in the store yet (`GET /cluster/snapshots/{id}`), so a
+/// gateway can answer a snapshot request only once every node can import it.
+pub async fn cluster_snapshot(
+    State(s): State<AppState>,
+    Who(who): Who,
+    Path(id): Path<String>,
+) -> ApiResult<Json<serde_json::Value>> {
+    server_key_only(&who)?;
+    let snap = s
+        .sandboxes
+        .backend()
+        .snapshots()
+        .into_iter()
+        .find(|x| x.id == id)
+        .ok_or_else(|| ApiError::not_found(format!("snapshot '{id}' not found")))?;
+    Ok(Json(
+        serde_json::json!({"snapshotID": snap.id, "stored": snap.stored.is_some()}),
+    ))
+}
+
+/// Deletes a handoff snapshot (`DELETE /cluster/snapshots/{id}`) once its sandbox runs again.
+pub async fn cluster_drop_handoff(
+    State(s): State<AppState>,
+    Who(who): Who,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    server_key_only(&who)?;
+    s.sandboxes.drop_handoff(&id)?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -27,6 +27,7 @@ pub const MAX_FORKS: u32 = 20;
 
 mod build_script;
 mod builds;
+mod cluster;
 mod config;
 mod error;
 mod expiry;
@@ -39,6 +40,7 @@ pub use builds::{
     BuildFailure, BuildPlan, BuildSize, BuildStatus, BuildView, BuiltTemplate, LogEntry, LogLevel,
     MAX_BUILD_FILE_BYTES, Step,
 };
+pub use cluster::{HANDOFF_TENANT, HandoffRecord, NodeLoad};
 pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};
 use quota::Usage;
 

@@ -105,6 +105,11 @@ fn over(who: &str, quota: &Quota, used: Usage, add: Usage) -> Option<String> {
 }
 
 impl Sandboxes {
+    /// What operations in flight will add, in all.
+    pub(super) fn in_flight(&self) -> Usage {
+        self.reserved.lock().expect("reservations").total
+    }
+
     /// Reserves `add` for tenant `owner`: records plus operations in flight plus `add` must fit both the
     /// server's quota and the tenant's.
     pub(super) fn reserve(&self, owner: &str, add: Usage) -> Result<Reservation> {

@@ -24,6 +24,7 @@ use agentenv_server::app::{self, AppState, ServerConfig};
 use agentenv_server::backend::VmBackend;
 use agentenv_server::{keys, runtime_backend};
 
+mod cluster;
 mod load;
 mod net;
 
@@ -58,6 +59,13 @@ struct Args {
     /// Give sandboxes a network (to the bench's own test internet) and time its throughput.
     #[arg(long)]
     network: bool,
+    /// Run only the cluster bench: create through a gateway vs. the node directly, and placements per
+    /// second with 100 simulated nodes (needs `etcd`).
+    #[arg(long)]
+    cluster: bool,
+    /// Placements of the cluster bench.
+    #[arg(long, default_value_t = 4000)]
+    placements: usize,
 }
 
 struct Http {
@@ -447,6 +455,7 @@ async fn main() -> anyhow::Result<()> {
         },
     )
     .await?;
+    let sandboxes = app_state.sandboxes.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = tokio::spawn(axum::serve(listener, app::app(app_state)).into_future());
@@ -456,6 +465,39 @@ async fn main() -> anyhow::Result<()> {
         client: Client::builder(TokioExecutor::new()).build_http(),
     };
     let cmd: Vec<String> = std::env::args().collect();
+
+    if args.cluster {
+        let c = cluster::run(
+            &http,
+            state.path(),
+            sandboxes,
+            args.iterations,
+            args.placements,
+        )
+        .await?;
+        server.abort();
+        let mut notes = vec![format!("command: {}", cmd.join(" "))];
+        notes.extend(c.notes);
+        notes.push(
+            "caveat: 2-core dev box shared with other builds; TCG is software emulation".into(),
+        );
+        report.sections.push(Section {
+            system: "agentenv".into(),
+            tier: args.tier,
+            title: format!("Cluster: gateway and scheduler over etcd ({accel_name})"),
+            machine,
+            figures: c
+                .figures
+                .into_iter()
+                .map(|f| f.param("accel", accel_name))
+                .collect(),
+            plots: vec![],
+            notes,
+        });
+        report.write(&args.out)?;
+        println!("wrote {}", args.out.display());
+        return Ok(());
+    }
 
     if args.soak_s > 0 {
         let soak = load::churn(

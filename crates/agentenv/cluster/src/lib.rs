@@ -1,0 +1,25 @@
+//! agentenv on many machines: the cluster's state in etcd, the placement policy and node registration.
+//!
+//! - [`schema`]: every key and record in etcd (nodes, claims, the sandbox-to-node map, handoffs of
+//!   paused sandboxes, snapshot metadata).
+//! - [`placement`]: which node a new sandbox goes to, a pure function.
+//! - [`store`]: [`ClusterStore`], etcd reads and transactional writes, each under a deadline.
+//! - [`node`]: [`Registration`], a node's lease, record and keepalives.
+//!
+//! Boundary: this crate knows etcd and the cluster's records; it knows no HTTP, no E2B JSON and no
+//! VMs. The gateway (HTTP) and the node's side live in `agentenv-server`.
+
+pub mod error;
+pub mod node;
+pub mod placement;
+pub mod schema;
+pub mod store;
+pub mod testing;
+
+pub use error::ClusterError;
+pub use node::Registration;
+pub use placement::{Candidate, Choice, Demand, Pending, Unplaceable, place};
+pub use schema::{
+    Claim, EntryState, Handoff, Keys, NodeRecord, SCHEMA_VERSION, SandboxEntry, SnapshotEntry,
+};
+pub use store::{ClaimOutcome, ClusterStore, ClusterView, Versioned};

@@ -1,0 +1,471 @@
+//! [`ClusterStore`]: the cluster's state in etcd, read and written under deadlines.
+//!
+//! Invariant: every call has a deadline ([`ClusterStore::deadline`]); a missed one or a refused
+//! connection is [`ClusterError::Unavailable`], never a hang. Writes that decide something (a
+//! placement, a sandbox's node, a takeover) are transactions that compare before they put.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+
+use crate::error::ClusterError;
+use crate::schema::{
+    Claim, IdempotencyEntry, Keys, NodeRecord, SCHEMA_VERSION, SandboxEntry, SnapshotEntry, decode,
+    encode,
+};
+
+type Result<T, E = ClusterError> = std::result::Result<T, E>;
+
+/// Default deadline of one etcd call.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(3);
+/// How long a placement claim counts as load if its node never reports it.
+pub const CLAIM_TTL: Duration = Duration::from_secs(15);
+/// How long the entry of a sandbox killed while its node was away waits for that node to return.
+pub const KILLED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+/// How long an `Idempotency-Key` maps to its node (the server's own dedupe window).
+pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(300);
+
+/// A record and the etcd revisions it was read at.
+#[derive(Debug, Clone)]
+pub struct Versioned<T> {
+    pub value: T,
+    pub create_revision: i64,
+    pub mod_revision: i64,
+}
+
+/// Nodes, and the claims their records may not include yet.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterView {
+    pub nodes: Vec<Versioned<NodeRecord>>,
+    pub claims: Vec<Versioned<Claim>>,
+}
+
+impl ClusterView {
+    /// Placement candidates: each node with the claims newer than its record.
+    pub fn candidates(&self) -> Vec<crate::placement::Candidate<'_>> {
+        self.nodes
+            .iter()
+            .map(|n| {
+                let mut pending = crate::placement::Pending::default();
+                for c in self
+                    .claims
+                    .iter()
+                    .filter(|c| c.value.node == n.value.id && c.create_revision > n.mod_revision)
+                {
+                    pending.sandboxes += 1;
+                    pending.vcpus += c.value.vcpus;
+                    pending.memory_mb += c.value.memory_mb;
+                }
+                crate::placement::Candidate {
+                    node: &n.value,
+                    pending,
+                }
+            })
+            .collect()
+    }
+
+    pub fn node(&self, id: &str) -> Option<&NodeRecord> {
+        self.nodes.iter().map(|n| &n.value).find(|n| n.id == id)
+    }
+}
+
+/// How a placement claim came out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClaimOutcome {
+    /// The node is claimed for this create.
+    Claimed,
+    /// A create with the same idempotency key went to this node already.
+    Duplicate(String),
+    /// The node left between the read and the claim: place again.
+    NodeGone,
+}
+
+/// The cluster's state in etcd.
+#[derive(Clone)]
+pub struct ClusterStore {
+    client: Client,
+    keys: Keys,
+    deadline: Duration,
+    /// Leases shared by the claims (and idempotency keys) written within a third of their TTL, so a
+    /// placement costs one transaction, not a lease grant too.
+    claim_lease: Arc<SharedLease>,
+    idempotency_lease: Arc<SharedLease>,
+}
+
+/// One lease for every record written within a window of `ttl / 3`; each lives `ttl` to `ttl · 4/3`.
+struct SharedLease {
+    ttl: Duration,
+    current: tokio::sync::Mutex<Option<(i64, Instant)>>,
+}
+
+impl SharedLease {
+    fn new(ttl: Duration) -> Arc<SharedLease> {
+        Arc::new(SharedLease {
+            ttl,
+            current: tokio::sync::Mutex::new(None),
+        })
+    }
+}
+
+impl ClusterStore {
+    /// Connects to `endpoints` (e.g. `http://127.0.0.1:2379`); the first connection has the deadline too,
+    /// later ones are re-made by the client on demand.
+    pub async fn connect(endpoints: &[String], prefix: &str, deadline: Duration) -> Result<Self> {
+        if endpoints.is_empty() {
+            return Err(ClusterError::Invalid("no etcd endpoint given".into()));
+        }
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(deadline)
+            .with_timeout(deadline)
+            .with_keep_alive(Duration::from_secs(5), deadline);
+        let client = tokio::time::timeout(deadline, Client::connect(endpoints, Some(opts)))
+            .await
+            .map_err(|_| ClusterError::unavailable("connect", "deadline passed"))?
+            .map_err(|e| ClusterError::unavailable("connect", e))?;
+        Ok(ClusterStore {
+            client,
+            keys: Keys::new(prefix),
+            deadline,
+            claim_lease: SharedLease::new(CLAIM_TTL),
+            idempotency_lease: SharedLease::new(IDEMPOTENCY_TTL),
+        })
+    }
+
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
+    /// Runs one etcd call under the deadline.
+    async fn call<T, F>(&self, what: &'static str, f: F) -> Result<T>
+    where
+        F: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        match tokio::time::timeout(self.deadline, f).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(ClusterError::unavailable(what, e)),
+            Err(_) => Err(ClusterError::unavailable(
+                what,
+                format!("no answer within {} ms", self.deadline.as_millis()),
+            )),
+        }
+    }
+
+    fn decode_all<T: serde::de::DeserializeOwned>(
+        kvs: &[etcd_client::KeyValue],
+    ) -> Vec<Versioned<T>> {
+        kvs.iter()
+            .filter_map(|kv| {
+                let key = String::from_utf8_lossy(kv.key()).into_owned();
+                match decode::<T>(&key, kv.value()) {
+                    Ok(value) => Some(Versioned {
+                        value,
+                        create_revision: kv.create_revision(),
+                        mod_revision: kv.mod_revision(),
+                    }),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "skipping an unreadable cluster record");
+                        None
+                    }
+                }
+            })
+            .collect()
+    }
+
+    /// Live nodes, and the claims newer than the oldest node record (older ones count for nothing:
+    /// every node's record already includes them).
+    ///
+    /// Serializable reads (the member's own copy, no consensus round): placement may see a state a few
+    /// milliseconds old; the claim transaction is what must be current, and it is linearizable.
+    pub async fn view(&self) -> Result<ClusterView> {
+        let mut kv = self.client.kv_client();
+        let opts = GetOptions::new().with_prefix().with_serializable();
+        let resp = self
+            .call("read nodes", kv.get(self.keys.nodes(), Some(opts)))
+            .await?;
+        let nodes: Vec<Versioned<NodeRecord>> = Self::decode_all(resp.kvs());
+        let Some(oldest) = nodes.iter().map(|n| n.mod_revision).min() else {
+            return Ok(ClusterView::default());
+        };
+        let opts = GetOptions::new()
+            .with_prefix()
+            .with_serializable()
+            .with_min_create_revision(oldest + 1);
+        let resp = self
+            .call("read claims", kv.get(self.keys.claims(), Some(opts)))
+            .await?;
+        let claims = Self::decode_all(resp.kvs());
+        Ok(ClusterView { nodes, claims })
+    }
+
+    /// One node's record, if it is live.
+    pub async fn node(&self, id: &str) -> Result<Option<NodeRecord>> {
+        Ok(self
+            .get::<NodeRecord>(&self.keys.node(id))
+            .await?
+            .map(|v| v.value))
+    }
+
+    async fn get<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<Versioned<T>>> {
+        let mut kv = self.client.kv_client();
+        let resp = self.call("get", kv.get(key, None)).await?;
+        match resp.kvs().first() {
+            None => Ok(None),
+            Some(kv) => Ok(Some(Versioned {
+                value: decode(key, kv.value())?,
+                create_revision: kv.create_revision(),
+                mod_revision: kv.mod_revision(),
+            })),
+        }
+    }
+
+    /// The shared lease of `slot`, granted anew once its window is over.
+    async fn shared_lease(&self, slot: &SharedLease) -> Result<i64> {
+        let mut cur = slot.current.lock().await;
+        if let Some((id, at)) = *cur
+            && at.elapsed() < slot.ttl / 3
+        {
+            return Ok(id);
+        }
+        let id = self.lease(slot.ttl + slot.ttl / 3).await?;
+        *cur = Some((id, Instant::now()));
+        Ok(id)
+    }
+
+    /// Forgets the shared leases (after a failed write: the lease may be gone).
+    async fn reset_shared_leases(&self) {
+        *self.claim_lease.current.lock().await = None;
+        *self.idempotency_lease.current.lock().await = None;
+    }
+
+    async fn lease(&self, ttl: Duration) -> Result<i64> {
+        let mut lease = self.client.lease_client();
+        let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        Ok(self
+            .call("grant lease", lease.grant(secs, None))
+            .await?
+            .id())
+    }
+
+    /// Claims `claim.node` for one create, in one transaction that also checks the node is still
+    /// registered and, with an idempotency key, that no other create with it was placed (two gateways
+    /// never place the same create twice).
+    pub async fn claim(
+        &self,
+        claim: &Claim,
+        idempotency: Option<(&str, &str)>,
+    ) -> Result<ClaimOutcome> {
+        let lease = self.shared_lease(&self.claim_lease).await?;
+        let claim_key = self
+            .keys
+            .claim(&claim.node, &format!("{:016x}", rand::random::<u64>()));
+        let mut when = vec![Compare::version(
+            self.keys.node(&claim.node),
+            CompareOp::Greater,
+            0,
+        )];
+        let mut then = vec![TxnOp::put(
+            claim_key,
+            encode(claim),
+            Some(PutOptions::new().with_lease(lease)),
+        )];
+        let mut otherwise = vec![];
+        if let Some((tenant, key)) = idempotency {
+            let idem_key = self.keys.idempotency(tenant, key);
+            let idem_lease = self.shared_lease(&self.idempotency_lease).await?;
+            when.push(Compare::create_revision(
+                idem_key.clone(),
+                CompareOp::Equal,
+                0,
+            ));
+            then.push(TxnOp::put(
+                idem_key.clone(),
+                encode(&IdempotencyEntry {
+                    version: SCHEMA_VERSION,
+                    node: claim.node.clone(),
+                }),
+                Some(PutOptions::new().with_lease(idem_lease)),
+            ));
+            otherwise.push(TxnOp::get(idem_key, None));
+        }
+        let txn = Txn::new().when(when).and_then(then).or_else(otherwise);
+        let mut kv = self.client.kv_client();
+        let resp = match self.call("claim a node", kv.txn(txn)).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.reset_shared_leases().await;
+                return Err(e);
+            }
+        };
+        if resp.succeeded() {
+            return Ok(ClaimOutcome::Claimed);
+        }
+        let existing = resp.op_responses().into_iter().find_map(|r| match r {
+            etcd_client::TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.value().to_vec()),
+            _ => None,
+        });
+        match existing {
+            Some(bytes) => {
+                let e: IdempotencyEntry = decode("idempotency", &bytes)?;
+                Ok(ClaimOutcome::Duplicate(e.node))
+            }
+            None => Ok(ClaimOutcome::NodeGone),
+        }
+    }
+
+    /// Records a new sandbox (and its access token's hash) unless an entry for its id exists; false
+    /// if one did.
+    pub async fn insert_sandbox(&self, entry: &SandboxEntry, token_sha256: &str) -> Result<bool> {
+        let key = self.keys.sandbox(&entry.sandbox_id);
+        let txn = Txn::new()
+            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+            .and_then([
+                TxnOp::put(key, encode(entry), None),
+                TxnOp::put(
+                    self.keys.token(token_sha256),
+                    entry.sandbox_id.as_bytes().to_vec(),
+                    None,
+                ),
+            ]);
+        let mut kv = self.client.kv_client();
+        Ok(self
+            .call("record a sandbox", kv.txn(txn))
+            .await?
+            .succeeded())
+    }
+
+    pub async fn sandbox(&self, id: &str) -> Result<Option<Versioned<SandboxEntry>>> {
+        self.get(&self.keys.sandbox(id)).await
+    }
+
+    /// Every sandbox entry (list merges).
+    pub async fn sandboxes(&self) -> Result<Vec<SandboxEntry>> {
+        let mut kv = self.client.kv_client();
+        let opts = GetOptions::new().with_prefix();
+        let resp = self
+            .call("list sandboxes", kv.get(self.keys.sandboxes(), Some(opts)))
+            .await?;
+        Ok(Self::decode_all(resp.kvs())
+            .into_iter()
+            .map(|v| v.value)
+            .collect())
+    }
+
+    /// Replaces a sandbox's entry if it is still at `mod_revision`, returning its new revision; `None`
+    /// if another writer came first.
+    pub async fn update_sandbox(
+        &self,
+        entry: &SandboxEntry,
+        mod_revision: i64,
+    ) -> Result<Option<i64>> {
+        let key = self.keys.sandbox(&entry.sandbox_id);
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                mod_revision,
+            )])
+            .and_then([TxnOp::put(key, encode(entry), None)]);
+        let mut kv = self.client.kv_client();
+        let resp = self.call("update a sandbox", kv.txn(txn)).await?;
+        Ok(resp
+            .succeeded()
+            .then(|| resp.header().map_or(0, |h| h.revision())))
+    }
+
+    /// Forgets a sandbox and its token.
+    pub async fn remove_sandbox(&self, id: &str, token_sha256: Option<&str>) -> Result<()> {
+        let mut ops = vec![TxnOp::delete(self.keys.sandbox(id), None)];
+        if let Some(t) = token_sha256 {
+            ops.push(TxnOp::delete(self.keys.token(t), None));
+        }
+        let mut kv = self.client.kv_client();
+        self.call("forget a sandbox", kv.txn(Txn::new().and_then(ops)))
+            .await
+            .map(drop)
+    }
+
+    /// Marks a sandbox killed while its node is away (the entry then lives [`KILLED_TTL`], so the node
+    /// can kill its copy when it returns) and forgets its token.
+    pub async fn mark_killed(
+        &self,
+        entry: &SandboxEntry,
+        token_sha256: Option<&str>,
+    ) -> Result<()> {
+        let lease = self.lease(KILLED_TTL).await?;
+        let mut e = entry.clone();
+        e.state = crate::schema::EntryState::Killed;
+        e.handoff = None;
+        let mut ops = vec![TxnOp::put(
+            self.keys.sandbox(&e.sandbox_id),
+            encode(&e),
+            Some(PutOptions::new().with_lease(lease)),
+        )];
+        if let Some(t) = token_sha256 {
+            ops.push(TxnOp::delete(self.keys.token(t), None));
+        }
+        let mut kv = self.client.kv_client();
+        self.call("mark a sandbox killed", kv.txn(Txn::new().and_then(ops)))
+            .await
+            .map(drop)
+    }
+
+    /// The sandbox whose access token has this SHA-256.
+    pub async fn sandbox_by_token(&self, token_sha256: &str) -> Result<Option<String>> {
+        let mut kv = self.client.kv_client();
+        let resp = self
+            .call("find a token", kv.get(self.keys.token(token_sha256), None))
+            .await?;
+        Ok(resp
+            .kvs()
+            .first()
+            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
+    }
+
+    /// Records where a snapshot was taken.
+    pub async fn put_snapshot(&self, entry: &SnapshotEntry) -> Result<()> {
+        let mut kv = self.client.kv_client();
+        self.call(
+            "record a snapshot",
+            kv.put(self.keys.snapshot(&entry.snapshot_id), encode(entry), None),
+        )
+        .await
+        .map(drop)
+    }
+
+    pub async fn snapshot(&self, id: &str) -> Result<Option<SnapshotEntry>> {
+        Ok(self.get(&self.keys.snapshot(id)).await?.map(|v| v.value))
+    }
+
+    /// Writes a node's record under `lease` (registration).
+    pub(crate) async fn put_node(&self, rec: &NodeRecord, lease: i64) -> Result<()> {
+        let mut kv = self.client.kv_client();
+        self.call(
+            "publish the node",
+            kv.put(
+                self.keys.node(&rec.id),
+                encode(rec),
+                Some(PutOptions::new().with_lease(lease)),
+            ),
+        )
+        .await
+        .map(drop)
+    }
+
+    pub(crate) fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub(crate) async fn grant(&self, ttl: Duration) -> Result<i64> {
+        self.lease(ttl).await
+    }
+
+    pub(crate) async fn revoke(&self, lease: i64) -> Result<()> {
+        let mut l = self.client.lease_client();
+        self.call("revoke lease", l.revoke(lease)).await.map(drop)
+    }
+}

