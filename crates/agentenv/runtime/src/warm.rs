@@ -267,12 +267,22 @@ impl Runtime {
             let warmed = async {
                 vm.cont().await?;
                 let sock = spec.agent_socket();
+                // With a network, the slot's settings already: the claim's `/init` then finds the
+                // guest's NIC code translated and its settings in place.
+                let env_vars = Default::default();
+                let probe = match &w.net {
+                    Some(att) => Probe::Init {
+                        env_vars: &env_vars,
+                        network: Some(att.guest()),
+                    },
+                    None => Probe::Health,
+                };
                 let link = agent::answering(
                     Some(restored.agent),
                     &sock,
                     Duration::from_secs(3),
                     WARM_DEADLINE,
-                    Probe::Health,
+                    probe,
                 )
                 .await?;
                 vm.stop().await?;
