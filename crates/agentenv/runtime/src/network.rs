@@ -203,15 +203,7 @@ impl Runtime {
         for w in self.inner.warm.drain() {
             crate::warm::discard(w, self.inner.net.as_ref());
         }
-        let slots: Vec<_> = self
-            .inner
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
-        for slot in slots {
+        for slot in self.inner.slots() {
             if let Ok(mut live) = slot.live.try_lock()
                 && let Some(k) = live.kept.take()
             {
@@ -229,15 +221,7 @@ impl Runtime {
         for w in self.inner.warm.drain() {
             self.discard_warm(w).await;
         }
-        let slots: Vec<_> = self
-            .inner
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
-        for slot in slots {
+        for slot in self.inner.slots() {
             let kept = slot.live.lock().await.kept.take();
             if let Some(k) = kept {
                 k.end().await;

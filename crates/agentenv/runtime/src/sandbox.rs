@@ -99,6 +99,11 @@ impl Inner {
             None => self.sandbox_dir(id).join("ram.mem"),
         }
     }
+    /// Every sandbox's slot, at this moment.
+    pub(crate) fn slots(&self) -> Vec<Arc<Slot>> {
+        let map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
+        map.values().cloned().collect()
+    }
     pub(crate) fn spec_of(&self, rec: &SandboxRecord) -> VmSpec {
         let dir = rec
             .vm_dir
@@ -146,12 +151,33 @@ pub(crate) enum ImageStart {
 }
 
 impl Image {
+    /// What a create of sandbox `id` from this image returns.
+    fn vm(&self, id: &str) -> SandboxVm {
+        SandboxVm {
+            id: id.to_owned(),
+            template_id: self.template_id.clone(),
+            vcpus: self.machine.vcpus,
+            memory_mib: self.machine.memory_mib,
+            envd_version: self.envd_version.clone(),
+        }
+    }
+
     /// The RAM file a create copies, for images started from a copy of their RAM.
     pub(crate) fn ram_copied(&self) -> Option<&Path> {
         match &self.start {
             ImageStart::CopyRam { ram, .. } => Some(ram),
             _ => None,
         }
+    }
+}
+
+/// Removes the folder of a sandbox's warm VM (and its RAM file when it is the sandbox's own).
+fn remove_vm_dir(rec: &SandboxRecord) {
+    if let Some(d) = &rec.vm_dir {
+        if rec.ram_shared {
+            let _ = std::fs::remove_file(&rec.ram_file);
+        }
+        let _ = std::fs::remove_dir_all(d);
     }
 }
 
@@ -265,12 +291,7 @@ impl Runtime {
                     .remove(&id);
                 let _ = std::fs::remove_dir_all(inner.sandbox_dir(&id));
                 let _ = std::fs::remove_file(inner.ram_file(&id));
-                if let Some(d) = &live.record.vm_dir {
-                    if live.record.ram_shared {
-                        let _ = std::fs::remove_file(&live.record.ram_file);
-                    }
-                    let _ = std::fs::remove_dir_all(d);
-                }
+                remove_vm_dir(&live.record);
                 Err(e)
             }
         }
@@ -381,13 +402,7 @@ impl Runtime {
         };
         live.agent = Some(link);
         tracing::debug!(sandbox = %id, template = %image.template_id, "sandbox created");
-        Ok(SandboxVm {
-            id: id.clone(),
-            template_id: image.template_id.clone(),
-            vcpus: image.machine.vcpus,
-            memory_mib: image.machine.memory_mib,
-            envd_version: image.envd_version.clone(),
-        })
+        Ok(image.vm(id))
     }
 
     /// Whether a create of `spec` from `image` can take a warm VM, and then whether with a network:
@@ -445,13 +460,7 @@ impl Runtime {
         )
         .await?;
         live.agent = Some(w.link);
-        Ok(SandboxVm {
-            id: id.clone(),
-            template_id: image.template_id.clone(),
-            vcpus: image.machine.vcpus,
-            memory_mib: image.machine.memory_mib,
-            envd_version: image.envd_version.clone(),
-        })
+        Ok(image.vm(id))
     }
 
     /// The template (id or alias) or live snapshot (id or name) called `name`.
@@ -698,12 +707,7 @@ impl Runtime {
         let dir = self.inner.sandbox_dir(id);
         // The record goes first, so a crash mid-removal leaves no record pointing at half-removed files.
         let _ = std::fs::remove_file(self.inner.record_path(id));
-        if let Some(d) = &live.record.vm_dir {
-            if live.record.ram_shared {
-                let _ = std::fs::remove_file(&live.record.ram_file);
-            }
-            let _ = std::fs::remove_dir_all(d);
-        }
+        remove_vm_dir(&live.record);
         // A private mapping of a snapshot's RAM is not ours to remove.
         let _ = std::fs::remove_file(self.inner.ram_file(id));
         std::fs::remove_dir_all(&dir).map_err(|e| KillError::Io {
