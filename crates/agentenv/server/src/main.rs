@@ -184,6 +184,10 @@ struct ServeArgs {
     /// continues one (0: every create restores). Each holds a QEMU process and its RAM copy.
     #[arg(long, env = "AGENTENV_WARM_VMS", default_value_t = 2)]
     warm_vms: usize,
+    /// Seconds a paused sandbox's QEMU stays, stopped, so that a resume only continues it (0: it
+    /// exits at once; the pause is committed to disk either way).
+    #[arg(long, default_value_t = 30)]
+    keep_paused_s: u64,
     /// Join the cluster whose state is in this etcd (comma-separated endpoints): register with a lease
     /// and keep the node's record fresh. Needs `--advertise`.
     #[arg(
@@ -340,6 +344,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cfg.guest_bin = args.guest_bin;
     cfg.ram_dir = args.ram_dir;
     cfg.warm_vms = args.warm_vms;
+    cfg.keep_paused = std::time::Duration::from_secs(args.keep_paused_s);
     if let (Some(endpoint), Some(bucket)) = (args.s3_endpoint, args.s3_bucket) {
         let env = |k: &str| std::env::var(k).with_context(|| format!("--s3-endpoint needs {k}"));
         let remote = agentenv_store::RemoteConfig {
