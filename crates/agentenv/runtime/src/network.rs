@@ -221,6 +221,8 @@ impl Runtime {
         for w in self.inner.warm.drain() {
             self.discard_warm(w).await;
         }
+        // A warm VM being made holds the pool's permit until it has been discarded.
+        self.inner.warm.settled().await;
         for slot in self.inner.slots() {
             let kept = slot.live.lock().await.kept.take();
             if let Some(k) = kept {

@@ -119,6 +119,11 @@ impl WarmPool {
         self.lock().drain().flat_map(|(_, v)| v).collect()
     }
 
+    /// Returns once no warm VM is being made (after [`WarmPool::drain`], none will be again).
+    pub(crate) async fn settled(&self) {
+        let _permit = self.work.acquire().await;
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Vec<WarmVm>>> {
         self.ready.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -164,6 +169,7 @@ impl Runtime {
             return;
         };
         if inner.warm.per_image == 0
+            || inner.warm.closed.load(Ordering::SeqCst)
             || !inner
                 .warm
                 .filling
