@@ -265,10 +265,13 @@ impl Runtime {
             map.insert(id.clone(), slot.clone());
         }
         if reused {
-            let (rt, image) = (self.clone(), image.clone());
+            let (weak, image) = (Arc::downgrade(&self.inner), image.clone());
             let network = self.wants_warm_net(&image, spec);
             tokio::spawn(async move {
                 tokio::time::sleep(REFILL_DELAY).await;
+                // A dropped runtime makes nothing more (and releases its state folder at once).
+                let Some(inner) = weak.upgrade() else { return };
+                let rt = Runtime { inner };
                 if let Some(net) = network {
                     rt.refill_warm(&image, net);
                 }

@@ -179,10 +179,15 @@ impl Runtime {
         {
             return;
         }
-        let (rt, image) = (self.clone(), image.clone());
+        let (weak, image) = (Arc::downgrade(&self.inner), image.clone());
         tokio::spawn(async move {
-            let pool = &rt.inner.warm;
-            while pool.lock().get(&key).map_or(0, Vec::len) < pool.per_image {
+            // Holds the runtime only while making one VM: a dropped runtime stops the refill.
+            while let Some(inner) = weak.upgrade() {
+                let rt = Runtime { inner };
+                let pool = &rt.inner.warm;
+                if pool.lock().get(&key).map_or(0, Vec::len) >= pool.per_image {
+                    break;
+                }
                 let Ok(_permit) = pool.work.acquire().await else {
                     break;
                 };
@@ -198,10 +203,14 @@ impl Runtime {
                     }
                 }
             }
-            pool.filling
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&key);
+            if let Some(inner) = weak.upgrade() {
+                inner
+                    .warm
+                    .filling
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&key);
+            }
         });
     }
 

@@ -144,7 +144,18 @@ pub async fn runtime_with(dir: &Path, adjust: impl FnOnce(&mut RuntimeConfig)) -
     let mut cfg = RuntimeConfig::new(dir);
     cfg.guest_bin = Some(guest_bin());
     adjust(&mut cfg);
-    let rt = Runtime::open(cfg).await.expect("runtime opens");
+    // A runtime just dropped may still hold the chunk store for a moment (background ingests).
+    let mut attempt = 0;
+    let rt = loop {
+        match Runtime::open(cfg.clone()).await {
+            Ok(rt) => break rt,
+            Err(e) if attempt < 300 && e.to_string().contains("lock") => {
+                attempt += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("runtime opens: {e}"),
+        }
+    };
     rt.ensure_default_template(&|p| eprintln!("template: {:?} {}", p.step, p.detail))
         .await
         .expect("default template");
