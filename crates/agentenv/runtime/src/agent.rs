@@ -83,6 +83,15 @@ pub enum Probe<'a> {
     },
 }
 
+impl Probe<'_> {
+    fn path(&self) -> &'static str {
+        match self {
+            Probe::Health => agentenv_envd::paths::HEALTH,
+            Probe::Init { .. } => agentenv_envd::paths::INIT,
+        }
+    }
+}
+
 /// Like [`healthy_from`], with `probe` as the question.
 pub async fn answering(
     mut first: Option<UnixStream>,
@@ -116,20 +125,15 @@ pub async fn answering(
                 }
             }
         };
-        let (path, answer) = match &probe {
-            Probe::Health => (
-                agentenv_envd::paths::HEALTH,
-                tokio::time::timeout(
-                    attempt,
-                    request_text(&current, "GET", agentenv_envd::paths::HEALTH, None),
-                )
-                .await,
-            ),
+        let path = probe.path();
+        let answer = match &probe {
+            Probe::Health => {
+                tokio::time::timeout(attempt, request_text(&current, "GET", path, None)).await
+            }
             Probe::Init { env_vars, network } => {
                 let body = init_body(env_vars, network.clone())?;
-                let path = agentenv_envd::paths::INIT;
                 let answer = request_text(&current, "POST", path, Some(&body));
-                (path, tokio::time::timeout(attempt, answer).await)
+                tokio::time::timeout(attempt, answer).await
             }
         };
         match answer {
@@ -147,10 +151,7 @@ pub async fn answering(
         tracing::debug!(socket = %socket.display(), %last, "agent not healthy yet");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let path = match probe {
-        Probe::Health => agentenv_envd::paths::HEALTH,
-        Probe::Init { .. } => agentenv_envd::paths::INIT,
-    };
+    let path = probe.path();
     Err(AgentError::Timeout {
         what: format!("{path} ({last})"),
         secs: deadline.as_secs(),

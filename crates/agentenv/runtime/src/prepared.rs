@@ -131,25 +131,65 @@ impl Prepared {
     async fn make(&self, key: &Key) -> std::io::Result<Entry> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         std::fs::create_dir_all(&self.disk_dir)?;
-        let overlay = self.disk_dir.join(format!("{n}.qcow2"));
-        let ram = match &key.ram {
-            Some(src) => {
-                std::fs::create_dir_all(&self.ram_dir)?;
-                let dst = self.ram_dir.join(format!("{n}.mem"));
-                let (src, d) = (src.clone(), dst.clone());
-                tokio::task::spawn_blocking(move || fsops::sparse_copy(&src, &d))
-                    .await
-                    .map_err(std::io::Error::other)??;
-                Some(dst)
-            }
-            None => None,
+        let entry = Entry {
+            overlay: self.disk_dir.join(format!("{n}.qcow2")),
+            ram: match &key.ram {
+                Some(_) => {
+                    std::fs::create_dir_all(&self.ram_dir)?;
+                    Some(self.ram_dir.join(format!("{n}.mem")))
+                }
+                None => None,
+            },
         };
-        let entry = Entry { overlay, ram };
-        if let Err(e) = fsops::create_overlay(&self.qemu_img, &key.disk, &entry.overlay).await {
+        let (ram, dst) = (key.ram.as_deref(), entry.ram.as_deref());
+        if let Err((_, e)) = self
+            .make_files(&key.disk, ram.zip(dst), &entry.overlay)
+            .await
+        {
             remove(&entry);
             return Err(e);
         }
         Ok(entry)
+    }
+
+    /// Puts an overlay on `disk` at `overlay` and, for images started from a copy of their RAM
+    /// (`ram`: source and destination), that copy: a ready entry renamed into place, else made now.
+    /// On failure: what failed, with its error.
+    pub(crate) async fn place(
+        &self,
+        disk: &Path,
+        ram: Option<(&Path, &Path)>,
+        overlay: &Path,
+    ) -> Result<(), (&'static str, std::io::Error)> {
+        let Some(ready) = self.take(disk, ram.map(|(src, _)| src)) else {
+            return self.make_files(disk, ram, overlay).await;
+        };
+        std::fs::rename(&ready.overlay, overlay).map_err(|e| ("overlay", e))?;
+        if let (Some(r), Some((_, dst))) = (&ready.ram, ram) {
+            std::fs::rename(r, dst).map_err(|e| ("RAM copy", e))?;
+        }
+        Ok(())
+    }
+
+    /// The overlay (`qemu-img`) and the sparse RAM copy, made at once.
+    async fn make_files(
+        &self,
+        disk: &Path,
+        ram: Option<(&Path, &Path)>,
+        overlay: &Path,
+    ) -> Result<(), (&'static str, std::io::Error)> {
+        let ram = ram.map(|(s, d)| (s.to_owned(), d.to_owned()));
+        let copy = tokio::task::spawn_blocking(move || match ram {
+            Some((src, dst)) => fsops::sparse_copy(&src, &dst).map(|_| ()),
+            None => Ok(()),
+        });
+        let (copied, overlaid) =
+            tokio::join!(copy, fsops::create_overlay(&self.qemu_img, disk, overlay));
+        overlaid.map_err(|e| ("overlay", e))?;
+        copied
+            .map_err(std::io::Error::other)
+            .and_then(|r| r)
+            .map_err(|e| ("RAM copy", e))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Vec<Entry>>> {

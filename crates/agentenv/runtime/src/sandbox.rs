@@ -9,7 +9,6 @@ use tokio::task::JoinHandle;
 
 use crate::agent::{self, AgentLink, Probe};
 use crate::error::{ConnectError, CreateError, KillError, PauseError, ResumeError};
-use crate::fsops;
 use crate::persist::{self, RECORD_VERSION, SandboxPhase, SandboxRecord};
 use crate::vmm::{DiskFormat, VmInstance, VmSpec};
 use crate::{CreateSpec, Inner, Runtime, SandboxVm, VmState, valid_id};
@@ -333,31 +332,16 @@ impl Runtime {
         let mut vm_spec = inner.spec_of(&live.record);
         vm_spec.tap = live.net.as_ref().map(|n| n.tap()).transpose()?;
         let ram = live.record.ram_file.clone();
-        if let Some(ready) = inner.prepared.take(&image.disk, image.ram_copied()) {
-            std::fs::rename(&ready.overlay, &vm_spec.disk).map_err(io("overlay", &vm_spec.disk))?;
-            if let Some(r) = &ready.ram {
-                std::fs::rename(r, &ram).map_err(io("prepare RAM", &ram))?;
-            }
-        } else {
-            let prepare_ram = {
-                let (start_ram, ram) = match &image.start {
-                    ImageStart::CopyRam { ram: src, .. } => (Some(src.clone()), Some(ram.clone())),
-                    _ => (None, None),
-                };
-                tokio::task::spawn_blocking(move || match (start_ram, ram) {
-                    (Some(src), Some(dst)) => fsops::sparse_copy(&src, &dst).map(|_| ()),
-                    _ => Ok(()),
-                })
-            };
-            let overlay =
-                fsops::create_overlay(&inner.cfg.qemu_img_bin, &image.disk, &vm_spec.disk);
-            let (prepared, overlaid) = tokio::join!(prepare_ram, overlay);
-            overlaid.map_err(io("overlay", &vm_spec.disk))?;
-            prepared
-                .map_err(|e| std::io::Error::other(e.to_string()))
-                .and_then(|r| r)
-                .map_err(io("prepare RAM", &live.record.ram_file))?;
-        }
+        let copy = image.ram_copied().map(|src| (src, ram.as_path()));
+        inner
+            .prepared
+            .place(&image.disk, copy, &vm_spec.disk)
+            .await
+            .map_err(|(what, source)| CreateError::Io {
+                what,
+                path: vm_spec.disk.clone(),
+                source,
+            })?;
         if let ImageStart::Stream { .. } = &image.start {
             std::fs::File::create(&ram)
                 .and_then(|f| f.set_len(image.machine.memory_mib << 20))

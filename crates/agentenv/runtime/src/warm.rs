@@ -18,7 +18,7 @@ use crate::error::CreateError;
 use crate::net::{Attachment, EgressPolicy};
 use crate::sandbox::{Image, ImageStart};
 use crate::vmm::{DiskFormat, VmInstance};
-use crate::{Inner, Runtime, fsops};
+use crate::{Inner, Runtime};
 
 /// A stopped VM of an image, with its live agent session.
 pub(crate) struct WarmVm {
@@ -250,28 +250,16 @@ impl Runtime {
                     .machine
                     .spec(&dir, &ram_file, &dir.join("disk.qcow2"), DiskFormat::Qcow2);
             spec.ram_shared = ram_shared;
-            match inner.prepared.take(&image.disk, image.ram_copied()) {
-                Some(ready) => {
-                    std::fs::rename(&ready.overlay, &spec.disk)
-                        .map_err(io("overlay", &spec.disk))?;
-                    if let Some(r) = &ready.ram {
-                        std::fs::rename(r, &ram_file).map_err(io("RAM copy", &ram_file))?;
-                    }
-                }
-                None => {
-                    fsops::create_overlay(&inner.cfg.qemu_img_bin, &image.disk, &spec.disk)
-                        .await
-                        .map_err(io("overlay", &spec.disk))?;
-                    if let Some(src) = image.ram_copied() {
-                        let (src, dst) = (src.to_owned(), ram_file.clone());
-                        tokio::task::spawn_blocking(move || fsops::sparse_copy(&src, &dst))
-                            .await
-                            .map_err(|e| std::io::Error::other(e.to_string()))
-                            .and_then(|r| r)
-                            .map_err(io("RAM copy", &ram_file))?;
-                    }
-                }
-            }
+            let copy = image.ram_copied().map(|src| (src, ram_file.as_path()));
+            inner
+                .prepared
+                .place(&image.disk, copy, &spec.disk)
+                .await
+                .map_err(|(what, source)| CreateError::Io {
+                    what,
+                    path: dir.clone(),
+                    source,
+                })?;
             if network && let Some(net) = &inner.net {
                 let att = net.attach(&dir, EgressPolicy::default()).await?;
                 spec.tap = Some(att.tap()?);
