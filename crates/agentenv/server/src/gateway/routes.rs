@@ -150,6 +150,17 @@ async fn create(gw: &Gateway, req: Request) -> Result<Response> {
     ))
 }
 
+/// A node's answer: its head, its body (at most [`MAX_ANSWER_BYTES`]) and the body as JSON (the
+/// default when it is not).
+async fn read_answer<T: serde::de::DeserializeOwned + Default>(
+    resp: Response,
+) -> Result<(axum::http::response::Parts, axum::body::Bytes, T)> {
+    let (parts, body) = resp.into_parts();
+    let bytes = proxy::read_body(body, MAX_ANSWER_BYTES).await?;
+    let json = serde_json::from_slice(&bytes).unwrap_or_default();
+    Ok((parts, bytes, json))
+}
+
 /// Puts a created sandbox into the map; a sandbox that cannot be recorded is killed (it could not be
 /// routed to).
 async fn record_created(
@@ -158,9 +169,7 @@ async fn record_created(
     tenant: &Tenant,
     resp: Response,
 ) -> Result<Response> {
-    let (parts, body) = resp.into_parts();
-    let bytes = proxy::read_body(body, MAX_ANSWER_BYTES).await?;
-    let created: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    let (parts, bytes, created) = read_answer::<serde_json::Value>(resp).await?;
     let (Some(id), Some(token)) = (
         created.get("sandboxID").and_then(|v| v.as_str()),
         created.get("envdAccessToken").and_then(|v| v.as_str()),
@@ -359,9 +368,7 @@ async fn record_forks(
     tenant: &Tenant,
     resp: Response,
 ) -> Result<Response> {
-    let (parts, body) = resp.into_parts();
-    let bytes = proxy::read_body(body, MAX_ANSWER_BYTES).await?;
-    let forks: Vec<serde_json::Value> = serde_json::from_slice(&bytes).unwrap_or_default();
+    let (parts, bytes, forks) = read_answer::<Vec<serde_json::Value>>(resp).await?;
     for s in forks.iter().filter_map(|f| f.get("sandbox")) {
         if let (Some(id), Some(token)) = (
             s.get("sandboxID").and_then(|v| v.as_str()),
@@ -379,9 +386,7 @@ async fn record_snapshot(
     tenant: &Tenant,
     resp: Response,
 ) -> Result<Response> {
-    let (parts, body) = resp.into_parts();
-    let bytes = proxy::read_body(body, MAX_ANSWER_BYTES).await?;
-    let snap: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    let (parts, bytes, snap) = read_answer::<serde_json::Value>(resp).await?;
     if let Some(id) = snap.get("snapshotID").and_then(|v| v.as_str()) {
         let names = snap
             .get("names")
