@@ -1,4 +1,4 @@
-//! What this machine is, for report headers: hostname, OS, CPU, cores, memory.
+//! What this machine is, for report headers: hostname, OS, CPU, cores, memory; and its boot id.
 //!
 //! GPUs and tool versions are the caller's to add (they need the `cuda` feature or child processes).
 
@@ -26,6 +26,14 @@ pub fn hostname() -> String {
         }
     }
     "unknown".into()
+}
+
+/// This host boot's id (`/proc/sys/kernel/random/boot_id`): it changes on every restart of the host.
+pub fn boot_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
 }
 
 /// `PRETTY_NAME` of `/etc/os-release`, else the OS family.

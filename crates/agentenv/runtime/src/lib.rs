@@ -247,10 +247,9 @@ impl Runtime {
                 Some(d) => d.join(format!(".prepared-{}", prepared::dir_tag(&cfg.state_dir))),
                 None => cfg.state_dir.join("prepared"),
             },
-            cfg.qemu_img_bin.clone(),
             prepared::Prepared::PER_IMAGE,
         ));
-        let warm = warm::WarmPool::new(cfg.state_dir.join("vms"), cfg.warm_vms);
+        let warm = warm::WarmPool::new(cfg.state_dir.join("vms"), cfg.warm_vms, cfg.warm_vms_max);
         let inner = Arc::new(Inner {
             cfg,
             vmm,
@@ -273,6 +272,12 @@ impl Runtime {
     /// The accelerator in use (for reports).
     pub fn accel(&self) -> AccelKind {
         self.inner.vmm.accel()
+    }
+
+    /// Warm VMs ready now for creates from template or snapshot `name` ([`crate::warm`]).
+    pub fn warm_ready(&self, name: &str) -> usize {
+        self.image(name)
+            .map_or(0, |image| self.inner.warm.ready_for(&image.disk))
     }
 
     /// All installed templates, by id.

@@ -206,6 +206,10 @@ pub struct SnapshotRecord {
     pub bytes: u64,
     /// envd version of the guest.
     pub envd_version: String,
+    /// Host boot the capture was made in, when its RAM file was not flushed to disk at capture (it is
+    /// durable once the chunk store holds it). `None`: every file was flushed at capture.
+    #[serde(default)]
+    pub boot_id: Option<String>,
 }
 
 impl Versioned for SnapshotRecord {

@@ -31,7 +31,6 @@ pub(crate) struct Prepared {
     disk_dir: PathBuf,
     /// RAM copies (same file system as the sandboxes' RAM files).
     ram_dir: PathBuf,
-    qemu_img: PathBuf,
     per_image: usize,
     ready: Mutex<HashMap<Key, Vec<Entry>>>,
     /// Images with a refill under way.
@@ -46,19 +45,13 @@ impl Prepared {
     pub(crate) const PER_IMAGE: usize = 2;
 
     /// A store in `disk_dir` and `ram_dir`, emptied first (leftovers of an earlier process).
-    pub(crate) fn open(
-        disk_dir: PathBuf,
-        ram_dir: PathBuf,
-        qemu_img: PathBuf,
-        per_image: usize,
-    ) -> Prepared {
+    pub(crate) fn open(disk_dir: PathBuf, ram_dir: PathBuf, per_image: usize) -> Prepared {
         for d in [&disk_dir, &ram_dir] {
             let _ = std::fs::remove_dir_all(d);
         }
         Prepared {
             disk_dir,
             ram_dir,
-            qemu_img,
             per_image,
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(Default::default()),
@@ -183,8 +176,7 @@ impl Prepared {
             Some((src, dst)) => fsops::sparse_copy(&src, &dst).map(|_| ()),
             None => Ok(()),
         });
-        let (copied, overlaid) =
-            tokio::join!(copy, fsops::create_overlay(&self.qemu_img, disk, overlay));
+        let (copied, overlaid) = tokio::join!(copy, fsops::create_overlay(disk, overlay));
         overlaid.map_err(|e| ("overlay", e))?;
         copied
             .map_err(std::io::Error::other)
@@ -224,22 +216,8 @@ fn remove(e: &Entry) {
 mod tests {
     use super::*;
 
-    fn qemu_img() -> Option<PathBuf> {
-        let p = PathBuf::from("qemu-img");
-        std::process::Command::new(&p)
-            .arg("--version")
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|_| p)
-    }
-
     #[tokio::test]
     async fn entries_are_made_taken_and_forgotten() {
-        let Some(img) = qemu_img() else {
-            eprintln!("skipped: qemu-img is not installed");
-            return;
-        };
         let dir = tempfile::tempdir().unwrap();
         let disk = dir.path().join("base.raw");
         std::fs::File::create(&disk)
@@ -252,7 +230,6 @@ mod tests {
         let p = Arc::new(Prepared::open(
             dir.path().join("d"),
             dir.path().join("r"),
-            img,
             2,
         ));
         assert!(p.take(&disk, Some(&ram)).is_none());

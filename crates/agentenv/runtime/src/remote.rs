@@ -223,6 +223,7 @@ impl Runtime {
             state: src.state.as_ref().map(|_| in_dir("device.state")),
             ram: ram_final.clone(),
             deleted: false,
+            boot_id: None,
             ..src.clone()
         };
         // Where each file goes now: inside `partial`, except a RAM file kept in the RAM folder.

@@ -316,9 +316,14 @@ impl Runtime {
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         persist::write(&inner.record_path(id), &live.record)?;
         let t_record = t0.elapsed();
-        if let Some(network) = self.wants_warm_net(image, spec)
-            && let Some(key) = crate::warm::Key::of(image, network)
-            && let Some(w) = inner.warm.take(&key)
+        let warm_key = self
+            .wants_warm_net(image, spec)
+            .and_then(|network| crate::warm::Key::of(image, network));
+        if let Some(key) = &warm_key {
+            inner.warm.record_create(key);
+        }
+        if let Some(key) = &warm_key
+            && let Some(w) = inner.warm.take(key)
         {
             let r = self.create_warm(live, image, spec, w).await;
             tracing::debug!(sandbox = %id, ?t_record, initialised = ?t0.elapsed(), "create phases (warm VM)");

@@ -154,6 +154,7 @@ pub(crate) fn load_all(
     ram_dir: Option<&Path>,
 ) -> Result<BTreeMap<String, SnapshotRecord>, persist::PersistError> {
     let mut out = BTreeMap::new();
+    let current_boot = k3_common::machine::boot_id();
     let rd = std::fs::read_dir(dir).map_err(|e| persist::PersistError::Io {
         what: "read",
         path: dir.to_owned(),
@@ -167,7 +168,10 @@ pub(crate) fn load_all(
             continue;
         }
         match persist::read::<SnapshotRecord>(&p.join("snapshot.json")) {
-            Ok(r) => {
+            Ok(mut r) => {
+                if let Err(e) = after_host_restart(&mut r, &p, current_boot.as_deref()) {
+                    tracing::error!(path = %p.display(), error = %e, "rewriting a snapshot record");
+                }
                 out.insert(r.id.clone(), r);
             }
             Err(e) => {
@@ -188,6 +192,36 @@ pub(crate) fn load_all(
         }
     }
     Ok(out)
+}
+
+/// A snapshot whose RAM copy was not flushed at capture (`boot_id`), found after the host restarted:
+/// its RAM file may be torn. With the RAM in the chunk store (folder `dir`), the local copy goes and is
+/// restored from the chunks on first use; without, the snapshot cannot resume memory and is hidden
+/// (its disk, flushed at capture, stays for sandboxes and snapshots built on it).
+fn after_host_restart(
+    r: &mut SnapshotRecord,
+    dir: &Path,
+    current_boot: Option<&str>,
+) -> Result<(), persist::PersistError> {
+    let (Some(taken), Some(now)) = (r.boot_id.as_deref(), current_boot) else {
+        return Ok(());
+    };
+    if taken == now {
+        return Ok(());
+    }
+    let in_store = read_stored(dir).is_some_and(|s| s.manifests.contains_key("ram.mem"));
+    if let Some(ram) = &r.ram {
+        let _ = std::fs::remove_file(ram);
+    }
+    if !in_store {
+        tracing::error!(snapshot = %r.id, "the host went down before this snapshot's RAM was stored: hidden");
+        r.ram = None;
+        r.state = None;
+        r.deleted = true;
+        r.names.clear();
+    }
+    r.boot_id = None;
+    persist::write(&dir.join("snapshot.json"), &*r)
 }
 
 impl Runtime {
@@ -291,7 +325,7 @@ impl Runtime {
                     }
                     k3_common::crash::point("runtime:snapshot:during-capture");
                     k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
-                    capture_files(inner, &rec, &partial, ram_tmp.as_deref()).await
+                    capture_files(inner, &rec, &partial, ram_tmp.as_deref(), !hidden).await
                 }
                 .await;
                 let resumed = vm.cont().await;
@@ -303,7 +337,7 @@ impl Runtime {
                     let dst = partial.join("device.state");
                     std::fs::copy(&src, &dst).map_err(io("copy", &src))?;
                 }
-                capture_files(inner, &rec, &partial, ram_tmp.as_deref()).await
+                capture_files(inner, &rec, &partial, ram_tmp.as_deref(), !hidden).await
             }
         };
         let paused_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -325,6 +359,10 @@ impl Runtime {
                 std::fs::rename(t, out).map_err(io("rename", t))?;
             }
         }
+        let boot_id = ram_out
+            .is_some()
+            .then(k3_common::machine::boot_id)
+            .flatten();
         let snap = SnapshotRecord {
             version: RECORD_VERSION,
             id: snapshot_id.into(),
@@ -340,6 +378,7 @@ impl Runtime {
             created_at: k3_common::time::now_rfc3339(),
             bytes,
             envd_version: crate::template::ENVD_VERSION.into(),
+            boot_id,
         };
         persist::write(&partial.join("snapshot.json"), &snap)?;
         k3_common::crash::point("runtime:snapshot:before-rename");
@@ -356,7 +395,10 @@ impl Runtime {
         }
         map.insert(snap.id.clone(), snap.clone());
         drop(map);
-        self.spawn_ingest(snap.clone());
+        // A fork's capture is made durable and stored once its forks run (see `fork`).
+        if !hidden {
+            self.spawn_ingest(snap.clone(), false);
+        }
         tracing::info!(
             snapshot = snapshot_id,
             sandbox = sandbox_id,
@@ -443,6 +485,9 @@ impl Runtime {
             }
         }
         self.collect_snapshots();
+        if self.inner.snapshots_dir().join(&sid).exists() {
+            self.spawn_ingest(snap, true);
+        }
         Ok(out
             .into_iter()
             .zip(ids)
@@ -459,8 +504,9 @@ impl Runtime {
     }
 
     /// Stores a committed snapshot's files as chunks in the background (the capture itself stays short):
-    /// only chunks no earlier file had are written; `chunks.json` appears when all are durable.
-    fn spawn_ingest(&self, rec: SnapshotRecord) {
+    /// only chunks no earlier file had are written; `chunks.json` appears when all are durable. `sync`:
+    /// the files are flushed to disk first (a fork's capture skips that on its critical path).
+    fn spawn_ingest(&self, rec: SnapshotRecord, sync: bool) {
         let store = self.inner.store.clone();
         let inner = self.inner.clone();
         let template_build = self
@@ -470,15 +516,36 @@ impl Runtime {
         tokio::spawn(async move {
             let t0 = Instant::now();
             let files = rec.files();
+            if sync {
+                let paths: Vec<PathBuf> = files.iter().map(|(_, p)| p.clone()).collect();
+                let synced = tokio::task::spawn_blocking(move || {
+                    paths
+                        .iter()
+                        .try_for_each(|p| std::fs::File::open(p)?.sync_data())
+                })
+                .await;
+                if let Ok(Err(e)) = synced {
+                    tracing::warn!(snapshot = %rec.id, error = %e, "flushing a fork's capture failed");
+                }
+            }
             let mut out = StoredChunks::default();
             let holder = format!("snapshot-{}", rec.id);
             for (name, path) in files {
-                match store.ingest(&path).await {
+                let ingested = match name {
+                    "ram.mem" => {
+                        store
+                            .ingest_chunked(&path, crate::config::RAM_CHUNK_BYTES)
+                            .await
+                    }
+                    _ => store.ingest(&path).await,
+                };
+                match ingested {
                     Ok((m, st)) => {
                         let id = m.id();
                         if let Err(e) = store.pin(&id, &holder).await {
                             tracing::warn!(snapshot = %rec.id, error = %e, "pinning a manifest failed");
                         }
+                        tracing::debug!(snapshot = %rec.id, file = name, bytes_new = st.bytes_new, bytes_data = st.bytes_data, "file stored as chunks");
                         out.manifests.insert(name.into(), id.to_hex());
                         out.bytes_data += st.bytes_data;
                         out.bytes_new += st.bytes_new;
@@ -617,21 +684,26 @@ impl Runtime {
     }
 }
 
+/// Copies the sandbox's disk (and RAM into `ram_out`) into `partial`; `durable`: the disk is flushed
+/// before returning. The RAM copy is not: it becomes durable through the chunk store, and a capture
+/// whose host went down before that is not restored with memory (see [`load_all`]).
 async fn capture_files(
     inner: &Inner,
     rec: &SandboxRecord,
     partial: &Path,
     ram_out: Option<&Path>,
+    durable: bool,
 ) -> Result<(), SnapshotError> {
     let disk = inner.spec_of(rec).disk;
     let disk_out = partial.join("disk.qcow2");
     let ram = ram_out.map(|o| (rec.ram_file.clone(), o.to_owned()));
     let r = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
         fsops::sparse_copy(&disk, &disk_out)?;
-        std::fs::File::open(&disk_out)?.sync_all()?;
+        if durable {
+            std::fs::File::open(&disk_out)?.sync_all()?;
+        }
         if let Some((src, dst)) = ram {
             fsops::sparse_copy(&src, &dst)?;
-            std::fs::File::open(&dst)?.sync_data()?;
         }
         Ok(())
     })
@@ -658,5 +730,75 @@ mod tests {
         }
         let long = "x".repeat(65);
         assert_eq!(normalize_name(&long), None);
+    }
+
+    fn record(dir: &Path, boot: Option<&str>) -> SnapshotRecord {
+        SnapshotRecord {
+            version: RECORD_VERSION,
+            id: "s1".into(),
+            names: vec!["app:default".into()],
+            source_sandbox: None,
+            template_id: "base".into(),
+            machine: crate::persist::MachineRecord {
+                kernel: "k".into(),
+                initrd: "i".into(),
+                cmdline: String::new(),
+                vcpus: 1,
+                memory_mib: 256,
+                nic: false,
+                cpu: None,
+            },
+            disk: dir.join("disk.qcow2"),
+            ram: Some(dir.join("ram.mem")),
+            state: Some(dir.join("device.state")),
+            parent: None,
+            deleted: false,
+            created_at: String::new(),
+            bytes: 0,
+            envd_version: String::new(),
+            boot_id: boot.map(Into::into),
+        }
+    }
+
+    /// After a host restart, an unflushed RAM copy is dropped: restored from the chunk store when it
+    /// holds it, else the snapshot is hidden; the same boot, or a flushed capture, keeps everything.
+    #[test]
+    fn unflushed_ram_copies_are_not_trusted_after_a_host_restart() {
+        for (taken, stored, keeps_ram, hidden) in [
+            (Some("boot-a"), false, true, false),
+            (None, false, true, false),
+            (Some("boot-old"), true, false, false),
+            (Some("boot-old"), false, false, true),
+        ] {
+            let tmp = tempfile::tempdir().unwrap();
+            let dir = tmp.path();
+            let data: Vec<u8> = (0..4096).map(|_| rand::random()).collect();
+            for f in ["disk.qcow2", "ram.mem", "device.state"] {
+                std::fs::write(dir.join(f), &data).unwrap();
+            }
+            if stored {
+                let s = StoredChunks {
+                    manifests: [("ram.mem".to_string(), "ab".repeat(32))].into(),
+                    ..Default::default()
+                };
+                std::fs::write(dir.join(CHUNKS_FILE), serde_json::to_vec(&s).unwrap()).unwrap();
+            }
+            let mut r = record(dir, taken);
+            after_host_restart(&mut r, dir, Some("boot-a")).unwrap();
+            let case = format!("{taken:?} stored={stored}");
+            assert_eq!(dir.join("ram.mem").exists(), keeps_ram, "{case}");
+            assert_eq!(r.deleted, hidden, "{case}");
+            assert_eq!(r.ram.is_none(), hidden, "{case}");
+            assert_eq!(
+                std::fs::read(dir.join("disk.qcow2")).unwrap(),
+                data,
+                "{case}: the disk stays"
+            );
+            if taken.is_some_and(|b| b != "boot-a") {
+                assert_eq!(r.boot_id, None, "{case}");
+                let back: SnapshotRecord = persist::read(&dir.join("snapshot.json")).unwrap();
+                assert_eq!(back, r, "{case}: rewritten");
+            }
+        }
     }
 }

@@ -3,6 +3,10 @@
 //! stopped. A create takes one, continues it and sends `/init` with the host's clock, fresh entropy, its
 //! env and network: no process start, no state load and no mux handshake on its critical path.
 //!
+//! The pool of an image follows its demand: at least `warm_vms`, and up to `warm_vms_max` when creates
+//! of it come in bursts (the largest burst of the last [`PEAK_TTL`], counted over [`BURST_WINDOW`]).
+//! VMs above the demand are stopped once the peak has aged out.
+//!
 //! A warm VM's files live in `<state>/vms/w<n>/`; the sandbox that takes it records that folder
 //! (`SandboxRecord::vm_dir`). Warm VMs nobody took are killed when the runtime closes, and by the next
 //! runtime's recovery after a crash.
@@ -11,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::agent::{self, AgentLink, Probe};
 use crate::error::CreateError;
@@ -54,12 +58,66 @@ impl Key {
     }
 }
 
+/// Creates closer together than this count as one burst.
+pub(crate) const BURST_WINDOW: Duration = Duration::from_secs(2);
+/// How long a burst keeps its image's pool at the burst's size.
+pub(crate) const PEAK_TTL: Duration = Duration::from_secs(300);
+
+/// Recent creates of one image, for the pool's size.
+#[derive(Debug, Clone)]
+pub(crate) struct Demand {
+    recent: std::collections::VecDeque<Instant>,
+    peak: usize,
+    peak_at: Instant,
+}
+
+impl Demand {
+    fn new(now: Instant) -> Demand {
+        Demand {
+            recent: Default::default(),
+            peak: 0,
+            peak_at: now,
+        }
+    }
+
+    /// Counts a create at `now`.
+    pub(crate) fn record(&mut self, now: Instant) {
+        while self
+            .recent
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > BURST_WINDOW)
+        {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(now);
+        let burst = self.recent.len();
+        if burst >= self.peak || now.duration_since(self.peak_at) > PEAK_TTL {
+            self.peak = burst;
+            self.peak_at = now;
+        }
+    }
+
+    /// The pool size for this demand at `now`, between `floor` and `max`.
+    pub(crate) fn target(&self, now: Instant, floor: usize, max: usize) -> usize {
+        let peak = if now.duration_since(self.peak_at) > PEAK_TTL {
+            0
+        } else {
+            self.peak
+        };
+        peak.clamp(floor.min(max), max.max(floor))
+    }
+}
+
 /// The warm VMs of one runtime.
 pub(crate) struct WarmPool {
     dir: PathBuf,
     per_image: usize,
+    max_per_image: usize,
+    demand: Mutex<HashMap<Key, Demand>>,
     ready: Mutex<HashMap<Key, Vec<WarmVm>>>,
     filling: Mutex<HashSet<Key>>,
+    /// Images with a trim scheduled.
+    trimming: Mutex<HashSet<Key>>,
     /// One warm VM is made at a time: creates keep the cores.
     work: tokio::sync::Semaphore,
     next: AtomicU64,
@@ -70,12 +128,16 @@ pub(crate) struct WarmPool {
 const WARM_DEADLINE: Duration = Duration::from_secs(60);
 
 impl WarmPool {
-    pub(crate) fn new(dir: PathBuf, per_image: usize) -> WarmPool {
+    /// A pool keeping `per_image` VMs per used image, up to `max_per_image` while creates come in bursts.
+    pub(crate) fn new(dir: PathBuf, per_image: usize, max_per_image: usize) -> WarmPool {
         WarmPool {
             dir,
             per_image,
+            max_per_image: max_per_image.max(per_image),
+            demand: Mutex::new(HashMap::new()),
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(HashSet::new()),
+            trimming: Mutex::new(HashSet::new()),
             work: tokio::sync::Semaphore::new(1),
             next: AtomicU64::new(0),
             closed: Default::default(),
@@ -85,6 +147,54 @@ impl WarmPool {
     /// `<state>/vms`.
     pub(crate) fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Counts a create of `key` (taken from the pool or not) towards the pool's size.
+    pub(crate) fn record_create(&self, key: &Key) {
+        if self.per_image == 0 {
+            return;
+        }
+        let now = Instant::now();
+        self.demand
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.clone())
+            .or_insert_with(|| Demand::new(now))
+            .record(now);
+    }
+
+    /// How many warm VMs `key` should have now.
+    fn target(&self, key: &Key) -> usize {
+        if self.per_image == 0 {
+            return 0;
+        }
+        let now = Instant::now();
+        self.demand
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .map_or(self.per_image, |d| {
+                d.target(now, self.per_image, self.max_per_image)
+            })
+    }
+
+    /// Warm VMs ready now for the image on `disk` (with and without a network).
+    pub(crate) fn ready_for(&self, disk: &Path) -> usize {
+        self.lock()
+            .iter()
+            .filter(|(k, _)| k.disk == disk)
+            .map(|(_, v)| v.len())
+            .sum()
+    }
+
+    /// Takes out the warm VMs of `key` above its current target (the burst that sized it has aged out).
+    fn surplus(&self, key: &Key) -> Vec<WarmVm> {
+        let target = self.target(key);
+        let mut map = self.lock();
+        match map.get_mut(key) {
+            Some(v) if v.len() > target => v.drain(target..).collect(),
+            _ => vec![],
+        }
     }
 
     /// A warm VM of `key` whose QEMU still runs.
@@ -108,6 +218,10 @@ impl WarmPool {
                 .flat_map(|k| map.remove(k).unwrap_or_default())
                 .collect()
         };
+        self.demand
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|k, _| k.disk != disk);
         for w in gone {
             discard(w, inner.net.as_ref());
         }
@@ -185,7 +299,7 @@ impl Runtime {
             while let Some(inner) = weak.upgrade() {
                 let rt = Runtime { inner };
                 let pool = &rt.inner.warm;
-                if pool.lock().get(&key).map_or(0, Vec::len) >= pool.per_image {
+                if pool.lock().get(&key).map_or(0, Vec::len) >= pool.target(&key) {
                     break;
                 }
                 let Ok(_permit) = pool.work.acquire().await else {
@@ -210,6 +324,45 @@ impl Runtime {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&key);
+                if inner.warm.lock().get(&key).map_or(0, Vec::len) > inner.warm.per_image {
+                    Runtime { inner }.trim_warm_later(key);
+                }
+            }
+        });
+    }
+
+    /// Once the burst that grew `key`'s pool has aged out, stops the VMs above its target (re-armed while
+    /// the pool stays above the floor).
+    fn trim_warm_later(&self, key: Key) {
+        if !self
+            .inner
+            .warm
+            .trimming
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone())
+        {
+            return;
+        }
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(PEAK_TTL / 4).await;
+                let Some(inner) = weak.upgrade() else { return };
+                let rt = Runtime { inner };
+                for w in rt.inner.warm.surplus(&key) {
+                    rt.discard_warm(w).await;
+                }
+                let pool = &rt.inner.warm;
+                if pool.closed.load(Ordering::SeqCst)
+                    || pool.lock().get(&key).map_or(0, Vec::len) <= pool.per_image
+                {
+                    pool.trimming
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&key);
+                    return;
+                }
             }
         });
     }
@@ -359,4 +512,39 @@ struct WarmVmParts {
     ram_file: PathBuf,
     ram_shared: bool,
     net: Option<Attachment>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_follows_bursts_and_shrinks_once_they_age_out() {
+        let t0 = Instant::now();
+        let mut d = Demand::new(t0);
+        assert_eq!(d.target(t0, 2, 8), 2, "no creates: the floor");
+        for i in 0..8 {
+            d.record(t0 + Duration::from_millis(10 * i));
+        }
+        assert_eq!(
+            d.target(t0 + Duration::from_secs(1), 2, 8),
+            8,
+            "a burst of 8"
+        );
+        // Spread-out creates afterwards keep the peak until it ages out.
+        let later = t0 + Duration::from_secs(60);
+        d.record(later);
+        assert_eq!(d.target(later, 2, 8), 8);
+        let aged = t0 + PEAK_TTL + Duration::from_secs(1);
+        assert_eq!(d.target(aged, 2, 8), 2, "the burst aged out");
+        d.record(aged);
+        assert_eq!(d.target(aged, 2, 8), 2, "one create is no burst");
+        // A burst above the maximum is capped; the maximum is never below the floor.
+        for i in 0..20 {
+            d.record(aged + Duration::from_millis(i));
+        }
+        assert_eq!(d.target(aged, 2, 8), 8);
+        assert_eq!(d.target(aged, 4, 3), 4);
+        assert_eq!(d.target(aged, 0, 0), 0);
+    }
 }

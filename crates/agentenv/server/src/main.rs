@@ -184,6 +184,10 @@ struct ServeArgs {
     /// continues one (0: every create restores). Each holds a QEMU process and its RAM copy.
     #[arg(long, env = "AGENTENV_WARM_VMS", default_value_t = 2)]
     warm_vms: usize,
+    /// Most warm VMs per template or snapshot while its creates come in bursts (the largest burst of the
+    /// last 5 minutes sets the pool's size, between --warm-vms and this).
+    #[arg(long, env = "AGENTENV_WARM_VMS_MAX", default_value_t = 8)]
+    warm_vms_max: usize,
     /// Seconds a paused sandbox's QEMU stays, stopped, so that a resume only continues it (0: it
     /// exits at once; the pause is committed to disk either way).
     #[arg(long, default_value_t = 30)]
@@ -344,6 +348,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cfg.guest_bin = args.guest_bin;
     cfg.ram_dir = args.ram_dir;
     cfg.warm_vms = args.warm_vms;
+    cfg.warm_vms_max = args.warm_vms_max;
     cfg.keep_paused = std::time::Duration::from_secs(args.keep_paused_s);
     if let (Some(endpoint), Some(bucket)) = (args.s3_endpoint, args.s3_bucket) {
         let env = |k: &str| std::env::var(k).with_context(|| format!("--s3-endpoint needs {k}"));

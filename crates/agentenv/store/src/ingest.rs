@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 
-use crate::chunk::{self, ChunkId};
+use crate::chunk::{self, ChunkId, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use crate::error::{Result, StoreError};
 use crate::manifest::{MANIFEST_VERSION, Manifest};
 use crate::sparse;
@@ -64,6 +64,22 @@ impl ChunkStore {
     /// then the manifest. Holes and all-zero chunks are not stored. The manifest is written only after
     /// all its chunks are durable.
     pub async fn ingest(&self, path: &Path) -> Result<(Manifest, IngestStats)> {
+        self.ingest_chunked(path, self.inner.cfg.chunk_size).await
+    }
+
+    /// [`ChunkStore::ingest`] with chunks of `chunk_size` bytes (a power of two in 4 KiB..=4 MiB) instead
+    /// of the store's: e.g. guest-page chunks for RAM files, whose changes are scattered pages.
+    pub async fn ingest_chunked(
+        &self,
+        path: &Path,
+        chunk_size: usize,
+    ) -> Result<(Manifest, IngestStats)> {
+        if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) || !chunk_size.is_power_of_two()
+        {
+            return Err(StoreError::Config(format!(
+                "chunk size {chunk_size}: a power of two in {MIN_CHUNK_SIZE}..={MAX_CHUNK_SIZE}"
+            )));
+        }
         let t0 = Instant::now();
         let me = self.clone();
         let p: PathBuf = path.to_owned();
@@ -72,7 +88,7 @@ impl ChunkStore {
             mut stats,
             protected,
             upload,
-        } = blocking("ingest", move || me.scan_and_store(&p)).await?;
+        } = blocking("ingest", move || me.scan_and_store(&p, chunk_size as u64)).await?;
         let _guard = Protection {
             store: self,
             ids: protected,
@@ -105,10 +121,9 @@ impl ChunkStore {
         Ok((manifest, stats))
     }
 
-    fn scan_and_store(&self, path: &Path) -> Result<Scanned> {
+    fn scan_and_store(&self, path: &Path, cs: u64) -> Result<Scanned> {
         let f = std::fs::File::open(path).map_err(StoreError::io("open", path))?;
         let len = f.metadata().map_err(StoreError::io("stat", path))?.len();
-        let cs = self.inner.cfg.chunk_size as u64;
         let ranges = sparse::data_ranges(&f, len).map_err(StoreError::io("seek data in", path))?;
         let idxs = sparse::chunk_indices(&ranges, cs);
         let has_remote = self.inner.remote.is_some();

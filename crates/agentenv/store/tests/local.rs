@@ -313,3 +313,52 @@ async fn bad_config_and_a_second_opener_get_typed_errors() {
         Err(StoreError::Io { .. })
     ));
 }
+
+/// Page-sized chunks for one file: scattered 4 KiB changes cost 4 KiB each (the store's 64 KiB chunks
+/// cost a chunk each), both versions restore, and a bad size is a typed error.
+#[tokio::test]
+async fn page_chunks_store_scattered_page_changes_tightly() {
+    let s = seed("page-chunks");
+    let mut rng = StdRng::seed_from_u64(s);
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("ram.mem");
+    sparse_file(&f, 64 * MIB, &[(0, 32 * MIB as usize)], s);
+    let store = open(dir.path(), 1 << 40).await;
+    let (m1, _) = store.ingest_chunked(&f, 4096).await.unwrap();
+    assert_eq!(m1.chunk_size, 4096);
+    store.ingest(&f).await.unwrap();
+    let before = file_hash(&f);
+    let pages: Vec<u64> = (0..64)
+        .map(|_| rng.random_range(0..32 * MIB / 4096) * 4096)
+        .collect();
+    for (i, p) in pages.iter().enumerate() {
+        overwrite(&f, *p, 4096, s ^ i as u64);
+    }
+    let distinct = pages
+        .iter()
+        .collect::<std::collections::BTreeSet<_>>()
+        .len() as u64;
+    let (m2, st_page) = store.ingest_chunked(&f, 4096).await.unwrap();
+    assert_eq!(st_page.bytes_new, distinct * 4096, "{st_page:?}");
+    let (_, st_big) = store.ingest(&f).await.unwrap();
+    assert!(
+        st_big.bytes_new >= 8 * st_page.bytes_new,
+        "64 KiB chunks {st_big:?} vs pages {st_page:?}"
+    );
+    let after = file_hash(&f);
+    for (m, want) in [(&m1, before), (&m2, after)] {
+        let out = dir.path().join("out.mem");
+        store.materialize(m, &out).await.unwrap();
+        assert_eq!(file_hash(&out), want);
+        std::fs::remove_file(&out).unwrap();
+    }
+    for bad in [0, 1000, 2048, 8 << 20] {
+        assert!(
+            matches!(
+                store.ingest_chunked(&f, bad).await,
+                Err(StoreError::Config(_))
+            ),
+            "{bad}"
+        );
+    }
+}
