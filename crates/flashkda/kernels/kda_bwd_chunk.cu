@@ -58,7 +58,7 @@ struct KdaBwdParams {
 
 #define ACC_W (3 * KD + 4)  // per (token, head): dq_hat[128], dk_hat[128], dgamma[128], db, 3 pad
 #define SROW 136            // padded bf16 row stride of the 16 x 128 and 128 x 128 tiles
-#define FS 129              // padded fp32 row stride
+#define FS 132              // padded fp32 row stride (conflict-free [2tq][gq], 2-way [gq][2tq])
 #define PART_W 132          // floats of a chunk's partial sums
 #define PST 3               // stages of the state passes' cp.async pipeline (PST - 1 chunks ahead)
 
@@ -129,6 +129,11 @@ __device__ __forceinline__ void load_rows(float (&S)[16][4], const void* base, i
   }
 }
 
+// 16-byte global store (one STG.128; the compiler split a plain uint4 store into four).
+__device__ __forceinline__ void st_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // The warp's 16 state rows (fp32 fragments) as bf16 into the transposed global tile dst[key][value]
 // (columns r0 .. r0 + 15): stmatrix.trans into the warp's staging tile ot[128][16], then 16-byte stores.
 __device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int r0, int lane) {
@@ -144,12 +149,33 @@ __device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, 
                  : "memory");
   }
   __syncwarp();
+  uint4 x[8];  // all loads first, then the stores
+#pragma unroll
+  for (int it = 0; it < 8; ++it) x[it] = *reinterpret_cast<const uint4*>(ot + (it * 32 + lane) * 8);
+  __syncwarp();
 #pragma unroll
   for (int it = 0; it < 8; ++it) {
     const int idx = it * 32 + lane, row = idx >> 1, hf = idx & 1;
-    *reinterpret_cast<uint4*>(dst + (size_t)row * KD + r0 + 8 * hf) = *reinterpret_cast<const uint4*>(ot + row * 16 + 8 * hf);
+    st_v4(dst + (size_t)row * KD + r0 + 8 * hf, x[it]);
   }
+}
+
+// A 16 x 16 accumulator tile X (rows: the warp's 16 value rows, columns: the chunk's tokens) as bf16
+// into dst[token * stride + value] for tokens < nv: stmatrix.trans into the warp's staging tile, then
+// one 16-byte store per lane (instead of eight 2-byte stores).
+__device__ __forceinline__ void store_tile_t(const float (&X)[2][4], bf16* ot, bf16* dst, size_t stride, int nv,
+                                             int lane) {
+  const int mi = lane >> 3, c = lane & 7;
+  const bf16* a = ot + (size_t)((mi >> 1) * 8 + c) * 16 + 8 * (mi & 1);
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(a)),
+               "r"(pack(X[0][0], X[0][1])), "r"(pack(X[0][2], X[0][3])), "r"(pack(X[1][0], X[1][1])),
+               "r"(pack(X[1][2], X[1][3]))
+               : "memory");
   __syncwarp();
+  const int tok = lane >> 1, hf = lane & 1;
+  const uint4 v = *reinterpret_cast<const uint4*>(ot + tok * 16 + 8 * hf);
+  __syncwarp();
+  if (tok < nv) st_v4(dst + tok * stride + 8 * hf, v);
 }
 
 // Stage of the two state passes: a record and a 16 x VS tile (v or dout) of this block's rows.
@@ -159,11 +185,18 @@ struct __align__(16) PassStage {
   bf16 t[CH][VS + 8];
 };
 
-template <int NT, int VS>
+// Copies the record bytes a pass reads: [0, R_ML) for the reverse pass (all but M's lo part), kd and
+// [R_KR, R_M) + [R_E, R_ML) for the forward pass (no qd, no M).
+template <int NT, int VS, bool REVERSE>
 __device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, const KdaBwdParams& p, const bf16* src, long long slot,
                                               int h, long long t0, int nv, int v0, int tid) {
+  static_assert(R_KD == 0 && R_QD == 4096 && R_KR == 8192 && R_M + 512 == R_E && R_B + 64 == R_ML, "record layout");
   const uint4* rs = reinterpret_cast<const uint4*>(p.rec + (size_t)(slot * p.num_heads + h) * REC_BYTES);
-  for (int i = tid; i < REC_BYTES / 16; i += NT) cp_async16(st.rec + 16 * i, rs + i, 16);
+  constexpr int N = REVERSE ? R_ML / 16 : (R_QD + (R_M - R_KR) + (R_ML - R_E)) / 16;
+  for (int i = tid; i < N; i += NT) {
+    const int j = REVERSE ? i : (i < R_QD / 16 ? i : (i < (R_QD + R_M - R_KR) / 16 ? i + (R_KR - R_QD) / 16 : i + (R_KR - R_QD + R_E - R_M) / 16));
+    cp_async16(st.rec + 16 * j, rs + j, 16);
+  }
   constexpr int VCH = VS / 8;
   const long long hs = (long long)p.num_heads * KD;
   for (int i = tid; i < CH * VCH; i += NT) {
@@ -196,7 +229,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
     return rem < CH ? (int)rem : CH;
   };
   auto issue = [&](int c) {  // one commit group per chunk, empty past the end
-    if (c < nch) pass_prefetch<NT, VS>(stg[c % PST], p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    if (c < nch) pass_prefetch<NT, VS, false>(stg[c % PST], p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
     else cp_async_commit();
   };
 #pragma unroll
@@ -259,20 +292,23 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
       mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
       mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
     }
-    // Wr = v - W (stored), Vb = Wr b split hi + lo; U = INV Vb
-    bf16* wr = p.wu + sh * 4 * CH * KD;
+    // Wr = v - W (stored hi + lo), Vb = Wr b split hi + lo; U = INV Vb
+    bf16* wr = p.wu + sh * 4 * CH * KD + vw;
     float vb[2][4];
+    {
+      float x[2][4], xl[2][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
-        const float x = tok < nv ? __bfloat162float(st.t[tok][vl + r]) - W[nt][e] : 0.f;
-        const bf16 xh = __float2bfloat16_rn(x);
-        wr[tok * KD + vw + r] = xh;
-        wr[3 * CH * KD + tok * KD + vw + r] = __float2bfloat16_rn(x - __bfloat162float(xh));
-        vb[nt][e] = x * b[tok];
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
+          x[nt][e] = tok < nv ? __bfloat162float(st.t[tok][vl + r]) - W[nt][e] : 0.f;
+          xl[nt][e] = lo_of(x[nt][e]);
+          vb[nt][e] = x[nt][e] * b[tok];
+        }
+      store_tile_t(x, ots, wr, KD, CH, lane);
+      store_tile_t(xl, ots, wr + 3 * CH * KD, KD, CH, lane);
+    }
     uint32_t vah[4], val[4];
     split_tile(vah, val, vb, 1.f);
     uint32_t bi[4];
@@ -329,7 +365,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
   };
   auto issue = [&](int k) {  // k-th chunk from the end; one commit group each, empty past the start
     const int c = nch - 1 - k;
-    if (c >= 0) pass_prefetch<NT, VS>(stg[k % PST], p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    if (c >= 0) pass_prefetch<NT, VS, true>(stg[k % PST], p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
     else cp_async_commit();
   };
 #pragma unroll
@@ -374,16 +410,16 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
       mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
       mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
     }
-    bf16* dus = p.wu + (sh * 4 + 1) * CH * KD;
+    bf16* dus = p.wu + (sh * 4 + 1) * CH * KD + vw;
+    {
+      float dl[2][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
-        const bf16 hi = __float2bfloat16_rn(dU[nt][e]);
-        dus[tok * KD + vw + r] = hi;
-        dus[CH * KD + tok * KD + vw + r] = __float2bfloat16_rn(dU[nt][e] - __bfloat162float(hi));
-      }
+        for (int e = 0; e < 4; ++e) dl[nt][e] = lo_of(dU[nt][e]);
+      store_tile_t(dU, ots, dus, KD, CH, lane);
+      store_tile_t(dl, ots, dus + CH * KD, KD, CH, lane);
+    }
     // dv^T = (dU^T INV) diag(b)
     uint32_t dh[4], dl[4];
     split_tile(dh, dl, dU, 1.f);
@@ -401,11 +437,8 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
-        dW[nt][e] *= b[tok];
-        if (tok < nv) p.dv[(t0 + tok) * hs + (long long)h * KD + vw + r] = __float2bfloat16_rn(dW[nt][e]);
-      }
+      for (int e = 0; e < 4; ++e) dW[nt][e] *= b[nt * 8 + 2 * tq + (e & 1)];
+    store_tile_t(dW, ots, p.dv + t0 * hs + (long long)h * KD + vw, (size_t)hs, nv, lane);
     uint32_t wh[4], wl[4];
     split_tile(wh, wl, dW, -1.f);
     // dS = dS diag(E) + dO^T qd - dv^T kd

@@ -27,13 +27,14 @@ __device__ __forceinline__ void mma3(float (&acc)[4], const uint32_t (&ah)[4], c
 
 struct __align__(16) ChunkSmem {
   bf16 t[5][CH][SROW];  // dO, dU (hi), dv, Wr, dU (lo): [token][value row]
-  bf16 raw[3][CH][KD];  // q, k, g of the chunk
+  bf16 raw[3][CH][SROW];  // q, k, g of the chunk (padded rows: the finish reads [gq][2tq])
   float G[CH][FS];      // cumulative log2 decay
   float qgm[CH][FS];    // q_hat scale 2^(G - Gm), Gm = G of token 7 (halves the exponent range)
   float kgm[CH][FS];    // k_hat 2^(G - Gm)
   float kim[CH][FS];    // k_hat 2^(Gm - G)
   float dgs[CH][FS];    // d G per token (until phase D: Wr's lo part, bf16 [16][SROW])
-  float uf[CH][KD + 4]; // U = X diag(b) Wr, fp32 (its bf16 rounding costs dg accuracy); float4 rows
+  bf16 uh[CH][SROW];    // U = X diag(b) Wr split hi + lo once (its bf16 rounding costs dg accuracy)
+  bf16 ul[CH][SROW];
   float am[CH][CH + 1]; // A = strict_lower(k k^T decayed), unscaled by b
   float x[CH][CH + 1];  // X = (I + diag(b) A)^-1
   float dm[CH][CH + 1]; // dM (j <= i)
@@ -48,7 +49,7 @@ struct __align__(16) ChunkSmem {
   float b[CH], db[CH], rq[CH], rk[CH], pal[8];
 };
 
-#define CHUNK_SMEM 111712
+#define CHUNK_SMEM 113696
 static_assert(sizeof(ChunkSmem) == CHUNK_SMEM, "chunk_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdParams p) {
@@ -87,28 +88,21 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   const int hq = h / (H / p.qk_heads);
 
   bf16 (*wrlo)[SROW] = reinterpret_cast<bf16 (*)[SROW]>(&s.dgs[0][0]);
-  // ---- loads
+  // ---- loads: thread (r, cc) = (tid / 16, tid % 16) copies 16 bytes of row r of each of the 9 tiles
   {
     const bf16* wu = p.wu + sh * 4 * CH * KD;
-    for (int i = tid; i < 9 * CH * 16; i += 256) {
-      const int w = i >> 8, r = (i >> 4) & 15, cc = i & 15;
-      const bf16* src;
-      bool ok = true;
-      bf16* dst = w < 4 ? &s.t[w][r][cc * 8]
-                  : (w == 7 ? &s.t[4][r][cc * 8] : (w == 8 ? &wrlo[r][cc * 8] : &s.raw[w - 4][r][cc * 8]));
-      switch (w) {
-        case 0: src = p.dout + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
-        case 1: src = wu + (CH + r) * KD; break;
-        case 2: src = p.dv + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
-        case 3: src = wu + r * KD; break;
-        case 4: src = p.q + (t0 + r) * qhs + (long long)hq * KD; ok = r < nv; break;
-        case 5: src = p.k + (t0 + r) * qhs + (long long)hq * KD; ok = r < nv; break;
-        case 6: src = p.g + (t0 + r) * hs + (long long)h * KD; ok = r < nv; break;
-        case 7: src = wu + (2 * CH + r) * KD; break;
-        default: src = wu + (3 * CH + r) * KD; break;
-      }
-      cp_async16(dst, ok ? src + cc * 8 : p.q, ok ? 16 : 0);
-    }
+    const int r = tid >> 4, cc = (tid & 15) * 8;
+    const bool ok = r < nv;
+    const long long to = (t0 + r) * hs + (long long)h * KD + cc, tq_ = (t0 + r) * qhs + (long long)hq * KD + cc;
+    cp_async16(&s.t[0][r][cc], ok ? p.dout + to : p.q, ok ? 16 : 0);
+    cp_async16(&s.t[1][r][cc], wu + (CH + r) * KD + cc, 16);
+    cp_async16(&s.t[2][r][cc], ok ? p.dv + to : p.q, ok ? 16 : 0);
+    cp_async16(&s.t[3][r][cc], wu + r * KD + cc, 16);
+    cp_async16(&s.raw[0][r][cc], ok ? p.q + tq_ : p.q, ok ? 16 : 0);
+    cp_async16(&s.raw[1][r][cc], ok ? p.k + tq_ : p.q, ok ? 16 : 0);
+    cp_async16(&s.raw[2][r][cc], ok ? p.g + to : p.q, ok ? 16 : 0);
+    cp_async16(&s.t[4][r][cc], wu + (2 * CH + r) * KD + cc, 16);
+    cp_async16(&wrlo[r][cc], wu + (3 * CH + r) * KD + cc, 16);
     cp_async_commit();
   }
   // the transposed states (B fragments of the products over the value rows) into L2 now
@@ -121,22 +115,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   cp_async_wait_all();
   __syncthreads();
 
-  // ---- norms, b, gate cumsum and the decayed rows (fp32)
+  // ---- norms (the four rows of a warp interleaved), b, gate cumsum and the decayed rows (fp32)
   {
-#pragma unroll
-    for (int rr = 0; rr < 4; ++rr) {
-      const int r = warp + 8 * rr;
-      const bf16* row = &s.raw[r < CH ? 0 : 1][r & 15][0];
-      float x = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float v = __bfloat162float(row[lane + 32 * e]);
-        x = fmaf(v, v, x);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-      if (lane == 0) (r < CH ? s.rq : s.rk)[r & 15] = rsqrtf(x + 1e-6f);
-    }
+    row_norms<8>([&](int r) { return &s.raw[r < CH ? 0 : 1][r & 15][0]; },
+                 [&](int r, float rn) { (r < CH ? s.rq : s.rk)[r & 15] = rn; }, warp, lane);
     if (tid < CH) s.b[tid] = tid < nv ? sigmoidf_(__bfloat162float(p.beta[(t0 + tid) * H + h])) : 0.f;
   }
   __syncthreads();
@@ -214,7 +196,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
       mma3(acc, ah, al, bw[2 * nt], bw[2 * nt + 1], bwl[2 * nt], bwl[2 * nt + 1]);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s.uf[gq + 8 * (e >> 1)][16 * warp + nt * 8 + 2 * tq + (e & 1)] = acc[e];
+      for (int e = 0; e < 4; e += 2) {
+        const int row = gq + 8 * (e >> 1), col = 16 * warp + nt * 8 + 2 * tq;
+        split2(*reinterpret_cast<uint32_t*>(&s.uh[row][col]), *reinterpret_cast<uint32_t*>(&s.ul[row][col]), acc[e],
+               acc[e + 1]);
+      }
     }
   }
   __syncthreads();
@@ -229,9 +215,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int j = nt * 8 + gq;
-      uint32_t uh0, ul0, uh1, ul1;
-      split2(uh0, ul0, s.uf[j][kc], s.uf[j][kc + 1]);
-      split2(uh1, ul1, s.uf[j][kc + 8], s.uf[j][kc + 9]);
+      const uint32_t uh0 = ld32(&s.uh[j][kc]), ul0 = ld32(&s.ul[j][kc]);
+      const uint32_t uh1 = ld32(&s.uh[j][kc + 8]), ul1 = ld32(&s.ul[j][kc + 8]);
       float dmv[4] = {0.f, 0.f, 0.f, 0.f}, dtv[4] = {0.f, 0.f, 0.f, 0.f};
       mma(dmv, o0, o1, o2, o3, uh0, uh1, dmv);
       mma(dmv, o0, o1, o2, o3, ul0, ul1, dmv);
@@ -271,20 +256,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       const uint4 o1 = *reinterpret_cast<const uint4*>(&s.t[0][gq + 8][vb]);
       const uint4 w0 = *reinterpret_cast<const uint4*>(&s.t[2][gq][vb]);
       const uint4 w1 = *reinterpret_cast<const uint4*>(&s.t[2][gq + 8][vb]);
-      const float4 u00 = *reinterpret_cast<const float4*>(&s.uf[gq][vb]);
-      const float4 u01 = *reinterpret_cast<const float4*>(&s.uf[gq][vb + 4]);
-      const float4 u10 = *reinterpret_cast<const float4*>(&s.uf[gq + 8][vb]);
-      const float4 u11 = *reinterpret_cast<const float4*>(&s.uf[gq + 8][vb + 4]);
+      const uint4 h0 = *reinterpret_cast<const uint4*>(&s.uh[gq][vb]);
+      const uint4 h1 = *reinterpret_cast<const uint4*>(&s.uh[gq + 8][vb]);
+      const uint4 l0 = *reinterpret_cast<const uint4*>(&s.ul[gq][vb]);
+      const uint4 l1 = *reinterpret_cast<const uint4*>(&s.ul[gq + 8][vb]);
 #pragma unroll
       for (int odd = 0; odd < 2; ++odd) {
         const uint32_t ao[4] = {odd ? o0.z : o0.x, odd ? o1.z : o1.x, odd ? o0.w : o0.y, odd ? o1.w : o1.y};
         const uint32_t aw[4] = {odd ? w0.z : w0.x, odd ? w1.z : w1.x, odd ? w0.w : w0.y, odd ? w1.w : w1.y};
-        const float4 ua = odd ? u01 : u00, ub = odd ? u11 : u10;
-        uint32_t uh[4], ul[4];
-        split2(uh[0], ul[0], ua.x, ua.y);
-        split2(uh[1], ul[1], ub.x, ub.y);
-        split2(uh[2], ul[2], ua.z, ua.w);
-        split2(uh[3], ul[3], ub.z, ub.w);
+        const uint32_t uh[4] = {odd ? h0.z : h0.x, odd ? h1.z : h1.x, odd ? h0.w : h0.y, odd ? h1.w : h1.y};
+        const uint32_t ul[4] = {odd ? l0.z : l0.x, odd ? l1.z : l1.x, odd ? l0.w : l0.y, odd ? l1.w : l1.y};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const uint4 sb = bs[m2][nt], db = bd[m2][nt];
