@@ -22,6 +22,8 @@ use flashkda::{FwdArgs, FwdOptions, KdaKernels, KernelSchedule, ValueSplit, fwd,
 use k3_common::Figure;
 use k3_common::report::{Plot, PlotKind, Report, Section, Series, Skipped, Tier};
 
+#[path = "flashkda_bench/bwd.rs"]
+mod bwd;
 #[path = "flashkda_bench/compare.rs"]
 mod compare;
 #[path = "flashkda_bench/fla.rs"]
@@ -36,6 +38,10 @@ struct Args {
     /// measuring (no GPU needed).
     #[arg(long)]
     from_compare: Option<PathBuf>,
+    /// With `--tier sm90`: build the backward section from `python/bench_bwd.py --time` results
+    /// (comma-separated; a later file's row replaces an earlier one) instead of measuring.
+    #[arg(long, value_delimiter = ',')]
+    from_bwd: Vec<PathBuf>,
     #[arg(long)]
     out: PathBuf,
     /// fla timing script (spawned for the same-run baseline); default: the copy embedded in this
@@ -543,6 +549,7 @@ fn main() -> Result<()> {
         }
         Tier::Sm90 => match &a.from_compare {
             Some(path) => compare::add_compare_section(path, &mut report)?,
+            None if !a.from_bwd.is_empty() => bwd::add_bwd_section(&a.from_bwd, &mut report)?,
             None => run_sm90(&a, &mut report)?,
         },
         t => report.skipped.push(Skipped {
