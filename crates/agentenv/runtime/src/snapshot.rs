@@ -531,8 +531,9 @@ impl Runtime {
             let mut out = StoredChunks::default();
             let holder = format!("snapshot-{}", rec.id);
             for (name, path) in files {
+                // Page chunks only without a bucket: with one, each chunk is a request on a restore.
                 let ingested = match name {
-                    "ram.mem" => {
+                    "ram.mem" if store.config().remote.is_none() => {
                         store
                             .ingest_chunked(&path, crate::config::RAM_CHUNK_BYTES)
                             .await
