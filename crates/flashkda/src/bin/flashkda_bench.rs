@@ -24,6 +24,26 @@ use k3_common::report::{Plot, PlotKind, Report, Section, Series, Skipped, Tier};
 
 #[path = "flashkda_bench/bwd.rs"]
 mod bwd;
+
+/// Adds the GPU machine of a device run (which has no Rust, so only its GPU and tool versions are known)
+/// to `report`, and returns its name.
+fn push_device_machine(
+    report: &mut Report,
+    gpu: String,
+    versions: BTreeMap<String, String>,
+) -> String {
+    let host = format!("{gpu} (device run)");
+    report.machines.push(k3_common::report::Machine {
+        hostname: host.clone(),
+        os: String::new(),
+        cpu: String::new(),
+        cores: 0,
+        mem_gib: 0.0,
+        gpus: vec![gpu],
+        versions,
+    });
+    host
+}
 #[path = "flashkda_bench/compare.rs"]
 mod compare;
 #[path = "flashkda_bench/fla.rs"]

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use k3_common::Figure;
-use k3_common::report::{Better, Machine, Plot, PlotKind, Report, Section, Series, Tier};
+use k3_common::report::{Better, Plot, PlotKind, Report, Section, Series, Tier};
 
 fn ms(row: &serde_json::Value, key: &str) -> Option<f64> {
     row[key]["median_ms"].as_f64()
@@ -100,16 +100,7 @@ pub fn add_bwd_section(paths: &[PathBuf], report: &mut Report) -> Result<()> {
          fp32 initial and final state with upstream gradients for both"
             .into(),
     );
-    let host = format!("{gpu} (device run)");
-    report.machines.push(Machine {
-        hostname: host.clone(),
-        os: String::new(),
-        cpu: String::new(),
-        cores: 0,
-        mem_gib: 0.0,
-        gpus: vec![gpu],
-        versions,
-    });
+    let host = super::push_device_machine(report, gpu, versions);
     report.sections.push(Section {
         system: "flashkda".into(),
         tier: Tier::Sm90,

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use k3_common::Figure;
-use k3_common::report::{Better, Machine, Plot, PlotKind, Report, Section, Series, Tier};
+use k3_common::report::{Better, Plot, PlotKind, Report, Section, Series, Tier};
 
 fn ms(row: &serde_json::Value, key: &str) -> Option<f64> {
     row[key]["median_ms"].as_f64()
@@ -91,16 +91,7 @@ pub fn add_compare_section(path: &Path, report: &mut Report) -> Result<()> {
         "from {} (python/bench_compare.py on the GPU machine)",
         path.display()
     ));
-    let host = format!("{gpu} (device run)");
-    report.machines.push(Machine {
-        hostname: host.clone(),
-        os: String::new(),
-        cpu: String::new(),
-        cores: 0,
-        mem_gib: 0.0,
-        gpus: vec![gpu],
-        versions,
-    });
+    let host = super::push_device_machine(report, gpu, versions);
     report.sections.push(Section {
         system: "flashkda".into(),
         tier: Tier::Sm90,
