@@ -91,8 +91,11 @@ pub fn allocated_bytes(path: &Path) -> u64 {
     std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
 }
 
-/// `qcow2` or `raw`, told apart by the file's magic.
+/// `qcow2` or `raw`, told apart by the file's magic (a lazy disk is raw).
 fn image_format(path: &Path) -> std::io::Result<&'static str> {
+    if crate::lazy::marker(path).is_some() {
+        return Ok("raw");
+    }
     let mut magic = [0u8; 4];
     use std::io::Read;
     let _ = std::fs::File::open(path)?.read(&mut magic)?;
@@ -115,12 +118,30 @@ async fn qemu_img(bin: &Path, args: &[&std::ffi::OsStr], what: &Path) -> std::io
     Ok(())
 }
 
-/// Creates a qcow2 overlay `overlay` backed by `base` (a raw image or a qcow2 file).
+/// Creates a qcow2 overlay `overlay` backed by `base` (a raw image or a qcow2 file, or a lazy disk,
+/// [`crate::lazy`], which is not opened).
 pub async fn create_overlay(
     qemu_img_bin: &Path,
     base: &Path,
     overlay: &Path,
 ) -> std::io::Result<()> {
+    if let Some(m) = crate::lazy::marker(base) {
+        let len = m.len.to_string();
+        let args: [&std::ffi::OsStr; 11] = [
+            "create".as_ref(),
+            "-q".as_ref(),
+            "-f".as_ref(),
+            "qcow2".as_ref(),
+            "-F".as_ref(),
+            "raw".as_ref(),
+            "-u".as_ref(),
+            "-b".as_ref(),
+            base.as_os_str(),
+            overlay.as_os_str(),
+            len.as_ref(),
+        ];
+        return qemu_img(qemu_img_bin, &args, overlay).await;
+    }
     let format = image_format(base)?;
     let args: [&std::ffi::OsStr; 9] = [
         "create".as_ref(),

@@ -30,6 +30,21 @@ use crate::vmm::{DiskFormat, SOCKET_DIR, VmSpec, VmmError};
 /// Longest qcow2 backing chain accepted (snapshots of sandboxes made from snapshots, and so on).
 const MAX_CHAIN: usize = 32;
 
+/// A raw disk of the backing chain served over NBD ([`crate::lazy`]) instead of read from a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LazyBacking {
+    /// Where the disk would be (as the chain names it).
+    pub path: PathBuf,
+    /// The export's socket folder, handed to QEMU as a descriptor.
+    pub socket_dir: PathBuf,
+    /// The NBD export name.
+    pub export: String,
+}
+
+/// How long QEMU's NBD client waits for a lost export to come back (a runtime restart) before failing
+/// reads.
+const NBD_RECONNECT_S: u32 = 30;
+
 /// The uid and gid a QEMU runs as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Owner {
@@ -70,8 +85,13 @@ fn opt(s: &str) -> String {
 
 impl VmFiles {
     /// Opens every file of `spec` for a QEMU running as `owner` (`None`: as this process), prepares
-    /// its socket folder and hands it and the RAM file to `owner`.
-    pub fn open(spec: &VmSpec, owner: Option<Owner>) -> Result<VmFiles, VmmError> {
+    /// its socket folder and hands it and the RAM file to `owner`. Disks of the chain named in `lazy`
+    /// are read over NBD.
+    pub fn open(
+        spec: &VmSpec,
+        owner: Option<Owner>,
+        lazy: &[LazyBacking],
+    ) -> Result<VmFiles, VmmError> {
         let mut f = VmFiles {
             held: Vec::new(),
             shared: Vec::new(),
@@ -155,13 +175,26 @@ impl VmFiles {
         let chain = match spec.disk_format {
             DiskFormat::Raw => Vec::new(),
             DiskFormat::Qcow2 => {
-                backing_chain(&spec.disk).map_err(io("read backing chain of", &spec.disk))?
+                backing_chain_with(&spec.disk, &|p| lazy.iter().any(|l| l.path == p))
+                    .map_err(io("read backing chain of", &spec.disk))?
             }
         };
         for (depth, (path, format)) in chain.iter().enumerate() {
+            let p = "backing.".repeat(depth + 1);
+            if let Some(l) = lazy.iter().find(|l| &l.path == path) {
+                let dir = File::open(&l.socket_dir).map_err(io("open", &l.socket_dir))?;
+                let d = f.inherit(dir);
+                f.drive.push_str(&format!(
+                    ",{p}driver=raw,{p}file.driver=nbd,{p}file.server.type=unix,\
+                     {p}file.server.path=/proc/self/fd/{d}/{sock},{p}file.export={export},\
+                     {p}file.reconnect-delay={NBD_RECONNECT_S}",
+                    sock = crate::lazy::SOCKET,
+                    export = opt(&l.export),
+                ));
+                break;
+            }
             let file = File::open(path).map_err(io("open", path))?;
             let set = f.add_set(path, vec![file]);
-            let p = "backing.".repeat(depth + 1);
             f.drive.push_str(&format!(
                 ",{p}driver={format},{p}file.filename=/dev/fdset/{set}"
             ));
@@ -220,6 +253,14 @@ pub unsafe fn inherit_in_child(fds: &[RawFd]) -> std::io::Result<()> {
 
 /// The backing files of the qcow2 image `disk`, nearest first, each with its format.
 pub fn backing_chain(disk: &Path) -> std::io::Result<Vec<(PathBuf, &'static str)>> {
+    backing_chain_with(disk, &|_| false)
+}
+
+/// [`backing_chain`] where files `lazy` says are served lazily (raw, not held here) end the chain.
+pub fn backing_chain_with(
+    disk: &Path,
+    lazy: &dyn Fn(&Path) -> bool,
+) -> std::io::Result<Vec<(PathBuf, &'static str)>> {
     let mut out = Vec::new();
     let mut cur = disk.to_owned();
     while let Some(next) = qcow2_backing(&cur)? {
@@ -228,7 +269,11 @@ pub fn backing_chain(disk: &Path) -> std::io::Result<Vec<(PathBuf, &'static str)
                 "backing chain longer than {MAX_CHAIN}"
             )));
         }
-        let format = if is_qcow2(&next)? { "qcow2" } else { "raw" };
+        let format = if lazy(&next) || !is_qcow2(&next)? {
+            "raw"
+        } else {
+            "qcow2"
+        };
         out.push((next.clone(), format));
         if format == "raw" {
             break;
