@@ -71,6 +71,8 @@ pub struct VmFiles {
     pub agent_socket: String,
     /// The `-drive` value of the root disk.
     pub drive: String,
+    /// `-blockdev` values of the nodes the drive's chain references (lazy disks over NBD).
+    pub blockdevs: Vec<String>,
 }
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> VmmError {
@@ -104,6 +106,7 @@ impl VmFiles {
             qmp_socket: String::new(),
             agent_socket: String::new(),
             drive: String::new(),
+            blockdevs: Vec::new(),
         };
         let console = spec.console_log();
         let log = File::options()
@@ -182,15 +185,22 @@ impl VmFiles {
         for (depth, (path, format)) in chain.iter().enumerate() {
             let p = "backing.".repeat(depth + 1);
             if let Some(l) = lazy.iter().find(|l| &l.path == path) {
+                // Nodes of their own, referenced by name: QEMU then ignores the file name in the header.
                 let dir = File::open(&l.socket_dir).map_err(io("open", &l.socket_dir))?;
                 let d = f.inherit(dir);
-                f.drive.push_str(&format!(
-                    ",{p}driver=raw,{p}file.driver=nbd,{p}file.server.type=unix,\
-                     {p}file.server.path=/proc/self/fd/{d}/{sock},{p}file.export={export},\
-                     {p}file.reconnect-delay={NBD_RECONNECT_S}",
+                let node = format!("lazy{depth}");
+                f.blockdevs.push(format!(
+                    "driver=nbd,node-name={node}-nbd,server.type=unix,\
+                     server.path=/proc/self/fd/{d}/{sock},export={export},\
+                     reconnect-delay={NBD_RECONNECT_S},read-only=on",
                     sock = crate::lazy::SOCKET,
                     export = opt(&l.export),
                 ));
+                f.blockdevs.push(format!(
+                    "driver=raw,node-name={node},file={node}-nbd,read-only=on"
+                ));
+                let p = p.trim_end_matches('.');
+                f.drive.push_str(&format!(",{p}={node}"));
                 break;
             }
             let file = File::open(path).map_err(io("open", path))?;

@@ -121,6 +121,11 @@ impl QemuVmm {
             .add_fds
             .iter()
             .flat_map(|v| ["-add-fd".to_string(), v.clone()])
+            .chain(
+                f.blockdevs
+                    .iter()
+                    .flat_map(|v| ["-blockdev".to_string(), v.clone()]),
+            )
             .collect();
         a.extend([
             "-M".into(),

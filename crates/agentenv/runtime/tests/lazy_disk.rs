@@ -46,6 +46,20 @@ fn md5_in_image(image: &Path, file: &str, scratch: &Path) -> String {
         .to_string()
 }
 
+/// The last lines of the S3 server's log under `dir`.
+fn weed_log(dir: &Path) -> String {
+    let log = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("weed.log"))
+        .find(|p| p.exists())
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
 fn spec(id: &str) -> CreateSpec {
     CreateSpec {
         sandbox_id: id.into(),
@@ -71,7 +85,9 @@ async fn a_published_template_starts_lazily_from_s3_on_an_empty_node() {
         c.warm_vms = 0;
     })
     .await;
-    rt_a.publish_template("base").await.expect("publish");
+    if let Err(e) = rt_a.publish_template("base").await {
+        panic!("publish: {e}; S3 server log: {}", weed_log(weed_dir.path()));
+    }
     rt_a.publish_template("base")
         .await
         .expect("a second publish is a no-op");
