@@ -441,6 +441,72 @@ mod tests {
     }
 
     #[test]
+    fn a_lazy_base_is_an_nbd_node_the_chain_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.ext4");
+        let marker = crate::lazy::LazyMarker {
+            manifest: "ab".repeat(32),
+            len: 1 << 30,
+        };
+        crate::lazy::write_marker(&base, &marker).unwrap();
+        if !qemu_img(&["--version"]) {
+            eprintln!("skip: no qemu-img");
+            return;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let overlay = dir.path().join("disk.qcow2");
+        rt.block_on(crate::fsops::create_overlay(
+            Path::new("qemu-img"),
+            &base,
+            &overlay,
+        ))
+        .unwrap();
+        assert!(!base.exists(), "the overlay is made without the base");
+        std::fs::write(dir.path().join("ram"), b"").unwrap();
+        let spec = VmSpec {
+            dir: dir.path().to_owned(),
+            kernel: "vmlinux".into(),
+            initrd: "initrd".into(),
+            cmdline: String::new(),
+            vcpus: 1,
+            memory_mib: 16,
+            ram_file: dir.path().join("ram"),
+            ram_shared: true,
+            disk: overlay,
+            disk_format: DiskFormat::Qcow2,
+            nic: false,
+            tap: None,
+            cpu: None,
+        };
+        let socks = dir.path().join("nbd");
+        std::fs::create_dir(&socks).unwrap();
+        let lazy = LazyBacking {
+            path: base.clone(),
+            socket_dir: socks,
+            export: "disk".into(),
+        };
+        let f = VmFiles::open(&spec, None, &[lazy]).unwrap();
+        assert!(f.drive.ends_with(",backing=lazy0"), "{}", f.drive);
+        assert_eq!(f.blockdevs.len(), 2, "{:?}", f.blockdevs);
+        assert!(
+            f.blockdevs[0].starts_with(
+                "driver=nbd,node-name=lazy0-nbd,server.type=unix,server.path=/proc/self/fd/"
+            ) && f.blockdevs[0].contains("/disk.sock,export=disk,"),
+            "{}",
+            f.blockdevs[0]
+        );
+        assert_eq!(
+            f.blockdevs[1],
+            "driver=raw,node-name=lazy0,file=lazy0-nbd,read-only=on"
+        );
+        // Without the export the same chain cannot start (the base is not here).
+        assert!(VmFiles::open(&spec, None, &[]).is_err());
+    }
+
+    #[test]
     fn boot_files_are_sealed_copies_made_once() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("vmlinux");

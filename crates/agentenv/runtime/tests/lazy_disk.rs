@@ -136,6 +136,28 @@ async fn a_published_template_starts_lazily_from_s3_on_an_empty_node() {
     assert!(tdir.join("base.ext4.lazy").exists());
     assert!(tdir.join("base.mem").exists() && tdir.join("base.state").exists());
     assert_eq!(rt.lazy_exports().await, 1);
+    // QEMU (a uid of its own) reaches the socket only through the folder it inherits.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let nbd = b.path().join("nbd");
+    assert_eq!(mode(&nbd), 0o700, "no path leads a VM uid to the sockets");
+    let export = std::fs::read_dir(&nbd)
+        .unwrap()
+        .flatten()
+        .next()
+        .unwrap()
+        .path();
+    assert_eq!(mode(&export), 0o711);
+    let inside: Vec<_> = std::fs::read_dir(&export)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        inside,
+        vec![std::ffi::OsString::from("disk.sock")],
+        "the folder holds only the socket"
+    );
 
     // Writes go to the sandbox's own overlay; a second sandbox shares the export, not the writes.
     let secret = token();

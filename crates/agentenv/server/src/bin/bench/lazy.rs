@@ -1,4 +1,5 @@
-//! `agentenv-bench --lazy`: first-command latency of a 1 GiB template image that a node does not hold.
+//! `agentenv-bench --lazy`: first-command latency of a template image that a node does not hold (the
+//! default template's disk: 4 GiB of ext4, about 1 GB of data).
 //! Node A publishes the default template to a real S3 server (SeaweedFS on loopback); each round opens a
 //! fresh node B (own state folder, empty chunk cache, same bucket) whose sandbox disk is served lazily over
 //! NBD. Cold: create (template import: RAM and device state from S3, the disk left there) until a command
@@ -148,25 +149,25 @@ pub async fn run(
     let n = rounds;
     let figures = vec![
         Figure::timing(
-            "lazy 1 GiB image, cold: create (template import from S3) -> a command reading a file answers",
+            "lazy image, cold: create (template import from S3) -> a command reading a file answers",
             &cold,
             "ms",
         )
         .param("n", n),
         Figure::timing(
-            "lazy 1 GiB image, cold, template imported: create -> a command reading a file answers (disk chunks from S3)",
+            "lazy image, cold, template imported: create -> a command reading a file answers (disk chunks from S3)",
             &cold_disk,
             "ms",
         )
         .param("n", n),
         Figure::timing(
-            "lazy 1 GiB image, cold: template import (RAM and device state from S3)",
+            "lazy image, cold: template import (RAM and device state from S3)",
             &imports,
             "ms",
         )
         .param("n", n),
         Figure::timing(
-            "lazy 1 GiB image, warm (chunks in the local cache): create -> a command reading a file answers",
+            "lazy image, warm (chunks in the local cache): create -> a command reading a file answers",
             &warm,
             "ms",
         )

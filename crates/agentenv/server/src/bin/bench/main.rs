@@ -426,7 +426,7 @@ async fn main() -> anyhow::Result<()> {
         report.sections.push(Section {
             system: "agentenv".into(),
             tier: args.tier,
-            title: "Lazy disks: a 1 GiB image served from S3 over NBD".into(),
+            title: "Lazy disks: a template image served from S3 over NBD".into(),
             machine,
             figures: l.figures,
             plots: vec![],
@@ -434,6 +434,13 @@ async fn main() -> anyhow::Result<()> {
         });
         report.write(&args.out)?;
         println!("wrote {}", args.out.display());
+        // Background work of the dropped runtimes (prepared files) may still write for a moment.
+        for _ in 0..50 {
+            if std::fs::remove_dir_all(state.path()).is_ok() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
         return Ok(());
     }
     let mut cfg = agentenv_runtime::RuntimeConfig::new(state.path().join("runtime"));
