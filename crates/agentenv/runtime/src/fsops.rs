@@ -91,6 +91,24 @@ pub fn allocated_bytes(path: &Path) -> u64 {
     std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
 }
 
+/// `(format, virtual size)` of `base` when it is a lazy disk or a qcow2 file whose chain ends in one.
+fn lazy_base(base: &Path) -> std::io::Result<Option<(&'static str, u64)>> {
+    use std::os::unix::fs::FileExt;
+    if let Some(m) = crate::lazy::marker(base) {
+        return Ok(Some(("raw", m.len)));
+    }
+    if image_format(base)? != "qcow2" {
+        return Ok(None);
+    }
+    let chain = crate::launch::backing_chain_with(base, &|p| crate::lazy::marker(p).is_some())?;
+    if !chain.iter().any(|(p, _)| crate::lazy::marker(p).is_some()) {
+        return Ok(None);
+    }
+    let mut size = [0u8; 8];
+    std::fs::File::open(base)?.read_exact_at(&mut size, 24)?;
+    Ok(Some(("qcow2", u64::from_be_bytes(size))))
+}
+
 /// `qcow2` or `raw`, told apart by the file's magic (a lazy disk is raw).
 fn image_format(path: &Path) -> std::io::Result<&'static str> {
     if crate::lazy::marker(path).is_some() {
@@ -118,22 +136,22 @@ async fn qemu_img(bin: &Path, args: &[&std::ffi::OsStr], what: &Path) -> std::io
     Ok(())
 }
 
-/// Creates a qcow2 overlay `overlay` backed by `base` (a raw image or a qcow2 file, or a lazy disk,
-/// [`crate::lazy`], which is not opened).
+/// Creates a qcow2 overlay `overlay` backed by `base` (a raw image or a qcow2 file). A base whose chain
+/// ends in a lazy disk ([`crate::lazy`]) is not opened (`-u`, its size given).
 pub async fn create_overlay(
     qemu_img_bin: &Path,
     base: &Path,
     overlay: &Path,
 ) -> std::io::Result<()> {
-    if let Some(m) = crate::lazy::marker(base) {
-        let len = m.len.to_string();
+    if let Some((format, len)) = lazy_base(base)? {
+        let len = len.to_string();
         let args: [&std::ffi::OsStr; 11] = [
             "create".as_ref(),
             "-q".as_ref(),
             "-f".as_ref(),
             "qcow2".as_ref(),
             "-F".as_ref(),
-            "raw".as_ref(),
+            format.as_ref(),
             "-u".as_ref(),
             "-b".as_ref(),
             base.as_os_str(),

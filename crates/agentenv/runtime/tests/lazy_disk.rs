@@ -1,13 +1,14 @@
 //! Lazy disks: a node with an empty state folder and chunk cache starts a template that another node
 //! published to a real S3 server (SeaweedFS on loopback); its root disk is served block by block through
-//! the runtime's NBD export, never copied here whole, and the cache stays within its bound.
+//! the runtime's NBD export, never copied here whole, and the cache stays within its bound. A snapshot taken
+//! on the first node restores on the second over the same lazy disk (its import brings the template).
 
 mod common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use agentenv_runtime::{CreateSpec, Runtime, RuntimeConfig, config};
+use agentenv_runtime::{CreateSpec, Runtime, RuntimeConfig, SnapshotMode, config};
 use common::{StateDir, run, token};
 
 fn store(
@@ -100,6 +101,22 @@ async fn a_published_template_starts_lazily_from_s3_on_an_empty_node() {
         .expect("A's base.ext4");
     let image_len = std::fs::metadata(&image).unwrap().len();
     let want = md5_in_image(&image, file, a.path());
+    // A snapshot of a sandbox on A: its disk is an overlay over the template's disk.
+    let src = format!("src-{}", &token()[..8]);
+    rt_a.create(spec(&src)).await.expect("create on A");
+    let secret_a = token();
+    let (_, code) = run(
+        &rt_a,
+        &src,
+        &format!("echo {secret_a} > /home/user/snap.txt && sync"),
+    )
+    .await;
+    assert_eq!(code, 0);
+    let snap = format!("snap-{}", &token()[..8]);
+    rt_a.snapshot(&src, &snap, &[], SnapshotMode::Full)
+        .await
+        .expect("snapshot on A");
+    rt_a.kill(&src).await.expect("kill on A");
     drop(rt_a);
 
     // Node B: its own state folder, an empty cache bounded far below the image, the same bucket.
@@ -112,13 +129,44 @@ async fn a_published_template_starts_lazily_from_s3_on_an_empty_node() {
     cfg.warm_vms = 0;
     let rt = Runtime::open(cfg).await.expect("runtime B");
     assert!(rt.templates().is_empty(), "B has no template of its own");
+    assert!(rt.snapshots().is_empty());
     assert_eq!(rt.store_stats().chunks, 0, "B's cache starts empty");
+
+    // The snapshot first: its import brings the template, whose disk stays in the bucket.
+    let t = Instant::now();
+    while rt.import_snapshot(&snap).await.expect("import").is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "snapshot not stored on A"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        rt.templates().len(),
+        1,
+        "the template came with the snapshot"
+    );
+    let from_snap = format!("fromsnap-{}", &token()[..8]);
+    let mut s = spec(&from_snap);
+    s.template_id = snap.clone();
+    rt.create(s).await.expect("create from the snapshot");
+    let (out, code) = run(
+        &rt,
+        &from_snap,
+        &format!("cat /home/user/snap.txt; md5sum {file}"),
+    )
+    .await;
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with(&format!("{secret_a}\n{want}")), "{out}");
 
     let t0 = Instant::now();
     let id1 = format!("lazy-{}", &token()[..8]);
     rt.create(spec(&id1)).await.expect("create from the bucket");
     let (out, code) = run(&rt, &id1, &format!("md5sum {file}")).await;
-    eprintln!("cold create + first command: {:?}", t0.elapsed());
+    eprintln!(
+        "create + first command, disk chunks from S3: {:?}",
+        t0.elapsed()
+    );
     assert_eq!(code, 0, "{out}");
     assert_eq!(out.split_whitespace().next(), Some(want.as_str()), "{out}");
 
@@ -193,7 +241,7 @@ async fn a_published_template_starts_lazily_from_s3_on_an_empty_node() {
     assert!(stats.bytes < image_len);
 
     // The export stops when no QEMU uses it.
-    for id in [&id1, &id2] {
+    for id in [&from_snap, &id1, &id2] {
         rt.kill(id).await.expect("kill");
     }
     let t = Instant::now();
