@@ -20,6 +20,16 @@ pub enum Accel {
 /// `-accel` name).
 pub type AccelKind = k3_common::kvm::Accel;
 
+/// Whether disks this node lacks are served block by block from the chunk store ([`crate::lazy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum LazyDiskMode {
+    /// A template imported from the chunk store keeps its disk there, served to QEMU over NBD.
+    #[default]
+    Auto,
+    /// Imports copy the whole disk here first.
+    Off,
+}
+
 /// Configuration of a [`crate::Runtime`].
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
@@ -54,6 +64,8 @@ pub struct RuntimeConfig {
     /// How long a paused sandbox's QEMU stays, stopped, so that a resume only continues it
     /// ([`crate::Runtime::pause`]). Zero: it exits at once.
     pub keep_paused: std::time::Duration,
+    /// Lazy disks for templates imported from the chunk store.
+    pub lazy_disks: LazyDiskMode,
 }
 
 /// Bound of the default local chunk store.
@@ -83,6 +95,7 @@ impl RuntimeConfig {
             warm_vms: 2,
             warm_vms_max: 8,
             keep_paused: std::time::Duration::from_secs(30),
+            lazy_disks: LazyDiskMode::Auto,
         }
     }
 }

@@ -62,6 +62,15 @@ pub enum TemplateError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// No installed template has this id or alias.
+    #[error("unknown template {0:?}")]
+    NotFound(String),
+    /// The chunk store failed or lacks a template's files (publish, import).
+    #[error("chunk store: {0}")]
+    Store(String),
+    /// A published template cannot run on this machine (another guest kernel, initramfs or CPU model).
+    #[error("{0}")]
+    Incompatible(String),
 }
 
 /// [`crate::Runtime::create`] failed.
@@ -70,6 +79,9 @@ pub enum CreateError {
     /// No template with this id or alias.
     #[error("unknown template {0:?}")]
     UnknownTemplate(String),
+    /// Importing the template from the shared chunk store failed.
+    #[error("template import: {0}")]
+    Template(#[source] TemplateError),
     /// The sandbox id is empty, too long, or has characters other than `[A-Za-z0-9_.-]`.
     #[error("invalid sandbox id {0:?}")]
     InvalidId(String),

@@ -91,8 +91,11 @@ pub fn allocated_bytes(path: &Path) -> u64 {
     std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
 }
 
-/// `qcow2` or `raw`, told apart by the file's magic.
+/// `qcow2` or `raw`, told apart by the file's magic (a lazy disk is raw).
 fn image_format(path: &Path) -> std::io::Result<&'static str> {
+    if crate::lazy::marker(path).is_some() {
+        return Ok("raw");
+    }
     let mut magic = [0u8; 4];
     use std::io::Read;
     let _ = std::fs::File::open(path)?.read(&mut magic)?;
@@ -130,8 +133,12 @@ const QCOW2_EXT_BACKING_FORMAT: u32 = 0xE279_2ACA;
 /// Longest backing file name QEMU accepts.
 const QCOW2_MAX_BACKING_NAME: usize = 1023;
 
-/// The virtual size of image `path`: a raw file's length, or a qcow2 header's size field.
+/// The virtual size of image `path`: a lazy disk's recorded length, a raw file's length, or a qcow2
+/// header's size field (the backing chain is never opened, so a chain ending in a lazy disk is fine).
 fn virtual_size(path: &Path, format: &str) -> std::io::Result<u64> {
+    if let Some(m) = crate::lazy::marker(path) {
+        return Ok(m.len);
+    }
     if format == "raw" {
         return Ok(std::fs::metadata(path)?.len());
     }

@@ -30,6 +30,21 @@ use crate::vmm::{DiskFormat, SOCKET_DIR, VmSpec, VmmError};
 /// Longest qcow2 backing chain accepted (snapshots of sandboxes made from snapshots, and so on).
 const MAX_CHAIN: usize = 32;
 
+/// A raw disk of the backing chain served over NBD ([`crate::lazy`]) instead of read from a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LazyBacking {
+    /// Where the disk would be (as the chain names it).
+    pub path: PathBuf,
+    /// The export's socket folder, handed to QEMU as a descriptor.
+    pub socket_dir: PathBuf,
+    /// The NBD export name.
+    pub export: String,
+}
+
+/// How long QEMU's NBD client waits for a lost export to come back (a runtime restart) before failing
+/// reads.
+const NBD_RECONNECT_S: u32 = 30;
+
 /// The uid and gid a QEMU runs as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Owner {
@@ -56,6 +71,8 @@ pub struct VmFiles {
     pub agent_socket: String,
     /// The `-drive` value of the root disk.
     pub drive: String,
+    /// `-blockdev` values of the nodes the drive's chain references (lazy disks over NBD).
+    pub blockdevs: Vec<String>,
 }
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> VmmError {
@@ -70,8 +87,13 @@ fn opt(s: &str) -> String {
 
 impl VmFiles {
     /// Opens every file of `spec` for a QEMU running as `owner` (`None`: as this process), prepares
-    /// its socket folder and hands it and the RAM file to `owner`.
-    pub fn open(spec: &VmSpec, owner: Option<Owner>) -> Result<VmFiles, VmmError> {
+    /// its socket folder and hands it and the RAM file to `owner`. Disks of the chain named in `lazy`
+    /// are read over NBD.
+    pub fn open(
+        spec: &VmSpec,
+        owner: Option<Owner>,
+        lazy: &[LazyBacking],
+    ) -> Result<VmFiles, VmmError> {
         let mut f = VmFiles {
             held: Vec::new(),
             shared: Vec::new(),
@@ -84,6 +106,7 @@ impl VmFiles {
             qmp_socket: String::new(),
             agent_socket: String::new(),
             drive: String::new(),
+            blockdevs: Vec::new(),
         };
         let console = spec.console_log();
         let log = File::options()
@@ -155,13 +178,33 @@ impl VmFiles {
         let chain = match spec.disk_format {
             DiskFormat::Raw => Vec::new(),
             DiskFormat::Qcow2 => {
-                backing_chain(&spec.disk).map_err(io("read backing chain of", &spec.disk))?
+                backing_chain_with(&spec.disk, &|p| lazy.iter().any(|l| l.path == p))
+                    .map_err(io("read backing chain of", &spec.disk))?
             }
         };
         for (depth, (path, format)) in chain.iter().enumerate() {
+            let p = "backing.".repeat(depth + 1);
+            if let Some(l) = lazy.iter().find(|l| &l.path == path) {
+                // Nodes of their own, referenced by name: QEMU then ignores the file name in the header.
+                let dir = File::open(&l.socket_dir).map_err(io("open", &l.socket_dir))?;
+                let d = f.inherit(dir);
+                let node = format!("lazy{depth}");
+                f.blockdevs.push(format!(
+                    "driver=nbd,node-name={node}-nbd,server.type=unix,\
+                     server.path=/proc/self/fd/{d}/{sock},export={export},\
+                     reconnect-delay={NBD_RECONNECT_S},read-only=on",
+                    sock = crate::lazy::SOCKET,
+                    export = opt(&l.export),
+                ));
+                f.blockdevs.push(format!(
+                    "driver=raw,node-name={node},file={node}-nbd,read-only=on"
+                ));
+                let p = p.trim_end_matches('.');
+                f.drive.push_str(&format!(",{p}={node}"));
+                break;
+            }
             let file = File::open(path).map_err(io("open", path))?;
             let set = f.add_set(path, vec![file]);
-            let p = "backing.".repeat(depth + 1);
             f.drive.push_str(&format!(
                 ",{p}driver={format},{p}file.filename=/dev/fdset/{set}"
             ));
@@ -220,6 +263,14 @@ pub unsafe fn inherit_in_child(fds: &[RawFd]) -> std::io::Result<()> {
 
 /// The backing files of the qcow2 image `disk`, nearest first, each with its format.
 pub fn backing_chain(disk: &Path) -> std::io::Result<Vec<(PathBuf, &'static str)>> {
+    backing_chain_with(disk, &|_| false)
+}
+
+/// [`backing_chain`] where files `lazy` says are served lazily (raw, not held here) end the chain.
+pub fn backing_chain_with(
+    disk: &Path,
+    lazy: &dyn Fn(&Path) -> bool,
+) -> std::io::Result<Vec<(PathBuf, &'static str)>> {
     let mut out = Vec::new();
     let mut cur = disk.to_owned();
     while let Some(next) = qcow2_backing(&cur)? {
@@ -228,7 +279,11 @@ pub fn backing_chain(disk: &Path) -> std::io::Result<Vec<(PathBuf, &'static str)
                 "backing chain longer than {MAX_CHAIN}"
             )));
         }
-        let format = if is_qcow2(&next)? { "qcow2" } else { "raw" };
+        let format = if lazy(&next) || !is_qcow2(&next)? {
+            "raw"
+        } else {
+            "qcow2"
+        };
         out.push((next.clone(), format));
         if format == "raw" {
             break;
@@ -383,6 +438,68 @@ mod tests {
             ]
         );
         assert!(backing_chain(Path::new(&p("base.raw"))).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_lazy_base_is_an_nbd_node_the_chain_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.ext4");
+        let marker = crate::lazy::LazyMarker {
+            manifest: "ab".repeat(32),
+            len: 1 << 30,
+        };
+        crate::lazy::write_marker(&base, &marker).unwrap();
+        if !qemu_img(&["--version"]) {
+            eprintln!("skip: no qemu-img");
+            return;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let overlay = dir.path().join("disk.qcow2");
+        rt.block_on(crate::fsops::create_overlay(&base, &overlay))
+            .unwrap();
+        assert!(!base.exists(), "the overlay is made without the base");
+        std::fs::write(dir.path().join("ram"), b"").unwrap();
+        let spec = VmSpec {
+            dir: dir.path().to_owned(),
+            kernel: "vmlinux".into(),
+            initrd: "initrd".into(),
+            cmdline: String::new(),
+            vcpus: 1,
+            memory_mib: 16,
+            ram_file: dir.path().join("ram"),
+            ram_shared: true,
+            disk: overlay,
+            disk_format: DiskFormat::Qcow2,
+            nic: false,
+            tap: None,
+            cpu: None,
+        };
+        let socks = dir.path().join("nbd");
+        std::fs::create_dir(&socks).unwrap();
+        let lazy = LazyBacking {
+            path: base.clone(),
+            socket_dir: socks,
+            export: "disk".into(),
+        };
+        let f = VmFiles::open(&spec, None, &[lazy]).unwrap();
+        assert!(f.drive.ends_with(",backing=lazy0"), "{}", f.drive);
+        assert_eq!(f.blockdevs.len(), 2, "{:?}", f.blockdevs);
+        assert!(
+            f.blockdevs[0].starts_with(
+                "driver=nbd,node-name=lazy0-nbd,server.type=unix,server.path=/proc/self/fd/"
+            ) && f.blockdevs[0].contains("/disk.sock,export=disk,"),
+            "{}",
+            f.blockdevs[0]
+        );
+        assert_eq!(
+            f.blockdevs[1],
+            "driver=raw,node-name=lazy0,file=lazy0-nbd,read-only=on"
+        );
+        // Without the export the same chain cannot start (the base is not here).
+        assert!(VmFiles::open(&spec, None, &[]).is_err());
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod error;
 pub mod fsops;
 pub mod kernel;
 pub mod launch;
+pub mod lazy;
 pub mod net;
 pub mod network;
 pub mod persist;
@@ -33,6 +34,7 @@ pub mod rootfs;
 mod sandbox;
 pub mod snapshot;
 pub mod template;
+mod template_store;
 pub mod uid;
 pub mod vmm;
 mod warm;
@@ -41,7 +43,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 
-pub use config::{Accel, AccelKind, RuntimeConfig};
+pub use config::{Accel, AccelKind, LazyDiskMode, RuntimeConfig};
 pub use error::{
     ConnectError, CreateError, KillError, OpenError, PauseError, RecoverError, ResumeError,
     SnapshotError, TemplateError,
@@ -130,6 +132,8 @@ pub(crate) struct Inner {
     pub(crate) prepared: Arc<prepared::Prepared>,
     /// VMs restored ahead of creates.
     pub(crate) warm: warm::WarmPool,
+    /// NBD exports of lazily served disks.
+    pub(crate) lazy: Arc<lazy::LazyDisks>,
 }
 
 /// Every 2 s, rotates the serial console log of each sandbox above [`vmm::CONSOLE_LOG_MAX`]
@@ -197,11 +201,6 @@ impl Runtime {
                 source: std::io::Error::other(e.to_string()),
             })??;
         let accel = accel::choose(&cfg, &kernel, &cache).await;
-        let vmm: Arc<dyn Vmm> = Arc::new(qemu::QemuVmm::new(
-            cfg.qemu_bin.clone(),
-            accel,
-            cfg.qemu_uids,
-        ));
         let mut templates = BTreeMap::new();
         let tdir = cfg.state_dir.join("templates");
         for e in std::fs::read_dir(&tdir)
@@ -226,6 +225,14 @@ impl Runtime {
             c
         });
         let store = Arc::new(agentenv_store::ChunkStore::open(store_cfg).await?);
+        let lazy = Arc::new(lazy::LazyDisks::new(
+            store.clone(),
+            template_store::nbd_dir(&cfg.state_dir),
+        ));
+        let vmm: Arc<dyn Vmm> = Arc::new(
+            qemu::QemuVmm::new(cfg.qemu_bin.clone(), accel, cfg.qemu_uids)
+                .with_lazy_disks(lazy.clone()),
+        );
         let (net, net_off) = match &cfg.network {
             None => (None, "networking is off (`--network off`)".to_string()),
             Some(nc) => match net::Network::start(nc.clone(), &cfg.state_dir) {
@@ -264,9 +271,20 @@ impl Runtime {
             net_off,
             prepared,
             warm,
+            lazy,
         });
         spawn_console_rotation(Arc::downgrade(&inner));
         Ok(Runtime { inner })
+    }
+
+    /// NBD exports of lazy disks running now (each serves every QEMU whose disk chain ends in it).
+    pub async fn lazy_exports(&self) -> usize {
+        self.inner.lazy.running().await
+    }
+
+    /// What the chunk store holds locally now.
+    pub fn store_stats(&self) -> agentenv_store::LocalStats {
+        self.inner.store.local_stats()
     }
 
     /// The accelerator in use (for reports).

@@ -12,7 +12,8 @@ use tokio::sync::Mutex;
 
 use crate::cgroup::{Hierarchy, Limits};
 use crate::config::AccelKind;
-use crate::launch::{Owner, VmFiles};
+use crate::launch::{LazyBacking, Owner, VmFiles};
+use crate::lazy::{Export, LazyDisks};
 use crate::qmp::QmpClient;
 use crate::uid::{Lease, UidPool, UidRange};
 use crate::vmm::{BoxFuture, Pausable, Restored, Snapshottable, VmInstance, VmSpec, Vmm, VmmError};
@@ -35,6 +36,8 @@ pub struct QemuVmm {
     cgroups: Option<Hierarchy>,
     /// Per-VM uids (`None`: QEMU runs as this process, which is not root or was told not to).
     uids: Option<Uids>,
+    /// Exports of lazily served disks (`None`: every disk is a local file).
+    lazy: Option<Arc<LazyDisks>>,
 }
 
 /// The uid pool and the group of every VM.
@@ -93,6 +96,21 @@ impl QemuVmm {
             accel,
             cgroups,
             uids,
+            lazy: None,
+        }
+    }
+
+    /// The same, serving disks that end in a lazy disk ([`crate::lazy`]) through `lazy`'s exports.
+    pub fn with_lazy_disks(mut self, lazy: Arc<LazyDisks>) -> QemuVmm {
+        self.lazy = Some(lazy);
+        self
+    }
+
+    /// The exports `spec`'s QEMU needs, started where none runs.
+    async fn exports(&self, spec: &VmSpec) -> Result<Vec<(LazyBacking, Arc<Export>)>, VmmError> {
+        match &self.lazy {
+            Some(l) => l.exports_for(spec).await,
+            None => Ok(Vec::new()),
         }
     }
 
@@ -103,6 +121,11 @@ impl QemuVmm {
             .add_fds
             .iter()
             .flat_map(|v| ["-add-fd".to_string(), v.clone()])
+            .chain(
+                f.blockdevs
+                    .iter()
+                    .flat_map(|v| ["-blockdev".to_string(), v.clone()]),
+            )
             .collect();
         a.extend([
             "-M".into(),
@@ -218,7 +241,8 @@ impl QemuVmm {
         for old in ["qmp.sock", "agent.sock"] {
             let _ = std::fs::remove_file(spec.dir.join(old));
         }
-        let files = VmFiles::open(spec, owner)?;
+        let (lazy, exports): (Vec<_>, Vec<_>) = self.exports(spec).await?.into_iter().unzip();
+        let files = VmFiles::open(spec, owner, &lazy)?;
         for sock in [spec.qmp_socket(), spec.agent_socket()] {
             let len = sock.as_os_str().len();
             if len > 107 {
@@ -297,6 +321,7 @@ impl QemuVmm {
             uid: owner.map(|o| o.uid),
             pool: self.uids.as_ref().map(|u| u.pool.clone()),
             released: Default::default(),
+            _exports: exports,
         })
     }
 
@@ -425,6 +450,13 @@ impl Vmm for QemuVmm {
                 return Err(VmmError::NotRunning { pid });
             }
             let qmp = QmpClient::connect(&spec.qmp_socket(), Duration::from_secs(2)).await?;
+            // Its NBD client reconnects to the exports it used (same socket paths).
+            let exports = self
+                .exports(spec)
+                .await?
+                .into_iter()
+                .map(|(_, e)| e)
+                .collect();
             // The QEMU keeps the uid it was started with: hold it, so no new VM gets it too.
             let uid = crate::uid::process_uid(pid);
             let pool = self.uids.as_ref().map(|u| u.pool.clone());
@@ -444,6 +476,7 @@ impl Vmm for QemuVmm {
                 uid,
                 pool,
                 released: Default::default(),
+                _exports: exports,
             }) as Box<dyn VmInstance>)
         })
     }
@@ -486,6 +519,8 @@ struct QemuVm {
     pool: Option<Arc<UidPool>>,
     /// Set once `uid` went back to the pool (a second exit wait must not free it again).
     released: std::sync::atomic::AtomicBool,
+    /// The exports of its lazy disks, held while it runs.
+    _exports: Vec<Arc<Export>>,
 }
 
 /// The cgroup name of a VM: its folder's name (the sandbox id, or a template build's folder).

@@ -144,6 +144,14 @@ impl Runtime {
                 "{id} (parent chain too long)"
             )));
         }
+        // A template published to the shared store is imported first (the import lock is held).
+        if self.template_record(&shared.record.template_id).is_none()
+            && let Err(e) = self
+                .import_template_locked(&shared.record.template_id)
+                .await
+        {
+            tracing::warn!(snapshot = %id, error = %e, "importing its template failed");
+        }
         let template = self
             .template_record(&shared.record.template_id)
             .ok_or_else(|| {

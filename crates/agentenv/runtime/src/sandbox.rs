@@ -191,9 +191,16 @@ impl Runtime {
         if !valid_id(&spec.sandbox_id) {
             return Err(CreateError::InvalidId(spec.sandbox_id));
         }
-        let image = self
-            .image(&spec.template_id)
-            .ok_or_else(|| CreateError::UnknownTemplate(spec.template_id.clone()))?;
+        let image = match self.image(&spec.template_id) {
+            Some(i) => i,
+            // A template published to the shared chunk store by another machine.
+            None => match self.import_template(&spec.template_id).await {
+                Ok(Some(_)) => self.image(&spec.template_id),
+                Ok(None) => None,
+                Err(e) => return Err(CreateError::Template(e)),
+            }
+            .ok_or_else(|| CreateError::UnknownTemplate(spec.template_id.clone()))?,
+        };
         if let Some(rec) = image.parent.as_ref().and_then(|p| self.snapshot_record(p)) {
             self.ensure_local(&rec).await.map_err(|e| CreateError::Io {
                 what: "snapshot files",

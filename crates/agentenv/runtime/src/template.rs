@@ -385,7 +385,7 @@ async fn build_into_cache(
 
 /// The CPU model of new machines: the host's under KVM; under TCG everything TCG emulates but 5-level
 /// paging (so wheels built for x86-64-v2/v3, such as numpy 2.4's, run; QEMU's default `qemu64` lacks SSE4.2).
-fn cpu_model(accel: crate::AccelKind) -> &'static str {
+pub(crate) fn cpu_model(accel: crate::AccelKind) -> &'static str {
     match accel {
         crate::AccelKind::Kvm => "host",
         crate::AccelKind::Tcg => "max,la57=off",

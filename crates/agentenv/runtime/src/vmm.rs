@@ -111,6 +111,9 @@ pub enum VmmError {
     /// The process to re-attach is gone or is not this VM.
     #[error("VM process {pid} is not running")]
     NotRunning { pid: u32 },
+    /// A lazily served disk of the backing chain cannot be exported.
+    #[error("lazy disk {path}: {detail}")]
+    LazyDisk { path: PathBuf, detail: String },
 }
 
 /// Stop and continue the vCPUs.

@@ -91,6 +91,14 @@ enum KeysCommand {
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum LazyArg {
+    /// Imported template disks stay in the chunk store, served over NBD.
+    Auto,
+    /// Imported template disks are copied here whole.
+    Off,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
 enum NetArg {
     /// On where the host allows it (root, nftables, iproute2), else off with the reason logged.
     Auto,
@@ -155,6 +163,12 @@ struct ServeArgs {
     /// Region of the bucket.
     #[arg(long, env = "AWS_REGION", default_value = "us-east-1")]
     s3_region: String,
+    /// Disks of templates imported from the bucket: `auto` serves them block by block from the chunk
+    /// store over NBD (a node starts an image it does not hold whole; the chunk cache keeps its bound),
+    /// `off` copies each whole disk here first. With a bucket and `auto`, the default template is also
+    /// published to the bucket for other servers.
+    #[arg(long, env = "AGENTENV_LAZY_DISKS", value_enum, default_value = "auto")]
+    lazy_disks: LazyArg,
     /// First uid QEMU processes run as, one uid per VM, when the server runs as root (`off` or 0:
     /// QEMU runs as the server's user). The VMs' group is this id too (the kvm group under KVM).
     #[arg(long, env = "AGENTENV_QEMU_UID_BASE", default_value = "1000000", value_parser = parse_uid_base)]
@@ -349,6 +363,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cfg.ram_dir = args.ram_dir;
     cfg.warm_vms = args.warm_vms;
     cfg.warm_vms_max = args.warm_vms_max;
+    cfg.lazy_disks = match args.lazy_disks {
+        LazyArg::Auto => agentenv_runtime::LazyDiskMode::Auto,
+        LazyArg::Off => agentenv_runtime::LazyDiskMode::Off,
+    };
     cfg.keep_paused = std::time::Duration::from_secs(args.keep_paused_s);
     if let (Some(endpoint), Some(bucket)) = (args.s3_endpoint, args.s3_bucket) {
         let env = |k: &str| std::env::var(k).with_context(|| format!("--s3-endpoint needs {k}"));
@@ -400,6 +418,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = runtime_backend::open_with_default_template(cfg).await?;
     if let Some(why) = runtime.networking_off() {
         tracing::warn!(reason = why, "sandbox networking is off");
+    }
+    if cfg_has_bucket && args.lazy_disks == LazyArg::Auto {
+        // Other servers sharing the bucket start it without building it (its disk lazily).
+        let rt = runtime.clone();
+        tokio::spawn(async move {
+            if let Err(e) = rt.publish_template("base").await {
+                tracing::warn!(error = %e, "publishing the default template failed");
+            }
+        });
     }
     let closer = runtime.clone();
     tracing::info!(

@@ -16,6 +16,14 @@ pub fn accel_label(rt: &Runtime) -> &'static str {
 /// with the steps logged).
 pub async fn open_with_default_template(cfg: RuntimeConfig) -> anyhow::Result<Runtime> {
     let rt = Runtime::open(cfg).await?;
+    // One published to a shared bucket is imported (its disk served lazily), not built again.
+    match rt.import_template("base").await {
+        Ok(Some(_)) => return Ok(rt),
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "importing the published default template failed; building it")
+        }
+    }
     let progress =
         |p: agentenv_runtime::BuildProgress| tracing::info!(progress = ?p, "default template");
     rt.ensure_default_template(&progress).await?;

@@ -7,7 +7,8 @@
 //!
 //! - [`ChunkStore`]: a local folder as a bounded cache ([`StoreConfig::max_local_bytes`]) plus an optional
 //!   S3-compatible bucket ([`RemoteConfig`], through `object_store`). Local only, the folder is the durable
-//!   store; with a bucket, local chunks are a cache with LRU eviction of chunks no pinned manifest needs.
+//!   store; with a bucket, local chunks are a cache with LRU eviction that keeps its bound (chunks no pinned
+//!   manifest needs go first).
 //! - [`ChunkStore::ingest`] / [`ChunkStore::materialize`]: file to manifest and back (sparse, atomic,
 //!   missing chunks fetched concurrently and verified).
 //! - [`ChunkStore::put_meta`] and friends: small metadata blobs kept beside the manifests, locally and in

@@ -311,8 +311,8 @@ impl Index {
         }
     }
 
-    /// Whether a chunk may leave the local folder: with a remote, anything not pinned (the bucket keeps it);
-    /// local only, nothing a manifest references. Chunks of running ingests never.
+    /// Whether a chunk may leave the local folder in the first pass: with a remote, anything not pinned (the
+    /// bucket keeps it); local only, nothing a manifest references. Chunks of running ingests never.
     fn evictable(&self, id: &ChunkId, has_remote: bool) -> bool {
         !self.protected.contains_key(id)
             && if has_remote {
@@ -337,6 +337,26 @@ impl Index {
             if self.evictable(id, has_remote) {
                 freed += self.chunks[id].stored_len;
                 victims.push(*id);
+            }
+        }
+        // With a remote the bound holds: pinned chunks go too (oldest first) when the others do not suffice.
+        // Chunks of running ingests may exceed it for a while (they become evictable when the ingest ends).
+        let ingesting: u64 = self
+            .protected
+            .keys()
+            .filter_map(|id| self.chunks.get(id))
+            .map(|e| e.stored_len)
+            .sum();
+        if has_remote && self.total - freed > max_bytes + ingesting {
+            let first: std::collections::HashSet<ChunkId> = victims.iter().copied().collect();
+            for id in self.lru.values() {
+                if self.total - freed <= max_bytes + ingesting {
+                    break;
+                }
+                if !first.contains(id) && !self.protected.contains_key(id) {
+                    freed += self.chunks[id].stored_len;
+                    victims.push(*id);
+                }
             }
         }
         for id in &victims {
@@ -393,6 +413,13 @@ mod tests {
         let v = ix.evict_to(700, true);
         assert_eq!(v, vec![id(3), id(4), id(5)]);
         assert_eq!(ix.total_bytes(), 700);
+        // With a remote the bound holds: once no unpinned chunk is left, pinned ones go, oldest first.
+        let v = ix.evict_to(100, true);
+        assert_eq!(v, vec![id(6), id(7), id(8), id(9), id(0), id(1)]);
+        assert!(ix.has(&id(2)));
+        for n in [1, 6, 7, 8, 9, 0] {
+            ix.insert(id(n), 100);
+        }
         // Local only: referenced chunks stay even when unpinned.
         ix.unpin(&mid, "sbx-a");
         let v = ix.evict_to(200, false);

@@ -63,8 +63,18 @@ const CONN_CACHE: usize = 16;
 /// A running export; stops (and removes its socket) on [`NbdServer::shutdown`] or drop.
 pub struct NbdServer {
     socket: PathBuf,
+    /// Device and inode of the socket it bound: only that file is removed at the end (a later export may
+    /// have bound the same path meanwhile).
+    inode: (u64, u64),
     export: String,
     task: Option<tokio::task::JoinHandle<()>>,
+}
+
+fn inode_of(p: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(p)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 struct Export {
@@ -84,6 +94,7 @@ impl NbdServer {
     ) -> Result<NbdServer> {
         let _ = std::fs::remove_file(socket);
         let listener = UnixListener::bind(socket).map_err(StoreError::io("bind", socket))?;
+        let inode = inode_of(socket).unwrap_or_default();
         let ex = Arc::new(Export {
             store,
             manifest,
@@ -113,6 +124,7 @@ impl NbdServer {
         });
         Ok(NbdServer {
             socket: socket.to_owned(),
+            inode,
             export: name.to_owned(),
             task: Some(task),
         })
@@ -146,7 +158,9 @@ impl Drop for NbdServer {
         if let Some(t) = &self.task {
             t.abort();
         }
-        let _ = std::fs::remove_file(&self.socket);
+        if inode_of(&self.socket) == Some(self.inode) {
+            let _ = std::fs::remove_file(&self.socket);
+        }
     }
 }
 

@@ -91,9 +91,11 @@ impl Remote {
             .with_allow_http(cfg.allow_http)
             .with_timeout(cfg.timeout)
             .with_connect_timeout(cfg.timeout.min(Duration::from_secs(10)));
+        // A loaded S3 server answers 500/503 for a second or two (seen with SeaweedFS while a 1 GiB
+        // image uploaded on a busy 2-core box): back off about 6 s in all before failing.
         let retry = RetryConfig {
             backoff: BackoffConfig::default(),
-            max_retries: 3,
+            max_retries: 6,
             retry_timeout: cfg.timeout,
         };
         let mut b = AmazonS3Builder::new()

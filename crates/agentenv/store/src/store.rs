@@ -22,8 +22,8 @@ pub struct StoreConfig {
     /// Local folder (chunks, metadata, pins).
     pub dir: PathBuf,
     /// Bound of the local chunk files in bytes (stored size). With a remote, least recently used chunks
-    /// that no pinned manifest needs are evicted to stay within it; local only, the folder is the durable
-    /// store, and only chunks no manifest references are removed.
+    /// are evicted to stay within it, those no pinned manifest needs first (the bucket keeps them all);
+    /// local only, the folder is the durable store, and only chunks no manifest references are removed.
     pub max_local_bytes: u64,
     /// Chunk size, a power of two in 4 KiB..=4 MiB (default 64 KiB).
     pub chunk_size: usize,

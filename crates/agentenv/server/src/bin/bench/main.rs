@@ -25,6 +25,7 @@ use agentenv_server::backend::VmBackend;
 use agentenv_server::{keys, runtime_backend};
 
 mod cluster;
+mod lazy;
 mod load;
 mod net;
 mod s3;
@@ -70,6 +71,14 @@ struct Args {
     /// Placements of the cluster bench.
     #[arg(long, default_value_t = 4000)]
     placements: usize,
+    /// Run only the lazy disk bench: first-command latency of the 1 GiB template image served from S3
+    /// (SeaweedFS on loopback) over NBD on a node with an empty cache, against a warm cache and a local
+    /// disk (needs `weed`).
+    #[arg(long)]
+    lazy: bool,
+    /// Rounds of the lazy disk bench (one fresh node each).
+    #[arg(long, default_value_t = 3)]
+    lazy_rounds: usize,
 }
 
 struct Http {
@@ -498,6 +507,34 @@ async fn main() -> anyhow::Result<()> {
     let state = tempfile::Builder::new()
         .prefix("agentenv-bench-")
         .tempdir()?;
+    if args.lazy {
+        let l = lazy::run(state.path(), accel, args.lazy_rounds).await?;
+        let cmd: Vec<String> = std::env::args().collect();
+        let mut notes = vec![format!("command: {}", cmd.join(" "))];
+        notes.extend(l.notes);
+        notes.push(
+            "caveat: 2-core dev box shared with other builds; TCG is software emulation".into(),
+        );
+        report.sections.push(Section {
+            system: "agentenv".into(),
+            tier: args.tier,
+            title: "Lazy disks: a template image served from S3 over NBD".into(),
+            machine,
+            figures: l.figures,
+            plots: vec![],
+            notes,
+        });
+        report.write(&args.out)?;
+        println!("wrote {}", args.out.display());
+        // Background work of the dropped runtimes (prepared files) may still write for a moment.
+        for _ in 0..50 {
+            if std::fs::remove_dir_all(state.path()).is_ok() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        return Ok(());
+    }
     let mut cfg = agentenv_runtime::RuntimeConfig::new(state.path().join("runtime"));
     cfg.accel = accel;
     if args.no_qemu_uids {
