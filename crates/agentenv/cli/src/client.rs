@@ -83,6 +83,50 @@ impl ApiClient {
         Ok((status, json))
     }
 
+    /// A control-plane call answered with JSON lines (`Accept: application/x-ndjson`): `on_line` gets
+    /// each line as it arrives. A non-2xx answer is an error with the server's message.
+    pub async fn call_lines(
+        &self,
+        method: Method,
+        path: &str,
+        body: Value,
+        mut on_line: impl FnMut(Value),
+    ) -> anyhow::Result<()> {
+        let req = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base))
+            .header("X-API-KEY", &self.api_key)
+            .header("Content-Type", "application/json")
+            .header("Accept", "application/x-ndjson")
+            .body(Full::new(Bytes::from(serde_json::to_vec(&body)?)))?;
+        let resp = self.send(req).await?;
+        let status = resp.status();
+        let mut body = resp.into_body();
+        if !status.is_success() {
+            let bytes = body.collect().await?.to_bytes();
+            let json: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let msg = json
+                .get("message")
+                .and_then(Value::as_str)
+                .unwrap_or("no message");
+            bail!("server answered {status}: {msg}");
+        }
+        let mut buf = BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame?.into_data() {
+                buf.extend_from_slice(&data);
+            }
+            while let Some(end) = buf.iter().position(|&b| b == b'\n') {
+                let line = buf.split_to(end + 1);
+                let v = serde_json::from_slice(&line[..end]).with_context(|| {
+                    format!("a bad progress line: {:?}", String::from_utf8_lossy(&line))
+                })?;
+                on_line(v);
+            }
+        }
+        Ok(())
+    }
+
     /// `PUT` of raw bytes (a build's COPY archive).
     pub async fn put_bytes(&self, path: &str, bytes: Vec<u8>) -> anyhow::Result<()> {
         let req = Request::builder()

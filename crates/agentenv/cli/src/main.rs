@@ -213,6 +213,50 @@ fn spinner(msg: &str) -> ProgressBar {
     pb
 }
 
+/// Builds a template through `POST /templates` (body `body`), with a progress bar: bytes while an image is
+/// pulled, the build's step otherwise. Returns the template.
+async fn build_with_progress(api: &ApiClient, label: &str, body: Value) -> anyhow::Result<Value> {
+    let pb = spinner(label);
+    let bytes_style = ProgressStyle::with_template(
+        "{spinner} {msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {elapsed}",
+    )
+    .expect("valid template")
+    .progress_chars("=> ");
+    let step_style =
+        ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template");
+    let mut end = None;
+    let streamed = api
+        .call_lines(Method::POST, "/templates", body, |v| {
+            if let Some(t) = v.get("template") {
+                end = Some(Ok(t.clone()));
+            } else if let Some(e) = v.get("error") {
+                end = Some(Err(anyhow::anyhow!(
+                    "template build failed ({}): {}",
+                    e["code"],
+                    e["message"].as_str().unwrap_or("no message")
+                )));
+            } else if let (Some(done), Some(total)) =
+                (v["bytesDone"].as_u64(), v["bytesTotal"].as_u64())
+            {
+                pb.set_style(bytes_style.clone());
+                pb.set_length(total);
+                pb.set_position(done);
+                pb.set_message(format!("{label}: pulling"));
+            } else {
+                pb.set_style(step_style.clone());
+                pb.set_message(format!("{label}: {} {}", s(&v, "step"), s(&v, "detail")));
+            }
+        })
+        .await;
+    pb.finish_and_clear();
+    streamed?;
+    end.unwrap_or_else(|| {
+        Err(anyhow::anyhow!(
+            "the server ended the build stream without a result"
+        ))
+    })
+}
+
 fn s(v: &Value, k: &str) -> String {
     match &v[k] {
         Value::String(s) => s.clone(),
@@ -307,13 +351,11 @@ async fn run(cli: &Cli, api: &ApiClient) -> anyhow::Result<i32> {
             let what = from_image.as_ref().map_or(String::new(), |i| {
                 format!(" from {i} (pull, unpack, boot, snapshot)")
             });
-            let pb = spinner(&format!("building template {id}{what}"));
             let body = json!({"templateID": id, "aliases": aliases, "cpuCount": cpus, "memoryMB": memory_mb,
                 "diskSizeMB": disk_mb, "fromImage": from_image, "registryUsername": registry_user,
                 "registryPassword": registry_password});
-            let res = api.call(Method::POST, "/templates", Some(body)).await;
-            pb.finish_and_clear();
-            let (_, t) = res?;
+            let t =
+                build_with_progress(api, &format!("building template {id}{what}"), body).await?;
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&t)?)
             } else {

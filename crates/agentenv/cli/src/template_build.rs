@@ -116,16 +116,12 @@ async fn base(api: &ApiClient, from: &str) -> anyhow::Result<String> {
         .as_array()
         .is_some_and(|a| a.iter().any(|t| t["templateID"] == id.as_str()));
     if !known {
-        let pb = crate::spinner(&format!("building template {id} from image {from}"));
-        let r = api
-            .call(
-                Method::POST,
-                "/templates",
-                Some(json!({"templateID": id, "fromImage": from})),
-            )
-            .await;
-        pb.finish_and_clear();
-        r?;
+        crate::build_with_progress(
+            api,
+            &format!("building template {id} from image {from}"),
+            json!({"templateID": id, "fromImage": from}),
+        )
+        .await?;
     }
     Ok(id)
 }

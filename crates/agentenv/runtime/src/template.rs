@@ -119,6 +119,8 @@ pub struct BuildProgress {
     pub step: BuildStep,
     /// Human-readable detail.
     pub detail: String,
+    /// Bytes done and in all, where the step counts them (an image pull: every layer's blob).
+    pub bytes: Option<(u64, u64)>,
 }
 
 /// Builds (or reuses from the cache) the template and installs it into the state folder.
@@ -131,7 +133,13 @@ pub(crate) async fn build(
         return Err(TemplateError::InvalidId(spec.id));
     }
     spec.check_size()?;
-    let say = |step, detail: String| progress(BuildProgress { step, detail });
+    let say = |step, detail: String| {
+        progress(BuildProgress {
+            step,
+            detail,
+            bytes: None,
+        })
+    };
     let guest_bin = rootfs::find_guest_binary(inner.cfg.guest_bin.as_deref())?;
     let machine = MachineRecord {
         kernel: inner.kernel.vmlinux.clone(),
@@ -166,7 +174,7 @@ pub(crate) async fn build(
             &guest_bin,
             image.as_ref(),
             &cached,
-            &say,
+            progress,
         )
         .await?;
     }
@@ -230,8 +238,15 @@ async fn build_into_cache(
     guest_bin: &Path,
     image: Option<&ResolvedSource>,
     cached: &Path,
-    say: &(dyn Fn(BuildStep, String) + Send + Sync),
+    progress: &(dyn Fn(BuildProgress) + Send + Sync),
 ) -> Result<(), TemplateError> {
+    let say = &|step, detail: String| {
+        progress(BuildProgress {
+            step,
+            detail,
+            bytes: None,
+        })
+    };
     let partial = cached.with_extension("partial");
     let _ = std::fs::remove_dir_all(&partial);
     let vm_dir = partial.join("vm");
@@ -261,7 +276,7 @@ async fn build_into_cache(
         }
         Some(img) => {
             let tree = partial.join("rootfs");
-            let config = pull_image(img, &tree, say).await?;
+            let config = pull_image(img, &tree, progress).await?;
             let gb = guest_bin.to_owned();
             let t = tree.clone();
             blocking(move || {
@@ -529,7 +544,7 @@ async fn resolve_image(src: &ImageSource) -> Result<ResolvedSource, TemplateErro
 async fn pull_image(
     img: &ResolvedSource,
     tree: &Path,
-    say: &(dyn Fn(BuildStep, String) + Send + Sync),
+    progress: &(dyn Fn(BuildProgress) + Send + Sync),
 ) -> Result<agentenv_oci::ImageConfig, TemplateError> {
     let _ = std::fs::remove_dir_all(tree);
     std::fs::create_dir_all(tree).map_err(|e| TemplateError::Io {
@@ -537,36 +552,103 @@ async fn pull_image(
         path: tree.to_owned(),
         source: e,
     })?;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<BuildProgress>();
     let (i, o, t) = (img.image.clone(), img.options.clone(), tree.to_owned());
     let job = tokio::task::spawn_blocking(move || {
+        let mut counter = PullCounter::default();
         agentenv_oci::pull(&i, &t, &o, &mut |e| {
-            let _ = tx.send(format!("{e:?}"));
+            if let Some(p) = counter.update(e) {
+                let _ = tx.send(p);
+            }
         })
     });
     let mut job = std::pin::pin!(job);
     let pulled = loop {
         tokio::select! {
-            Some(ev) = rx.recv() => say(BuildStep::Pull, ev),
+            Some(p) = rx.recv() => progress(p),
             r = &mut job => break r,
         }
     };
-    while let Ok(ev) = rx.try_recv() {
-        say(BuildStep::Pull, ev);
+    while let Ok(p) = rx.try_recv() {
+        progress(p);
     }
     let pulled = pulled
         .map_err(|e| TemplateError::Image(e.to_string()))?
         .map_err(|e| TemplateError::Image(e.to_string()))?;
-    say(
-        BuildStep::Pull,
-        format!(
+    progress(BuildProgress {
+        step: BuildStep::Pull,
+        detail: format!(
             "{} ({} layers, {} bytes)",
             pulled.digest,
             pulled.layers.len(),
             pulled.bytes
         ),
-    );
+        bytes: Some((pulled.bytes, pulled.bytes)),
+    });
     Ok(pulled.config)
+}
+
+/// Turns pull events into progress reports with the bytes of all layers: at most one per MiB received,
+/// plus one per layer step.
+#[derive(Debug, Default)]
+struct PullCounter {
+    sizes: Vec<u64>,
+    done: Vec<u64>,
+    reported: u64,
+}
+
+impl PullCounter {
+    fn update(&mut self, e: &agentenv_oci::PullEvent) -> Option<BuildProgress> {
+        use agentenv_oci::PullEvent as E;
+        let detail = match e {
+            E::Resolved {
+                digest,
+                layer_sizes,
+            } => {
+                self.sizes = layer_sizes.clone();
+                self.done = vec![0; layer_sizes.len()];
+                format!("{digest}: {} layers", layer_sizes.len())
+            }
+            E::LayerStart { index, cached, .. } => {
+                if *cached
+                    && let (Some(d), Some(s)) = (self.done.get_mut(*index), self.sizes.get(*index))
+                {
+                    *d = *s;
+                }
+                format!(
+                    "layer {}{}",
+                    index + 1,
+                    if *cached { " (cached)" } else { "" }
+                )
+            }
+            E::LayerBytes { index, done, .. } => {
+                if let Some(d) = self.done.get_mut(*index) {
+                    *d = *done;
+                }
+                let now: u64 = self.done.iter().sum();
+                if now < self.reported + (1 << 20) {
+                    return None;
+                }
+                format!("layer {}", index + 1)
+            }
+            E::LayerDownloaded { index } => {
+                if let (Some(d), Some(s)) = (self.done.get_mut(*index), self.sizes.get(*index)) {
+                    *d = *s;
+                }
+                format!("layer {} downloaded", index + 1)
+            }
+            E::Applying { index } => format!("applying layer {}", index + 1),
+            E::Applied { index, entries } => {
+                format!("layer {} applied ({entries} entries)", index + 1)
+            }
+        };
+        self.reported = self.done.iter().sum();
+        Some(BuildProgress {
+            step: BuildStep::Pull,
+            detail,
+            bytes: Some((self.reported, self.sizes.iter().sum())),
+        })
+    }
 }
 
 /// The image's Env, User, WorkingDir and Entrypoint+Cmd as the template's `/init` defaults.
@@ -648,5 +730,81 @@ mod size_tests {
             assert!(matches!(bad, Err(TemplateError::InvalidSpec(_))), "{bad:?}");
         }
         assert!(with(&|t| t.memory_mib = 16_384).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod pull_progress_tests {
+    use super::*;
+    use agentenv_oci::PullEvent as E;
+
+    /// Pull events become byte counts over all layers: monotone, at most one report per MiB of
+    /// download, a cached layer counted whole, and every byte once the layers are down.
+    #[test]
+    fn pull_events_add_up_to_every_layers_bytes() {
+        let sizes: Vec<u64> = (0..3).map(|_| rand::random_range(1u64..8 << 20)).collect();
+        let total: u64 = sizes.iter().sum();
+        let digest = agentenv_oci::Digest::parse(&format!("sha256:{}", "ab".repeat(32))).unwrap();
+        let mut c = PullCounter::default();
+        let mut seen = vec![];
+        let mut push = |c: &mut PullCounter, e: E| {
+            if let Some(p) = c.update(&e) {
+                assert_eq!(p.step, BuildStep::Pull);
+                seen.push(p.bytes.unwrap());
+            }
+        };
+        push(
+            &mut c,
+            E::Resolved {
+                digest: digest.clone(),
+                layer_sizes: sizes.clone(),
+            },
+        );
+        push(
+            &mut c,
+            E::LayerStart {
+                index: 0,
+                digest: digest.clone(),
+                size: sizes[0],
+                cached: true,
+            },
+        );
+        for (i, &size) in sizes.iter().enumerate().skip(1) {
+            push(
+                &mut c,
+                E::LayerStart {
+                    index: i,
+                    digest: digest.clone(),
+                    size,
+                    cached: false,
+                },
+            );
+            let mut done = 0;
+            while done < size {
+                done = (done + 4096).min(size);
+                push(
+                    &mut c,
+                    E::LayerBytes {
+                        index: i,
+                        done,
+                        total: size,
+                    },
+                );
+            }
+            push(&mut c, E::LayerDownloaded { index: i });
+        }
+        assert!(seen.iter().all(|&(_, t)| t == total || t == 0));
+        assert!(
+            seen.windows(2).all(|w| w[0].0 <= w[1].0),
+            "monotone: {seen:?}"
+        );
+        assert_eq!(seen.last().unwrap().0, total);
+        assert_eq!(seen[1].0, sizes[0], "a cached layer counts whole at once");
+        let downloads = (sizes[1] + sizes[2]) >> 20;
+        assert!(
+            seen.len() as u64 <= downloads + 8,
+            "{} reports for {downloads} MiB",
+            seen.len()
+        );
     }
 }

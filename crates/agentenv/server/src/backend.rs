@@ -12,9 +12,9 @@ pub use agentenv_runtime::error::NetworkError;
 pub use agentenv_runtime::net::EgressPolicy;
 pub use agentenv_runtime::network::{NetworkInfo, Sample};
 pub use agentenv_runtime::{
-    ConnectError, CreateError, CreateSpec, KillError, PauseError, RecoverError, RecoveredVm,
-    ResumeError, SandboxVm, SnapshotError, SnapshotInfo, SnapshotMode, TemplateError, TemplateInfo,
-    TemplateSpec, VmState,
+    BuildProgress, BuildStep, ConnectError, CreateError, CreateSpec, KillError, PauseError,
+    RecoverError, RecoveredVm, ResumeError, SandboxVm, SnapshotError, SnapshotInfo, SnapshotMode,
+    TemplateError, TemplateInfo, TemplateSpec, VmState,
 };
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -28,6 +28,9 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> AgentIo for T {}
 /// A boxed agent stream.
 pub type AgentStream = Box<dyn AgentIo>;
 
+/// Where a template build reports its progress (a streaming caller, or nobody).
+pub type ProgressFn = std::sync::Arc<dyn Fn(BuildProgress) + Send + Sync>;
+
 /// One result per requested fork.
 pub type ForkResults = Vec<Result<SandboxVm, CreateError>>;
 
@@ -39,6 +42,7 @@ pub trait VmBackend: Send + Sync + 'static {
     fn build_template(
         &self,
         spec: TemplateSpec,
+        progress: ProgressFn,
     ) -> BoxFuture<'_, Result<TemplateInfo, TemplateError>>;
     /// Returns once envd in the guest answers. `spec.template_id` names a template or a snapshot.
     fn create(&self, spec: CreateSpec) -> BoxFuture<'_, Result<SandboxVm, CreateError>>;

@@ -76,10 +76,29 @@ impl VmBackend for FakeBackend {
     fn build_template(
         &self,
         spec: TemplateSpec,
+        progress: crate::backend::ProgressFn,
     ) -> BoxFuture<'_, Result<TemplateInfo, TemplateError>> {
         Box::pin(async move {
             if self.templates().iter().any(|t| t.id == spec.id) {
                 return Err(TemplateError::InvalidSpec(format!("{} exists", spec.id)));
+            }
+            // A pull of two 1 MiB layers, then the build's own steps.
+            for done in [0, 1 << 20, 2 << 20] {
+                progress(agentenv_runtime::BuildProgress {
+                    step: agentenv_runtime::BuildStep::Pull,
+                    detail: format!("{done} bytes"),
+                    bytes: Some((done, 2 << 20)),
+                });
+            }
+            for step in [
+                agentenv_runtime::BuildStep::Image,
+                agentenv_runtime::BuildStep::Boot,
+            ] {
+                progress(agentenv_runtime::BuildProgress {
+                    step,
+                    detail: String::new(),
+                    bytes: None,
+                });
             }
             let t = TemplateInfo {
                 id: spec.id,

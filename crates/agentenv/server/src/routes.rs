@@ -314,15 +314,20 @@ pub async fn list_templates_v2(s: State<AppState>, who: Who) -> Json<Vec<Templat
     list_templates(s, who).await
 }
 
-/// Build a template through the runtime (minutes; returns when it is ready).
+/// Build a template through the runtime (minutes; returns when it is ready). With `Accept:
+/// application/x-ndjson` the answer is 200 and a stream of progress lines (`step`, `detail`, and for an image
+/// pull `bytesDone`/`bytesTotal`), ending with `{"template": ...}` or `{"error": {"code", "message"}}`.
 #[utoipa::path(post, path = "/templates", tag = "templates", request_body = BuildTemplateRequest,
-    responses((status = 201, body = TemplateView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)),
+    responses((status = 201, body = TemplateView),
+        (status = 200, description = "progress lines, then the template or an error (Accept: application/x-ndjson)", content_type = "application/x-ndjson", body = String),
+        (status = 400, body = ErrorBody), (status = 401, body = ErrorBody)),
     security(("ApiKeyAuth" = [])))]
 pub async fn build_template(
     State(s): State<AppState>,
     Who(who): Who,
+    headers: HeaderMap,
     E2bJson(req): E2bJson<BuildTemplateRequest>,
-) -> ApiResult<(StatusCode, Json<TemplateView>)> {
+) -> ApiResult<Response> {
     let valid = !req.template_id.is_empty()
         && req.template_id.len() <= 63
         && req
@@ -349,20 +354,68 @@ pub async fn build_template(
                 password: req.registry_password,
             }),
     };
-    let t = s
-        .sandboxes
-        .build_template(&who, spec)
-        .await
-        .map_err(|e| match e {
-            agentenv_runtime::TemplateError::InvalidId(_)
-            | agentenv_runtime::TemplateError::InvalidSpec(_)
-            | agentenv_runtime::TemplateError::Image(_) => ApiError::bad_request(e.to_string()),
-            e => {
-                tracing::error!(error = %e, "template build failed");
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+    let streams = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/x-ndjson"));
+    if !streams {
+        let t = s
+            .sandboxes
+            .build_template(&who, spec, std::sync::Arc::new(|_| {}))
+            .await
+            .map_err(template_error)?;
+        return Ok((StatusCode::CREATED, Json(views::template(&t))).into_response());
+    }
+    // The build runs to its end even if the client goes away; lines it cannot send are dropped.
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let line = |v: serde_json::Value| format!("{v}\n");
+    let progress_tx = tx.clone();
+    let progress: crate::backend::ProgressFn = std::sync::Arc::new(move |p| {
+        let mut v = serde_json::json!({
+            "step": format!("{:?}", p.step).to_lowercase(),
+            "detail": p.detail,
+        });
+        if let Some((done, total)) = p.bytes {
+            v["bytesDone"] = done.into();
+            v["bytesTotal"] = total.into();
+        }
+        let _ = progress_tx.send(line(v));
+    });
+    let sandboxes = s.sandboxes.clone();
+    tokio::spawn(async move {
+        let end = match sandboxes.build_template(&who, spec, progress).await {
+            Ok(t) => serde_json::json!({"template": views::template(&t)}),
+            Err(e) => {
+                let e = template_error(e);
+                serde_json::json!({"error": {"code": e.status.as_u16(), "message": e.message}})
             }
-        })?;
-    Ok((StatusCode::CREATED, Json(views::template(&t))))
+        };
+        let _ = tx.send(line(end));
+    });
+    let lines = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|l| (Ok::<_, std::convert::Infallible>(l), rx))
+    });
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        axum::body::Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+/// A failed template build as an API error: the caller's mistakes are 400s.
+fn template_error(e: agentenv_runtime::TemplateError) -> ApiError {
+    match e {
+        agentenv_runtime::TemplateError::InvalidId(_)
+        | agentenv_runtime::TemplateError::InvalidSpec(_)
+        | agentenv_runtime::TemplateError::Image(_) => ApiError::bad_request(e.to_string()),
+        e => {
+            tracing::error!(error = %e, "template build failed");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+        }
+    }
 }
 
 /// The server's own health check (no key needed; sandbox headers make `/health` data plane).

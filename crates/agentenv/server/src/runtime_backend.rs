@@ -42,11 +42,17 @@ impl VmBackend for Runtime {
     fn build_template(
         &self,
         spec: TemplateSpec,
+        progress: crate::backend::ProgressFn,
     ) -> BoxFuture<'_, Result<TemplateInfo, TemplateError>> {
         Box::pin(async move {
             let id = spec.id.clone();
-            let progress = move |p: agentenv_runtime::BuildProgress| tracing::info!(template = %id, progress = ?p, "template build");
-            Runtime::build_template(self, spec, &progress).await
+            let report = move |p: agentenv_runtime::BuildProgress| {
+                if p.bytes.is_none() {
+                    tracing::info!(template = %id, step = ?p.step, detail = %p.detail, "template build");
+                }
+                progress(p)
+            };
+            Runtime::build_template(self, spec, &report).await
         })
     }
 

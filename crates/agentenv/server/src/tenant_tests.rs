@@ -412,3 +412,84 @@ async fn network_options_are_checked_shown_and_replaced_per_key() {
         .await;
     assert_eq!(st, StatusCode::NOT_FOUND);
 }
+
+/// `POST /templates` with `Accept: application/x-ndjson`: progress lines (the pull's bytes rising to its
+/// total), then the template; a build that fails ends the stream with a typed error line.
+#[tokio::test]
+async fn template_builds_stream_their_progress_as_ndjson() {
+    let dir = tempfile::tempdir().unwrap();
+    let (api, admin) = open(dir.path(), None).await;
+    let id = format!("tpl-{:x}", rand::random::<u32>());
+    let build = |id: String| {
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri("/templates")
+            .header("x-api-key", &admin)
+            .header("content-type", "application/json")
+            .header("accept", "application/x-ndjson")
+            .body(Body::from(json!({"templateID": id}).to_string()))
+            .unwrap();
+        api.app.clone().oneshot(req)
+    };
+    let lines = |bytes: &[u8]| -> Vec<Value> {
+        String::from_utf8_lossy(bytes)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect()
+    };
+    let resp = build(id.clone()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["content-type"], "application/x-ndjson");
+    let v = lines(
+        &axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap(),
+    );
+    let pulled: Vec<(u64, u64)> = v
+        .iter()
+        .filter(|l| l["step"] == "pull")
+        .map(|l| {
+            (
+                l["bytesDone"].as_u64().unwrap(),
+                l["bytesTotal"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert!(pulled.len() >= 2, "{v:?}");
+    assert!(pulled.windows(2).all(|w| w[0].0 <= w[1].0));
+    assert_eq!(pulled.last().unwrap().0, pulled.last().unwrap().1);
+    assert!(
+        v.iter()
+            .any(|l| l["step"] == "boot" && l.get("bytesDone").is_none())
+    );
+    assert_eq!(
+        v.last().unwrap()["template"]["templateID"],
+        id.as_str(),
+        "{v:?}"
+    );
+    // The same id again: the fake refuses it, and the stream ends with the error.
+    let resp = build(id.clone()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let v = lines(
+        &axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap(),
+    );
+    let end = v.last().unwrap();
+    assert_eq!(end["error"]["code"], 400, "{v:?}");
+    assert!(
+        end["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&id))
+    );
+    // Without the header: one JSON answer, as before.
+    let (st, t) = api
+        .call(
+            &admin,
+            Method::POST,
+            "/templates",
+            Some(json!({"templateID": format!("{id}-b")})),
+        )
+        .await;
+    assert_eq!(st, StatusCode::CREATED, "{t}");
+}

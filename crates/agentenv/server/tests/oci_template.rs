@@ -78,20 +78,36 @@ async fn template_from_an_oci_image_honours_its_config() {
     let server = TestServer::start(dir.path()).await;
     let api = server.client();
 
+    // Built with its progress streamed: the pull's bytes rise to every layer's size, then the template.
+    let key = api.key.clone();
+    let body = json!({"templateID": "oci-test", "fromImage": reference.to_string()});
     let r = api
-        .call(
+        .raw(
             Method::POST,
             "/templates",
-            Some(json!({"templateID": "oci-test", "fromImage": reference.to_string()})),
+            &[
+                ("X-API-KEY", &key),
+                ("Content-Type", "application/json"),
+                ("Accept", "application/x-ndjson"),
+            ],
+            serde_json::to_vec(&body).unwrap(),
         )
         .await;
-    assert_eq!(
-        r.status,
-        StatusCode::CREATED,
-        "{}",
-        String::from_utf8_lossy(&r.body)
-    );
-    let t = r.json();
+    let text = String::from_utf8_lossy(&r.body).to_string();
+    assert_eq!(r.status, StatusCode::OK, "{text}");
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let pulled: Vec<(u64, u64)> = lines
+        .iter()
+        .filter_map(|l| Some((l["bytesDone"].as_u64()?, l["bytesTotal"].as_u64()?)))
+        .collect();
+    assert!(pulled.windows(2).all(|w| w[0].0 <= w[1].0), "{pulled:?}");
+    let (done, total) = *pulled.last().expect("pull progress lines");
+    assert!(total > 100 << 10 && done == total, "{pulled:?}");
+    assert!(lines.iter().any(|l| l["step"] == "boot"), "{text}");
+    let t = lines.last().unwrap()["template"].clone();
     assert!(
         t["fromImage"]
             .as_str()

@@ -121,6 +121,9 @@ impl Weed {
                 "-s3.port.iceberg=0",
                 "-s3.port.lance=0",
                 "-master.volumeSizeLimitMB=256",
+                // Volume slots from the free disk space: the default 8 runs out (each growth takes 7)
+                // once a test uploads a whole template.
+                "-volume.max=0",
             ])
             .arg(format!("-s3.config={}", cfg.display()))
             .arg(format!(

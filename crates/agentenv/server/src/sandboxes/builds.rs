@@ -538,6 +538,7 @@ impl Sandboxes {
                 memory_mib,
                 ..spec
             },
+            std::sync::Arc::new(|_| {}),
         )
         .await
         .map_err(|e| fail(BASE_STEP, format!("building {id}: {e}")))?;

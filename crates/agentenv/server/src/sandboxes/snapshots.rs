@@ -180,6 +180,7 @@ impl Sandboxes {
         &self,
         caller: &Caller,
         spec: TemplateSpec,
+        progress: crate::backend::ProgressFn,
     ) -> std::result::Result<TemplateInfo, TemplateError> {
         let id = spec.id.clone();
         let taken = self.backend.templates().iter().any(|t| t.id == id);
@@ -188,7 +189,7 @@ impl Sandboxes {
                 "recording the owner: {e}"
             )));
         }
-        let r = self.backend.build_template(spec).await;
+        let r = self.backend.build_template(spec, progress).await;
         if r.is_err() && !taken && self.backend.templates().iter().all(|t| t.id != id) {
             let _ = self.owners.forget_template(&id);
         }
