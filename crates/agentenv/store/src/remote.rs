@@ -91,10 +91,15 @@ impl Remote {
             .with_allow_http(cfg.allow_http)
             .with_timeout(cfg.timeout)
             .with_connect_timeout(cfg.timeout.min(Duration::from_secs(10)));
-        // A loaded S3 server answers 500/503 for a second or two (seen with SeaweedFS while a 1 GiB
-        // image uploaded on a busy 2-core box): back off about 6 s in all before failing.
+        // A loaded S3 server answers 500/503 for a few seconds (seen with SeaweedFS while a 1 GiB
+        // image uploaded on a busy 2-core box; with the default backoff six retries spent 0.9 s): back
+        // off at least 0.5 s each time, up to 8 s, before failing.
         let retry = RetryConfig {
-            backoff: BackoffConfig::default(),
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(500),
+                max_backoff: Duration::from_secs(8),
+                base: 2.0,
+            },
             max_retries: 6,
             retry_timeout: cfg.timeout,
         };
