@@ -1,0 +1,251 @@
+//! Snapshot, fork, create-from-snapshot and concurrent-create figures, the incremental snapshot, and PSS
+//! per idle fork, through the E2B API.
+
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use hyper::Method;
+use k3_common::report::Figure;
+use k3_common::stats;
+use serde_json::{Value, json};
+
+use crate::{Http, ms};
+
+/// Snapshot, fork, create-from-snapshot and concurrent-create figures, and PSS per idle fork.
+pub async fn snapshot_figures(
+    http: &Http,
+    n: usize,
+    rt: &agentenv_runtime::Runtime,
+) -> anyhow::Result<Vec<Figure>> {
+    let create = |template: &str| http.create(json!({"templateID": template, "timeout": 600}));
+    let kill = |id: String| async move { http.kill(&id).await };
+    let (src, src_token) = create("base").await?;
+    http.command(&src, &src_token).await?;
+    let (mut snap, mut from_snap, mut fork8) = (vec![], vec![], vec![]);
+    let mut snap_ids = vec![];
+    for _ in 0..n {
+        let t = Instant::now();
+        let s = http
+            .json(
+                Method::POST,
+                &format!("/sandboxes/{src}/snapshots"),
+                json!({}),
+                201,
+            )
+            .await?;
+        snap.push(ms(t));
+        snap_ids.push(s["snapshotID"].as_str().context("snapshotID")?.to_string());
+    }
+    let last = snap_ids.last().cloned().context("no snapshot")?;
+    for _ in 0..n {
+        let t = Instant::now();
+        let (id, token) = create(&last).await?;
+        from_snap.push(ms(t));
+        http.command(&id, &token).await?;
+        kill(id).await?;
+    }
+    let mut pss_kib = vec![];
+    for round in 0..3 {
+        let t = Instant::now();
+        let forks = http
+            .json(
+                Method::POST,
+                &format!("/sandboxes/{src}/fork"),
+                json!({"count": 8, "timeout": 600}),
+                201,
+            )
+            .await?;
+        let ids: Vec<(String, String)> = forks
+            .as_array()
+            .context("fork list")?
+            .iter()
+            .map(|f| {
+                let sb = &f["sandbox"];
+                Some((
+                    sb["sandboxID"].as_str()?.to_string(),
+                    sb["envdAccessToken"].as_str()?.to_string(),
+                ))
+            })
+            .collect::<Option<_>>()
+            .context("a fork failed")?;
+        let answered =
+            futures_util::future::join_all(ids.iter().map(|(id, tok)| http.command(id, tok))).await;
+        fork8.push(ms(t));
+        answered.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+        if round == 0 {
+            pss_kib = ids
+                .iter()
+                .filter_map(|(id, _)| qemu_pss_kib(id))
+                .map(|k| k as f64)
+                .collect();
+        }
+        for (id, _) in ids {
+            kill(id).await?;
+        }
+    }
+    // The first burst finds the pool at its floor; it grows the pool to the burst's size, and the later
+    // bursts start once it is ready again (at most 60 s).
+    let (mut conc_first, mut conc) = (vec![], vec![]);
+    for round in 0..3 {
+        if round > 0 {
+            let end = Instant::now() + std::time::Duration::from_secs(60);
+            while rt.warm_ready("base") < 8 && Instant::now() < end {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+        }
+        let made = futures_util::future::join_all((0..8).map(|_| async {
+            let t = Instant::now();
+            let r = create("base").await;
+            (ms(t), r)
+        }))
+        .await;
+        for (d, r) in made {
+            match round {
+                0 => conc_first.push(d),
+                _ => conc.push(d),
+            }
+            kill(r?.0).await?;
+        }
+    }
+    let (inc_first, inc_second) = incremental(http, &create).await?;
+    for id in &snap_ids {
+        http.send(Method::DELETE, &format!("/templates/{id}"), &[], vec![])
+            .await?;
+    }
+    kill(src).await?;
+    let pss_med = stats::median(&pss_kib);
+    let fit = if pss_med > 0.0 {
+        (16.0 * 1024.0 * 1024.0 / pss_med).floor()
+    } else {
+        f64::NAN
+    };
+    Ok(vec![
+        Figure::timing(
+            "snapshot of a running 256 MiB sandbox (POST /sandboxes/{id}/snapshots)",
+            &snap,
+            "ms",
+        )
+        .baseline("issue #8 target", 100.0, false),
+        Figure::timing(
+            "create from a snapshot in the local cache (POST /v2/sandboxes)",
+            &from_snap,
+            "ms",
+        )
+        .baseline("issue #8 target", 60.0, false),
+        Figure::timing(
+            "fork x8 until all eight answer a command (POST /sandboxes/{id}/fork)",
+            &fork8,
+            "ms",
+        )
+        .baseline("issue #8 target", 500.0, false),
+        Figure::timing(
+            "8 concurrent creates, each until envd answers (warm pool grown by an earlier burst)",
+            &conc,
+            "ms",
+        )
+        .baseline("issue #8 target", 250.0, false),
+        Figure::timing(
+            "8 concurrent creates, each until envd answers (first burst: warm pool at its floor of 2)",
+            &conc_first,
+            "ms",
+        ),
+        Figure::new(
+            "incremental snapshot: bytes stored after the guest wrote 1 MiB, over the first snapshot's data",
+            inc_second as f64 / inc_first as f64 * 100.0,
+            "%",
+            k3_common::report::Better::Lower,
+        )
+        .param("first snapshot data bytes", inc_first as f64)
+        .param("second snapshot new bytes", inc_second as f64)
+        .baseline("issue #8 target", 10.0, false),
+        Figure::timing(
+            "PSS per idle fork (QEMU process, smaps_rollup)",
+            &pss_kib,
+            "KiB",
+        )
+        .param("idle forks in 16 GiB", fit),
+    ])
+}
+
+/// A fresh sandbox's first snapshot (its data bytes) and, after the guest wrote 1 MiB of random data to
+/// a file, what the next snapshot added to the chunk store.
+async fn incremental<F, Fut>(http: &Http, create: &F) -> anyhow::Result<(u64, u64)>
+where
+    F: Fn(&'static str) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<(String, String)>>,
+{
+    let (id, token) = create("base").await?;
+    let snap = |id: String| async move {
+        let s = http
+            .json(
+                Method::POST,
+                &format!("/sandboxes/{id}/snapshots"),
+                json!({}),
+                201,
+            )
+            .await?;
+        let sid = s["snapshotID"].as_str().context("snapshotID")?.to_string();
+        let end = Instant::now() + std::time::Duration::from_secs(120);
+        while Instant::now() < end {
+            let list = http
+                .json(
+                    Method::GET,
+                    &format!("/snapshots?sandboxID={id}"),
+                    Value::Null,
+                    200,
+                )
+                .await?;
+            let found = list
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|v| v["snapshotID"] == sid);
+            if let Some(v) = found
+                && let (Some(new), Some(data)) =
+                    (v["storedBytesNew"].as_u64(), v["storedBytesData"].as_u64())
+            {
+                http.send(Method::DELETE, &format!("/templates/{sid}"), &[], vec![])
+                    .await?;
+                return Ok::<_, anyhow::Error>((new, data));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        bail!("snapshot {sid} was not stored within 120 s")
+    };
+    let (_, first_data) = snap(id.clone()).await?;
+    http.run(
+        &id,
+        &token,
+        "head -c 1048576 /dev/urandom > /tmp/blob.bin && sync",
+    )
+    .await?;
+    let (second_new, _) = snap(id.clone()).await?;
+    http.kill(&id).await?;
+    Ok((first_data, second_new))
+}
+
+/// PSS in KiB of the QEMU process whose command line names sandbox `id`.
+fn qemu_pss_kib(id: &str) -> Option<u64> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let pid = e.file_name();
+        let Some(pid) = pid
+            .to_str()
+            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd);
+        if cmd.contains("qemu-system") && cmd.contains(&format!("/{id}/")) {
+            let roll = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+            return roll
+                .lines()
+                .find(|l| l.starts_with("Pss:"))?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok();
+        }
+    }
+    None
+}
