@@ -8,8 +8,8 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use agentenv_runtime::{CreateSpec, Runtime, RuntimeConfig, SnapshotMode, config};
-use common::{StateDir, run, token};
+use agentenv_runtime::{Runtime, RuntimeConfig, SnapshotMode, config};
+use common::{StateDir, run, spec, token};
 
 fn store(
     dir: &Path,
@@ -59,14 +59,6 @@ fn weed_log(dir: &Path) -> String {
         .unwrap_or_default();
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
-}
-
-fn spec(id: &str) -> CreateSpec {
-    CreateSpec {
-        sandbox_id: id.into(),
-        template_id: "base".into(),
-        ..Default::default()
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,15 +5,7 @@ mod common;
 use agentenv_runtime::{
     ConnectError, CreateError, CreateSpec, KillError, PauseError, ResumeError, VmState,
 };
-use common::{StateDir, run, runtime, token};
-
-fn spec(id: &str) -> CreateSpec {
-    CreateSpec {
-        sandbox_id: id.into(),
-        template_id: "base".into(),
-        ..Default::default()
-    }
-}
+use common::{StateDir, run, runtime, spec, token};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandbox_from_base_template_runs_commands_in_debian() {

@@ -9,16 +9,8 @@ use std::path::{Path, PathBuf};
 
 use agentenv_runtime::uid::UidRange;
 use agentenv_runtime::vmm::VmmError;
-use agentenv_runtime::{CreateError, CreateSpec, Runtime, SnapshotMode, VmState};
-use common::{StateDir, run, runtime_with, token};
-
-fn spec(id: &str) -> CreateSpec {
-    CreateSpec {
-        sandbox_id: id.into(),
-        template_id: "base".into(),
-        ..Default::default()
-    }
-}
+use agentenv_runtime::{CreateError, Runtime, SnapshotMode, VmState};
+use common::{StateDir, run, runtime_with, spec, token};
 
 fn record(state: &Path, id: &str) -> serde_json::Value {
     let p = state.join("sandboxes").join(id).join("sandbox.json");

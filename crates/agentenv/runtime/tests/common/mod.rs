@@ -6,8 +6,17 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use agentenv_runtime::{Runtime, RuntimeConfig};
+use agentenv_runtime::{CreateSpec, Runtime, RuntimeConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A create of sandbox `id` from the default template.
+pub fn spec(id: &str) -> CreateSpec {
+    CreateSpec {
+        sandbox_id: id.into(),
+        template_id: "base".into(),
+        ..Default::default()
+    }
+}
 
 /// The real `agentenv-guest` binary: `AGENTENV_GUEST_BIN`, else built now with cargo (release).
 pub fn guest_bin() -> PathBuf {

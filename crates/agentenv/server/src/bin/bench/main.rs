@@ -213,6 +213,18 @@ fn stdout_of(mut b: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// The notes of a section run on its own: the command line, `notes`, and the machine caveat.
+fn side_notes(notes: Vec<String>) -> Vec<String> {
+    let cmd: Vec<String> = std::env::args().collect();
+    std::iter::once(format!("command: {}", cmd.join(" ")))
+        .chain(notes)
+        .chain([CAVEAT.to_string()])
+        .collect()
+}
+
+/// Every section's caveat about this machine.
+const CAVEAT: &str = "caveat: 2-core dev box shared with other builds; TCG is software emulation";
+
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
@@ -271,12 +283,7 @@ async fn main() -> anyhow::Result<()> {
         .tempdir()?;
     if args.lazy {
         let l = lazy::run(state.path(), accel, args.lazy_rounds).await?;
-        let cmd: Vec<String> = std::env::args().collect();
-        let mut notes = vec![format!("command: {}", cmd.join(" "))];
-        notes.extend(l.notes);
-        notes.push(
-            "caveat: 2-core dev box shared with other builds; TCG is software emulation".into(),
-        );
+        let notes = side_notes(l.notes);
         report.sections.push(Section {
             system: "agentenv".into(),
             tier: args.tier,
@@ -368,11 +375,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .await?;
         server.abort();
-        let mut notes = vec![format!("command: {}", cmd.join(" "))];
-        notes.extend(c.notes);
-        notes.push(
-            "caveat: 2-core dev box shared with other builds; TCG is software emulation".into(),
-        );
+        let notes = side_notes(c.notes);
         report.sections.push(Section {
             system: "agentenv".into(),
             tier: args.tier,
@@ -601,7 +604,7 @@ async fn main() -> anyhow::Result<()> {
             format!("network: {}", if args.network { "on (namespace, tap and nftables per sandbox; NAT to the bench's test internet namespace)" } else { "off" }),
             "client: HTTP/1.1 on loopback to an in-process agentenv server; one sandbox at a time".into(),
             format!("{} sandboxes, {} command round trips each; medians quoted, stats hold p99", args.iterations, args.commands),
-            "caveat: 2-core dev box shared with other builds; TCG is software emulation".into(),
+            CAVEAT.into(),
         ]
         .into_iter()
         .chain(s3_note)
