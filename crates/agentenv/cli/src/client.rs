@@ -116,13 +116,15 @@ impl ApiClient {
             if let Ok(data) = frame?.into_data() {
                 buf.extend_from_slice(&data);
             }
-            while let Some(end) = buf.iter().position(|&b| b == b'\n') {
-                let line = buf.split_to(end + 1);
-                let v = serde_json::from_slice(&line[..end]).with_context(|| {
-                    format!("a bad progress line: {:?}", String::from_utf8_lossy(&line))
-                })?;
+            for v in complete_lines(&mut buf)? {
                 on_line(v);
             }
+        }
+        if !buf.is_empty() {
+            bail!(
+                "the answer ended inside a line: {:?}",
+                String::from_utf8_lossy(&buf)
+            );
         }
         Ok(())
     }
@@ -303,5 +305,52 @@ impl ConnectStream {
                 None => bail!("stream cut inside a message"),
             }
         }
+    }
+}
+
+/// Takes the complete JSON lines out of `buf`, leaving a partial last line there.
+fn complete_lines(buf: &mut BytesMut) -> anyhow::Result<Vec<Value>> {
+    let mut out = vec![];
+    while let Some(end) = buf.iter().position(|&b| b == b'\n') {
+        let line = buf.split_to(end + 1);
+        out.push(serde_json::from_slice(&line[..end]).with_context(|| {
+            format!("a bad progress line: {:?}", String::from_utf8_lossy(&line))
+        })?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines split across frames anywhere come out whole and in order; a bad line is an error.
+    #[test]
+    fn json_lines_survive_any_framing() {
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos() as u64;
+        let want: Vec<Value> = (0..20u64)
+            .map(|i| serde_json::json!({"step": "pull", "bytesDone": i * (seed % 1000)}))
+            .collect();
+        let text: String = want.iter().map(|v| format!("{v}\n")).collect();
+        let bytes = text.as_bytes();
+        let (mut buf, mut got) = (BytesMut::new(), vec![]);
+        let mut at = 0;
+        let mut step = seed;
+        while at < bytes.len() {
+            step = step
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let n = (1 + (step >> 60) as usize).min(bytes.len() - at);
+            buf.extend_from_slice(&bytes[at..at + n]);
+            at += n;
+            got.extend(complete_lines(&mut buf).unwrap());
+        }
+        assert_eq!(got, want);
+        assert!(buf.is_empty());
+        buf.extend_from_slice(b"{\"step\": \"boot\"}\nnot json\n");
+        assert!(complete_lines(&mut buf).is_err());
     }
 }
