@@ -317,13 +317,18 @@ impl Runtime {
         progress: &(dyn Fn(BuildProgress) + Send + Sync),
     ) -> Result<TemplateInfo, TemplateError> {
         let rec = template::build(&self.inner, spec, progress).await?;
+        Ok(self.install_template(rec))
+    }
+
+    /// Makes an installed template's record the one creates use (replacing an older one of its id).
+    pub(crate) fn install_template(&self, rec: persist::TemplateRecord) -> TemplateInfo {
         let info = rec.info.clone();
         self.inner
             .templates
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(info.id.clone(), rec);
-        Ok(info)
+        info
     }
 
     /// Returns the default template `base`, building it first if it is not installed.

@@ -144,13 +144,7 @@ impl Runtime {
             return Ok(None);
         };
         let rec = self.install_shared(shared).await?;
-        let info = rec.info.clone();
-        self.inner
-            .templates
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(info.id.clone(), rec);
-        Ok(Some(info))
+        Ok(Some(self.install_template(rec)))
     }
 
     async fn find_shared_template(

@@ -8,20 +8,13 @@
 //! of an in-process server per node.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use k3_common::report::{Better, Figure};
 use serde_json::json;
 
-use agentenv_server::app::{self, AppState, ServerConfig};
-use agentenv_server::backend::VmBackend;
-use agentenv_server::keys;
-
-use super::{Http, ms};
+use super::{Http, ms, serve_runtime};
 
 /// The command timed: reads a 6.6 MB binary of the image that the template's snapshot never read.
 const READ_CMD: &str = "md5sum /usr/bin/python3.11";
@@ -29,39 +22,6 @@ const READ_CMD: &str = "md5sum /usr/bin/python3.11";
 pub struct LazyFigures {
     pub figures: Vec<Figure>,
     pub notes: Vec<String>,
-}
-
-/// An in-process server on `rt`.
-async fn serve(
-    rt: agentenv_runtime::Runtime,
-    dir: &Path,
-) -> anyhow::Result<(Http, tokio::task::JoinHandle<()>)> {
-    let backend: Arc<dyn VmBackend> = Arc::new(rt);
-    let (api_key, _) = keys::load_or_create_api_key(dir)?;
-    let state = AppState::open(
-        backend,
-        ServerConfig {
-            state_dir: dir.to_path_buf(),
-            api_key: api_key.clone(),
-            max_upload_bytes: 1 << 30,
-            lifecycle: Default::default(),
-            rate_limit: None,
-        },
-    )
-    .await?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, app::app(state)).await;
-    });
-    Ok((
-        Http {
-            base: format!("http://{addr}"),
-            key: api_key,
-            client: Client::builder(TokioExecutor::new()).build_http(),
-        },
-        task,
-    ))
 }
 
 /// Create until [`READ_CMD`] answers (ms), then kill.
@@ -115,7 +75,7 @@ pub async fn run(
     let t = Instant::now();
     rt_a.publish_template("base").await?;
     let publish_ms = ms(t);
-    let (http_a, task_a) = serve(rt_a, &dir_a).await?;
+    let (http_a, task_a) = serve_runtime(rt_a, &dir_a).await?;
     let mut local = vec![];
     for _ in 0..rounds {
         local.push(first_command(&http_a).await?);
@@ -130,7 +90,7 @@ pub async fn run(
             .await
             .context("runtime B")?;
         anyhow::ensure!(rt.templates().is_empty() && rt.store_stats().chunks == 0);
-        let (http, task) = serve(rt.clone(), &dir_b).await?;
+        let (http, task) = serve_runtime(rt.clone(), &dir_b).await?;
         // The server lists only templates the runtime has: import it (timed as part of cold).
         let t = Instant::now();
         rt.import_template("base")

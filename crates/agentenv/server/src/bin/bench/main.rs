@@ -213,6 +213,46 @@ fn stdout_of(mut b: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// An in-process server on `backend` (state and API key in `dir`) on a loopback port: a client with
+/// its key, the server task, and its state.
+async fn serve(
+    backend: Arc<dyn VmBackend>,
+    dir: &std::path::Path,
+) -> anyhow::Result<(Http, tokio::task::JoinHandle<()>, AppState)> {
+    let (api_key, _) = keys::load_or_create_api_key(dir)?;
+    let state = AppState::open(
+        backend,
+        ServerConfig {
+            state_dir: dir.to_path_buf(),
+            api_key: api_key.clone(),
+            max_upload_bytes: 1 << 30,
+            lifecycle: Default::default(),
+            rate_limit: None,
+        },
+    )
+    .await?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let router = app::app(state.clone());
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let http = Http {
+        base: format!("http://{addr}"),
+        key: api_key,
+        client: Client::builder(TokioExecutor::new()).build_http(),
+    };
+    Ok((http, task, state))
+}
+
+/// [`serve`] on runtime `rt`.
+async fn serve_runtime(
+    rt: agentenv_runtime::Runtime,
+    dir: &std::path::Path,
+) -> anyhow::Result<(Http, tokio::task::JoinHandle<()>)> {
+    serve(Arc::new(rt), dir).await.map(|(h, t, _)| (h, t))
+}
+
 /// The notes of a section run on its own: the command line, `notes`, and the machine caveat.
 fn side_notes(notes: Vec<String>) -> Vec<String> {
     let cmd: Vec<String> = std::env::args().collect();
@@ -342,27 +382,8 @@ async fn main() -> anyhow::Result<()> {
         .context("default template")?;
     let warm_rt = rt.clone();
     let backend: Arc<dyn VmBackend> = Arc::new(rt);
-    let (api_key, _) = keys::load_or_create_api_key(state.path())?;
-    let app_state = AppState::open(
-        backend.clone(),
-        ServerConfig {
-            state_dir: state.path().to_path_buf(),
-            api_key: api_key.clone(),
-            max_upload_bytes: 1 << 30,
-            lifecycle: Default::default(),
-            rate_limit: None,
-        },
-    )
-    .await?;
+    let (http, server, app_state) = serve(backend.clone(), state.path()).await?;
     let sandboxes = app_state.sandboxes.clone();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let server = tokio::spawn(axum::serve(listener, app::app(app_state)).into_future());
-    let http = Http {
-        base: format!("http://{addr}"),
-        key: api_key,
-        client: Client::builder(TokioExecutor::new()).build_http(),
-    };
     let cmd: Vec<String> = std::env::args().collect();
 
     if args.cluster {

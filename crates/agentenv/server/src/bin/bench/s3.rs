@@ -2,20 +2,16 @@
 //! B (its own state folder and an empty chunk cache; only the bucket is shared), through B's E2B API.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hyper::Method;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use k3_common::report::Figure;
 use serde_json::{Value, json};
 
-use agentenv_server::app::{self, AppState, ServerConfig};
-use agentenv_server::{keys, runtime_backend};
+use agentenv_server::runtime_backend;
 
-use crate::{Http, ms};
+use crate::{Http, ms, serve_runtime};
 
 /// One in-process server on `state` sharing `bucket` of `weed`.
 struct Node {
@@ -38,44 +34,12 @@ async fn node(
     )
     .with_remote(weed.remote(bucket));
     store.chunk_size = agentenv_runtime::config::DEFAULT_CHUNK_BYTES;
-    if let Some(c) = std::env::var("K3_S3_CONC")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        store.remote_concurrency = c;
-    }
     cfg.store = Some(store);
     let rt = runtime_backend::open_with_default_template(cfg)
         .await
         .context("runtime with the default template")?;
-    let (api_key, _) = keys::load_or_create_api_key(state)?;
-    let backend: Arc<dyn agentenv_server::backend::VmBackend> = Arc::new(rt.clone());
-    let app_state = AppState::open(
-        backend,
-        ServerConfig {
-            state_dir: state.to_path_buf(),
-            api_key: api_key.clone(),
-            max_upload_bytes: 1 << 20,
-            lifecycle: Default::default(),
-            rate_limit: None,
-        },
-    )
-    .await?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let router = app::app(app_state);
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    Ok(Node {
-        http: Http {
-            base: format!("http://{addr}"),
-            key: api_key,
-            client: Client::builder(TokioExecutor::new()).build_http(),
-        },
-        rt,
-        task,
-    })
+    let (http, task) = serve_runtime(rt.clone(), state).await?;
+    Ok(Node { http, rt, task })
 }
 
 impl Node {
