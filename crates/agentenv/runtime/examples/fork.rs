@@ -79,6 +79,32 @@ fn exec_req(cmd: &str) -> ExecRequest {
     }
 }
 
+/// User and system CPU seconds of all QEMU processes on the host.
+fn qemu_cpu() -> (f64, f64) {
+    let (mut u, mut s) = (0u64, 0u64);
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let p = e.path();
+        let Ok(cmd) = std::fs::read(p.join("cmdline")) else {
+            continue;
+        };
+        if !String::from_utf8_lossy(&cmd).contains("qemu-system") {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(p.join("stat")) else {
+            continue;
+        };
+        let rest: Vec<&str> = stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .collect();
+        u += rest[11].parse::<u64>().unwrap();
+        s += rest[12].parse::<u64>().unwrap();
+    }
+    (u as f64 / 100.0, s as f64 / 100.0)
+}
+
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
@@ -122,18 +148,44 @@ async fn main() {
         println!("snapshot {r}: {:.1} ms", ms(t));
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    let n: usize = std::env::var("FORKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
     for r in 0..rounds {
-        let ids: Vec<String> = (0..8).map(|i| format!("f{r}x{i}")).collect();
+        let ids: Vec<String> = (0..n).map(|i| format!("f{r}x{i}")).collect();
         let t = Instant::now();
         let made = rt.fork("src", &ids).await.expect("fork");
         let forked = ms(t);
         for m in made {
             m.expect("a fork");
         }
+        let cpu0 = qemu_cpu();
+        let firsts = futures_util::future::join_all(ids.iter().map(|id| async {
+            let t = Instant::now();
+            run(&rt, id).await;
+            ms(t).round()
+        }))
+        .await;
+        let all = ms(t);
+        let cpu1 = qemu_cpu();
+        let t2 = Instant::now();
         futures_util::future::join_all(ids.iter().map(|id| run(&rt, id))).await;
+        let cpu2 = qemu_cpu();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let cpu3 = qemu_cpu();
         println!(
-            "fork x8 {r}: {forked:.1} ms forked, {:.1} ms all answered",
-            ms(t)
+            "idle QEMU CPU over 2 s: {:?}",
+            (cpu3.0 - cpu2.0, cpu3.1 - cpu2.1)
+        );
+        println!(
+            "QEMU CPU (user, sys) s: first commands {:?}, second {:?}",
+            (cpu1.0 - cpu0.0, cpu1.1 - cpu0.1),
+            (cpu2.0 - cpu1.0, cpu2.1 - cpu1.1)
+        );
+        println!(
+            "fork x{n} {r}: {forked:.1} ms forked, {all:.1} ms all answered (first commands {firsts:?} ms, second round {:.1} ms)",
+            ms(t2)
         );
         for id in &ids {
             rt.kill(id).await.expect("kill");

@@ -6,8 +6,9 @@
 //!   (`backing.file.filename=`), so QEMU never opens the paths in the qcow2 headers. They stay
 //!   `root 0600`.
 //! - The RAM file is inherited and named `/proc/self/fd/N`. Reopening through that link skips the path
-//!   but not the file's own mode, and QEMU 7.2 opens memory-backend-file RAM `O_RDWR` even with
-//!   `share=off` (it has no `rom=`), so the RAM file is `chown`ed to the VM (`0600`) while it runs.
+//!   but not the file's own mode. A VM's own RAM file (mapped shared) is `chown`ed to the VM (`0600`)
+//!   while it runs. A snapshot's RAM file mapped copy-on-write (`share=off,readonly=on,rom=off`, QEMU
+//!   8.2 or newer; older ones open it `O_RDWR`) stays root's, `0640` to the VMs' group.
 //! - The kernel and initrd (public, shared by all VMs, in the cache folder) go in as sealed memfds
 //!   (read-only for everyone, sharable between VMs) when QEMU runs as another uid.
 //! - QEMU creates its QMP and agent sockets in `<vm dir>/qemu/`, a folder owned by the VM (`0700`),
@@ -127,17 +128,22 @@ impl VmFiles {
         let dir = File::open(&sock_dir).map_err(io("open", &sock_dir))?;
         let ram = File::options()
             .read(true)
-            .write(true)
+            .write(spec.ram_shared)
             .custom_flags(libc::O_NOFOLLOW)
             .open(&spec.ram_file)
             .map_err(io("open", &spec.ram_file))?;
         if let Some(o) = owner {
-            for (file, path) in [(&dir, &sock_dir), (&ram, &spec.ram_file)] {
-                std::os::unix::fs::fchown(file, Some(o.uid), Some(o.gid))
-                    .map_err(io("chown", path))?;
-            }
-            // A RAM file from an older version (or copied) may carry other bits: the VM's alone.
-            ram.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            std::os::unix::fs::fchown(&dir, Some(o.uid), Some(o.gid))
+                .map_err(io("chown", &sock_dir))?;
+            // A RAM file of its own is the VM's alone; a snapshot's, mapped copy-on-write by several
+            // VMs (`readonly=on,rom=off`), stays root's and is only readable by the VMs' group.
+            let (uid, mode) = match spec.ram_shared {
+                true => (Some(o.uid), 0o600),
+                false => (None, 0o640),
+            };
+            std::os::unix::fs::fchown(&ram, uid, Some(o.gid))
+                .map_err(io("chown", &spec.ram_file))?;
+            ram.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
                 .map_err(io("chmod", &spec.ram_file))?;
         }
         let d = f.inherit(dir);

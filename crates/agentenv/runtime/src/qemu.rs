@@ -38,6 +38,10 @@ pub struct QemuVmm {
     uids: Option<Uids>,
     /// Exports of lazily served disks (`None`: every disk is a local file).
     lazy: Option<Arc<LazyDisks>>,
+    /// QEMU maps a file private from a read-only open (`readonly=on,rom=off`, QEMU 8.2 or newer).
+    private_ro_ram: bool,
+    /// First line of `qemu --version` (a saved device state loads only into a matching QEMU).
+    version: String,
 }
 
 /// The uid pool and the group of every VM.
@@ -91,12 +95,25 @@ impl QemuVmm {
                 tracing::warn!("no writable cgroup hierarchy: VMs run without memory or CPU limits")
             }
         }
+        let version = probe(&bin, &["--version"])
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let private_ro_ram = probe(&bin, &["-object", "memory-backend-file,help"]).contains("rom=");
+        tracing::info!(
+            %version,
+            forks_share_ram = private_ro_ram || uids.is_none(),
+            "QEMU"
+        );
         QemuVmm {
             bin,
             accel,
             cgroups,
             uids,
             lazy: None,
+            private_ro_ram,
+            version,
         }
     }
 
@@ -151,10 +168,14 @@ impl QemuVmm {
             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
             "-object".into(),
             format!(
-                "memory-backend-file,id=mem,size={}M,mem-path={},share={}",
+                "memory-backend-file,id=mem,size={}M,mem-path={},{}",
                 spec.memory_mib,
                 f.ram,
-                if spec.ram_shared { "on" } else { "off" }
+                match (spec.ram_shared, self.private_ro_ram) {
+                    (true, _) => "share=on",
+                    (false, true) => "share=off,readonly=on,rom=off",
+                    (false, false) => "share=off",
+                }
             ),
             "-kernel".into(),
             f.kernel.clone(),
@@ -217,7 +238,9 @@ impl QemuVmm {
             Ok(vm) => Ok(vm),
             Err(e) => {
                 if let (Some(o), Some(u)) = (owner, &self.uids) {
-                    crate::launch::reclaim(&spec.ram_file);
+                    if spec.ram_shared {
+                        crate::launch::reclaim(&spec.ram_file);
+                    }
                     u.pool.release(o.uid);
                 }
                 Err(e)
@@ -338,6 +361,14 @@ impl Vmm for QemuVmm {
 
     fn per_vm_uids(&self) -> bool {
         self.uids.is_some()
+    }
+
+    fn cow_ram(&self) -> bool {
+        self.uids.is_none() || self.private_ro_ram
+    }
+
+    fn version(&self) -> &str {
+        &self.version
     }
 
     fn boot<'a>(
@@ -503,6 +534,19 @@ fn is_zombie(pid: u32) -> bool {
         .unwrap_or(true)
 }
 
+/// Standard output of `bin args` (empty when it cannot run). With `-object memory-backend-file,help`, a
+/// QEMU 8.2 or newer lists `rom=`: with `readonly=on,rom=off` it opens the file read-only and maps it
+/// private and writable.
+fn probe(bin: &Path, args: &[&str]) -> String {
+    std::process::Command::new(bin)
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
 fn ignore_shared_caps() -> serde_json::Value {
     json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]})
 }
@@ -544,7 +588,9 @@ impl QemuVm {
                 .released
                 .swap(true, std::sync::atomic::Ordering::SeqCst)
         {
-            crate::launch::reclaim(&self.spec.ram_file);
+            if self.spec.ram_shared {
+                crate::launch::reclaim(&self.spec.ram_file);
+            }
             pool.release(uid);
         }
         exited

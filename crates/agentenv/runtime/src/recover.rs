@@ -108,7 +108,7 @@ impl Runtime {
                         None,
                     );
                 }
-                if self.inner.vmm.per_vm_uids() {
+                if self.inner.vmm.per_vm_uids() && rec.ram_shared {
                     // Its QEMU may have exited without this runtime seeing it: the RAM file is ours again.
                     crate::launch::reclaim(&rec.ram_file);
                 }

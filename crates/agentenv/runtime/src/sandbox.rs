@@ -220,11 +220,12 @@ impl Runtime {
         reused: bool,
     ) -> Result<SandboxVm, CreateError> {
         let inner = &self.inner;
-        // A VM with a uid of its own opens only RAM files it owns (QEMU 7.2 opens even a private
-        // mapping's file read-write), so it gets its own copy of a snapshot's RAM, mapped shared, rather
-        // than a copy-on-write mapping of a file every fork of that snapshot could write.
+        // Forks (`reused` false) map the capture's RAM copy-on-write where the VMM can. Other sandboxes
+        // of VMs with uids of their own get a copy of the snapshot's RAM, mapped shared: saving them
+        // (pause, snapshot) then leaves RAM out of the stream, and a warm pool prepares the copies.
+        let cow = inner.vmm.cow_ram() && !(reused && inner.vmm.per_vm_uids());
         let image = &match &image.start {
-            ImageStart::CowRam { ram, state } if inner.vmm.per_vm_uids() => Image {
+            ImageStart::CowRam { ram, state } if !cow => Image {
                 start: ImageStart::CopyRam {
                     ram: ram.clone(),
                     state: state.clone(),

@@ -319,16 +319,21 @@ impl Runtime {
                     agent::sync(link).await?;
                 }
                 vm.stop().await?;
+                let t_stop = t0.elapsed();
+                let mut t_state = t_stop;
                 let r = async {
                     if full {
                         vm.save_device_state(&partial.join("device.state")).await?;
                     }
+                    t_state = t0.elapsed();
                     k3_common::crash::point("runtime:snapshot:during-capture");
                     k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
                     capture_files(inner, &rec, &partial, ram_tmp.as_deref(), !hidden).await
                 }
                 .await;
+                let t_files = t0.elapsed();
                 let resumed = vm.cont().await;
+                tracing::debug!(?t_stop, ?t_state, ?t_files, t_cont = ?t0.elapsed(), "capture phases");
                 r.and(resumed.map_err(SnapshotError::from))
             }
             None => {
@@ -699,13 +704,17 @@ async fn capture_files(
     let disk_out = partial.join("disk.qcow2");
     let ram = ram_out.map(|o| (rec.ram_file.clone(), o.to_owned()));
     let r = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        let t = Instant::now();
         fsops::sparse_copy(&disk, &disk_out)?;
+        let t_disk = t.elapsed();
         if durable {
             std::fs::File::open(&disk_out)?.sync_all()?;
         }
+        let t_sync = t.elapsed();
         if let Some((src, dst)) = ram {
             fsops::sparse_copy(&src, &dst)?;
         }
+        tracing::debug!(?t_disk, ?t_sync, t_ram = ?t.elapsed(), "capture files");
         Ok(())
     })
     .await

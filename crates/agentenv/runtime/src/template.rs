@@ -431,7 +431,12 @@ fn build_key(
         spec.disk_mib,
     )
         .hash(&mut h);
-    (inner.vmm.accel().as_str(), inner.cfg.qemu_bin.as_os_str()).hash(&mut h);
+    (
+        inner.vmm.accel().as_str(),
+        inner.cfg.qemu_bin.as_os_str(),
+        inner.vmm.version(),
+    )
+        .hash(&mut h);
     image.map(|i| i.digest.as_str()).hash(&mut h);
     crate::rootfs::host_cas().hash(&mut h);
     Ok(format!("{:016x}", h.finish()))

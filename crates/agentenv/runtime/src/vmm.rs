@@ -162,6 +162,17 @@ pub trait Vmm: Send + Sync {
     fn per_vm_uids(&self) -> bool {
         false
     }
+    /// Whether VMs can map a snapshot's RAM file copy-on-write (`VmSpec::ram_shared` false), so that
+    /// forks share it instead of copying it: always without per-VM uids, else only where the VMM
+    /// opens such a file read-only.
+    fn cow_ram(&self) -> bool {
+        !self.per_vm_uids()
+    }
+    /// The VMM's version: saved states of one version may not load into another, so template builds
+    /// are cached per version.
+    fn version(&self) -> &str {
+        ""
+    }
     /// Cold-boots a VM (RAM file created or truncated to size).
     fn boot<'a>(&'a self, spec: &'a VmSpec)
     -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>>;

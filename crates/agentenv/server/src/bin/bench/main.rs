@@ -59,6 +59,9 @@ struct Args {
     /// Run every QEMU as this process's user instead of a uid of its own (for A/B runs).
     #[arg(long)]
     no_qemu_uids: bool,
+    /// Folder for guest RAM files, as the server's `--ram-dir` (e.g. a tmpfs; default: the state folder).
+    #[arg(long)]
+    ram_dir: Option<PathBuf>,
     /// Give sandboxes a network (to the bench's own test internet) and time its throughput.
     #[arg(long)]
     network: bool,
@@ -349,6 +352,7 @@ async fn main() -> anyhow::Result<()> {
     if args.no_qemu_uids {
         cfg.qemu_uids = None;
     }
+    cfg.ram_dir = args.ram_dir.clone();
     let internet = match args.network {
         true => Some(net::Internet::up().context("the test internet")?),
         false => None,
@@ -622,6 +626,7 @@ async fn main() -> anyhow::Result<()> {
             format!("command: {}", cmd.join(" ")),
             format!("backend: QEMU -M microvm, accelerator {accel_name}; create restores the template's base snapshot"),
             format!("QEMU users: {}", if args.no_qemu_uids { "the bench's own (--no-qemu-uids)" } else { "one uid per VM" }),
+            format!("guest RAM files: {}", args.ram_dir.as_ref().map_or("in the state folder (ext4)".into(), |d| d.display().to_string())),
             format!("network: {}", if args.network { "on (namespace, tap and nftables per sandbox; NAT to the bench's test internet namespace)" } else { "off" }),
             "client: HTTP/1.1 on loopback to an in-process agentenv server; one sandbox at a time".into(),
             format!("{} sandboxes, {} command round trips each; medians quoted, stats hold p99", args.iterations, args.commands),
