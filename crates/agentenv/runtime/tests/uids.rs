@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -64,6 +65,47 @@ fn assert_denied(uid: u32, gid: u32, path: &Path) {
             path.display()
         );
     }
+}
+
+/// Reopens `path` as `uid`:`gid` the way a VM does, through an inherited descriptor
+/// (`/proc/self/fd/3`), with a shell `redirect` (`4<` reads, `4>>` appends): it must succeed, or fail
+/// with EACCES.
+fn assert_opens(uid: u32, gid: u32, path: &Path, redirect: &str, allowed: bool) {
+    let f = std::fs::File::open(path).unwrap();
+    let fd = f.as_raw_fd();
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.args(["-c", &format!("exec {redirect}/proc/self/fd/3")])
+        .uid(uid)
+        .gid(gid);
+    // SAFETY: dup2(2) on a descriptor this process holds open.
+    unsafe {
+        cmd.pre_exec(move || match libc::dup2(fd, 3) {
+            -1 => Err(std::io::Error::last_os_error()),
+            _ => Ok(()),
+        });
+    }
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    match allowed {
+        true => assert!(
+            out.status.success(),
+            "uid {uid} cannot open {} ({redirect}): {err}",
+            path.display()
+        ),
+        false => assert!(
+            !out.status.success() && err.contains("Permission denied"),
+            "uid {uid} opened {} ({redirect}): {err}",
+            path.display()
+        ),
+    }
+}
+
+/// Whether the QEMU on PATH opens a file read-only to map it private (`rom=`, QEMU 8.2+).
+fn qemu_maps_read_only_files_private() -> bool {
+    std::process::Command::new("qemu-system-x86_64")
+        .args(["-object", "memory-backend-file,help"])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("rom="))
 }
 
 fn mode_and_owner(path: &Path) -> (u32, u32) {
@@ -176,7 +218,8 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
     assert_eq!(vm_uid(s, "ua", &range), ua);
     assert_eq!(run(&rt, "ua", "echo ok").await.0, "ok\n");
 
-    // Snapshot and fork: the fork gets its own copy of the snapshot's RAM, owned by its own uid.
+    // Snapshot and fork: the fork maps its capture's RAM copy-on-write (QEMU 8.2+: `readonly=on,rom=off`),
+    // a file that stays root's and that it can read but not write; an older QEMU gets a copy of its own.
     let snap = rt
         .snapshot("ub", "snap-ub", &[], SnapshotMode::Full)
         .await
@@ -191,12 +234,36 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
         format!("{tok}\n")
     );
     let fork_ram = ram_file(s, "uf");
-    assert!(
-        fork_ram.starts_with(s.join("sandboxes/uf")),
-        "{}",
-        fork_ram.display()
-    );
-    assert_eq!(mode_and_owner(&fork_ram), (0o600, uf));
+    if qemu_maps_read_only_files_private() {
+        assert!(
+            fork_ram.starts_with(s.join("snapshots")),
+            "{}",
+            fork_ram.display()
+        );
+        assert_eq!(mode_and_owner(&fork_ram), (0o640, 0));
+        assert_eq!(std::fs::metadata(&fork_ram).unwrap().gid(), range.gid);
+        assert_opens(uf, range.gid, &fork_ram, "4<", true);
+        assert_opens(uf, range.gid, &fork_ram, "4>>", false);
+        // The fork's memory writes stay its own.
+        let before = std::fs::read(&fork_ram).unwrap();
+        run(
+            &rt,
+            "uf",
+            "head -c 8388608 /dev/urandom > /dev/shm/blob && sync",
+        )
+        .await;
+        assert!(
+            std::fs::read(&fork_ram).unwrap() == before,
+            "a fork's memory write reached its capture's RAM file"
+        );
+    } else {
+        assert!(
+            fork_ram.starts_with(s.join("sandboxes/uf")),
+            "{}",
+            fork_ram.display()
+        );
+        assert_eq!(mode_and_owner(&fork_ram), (0o600, uf));
+    }
     theirs.extend([
         s.join("snapshots").join(&snap.id).join("disk.qcow2"),
         s.join("snapshots").join(&snap.id).join("ram.mem"),
