@@ -23,12 +23,13 @@ const HOST_LOCK: &str = "/run/agentenv-qemu-uids.lock";
 
 /// The uids VMs get: `base..base + count`, all in group `gid`.
 ///
-/// gid choice: one group shared by all VMs, not a group per VM. Nothing a VM opens by permission
-/// grants its group any access (RAM files are 0600 and socket folders 0700, owned by the VM's uid;
-/// disks, console logs, kernel and initrd reach QEMU as file descriptors), so sharing the gid gives a
-/// VM nothing of another's. A shared gid is what KVM needs: `/dev/kvm` is `root:kvm 0660`, QEMU must
-/// open it itself (QEMU 7.2 takes no fd for it) and supplementary groups are cleared, so under KVM the
-/// VMs' gid is the group of `/dev/kvm` (see [`vm_gid`]).
+/// gid choice: one group shared by all VMs, not a group per VM. A VM's own files grant its group
+/// nothing (RAM files are 0600 and socket folders 0700, owned by the VM's uid; disks, console logs,
+/// kernel and initrd reach QEMU as file descriptors). A fork capture's RAM is root's and 0640 to the
+/// group, so that the forks can map it read-only, but it sits in 0700 root folders: only a VM handed
+/// its descriptor can open it. A shared gid is what KVM needs: `/dev/kvm` is `root:kvm 0660`, QEMU must
+/// open it itself (it takes no fd for it) and supplementary groups are cleared, so under KVM the VMs'
+/// gid is the group of `/dev/kvm` (see [`vm_gid`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UidRange {
     /// First uid.
