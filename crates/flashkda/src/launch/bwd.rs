@@ -6,7 +6,7 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 
-use super::{KdaKernels, KernelParams, Workspace, begin_call, workspace_ptr};
+use super::{KdaKernels, KernelParams, Workspace, begin_call, side_stream, workspace_ptr};
 use crate::error::{DriverContext, FlashKdaError};
 use crate::reference::HEAD_DIM;
 use crate::schedule::{SPLIT_RECORD_BYTES, workspace_slots};
@@ -35,6 +35,48 @@ const PART_W: usize = 132;
 /// that still gives 2 blocks per SM, else 2.
 pub fn bwd_pass_warps(chains: usize, sm_count: usize) -> usize {
     if chains * 2 >= 2 * sm_count { 4 } else { 2 }
+}
+
+/// How the two state passes (forward: chunk start states; reverse: state gradients) run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PassSchedule {
+    /// [`pass_schedule`]'s choice.
+    #[default]
+    Auto,
+    /// One launch after the other, `warps` (2 or 4) per block.
+    Sequential { warps: usize },
+    /// At once (the forward pass on a side stream), `warps` (2 or 4) per block.
+    Concurrent { warps: usize },
+}
+
+/// Blocks of `warps` warps a multiprocessor holds at once in a state pass (shared memory).
+const fn pass_blocks_per_sm(warps: usize) -> usize {
+    (233472 / (pass_smem_bytes(warps) as usize + 1024)) as usize
+}
+
+/// The schedule `Auto` takes for `chains` (sequence, head) pairs: both passes at once, with 2 warps
+/// per block while all blocks of both passes fit on the chip at once, else 4.
+pub fn pass_schedule(chains: usize, sm_count: usize) -> PassSchedule {
+    let blocks = |w: usize| 2 * chains * HEAD_DIM / (16 * w);
+    if blocks(2) <= pass_blocks_per_sm(2) * sm_count {
+        PassSchedule::Concurrent { warps: 2 }
+    } else {
+        PassSchedule::Concurrent { warps: 4 }
+    }
+}
+
+impl PassSchedule {
+    /// `seq2`, `seq4`, `conc2`, `conc4` or `auto` (benchmark knob of the Python call).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "auto" => PassSchedule::Auto,
+            "seq2" => PassSchedule::Sequential { warps: 2 },
+            "seq4" => PassSchedule::Sequential { warps: 4 },
+            "conc2" => PassSchedule::Concurrent { warps: 2 },
+            "conc4" => PassSchedule::Concurrent { warps: 4 },
+            _ => return None,
+        })
+    }
 }
 
 /// Offsets of the backward workspace (bytes, 256-aligned): the prep records, the chunk start
@@ -185,6 +227,8 @@ pub struct BwdOptions {
     pub check_cu_seqlens: bool,
     /// The caller's workspace (size: [`bwd_workspace_bytes`]); `None` takes the stream's pooled one.
     pub workspace: Option<Workspace>,
+    /// How the two state passes run.
+    pub passes: PassSchedule,
 }
 
 impl Default for BwdOptions {
@@ -192,6 +236,7 @@ impl Default for BwdOptions {
         BwdOptions {
             check_cu_seqlens: true,
             workspace: None,
+            passes: PassSchedule::Auto,
         }
     }
 }
@@ -330,21 +375,47 @@ pub fn bwd_validated(
         unsafe { launch.launch(cfg) }.during("launching kda_prep (backward)")?;
     }
     if chains > 0 {
-        let nw = bwd_pass_warps(chains, kernels.sm_count);
-        let cfg = LaunchConfig {
-            grid_dim: ((chains * HEAD_DIM / (16 * nw)) as u32, 1, 1),
+        let sched = match opts.passes {
+            PassSchedule::Auto => pass_schedule(chains, kernels.sm_count),
+            s => s,
+        };
+        let (nw, both) = match sched {
+            PassSchedule::Sequential { warps } => (warps, false),
+            PassSchedule::Concurrent { warps } => (warps, true),
+            PassSchedule::Auto => unreachable!("resolved above"),
+        };
+        if nw != 2 && nw != 4 {
+            return Err(FlashKdaError::PassWarps(nw));
+        }
+        let i = usize::from(nw == 4);
+        let blocks = (chains * HEAD_DIM / (16 * nw)) as u32;
+        let cfg = |grid: u32| LaunchConfig {
+            grid_dim: (grid, 1, 1),
             block_dim: ((32 * nw) as u32, 1, 1),
             shared_mem_bytes: pass_smem_bytes(nw),
         };
-        let i = usize::from(nw == 4);
-        let mut launch = stream.launch_builder(&bk.states[i]);
+        // Concurrent: the forward pass on the highest-priority side stream beside the reverse pass
+        // on the caller's stream, which then waits for both (they share no data).
+        let side = if both {
+            let side = side_stream(kernels, stream)?;
+            side.join(stream).during("ordering the side stream")?;
+            Some(side)
+        } else {
+            None
+        };
+        let fwd_stream = side.as_deref().unwrap_or(stream);
+        let mut launch = fwd_stream.launch_builder(&bk.states[i]);
         launch.arg(&params);
         // SAFETY: reads the records and inputs; writes the states and Wr tiles of the workspace.
-        unsafe { launch.launch(cfg) }.during("launching kdab_states")?;
+        unsafe { launch.launch(cfg(blocks)) }.during("launching kdab_states")?;
         let mut launch = stream.launch_builder(&bk.dstates[i]);
         launch.arg(&params);
-        // SAFETY: reads the records, dout, dfinal_state; writes dv, dinitial_state, the workspace.
-        unsafe { launch.launch(cfg) }.during("launching kdab_dstates")?;
+        // SAFETY: reads the records, dout, dfinal_state; writes dv, dinitial_state and workspace
+        // regions kdab_states does not touch.
+        unsafe { launch.launch(cfg(blocks)) }.during("launching kdab_dstates")?;
+        if let Some(side) = side {
+            stream.join(&side).during("joining the side stream")?;
+        }
     }
     if sh > 0 {
         let cfg = LaunchConfig {
@@ -427,6 +498,34 @@ mod tests {
         let l = bwd_layout(512, 8192, 1, 96, false);
         assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + dgl_bytes + 7 * 256);
         assert_eq!(bwd_layout(0, 0, 0, 4, false).total, 0);
+    }
+
+    #[test]
+    fn pass_schedule_keeps_both_passes_resident_where_it_can() {
+        assert_eq!(pass_blocks_per_sm(2), 4);
+        assert_eq!(pass_blocks_per_sm(4), 3);
+        // H = 64 fixed: 512 blocks of 2 warps fit 132 x 4; H = 96 fixed: 768 do not
+        assert_eq!(
+            pass_schedule(64, 132),
+            PassSchedule::Concurrent { warps: 2 }
+        );
+        assert_eq!(
+            pass_schedule(96, 132),
+            PassSchedule::Concurrent { warps: 4 }
+        );
+        assert_eq!(
+            pass_schedule(768, 132),
+            PassSchedule::Concurrent { warps: 4 }
+        );
+        assert_eq!(
+            PassSchedule::parse("seq4"),
+            Some(PassSchedule::Sequential { warps: 4 })
+        );
+        assert_eq!(
+            PassSchedule::parse("conc2"),
+            Some(PassSchedule::Concurrent { warps: 2 })
+        );
+        assert_eq!(PassSchedule::parse("x"), None);
     }
 
     #[test]
