@@ -39,8 +39,8 @@ struct KdaBwdParams {
   float* ddt_bias;      // [H, 128], zeroed by the launcher
   void* dh0;            // [N, H, 128, 128] or null
   const unsigned char* rec;  // [slots, H] prep records
-  bf16* sst;            // [slots, H, 128 key, 128 value] chunk start states (transposed)
-  bf16* dss;            // [slots, H, 128 key, 128 value] d(chunk end state) (transposed)
+  bf16* sst;            // [slots, H, 8, 128 key, 16 value] chunk start states (transposed 16-row tiles)
+  bf16* dss;            // [slots, H, 8, 128 key, 16 value] d(chunk end state) (same)
   bf16* wu;             // [slots, H, 4, 16, 128]: Wr hi, dU hi, dU lo, Wr lo ([token][value row])
   float* acc;           // [T, H, ACC_W] row sums (GVA only)
   float* part;          // [slots, H, PART_W]: per-chunk ddt_bias[128], dA_log (not GVA)
@@ -135,10 +135,19 @@ __device__ __forceinline__ void st_v4(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// The warp's 16 state rows (fp32 fragments) as bf16 into the transposed global tile dst[key][value]
-// (columns r0 .. r0 + 15): stmatrix.trans into the warp's staging tile ot[128][16], then 16-byte stores.
-__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int r0, int lane) {
+__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;\n" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+
+// The warp's 16 state rows (fp32 fragments) as bf16 into its transposed global tile dst[key][16 values]
+// (4 KiB): stmatrix.trans into the warp's staging tile ot[128][16], then one bulk copy by lane 0 (off
+// the load/store units); the previous chunk's copy must have read ot first.
+__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int lane) {
   const int mi = lane >> 3, c = lane & 7;
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  __syncwarp();
 #pragma unroll
   for (int np = 0; np < 8; ++np) {
     const int nt = 2 * np;
@@ -149,16 +158,14 @@ __device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, 
                  "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");
   }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the bulk copy reads ot next
   __syncwarp();
-  uint4 x[8];  // all loads first, then the stores
-#pragma unroll
-  for (int it = 0; it < 8; ++it) x[it] = *reinterpret_cast<const uint4*>(ot + (it * 32 + lane) * 8);
-  __syncwarp();
-#pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const int idx = it * 32 + lane, row = idx >> 1, hf = idx & 1;
-    st_v4(dst + (size_t)row * KD + r0 + 8 * hf, x[it]);
-  }
+  if (lane == 0) bulk_s2g(dst, ot, KD * 16 * 2);
+}
+
+// Lane 0's bulk copies complete before the block exits.
+__device__ __forceinline__ void bulk_drain(int lane) {
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 // A 16 x 16 accumulator tile X (rows: the warp's 16 value rows, columns: the chunk's tokens) as bf16
@@ -215,7 +222,8 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
   extern __shared__ __align__(16) unsigned char bsm_raw[];
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // staging
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // state staging
+  bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + NW * KD * 16 + warp * CH * 16;
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
   long long bos, len, slot0;
@@ -276,7 +284,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
         }
     }
     const size_t sh = (size_t)slot * H + h;
-    store_rows_t(S, ots, p.sst + sh * KD * KD, vw, lane);
+    store_rows_t(S, ots, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
     const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
@@ -307,8 +315,8 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
           xl[nt][e] = lo_of(x[nt][e]);
           vb[nt][e] = x[nt][e] * b[tok];
         }
-      store_tile_t(x, ots, wr, KD, CH, lane);
-      store_tile_t(xl, ots, wr + 3 * CH * KD, KD, CH, lane);
+      store_tile_t(x, tts, wr, KD, CH, lane);
+      store_tile_t(xl, tts, wr + 3 * CH * KD, KD, CH, lane);
     }
     uint32_t vah[4], val[4];
     split_tile(vah, val, vb, 1.f);
@@ -339,6 +347,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
       }
     }
   }
+  bulk_drain(lane);
 }
 
 // ---- 3. reverse state-gradient pass
@@ -348,7 +357,8 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   extern __shared__ __align__(16) unsigned char bsm_raw[];
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // staging
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // state staging
+  bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + NW * KD * 16 + warp * CH * 16;
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
   long long bos, len, slot0;
@@ -380,7 +390,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
     const long long slot = slot0 + c, t0 = bos + (long long)c * CH;
     const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
-    store_rows_t(dS, ots, p.dss + sh * KD * KD, vw, lane);
+    store_rows_t(dS, ots, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* qd = reinterpret_cast<const bf16*>(st.rec + R_QD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
@@ -418,8 +428,8 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dl[nt][e] = lo_of(dU[nt][e]);
-      store_tile_t(dU, ots, dus, KD, CH, lane);
-      store_tile_t(dl, ots, dus + CH * KD, KD, CH, lane);
+      store_tile_t(dU, tts, dus, KD, CH, lane);
+      store_tile_t(dl, tts, dus + CH * KD, KD, CH, lane);
     }
     // dv^T = (dU^T INV) diag(b)
     uint32_t dh[4], dl[4];
@@ -439,7 +449,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dW[nt][e] *= b[nt * 8 + 2 * tq + (e & 1)];
-    store_tile_t(dW, ots, p.dv + t0 * hs + (long long)h * KD + vw, (size_t)hs, nv, lane);
+    store_tile_t(dW, tts, p.dv + t0 * hs + (long long)h * KD + vw, (size_t)hs, nv, lane);
     uint32_t wh[4], wl[4];
     split_tile(wh, wl, dW, -1.f);
     // dS = dS diag(E) + dO^T qd - dv^T kd
@@ -474,12 +484,13 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
       }
     }
   }
+  bulk_drain(lane);
 }
 
-#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * KD * 16 * 2)
-static_assert(sizeof(PassStage<32>) * PST + 2 * KD * 16 * 2 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(2) == 55232, "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(4) == 66496, "pass_smem_bytes in src/launch/bwd.rs");
+#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * (KD + CH) * 16 * 2)
+static_assert(sizeof(PassStage<32>) * PST + 2 * (KD + CH) * 16 * 2 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(2) == 56256, "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(4) == 68544, "pass_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2>(p, blockIdx.x); }
 // 4-warp blocks at <= 168 registers (states: as compiled, 36 B of spills when capped; dstates: capped
