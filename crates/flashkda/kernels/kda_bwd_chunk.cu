@@ -193,17 +193,24 @@ struct __align__(16) PassStage {
   bf16 t[CH][VS + 8];
 };
 
-// Copies the record bytes a pass reads: [0, R_ML) for the reverse pass (all but M's lo part), kd and
-// [R_KR, R_M) + [R_E, R_ML) for the forward pass (no qd, no M).
+// Copies the record bytes a pass reads by bulk copies on the stage's mbarrier (thread 0): [0, R_ML) for
+// the reverse pass (all but M's lo part), kd, [R_KR, R_M) and [R_E, R_ML) for the forward pass (no qd,
+// no M); and this block's 16 x VS tile of src by cp.async (one commit group).
 template <int NT, int VS, bool REVERSE>
-__device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, const KdaBwdParams& p, const bf16* src, long long slot,
-                                              int h, long long t0, int nv, int v0, int tid) {
+__device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, uint32_t bar, const KdaBwdParams& p, const bf16* src,
+                                              long long slot, int h, long long t0, int nv, int v0, int tid) {
   static_assert(R_KD == 0 && R_QD == 4096 && R_KR == 8192 && R_M + 512 == R_E && R_B + 64 == R_ML, "record layout");
-  const uint4* rs = reinterpret_cast<const uint4*>(p.rec + (size_t)(slot * p.num_heads + h) * REC_BYTES);
-  constexpr int N = REVERSE ? R_ML / 16 : (R_QD + (R_M - R_KR) + (R_ML - R_E)) / 16;
-  for (int i = tid; i < N; i += NT) {
-    const int j = REVERSE ? i : (i < R_QD / 16 ? i : (i < (R_QD + R_M - R_KR) / 16 ? i + (R_KR - R_QD) / 16 : i + (R_KR - R_QD + R_E - R_M) / 16));
-    cp_async16(st.rec + 16 * j, rs + j, 16);
+  if (tid == 0) {
+    const unsigned char* rs = p.rec + (size_t)(slot * p.num_heads + h) * REC_BYTES;
+    if (REVERSE) {
+      mbar_expect_tx(bar, R_ML);
+      bulk_g2s(smem_u32(st.rec), rs, R_ML, bar);
+    } else {
+      mbar_expect_tx(bar, R_QD + (R_M - R_KR) + (R_ML - R_E));
+      bulk_g2s(smem_u32(st.rec), rs, R_QD, bar);
+      bulk_g2s(smem_u32(st.rec + R_KR), rs + R_KR, R_M - R_KR, bar);
+      bulk_g2s(smem_u32(st.rec + R_E), rs + R_E, R_ML - R_E, bar);
+    }
   }
   constexpr int VCH = VS / 8;
   const long long hs = (long long)p.num_heads * KD;
@@ -224,6 +231,12 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // state staging
   bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + NW * KD * 16 + warp * CH * 16;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PST * sizeof(PassStage<VS>) + NW * (KD + CH) * 16 * 2);
+  if (tid == 0) {
+    for (int i = 0; i < PST; ++i) mbar_init(smem_u32(&bars[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
   long long bos, len, slot0;
@@ -238,13 +251,14 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
     return rem < CH ? (int)rem : CH;
   };
   auto issue = [&](int c) {  // one commit group per chunk, empty past the end
-    if (c < nch) pass_prefetch<NT, VS, false>(stg[c % PST], p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    if (c < nch) pass_prefetch<NT, VS, false>(stg[c % PST], smem_u32(&bars[c % PST]), p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
     else cp_async_commit();
   };
 #pragma unroll
   for (int c = 0; c < PST - 1; ++c) issue(c);
   for (int c = 0; c < nch; ++c) {
     cp_async_wait_group<PST - 2>();
+    mbar_wait(smem_u32(&bars[c % PST]), (uint32_t)((c / PST) & 1));
     __syncthreads();
     issue(c + PST - 1);
     const PassStage<VS>& st = stg[c % PST];
@@ -359,6 +373,12 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // state staging
   bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + NW * KD * 16 + warp * CH * 16;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PST * sizeof(PassStage<VS>) + NW * (KD + CH) * 16 * 2);
+  if (tid == 0) {
+    for (int i = 0; i < PST; ++i) mbar_init(smem_u32(&bars[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
   long long bos, len, slot0;
@@ -376,7 +396,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   };
   auto issue = [&](int k) {  // k-th chunk from the end; one commit group each, empty past the start
     const int c = nch - 1 - k;
-    if (c >= 0) pass_prefetch<NT, VS, true>(stg[k % PST], p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    if (c >= 0) pass_prefetch<NT, VS, true>(stg[k % PST], smem_u32(&bars[k % PST]), p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
     else cp_async_commit();
   };
 #pragma unroll
@@ -384,6 +404,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   for (int k = 0; k < nch; ++k) {
     const int c = nch - 1 - k;
     cp_async_wait_group<PST - 2>();
+    mbar_wait(smem_u32(&bars[k % PST]), (uint32_t)((k / PST) & 1));
     __syncthreads();
     issue(k + PST - 1);
     const PassStage<VS>& st = stg[k % PST];
@@ -487,10 +508,10 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   bulk_drain(lane);
 }
 
-#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * (KD + CH) * 16 * 2)
-static_assert(sizeof(PassStage<32>) * PST + 2 * (KD + CH) * 16 * 2 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(2) == 56256, "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(4) == 68544, "pass_smem_bytes in src/launch/bwd.rs");
+#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * (KD + CH) * 16 * 2 + PST * 8)
+static_assert(sizeof(PassStage<32>) * PST + 2 * (KD + CH) * 16 * 2 + PST * 8 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(2) == 56280, "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(4) == 68568, "pass_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2>(p, blockIdx.x); }
 // 4-warp blocks at <= 168 registers (states: as compiled, 36 B of spills when capped; dstates: capped

@@ -24,7 +24,8 @@ const STATE_BYTES: usize = HEAD_DIM * HEAD_DIM * 2;
 const WU_BYTES: usize = 4 * CHUNK * HEAD_DIM * 2;
 /// Dynamic shared memory of `kdab_states_w*` / `kdab_dstates_w*` (`PASS_SMEM(NW)`).
 const fn pass_smem_bytes(nw: usize) -> u32 {
-    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * (HEAD_DIM + 16) * 16 * 2) as u32
+    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * (HEAD_DIM + 16) * 16 * 2 + 3 * 8)
+        as u32
 }
 /// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
 const CHUNK_SMEM_BYTES: u32 = 113696;
@@ -461,8 +462,8 @@ mod tests {
         // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 208 + 16 + 32 = 256 bytes
         assert_eq!(std::mem::size_of::<BwdKernelParams>(), 256);
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
-        assert_eq!(pass_smem_bytes(2), 56256);
-        assert_eq!(pass_smem_bytes(4), 68544);
+        assert_eq!(pass_smem_bytes(2), 56280);
+        assert_eq!(pass_smem_bytes(4), 68568);
         assert_eq!(ACC_W % 4, 0);
     }
 
