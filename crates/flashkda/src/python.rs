@@ -289,7 +289,7 @@ fn bwd(
         None => crate::launch::PassSchedule::Auto,
         Some(s) => crate::launch::PassSchedule::parse(s).ok_or_else(|| {
             PyValueError::new_err(format!(
-                "passes={s:?}: expected auto, seq2, seq4, conc2 or conc4"
+                "passes={s:?}: expected auto, seq2, seq4, conc2, conc4 or conc4o"
             ))
         })?,
     };

@@ -90,9 +90,19 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
 }
 
 /// The state-pass schedules every case runs under.
-const SCHEDULES: [PassSchedule; 4] = [
-    PassSchedule::Concurrent { warps: 2 },
-    PassSchedule::Concurrent { warps: 4 },
+const SCHEDULES: [PassSchedule; 5] = [
+    PassSchedule::Concurrent {
+        warps: 4,
+        overlap_prep: true,
+    },
+    PassSchedule::Concurrent {
+        warps: 2,
+        overlap_prep: false,
+    },
+    PassSchedule::Concurrent {
+        warps: 4,
+        overlap_prep: false,
+    },
     PassSchedule::Sequential { warps: 2 },
     PassSchedule::Sequential { warps: 4 },
 ];

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-# benchmark knob: how the backward's two state passes run (auto, seq2, seq4, conc2, conc4)
+# benchmark knob: how the backward's two state passes run (auto, seq2, seq4, conc2, conc4, conc4o)
 _PASSES = os.environ.get("FLASHKDA_BWD_PASSES") or None
 
 

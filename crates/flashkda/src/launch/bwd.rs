@@ -46,8 +46,10 @@ pub enum PassSchedule {
     Auto,
     /// One launch after the other, `warps` (2 or 4) per block.
     Sequential { warps: usize },
-    /// At once (the forward pass on a side stream), `warps` (2 or 4) per block.
-    Concurrent { warps: usize },
+    /// At once (the forward pass on a side stream), `warps` (2 or 4) per block; `overlap_prep`:
+    /// the forward pass also runs beside the prep, waiting on each record's ready flag, where
+    /// [`prep_overlap_fits`] (else as without).
+    Concurrent { warps: usize, overlap_prep: bool },
 }
 
 /// Blocks of `warps` warps a multiprocessor holds at once in a state pass (shared memory).
@@ -57,20 +59,42 @@ const fn pass_blocks_per_sm(warps: usize) -> usize {
 }
 
 /// The schedule `Auto` takes: both passes at once, 4 warps per block (the fastest of the four on all
-/// six anchors, bwd4 call 1; 3 blocks of either pass per SM, so H = 96 fixed's 384 run at once).
+/// six anchors, bwd4 call 1; 3 blocks of either pass per SM, so H = 96 fixed's 384 run at once), the
+/// forward pass beside the prep where that fits.
 pub fn pass_schedule(_chains: usize, _sm_count: usize) -> PassSchedule {
-    PassSchedule::Concurrent { warps: 4 }
+    PassSchedule::Concurrent {
+        warps: 4,
+        overlap_prep: true,
+    }
+}
+
+/// Whether the forward pass (`chains` x 2 blocks of 4 warps) may wait on the prep's ready flags: at
+/// most 2 of its blocks per SM on average, so SMs with room for prep blocks (28 KiB) always remain
+/// and a waiting block never starves the prep.
+pub fn prep_overlap_fits(chains: usize, warps: usize, sm_count: usize) -> bool {
+    warps == 4 && chains * HEAD_DIM / 64 <= 2 * sm_count
 }
 
 impl PassSchedule {
-    /// `seq2`, `seq4`, `conc2`, `conc4` or `auto` (benchmark knob of the Python call).
+    /// `seq2`, `seq4`, `conc2`, `conc4`, `conc4o` (with the prep overlap) or `auto` (benchmark knob
+    /// of the Python call).
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "auto" => PassSchedule::Auto,
             "seq2" => PassSchedule::Sequential { warps: 2 },
             "seq4" => PassSchedule::Sequential { warps: 4 },
-            "conc2" => PassSchedule::Concurrent { warps: 2 },
-            "conc4" => PassSchedule::Concurrent { warps: 4 },
+            "conc2" => PassSchedule::Concurrent {
+                warps: 2,
+                overlap_prep: false,
+            },
+            "conc4" => PassSchedule::Concurrent {
+                warps: 4,
+                overlap_prep: false,
+            },
+            "conc4o" => PassSchedule::Concurrent {
+                warps: 4,
+                overlap_prep: true,
+            },
             _ => return None,
         })
     }
@@ -89,6 +113,8 @@ pub struct BwdLayout {
     pub part: usize,
     /// Per (sequence, head, 16-row tile): the last chunk's `sum_v dht S0` (128 fp32).
     pub dgl: usize,
+    /// Per (slot, head): the record's ready flag (u32) for the prep overlap.
+    pub flags: usize,
     pub total: usize,
 }
 
@@ -105,6 +131,7 @@ pub fn bwd_layout(slots: usize, tokens: usize, seqs: usize, heads: usize, gva: b
     let part = (acc + acc_bytes).next_multiple_of(256);
     let part_bytes = if gva { 0 } else { sh * PART_W * 4 };
     let dgl = (part + part_bytes).next_multiple_of(256);
+    let flags = (dgl + seqs * heads * 8 * HEAD_DIM * 4).next_multiple_of(256);
     BwdLayout {
         rec,
         sst,
@@ -113,7 +140,8 @@ pub fn bwd_layout(slots: usize, tokens: usize, seqs: usize, heads: usize, gva: b
         acc,
         part,
         dgl,
-        total: dgl + seqs * heads * 8 * HEAD_DIM * 4,
+        flags,
+        total: flags + sh * 4,
     }
 }
 
@@ -169,6 +197,8 @@ struct BwdKernelParams {
     scale: f32,
     lower_bound: f32,
     fused: i32,
+    /// Per-(slot, head) record ready flags (the prep overlap) or 0.
+    flags: u64,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (size checked by a test).
@@ -330,11 +360,12 @@ pub fn bwd_validated(
         scale: args.scale,
         lower_bound: args.lower_bound,
         fused: i32::from(fp.qk_heads == fp.heads),
+        flags: 0,
     };
     let bk = &kernels.bwd;
     let slots = workspace_slots(fp);
     let sh = (slots * fp.heads) as u32;
-    if sh > 0 {
+    let prep = if sh > 0 {
         let prep = KernelParams {
             q: args.q.ptr,
             k: args.k.ptr,
@@ -361,24 +392,41 @@ pub fn bwd_validated(
             pad: 0,
             flags: 0,
         };
+        Some(prep)
+    } else {
+        None
+    };
+    let launch_prep = |on: &CudaStream, flags: u64| -> Result<(), FlashKdaError> {
+        let Some(prep) = prep else { return Ok(()) };
+        let prep = KernelParams { flags, ..prep };
         let cfg = LaunchConfig {
             grid_dim: (sh, 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = stream.launch_builder(&bk.prep);
+        let mut launch = on.launch_builder(&bk.prep);
         launch.arg(&prep);
-        // SAFETY: reads the validated inputs, writes the records of the workspace.
+        // SAFETY: reads the validated inputs, writes the records (and flags) of the workspace.
         unsafe { launch.launch(cfg) }.during("launching kda_prep (backward)")?;
-    }
-    if chains > 0 {
+        Ok(())
+    };
+    if chains == 0 {
+        launch_prep(stream, 0)?;
+    } else {
         let sched = match opts.passes {
             PassSchedule::Auto => pass_schedule(chains, kernels.sm_count),
             s => s,
         };
-        let (nw, both) = match sched {
-            PassSchedule::Sequential { warps } => (warps, false),
-            PassSchedule::Concurrent { warps } => (warps, true),
+        let (nw, both, overlap) = match sched {
+            PassSchedule::Sequential { warps } => (warps, false, false),
+            PassSchedule::Concurrent {
+                warps,
+                overlap_prep,
+            } => (
+                warps,
+                true,
+                overlap_prep && sh > 0 && prep_overlap_fits(chains, warps, kernels.sm_count),
+            ),
             PassSchedule::Auto => unreachable!("resolved above"),
         };
         if nw != 2 && nw != 4 {
@@ -392,7 +440,16 @@ pub fn bwd_validated(
             shared_mem_bytes: pass_smem_bytes(nw),
         };
         // Concurrent: the forward pass on the highest-priority side stream beside the reverse pass
-        // on the caller's stream, which then waits for both (they share no data).
+        // on the caller's stream, which then waits for both (they share no data). Overlapped: the
+        // forward pass starts beside the prep, each record's copy waiting on its ready flag.
+        let flags = if overlap { ws + lay.flags as u64 } else { 0 };
+        if overlap {
+            // SAFETY: the flags lie inside the call's workspace.
+            unsafe { cudarc::driver::result::memset_d8_async(flags, 0, sh as usize * 4, s) }
+                .during("zeroing the ready flags")?;
+        } else {
+            launch_prep(stream, 0)?;
+        }
         let side = if both {
             let side = side_stream(kernels, stream)?;
             side.join(stream).during("ordering the side stream")?;
@@ -401,10 +458,15 @@ pub fn bwd_validated(
             None
         };
         let fwd_stream = side.as_deref().unwrap_or(stream);
+        let fp_params = BwdKernelParams { flags, ..params };
         let mut launch = fwd_stream.launch_builder(&bk.states[i]);
-        launch.arg(&params);
-        // SAFETY: reads the records and inputs; writes the states and Wr tiles of the workspace.
+        launch.arg(&fp_params);
+        // SAFETY: reads the records (once flagged, when overlapped) and inputs; writes the states and
+        // Wr tiles of the workspace.
         unsafe { launch.launch(cfg(blocks)) }.during("launching kdab_states")?;
+        if overlap {
+            launch_prep(stream, flags)?;
+        }
         let mut launch = stream.launch_builder(&bk.dstates[i]);
         launch.arg(&params);
         // SAFETY: reads the records, dout, dfinal_state; writes dv, dinitial_state and workspace
@@ -459,8 +521,8 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 208 + 16 + 32 = 256 bytes
-        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 256);
+        // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32, 4 pad, 1 pointer = 208 + 16 + 32 + 8 = 264 bytes
+        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 264);
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
         assert_eq!(pass_smem_bytes(2), 56280);
         assert_eq!(pass_smem_bytes(4), 68568);
@@ -473,14 +535,15 @@ mod tests {
         let dgl_bytes = 96 * 8 * HEAD_DIM * 4;
         for gva in [false, true] {
             let l = bwd_layout(512, 8192, 1, 96, gva);
-            for off in [l.rec, l.sst, l.dss, l.wu, l.acc, l.part, l.dgl] {
+            for off in [l.rec, l.sst, l.dss, l.wu, l.acc, l.part, l.dgl, l.flags] {
                 assert_eq!(off % 256, 0);
             }
             assert!(l.sst >= sh * SPLIT_RECORD_BYTES);
             assert!(l.dss >= l.sst + sh * STATE_BYTES);
             assert!(l.wu >= l.dss + sh * STATE_BYTES);
             assert!(l.acc >= l.wu + sh * WU_BYTES);
-            assert_eq!(l.total, l.dgl + dgl_bytes);
+            assert!(l.flags >= l.dgl + dgl_bytes);
+            assert_eq!(l.total, l.flags + sh * 4);
             if gva {
                 assert!(l.part >= l.acc + 8192 * 96 * ACC_W * 4);
                 assert_eq!(l.dgl, l.part);
@@ -493,7 +556,9 @@ mod tests {
         let per = (SPLIT_RECORD_BYTES + 2 * STATE_BYTES + WU_BYTES + PART_W * 4) / CHUNK;
         assert_eq!(per, 6053);
         let l = bwd_layout(512, 8192, 1, 96, false);
-        assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + dgl_bytes + 7 * 256);
+        assert!(
+            l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + dgl_bytes + sh * 4 + 8 * 256
+        );
         assert_eq!(bwd_layout(0, 0, 0, 4, false).total, 0);
     }
 
@@ -505,15 +570,25 @@ mod tests {
         assert!(2 * 96 * HEAD_DIM / 64 <= pass_blocks_per_sm(4) * 132);
         assert_eq!(
             pass_schedule(96, 132),
-            PassSchedule::Concurrent { warps: 4 }
+            PassSchedule::Concurrent {
+                warps: 4,
+                overlap_prep: true
+            }
         );
+        // the prep overlap: H = 96 and 64 fixed (192 / 128 forward blocks), not varlen6 at H = 64
+        assert!(prep_overlap_fits(96, 4, 132) && prep_overlap_fits(132, 4, 132));
+        assert!(!prep_overlap_fits(133, 4, 132) && !prep_overlap_fits(6 * 64, 4, 132));
+        assert!(!prep_overlap_fits(64, 2, 132));
         assert_eq!(
             PassSchedule::parse("seq4"),
             Some(PassSchedule::Sequential { warps: 4 })
         );
         assert_eq!(
             PassSchedule::parse("conc2"),
-            Some(PassSchedule::Concurrent { warps: 2 })
+            Some(PassSchedule::Concurrent {
+                warps: 2,
+                overlap_prep: false
+            })
         );
         assert_eq!(PassSchedule::parse("x"), None);
     }
