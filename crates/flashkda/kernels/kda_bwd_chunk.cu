@@ -55,9 +55,9 @@ struct KdaBwdParams {
   float scale;
   float lower_bound;
   int fused;            // 1 (no GVA): kdab_chunk writes dq, dk, dg, dbeta and the partial sums
-  int pad;
   const unsigned int* flags;  // [slots, H] record ready flags (kdab_states beside the prep) or null
 };
+static_assert(sizeof(KdaBwdParams) == 264 && offsetof(KdaBwdParams, flags) == 256, "BwdKernelParams in src/launch/bwd.rs");
 
 #define ACC_W (3 * KD + 4)  // per (token, head): dq_hat[128], dk_hat[128], dgamma[128], db, 3 pad
 #define SROW 136            // padded bf16 row stride of the 16 x 128 and 128 x 128 tiles

@@ -521,7 +521,7 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32, 4 pad, 1 pointer = 208 + 16 + 32 + 8 = 264 bytes
+        // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32, 1 pointer = 208 + 16 + 32 + 8 = 264 bytes
         assert_eq!(std::mem::size_of::<BwdKernelParams>(), 264);
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
         assert_eq!(pass_smem_bytes(2), 56280);
