@@ -1,5 +1,5 @@
 #!/bin/bash
-# bwd4 device call 4 (acceptance run, build v4 (its commit in docs/benchmarks.md), falls back to v3
+# bwd4 device calls 4 and 5 (acceptance run, build v4 = 971da74, falls back to v3
 # = 5eed43e if v4's tests fail): GPU tests (5 schedules) and sanitizers (without the prep overlap, which a
 # serializing tool would starve) while fla's kernels compile from call 3's autotune results; flashkda-only
 # timing of the default (prep overlap) and of conc4 (none), the faster is timed against fla; then the

@@ -46,9 +46,9 @@ pub enum PassSchedule {
     Auto,
     /// One launch after the other, `warps` (2 or 4) per block.
     Sequential { warps: usize },
-    /// At once (the forward pass on a side stream), `warps` (2 or 4) per block; `overlap_prep`:
-    /// the forward pass also runs beside the prep, waiting on each record's ready flag, where
-    /// [`prep_overlap_fits`] (else as without).
+    /// At once (the forward pass on a side stream), `warps` (2 or 4) per block; `overlap_prep`
+    /// (opt-in, measured slower): the forward pass also runs beside the prep, waiting on each
+    /// record's ready flag, where [`prep_overlap_fits`] (else as without).
     Concurrent { warps: usize, overlap_prep: bool },
 }
 
@@ -59,12 +59,12 @@ const fn pass_blocks_per_sm(warps: usize) -> usize {
 }
 
 /// The schedule `Auto` takes: both passes at once, 4 warps per block (the fastest of the four on all
-/// six anchors, bwd4 call 1; 3 blocks of either pass per SM, so H = 96 fixed's 384 run at once), the
-/// forward pass beside the prep where that fits.
+/// six anchors, bwd4 call 1; 3 blocks of either pass per SM, so H = 96 fixed's 384 run at once), without
+/// the prep overlap (slower: bwd4 call 5, H=96 fixed 7.06 vs 6.80 ms fwd+bwd).
 pub fn pass_schedule(_chains: usize, _sm_count: usize) -> PassSchedule {
     PassSchedule::Concurrent {
         warps: 4,
-        overlap_prep: true,
+        overlap_prep: false,
     }
 }
 
@@ -572,7 +572,7 @@ mod tests {
             pass_schedule(96, 132),
             PassSchedule::Concurrent {
                 warps: 4,
-                overlap_prep: true
+                overlap_prep: false
             }
         );
         // the prep overlap: H = 96 and 64 fixed (192 / 128 forward blocks), not varlen6 at H = 64
