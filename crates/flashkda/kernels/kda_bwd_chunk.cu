@@ -7,7 +7,8 @@
 //     fp32 state; parallel over value-row slices.
 //  3. kdab_dstates: the reverse pass over chunks: dS (fp32, mma fragments) enters as d(end state),
 //     is stored (bf16), gives dU = M^T dO + KR dS^T (stored hi + lo), dv = diag(b) INV^T dU, and
-//     leaves as dS diag(E) + dO^T qd - dv^T kd; parallel over value-row slices.
+//     leaves as dS diag(E) + dO^T qd - dv^T kd; parallel over value-row slices. Independent of 2:
+//     the launcher runs both at once (2 on a side stream), halving the sequential chunk steps.
 //  4. kdab_chunk (.cuh): one block per (chunk, head) over all value rows: U = X diag(b) Wr, dO U^T,
 //     dO S0, dv S0, U dS, dU Wr^T on mma (split operands where bf16 costs accuracy), the 16x16 WY
 //     backward (dbeta, dA) in fp32, then d q_hat, d k_hat, d gamma, d b and, without GVA, the
@@ -38,8 +39,8 @@ struct KdaBwdParams {
   float* ddt_bias;      // [H, 128], zeroed by the launcher
   void* dh0;            // [N, H, 128, 128] or null
   const unsigned char* rec;  // [slots, H] prep records
-  bf16* sst;            // [slots, H, 128 key, 128 value] chunk start states (transposed)
-  bf16* dss;            // [slots, H, 128 key, 128 value] d(chunk end state) (transposed)
+  bf16* sst;            // [slots, H, 8, 128 key, 16 value] chunk start states (transposed 16-row tiles)
+  bf16* dss;            // [slots, H, 8, 128 key, 16 value] d(chunk end state) (same)
   bf16* wu;             // [slots, H, 4, 16, 128]: Wr hi, dU hi, dU lo, Wr lo ([token][value row])
   float* acc;           // [T, H, ACC_W] row sums (GVA only)
   float* part;          // [slots, H, PART_W]: per-chunk ddt_bias[128], dA_log (not GVA)
@@ -54,7 +55,9 @@ struct KdaBwdParams {
   float scale;
   float lower_bound;
   int fused;            // 1 (no GVA): kdab_chunk writes dq, dk, dg, dbeta and the partial sums
+  const unsigned int* flags;  // [slots, H] record ready flags (kdab_states beside the prep) or null
 };
+static_assert(sizeof(KdaBwdParams) == 264 && offsetof(KdaBwdParams, flags) == 256, "BwdKernelParams in src/launch/bwd.rs");
 
 #define ACC_W (3 * KD + 4)  // per (token, head): dq_hat[128], dk_hat[128], dgamma[128], db, 3 pad
 #define SROW 136            // padded bf16 row stride of the 16 x 128 and 128 x 128 tiles
@@ -134,10 +137,19 @@ __device__ __forceinline__ void st_v4(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// The warp's 16 state rows (fp32 fragments) as bf16 into the transposed global tile dst[key][value]
-// (columns r0 .. r0 + 15): stmatrix.trans into the warp's staging tile ot[128][16], then 16-byte stores.
-__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int r0, int lane) {
+__device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;\n" ::"l"(dst), "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+
+// The warp's 16 state rows (fp32 fragments) as bf16 into its transposed global tile dst[key][16 values]
+// (4 KiB): stmatrix.trans into the warp's staging tile ot[128][16], then one bulk copy by lane 0 (off
+// the load/store units); the previous chunk's copy must have read ot first.
+__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int lane) {
   const int mi = lane >> 3, c = lane & 7;
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  __syncwarp();
 #pragma unroll
   for (int np = 0; np < 8; ++np) {
     const int nt = 2 * np;
@@ -148,16 +160,14 @@ __device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, 
                  "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");
   }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the bulk copy reads ot next
   __syncwarp();
-  uint4 x[8];  // all loads first, then the stores
-#pragma unroll
-  for (int it = 0; it < 8; ++it) x[it] = *reinterpret_cast<const uint4*>(ot + (it * 32 + lane) * 8);
-  __syncwarp();
-#pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const int idx = it * 32 + lane, row = idx >> 1, hf = idx & 1;
-    st_v4(dst + (size_t)row * KD + r0 + 8 * hf, x[it]);
-  }
+  if (lane == 0) bulk_s2g(dst, ot, KD * 16 * 2);
+}
+
+// Lane 0's bulk copies complete before the block exits.
+__device__ __forceinline__ void bulk_drain(int lane) {
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 // A 16 x 16 accumulator tile X (rows: the warp's 16 value rows, columns: the chunk's tokens) as bf16
@@ -185,17 +195,36 @@ struct __align__(16) PassStage {
   bf16 t[CH][VS + 8];
 };
 
-// Copies the record bytes a pass reads: [0, R_ML) for the reverse pass (all but M's lo part), kd and
-// [R_KR, R_M) + [R_E, R_ML) for the forward pass (no qd, no M).
+// Copies the record bytes a pass reads by bulk copies on the stage's mbarrier (thread 0): [0, R_ML) for
+// the reverse pass (all but M's lo part), kd, [R_KR, R_M) and [R_E, R_ML) for the forward pass (no qd,
+// no M); and this block's 16 x VS tile of src by cp.async (one commit group).
 template <int NT, int VS, bool REVERSE>
-__device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, const KdaBwdParams& p, const bf16* src, long long slot,
-                                              int h, long long t0, int nv, int v0, int tid) {
+__device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, uint32_t bar, const KdaBwdParams& p, const bf16* src,
+                                              long long slot, int h, long long t0, int nv, int v0, int tid) {
   static_assert(R_KD == 0 && R_QD == 4096 && R_KR == 8192 && R_M + 512 == R_E && R_B + 64 == R_ML, "record layout");
-  const uint4* rs = reinterpret_cast<const uint4*>(p.rec + (size_t)(slot * p.num_heads + h) * REC_BYTES);
-  constexpr int N = REVERSE ? R_ML / 16 : (R_QD + (R_M - R_KR) + (R_ML - R_E)) / 16;
-  for (int i = tid; i < N; i += NT) {
-    const int j = REVERSE ? i : (i < R_QD / 16 ? i : (i < (R_QD + R_M - R_KR) / 16 ? i + (R_KR - R_QD) / 16 : i + (R_KR - R_QD + R_E - R_M) / 16));
-    cp_async16(st.rec + 16 * j, rs + j, 16);
+  if (tid == 0) {
+    const unsigned char* rs = p.rec + (size_t)(slot * p.num_heads + h) * REC_BYTES;
+    if (!REVERSE && p.flags != nullptr) {  // beside the prep: wait until this record is written
+      const unsigned int* f = p.flags + slot * p.num_heads + h;
+      // Bounded: a prep block that never runs traps after 2 s instead of hanging the stream.
+      unsigned long long w0, now;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0));
+      while (flag_acquire(f) == 0) {
+        __nanosleep(100);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - w0 > 2000000000ull) __trap();
+      }
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the bulk copy reads it next
+    }
+    if (REVERSE) {
+      mbar_expect_tx(bar, R_ML);
+      bulk_g2s(smem_u32(st.rec), rs, R_ML, bar);
+    } else {
+      mbar_expect_tx(bar, R_QD + (R_M - R_KR) + (R_ML - R_E));
+      bulk_g2s(smem_u32(st.rec), rs, R_QD, bar);
+      bulk_g2s(smem_u32(st.rec + R_KR), rs + R_KR, R_M - R_KR, bar);
+      bulk_g2s(smem_u32(st.rec + R_E), rs + R_E, R_ML - R_E, bar);
+    }
   }
   constexpr int VCH = VS / 8;
   const long long hs = (long long)p.num_heads * KD;
@@ -209,14 +238,21 @@ __device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, const KdaBwdPar
 
 // ---- 2. forward state pass, storing S0, Wr and U per chunk
 template <int NW>
-__device__ __forceinline__ void states_body(const KdaBwdParams& p) {
+__device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
   constexpr int VS = 16 * NW, SLICES = KD / VS, NT = 32 * NW;
   extern __shared__ __align__(16) unsigned char bsm_raw[];
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // staging
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // state staging
+  bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + NW * KD * 16 + warp * CH * 16;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PST * sizeof(PassStage<VS>) + NW * (KD + CH) * 16 * 2);
+  if (tid == 0) {
+    for (int i = 0; i < PST; ++i) mbar_init(smem_u32(&bars[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
   const int H = p.num_heads;
-  const int slice = blockIdx.x % SLICES, h = (blockIdx.x / SLICES) % H, n = blockIdx.x / (SLICES * H);
+  const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
   long long bos, len, slot0;
   bseq(p, n, bos, len, slot0);
   const int v0 = slice * VS, vl = warp * 16, vw = v0 + vl;
@@ -229,13 +265,14 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
     return rem < CH ? (int)rem : CH;
   };
   auto issue = [&](int c) {  // one commit group per chunk, empty past the end
-    if (c < nch) pass_prefetch<NT, VS, false>(stg[c % PST], p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    if (c < nch) pass_prefetch<NT, VS, false>(stg[c % PST], smem_u32(&bars[c % PST]), p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
     else cp_async_commit();
   };
 #pragma unroll
   for (int c = 0; c < PST - 1; ++c) issue(c);
   for (int c = 0; c < nch; ++c) {
     cp_async_wait_group<PST - 2>();
+    mbar_wait(smem_u32(&bars[c % PST]), (uint32_t)((c / PST) & 1));
     __syncthreads();
     issue(c + PST - 1);
     const PassStage<VS>& st = stg[c % PST];
@@ -275,7 +312,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
         }
     }
     const size_t sh = (size_t)slot * H + h;
-    store_rows_t(S, ots, p.sst + sh * KD * KD, vw, lane);
+    store_rows_t(S, ots, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
     const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
@@ -306,8 +343,8 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
           xl[nt][e] = lo_of(x[nt][e]);
           vb[nt][e] = x[nt][e] * b[tok];
         }
-      store_tile_t(x, ots, wr, KD, CH, lane);
-      store_tile_t(xl, ots, wr + 3 * CH * KD, KD, CH, lane);
+      store_tile_t(x, tts, wr, KD, CH, lane);
+      store_tile_t(xl, tts, wr + 3 * CH * KD, KD, CH, lane);
     }
     uint32_t vah[4], val[4];
     split_tile(vah, val, vb, 1.f);
@@ -338,18 +375,26 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p) {
       }
     }
   }
+  bulk_drain(lane);
 }
 
 // ---- 3. reverse state-gradient pass
 template <int NW>
-__device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
+__device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   constexpr int VS = 16 * NW, SLICES = KD / VS, NT = 32 * NW;
   extern __shared__ __align__(16) unsigned char bsm_raw[];
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // staging
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // state staging
+  bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + NW * KD * 16 + warp * CH * 16;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PST * sizeof(PassStage<VS>) + NW * (KD + CH) * 16 * 2);
+  if (tid == 0) {
+    for (int i = 0; i < PST; ++i) mbar_init(smem_u32(&bars[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
   const int H = p.num_heads;
-  const int slice = blockIdx.x % SLICES, h = (blockIdx.x / SLICES) % H, n = blockIdx.x / (SLICES * H);
+  const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
   long long bos, len, slot0;
   bseq(p, n, bos, len, slot0);
   const int v0 = slice * VS, vl = warp * 16, vw = v0 + vl;
@@ -365,7 +410,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
   };
   auto issue = [&](int k) {  // k-th chunk from the end; one commit group each, empty past the start
     const int c = nch - 1 - k;
-    if (c >= 0) pass_prefetch<NT, VS, true>(stg[k % PST], p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    if (c >= 0) pass_prefetch<NT, VS, true>(stg[k % PST], smem_u32(&bars[k % PST]), p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
     else cp_async_commit();
   };
 #pragma unroll
@@ -373,13 +418,14 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
   for (int k = 0; k < nch; ++k) {
     const int c = nch - 1 - k;
     cp_async_wait_group<PST - 2>();
+    mbar_wait(smem_u32(&bars[k % PST]), (uint32_t)((k / PST) & 1));
     __syncthreads();
     issue(k + PST - 1);
     const PassStage<VS>& st = stg[k % PST];
     const long long slot = slot0 + c, t0 = bos + (long long)c * CH;
     const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
-    store_rows_t(dS, ots, p.dss + sh * KD * KD, vw, lane);
+    store_rows_t(dS, ots, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* qd = reinterpret_cast<const bf16*>(st.rec + R_QD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
@@ -417,8 +463,8 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dl[nt][e] = lo_of(dU[nt][e]);
-      store_tile_t(dU, ots, dus, KD, CH, lane);
-      store_tile_t(dl, ots, dus + CH * KD, KD, CH, lane);
+      store_tile_t(dU, tts, dus, KD, CH, lane);
+      store_tile_t(dl, tts, dus + CH * KD, KD, CH, lane);
     }
     // dv^T = (dU^T INV) diag(b)
     uint32_t dh[4], dl[4];
@@ -438,7 +484,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dW[nt][e] *= b[nt * 8 + 2 * tq + (e & 1)];
-    store_tile_t(dW, ots, p.dv + t0 * hs + (long long)h * KD + vw, (size_t)hs, nv, lane);
+    store_tile_t(dW, tts, p.dv + t0 * hs + (long long)h * KD + vw, (size_t)hs, nv, lane);
     uint32_t wh[4], wl[4];
     split_tile(wh, wl, dW, -1.f);
     // dS = dS diag(E) + dO^T qd - dv^T kd
@@ -473,16 +519,18 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p) {
       }
     }
   }
+  bulk_drain(lane);
 }
 
-#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * KD * 16 * 2)
-static_assert(sizeof(PassStage<32>) * PST + 2 * KD * 16 * 2 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(2) == 55232, "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM(4) == 66496, "pass_smem_bytes in src/launch/bwd.rs");
+#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * (KD + CH) * 16 * 2 + PST * 8)
+static_assert(sizeof(PassStage<32>) * PST + 2 * (KD + CH) * 16 * 2 + PST * 8 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(2) == 56280, "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM(4) == 68568, "pass_smem_bytes in src/launch/bwd.rs");
 
-extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2>(p); }
-extern "C" __global__ void __launch_bounds__(128) kdab_states_w4(const KdaBwdParams p) { states_body<4>(p); }
-extern "C" __global__ void __launch_bounds__(64) kdab_dstates_w2(const KdaBwdParams p) { dstates_body<2>(p); }
-extern "C" __global__ void __launch_bounds__(128) kdab_dstates_w4(const KdaBwdParams p) { dstates_body<4>(p); }
-
+extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2>(p, blockIdx.x); }
+// 4-warp blocks at <= 168 registers (states: as compiled, 36 B of spills when capped; dstates: capped
+// from 182): three blocks of either pass fit one SM, so both passes of H = 96 fixed (384 blocks) run at once.
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4(const KdaBwdParams p) { states_body<4>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(64) kdab_dstates_w2(const KdaBwdParams p) { dstates_body<2>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4(const KdaBwdParams p) { dstates_body<4>(p, blockIdx.x); }
 #include "kda_bwd_chunk.cuh"

@@ -245,7 +245,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     for (int m2 = 0; m2 < 2; ++m2)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const size_t o = (size_t)(16 * warp + nt * 8 + gq) * KD + 32 * (2 * half + m2) + 8 * tq;
+        // key row 16w + 8nt + gq, value columns vb .. vb + 7 (vb = 32 (2 half + m2) + 8 tq) of the tiled layout
+        const size_t o = (size_t)(2 * (2 * half + m2) + (tq >> 1)) * (KD * 16) + (size_t)(16 * warp + nt * 8 + gq) * 16 +
+                         8 * (tq & 1);
         bs[m2][nt] = __ldg(reinterpret_cast<const uint4*>(s0t + o));
         bd[m2][nt] = __ldg(reinterpret_cast<const uint4*>(dst_ + o));
       }

@@ -69,6 +69,8 @@ pub enum FlashKdaError {
     },
     #[error("split operands run only on the workspace schedule, not {schedule}")]
     OperandsSchedule { schedule: String },
+    #[error("the backward state passes take 2 or 4 warps per block, not {0}")]
+    PassWarps(usize),
     #[error("workspace of {have} bytes is too small: this call needs {need} bytes")]
     WorkspaceTooSmall { need: usize, have: usize },
     #[error(

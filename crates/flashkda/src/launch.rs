@@ -19,7 +19,8 @@ pub use crate::schedule::{
 
 mod bwd;
 pub use bwd::{
-    BwdLayout, BwdOptions, bwd, bwd_layout, bwd_pass_warps, bwd_validated, bwd_workspace_bytes,
+    BwdLayout, BwdOptions, PassSchedule, bwd, bwd_layout, bwd_pass_warps, bwd_validated,
+    bwd_workspace_bytes, pass_schedule,
 };
 
 mod built {

@@ -24,9 +24,9 @@ pub mod validate;
 
 pub use error::FlashKdaError;
 pub use launch::{
-    BwdLayout, BwdOptions, FwdOptions, KdaKernels, Workspace, bwd, bwd_layout, bwd_pass_warps,
-    bwd_validated, bwd_workspace_bytes, fwd, fwd_planned, fwd_validated, kernels_built,
-    open_device, workspace_bytes,
+    BwdLayout, BwdOptions, FwdOptions, KdaKernels, PassSchedule, Workspace, bwd, bwd_layout,
+    bwd_pass_warps, bwd_validated, bwd_workspace_bytes, fwd, fwd_planned, fwd_validated,
+    kernels_built, open_device, pass_schedule, workspace_bytes,
 };
 pub use schedule::{
     CallPlan, KernelSchedule, Operands, ScheduleRequest, Segments, ValueSplit, call_plan,

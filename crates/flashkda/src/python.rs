@@ -257,7 +257,7 @@ fn fwd(
 /// given, `dinitial_state` (`[N, H, 128, 128]`, bf16 or fp32). The workspace comes from torch's
 /// caching allocator.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, dout, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, initial_state=None, dfinal_state=None, dinitial_state=None, cu_seqlens=None, check_cu_seqlens=true))]
+#[pyo3(signature = (q, k, v, g, beta, scale, A_log, dt_bias, lower_bound, dout, dq, dk, dv, dg, dbeta, dA_log, ddt_bias, initial_state=None, dfinal_state=None, dinitial_state=None, cu_seqlens=None, check_cu_seqlens=true, passes=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
 fn bwd(
     py: Python<'_>,
@@ -283,7 +283,16 @@ fn bwd(
     dinitial_state: Option<&Bound<'_, PyAny>>,
     cu_seqlens: Option<&Bound<'_, PyAny>>,
     check_cu_seqlens: bool,
+    passes: Option<&str>,
 ) -> PyResult<()> {
+    let passes = match passes {
+        None => crate::launch::PassSchedule::Auto,
+        Some(s) => crate::launch::PassSchedule::parse(s).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "passes={s:?}: expected auto, seq2, seq4, conc2, conc4 or conc4o"
+            ))
+        })?,
+    };
     let args = BwdArgs {
         q: view("q", q)?,
         k: view("k", k)?,
@@ -317,6 +326,7 @@ fn bwd(
     let opts = crate::launch::BwdOptions {
         check_cu_seqlens,
         workspace: Some(ws),
+        passes,
     };
     let stream = torch_stream(&torch, &kernels, ordinal)?;
     let r = py.detach(|| crate::launch::bwd_validated(&kernels, &stream, &args, &plan, &opts));

@@ -12,7 +12,7 @@ use cudarc::driver::CudaStream;
 use flashkda::harness::{DeviceProblem, StateIo};
 use flashkda::reference::metrics::rel_frobenius;
 use flashkda::reference::{HEAD_DIM, KdaGrads, KdaProblem, recurrence_grad_f64};
-use flashkda::{BwdOptions, FlashKdaError, KdaKernels, bwd};
+use flashkda::{BwdOptions, FlashKdaError, KdaKernels, PassSchedule, bwd};
 use rand::{Rng, SeedableRng};
 
 /// Every gradient within this relative Frobenius error of float64 (issue 13).
@@ -63,27 +63,73 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             .collect()
     });
     let dev = DeviceProblem::upload(stream, &p, c.state, c.batched).expect("upload");
-    let grads = dev
-        .grads(&dout, dfinal.as_deref(), c.state.initial, c.state.fp32)
-        .expect("grad buffers");
-    bwd(
-        kernels,
-        stream,
-        &dev.bwd_args(&grads),
-        &BwdOptions::default(),
-    )
-    .unwrap_or_else(|e| panic!("{}: bwd failed: {e}", c.name));
-    stream
-        .synchronize()
-        .unwrap_or_else(|e| panic!("{}: kernel failed: {e}", c.name));
-    let got: KdaGrads = dev
-        .read_grads(&grads)
-        .unwrap_or_else(|e| panic!("{}: {e}", c.name));
     let d64: Vec<f64> = dout.iter().map(|&x| f64::from(x)).collect();
     let df64: Option<Vec<f64>> = dfinal
         .as_ref()
         .map(|d| d.iter().map(|&x| f64::from(x)).collect());
     let want: KdaGrads = recurrence_grad_f64(&p, &d64, df64.as_deref());
+    // every state-pass schedule on the same inputs, fresh poisoned outputs each time;
+    // FLASHKDA_TEST_NO_OVERLAP=1 skips the prep overlap (under compute-sanitizer, which serializes
+    // kernels and would leave the forward pass waiting on flags of a prep that cannot start)
+    let no_overlap = std::env::var("FLASHKDA_TEST_NO_OVERLAP").is_ok_and(|v| v == "1");
+    for passes in SCHEDULES {
+        if no_overlap
+            && matches!(
+                passes,
+                PassSchedule::Concurrent {
+                    overlap_prep: true,
+                    ..
+                }
+            )
+        {
+            continue;
+        }
+        let grads = dev
+            .grads(&dout, dfinal.as_deref(), c.state.initial, c.state.fp32)
+            .expect("grad buffers");
+        let opts = BwdOptions {
+            passes,
+            ..BwdOptions::default()
+        };
+        bwd(kernels, stream, &dev.bwd_args(&grads), &opts)
+            .unwrap_or_else(|e| panic!("{} {passes:?}: bwd failed: {e}", c.name));
+        stream
+            .synchronize()
+            .unwrap_or_else(|e| panic!("{} {passes:?}: kernel failed: {e}", c.name));
+        let got: KdaGrads = dev
+            .read_grads(&grads)
+            .unwrap_or_else(|e| panic!("{} {passes:?}: {e}", c.name));
+        compare(c, &p, s, passes, &got, &want);
+    }
+}
+
+/// The state-pass schedules every case runs under.
+const SCHEDULES: [PassSchedule; 5] = [
+    PassSchedule::Concurrent {
+        warps: 4,
+        overlap_prep: true,
+    },
+    PassSchedule::Concurrent {
+        warps: 2,
+        overlap_prep: false,
+    },
+    PassSchedule::Concurrent {
+        warps: 4,
+        overlap_prep: false,
+    },
+    PassSchedule::Sequential { warps: 2 },
+    PassSchedule::Sequential { warps: 4 },
+];
+
+/// Checks one schedule's gradients against float64 (all written, within [`BAR`]); logs a line.
+fn compare(
+    c: &Case<'_>,
+    p: &KdaProblem,
+    s: u64,
+    passes: PassSchedule,
+    got: &KdaGrads,
+    want: &KdaGrads,
+) {
     let mut pairs: Vec<(&str, &[f64], &[f64])> = vec![
         ("dq", &got.dq, &want.dq),
         ("dk", &got.dk, &want.dk),
@@ -102,7 +148,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
         let nonfinite = g.iter().filter(|x| !x.is_finite()).count();
         assert_eq!(
             nonfinite, 0,
-            "{}: {name}: {nonfinite} elements not written (still NaN) or non-finite (seed {s})",
+            "{} {passes:?}: {name}: {nonfinite} elements not written (still NaN) or non-finite (seed {s})",
             c.name
         );
         let e = rel_frobenius(g, w);
@@ -110,7 +156,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
         fields.push(format!("\"{name}\":{e:e}"));
     }
     log_line(&format!(
-        "{{\"bwd_case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"H_qk\":{},\"state\":\"{}\",\"batched\":{},\"seed\":{s},{},\"worst\":{worst:e}}}",
+        "{{\"bwd_case\":\"{}\",\"passes\":\"{passes:?}\",\"seq_lens\":\"{}\",\"H\":{},\"H_qk\":{},\"state\":\"{}\",\"batched\":{},\"seed\":{s},{},\"worst\":{worst:e}}}",
         c.name,
         if c.seq_lens.len() > 8 {
             format!("{} seqs, {} tokens", c.seq_lens.len(), p.tokens())
@@ -127,7 +173,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
         let e = rel_frobenius(g, w);
         assert!(
             e <= BAR,
-            "{}: {name} rel error {e:e} > {BAR:e} (seed {s})",
+            "{} {passes:?}: {name} rel error {e:e} > {BAR:e} (seed {s})",
             c.name
         );
     }

@@ -13,6 +13,11 @@ temporary workspace (from torch's caching allocator).
 
 from __future__ import annotations
 
+import os
+
+# benchmark knob: how the backward's two state passes run (auto, seq2, seq4, conc2, conc4, conc4o)
+_PASSES = os.environ.get("FLASHKDA_BWD_PASSES") or None
+
 
 def _function():
     import torch
@@ -52,7 +57,7 @@ def _function():
             if initial_state is not None and ctx.needs_input_grad[7]:
                 dh0 = torch.empty_like(initial_state)
             _flashkda.bwd(q, k, v, g, beta, ctx.scale, A_log, dt_bias, ctx.lower_bound, dout, dq, dk, dv, dg,
-                          dbeta, dA_log, ddt_bias, initial_state, dfinal, dh0, cu_seqlens)
+                          dbeta, dA_log, ddt_bias, initial_state, dfinal, dh0, cu_seqlens, passes=_PASSES)
             return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None
 
     return ChunkKdaFunction

@@ -6,7 +6,7 @@ use cudarc::driver::{
 };
 use std::sync::Arc;
 
-use super::{KdaKernels, KernelParams, Workspace, begin_call, workspace_ptr};
+use super::{KdaKernels, KernelParams, Workspace, begin_call, side_stream, workspace_ptr};
 use crate::error::{DriverContext, FlashKdaError};
 use crate::reference::HEAD_DIM;
 use crate::schedule::{SPLIT_RECORD_BYTES, workspace_slots};
@@ -24,17 +24,80 @@ const STATE_BYTES: usize = HEAD_DIM * HEAD_DIM * 2;
 const WU_BYTES: usize = 4 * CHUNK * HEAD_DIM * 2;
 /// Dynamic shared memory of `kdab_states_w*` / `kdab_dstates_w*` (`PASS_SMEM(NW)`).
 const fn pass_smem_bytes(nw: usize) -> u32 {
-    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * HEAD_DIM * 16 * 2) as u32
+    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * (HEAD_DIM + 16) * 16 * 2 + 3 * 8)
+        as u32
 }
 /// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
 const CHUNK_SMEM_BYTES: u32 = 113696;
 /// Floats of one chunk's partial sums (`PART_W`: ddt_bias[128], dA_log, 3 pad).
 const PART_W: usize = 132;
 
-/// Warps (16 value rows each) per block of the two state passes: 4 (two blocks per chain) while
-/// that still gives 2 blocks per SM, else 2.
+/// The earlier sequential schedule's warps per block (16 value rows each): 4 (two blocks per chain)
+/// while that still gives 2 blocks per SM, else 2. `Auto` now takes [`pass_schedule`].
 pub fn bwd_pass_warps(chains: usize, sm_count: usize) -> usize {
     if chains * 2 >= 2 * sm_count { 4 } else { 2 }
+}
+
+/// How the two state passes (forward: chunk start states; reverse: state gradients) run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PassSchedule {
+    /// [`pass_schedule`]'s choice.
+    #[default]
+    Auto,
+    /// One launch after the other, `warps` (2 or 4) per block.
+    Sequential { warps: usize },
+    /// At once (the forward pass on a side stream), `warps` (2 or 4) per block; `overlap_prep`
+    /// (opt-in, measured slower): the forward pass also runs beside the prep, waiting on each
+    /// record's ready flag, where [`prep_overlap_fits`] (else as without).
+    Concurrent { warps: usize, overlap_prep: bool },
+}
+
+/// Blocks of `warps` warps a multiprocessor holds at once in a state pass (shared memory).
+#[cfg(test)]
+const fn pass_blocks_per_sm(warps: usize) -> usize {
+    233472 / (pass_smem_bytes(warps) as usize + 1024)
+}
+
+/// The schedule `Auto` takes: both passes at once, 4 warps per block (the fastest of the four on all
+/// six anchors, bwd4 call 1; 3 blocks of either pass per SM, so H = 96 fixed's 384 run at once), without
+/// the prep overlap (slower: bwd4 call 5, H=96 fixed 7.06 vs 6.80 ms fwd+bwd).
+pub fn pass_schedule(_chains: usize, _sm_count: usize) -> PassSchedule {
+    PassSchedule::Concurrent {
+        warps: 4,
+        overlap_prep: false,
+    }
+}
+
+/// Whether the forward pass (`chains` x 2 blocks of 4 warps) may wait on the prep's ready flags: at
+/// most 2 of its blocks per SM on average, so SMs with room for prep blocks (28 KiB) always remain
+/// and a waiting block never starves the prep.
+pub fn prep_overlap_fits(chains: usize, warps: usize, sm_count: usize) -> bool {
+    warps == 4 && chains * HEAD_DIM / 64 <= 2 * sm_count
+}
+
+impl PassSchedule {
+    /// `seq2`, `seq4`, `conc2`, `conc4`, `conc4o` (with the prep overlap) or `auto` (benchmark knob
+    /// of the Python call).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "auto" => PassSchedule::Auto,
+            "seq2" => PassSchedule::Sequential { warps: 2 },
+            "seq4" => PassSchedule::Sequential { warps: 4 },
+            "conc2" => PassSchedule::Concurrent {
+                warps: 2,
+                overlap_prep: false,
+            },
+            "conc4" => PassSchedule::Concurrent {
+                warps: 4,
+                overlap_prep: false,
+            },
+            "conc4o" => PassSchedule::Concurrent {
+                warps: 4,
+                overlap_prep: true,
+            },
+            _ => return None,
+        })
+    }
 }
 
 /// Offsets of the backward workspace (bytes, 256-aligned): the prep records, the chunk start
@@ -50,6 +113,8 @@ pub struct BwdLayout {
     pub part: usize,
     /// Per (sequence, head, 16-row tile): the last chunk's `sum_v dht S0` (128 fp32).
     pub dgl: usize,
+    /// Per (slot, head): the record's ready flag (u32) for the prep overlap.
+    pub flags: usize,
     pub total: usize,
 }
 
@@ -66,6 +131,7 @@ pub fn bwd_layout(slots: usize, tokens: usize, seqs: usize, heads: usize, gva: b
     let part = (acc + acc_bytes).next_multiple_of(256);
     let part_bytes = if gva { 0 } else { sh * PART_W * 4 };
     let dgl = (part + part_bytes).next_multiple_of(256);
+    let flags = (dgl + seqs * heads * 8 * HEAD_DIM * 4).next_multiple_of(256);
     BwdLayout {
         rec,
         sst,
@@ -74,7 +140,8 @@ pub fn bwd_layout(slots: usize, tokens: usize, seqs: usize, heads: usize, gva: b
         acc,
         part,
         dgl,
-        total: dgl + seqs * heads * 8 * HEAD_DIM * 4,
+        flags,
+        total: flags + sh * 4,
     }
 }
 
@@ -130,6 +197,8 @@ struct BwdKernelParams {
     scale: f32,
     lower_bound: f32,
     fused: i32,
+    /// Per-(slot, head) record ready flags (the prep overlap) or 0.
+    flags: u64,
 }
 
 // SAFETY: plain-old-data, layout identical to the C struct (size checked by a test).
@@ -185,6 +254,8 @@ pub struct BwdOptions {
     pub check_cu_seqlens: bool,
     /// The caller's workspace (size: [`bwd_workspace_bytes`]); `None` takes the stream's pooled one.
     pub workspace: Option<Workspace>,
+    /// How the two state passes run.
+    pub passes: PassSchedule,
 }
 
 impl Default for BwdOptions {
@@ -192,6 +263,7 @@ impl Default for BwdOptions {
         BwdOptions {
             check_cu_seqlens: true,
             workspace: None,
+            passes: PassSchedule::Auto,
         }
     }
 }
@@ -288,11 +360,12 @@ pub fn bwd_validated(
         scale: args.scale,
         lower_bound: args.lower_bound,
         fused: i32::from(fp.qk_heads == fp.heads),
+        flags: 0,
     };
     let bk = &kernels.bwd;
     let slots = workspace_slots(fp);
     let sh = (slots * fp.heads) as u32;
-    if sh > 0 {
+    let prep = if sh > 0 {
         let prep = KernelParams {
             q: args.q.ptr,
             k: args.k.ptr,
@@ -319,32 +392,89 @@ pub fn bwd_validated(
             pad: 0,
             flags: 0,
         };
+        Some(prep)
+    } else {
+        None
+    };
+    let launch_prep = |on: &CudaStream, flags: u64| -> Result<(), FlashKdaError> {
+        let Some(prep) = prep else { return Ok(()) };
+        let prep = KernelParams { flags, ..prep };
         let cfg = LaunchConfig {
             grid_dim: (sh, 1, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut launch = stream.launch_builder(&bk.prep);
+        let mut launch = on.launch_builder(&bk.prep);
         launch.arg(&prep);
-        // SAFETY: reads the validated inputs, writes the records of the workspace.
+        // SAFETY: reads the validated inputs, writes the records (and flags) of the workspace.
         unsafe { launch.launch(cfg) }.during("launching kda_prep (backward)")?;
-    }
-    if chains > 0 {
-        let nw = bwd_pass_warps(chains, kernels.sm_count);
-        let cfg = LaunchConfig {
-            grid_dim: ((chains * HEAD_DIM / (16 * nw)) as u32, 1, 1),
+        Ok(())
+    };
+    if chains == 0 {
+        launch_prep(stream, 0)?;
+    } else {
+        let sched = match opts.passes {
+            PassSchedule::Auto => pass_schedule(chains, kernels.sm_count),
+            s => s,
+        };
+        let (nw, both, overlap) = match sched {
+            PassSchedule::Sequential { warps } => (warps, false, false),
+            PassSchedule::Concurrent {
+                warps,
+                overlap_prep,
+            } => (
+                warps,
+                true,
+                overlap_prep && sh > 0 && prep_overlap_fits(chains, warps, kernels.sm_count),
+            ),
+            PassSchedule::Auto => unreachable!("resolved above"),
+        };
+        if nw != 2 && nw != 4 {
+            return Err(FlashKdaError::PassWarps(nw));
+        }
+        let i = usize::from(nw == 4);
+        let blocks = (chains * HEAD_DIM / (16 * nw)) as u32;
+        let cfg = |grid: u32| LaunchConfig {
+            grid_dim: (grid, 1, 1),
             block_dim: ((32 * nw) as u32, 1, 1),
             shared_mem_bytes: pass_smem_bytes(nw),
         };
-        let i = usize::from(nw == 4);
-        let mut launch = stream.launch_builder(&bk.states[i]);
-        launch.arg(&params);
-        // SAFETY: reads the records and inputs; writes the states and Wr tiles of the workspace.
-        unsafe { launch.launch(cfg) }.during("launching kdab_states")?;
+        // Concurrent: the forward pass on the highest-priority side stream beside the reverse pass
+        // on the caller's stream, which then waits for both (they share no data). Overlapped: the
+        // forward pass starts beside the prep, each record's copy waiting on its ready flag.
+        let flags = if overlap { ws + lay.flags as u64 } else { 0 };
+        if overlap {
+            // SAFETY: the flags lie inside the call's workspace.
+            unsafe { cudarc::driver::result::memset_d8_async(flags, 0, sh as usize * 4, s) }
+                .during("zeroing the ready flags")?;
+        } else {
+            launch_prep(stream, 0)?;
+        }
+        let side = if both {
+            let side = side_stream(kernels, stream)?;
+            side.join(stream).during("ordering the side stream")?;
+            Some(side)
+        } else {
+            None
+        };
+        let fwd_stream = side.as_deref().unwrap_or(stream);
+        let fp_params = BwdKernelParams { flags, ..params };
+        let mut launch = fwd_stream.launch_builder(&bk.states[i]);
+        launch.arg(&fp_params);
+        // SAFETY: reads the records (once flagged, when overlapped) and inputs; writes the states and
+        // Wr tiles of the workspace.
+        unsafe { launch.launch(cfg(blocks)) }.during("launching kdab_states")?;
+        if overlap {
+            launch_prep(stream, flags)?;
+        }
         let mut launch = stream.launch_builder(&bk.dstates[i]);
         launch.arg(&params);
-        // SAFETY: reads the records, dout, dfinal_state; writes dv, dinitial_state, the workspace.
-        unsafe { launch.launch(cfg) }.during("launching kdab_dstates")?;
+        // SAFETY: reads the records, dout, dfinal_state; writes dv, dinitial_state and workspace
+        // regions kdab_states does not touch.
+        unsafe { launch.launch(cfg(blocks)) }.during("launching kdab_dstates")?;
+        if let Some(side) = side {
+            stream.join(&side).during("joining the side stream")?;
+        }
     }
     if sh > 0 {
         let cfg = LaunchConfig {
@@ -391,11 +521,11 @@ mod tests {
 
     #[test]
     fn params_layout_matches_the_c_struct() {
-        // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32 = 208 + 16 + 32 = 256 bytes
-        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 256);
+        // 26 pointers, 2 int64, 5 int32, 2 float, 1 int32, 1 pointer = 208 + 16 + 32 + 8 = 264 bytes
+        assert_eq!(std::mem::size_of::<BwdKernelParams>(), 264);
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
-        assert_eq!(pass_smem_bytes(2), 55232);
-        assert_eq!(pass_smem_bytes(4), 66496);
+        assert_eq!(pass_smem_bytes(2), 56280);
+        assert_eq!(pass_smem_bytes(4), 68568);
         assert_eq!(ACC_W % 4, 0);
     }
 
@@ -405,14 +535,15 @@ mod tests {
         let dgl_bytes = 96 * 8 * HEAD_DIM * 4;
         for gva in [false, true] {
             let l = bwd_layout(512, 8192, 1, 96, gva);
-            for off in [l.rec, l.sst, l.dss, l.wu, l.acc, l.part, l.dgl] {
+            for off in [l.rec, l.sst, l.dss, l.wu, l.acc, l.part, l.dgl, l.flags] {
                 assert_eq!(off % 256, 0);
             }
             assert!(l.sst >= sh * SPLIT_RECORD_BYTES);
             assert!(l.dss >= l.sst + sh * STATE_BYTES);
             assert!(l.wu >= l.dss + sh * STATE_BYTES);
             assert!(l.acc >= l.wu + sh * WU_BYTES);
-            assert_eq!(l.total, l.dgl + dgl_bytes);
+            assert!(l.flags >= l.dgl + dgl_bytes);
+            assert_eq!(l.total, l.flags + sh * 4);
             if gva {
                 assert!(l.part >= l.acc + 8192 * 96 * ACC_W * 4);
                 assert_eq!(l.dgl, l.part);
@@ -425,8 +556,41 @@ mod tests {
         let per = (SPLIT_RECORD_BYTES + 2 * STATE_BYTES + WU_BYTES + PART_W * 4) / CHUNK;
         assert_eq!(per, 6053);
         let l = bwd_layout(512, 8192, 1, 96, false);
-        assert!(l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + dgl_bytes + 7 * 256);
+        assert!(
+            l.total >= 8192 * 96 * per && l.total < 8192 * 96 * per + dgl_bytes + sh * 4 + 8 * 256
+        );
         assert_eq!(bwd_layout(0, 0, 0, 4, false).total, 0);
+    }
+
+    #[test]
+    fn pass_schedule_keeps_both_passes_resident_where_it_can() {
+        assert_eq!(pass_blocks_per_sm(2), 4);
+        assert_eq!(pass_blocks_per_sm(4), 3);
+        // H = 96 fixed: both passes' 2 x 192 blocks of 4 warps fit 132 SMs x 3
+        assert!(2 * 96 * HEAD_DIM / 64 <= pass_blocks_per_sm(4) * 132);
+        assert_eq!(
+            pass_schedule(96, 132),
+            PassSchedule::Concurrent {
+                warps: 4,
+                overlap_prep: false
+            }
+        );
+        // the prep overlap: H = 96 and 64 fixed (192 / 128 forward blocks), not varlen6 at H = 64
+        assert!(prep_overlap_fits(96, 4, 132) && prep_overlap_fits(132, 4, 132));
+        assert!(!prep_overlap_fits(133, 4, 132) && !prep_overlap_fits(6 * 64, 4, 132));
+        assert!(!prep_overlap_fits(64, 2, 132));
+        assert_eq!(
+            PassSchedule::parse("seq4"),
+            Some(PassSchedule::Sequential { warps: 4 })
+        );
+        assert_eq!(
+            PassSchedule::parse("conc2"),
+            Some(PassSchedule::Concurrent {
+                warps: 2,
+                overlap_prep: false
+            })
+        );
+        assert_eq!(PassSchedule::parse("x"), None);
     }
 
     #[test]
