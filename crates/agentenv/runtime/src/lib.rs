@@ -310,14 +310,43 @@ impl Runtime {
     }
 
     /// Builds the template described by `spec` (reusing a cached build with identical inputs) and installs it,
-    /// replacing an older template with the same id for future creates.
+    /// replacing an older template with the same id for future creates. With a bucket, it is published there
+    /// before the build answers, so every runtime sharing the bucket can start it at once.
     pub async fn build_template(
         &self,
         spec: TemplateSpec,
         progress: &(dyn Fn(BuildProgress) + Send + Sync),
     ) -> Result<TemplateInfo, TemplateError> {
+        self.build_and_install(spec, progress, true).await
+    }
+
+    async fn build_and_install(
+        &self,
+        spec: TemplateSpec,
+        progress: &(dyn Fn(BuildProgress) + Send + Sync),
+        publish: bool,
+    ) -> Result<TemplateInfo, TemplateError> {
         let rec = template::build(&self.inner, spec, progress).await?;
-        Ok(self.install_template(rec))
+        let info = self.install_template(rec);
+        let say = |step, detail: String| {
+            progress(BuildProgress {
+                step,
+                detail,
+                bytes: None,
+            })
+        };
+        if publish && self.inner.store.config().remote.is_some() {
+            say(
+                template::BuildStep::Publish,
+                format!("storing template {} in the bucket", info.id),
+            );
+            self.publish_template(&info.id).await?;
+        }
+        say(
+            template::BuildStep::Done,
+            format!("template {} ready", info.id),
+        );
+        Ok(info)
     }
 
     /// Makes an installed template's record the one creates use (replacing an older one of its id).
@@ -345,7 +374,10 @@ impl Runtime {
         {
             return Ok(t.info.clone());
         }
-        self.build_template(TemplateSpec::base(), progress).await
+        // Not published here: a server publishes it in the background (a bucket down at start-up
+        // must not keep the server from starting).
+        self.build_and_install(TemplateSpec::base(), progress, false)
+            .await
     }
 
     /// Current state of a sandbox, or `None` if unknown.

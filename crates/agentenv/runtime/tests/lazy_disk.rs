@@ -1,14 +1,15 @@
 //! Lazy disks: a node with an empty state folder and chunk cache starts a template that another node
 //! published to a real S3 server (SeaweedFS on loopback); its root disk is served block by block through
 //! the runtime's NBD export, never copied here whole, and the cache stays within its bound. A snapshot taken
-//! on the first node restores on the second over the same lazy disk (its import brings the template).
+//! on the first node restores on the second over the same lazy disk (its import brings the template), and
+//! a template built on the first node starts on the second.
 
 mod common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use agentenv_runtime::{Runtime, RuntimeConfig, SnapshotMode, config};
+use agentenv_runtime::{BuildStep, Runtime, RuntimeConfig, SnapshotMode, TemplateSpec, config};
 use common::{StateDir, run, spec, token};
 
 fn store(
@@ -109,6 +110,25 @@ async fn a_published_template_starts_lazily_from_s3_on_an_empty_node() {
         .await
         .expect("snapshot on A");
     rt_a.kill(&src).await.expect("kill on A");
+    // A template built on A (here the cached build under another id) is in the bucket once its
+    // build answers.
+    let derived = format!("derived-{}", &token()[..8]);
+    let steps = std::sync::Mutex::new(Vec::new());
+    rt_a.build_template(
+        TemplateSpec {
+            id: derived.clone(),
+            ..TemplateSpec::base()
+        },
+        &|p| steps.lock().unwrap().push(p.step),
+    )
+    .await
+    .expect("build on A");
+    let steps = steps.into_inner().unwrap();
+    assert_eq!(
+        steps[steps.len() - 2..],
+        [BuildStep::Publish, BuildStep::Done],
+        "{steps:?}"
+    );
     drop(rt_a);
 
     // Node B: its own state folder, an empty cache bounded far below the image, the same bucket.
@@ -253,6 +273,15 @@ async fn a_published_template_starts_lazily_from_s3_on_an_empty_node() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("E   L   F"), "{out}");
     rt.kill(&id3).await.expect("kill");
+
+    // The template built on A starts here without a build.
+    let mut s = spec(&format!("derived-{}", &token()[..8]));
+    s.template_id = derived.clone();
+    rt.create(s.clone()).await.expect("create from A's build");
+    let (out, code) = run(&rt, &s.sandbox_id, "echo ok").await;
+    assert_eq!((out.as_str(), code), ("ok\n", 0));
+    assert!(rt.templates().iter().any(|t| t.id == derived));
+    rt.kill(&s.sandbox_id).await.expect("kill");
     drop(rt);
     assert!(common::qemu_pids_under(b.path()).is_empty());
 }
