@@ -10,7 +10,7 @@ SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 # apt: QEMU + guest kernel + userland tools for agentenv, protoc (with the well-known protos that
 # etcd-client's build needs), busybox for the KVM probe, etcd for the agentenv cluster tests.
 APT_PKGS=(build-essential pkg-config curl ca-certificates git python3 python3-venv python3-pip
-  busybox-static debootstrap e2fsprogs cpio xz-utils binutils
+  qemu-system-x86 qemu-utils busybox-static debootstrap e2fsprogs cpio xz-utils binutils
   protobuf-compiler libprotobuf-dev linux-image-amd64 iproute2 nftables etcd-server)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
@@ -19,14 +19,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-# QEMU 10 from Debian's bookworm-backports: its memory-backend-file opens a snapshot's RAM read-only and
-# maps it private (`readonly=on,rom=off`, QEMU 8.2+), so forks under per-VM uids share it copy-on-write.
-if ! qemu-system-x86_64 -object memory-backend-file,help 2>/dev/null | grep -q "rom="; then
-  log "apt install qemu-system-x86 qemu-utils from bookworm-backports (QEMU 10)"
-  echo "deb http://deb.debian.org/debian bookworm-backports main" | $SUDO tee /etc/apt/sources.list.d/bookworm-backports.list >/dev/null
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends -t bookworm-backports \
-    qemu-system-x86 qemu-utils >/dev/null
+# Debian's qemu-system-x86 replaces a backported qemu-utils: put the matching qemu-img back.
+if ! command -v qemu-img >/dev/null; then
+  log "apt install qemu-utils (matching qemu-system-x86)"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends qemu-utils >/dev/null
 fi
 
 # agentenv-oci: Debian's docker-registry (the CNCF distribution server) for the registry tests, which

@@ -323,33 +323,22 @@ async fn build_into_cache(
     );
     let ram = partial.join("base.mem");
     let vm_spec = machine.spec(&vm_dir, &ram, &disk, DiskFormat::Raw);
-    // A boot whose initramfs gave up before mounting the disk (seen once under heavy load: a
-    // garbled `mount`) is tried once more; the disk is untouched then.
-    let mut attempt = 0;
-    let (vm, link) = loop {
-        attempt += 1;
-        let vm = inner.vmm.boot(&vm_spec).await?;
-        match agent::connect_healthy(
-            &vm_spec.agent_socket(),
-            Duration::from_secs(5),
-            Duration::from_secs(120),
-        )
-        .await
-        {
-            Ok(l) => break (vm, l),
-            Err(source) => {
-                let _ = vm.kill().await;
-                let log = std::fs::read_to_string(vm_spec.console_log()).unwrap_or_default();
-                if attempt == 1 && log.contains("agentenv-initramfs:") {
-                    tracing::warn!(log = %tail(&log, 500), "the template VM's initramfs failed; booting again");
-                    say(BuildStep::Boot, "booting again".into());
-                    continue;
-                }
-                return Err(TemplateError::Agent {
-                    source,
-                    log: tail(&log, 3000),
-                });
-            }
+    let vm = inner.vmm.boot(&vm_spec).await?;
+    let link = match agent::connect_healthy(
+        &vm_spec.agent_socket(),
+        Duration::from_secs(5),
+        Duration::from_secs(120),
+    )
+    .await
+    {
+        Ok(l) => l,
+        Err(source) => {
+            let _ = vm.kill().await;
+            let log = std::fs::read_to_string(vm_spec.console_log()).unwrap_or_default();
+            return Err(TemplateError::Agent {
+                source,
+                log: tail(&log, 3000),
+            });
         }
     };
     if start != agentenv_envd::InitRequest::default() {
