@@ -20,6 +20,7 @@ pub use error::ClusterError;
 pub use node::Registration;
 pub use placement::{Candidate, Choice, Demand, Pending, Unplaceable, place};
 pub use schema::{
-    Claim, EntryState, Handoff, Keys, NodeRecord, SCHEMA_VERSION, SandboxEntry, SnapshotEntry,
+    Claim, EntryState, Handoff, Keys, MachineSize, NodeRecord, SCHEMA_VERSION, SandboxEntry,
+    SnapshotEntry,
 };
 pub use store::{ClaimOutcome, ClusterStore, ClusterView, Versioned};

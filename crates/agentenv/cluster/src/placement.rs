@@ -146,6 +146,7 @@ mod tests {
             snapshots: vec![],
             shared_store: true,
             updated_at_ms: 0,
+            sizes: Default::default(),
         }
     }
 
@@ -257,6 +258,47 @@ mod tests {
     fn ties_go_to_the_smaller_id() {
         let nodes = [node("b", 0), node("a", 0)];
         assert_eq!(place(&cands(&nodes), &demand("base")).unwrap().node, "a");
+    }
+
+    #[test]
+    fn a_source_is_sized_as_its_nodes_report_it() {
+        use crate::schema::MachineSize;
+        use crate::store::{ClusterView, Versioned};
+        let big = MachineSize {
+            vcpus: 8,
+            memory_mb: 8192,
+        };
+        let mut a = node("a", 0);
+        a.snapshots.push("big".into());
+        a.sizes.insert("big".into(), big);
+        a.free_memory_mb = 4096;
+        let b = node("b", 3);
+        let view = ClusterView {
+            nodes: [a, b]
+                .into_iter()
+                .map(|value| Versioned {
+                    value,
+                    create_revision: 1,
+                    mod_revision: 1,
+                })
+                .collect(),
+            claims: vec![],
+        };
+        assert_eq!(view.size_of("big"), Some(big));
+        assert_eq!(view.size_of("other"), None);
+        // The node holding the snapshot lacks the memory for its size: the other one gets it.
+        let d = Demand {
+            vcpus: big.vcpus,
+            memory_mb: big.memory_mb,
+            source: "big",
+            exclude: &[],
+        };
+        assert_eq!(place(&view.candidates(), &d).unwrap().node, "b");
+        let small = Demand {
+            memory_mb: 512,
+            ..d
+        };
+        assert_eq!(place(&view.candidates(), &small).unwrap().node, "a");
     }
 
     proptest::proptest! {

@@ -14,6 +14,8 @@
 //! Invariant: records are JSON with a `version` field; a reader refuses a newer version instead of
 //! misreading it ([`decode`]).
 
+use std::collections::BTreeMap;
+
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -105,6 +107,17 @@ pub struct NodeRecord {
     /// Whether its snapshots go to the shared bucket (only then can another node take over its sandboxes).
     pub shared_store: bool,
     pub updated_at_ms: i64,
+    /// Size of the sandboxes made from each of its templates and snapshots, by every id and name listed
+    /// above (records of older nodes have none).
+    #[serde(default)]
+    pub sizes: BTreeMap<String, MachineSize>,
+}
+
+/// vCPUs and guest RAM of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MachineSize {
+    pub vcpus: u32,
+    pub memory_mb: u64,
 }
 
 /// A placement not yet visible in the node's own record.

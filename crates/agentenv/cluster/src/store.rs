@@ -68,6 +68,13 @@ impl ClusterView {
     pub fn node(&self, id: &str) -> Option<&NodeRecord> {
         self.nodes.iter().map(|n| &n.value).find(|n| n.id == id)
     }
+
+    /// The size of sandboxes made from template or snapshot `source`, as a node holding it reports it.
+    pub fn size_of(&self, source: &str) -> Option<crate::MachineSize> {
+        self.nodes
+            .iter()
+            .find_map(|n| n.value.sizes.get(source).copied())
+    }
 }
 
 /// How a placement claim came out.

@@ -27,6 +27,7 @@ fn node(id: &str) -> NodeRecord {
         snapshots: vec![],
         shared_store: false,
         updated_at_ms: 0,
+        sizes: Default::default(),
     }
 }
 

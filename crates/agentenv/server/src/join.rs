@@ -1,11 +1,12 @@
 //! `agentenv serve --join ETCD --advertise URL`: the node registers in the cluster and keeps its record
 //! (capacity, load, templates, the snapshots it holds) fresh under a lease (`agentenv_cluster::node`).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentenv_cluster::{ClusterStore, NodeRecord, Registration, SCHEMA_VERSION};
+use agentenv_cluster::{ClusterStore, MachineSize, NodeRecord, Registration, SCHEMA_VERSION};
 
 use crate::sandboxes::Sandboxes;
 
@@ -47,15 +48,32 @@ pub async fn join(
         let load = sandboxes.load();
         let backend = sandboxes.backend();
         let (memory_mb, free_memory_mb) = meminfo();
+        let mut sizes = BTreeMap::new();
         let templates = backend
             .templates()
             .into_iter()
-            .flat_map(|t| std::iter::once(t.id.clone()).chain(t.aliases))
+            .flat_map(|t| {
+                let size = MachineSize {
+                    vcpus: t.vcpus,
+                    memory_mb: t.memory_mib,
+                };
+                let names: Vec<String> = std::iter::once(t.id).chain(t.aliases).collect();
+                sizes.extend(names.iter().map(|n| (n.clone(), size)));
+                names
+            })
             .collect();
         let snapshots = backend
             .snapshots()
             .into_iter()
-            .flat_map(|s| std::iter::once(s.id.clone()).chain(s.names))
+            .flat_map(|s| {
+                let size = MachineSize {
+                    vcpus: s.vcpus,
+                    memory_mb: s.memory_mib,
+                };
+                let names: Vec<String> = std::iter::once(s.id).chain(s.names).collect();
+                sizes.extend(names.iter().map(|n| (n.clone(), size)));
+                names
+            })
             .collect();
         NodeRecord {
             version: SCHEMA_VERSION,
@@ -72,6 +90,7 @@ pub async fn join(
             snapshots,
             shared_store,
             updated_at_ms: crate::sandboxes::now_ms(),
+            sizes,
         }
     });
     let reg = Registration::start(store.clone(), cfg.ttl, cfg.interval, report).await?;

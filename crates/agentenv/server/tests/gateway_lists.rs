@@ -70,6 +70,7 @@ fn node(id: &str, url: &str) -> NodeRecord {
         snapshots: vec![],
         shared_store: false,
         updated_at_ms: 0,
+        sizes: Default::default(),
     }
 }
 

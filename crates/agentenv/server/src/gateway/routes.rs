@@ -3,7 +3,7 @@
 
 use agentenv_cluster::placement::{Demand, place};
 use agentenv_cluster::{Claim, ClaimOutcome, EntryState, Handoff, NodeRecord, SCHEMA_VERSION};
-use agentenv_cluster::{SandboxEntry, SnapshotEntry};
+use agentenv_cluster::{MachineSize, SandboxEntry, SnapshotEntry};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -19,9 +19,12 @@ use crate::tenants::Tenant;
 
 type Result<T, E = GatewayError> = std::result::Result<T, E>;
 
-/// What placement assumes a new sandbox needs (the gateway does not know each template's size).
-const DEMAND_VCPUS: u32 = 2;
-const DEMAND_MEMORY_MB: u64 = 512;
+/// What placement assumes a new sandbox needs when no node reports its source's size (a template or
+/// snapshot only the shared bucket holds).
+const DEFAULT_SIZE: MachineSize = MachineSize {
+    vcpus: 2,
+    memory_mb: 512,
+};
 /// Nodes tried for one create (a node that refuses it, e.g. 429 at its quota, is skipped next time).
 const CREATE_ATTEMPTS: usize = 3;
 /// Largest create/fork/snapshot answer the gateway reads to learn ids.
@@ -92,11 +95,12 @@ async fn create(gw: &Gateway, req: Request) -> Result<Response> {
     let mut last_refusal = None;
     for _ in 0..CREATE_ATTEMPTS {
         let view = gw.store.view().await?;
+        let size = view.size_of(&source).unwrap_or(DEFAULT_SIZE);
         let choice = match place(
             &view.candidates(),
             &Demand {
-                vcpus: DEMAND_VCPUS,
-                memory_mb: DEMAND_MEMORY_MB,
+                vcpus: size.vcpus,
+                memory_mb: size.memory_mb,
                 source: &source,
                 exclude: &exclude,
             },
@@ -107,8 +111,8 @@ async fn create(gw: &Gateway, req: Request) -> Result<Response> {
         let claim = Claim {
             version: SCHEMA_VERSION,
             node: choice.node.clone(),
-            vcpus: DEMAND_VCPUS,
-            memory_mb: DEMAND_MEMORY_MB,
+            vcpus: size.vcpus,
+            memory_mb: size.memory_mb,
             at_ms: crate::sandboxes::now_ms(),
         };
         let idem = idempotency.as_deref().map(|k| (&*tenant.name, k));

@@ -165,6 +165,7 @@ async fn placements_per_second(endpoints: &[String], total: usize) -> anyhow::Re
                 .collect(),
             shared_store: true,
             updated_at_ms: 0,
+            sizes: Default::default(),
         };
         // Refreshed like a real node's (every DEFAULT_INTERVAL), so claims count until the next refresh.
         let report: agentenv_cluster::node::Report = Arc::new(move || rec.clone());
