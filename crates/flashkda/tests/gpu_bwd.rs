@@ -10,12 +10,13 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
 use flashkda::harness::{DeviceProblem, StateIo};
-use flashkda::reference::metrics::rel_frobenius;
+use flashkda::reference::metrics::{rel_frobenius, rel_frobenius_floored};
 use flashkda::reference::{HEAD_DIM, KdaGrads, KdaProblem, recurrence_grad_f64};
 use flashkda::{BwdOptions, FlashKdaError, KdaKernels, PassSchedule, bwd};
 use rand::{Rng, SeedableRng};
 
-/// Every gradient within this relative Frobenius error of float64 (issue 13).
+/// Every gradient within this relative Frobenius error of float64 (issue 13); dbeta's denominator is
+/// floored at the norm of its uncancelled size (`rel_frobenius_floored`, `KdaGrads::dbeta_scale`).
 const BAR: f64 = 1e-2;
 
 fn bf16(x: f64) -> f32 {
@@ -142,6 +143,15 @@ fn compare(
     if c.state.initial {
         pairs.push(("dinitial_state", &got.dinitial_state, &want.dinitial_state));
     }
+    // the checked error: relative Frobenius; dbeta (one 128-term dot product per token, that cancels
+    // on some tokens of short inputs) against max(|dbeta|, |dbeta_scale|)
+    let err = |name: &str, g: &[f64], w: &[f64]| {
+        if name == "dbeta" {
+            rel_frobenius_floored(g, w, &want.dbeta_scale)
+        } else {
+            rel_frobenius(g, w)
+        }
+    };
     let mut fields = Vec::new();
     let mut worst = 0.0f64;
     for (name, g, w) in &pairs {
@@ -151,10 +161,15 @@ fn compare(
             "{} {passes:?}: {name}: {nonfinite} elements not written (still NaN) or non-finite (seed {s})",
             c.name
         );
-        let e = rel_frobenius(g, w);
+        let e = err(name, g, w);
         worst = worst.max(e);
         fields.push(format!("\"{name}\":{e:e}"));
     }
+    // the plain relative error of dbeta too (what the logs before bwd5 called "dbeta")
+    fields.push(format!(
+        "\"dbeta_plain\":{:e}",
+        rel_frobenius(&got.dbeta, &want.dbeta)
+    ));
     log_line(&format!(
         "{{\"bwd_case\":\"{}\",\"passes\":\"{passes:?}\",\"seq_lens\":\"{}\",\"H\":{},\"H_qk\":{},\"state\":\"{}\",\"batched\":{},\"seed\":{s},{},\"worst\":{worst:e}}}",
         c.name,
@@ -170,7 +185,7 @@ fn compare(
         fields.join(",")
     ));
     for (name, g, w) in &pairs {
-        let e = rel_frobenius(g, w);
+        let e = err(name, g, w);
         assert!(
             e <= BAR,
             "{} {passes:?}: {name} rel error {e:e} > {BAR:e} (seed {s})",
@@ -247,6 +262,23 @@ fn bwd_edge_cases_match_float64() {
         },
     );
     check(&g, &case("bwd-long-16384", vec![16384], 1, fp32));
+}
+
+/// The smallest cases, where a relative error over few elements is noisiest (dbeta on 37 tokens of
+/// one head, on one token of four heads), over `FLASHKDA_TEST_REPEAT` fresh seeds (default 50). Run
+/// explicitly: `--ignored bwd_small_cases_over_many_seeds`.
+#[test]
+#[ignore]
+fn bwd_small_cases_over_many_seeds() {
+    let Some(g) = gpu() else { return };
+    let n: usize = std::env::var("FLASHKDA_TEST_REPEAT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    for _ in 0..n {
+        check(&g, &case("bwd-H=1", vec![37], 1, StateIo::both(true)));
+        check(&g, &case("bwd-fixed", vec![1], 4, StateIo::both(true)));
+    }
 }
 
 /// The anchor shapes' sequence lengths (fixed 8192, varlen6, 1024 x 8) at 8 heads (the float64

@@ -19,6 +19,10 @@ pub struct KdaGrads {
     pub dg: Vec<f64>,
     /// `[T, H]`, for the beta logits.
     pub dbeta: Vec<f64>,
+    /// `[T, H]`: the scale of `dbeta` without cancellation, `sigmoid'(beta) |du| |v - pred| / sqrt(128)`
+    /// (`dbeta = sigmoid'(beta) <du, v - pred>`, a 128-term dot product; this is its typical size for
+    /// vectors of these norms). Empty where not computed (gradients read back from a device).
+    pub dbeta_scale: Vec<f64>,
     /// `[H]`.
     pub da_log: Vec<f64>,
     /// `[H, 128]`.
@@ -37,6 +41,7 @@ impl KdaGrads {
             dv: vec![0.0; t * h * D],
             dg: vec![0.0; t * h * D],
             dbeta: vec![0.0; t * h],
+            dbeta_scale: vec![0.0; t * h],
             da_log: vec![0.0; h],
             ddt_bias: vec![0.0; h * D],
             dinitial_state: vec![0.0; p.seq_lens.len() * h * D * D],
@@ -63,6 +68,7 @@ struct HeadGrads {
     dv: Vec<f64>,
     dg: Vec<f64>,
     dbeta: Vec<f64>,
+    dbeta_scale: Vec<f64>,
     da_log: f64,
     ddt_bias: [f64; D],
     dinitial_state: Vec<f64>,
@@ -118,6 +124,7 @@ pub fn recurrence_grad_f64(p: &KdaProblem, dout: &[f64], dfinal: Option<&[f64]>)
                 g.dg[base + c] = hg.dg[r * D + c];
             }
             g.dbeta[t * h_n + h] = hg.dbeta[r];
+            g.dbeta_scale[t * h_n + h] = hg.dbeta_scale[r];
         }
         g.da_log[h] += hg.da_log;
         for c in 0..D {
@@ -150,6 +157,7 @@ fn head_grad(
         dv: vec![0.0; len * D],
         dg: vec![0.0; len * D],
         dbeta: vec![0.0; len],
+        dbeta_scale: vec![0.0; len],
         da_log: 0.0,
         ddt_bias: [0.0; D],
         dinitial_state: Vec::new(),
@@ -279,6 +287,9 @@ fn token_backward(
         g.da_log += dx * x[c]; // dx / dA_log = x
     }
     g.dbeta[r] = dbeta * beta * (1.0 - beta);
+    let n2 = |x: &mut dyn Iterator<Item = f64>| x.map(|a| a * a).sum::<f64>().sqrt();
+    let w = n2(&mut (0..D).map(|vi| f64::from(vrow[vi]) - pred[vi]));
+    g.dbeta_scale[r] = beta * (1.0 - beta) * n2(&mut du.iter().copied()) * w / (D as f64).sqrt();
     let dq = l2_backward(&p.q[qo..qo + D], rq, &dqh);
     let dk = l2_backward(&p.k[qo..qo + D], rk, &dkh);
     for c in 0..D {

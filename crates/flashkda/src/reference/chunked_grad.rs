@@ -320,5 +320,6 @@ pub fn chunked_grad_f64(
             }
         }
     }
+    g.dbeta_scale = Vec::new(); // not computed here
     g
 }
