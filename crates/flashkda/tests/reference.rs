@@ -187,11 +187,11 @@ fn loss(p: &KdaProblem, dout: &[f64], dfinal: &[f64]) -> f64 {
     a + b
 }
 
-/// Finite-difference step: exact in f32 together with its half for the inputs' range (bf16 values,
-/// |x| < 2^12).
+/// Finite-difference step. Exact in f32 for the bf16 inputs, but A_log and dt_bias are f32 `U(0,1)`:
+/// `x + h` rounds where it crosses 1, so the quotient divides by the step actually taken.
 const FD_STEP: f32 = 1.0 / 1024.0;
-/// Relative tolerance on top of the finite differences' own error estimate (Richardson leaves
-/// O(h^4) ~ 1e-12 of the loss's scale; observed agreement is 1e-9..1e-7 of the gradient's norm).
+/// Relative tolerance on top of the finite differences' own error estimate (Richardson's residual is
+/// O(h^4); observed: at most about 1e-8 of the gradient's norm, mostly 1e-12..1e-10).
 const FD_RTOL: f64 = 1e-6;
 
 /// One gradient field at its sampled coordinates: the analytic gradient and the central
@@ -223,29 +223,18 @@ impl FdField {
         let (e, t) = self.err_tol(scale);
         e <= t
     }
-
-    /// `||D(h) - an|| / ||an||`: the plain central difference (the former check, bar 1e-4).
-    fn plain_rel(&self) -> f64 {
-        let (mut num, mut den) = (0.0f64, 0.0f64);
-        for i in 0..self.an.len() {
-            num += (self.d1[i] - self.an[i]).powi(2);
-            den += self.an[i].powi(2);
-        }
-        (num / den.max(1e-300)).sqrt()
-    }
 }
 
-/// Samples every gradient of `p` and its finite differences of the float64 recurrence at 8 random coordinates per input; `dfinal`: a
-/// random upstream gradient of the final state.
+/// Samples every gradient of `p` and the central differences of the float64 recurrence's loss at 8
+/// random coordinates per input; `dfinal`: a random upstream gradient of the final state.
 ///
 /// Error model: the central difference `D(h) = f' + c h^2 + O(h^4)`, so the Richardson value
-/// `R = (4 D(h/2) - D(h)) / 3` is `f' + O(h^4)` and `|D(h) - D(h/2)| = 3/4 |c| h^2` is (far more
-/// than) a bound on `R`'s truncation error, known per coordinate. The loss's float64 rounding
-/// enters `R` as about `3 eps |L| / h`, bounded here by `eps * sum|terms| * 2^6 / h`. A field passes when
-/// `||R - an|| <= FD_RTOL ||an|| + ||D(h) - D(h/2)|| + rounding`: the truncation term is what
-/// keeps a gradient that is near zero at the sampled coordinates (dA_log has one per head) from
-/// failing on the finite differences' own error, while a gradient off by 1 % is off by ~1e4 times
-/// the usual tolerance.
+/// `R = (4 D(h/2) - D(h)) / 3` is `f' + O(h^4)`, and `|D(h) - D(h/2)| = 3/4 |c| h^2` is (far more
+/// than) a bound on `R`'s truncation error, known per coordinate. The loss's float64 rounding enters
+/// `R` as about `3 eps |L| / h`, bounded here by `64 eps sum|terms| / h`. A field passes when
+/// `||R - an|| <= FD_RTOL ||an|| + ||D(h) - D(h/2)|| + rounding`: the truncation term keeps a
+/// gradient that is near zero at the sampled coordinates (dA_log has one per head) from failing on
+/// the differences' own error, while a gradient off by 1 % misses by orders of magnitude.
 fn fd_fields(p: &KdaProblem, dfinal: bool, s: u64) -> Vec<FdField> {
     use flashkda::reference::recurrence_grad_f64;
     use rand::{Rng, SeedableRng};
@@ -285,13 +274,14 @@ fn fd_fields(p: &KdaProblem, dfinal: bool, s: u64) -> Vec<FdField> {
     ];
     let mut out = Vec::new();
     let mut check =
-        |name: &str, set: &dyn Fn(&mut KdaProblem, usize, f32), len: usize, an: &[f64]| {
+        |name: &str, set: &dyn Fn(&mut KdaProblem, usize, f32) -> f32, len: usize, an: &[f64]| {
+            // (L(x + h) - L(x - h)) / ((x + h) - (x - h)), the inputs as rounded to f32
             let central = |i: usize, h: f32| {
                 let mut hi = p.clone();
-                set(&mut hi, i, h);
+                let xh = set(&mut hi, i, h);
                 let mut lo = p.clone();
-                set(&mut lo, i, -h);
-                (loss(&hi, &dout, &df) - loss(&lo, &dout, &df)) / (2.0 * f64::from(h))
+                let xl = set(&mut lo, i, -h);
+                (loss(&hi, &dout, &df) - loss(&lo, &dout, &df)) / (f64::from(xh) - f64::from(xl))
             };
             let idx: Vec<usize> = (0..8).map(|_| rng.random_range(0..len)).collect();
             out.push(FdField {
@@ -304,12 +294,20 @@ fn fd_fields(p: &KdaProblem, dfinal: bool, s: u64) -> Vec<FdField> {
         };
     for (name, field, an) in fields {
         let len = field(&mut p.clone()).len();
-        check(name, &|q: &mut KdaProblem, i, d| field(q)[i] += d, len, an);
+        let set = |q: &mut KdaProblem, i: usize, d: f32| {
+            field(q)[i] += d;
+            field(q)[i]
+        };
+        check(name, &set, len, an);
     }
     if p.initial_state.is_some() {
         check(
             "initial_state",
-            &|q: &mut KdaProblem, i, d| q.initial_state.as_mut().unwrap()[i] += d,
+            &|q: &mut KdaProblem, i, d| {
+                let x = &mut q.initial_state.as_mut().unwrap()[i];
+                *x += d;
+                *x
+            },
             n_st,
             &g.dinitial_state,
         );
@@ -441,11 +439,12 @@ fn split_operands_bring_the_emulation_near_the_bf16_output_floor() {
     assert!(so < 1.15 * fo, "split out {so:e} vs output-only {fo:e}");
 }
 
-/// `dbeta_scale` (the GPU test's floor for dbeta) is positive and bounds `|dbeta|` by Cauchy-Schwarz
-/// (`|<du, v - pred>| <= |du| |v - pred| = sqrt(128) scale / sigmoid'`); the floored metric is the
-/// plain one above its floor and divides by the floor below it.
+/// The scales that floor the GPU test's denominators of dbeta, dA_log and ddt_bias (each the root of
+/// the sum of the squared terms of a sum of `n` terms) are positive and bound their sums:
+/// `|sum| <= sum |term| <= sqrt(n) scale`; the floored metric is the plain one above its floor and
+/// divides by the floor below it.
 #[test]
-fn dbeta_scale_bounds_dbeta_and_floors_the_metric() {
+fn gradient_scales_bound_their_sums_and_floor_the_metric() {
     use flashkda::reference::metrics::rel_frobenius_floored;
     use flashkda::reference::recurrence_grad_f64;
     use rand::{Rng, SeedableRng};
@@ -456,13 +455,20 @@ fn dbeta_scale_bounds_dbeta_and_floors_the_metric() {
         .map(|_| rng.random::<f64>() - 0.5)
         .collect();
     let g = recurrence_grad_f64(&p, &dout, None);
-    assert_eq!(g.dbeta_scale.len(), g.dbeta.len());
-    let bound = (HEAD_DIM as f64).sqrt() * (1.0 + 1e-12);
-    for (d, sc) in g.dbeta.iter().zip(&g.dbeta_scale) {
-        assert!(
-            *sc > 0.0 && d.abs() <= bound * sc,
-            "dbeta {d:e}, scale {sc:e} (seed {s})"
-        );
+    let t = p.tokens() as f64;
+    for (name, v, sc, n) in [
+        ("dbeta", &g.dbeta, &g.dbeta_scale, HEAD_DIM as f64),
+        ("dA_log", &g.da_log, &g.da_log_scale, t * HEAD_DIM as f64),
+        ("ddt_bias", &g.ddt_bias, &g.ddt_bias_scale, t),
+    ] {
+        assert_eq!(v.len(), sc.len(), "{name}");
+        let bound = n.sqrt() * (1.0 + 1e-12);
+        for (d, sc) in v.iter().zip(sc) {
+            assert!(
+                *sc > 0.0 && d.abs() <= bound * sc,
+                "{name} {d:e}, scale {sc:e} (seed {s})"
+            );
+        }
     }
     let (r, x) = ([3.0, 4.0], [3.0, 4.5]);
     assert!((rel_frobenius_floored(&x, &r, &[0.0, 1.0]) - 0.1).abs() < 1e-15);

@@ -19,11 +19,12 @@ pub fn rel_frobenius(x: &[f64], r: &[f64]) -> f64 {
 }
 
 /// `||x - r||_F / max(||r||_F, ||scale||_F)`: [`rel_frobenius`] whose denominator does not drop below
-/// the norm of `scale`, each element's magnitude without cancellation (e.g.
-/// [`super::KdaGrads::dbeta_scale`]). Where the reference is a sum that happens to cancel on a few
-/// elements (a 37-token `dbeta`), its norm understates the size of the terms that a bf16/fp32 kernel
-/// rounds, and the plain relative error swings with it; where it does not cancel (`||r|| >=
-/// ||scale||`, as on long inputs) this is the plain relative error. NaN as [`rel_frobenius`].
+/// the norm of `scale`, each element's size without cancellation (e.g.
+/// [`super::KdaGrads::dbeta_scale`]: the root of the sum of its squared terms). Where the reference
+/// is a sum that happens to cancel on a few elements (a 37-token `dbeta`, a one-head `dA_log`), its
+/// norm understates the size of the terms that a bf16/fp32 kernel rounds, and the plain relative
+/// error swings with it; where it does not cancel (`||r|| >= ||scale||`, as on long inputs) this is
+/// the plain relative error. NaN as [`rel_frobenius`].
 pub fn rel_frobenius_floored(x: &[f64], r: &[f64], scale: &[f64]) -> f64 {
     assert_eq!(
         x.len(),
