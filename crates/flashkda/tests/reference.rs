@@ -4,11 +4,17 @@ use flashkda::reference::emulated::emulated;
 use flashkda::reference::metrics::{max_abs_diff, rel_frobenius};
 use flashkda::reference::{HEAD_DIM, KdaProblem, chunked_f64, recurrence_f64};
 
+/// A fresh seed (printed), or `FLASHKDA_TEST_SEED` to replay a failure.
 fn seed() -> u64 {
-    let s = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
+    let s = std::env::var("FLASHKDA_TEST_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
     println!("seed {s}");
     s
 }
@@ -181,9 +187,55 @@ fn loss(p: &KdaProblem, dout: &[f64], dfinal: &[f64]) -> f64 {
     a + b
 }
 
-/// Checks every gradient of `p` against central finite differences of the float64 recurrence
-/// (8 random coordinates per input); `dfinal`: a random upstream gradient of the final state.
-fn check_gradient(p: KdaProblem, dfinal: bool, s: u64) {
+/// Finite-difference step. Exact in f32 for the bf16 inputs, but A_log and dt_bias are f32 `U(0,1)`:
+/// `x + h` rounds where it crosses 1, so the quotient divides by the step actually taken.
+const FD_STEP: f32 = 1.0 / 1024.0;
+/// Relative tolerance on top of the finite differences' own error estimate (Richardson's residual is
+/// O(h^4); observed: at most about 1e-8 of the gradient's norm, mostly 1e-12..1e-10).
+const FD_RTOL: f64 = 1e-6;
+
+/// One gradient field at its sampled coordinates: the analytic gradient and the central
+/// differences `D(h)`, `D(h/2)` (see [`fd_fields`] for the error model).
+#[derive(Debug)]
+struct FdField {
+    name: String,
+    an: Vec<f64>,
+    d1: Vec<f64>,
+    d2: Vec<f64>,
+    /// Bound on the loss's float64 rounding in one difference quotient.
+    rounding: f64,
+}
+
+impl FdField {
+    /// (`||R - scale an||`, its tolerance) with `R = (4 D(h/2) - D(h)) / 3`.
+    fn err_tol(&self, scale: f64) -> (f64, f64) {
+        let norm =
+            |f: &dyn Fn(usize) -> f64| (0..self.an.len()).map(|i| f(i).powi(2)).sum::<f64>().sqrt();
+        let err = norm(&|i| (4.0 * self.d2[i] - self.d1[i]) / 3.0 - scale * self.an[i]);
+        let trunc = norm(&|i| self.d1[i] - self.d2[i]);
+        let an = norm(&|i| scale * self.an[i]);
+        let n = (self.an.len() as f64).sqrt();
+        (err, FD_RTOL * an + trunc + self.rounding * n)
+    }
+
+    /// Whether the analytic gradient times `scale` passes.
+    fn ok(&self, scale: f64) -> bool {
+        let (e, t) = self.err_tol(scale);
+        e <= t
+    }
+}
+
+/// Samples every gradient of `p` and the central differences of the float64 recurrence's loss at 8
+/// random coordinates per input; `dfinal`: a random upstream gradient of the final state.
+///
+/// Error model: the central difference `D(h) = f' + c h^2 + O(h^4)`, so the Richardson value
+/// `R = (4 D(h/2) - D(h)) / 3` is `f' + O(h^4)`, and `|D(h) - D(h/2)| = 3/4 |c| h^2` is (far more
+/// than) a bound on `R`'s truncation error, known per coordinate. The loss's float64 rounding enters
+/// `R` as about `3 eps |L| / h`, bounded here by `64 eps sum|terms| / h`. A field passes when
+/// `||R - an|| <= FD_RTOL ||an|| + ||D(h) - D(h/2)|| + rounding`: the truncation term keeps a
+/// gradient that is near zero at the sampled coordinates (dA_log has one per head) from failing on
+/// the differences' own error, while a gradient off by 1 % misses by orders of magnitude.
+fn fd_fields(p: &KdaProblem, dfinal: bool, s: u64) -> Vec<FdField> {
     use flashkda::reference::recurrence_grad_f64;
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(s ^ 0x9e37);
@@ -195,9 +247,21 @@ fn check_gradient(p: KdaProblem, dfinal: bool, s: u64) {
     } else {
         vec![0.0; n_st]
     };
-    let g = recurrence_grad_f64(&p, &dout, dfinal.then_some(&df[..]));
-    // central differences with a step exact in f32 (inputs are bf16-representable, |x| < 2^13)
-    let step = 2f32.powi(-10);
+    let g = recurrence_grad_f64(p, &dout, dfinal.then_some(&df[..]));
+    // magnitude of the loss's terms, for its rounding error
+    let r = recurrence_f64(p);
+    let l1: f64 = r
+        .out
+        .iter()
+        .zip(&dout)
+        .map(|(x, y)| (x * y).abs())
+        .sum::<f64>()
+        + r.final_state
+            .iter()
+            .zip(&df)
+            .map(|(x, y)| (x * y).abs())
+            .sum::<f64>();
+    let rounding = f64::EPSILON * l1 * 64.0 / f64::from(FD_STEP);
     type Field = fn(&mut KdaProblem) -> &mut Vec<f32>;
     let fields: [(&str, Field, &[f64]); 7] = [
         ("q", |p| &mut p.q, &g.dq),
@@ -208,50 +272,101 @@ fn check_gradient(p: KdaProblem, dfinal: bool, s: u64) {
         ("A_log", |p| &mut p.a_log, &g.da_log),
         ("dt_bias", |p| &mut p.dt_bias, &g.ddt_bias),
     ];
+    let mut out = Vec::new();
     let mut check =
-        |name: &str, set: &dyn Fn(&mut KdaProblem, usize, f32), len: usize, an: &[f64]| {
-            let (mut num, mut den) = (0.0f64, 0.0f64);
-            for _ in 0..8 {
-                let i = rng.random_range(0..len);
+        |name: &str, set: &dyn Fn(&mut KdaProblem, usize, f32) -> f32, len: usize, an: &[f64]| {
+            // (L(x + h) - L(x - h)) / ((x + h) - (x - h)), the inputs as rounded to f32
+            let central = |i: usize, h: f32| {
                 let mut hi = p.clone();
-                set(&mut hi, i, step);
+                let xh = set(&mut hi, i, h);
                 let mut lo = p.clone();
-                set(&mut lo, i, -step);
-                let fd = (loss(&hi, &dout, &df) - loss(&lo, &dout, &df)) / (2.0 * f64::from(step));
-                num += (fd - an[i]).powi(2);
-                den += an[i].powi(2);
-            }
-            let rel = (num / den.max(1e-300)).sqrt();
-            println!("d{name}: rel error vs finite differences {rel:e}");
-            assert!(rel < 1e-4, "d{name}: rel error {rel:e} (seed {s})");
+                let xl = set(&mut lo, i, -h);
+                (loss(&hi, &dout, &df) - loss(&lo, &dout, &df)) / (f64::from(xh) - f64::from(xl))
+            };
+            let idx: Vec<usize> = (0..8).map(|_| rng.random_range(0..len)).collect();
+            out.push(FdField {
+                name: format!("d{name}"),
+                an: idx.iter().map(|&i| an[i]).collect(),
+                d1: idx.iter().map(|&i| central(i, FD_STEP)).collect(),
+                d2: idx.iter().map(|&i| central(i, FD_STEP / 2.0)).collect(),
+                rounding,
+            });
         };
     for (name, field, an) in fields {
         let len = field(&mut p.clone()).len();
-        check(name, &|q: &mut KdaProblem, i, d| field(q)[i] += d, len, an);
+        let set = |q: &mut KdaProblem, i: usize, d: f32| {
+            field(q)[i] += d;
+            field(q)[i]
+        };
+        check(name, &set, len, an);
     }
     if p.initial_state.is_some() {
         check(
             "initial_state",
-            &|q: &mut KdaProblem, i, d| q.initial_state.as_mut().unwrap()[i] += d,
+            &|q: &mut KdaProblem, i, d| {
+                let x = &mut q.initial_state.as_mut().unwrap()[i];
+                *x += d;
+                *x
+            },
             n_st,
             &g.dinitial_state,
         );
     } else {
         assert!(g.dinitial_state.iter().all(|&x| x == 0.0));
     }
+    out
+}
+
+/// Checks every gradient of `p` against finite differences ([`fd_fields`]).
+fn check_gradient(p: KdaProblem, dfinal: bool, s: u64) {
+    for f in fd_fields(&p, dfinal, s) {
+        let (e, t) = f.err_tol(1.0);
+        println!("{}: |R - an| {e:e} <= {t:e}", f.name);
+        assert!(
+            e <= t,
+            "{}: |R - an| {e:e} > {t:e}: {f:?} (seed {s})",
+            f.name
+        );
+    }
+}
+
+/// The problems the finite-difference test runs for one seed: (problem, with d(final state), seed).
+fn fd_problems(s: u64) -> [(KdaProblem, bool, u64); 4] {
+    [
+        // varlen, GVA (2 value heads over 1 q/k head), an initial state, d(final state)
+        (KdaProblem::random_gva(&[6, 3], 2, 1, true, s), true, s),
+        // fixed length across two reference checkpoints (64 tokens), no state, dout only
+        (KdaProblem::random(&[70], 1, false, s ^ 1), false, s ^ 1),
+        // varlen without an initial state but with d(final state); batched-like equal lengths
+        (KdaProblem::random(&[5, 5, 9], 2, false, s ^ 2), true, s ^ 2),
+        // fixed length with an initial state and no d(final state)
+        (KdaProblem::random(&[20], 1, true, s ^ 3), false, s ^ 3),
+    ]
 }
 
 #[test]
 fn reference_gradient_matches_finite_differences() {
-    let s = seed();
-    // varlen, GVA (2 value heads over 1 q/k head), an initial state, d(final state)
-    check_gradient(KdaProblem::random_gva(&[6, 3], 2, 1, true, s), true, s);
-    // fixed length across two reference checkpoints (64 tokens), no state, dout only
-    check_gradient(KdaProblem::random(&[70], 1, false, s ^ 1), false, s ^ 1);
-    // varlen without an initial state but with d(final state); batched-like equal lengths
-    check_gradient(KdaProblem::random(&[5, 5, 9], 2, false, s ^ 2), true, s ^ 2);
-    // fixed length with an initial state and no d(final state)
-    check_gradient(KdaProblem::random(&[20], 1, true, s ^ 3), false, s ^ 3);
+    for (p, dfinal, s) in fd_problems(seed()) {
+        check_gradient(p, dfinal, s);
+    }
+}
+
+/// The finite-difference check can fail: every field of a gradient scaled by 1.01 misses by over
+/// 100 times its tolerance (fixed seeds, so this test of the checker is deterministic).
+#[test]
+fn finite_difference_check_rejects_a_gradient_off_by_one_percent() {
+    for s in [1, 2] {
+        let (p, dfinal, s) = fd_problems(s).into_iter().next().unwrap();
+        for f in fd_fields(&p, dfinal, s) {
+            let (e, t) = f.err_tol(1.01);
+            assert!(
+                e > 100.0 * t,
+                "{}: a 1 % error: {e:e} vs {t:e} (seed {s})",
+                f.name
+            );
+            assert!(f.ok(1.0), "{}: {f:?} (seed {s})", f.name);
+        }
+    }
 }
 
 #[test]
@@ -322,4 +437,42 @@ fn split_operands_bring_the_emulation_near_the_bf16_output_floor() {
     );
     // what is left is mostly the bf16 output itself
     assert!(so < 1.15 * fo, "split out {so:e} vs output-only {fo:e}");
+}
+
+/// The scales that floor the GPU test's denominators of dbeta, dA_log and ddt_bias (each the root of
+/// the sum of the squared terms of a sum of `n` terms) are positive and bound their sums:
+/// `|sum| <= sum |term| <= sqrt(n) scale`; the floored metric is the plain one above its floor and
+/// divides by the floor below it.
+#[test]
+fn gradient_scales_bound_their_sums_and_floor_the_metric() {
+    use flashkda::reference::metrics::rel_frobenius_floored;
+    use flashkda::reference::recurrence_grad_f64;
+    use rand::{Rng, SeedableRng};
+    let s = seed();
+    let p = KdaProblem::random(&[20, 5], 2, true, s);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(s ^ 0x5c);
+    let dout: Vec<f64> = (0..p.tokens() * p.heads * HEAD_DIM)
+        .map(|_| rng.random::<f64>() - 0.5)
+        .collect();
+    let g = recurrence_grad_f64(&p, &dout, None);
+    let t = p.tokens() as f64;
+    for (name, v, sc, n) in [
+        ("dbeta", &g.dbeta, &g.dbeta_scale, HEAD_DIM as f64),
+        ("dA_log", &g.da_log, &g.da_log_scale, t * HEAD_DIM as f64),
+        ("ddt_bias", &g.ddt_bias, &g.ddt_bias_scale, t),
+    ] {
+        assert_eq!(v.len(), sc.len(), "{name}");
+        let bound = n.sqrt() * (1.0 + 1e-12);
+        for (d, sc) in v.iter().zip(sc) {
+            assert!(
+                *sc > 0.0 && d.abs() <= bound * sc,
+                "{name} {d:e}, scale {sc:e} (seed {s})"
+            );
+        }
+    }
+    let (r, x) = ([3.0, 4.0], [3.0, 4.5]);
+    assert!((rel_frobenius_floored(&x, &r, &[0.0, 1.0]) - 0.1).abs() < 1e-15);
+    assert!((rel_frobenius_floored(&x, &r, &[6.0, 8.0]) - 0.05).abs() < 1e-15);
+    assert_eq!(rel_frobenius_floored(&r, &r, &[6.0, 8.0]), 0.0);
+    assert!(rel_frobenius_floored(&[f64::NAN, 4.0], &r, &[6.0, 8.0]).is_nan());
 }

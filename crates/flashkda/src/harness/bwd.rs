@@ -147,6 +147,9 @@ impl DeviceProblem {
             dv: read("dv", &g.dv)?,
             dg: read("dg", &g.dg)?,
             dbeta: read("dbeta", &g.dbeta)?,
+            dbeta_scale: Vec::new(),
+            da_log_scale: Vec::new(),
+            ddt_bias_scale: Vec::new(),
             da_log: read("dA_log", &g.da_log)?,
             ddt_bias: read("ddt_bias", &g.ddt_bias)?,
             dinitial_state: match &g.dh0 {

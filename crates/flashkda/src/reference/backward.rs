@@ -19,6 +19,14 @@ pub struct KdaGrads {
     pub dg: Vec<f64>,
     /// `[T, H]`, for the beta logits.
     pub dbeta: Vec<f64>,
+    /// `[T, H]`: the size of `dbeta` without cancellation, the root of the sum of its squared terms
+    /// (`dbeta = sigmoid'(beta) sum_v du_v (v - pred)_v`); what the sum's error scales with when each
+    /// term carries an independent relative error. `da_log_scale` (`[H]`) and `ddt_bias_scale`
+    /// (`[H, 128]`) the same for those sums over tokens (and channels). Empty where not computed
+    /// (gradients read back from a device, the chunked form).
+    pub dbeta_scale: Vec<f64>,
+    pub da_log_scale: Vec<f64>,
+    pub ddt_bias_scale: Vec<f64>,
     /// `[H]`.
     pub da_log: Vec<f64>,
     /// `[H, 128]`.
@@ -37,6 +45,9 @@ impl KdaGrads {
             dv: vec![0.0; t * h * D],
             dg: vec![0.0; t * h * D],
             dbeta: vec![0.0; t * h],
+            dbeta_scale: vec![0.0; t * h],
+            da_log_scale: vec![0.0; h],
+            ddt_bias_scale: vec![0.0; h * D],
             da_log: vec![0.0; h],
             ddt_bias: vec![0.0; h * D],
             dinitial_state: vec![0.0; p.seq_lens.len() * h * D * D],
@@ -63,7 +74,11 @@ struct HeadGrads {
     dv: Vec<f64>,
     dg: Vec<f64>,
     dbeta: Vec<f64>,
+    dbeta_scale: Vec<f64>,
     da_log: f64,
+    /// Sums of the squared terms of `da_log` and `ddt_bias`.
+    da_log_sq: f64,
+    ddt_bias_sq: [f64; D],
     ddt_bias: [f64; D],
     dinitial_state: Vec<f64>,
 }
@@ -118,15 +133,21 @@ pub fn recurrence_grad_f64(p: &KdaProblem, dout: &[f64], dfinal: Option<&[f64]>)
                 g.dg[base + c] = hg.dg[r * D + c];
             }
             g.dbeta[t * h_n + h] = hg.dbeta[r];
+            g.dbeta_scale[t * h_n + h] = hg.dbeta_scale[r];
         }
         g.da_log[h] += hg.da_log;
+        g.da_log_scale[h] += hg.da_log_sq;
         for c in 0..D {
             g.ddt_bias[h * D + c] += hg.ddt_bias[c];
+            g.ddt_bias_scale[h * D + c] += hg.ddt_bias_sq[c];
         }
         if p.initial_state.is_some() {
             let sb = (n * h_n + h) * D * D;
             g.dinitial_state[sb..sb + D * D].copy_from_slice(&hg.dinitial_state);
         }
+    }
+    for x in g.da_log_scale.iter_mut().chain(&mut g.ddt_bias_scale) {
+        *x = x.sqrt();
     }
     g
 }
@@ -150,8 +171,11 @@ fn head_grad(
         dv: vec![0.0; len * D],
         dg: vec![0.0; len * D],
         dbeta: vec![0.0; len],
+        dbeta_scale: vec![0.0; len],
         da_log: 0.0,
+        da_log_sq: 0.0,
         ddt_bias: [0.0; D],
+        ddt_bias_sq: [0.0; D],
         dinitial_state: Vec::new(),
     };
     // forward, keeping the state before every CHECKPOINT-th token
@@ -277,8 +301,14 @@ fn token_backward(
         g.dg[r * D + c] = dx * a;
         g.ddt_bias[c] += dx * a;
         g.da_log += dx * x[c]; // dx / dA_log = x
+        g.da_log_sq += (dx * x[c]).powi(2);
+        g.ddt_bias_sq[c] += (dx * a).powi(2);
     }
     g.dbeta[r] = dbeta * beta * (1.0 - beta);
+    let sq: f64 = (0..D)
+        .map(|vi| (du[vi] * (f64::from(vrow[vi]) - pred[vi])).powi(2))
+        .sum();
+    g.dbeta_scale[r] = beta * (1.0 - beta) * sq.sqrt();
     let dq = l2_backward(&p.q[qo..qo + D], rq, &dqh);
     let dk = l2_backward(&p.k[qo..qo + D], rk, &dkh);
     for c in 0..D {

@@ -320,5 +320,9 @@ pub fn chunked_grad_f64(
             }
         }
     }
+    // not computed here
+    g.dbeta_scale = Vec::new();
+    g.da_log_scale = Vec::new();
+    g.ddt_bias_scale = Vec::new();
     g
 }
