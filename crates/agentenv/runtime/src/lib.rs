@@ -328,13 +328,7 @@ impl Runtime {
     ) -> Result<TemplateInfo, TemplateError> {
         let rec = template::build(&self.inner, spec, progress).await?;
         let info = self.install_template(rec);
-        let say = |step, detail: String| {
-            progress(BuildProgress {
-                step,
-                detail,
-                bytes: None,
-            })
-        };
+        let say = |step, detail: String| progress(BuildProgress::step(step, detail));
         if publish && self.inner.store.config().remote.is_some() {
             say(
                 template::BuildStep::Publish,

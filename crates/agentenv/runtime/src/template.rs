@@ -125,6 +125,17 @@ pub struct BuildProgress {
     pub bytes: Option<(u64, u64)>,
 }
 
+impl BuildProgress {
+    /// A report of `step` that counts no bytes.
+    pub fn step(step: BuildStep, detail: String) -> BuildProgress {
+        BuildProgress {
+            step,
+            detail,
+            bytes: None,
+        }
+    }
+}
+
 /// Builds (or reuses from the cache) the template and installs it into the state folder.
 pub(crate) async fn build(
     inner: &Inner,
@@ -135,13 +146,7 @@ pub(crate) async fn build(
         return Err(TemplateError::InvalidId(spec.id));
     }
     spec.check_size()?;
-    let say = |step, detail: String| {
-        progress(BuildProgress {
-            step,
-            detail,
-            bytes: None,
-        })
-    };
+    let say = |step, detail: String| progress(BuildProgress::step(step, detail));
     let guest_bin = rootfs::find_guest_binary(inner.cfg.guest_bin.as_deref())?;
     let machine = MachineRecord {
         kernel: inner.kernel.vmlinux.clone(),
@@ -241,13 +246,7 @@ async fn build_into_cache(
     cached: &Path,
     progress: &(dyn Fn(BuildProgress) + Send + Sync),
 ) -> Result<(), TemplateError> {
-    let say = &|step, detail: String| {
-        progress(BuildProgress {
-            step,
-            detail,
-            bytes: None,
-        })
-    };
+    let say = &|step, detail: String| progress(BuildProgress::step(step, detail));
     let partial = cached.with_extension("partial");
     let _ = std::fs::remove_dir_all(&partial);
     let vm_dir = partial.join("vm");

@@ -52,28 +52,12 @@ pub async fn join(
         let templates = backend
             .templates()
             .into_iter()
-            .flat_map(|t| {
-                let size = MachineSize {
-                    vcpus: t.vcpus,
-                    memory_mb: t.memory_mib,
-                };
-                let names: Vec<String> = std::iter::once(t.id).chain(t.aliases).collect();
-                sizes.extend(names.iter().map(|n| (n.clone(), size)));
-                names
-            })
+            .flat_map(|t| sized_names(t.id, t.aliases, t.vcpus, t.memory_mib, &mut sizes))
             .collect();
         let snapshots = backend
             .snapshots()
             .into_iter()
-            .flat_map(|s| {
-                let size = MachineSize {
-                    vcpus: s.vcpus,
-                    memory_mb: s.memory_mib,
-                };
-                let names: Vec<String> = std::iter::once(s.id).chain(s.names).collect();
-                sizes.extend(names.iter().map(|n| (n.clone(), size)));
-                names
-            })
+            .flat_map(|s| sized_names(s.id, s.names, s.vcpus, s.memory_mib, &mut sizes))
             .collect();
         NodeRecord {
             version: SCHEMA_VERSION,
@@ -99,6 +83,20 @@ pub async fn join(
         tracing::warn!(error = %e, "checking for sandboxes moved away while this node was gone failed");
     }
     Ok(reg)
+}
+
+/// Every name of one template or snapshot (`id`, then `others`), each entered in `sizes` with its size.
+fn sized_names(
+    id: String,
+    others: Vec<String>,
+    vcpus: u32,
+    memory_mb: u64,
+    sizes: &mut BTreeMap<String, MachineSize>,
+) -> Vec<String> {
+    let names: Vec<String> = std::iter::once(id).chain(others).collect();
+    let size = MachineSize { vcpus, memory_mb };
+    sizes.extend(names.iter().map(|n| (n.clone(), size)));
+    names
 }
 
 /// A node back after its lease expired may hold sandboxes the cluster settled without it: paused ones
