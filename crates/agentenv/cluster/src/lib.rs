@@ -23,4 +23,4 @@ pub use schema::{
     Claim, EntryState, Handoff, Keys, MachineSize, NodeRecord, SCHEMA_VERSION, SandboxEntry,
     SnapshotEntry,
 };
-pub use store::{ClaimOutcome, ClusterStore, ClusterView, Versioned};
+pub use store::{ClaimOutcome, ClusterStore, ClusterView, StateChange, Versioned};

@@ -2,13 +2,14 @@
 //! to. No I/O, no clock, no randomness: the same view gives the same node on every gateway.
 //!
 //! A node is eligible when it is not excluded (it refused this create already), it can host the source
-//! (a template must be on the node; a snapshot can be imported from the shared bucket by any node), and
+//! (a template must be on the node, or on a node sharing its bucket when this one shares it too: templates
+//! built there are published to the bucket; a snapshot can be imported from the shared bucket by any node), and
 //! after the sandbox it still has memory and stays within its `max_running`. Among eligible nodes the
 //! highest score wins:
 //!
 //! `score = 1.5·local + (1 − vcpu load) + free memory fraction + 1 / (1 + sandboxes)`
 //!
-//! where `local` is 1 when the node already holds the snapshot's files (no download), the loads count
+//! where `local` is 1 when the node already holds the source's files (no download), the loads count
 //! the placements it has not reported yet, and ties go to fewer sandboxes, then the smaller id.
 
 use crate::schema::NodeRecord;
@@ -48,7 +49,7 @@ pub struct Demand<'a> {
 pub struct Choice {
     pub node: String,
     pub url: String,
-    /// Whether it holds the source snapshot's files already.
+    /// Whether it holds the source's files (template or snapshot) already.
     pub local: bool,
     pub score: f64,
 }
@@ -71,18 +72,21 @@ pub fn place(candidates: &[Candidate<'_>], demand: &Demand<'_>) -> Result<Choice
     if candidates.is_empty() {
         return Err(Unplaceable::NoNodes);
     }
-    // A template lives on the nodes that built it; a snapshot (or a name no node knows as a template)
+    // A template lives on the nodes that hold it, and in the bucket when one of them shares it (any node
+    // sharing the bucket imports it on first use); a snapshot (or a name no node knows as a template)
     // can go anywhere.
-    let template_somewhere = candidates
+    let holds = |n: &NodeRecord| n.templates.iter().any(|t| t == demand.source);
+    let template_somewhere = candidates.iter().any(|c| holds(c.node));
+    let template_shared = candidates
         .iter()
-        .any(|c| c.node.templates.iter().any(|t| t == demand.source));
+        .any(|c| holds(c.node) && c.node.shared_store);
     let mut best: Option<(f64, u32, &NodeRecord, bool)> = None;
     for c in candidates {
         let n = c.node;
         if demand.exclude.contains(&n.id) {
             continue;
         }
-        if template_somewhere && !n.templates.iter().any(|t| t == demand.source) {
+        if template_somewhere && !holds(n) && !(template_shared && n.shared_store) {
             continue;
         }
         let sandboxes = n.running.saturating_add(c.pending.sandboxes);
@@ -97,7 +101,11 @@ pub fn place(candidates: &[Candidate<'_>], demand: &Demand<'_>) -> Result<Choice
             continue;
         };
         let vcpus = u64::from(n.vcpus_used) + u64::from(c.pending.vcpus) + u64::from(demand.vcpus);
-        let local = !template_somewhere && n.snapshots.iter().any(|s| s == demand.source);
+        let local = if template_somewhere {
+            holds(n)
+        } else {
+            n.snapshots.iter().any(|s| s == demand.source)
+        };
         let cpu_load = vcpus as f64 / f64::from(n.cpus.max(1));
         let mem_free = free_after as f64 / n.memory_mb.max(1) as f64;
         let score = LOCALITY_WEIGHT * f64::from(u8::from(local))
@@ -228,6 +236,38 @@ mod tests {
         assert_eq!(place(&cands(&nodes), &demand("my-app")).unwrap().node, "b");
         // A name no node has as a template is a snapshot: anywhere.
         assert_eq!(place(&cands(&nodes), &demand("snap-x")).unwrap().node, "a");
+    }
+
+    #[test]
+    fn a_template_in_the_shared_bucket_goes_to_any_node_sharing_it() {
+        let alone = |mut n: NodeRecord| {
+            n.shared_store = false;
+            n
+        };
+        let mut busy = node("b", 7);
+        busy.templates.push("my-app".into());
+        busy.vcpus_used = 16;
+        busy.free_memory_mb = 2048;
+        // The busy holder shares the bucket: an idle node sharing it too imports the template; one
+        // without the bucket never gets it.
+        let nodes = [alone(node("a", 0)), busy.clone(), node("c", 0)];
+        let choice = place(&cands(&nodes), &demand("my-app")).unwrap();
+        assert_eq!((choice.node.as_str(), choice.local), ("c", false));
+        let exclude = ["b".to_string(), "c".to_string()];
+        let d = Demand {
+            exclude: &exclude,
+            ..demand("my-app")
+        };
+        assert!(place(&cands(&nodes), &d).is_err());
+        // A holder about as idle wins: its files are local.
+        let mut idle = node("b", 1);
+        idle.templates.push("my-app".into());
+        let nodes = [node("a", 0), idle];
+        let choice = place(&cands(&nodes), &demand("my-app")).unwrap();
+        assert_eq!((choice.node.as_str(), choice.local), ("b", true));
+        // A holder without the bucket keeps its template to itself.
+        let nodes = [node("a", 0), alone(busy)];
+        assert_eq!(place(&cands(&nodes), &demand("my-app")).unwrap().node, "b");
     }
 
     #[test]

@@ -11,8 +11,8 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOpt
 
 use crate::error::ClusterError;
 use crate::schema::{
-    Claim, IdempotencyEntry, Keys, NodeRecord, SCHEMA_VERSION, SandboxEntry, SnapshotEntry, decode,
-    encode,
+    Claim, EntryState, Handoff, IdempotencyEntry, Keys, NodeRecord, SCHEMA_VERSION, SandboxEntry,
+    SnapshotEntry, decode, encode,
 };
 
 type Result<T, E = ClusterError> = std::result::Result<T, E>;
@@ -25,6 +25,15 @@ pub const CLAIM_TTL: Duration = Duration::from_secs(15);
 pub const KILLED_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// How long an `Idempotency-Key` maps to its node (the server's own dedupe window).
 pub const IDEMPOTENCY_TTL: Duration = Duration::from_secs(300);
+
+/// What [`ClusterStore::set_state`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StateChange {
+    /// Written; the handoff the entry held before (now unreferenced unless it is the one written).
+    Written { replaced: Option<Handoff> },
+    /// Not written: no entry, another node's or a killed one, or it kept changing.
+    Skipped,
+}
 
 /// A record and the etcd revisions it was read at.
 #[derive(Debug, Clone)]
@@ -382,6 +391,41 @@ impl ClusterStore {
         Ok(resp
             .succeeded()
             .then(|| resp.header().map_or(0, |h| h.revision())))
+    }
+
+    /// Sets sandbox `id`'s state and handoff by compare-and-put, read again after a concurrent write.
+    /// With `on_node`, only while its entry names that node. `updated_at_ms` is the caller's clock.
+    pub async fn set_state(
+        &self,
+        id: &str,
+        on_node: Option<&str>,
+        state: EntryState,
+        handoff: Option<Handoff>,
+        updated_at_ms: i64,
+    ) -> Result<StateChange> {
+        for _ in 0..3 {
+            let Some(cur) = self.sandbox(id).await? else {
+                return Ok(StateChange::Skipped);
+            };
+            if on_node.is_some_and(|n| n != cur.value.node) || cur.value.state == EntryState::Killed
+            {
+                return Ok(StateChange::Skipped);
+            }
+            let mut next = cur.value.clone();
+            next.state = state;
+            next.handoff = handoff.clone();
+            next.updated_at_ms = updated_at_ms;
+            if self
+                .update_sandbox(&next, cur.mod_revision)
+                .await?
+                .is_some()
+            {
+                return Ok(StateChange::Written {
+                    replaced: cur.value.handoff,
+                });
+            }
+        }
+        Ok(StateChange::Skipped)
     }
 
     /// Forgets a sandbox and its token.

@@ -7,8 +7,8 @@ use std::time::Duration;
 use agentenv_cluster::store::ClusterStore;
 use agentenv_cluster::testing::etcd_or_skip;
 use agentenv_cluster::{
-    Claim, ClaimOutcome, ClusterError, EntryState, NodeRecord, Registration, SCHEMA_VERSION,
-    SandboxEntry,
+    Claim, ClaimOutcome, ClusterError, EntryState, Handoff, NodeRecord, Registration,
+    SCHEMA_VERSION, SandboxEntry, StateChange,
 };
 
 fn node(id: &str) -> NodeRecord {
@@ -176,4 +176,76 @@ async fn claims_registration_and_an_etcd_outage() {
         s.view().await.is_ok_and(|v| v.nodes.is_empty())
     })
     .await;
+}
+
+#[tokio::test]
+async fn set_state_writes_only_the_named_nodes_live_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_store", dir.path()) else {
+        return;
+    };
+    let s = store(&etcd.endpoint, "/test/b").await;
+    let id = "sbx-b".to_string();
+    let handoff = |snap: &str| Handoff {
+        snapshot_id: snap.into(),
+        record: serde_json::json!({"sandbox": id}),
+    };
+    // No entry: nothing written.
+    assert_eq!(
+        s.set_state(&id, Some("n1"), EntryState::Paused, None, 1)
+            .await
+            .unwrap(),
+        StateChange::Skipped
+    );
+    let entry = SandboxEntry {
+        version: SCHEMA_VERSION,
+        sandbox_id: id.clone(),
+        node: "n1".into(),
+        owner: "default".into(),
+        state: EntryState::Running,
+        handoff: None,
+        updated_at_ms: 0,
+    };
+    assert!(s.insert_sandbox(&entry, "tok-b").await.unwrap());
+    // The entry's node pauses it with a handoff; another node's write is refused.
+    assert_eq!(
+        s.set_state(&id, Some("n1"), EntryState::Paused, Some(handoff("s1")), 5)
+            .await
+            .unwrap(),
+        StateChange::Written { replaced: None }
+    );
+    assert_eq!(
+        s.set_state(&id, Some("n2"), EntryState::Running, None, 6)
+            .await
+            .unwrap(),
+        StateChange::Skipped
+    );
+    let seen = s.sandbox(&id).await.unwrap().unwrap().value;
+    assert_eq!(
+        (seen.state, seen.handoff, seen.updated_at_ms),
+        (EntryState::Paused, Some(handoff("s1")), 5)
+    );
+    // A later write returns the handoff it replaced; without a node name anyone may write.
+    assert_eq!(
+        s.set_state(&id, None, EntryState::Running, None, 7)
+            .await
+            .unwrap(),
+        StateChange::Written {
+            replaced: Some(handoff("s1"))
+        }
+    );
+    // A killed entry stays killed.
+    s.mark_killed(&s.sandbox(&id).await.unwrap().unwrap().value, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        s.set_state(&id, Some("n1"), EntryState::Paused, None, 8)
+            .await
+            .unwrap(),
+        StateChange::Skipped
+    );
+    assert_eq!(
+        s.sandbox(&id).await.unwrap().unwrap().value.state,
+        EntryState::Killed
+    );
 }

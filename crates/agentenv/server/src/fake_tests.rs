@@ -340,6 +340,65 @@ async fn a_vm_that_dies_on_its_own_takes_its_sandbox_with_it() {
 }
 
 #[tokio::test]
+async fn the_servers_own_pauses_resumes_and_kills_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Arc::new(FakeBackend::default());
+    let s = open(dir.path(), fake.clone()).await;
+    let mut rx = s.transitions();
+    let mut next = async || {
+        tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
+            .await
+            .expect("a transition within 5 s")
+            .unwrap()
+    };
+    let due = |auto_pause| NewSandbox {
+        timeout: Some(0),
+        auto_pause: Some(auto_pause),
+        ..req("base")
+    };
+    let paused = s.create(&me(), due(true), None).await.unwrap();
+    let killed = s.create(&me(), due(false), None).await.unwrap();
+    s.create(&me(), req("base"), None).await.unwrap();
+    s.expire_due().join_all().await;
+    let mut seen = vec![next().await, next().await];
+    seen.sort_by_key(|t| format!("{t:?}"));
+    let mut want = vec![
+        Transition::AutoPaused(paused.sandbox_id.clone()),
+        Transition::Expired {
+            id: killed.sandbox_id.clone(),
+            access_token: killed.access_token.clone(),
+        },
+    ];
+    want.sort_by_key(|t| format!("{t:?}"));
+    assert_eq!(seen, want);
+    // Data-plane traffic resumes it once; a second call finds it running and reports nothing.
+    s.auto_resume(&paused.sandbox_id).await.unwrap();
+    s.auto_resume(&paused.sandbox_id).await.unwrap();
+    assert_eq!(
+        next().await,
+        Transition::AutoResumed(paused.sandbox_id.clone())
+    );
+    // A client's own pause and resume are the gateway's to record: nothing is reported.
+    s.pause(&me(), &paused.sandbox_id).await.unwrap();
+    s.connect(&me(), &paused.sandbox_id, Some(60))
+        .await
+        .unwrap();
+    assert!(rx.try_recv().is_err());
+    // `while_in` runs only in the named state.
+    let id = paused.sandbox_id.as_str();
+    assert_eq!(
+        s.while_in(id, SandboxState::Paused, async |_| 1).await,
+        None
+    );
+    assert_eq!(
+        s.while_in(id, SandboxState::Running, async |r| r.sandbox_id.clone())
+            .await
+            .as_deref(),
+        Some(id)
+    );
+}
+
+#[tokio::test]
 async fn paused_sandboxes_expire_after_the_retention() {
     let dir = tempfile::tempdir().unwrap();
     let fake = Arc::new(FakeBackend::default());

@@ -6,9 +6,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentenv_cluster::{ClusterStore, MachineSize, NodeRecord, Registration, SCHEMA_VERSION};
+use agentenv_cluster::{
+    ClusterError, ClusterStore, EntryState, Handoff, MachineSize, NodeRecord, Registration,
+    SCHEMA_VERSION, StateChange,
+};
 
-use crate::sandboxes::Sandboxes;
+use crate::model::SandboxState;
+use crate::sandboxes::{Caller, Sandboxes, Transition};
 
 /// What `--join` needs.
 pub struct JoinConfig {
@@ -82,6 +86,13 @@ pub async fn join(
     if let Err(e) = drop_moved(&store, &id, &sandboxes_for_reconcile).await {
         tracing::warn!(error = %e, "checking for sandboxes moved away while this node was gone failed");
     }
+    let node = Follower {
+        store,
+        me: id,
+        sandboxes: sandboxes_for_reconcile,
+        shared_store,
+    };
+    tokio::spawn(node.follow());
     Ok(reg)
 }
 
@@ -149,6 +160,155 @@ async fn drop_moved(
         }
     }
     Ok(())
+}
+
+/// How often, and how long apart, a cluster write for a transition is tried while etcd is away.
+const TRANSITION_TRIES: u32 = 10;
+const TRANSITION_RETRY: Duration = Duration::from_secs(1);
+
+/// Keeps this node's cluster entries true after changes the node makes on its own: an auto-paused
+/// sandbox is handed off (with a shared bucket) and recorded paused, so it resumes elsewhere if the
+/// node dies; an auto-resumed one is recorded running (its handoff dropped); an expired one is
+/// forgotten. Without this, the cluster would still think them running (lost with the node) or
+/// paused (moved from a stale snapshot).
+struct Follower {
+    store: ClusterStore,
+    me: String,
+    sandboxes: Arc<Sandboxes>,
+    shared_store: bool,
+}
+
+impl Follower {
+    async fn follow(self) {
+        let this = Arc::new(self);
+        let mut rx = this.sandboxes.transitions();
+        while let Some(t) = rx.recv().await {
+            let this = this.clone();
+            tokio::spawn(async move {
+                for attempt in 1..=TRANSITION_TRIES {
+                    match this.apply(&t).await {
+                        Ok(()) => return,
+                        Err(FollowError::Cluster(ClusterError::Unavailable { why, .. }))
+                            if attempt < TRANSITION_TRIES =>
+                        {
+                            tracing::debug!(transition = ?t, %why, attempt, "etcd away; retrying");
+                            tokio::time::sleep(TRANSITION_RETRY).await;
+                        }
+                        Err(e) => {
+                            tracing::warn!(transition = ?t, error = %e, "recording a transition in the cluster failed");
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    }
+
+    async fn apply(&self, t: &Transition) -> Result<(), FollowError> {
+        match t {
+            Transition::AutoPaused(id) if self.shared_store => self.hand_off(id).await,
+            Transition::AutoPaused(id) => self.record(id, SandboxState::Paused).await,
+            Transition::AutoResumed(id) => self.record(id, SandboxState::Running).await,
+            Transition::Expired { id, access_token } => {
+                let entry = self.store.sandbox(id).await?;
+                if entry.as_ref().is_some_and(|e| e.value.node == self.me) {
+                    let token = crate::gateway::locate::token_hash(access_token);
+                    self.store.remove_sandbox(id, Some(&token)).await?;
+                    if let Some(h) = entry.and_then(|e| e.value.handoff) {
+                        self.drop_handoff(&h.snapshot_id);
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Hands paused sandbox `id` off to the bucket and records it paused with that handoff, under its
+    /// lock (a resume waits). A handoff the cluster did not take is deleted again.
+    async fn hand_off(&self, id: &str) -> Result<(), FollowError> {
+        let res = self
+            .sandboxes
+            .handoff_then(&Caller::Server, id, async |sid, rec| {
+                let handoff = Handoff {
+                    snapshot_id: sid.to_string(),
+                    record: serde_json::to_value(rec).map_err(FollowError::Encode)?,
+                };
+                let now = crate::sandboxes::now_ms();
+                let change = self
+                    .store
+                    .set_state(id, Some(&self.me), EntryState::Paused, Some(handoff), now)
+                    .await?;
+                Ok::<_, FollowError>(change)
+            })
+            .await;
+        let (sid, _, change) = match res {
+            Ok(done) => done,
+            // Resumed or gone before the handoff: nothing to record.
+            Err(
+                crate::sandboxes::LifecycleError::AlreadyRunning(_)
+                | crate::sandboxes::LifecycleError::SandboxNotFound(_),
+            ) => return Ok(()),
+            Err(e) => return Err(FollowError::Handoff(e)),
+        };
+        match change {
+            Ok(StateChange::Written { replaced }) => {
+                tracing::info!(sandbox = %id, snapshot = %sid, "auto-paused sandbox handed off");
+                if let Some(old) = replaced {
+                    self.drop_handoff(&old.snapshot_id);
+                }
+                Ok(())
+            }
+            Ok(StateChange::Skipped) => {
+                self.drop_handoff(&sid);
+                Ok(())
+            }
+            Err(e) => {
+                self.drop_handoff(&sid);
+                Err(e)
+            }
+        }
+    }
+
+    /// Records `id` in `state` (no handoff) while it still is in that state here.
+    async fn record(&self, id: &str, state: SandboxState) -> Result<(), FollowError> {
+        let entry_state = match state {
+            SandboxState::Running => EntryState::Running,
+            SandboxState::Paused => EntryState::Paused,
+        };
+        let change = self
+            .sandboxes
+            .while_in(id, state, async |_| {
+                let now = crate::sandboxes::now_ms();
+                self.store
+                    .set_state(id, Some(&self.me), entry_state, None, now)
+                    .await
+            })
+            .await;
+        if let Some(StateChange::Written {
+            replaced: Some(old),
+        }) = change.transpose()?
+        {
+            self.drop_handoff(&old.snapshot_id);
+        }
+        Ok(())
+    }
+
+    /// Deletes a handoff snapshot nothing refers to any more; best effort.
+    fn drop_handoff(&self, snapshot_id: &str) {
+        if let Err(e) = self.sandboxes.drop_handoff(snapshot_id) {
+            tracing::warn!(snapshot = %snapshot_id, error = %e, "deleting a handoff snapshot failed");
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum FollowError {
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    #[error("handoff: {0}")]
+    Handoff(crate::sandboxes::LifecycleError),
+    #[error("encoding the handoff record: {0}")]
+    Encode(serde_json::Error),
 }
 
 /// This node's id, made once and kept in `<state>/server/node_id`.

@@ -3,7 +3,7 @@
 
 use agentenv_cluster::placement::{Demand, place};
 use agentenv_cluster::{Claim, ClaimOutcome, EntryState, Handoff, NodeRecord, SCHEMA_VERSION};
-use agentenv_cluster::{MachineSize, SandboxEntry, SnapshotEntry};
+use agentenv_cluster::{MachineSize, SandboxEntry, SnapshotEntry, StateChange};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -140,6 +140,18 @@ async fn create(gw: &Gateway, req: Request) -> Result<Response> {
         ) && idempotency.is_none()
         {
             // The node is full (its quota or its uids): another may have room.
+            exclude.push(node.id.clone());
+            last_refusal = Some(resp);
+            continue;
+        }
+        let a_template = view
+            .nodes
+            .iter()
+            .any(|n| n.value.templates.contains(&source));
+        if resp.status() == StatusCode::NOT_FOUND && a_template && !choice.local {
+            // A template that was to be imported from the bucket is not there (built before the node
+            // shared one): only its holders can start it.
+            tracing::warn!(node = %node.id, source = %source, "create: source not found on a node importing it; placing again");
             exclude.push(node.id.clone());
             last_refusal = Some(resp);
             continue;
@@ -331,25 +343,14 @@ async fn set_state(
     state: EntryState,
     handoff: Option<Handoff>,
 ) -> Result<Option<Handoff>> {
-    for _ in 0..3 {
-        let Some(cur) = gw.store.sandbox(id).await? else {
-            return Ok(None);
-        };
-        let mut next = cur.value.clone();
-        next.state = state;
-        next.handoff = handoff.clone();
-        next.updated_at_ms = crate::sandboxes::now_ms();
-        if gw
-            .store
-            .update_sandbox(&next, cur.mod_revision)
-            .await?
-            .is_some()
-        {
-            return Ok(cur.value.handoff);
+    let now = crate::sandboxes::now_ms();
+    match gw.store.set_state(id, None, state, handoff, now).await? {
+        StateChange::Written { replaced } => Ok(replaced),
+        StateChange::Skipped => {
+            tracing::warn!(sandbox = %id, "its entry is gone or kept changing; state not recorded");
+            Ok(None)
         }
     }
-    tracing::warn!(sandbox = %id, "its entry kept changing; state not recorded");
-    Ok(None)
 }
 
 /// Deletes a handoff snapshot that is no longer needed (its sandbox runs again); best effort.

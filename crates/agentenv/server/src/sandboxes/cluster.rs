@@ -26,6 +26,18 @@ pub struct NodeLoad {
     pub memory_mb: u64,
 }
 
+/// A change the server made on its own (no client call through a gateway asked for it), reported so
+/// a joined node can keep its cluster entries true.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transition {
+    /// Paused at its timeout (`autoPause`).
+    AutoPaused(String),
+    /// Resumed by data-plane traffic (`autoResume`).
+    AutoResumed(String),
+    /// Killed at its timeout or after the paused retention.
+    Expired { id: String, access_token: String },
+}
+
 /// What another node needs to continue a paused sandbox: its record (id, owner, access token, metadata,
 /// ...) and its egress policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,9 +66,49 @@ impl Sandboxes {
         load
     }
 
+    /// Starts reporting [`Transition`]s to the returned receiver (replacing an earlier one).
+    pub fn transitions(&self) -> tokio::sync::mpsc::UnboundedReceiver<Transition> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        *self.transitions.lock().expect("transitions") = Some(tx);
+        rx
+    }
+
+    pub(super) fn report(&self, t: Transition) {
+        if let Some(tx) = &*self.transitions.lock().expect("transitions") {
+            let _ = tx.send(t);
+        }
+    }
+
+    /// Runs `step` with `id`'s record while its operation lock is held and it is in `state`, so no
+    /// pause or resume comes between the check and what `step` does; `None` if it is not.
+    pub async fn while_in<T>(
+        &self,
+        id: &str,
+        state: SandboxState,
+        step: impl AsyncFnOnce(&crate::store::SandboxRecord) -> T,
+    ) -> Option<T> {
+        let lock = self.op_lock(id);
+        let _guard = lock.lock().await;
+        let rec = self.get(id).filter(|r| r.state == state)?;
+        Some(step(&rec).await)
+    }
+
     /// Snapshots paused sandbox `id` (memory and disk) for another node and returns the snapshot id
     /// with the sandbox's record, once the snapshot is durable in the chunk store.
     pub async fn handoff(&self, caller: &Caller, id: &str) -> Result<(String, HandoffRecord)> {
+        self.handoff_then(caller, id, async |_, _| ())
+            .await
+            .map(|(s, h, ())| (s, h))
+    }
+
+    /// [`Self::handoff`], then `then` on its result before the sandbox's lock is released (so no
+    /// resume comes between the handoff and what `then` records).
+    pub async fn handoff_then<T>(
+        &self,
+        caller: &Caller,
+        id: &str,
+        then: impl AsyncFnOnce(&str, &HandoffRecord) -> T,
+    ) -> Result<(String, HandoffRecord, T)> {
         self.get_as(caller, id)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
@@ -98,13 +150,12 @@ impl Sandboxes {
             }
         }
         tracing::info!(sandbox = %id, snapshot = %sid, "paused sandbox handed off to the shared store");
-        Ok((
-            sid,
-            HandoffRecord {
-                sandbox: rec,
-                network,
-            },
-        ))
+        let handoff = HandoffRecord {
+            sandbox: rec,
+            network,
+        };
+        let done = then(&sid, &handoff).await;
+        Ok((sid, handoff, done))
     }
 
     /// Continues a sandbox another node handed off: the same id, owner, access token and metadata,

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Caller, LifecycleError, Sandboxes, now_ms};
+use super::{Caller, LifecycleError, Sandboxes, Transition, now_ms};
 use crate::model::SandboxState;
 use crate::store::SandboxRecord;
 
@@ -39,6 +39,7 @@ impl Sandboxes {
                 let still_due = this
                     .get(&id)
                     .is_some_and(|r| this.due(&r, now_ms()).is_some());
+                let token = this.get(&id).map(|r| r.access_token);
                 let res = match what {
                     _ if !still_due => Ok(()),
                     Expiry::Pause => match this.pause(&Caller::Server, &id).await {
@@ -52,7 +53,15 @@ impl Sandboxes {
                 };
                 match res {
                     Ok(()) if still_due => {
-                        tracing::info!(sandbox = %id, action = ?what, "sandbox expired")
+                        tracing::info!(sandbox = %id, action = ?what, "sandbox expired");
+                        match (this.get(&id), token) {
+                            (Some(_), _) => this.report(Transition::AutoPaused(id.clone())),
+                            (None, Some(access_token)) => this.report(Transition::Expired {
+                                id: id.clone(),
+                                access_token,
+                            }),
+                            (None, None) => {}
+                        }
                     }
                     Ok(())
                     | Err(

@@ -40,7 +40,7 @@ pub use builds::{
     BuildFailure, BuildPlan, BuildSize, BuildStatus, BuildView, BuiltTemplate, LogEntry, LogLevel,
     MAX_BUILD_FILE_BYTES, Step,
 };
-pub use cluster::{HANDOFF_TENANT, HandoffRecord, NodeLoad};
+pub use cluster::{HANDOFF_TENANT, HandoffRecord, NodeLoad, Transition};
 pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};
 use quota::Usage;
 
@@ -110,6 +110,8 @@ pub struct Sandboxes {
     ring: Arc<KeyRing>,
     /// Template builds (`Template.build`).
     builds: builds::Builds,
+    /// Where the server's own pauses and resumes are reported (`cluster::Transition`).
+    transitions: Mutex<Option<tokio::sync::mpsc::UnboundedSender<Transition>>>,
 }
 
 impl Sandboxes {
@@ -176,6 +178,7 @@ impl Sandboxes {
         Ok(Arc::new(Sandboxes {
             backend,
             builds: builds::Builds::new(store.state_dir()),
+            transitions: Mutex::new(None),
             store,
             metrics,
             cfg,
@@ -621,7 +624,11 @@ impl Sandboxes {
 
     /// Resumes a paused sandbox on data-plane traffic when it asked for `autoResume`.
     pub async fn auto_resume(&self, id: &str) -> Result<()> {
-        self.connect(&Caller::Server, id, None).await.map(|_| ())
+        let (_, resumed) = self.connect(&Caller::Server, id, None).await?;
+        if resumed {
+            self.report(Transition::AutoResumed(id.into()));
+        }
+        Ok(())
     }
 
     /// Forks a sandbox into `count` (1..=20) new ones: one capture, then one restore each. Each result

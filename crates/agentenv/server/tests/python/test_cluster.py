@@ -451,6 +451,79 @@ def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
         s.kill()
 
 
+def _entry(cluster, sandbox_id):
+    """The sandbox's entry in etcd (through etcd's JSON gateway), or None."""
+    import base64
+
+    key = base64.b64encode(f"/agentenv/v1/sandboxes/{sandbox_id}".encode()).decode()
+    status, body = _http("POST", f"{cluster.etcd_url}/v3/kv/range", body={"key": key})
+    assert status == 200, body
+    kvs = body.get("kvs") or []
+    return json.loads(base64.b64decode(kvs[0]["value"])) if kvs else None
+
+
+def _envd(url, sandbox_id, token, method, path, data=None):
+    """One data-plane file call through a gateway: (status, body bytes)."""
+    h = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983", "X-Access-Token": token}
+    if data is not None:
+        h["Content-Type"] = "application/octet-stream"
+    req = urllib.request.Request(f"{url}/files?path={path}", data=data, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=WAIT_S) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_a_node_keeps_auto_pause_and_auto_resume_in_the_cluster(cluster):
+    """A sandbox its node pauses on its own (timeout with autoPause) is handed off to the bucket and
+    recorded paused; data-plane traffic resumes it there and it is recorded running again. After a
+    kill -9 of that node it resumes on another one with its files."""
+    g0, g1 = cluster.gateways
+    status, made = _http("POST", f"{g0.url}/v2/sandboxes", cluster.key, {
+        "templateID": "base", "timeout": 3, "autoPause": True, "autoResume": {"enabled": True},
+        "allowInternetAccess": False})
+    assert status == 201, made
+    sid, token = made["sandboxID"], made["envdAccessToken"]
+    try:
+        secret = secrets.token_hex(8).encode()
+        status, body = _envd(g0.url, sid, token, "POST", "/tmp/auto.txt", secret)
+        assert status == 200, body
+
+        def handed_off():
+            e = _entry(cluster, sid)
+            return e if e and e["state"] == "paused" and e["handoff"] else None
+        first = _wait("the auto-paused sandbox is handed off", handed_off)
+        # Data-plane traffic resumes it on its node; the cluster records it running, handoff gone.
+        assert _envd(g1.url, sid, token, "GET", "/tmp/auto.txt") == (200, secret)
+        _wait("the auto-resumed sandbox is recorded running",
+              lambda: (e := _entry(cluster, sid)) and e["state"] == "running" and e["handoff"] is None)
+        status, body = _http("POST", f"{g0.url}/sandboxes/{sid}/timeout", cluster.key, {"timeout": 2})
+        assert status == 204, body
+        def handed_off_again():
+            e = handed_off()
+            return e if e and e["handoff"]["snapshot_id"] != first["handoff"]["snapshot_id"] else None
+        second = _wait("paused again, with a new handoff", handed_off_again)
+        node = cluster.node_of(sid)
+        assert second["node"] == first["node"]
+
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait()
+        cluster.wait_nodes(2)
+        status, info = _http("GET", f"{g1.url}/sandboxes/{sid}", cluster.key)
+        assert status == 200 and info["state"] == "paused", info
+        # Moved on data-plane traffic (autoResume), with its file.
+        assert _envd(g1.url, sid, token, "GET", "/tmp/auto.txt") == (200, secret)
+        assert cluster.node_of(sid) is not node
+        assert _entry(cluster, sid)["state"] == "running"
+        node.start()
+        cluster.wait_nodes(3)
+        _wait("the returning node drops its copy of the moved sandbox",
+              lambda: _http("GET", f"{node.url}/sandboxes/{sid}", cluster.key)[0] == 404)
+    finally:
+        _http("DELETE", f"{g0.url}/sandboxes/{sid}", cluster.key)
+
+
 def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(cluster):
     from e2b import Sandbox
 
