@@ -163,6 +163,9 @@ pub struct SandboxEntry {
     /// Set while it is paused with a snapshot in the shared bucket.
     pub handoff: Option<Handoff>,
     pub updated_at_ms: i64,
+    /// SHA-256 of its access token (its `tokens/` key, forgotten with it); absent in older entries.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_sha256: Option<String>,
 }
 
 /// A create with an `Idempotency-Key`: the node the first of them went to.

@@ -337,10 +337,14 @@ impl ClusterStore {
     /// if one did.
     pub async fn insert_sandbox(&self, entry: &SandboxEntry, token_sha256: &str) -> Result<bool> {
         let key = self.keys.sandbox(&entry.sandbox_id);
+        let entry = SandboxEntry {
+            token_sha256: Some(token_sha256.to_string()),
+            ..entry.clone()
+        };
         let txn = Txn::new()
             .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
             .and_then([
-                TxnOp::put(key, encode(entry), None),
+                TxnOp::put(key, encode(&entry), None),
                 TxnOp::put(
                     self.keys.token(token_sha256),
                     entry.sandbox_id.as_bytes().to_vec(),
@@ -428,11 +432,15 @@ impl ClusterStore {
         Ok(StateChange::Skipped)
     }
 
-    /// Forgets a sandbox and its token.
+    /// Forgets a sandbox and its token (`token_sha256`, else the one its entry names).
     pub async fn remove_sandbox(&self, id: &str, token_sha256: Option<&str>) -> Result<()> {
+        let token = match token_sha256 {
+            Some(t) => Some(t.to_string()),
+            None => self.sandbox(id).await?.and_then(|e| e.value.token_sha256),
+        };
         let mut ops = vec![TxnOp::delete(self.keys.sandbox(id), None)];
-        if let Some(t) = token_sha256 {
-            ops.push(TxnOp::delete(self.keys.token(t), None));
+        if let Some(t) = token {
+            ops.push(TxnOp::delete(self.keys.token(&t), None));
         }
         let mut kv = self.client.kv_client();
         self.call("forget a sandbox", kv.txn(Txn::new().and_then(ops)))
@@ -456,7 +464,7 @@ impl ClusterStore {
             encode(&e),
             Some(PutOptions::new().with_lease(lease)),
         )];
-        if let Some(t) = token_sha256 {
+        if let Some(t) = token_sha256.or(entry.token_sha256.as_deref()) {
             ops.push(TxnOp::delete(self.keys.token(t), None));
         }
         let mut kv = self.client.kv_client();

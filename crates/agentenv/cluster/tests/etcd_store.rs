@@ -112,6 +112,7 @@ async fn claims_registration_and_an_etcd_outage() {
         state: EntryState::Running,
         handoff: None,
         updated_at_ms: 0,
+        token_sha256: None,
     };
     assert!(s.insert_sandbox(&entry, "tok").await.unwrap());
     assert!(!other.insert_sandbox(&entry, "tok").await.unwrap());
@@ -205,6 +206,7 @@ async fn set_state_writes_only_the_named_nodes_live_entries() {
         state: EntryState::Running,
         handoff: None,
         updated_at_ms: 0,
+        token_sha256: None,
     };
     assert!(s.insert_sandbox(&entry, "tok-b").await.unwrap());
     // The entry's node pauses it with a handoff; another node's write is refused.
@@ -234,10 +236,15 @@ async fn set_state_writes_only_the_named_nodes_live_entries() {
             replaced: Some(handoff("s1"))
         }
     );
-    // A killed entry stays killed.
+    // A killed entry stays killed, and its token is forgotten (the entry names it).
+    assert_eq!(
+        s.sandbox_by_token("tok-b").await.unwrap().as_deref(),
+        Some(id.as_str())
+    );
     s.mark_killed(&s.sandbox(&id).await.unwrap().unwrap().value, None)
         .await
         .unwrap();
+    assert_eq!(s.sandbox_by_token("tok-b").await.unwrap(), None);
     assert_eq!(
         s.set_state(&id, Some("n1"), EntryState::Paused, None, 8)
             .await
@@ -248,4 +255,13 @@ async fn set_state_writes_only_the_named_nodes_live_entries() {
         s.sandbox(&id).await.unwrap().unwrap().value.state,
         EntryState::Killed
     );
+    // Removing an entry forgets the token it names.
+    let other = SandboxEntry {
+        sandbox_id: "sbx-c".into(),
+        ..entry.clone()
+    };
+    assert!(s.insert_sandbox(&other, "tok-c").await.unwrap());
+    s.remove_sandbox("sbx-c", None).await.unwrap();
+    assert!(s.sandbox("sbx-c").await.unwrap().is_none());
+    assert_eq!(s.sandbox_by_token("tok-c").await.unwrap(), None);
 }

@@ -145,6 +145,7 @@ async fn paging_through_the_gateway_merges_both_nodes_in_order() {
         state: EntryState::Running,
         handoff: None,
         updated_at_ms: 0,
+        token_sha256: None,
     };
     assert!(store.insert_sandbox(&moved, "t").await.unwrap());
 

@@ -214,6 +214,7 @@ async fn insert_entry(
         state: EntryState::Running,
         handoff: None,
         updated_at_ms: crate::sandboxes::now_ms(),
+        token_sha256: None,
     };
     match gw.store.insert_sandbox(&entry, &token_hash(token)).await {
         Ok(_) => Ok(()),
