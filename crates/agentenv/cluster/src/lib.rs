@@ -5,6 +5,7 @@
 //! - [`placement`]: which node a new sandbox goes to, a pure function.
 //! - [`store`]: [`ClusterStore`], etcd reads and transactional writes, each under a deadline.
 //! - [`node`]: [`Registration`], a node's lease, record and keepalives.
+//! - [`watch`]: [`ViewCache`], the nodes and claims kept by a watch, for placements without reads.
 //!
 //! Boundary: this crate knows etcd and the cluster's records; it knows no HTTP, no E2B JSON and no
 //! VMs. The gateway (HTTP) and the node's side live in `agentenv-server`.
@@ -15,6 +16,7 @@ pub mod placement;
 pub mod schema;
 pub mod store;
 pub mod testing;
+pub mod watch;
 
 pub use error::ClusterError;
 pub use node::Registration;
@@ -24,3 +26,4 @@ pub use schema::{
     SnapshotEntry,
 };
 pub use store::{ClaimOutcome, ClusterStore, ClusterView, StateChange, Versioned};
+pub use watch::ViewCache;

@@ -4,6 +4,7 @@
 //! connection is [`ClusterError::Unavailable`], never a hang. Writes that decide something (a
 //! placement, a sandbox's node, a takeover) are transactions that compare before they put.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -174,22 +175,33 @@ impl ClusterStore {
     fn decode_all<T: serde::de::DeserializeOwned>(
         kvs: &[etcd_client::KeyValue],
     ) -> Vec<Versioned<T>> {
+        kvs.iter().filter_map(Self::decode_kv).collect()
+    }
+
+    fn decode_keyed<T: serde::de::DeserializeOwned>(
+        kvs: &[etcd_client::KeyValue],
+    ) -> BTreeMap<Vec<u8>, Versioned<T>> {
         kvs.iter()
-            .filter_map(|kv| {
-                let key = String::from_utf8_lossy(kv.key()).into_owned();
-                match decode::<T>(&key, kv.value()) {
-                    Ok(value) => Some(Versioned {
-                        value,
-                        create_revision: kv.create_revision(),
-                        mod_revision: kv.mod_revision(),
-                    }),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "skipping an unreadable cluster record");
-                        None
-                    }
-                }
-            })
+            .filter_map(|kv| Some((kv.key().to_vec(), Self::decode_kv(kv)?)))
             .collect()
+    }
+
+    /// One record with its revisions; an unreadable one is logged and skipped.
+    pub(crate) fn decode_kv<T: serde::de::DeserializeOwned>(
+        kv: &etcd_client::KeyValue,
+    ) -> Option<Versioned<T>> {
+        let key = String::from_utf8_lossy(kv.key()).into_owned();
+        match decode::<T>(&key, kv.value()) {
+            Ok(value) => Some(Versioned {
+                value,
+                create_revision: kv.create_revision(),
+                mod_revision: kv.mod_revision(),
+            }),
+            Err(e) => {
+                tracing::warn!(error = %e, "skipping an unreadable cluster record");
+                None
+            }
+        }
     }
 
     /// Live nodes, and the claims newer than the oldest node record (older ones count for nothing:
@@ -216,6 +228,30 @@ impl ClusterStore {
             .await?;
         let claims = Self::decode_all(resp.kvs());
         Ok(ClusterView { nodes, claims })
+    }
+
+    /// Every node record and claim, read at one revision, and that revision (a watch's start).
+    pub(crate) async fn nodes_and_claims(
+        &self,
+    ) -> Result<(
+        BTreeMap<Vec<u8>, Versioned<NodeRecord>>,
+        BTreeMap<Vec<u8>, Versioned<Claim>>,
+        i64,
+    )> {
+        let mut kv = self.client.kv_client();
+        let resp = self
+            .call(
+                "read nodes",
+                kv.get(self.keys.nodes(), Some(GetOptions::new().with_prefix())),
+            )
+            .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let nodes = Self::decode_keyed(resp.kvs());
+        let opts = GetOptions::new().with_prefix().with_revision(revision);
+        let resp = self
+            .call("read claims", kv.get(self.keys.claims(), Some(opts)))
+            .await?;
+        Ok((nodes, Self::decode_keyed(resp.kvs()), revision))
     }
 
     /// One node's record, if it is live.
@@ -275,6 +311,15 @@ impl ClusterStore {
         claim: &Claim,
         idempotency: Option<(&str, &str)>,
     ) -> Result<ClaimOutcome> {
+        Ok(self.claim_written(claim, idempotency).await?.0)
+    }
+
+    /// [`Self::claim`], with the claim's key and revision when it was written.
+    pub(crate) async fn claim_written(
+        &self,
+        claim: &Claim,
+        idempotency: Option<(&str, &str)>,
+    ) -> Result<(ClaimOutcome, Option<(String, i64)>)> {
         let lease = self.shared_lease(&self.claim_lease).await?;
         let claim_key = self
             .keys
@@ -285,7 +330,7 @@ impl ClusterStore {
             0,
         )];
         let mut then = vec![TxnOp::put(
-            claim_key,
+            claim_key.clone(),
             encode(claim),
             Some(PutOptions::new().with_lease(lease)),
         )];
@@ -318,7 +363,8 @@ impl ClusterStore {
             }
         };
         if resp.succeeded() {
-            return Ok(ClaimOutcome::Claimed);
+            let revision = resp.header().map_or(0, |h| h.revision());
+            return Ok((ClaimOutcome::Claimed, Some((claim_key, revision))));
         }
         let existing = resp.op_responses().into_iter().find_map(|r| match r {
             etcd_client::TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.value().to_vec()),
@@ -327,9 +373,9 @@ impl ClusterStore {
         match existing {
             Some(bytes) => {
                 let e: IdempotencyEntry = decode("idempotency", &bytes)?;
-                Ok(ClaimOutcome::Duplicate(e.node))
+                Ok((ClaimOutcome::Duplicate(e.node), None))
             }
-            None => Ok(ClaimOutcome::NodeGone),
+            None => Ok((ClaimOutcome::NodeGone, None)),
         }
     }
 

@@ -125,7 +125,7 @@ async fn start_move(
     rec: &HandoffRecord,
 ) -> Result<Option<NodeRecord>, GatewayError> {
     let snapshot = entry.value.handoff.as_ref().map(|h| h.snapshot_id.clone());
-    let view = gw.store.view().await?;
+    let view = gw.views.view().await?;
     let exclude = [entry.value.node.clone()];
     let choice = place(
         &view.candidates(),

@@ -19,7 +19,7 @@ use axum::extract::{Request, State};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 
-use agentenv_cluster::{ClusterError, ClusterStore, Unplaceable};
+use agentenv_cluster::{ClusterError, ClusterStore, Unplaceable, ViewCache};
 
 use crate::dataplane::{self, Plane};
 use crate::error::ApiError;
@@ -77,6 +77,8 @@ impl IntoResponse for GatewayError {
 #[derive(Clone)]
 pub struct Gateway {
     pub store: ClusterStore,
+    /// Nodes and claims for placements, kept by a watch.
+    pub views: ViewCache,
     pub keys: Arc<KeyRing>,
     /// The server key, for node-to-node calls (handoff, adopt, merged lists of snapshots).
     pub server_key: String,
@@ -84,8 +86,10 @@ pub struct Gateway {
 }
 
 impl Gateway {
+    /// A gateway over `store`; starts its view watch, so it needs a Tokio runtime.
     pub fn new(store: ClusterStore, keys: Arc<KeyRing>, server_key: String) -> Gateway {
         Gateway {
+            views: ViewCache::start(store.clone()),
             store,
             keys,
             server_key,

@@ -94,7 +94,7 @@ async fn create(gw: &Gateway, req: Request) -> Result<Response> {
     let mut exclude: Vec<String> = vec![];
     let mut last_refusal = None;
     for _ in 0..CREATE_ATTEMPTS {
-        let view = gw.store.view().await?;
+        let view = gw.views.view().await?;
         let size = view.size_of(&source).unwrap_or(DEFAULT_SIZE);
         let choice = match place(
             &view.candidates(),
@@ -116,7 +116,7 @@ async fn create(gw: &Gateway, req: Request) -> Result<Response> {
             at_ms: crate::sandboxes::now_ms(),
         };
         let idem = idempotency.as_deref().map(|k| (&*tenant.name, k));
-        let node = match gw.store.claim(&claim, idem).await? {
+        let node = match gw.views.claim(&claim, idem).await? {
             ClaimOutcome::Claimed => view.node(&choice.node).cloned(),
             // The first create with this key went there: the node answers it (it dedupes the key).
             ClaimOutcome::Duplicate(n) => gw.store.node(&n).await?,
@@ -447,7 +447,7 @@ async fn wait_stored(gw: &Gateway, node: &NodeRecord, id: &str) -> Result<()> {
 /// Asks every live node (the client's key and query), in parallel; the answers in node order, without
 /// nodes that cannot be reached.
 async fn ask_all(gw: &Gateway, req: Request) -> Result<Vec<(NodeRecord, Response)>> {
-    let view = gw.store.view().await?;
+    let view = gw.views.view().await?;
     let (parts, _) = req.into_parts();
     let calls = view.nodes.iter().map(|n| {
         let node = n.value.clone();
@@ -594,7 +594,7 @@ async fn nodes(State(gw): State<Gateway>, req: Request) -> Response {
                 "the node list needs the server's own key".into(),
             ));
         }
-        let view = gw.store.view().await?;
+        let view = gw.views.view().await?;
         let nodes: Vec<NodeRecord> = view.nodes.into_iter().map(|n| n.value).collect();
         Ok(axum::Json(nodes).into_response())
     }
@@ -607,7 +607,7 @@ async fn nodes(State(gw): State<Gateway>, req: Request) -> Response {
 /// steps of one template build all reach the same node.
 async fn template_node(State(gw): State<Gateway>, req: Request) -> Response {
     let r: Result<Response> = async {
-        let view = gw.store.view().await?;
+        let view = gw.views.view().await?;
         let id = req
             .uri()
             .path()

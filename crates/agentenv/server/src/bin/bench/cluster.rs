@@ -1,14 +1,14 @@
 //! `agentenv-bench --cluster`: the cluster's costs, against a real etcd on loopback.
 //! - create through an in-process gateway vs. the same node called directly, interleaved in one run;
-//! - placements per second of the scheduler (read the cluster, place, claim in one transaction) with
-//!   100 simulated nodes registered in etcd.
+//! - placements per second of the scheduler (the watched view, place, claim in one transaction) with
+//!   100 simulated nodes registered in etcd, against reading the view from etcd per placement.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentenv_cluster::placement::{Demand, place};
 use agentenv_cluster::{
-    Claim, ClaimOutcome, ClusterStore, NodeRecord, Registration, SCHEMA_VERSION,
+    Claim, ClaimOutcome, ClusterStore, NodeRecord, Registration, SCHEMA_VERSION, ViewCache,
 };
 use anyhow::Context;
 use hyper_util::client::legacy::Client;
@@ -84,7 +84,7 @@ pub async fn run(
     server.abort();
     reg.leave().await;
 
-    let p = placements_per_second(&endpoints, placements).await?;
+    let (p, read) = placements_per_second(&endpoints, placements).await?;
     drop(etcd);
     let p99 = |v: &[f64]| stats::percentile(v, 99.0);
     let figures = vec![
@@ -117,34 +117,44 @@ pub async fn run(
             "1/s",
             Better::Higher,
         )
+        .baseline(
+            "reading nodes and claims from etcd per placement, same run",
+            read.rate,
+            true,
+        )
         .param("placements", placements)
         .param("concurrency", CONCURRENCY)
         .param("lost claim races", p.lost),
         Figure::timing(
-            "one placement (read nodes and claims, place, claim transaction)",
+            "one placement (the watched view, place, claim transaction)",
             &p.latency,
             "ms",
         )
+        .baseline(
+            "reading nodes and claims from etcd instead, same run",
+            stats::median(&read.latency),
+            true,
+        )
         .param("nodes", SIM_NODES),
-        Figure::timing(
-            "  of which: reading nodes and claims, placing",
-            &p.read,
-            "ms",
-        ),
+        Figure::timing("  of which: the view, placing", &p.read, "ms"),
         Figure::timing("  of which: the claim transaction", &p.claim, "ms"),
     ];
     let notes = vec![
         "gateway and node in one process on loopback; etcd 3.4 (Debian etcd-server) on loopback, its data on the bench's temp folder".into(),
         format!("create: {iterations} through the gateway and {iterations} direct, interleaved; each killed before the next"),
-        format!("placements: {CONCURRENCY} concurrent schedulers in one process (one ClusterStore), each reading all {SIM_NODES} node records (refreshed every 2 s, 20 snapshot names each) and the claims newer than them, scoring every node and claiming the winner in one transaction"),
+        format!("placements: {CONCURRENCY} concurrent schedulers in one process (one ClusterStore) over {SIM_NODES} node records (refreshed every 10 s, 20 snapshot names each): the view kept by the gateway's watch (ViewCache), scoring every node and claiming the winner in one transaction; the baseline reads the node records and the claims newer than them from etcd per placement (serializable), as before the watch"),
     ];
     Ok(ClusterFigures { figures, notes })
 }
 
 const CONCURRENCY: usize = 8;
 
-/// Placements per second, per-placement latency (ms), and claims lost to a node leaving.
-async fn placements_per_second(endpoints: &[String], total: usize) -> anyhow::Result<Placements> {
+/// Placements through the watched view, then with etcd reads per placement (the baseline), over the
+/// same simulated nodes.
+async fn placements_per_second(
+    endpoints: &[String],
+    total: usize,
+) -> anyhow::Result<(Placements, Placements)> {
     let store = ClusterStore::connect(endpoints, "/bench/sim/", Duration::from_secs(5)).await?;
     let mut regs = vec![];
     for i in 0..SIM_NODES {
@@ -180,18 +190,44 @@ async fn placements_per_second(endpoints: &[String], total: usize) -> anyhow::Re
             .context("registering a simulated node")?,
         );
     }
+    let views = ViewCache::start(store.clone());
+    for _ in 0..100 {
+        if views.is_live() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::ensure!(views.is_live(), "the view watch did not start within 5 s");
+    let cached = place_many(&store, Some(&views), total).await?;
+    let read = place_many(&store, None, total).await?;
+    for r in regs {
+        r.leave().await;
+    }
+    Ok((cached, read))
+}
+
+/// `total` placements by [`CONCURRENCY`] schedulers, with the watched view or reading etcd.
+async fn place_many(
+    store: &ClusterStore,
+    views: Option<&ViewCache>,
+    total: usize,
+) -> anyhow::Result<Placements> {
     let per_task = total.div_ceil(CONCURRENCY);
     let t0 = Instant::now();
     let tasks: Vec<_> = (0..CONCURRENCY)
         .map(|k| {
             let store = store.clone();
+            let views = views.cloned();
             tokio::spawn(async move {
                 let (mut lat, mut read, mut write) = (vec![], vec![], vec![]);
                 let mut lost = 0usize;
                 for j in 0..per_task {
                     let source = format!("snap-{}", (k * 31 + j * 17) % 300);
                     let t = Instant::now();
-                    let view = store.view().await?;
+                    let view = match &views {
+                        Some(v) => v.view().await?,
+                        None => store.view().await?,
+                    };
                     read.push(ms(t));
                     let choice = place(
                         &view.candidates(),
@@ -210,7 +246,11 @@ async fn placements_per_second(endpoints: &[String], total: usize) -> anyhow::Re
                         at_ms: 0,
                     };
                     let tw = Instant::now();
-                    if store.claim(&claim, None).await? != ClaimOutcome::Claimed {
+                    let outcome = match &views {
+                        Some(v) => v.claim(&claim, None).await?,
+                        None => store.claim(&claim, None).await?,
+                    };
+                    if outcome != ClaimOutcome::Claimed {
                         lost += 1;
                     }
                     write.push(ms(tw));
@@ -229,9 +269,6 @@ async fn placements_per_second(endpoints: &[String], total: usize) -> anyhow::Re
         p.lost += n;
     }
     p.rate = p.latency.len() as f64 / t0.elapsed().as_secs_f64();
-    for r in regs {
-        r.leave().await;
-    }
     Ok(p)
 }
 
