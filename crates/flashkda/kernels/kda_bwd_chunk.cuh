@@ -42,16 +42,19 @@ __device__ __forceinline__ void afrag16z(uint32_t (&hi)[4], uint32_t (&lo)[4], c
 }
 
 struct __align__(16) ChunkSmem {
-  bf16 t[3][CH][SROW];  // dU (hi), Wr, dU (lo): [token][value row]
-  bf16 z[4][CH * KD];   // dO, dv, U hi, U lo (U = X diag(b) Wr split once; its bf16 rounding costs dg accuracy): zi
-  bf16 raw[3][CH][SROW];  // q, k, g of the chunk (padded rows: the finish reads [gq][2tq])
+  // [token][value row] (zi): dU (hi), Wr, dU (lo); dO, dv, U hi, U lo (U = X diag(b) Wr split once: its bf16
+  // rounding costs dg accuracy)
+  bf16 t[3][CH * KD];
+  bf16 z[4][CH * KD];
+  bf16 raw[3][CH * KD];  // q, k, g of the chunk (zi)
   float G[CH][FS];      // cumulative log2 decay
   float qgm[CH][FS];    // q_hat scale 2^(G - Gm), Gm = G of token 7 (halves the exponent range)
   float kgm[CH][FS];    // k_hat 2^(G - Gm)
   float kim[CH][FS];    // k_hat 2^(Gm - G)
-  float dgs[CH][FS];    // d G per token (until phase D: Wr's lo part, bf16 [16][SROW])
+  float dgs[CH][FS];    // d G per token (until phase D: Wr's lo part, bf16 zi)
   float am[CH][CH + 1]; // A = strict_lower(k k^T decayed), unscaled by b
   float x[CH][CH + 1];  // X = (I + diag(b) A)^-1
+  float xb[CH * CH];    // X diag(b), fz
   float dm[CH * CH];    // dM (j <= i), fz
   float dt[CH][CH + 1]; // dT, then dX
   float y[CH][CH + 1];  // X^T dX
@@ -64,7 +67,7 @@ struct __align__(16) ChunkSmem {
   float b[CH], db[CH], rq[CH], rk[CH], pal[8];
 };
 
-#define CHUNK_SMEM 111520
+#define CHUNK_SMEM 111008
 static_assert(sizeof(ChunkSmem) == CHUNK_SMEM, "chunk_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdParams p) {
@@ -102,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   const long long hs = (long long)H * KD, qhs = (long long)p.qk_heads * KD;
   const int hq = h / (H / p.qk_heads);
 
-  bf16 (*wrlo)[SROW] = reinterpret_cast<bf16 (*)[SROW]>(&s.dgs[0][0]);
+  bf16* wrlo = reinterpret_cast<bf16*>(&s.dgs[0][0]);
   // ---- loads: thread (r, cc) = (tid / 16, tid % 16) copies 16 bytes of row r of each of the 9 tiles
   {
     const bf16* wu = p.wu + sh * 4 * CH * KD;
@@ -110,14 +113,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     const bool ok = r < nv;
     const long long to = (t0 + r) * hs + (long long)h * KD + cc, tq_ = (t0 + r) * qhs + (long long)hq * KD + cc;
     cp_async16(&s.z[0][zi(r, cc)], ok ? p.dout + to : p.q, ok ? 16 : 0);
-    cp_async16(&s.t[0][r][cc], wu + (CH + r) * KD + cc, 16);
+    cp_async16(&s.t[0][zi(r, cc)], wu + (CH + r) * KD + cc, 16);
     cp_async16(&s.z[1][zi(r, cc)], ok ? p.dv + to : p.q, ok ? 16 : 0);
-    cp_async16(&s.t[1][r][cc], wu + r * KD + cc, 16);
-    cp_async16(&s.raw[0][r][cc], ok ? p.q + tq_ : p.q, ok ? 16 : 0);
-    cp_async16(&s.raw[1][r][cc], ok ? p.k + tq_ : p.q, ok ? 16 : 0);
-    cp_async16(&s.raw[2][r][cc], ok ? p.g + to : p.q, ok ? 16 : 0);
-    cp_async16(&s.t[2][r][cc], wu + (2 * CH + r) * KD + cc, 16);
-    cp_async16(&wrlo[r][cc], wu + (3 * CH + r) * KD + cc, 16);
+    cp_async16(&s.t[1][zi(r, cc)], wu + r * KD + cc, 16);
+    cp_async16(&s.raw[0][zi(r, cc)], ok ? p.q + tq_ : p.q, ok ? 16 : 0);
+    cp_async16(&s.raw[1][zi(r, cc)], ok ? p.k + tq_ : p.q, ok ? 16 : 0);
+    cp_async16(&s.raw[2][zi(r, cc)], ok ? p.g + to : p.q, ok ? 16 : 0);
+    cp_async16(&s.t[2][zi(r, cc)], wu + (2 * CH + r) * KD + cc, 16);
+    cp_async16(&wrlo[zi(r, cc)], wu + (3 * CH + r) * KD + cc, 16);
     cp_async_commit();
   }
   // the transposed states (B fragments of the products over the value rows) into L2 now
@@ -132,29 +135,33 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 
   // ---- norms (the four rows of a warp interleaved), b, gate cumsum and the decayed rows (fp32)
   {
-    row_norms<8>([&](int r) { return &s.raw[r < CH ? 0 : 1][r & 15][0]; },
+    row_norms<8>([&](int r) { return &s.raw[r < CH ? 0 : 1][(r & 15) * KD]; },
                  [&](int r, float rn) { (r < CH ? s.rq : s.rk)[r & 15] = rn; }, warp, lane);
     if (tid < CH) s.b[tid] = tid < nv ? sigmoidf_(__bfloat162float(p.beta[(t0 + tid) * H + h])) : 0.f;
   }
   __syncthreads();
-  if (tid < KD) {
-    const int ch = tid;
+  {  // channel tid % 128, tokens [8 hf, 8 hf + 8) with hf = tid / 128 (warp-uniform); both halves sum the
+     // first 8 gates (G_7)
+    const int ch = tid & (KD - 1), hf = tid >> 7;
     const float exp_a = __expf(p.a_log[h]), dtb = p.dt_bias[h * KD + ch];
     const float lb2 = p.lower_bound * 1.4426950408889634f;
-    float G[CH], acc = 0.f;
+    float G[8], acc = 0.f, gm = 0.f;
 #pragma unroll
     for (int i = 0; i < CH; ++i) {
-      const float gam = lb2 * sigmoidf_(exp_a * (__bfloat162float(s.raw[2][i][ch]) + dtb));
+      if (i == 8 && hf == 0) break;
+      const float gam = lb2 * sigmoidf_(exp_a * (__bfloat162float(s.raw[2][zi(i, ch)]) + dtb));
       acc += i < nv ? gam : 0.f;
-      G[i] = acc;
+      if (i == 7) gm = acc;
+      if (i < 8) G[i] = acc;
+      else G[i - 8] = acc;
     }
-    const float gm = G[7];
 #pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const float kv = __bfloat162float(s.raw[1][i][ch]) * s.rk[i];
-      const float qv = __bfloat162float(s.raw[0][i][ch]) * s.rq[i] * p.scale;
-      const float ep = ex2(G[i] - gm), em = ex2(gm - G[i]);
-      s.G[i][ch] = G[i];
+    for (int ii = 0; ii < 8; ++ii) {
+      const int i = 8 * hf + ii;
+      const float kv = __bfloat162float(s.raw[1][zi(i, ch)]) * s.rk[i];
+      const float qv = __bfloat162float(s.raw[0][zi(i, ch)]) * s.rq[i] * p.scale;
+      const float ep = ex2(G[ii] - gm), em = ex2(gm - G[ii]);
+      s.G[i][ch] = G[ii];
       s.qgm[i][ch] = qv * ep;
       s.kgm[i][ch] = kv * ep;
       s.kim[i][ch] = kv * em;
@@ -197,16 +204,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       for (int m = 0; m < i; ++m) v = fmaf(-s.b[i] * s.am[i][m], xv[m], v);
       xv[i] = v;
       s.x[i][jc] = v;
+      s.xb[fz(i, jc)] = v * s.b[jc];
     }
   }
   __syncthreads();
   const int lj = lane >> 3, lr = (lane & 7) + 8 * (lj & 1), lc = 8 * (lj >> 1);  // ldmatrix.trans rows
   {  // U = (X diag(b)) Wr, this warp's 16 value rows: X b and Wr split
     uint32_t ah[4], al[4], bw[4];
-    afrag16(ah, al, [&](int r, int cc) { return s.x[r][cc] * s.b[cc]; }, gq, tq);
+    afrag16z(ah, al, s.xb, gq, tq);
     uint32_t bwl[4];
-    ldsm_x4_t(bw, &s.t[1][lr][16 * warp + lc]);
-    ldsm_x4_t(bwl, &wrlo[lr][16 * warp + lc]);
+    ldsm_x4_t(bw, &s.t[1][zi(lr, 16 * warp + lc)]);
+    ldsm_x4_t(bwl, &wrlo[zi(lr, 16 * warp + lc)]);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -224,10 +232,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     const int kc = 16 * warp + 2 * tq;
     const uint32_t o0 = ld32(&s.z[0][zi(gq, kc)]), o1 = ld32(&s.z[0][zi(gq + 8, kc)]);
     const uint32_t o2 = ld32(&s.z[0][zi(gq, kc + 8)]), o3 = ld32(&s.z[0][zi(gq + 8, kc + 8)]);
-    const uint32_t h0 = ld32(&s.t[0][gq][kc]), h1 = ld32(&s.t[0][gq + 8][kc]);
-    const uint32_t h2 = ld32(&s.t[0][gq][kc + 8]), h3 = ld32(&s.t[0][gq + 8][kc + 8]);
-    const uint32_t l0 = ld32(&s.t[2][gq][kc]), l1 = ld32(&s.t[2][gq + 8][kc]);
-    const uint32_t l2 = ld32(&s.t[2][gq][kc + 8]), l3 = ld32(&s.t[2][gq + 8][kc + 8]);
+    const uint32_t h0 = ld32(&s.t[0][zi(gq, kc)]), h1 = ld32(&s.t[0][zi(gq + 8, kc)]);
+    const uint32_t h2 = ld32(&s.t[0][zi(gq, kc + 8)]), h3 = ld32(&s.t[0][zi(gq + 8, kc + 8)]);
+    const uint32_t l0 = ld32(&s.t[2][zi(gq, kc)]), l1 = ld32(&s.t[2][zi(gq + 8, kc)]);
+    const uint32_t l2 = ld32(&s.t[2][zi(gq, kc + 8)]), l3 = ld32(&s.t[2][zi(gq + 8, kc + 8)]);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int j = nt * 8 + gq;
@@ -236,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       float dmv[4] = {0.f, 0.f, 0.f, 0.f}, dtv[4] = {0.f, 0.f, 0.f, 0.f};
       mma(dmv, o0, o1, o2, o3, uh0, uh1, dmv);
       mma(dmv, o0, o1, o2, o3, ul0, ul1, dmv);
-      const uint32_t w0 = ld32(&s.t[1][j][kc]), w1 = ld32(&s.t[1][j][kc + 8]);
+      const uint32_t w0 = ld32(&s.t[1][zi(j, kc)]), w1 = ld32(&s.t[1][zi(j, kc + 8)]);
       mma(dtv, h0, h1, h2, h3, w0, w1, dtv);
       mma(dtv, l0, l1, l2, l3, w0, w1, dtv);
 #pragma unroll
@@ -460,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       if (!p.fused) {
         p.acc[((t0 + j) * H + h) * ACC_W + 2 * KD + ch] = run;
       } else {
-        const float x = ea * (__bfloat162float(s.raw[2][j][ch]) + dtb);
+        const float x = ea * (__bfloat162float(s.raw[2][zi(j, ch)]) + dtb);
         const float sg = sigmoidf_(x);
         const float dx = run * lb * sg * (1.f - sg);
         p.dg[(t0 + j) * hs + (long long)h * KD + ch] = __float2bfloat16(dx * ea);
@@ -487,8 +495,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int ch = 16 * warp + nt * 8 + 2 * tq + e;
-        pq = fmaf(__bfloat162float(s.raw[0][i][ch]), dqh[nt][2 * hr + e], pq);
-        pk = fmaf(__bfloat162float(s.raw[1][i][ch]), dkh[nt][2 * hr + e], pk);
+        pq = fmaf(__bfloat162float(s.raw[0][zi(i, ch)]), dqh[nt][2 * hr + e], pq);
+        pk = fmaf(__bfloat162float(s.raw[1][zi(i, ch)]), dkh[nt][2 * hr + e], pk);
       }
     pq += __shfl_xor_sync(0xffffffffu, pq, 1);
     pq += __shfl_xor_sync(0xffffffffu, pq, 2);
@@ -520,8 +528,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int ch = 16 * warp + nt * 8 + 2 * tq;
-      const float q0 = __bfloat162float(s.raw[0][i][ch]), q1 = __bfloat162float(s.raw[0][i][ch + 1]);
-      const float k0 = __bfloat162float(s.raw[1][i][ch]), k1 = __bfloat162float(s.raw[1][i][ch + 1]);
+      const float q0 = __bfloat162float(s.raw[0][zi(i, ch)]), q1 = __bfloat162float(s.raw[0][zi(i, ch + 1)]);
+      const float k0 = __bfloat162float(s.raw[1][zi(i, ch)]), k1 = __bfloat162float(s.raw[1][zi(i, ch + 1)]);
       const float cq = rq * rq * rq * dq_dot, ck = rk * rk * rk * dk_dot;
       const size_t o = (size_t)(t0 + i) * qhs + (size_t)hq * KD + ch;
       *reinterpret_cast<__nv_bfloat162*>(p.dq + o) =
