@@ -60,7 +60,6 @@ struct KdaBwdParams {
 static_assert(sizeof(KdaBwdParams) == 264 && offsetof(KdaBwdParams, flags) == 256, "BwdKernelParams in src/launch/bwd.rs");
 
 #define ACC_W (3 * KD + 4)  // per (token, head): dq_hat[128], dk_hat[128], dgamma[128], db, 3 pad
-#define SROW 136            // padded bf16 row stride of the 16 x 128 and 128 x 128 tiles
 #define FS 132              // padded fp32 row stride (conflict-free [2tq][gq], 2-way [gq][2tq])
 #define PART_W 132          // floats of a chunk's partial sums
 #define PST 3               // stages of the state passes' cp.async pipeline (PST - 1 chunks ahead)

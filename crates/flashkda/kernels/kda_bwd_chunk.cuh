@@ -25,31 +25,49 @@ __device__ __forceinline__ void mma3(float (&acc)[4], const uint32_t (&ah)[4], c
   mma(acc, al[0], al[1], al[2], al[3], bh0, bh1, acc);
 }
 
+// [16][128] bf16 tiles with swizzled 16-byte units (unit u of row r at u ^ zs(r)): conflict-free for 4-byte
+// [gq][2tq] accesses and for the two rows' 16-byte reads of a quarter warp.
+__device__ __forceinline__ int zs(int r) { return (r & 7) ^ ((r & 1) << 2); }
+__device__ __forceinline__ int zi(int r, int c) { return r * KD + (((c >> 3) ^ zs(r)) << 3) + (c & 7); }
+// [16][16] fp32 tiles, columns swizzled by 8 on row bit 1: conflict-free 8-byte [gq][2tq] and [i][j] accesses.
+__device__ __forceinline__ int fz(int r, int c) { return r * CH + (c ^ (((r >> 1) & 1) << 3)); }
+
+// A fragments of a swizzled 16 x 16 fp32 tile (8-byte loads).
+__device__ __forceinline__ void afrag16z(uint32_t (&hi)[4], uint32_t (&lo)[4], const float* m, int gq, int tq) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float2 v = *reinterpret_cast<const float2*>(m + fz(gq + 8 * (r & 1), 2 * tq + 8 * (r >> 1)));
+    split2(hi[r], lo[r], v.x, v.y);
+  }
+}
+
 struct __align__(16) ChunkSmem {
-  bf16 t[5][CH][SROW];  // dO, dU (hi), dv, Wr, dU (lo): [token][value row]
-  bf16 raw[3][CH][SROW];  // q, k, g of the chunk (padded rows: the finish reads [gq][2tq])
+  // [token][value row] (zi): dU (hi), Wr, dU (lo); dO, dv, U hi, U lo (U = X diag(b) Wr split once: its bf16
+  // rounding costs dg accuracy)
+  bf16 t[3][CH * KD];
+  bf16 z[4][CH * KD];
+  bf16 raw[3][CH * KD];  // q, k, g of the chunk (zi)
   float G[CH][FS];      // cumulative log2 decay
   float qgm[CH][FS];    // q_hat scale 2^(G - Gm), Gm = G of token 7 (halves the exponent range)
   float kgm[CH][FS];    // k_hat 2^(G - Gm)
   float kim[CH][FS];    // k_hat 2^(Gm - G)
-  float dgs[CH][FS];    // d G per token (until phase D: Wr's lo part, bf16 [16][SROW])
-  bf16 uh[CH][SROW];    // U = X diag(b) Wr split hi + lo once (its bf16 rounding costs dg accuracy)
-  bf16 ul[CH][SROW];
+  float dgs[CH][FS];    // d G per token (until phase D: Wr's lo part, bf16 zi)
   float am[CH][CH + 1]; // A = strict_lower(k k^T decayed), unscaled by b
   float x[CH][CH + 1];  // X = (I + diag(b) A)^-1
-  float dm[CH][CH + 1]; // dM (j <= i)
+  float xb[CH * CH];    // X diag(b), fz
+  float dm[CH * CH];    // dM (j <= i), fz
   float dt[CH][CH + 1]; // dT, then dX
   float y[CH][CH + 1];  // X^T dX
-  float da[CH][CH + 1]; // dA (l < j)
+  float da[CH * CH];    // dA (l < j), fz
   float tp[CH][CH + 1]; // products summed into db
   float tp2[CH][CH + 1];
-  float pb[2][8][CH][CH + 1];  // per-warp partial 16 x 16 products (A; dM and dT)
+  float pb[2][8][CH * CH];  // per-warp partial 16 x 16 products (A; dM and dT), fz
   float dgn[KD];        // d G of the chunk's last token from the end state
   float dot[8][CH][2];  // per warp: q . dq_hat, k . dk_hat of each token
   float b[CH], db[CH], rq[CH], rk[CH], pal[8];
 };
 
-#define CHUNK_SMEM 113696
+#define CHUNK_SMEM 111008
 static_assert(sizeof(ChunkSmem) == CHUNK_SMEM, "chunk_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdParams p) {
@@ -87,22 +105,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   const long long hs = (long long)H * KD, qhs = (long long)p.qk_heads * KD;
   const int hq = h / (H / p.qk_heads);
 
-  bf16 (*wrlo)[SROW] = reinterpret_cast<bf16 (*)[SROW]>(&s.dgs[0][0]);
+  bf16* wrlo = reinterpret_cast<bf16*>(&s.dgs[0][0]);
   // ---- loads: thread (r, cc) = (tid / 16, tid % 16) copies 16 bytes of row r of each of the 9 tiles
   {
     const bf16* wu = p.wu + sh * 4 * CH * KD;
     const int r = tid >> 4, cc = (tid & 15) * 8;
     const bool ok = r < nv;
     const long long to = (t0 + r) * hs + (long long)h * KD + cc, tq_ = (t0 + r) * qhs + (long long)hq * KD + cc;
-    cp_async16(&s.t[0][r][cc], ok ? p.dout + to : p.q, ok ? 16 : 0);
-    cp_async16(&s.t[1][r][cc], wu + (CH + r) * KD + cc, 16);
-    cp_async16(&s.t[2][r][cc], ok ? p.dv + to : p.q, ok ? 16 : 0);
-    cp_async16(&s.t[3][r][cc], wu + r * KD + cc, 16);
-    cp_async16(&s.raw[0][r][cc], ok ? p.q + tq_ : p.q, ok ? 16 : 0);
-    cp_async16(&s.raw[1][r][cc], ok ? p.k + tq_ : p.q, ok ? 16 : 0);
-    cp_async16(&s.raw[2][r][cc], ok ? p.g + to : p.q, ok ? 16 : 0);
-    cp_async16(&s.t[4][r][cc], wu + (2 * CH + r) * KD + cc, 16);
-    cp_async16(&wrlo[r][cc], wu + (3 * CH + r) * KD + cc, 16);
+    cp_async16(&s.z[0][zi(r, cc)], ok ? p.dout + to : p.q, ok ? 16 : 0);
+    cp_async16(&s.t[0][zi(r, cc)], wu + (CH + r) * KD + cc, 16);
+    cp_async16(&s.z[1][zi(r, cc)], ok ? p.dv + to : p.q, ok ? 16 : 0);
+    cp_async16(&s.t[1][zi(r, cc)], wu + r * KD + cc, 16);
+    cp_async16(&s.raw[0][zi(r, cc)], ok ? p.q + tq_ : p.q, ok ? 16 : 0);
+    cp_async16(&s.raw[1][zi(r, cc)], ok ? p.k + tq_ : p.q, ok ? 16 : 0);
+    cp_async16(&s.raw[2][zi(r, cc)], ok ? p.g + to : p.q, ok ? 16 : 0);
+    cp_async16(&s.t[2][zi(r, cc)], wu + (2 * CH + r) * KD + cc, 16);
+    cp_async16(&wrlo[zi(r, cc)], wu + (3 * CH + r) * KD + cc, 16);
     cp_async_commit();
   }
   // the transposed states (B fragments of the products over the value rows) into L2 now
@@ -117,29 +135,33 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 
   // ---- norms (the four rows of a warp interleaved), b, gate cumsum and the decayed rows (fp32)
   {
-    row_norms<8>([&](int r) { return &s.raw[r < CH ? 0 : 1][r & 15][0]; },
+    row_norms<8>([&](int r) { return &s.raw[r < CH ? 0 : 1][(r & 15) * KD]; },
                  [&](int r, float rn) { (r < CH ? s.rq : s.rk)[r & 15] = rn; }, warp, lane);
     if (tid < CH) s.b[tid] = tid < nv ? sigmoidf_(__bfloat162float(p.beta[(t0 + tid) * H + h])) : 0.f;
   }
   __syncthreads();
-  if (tid < KD) {
-    const int ch = tid;
+  {  // channel tid % 128, tokens [8 hf, 8 hf + 8) with hf = tid / 128 (warp-uniform); both halves sum the
+     // first 8 gates (G_7)
+    const int ch = tid & (KD - 1), hf = tid >> 7;
     const float exp_a = __expf(p.a_log[h]), dtb = p.dt_bias[h * KD + ch];
     const float lb2 = p.lower_bound * 1.4426950408889634f;
-    float G[CH], acc = 0.f;
+    float G[8], acc = 0.f, gm = 0.f;
 #pragma unroll
     for (int i = 0; i < CH; ++i) {
-      const float gam = lb2 * sigmoidf_(exp_a * (__bfloat162float(s.raw[2][i][ch]) + dtb));
+      if (i == 8 && hf == 0) break;
+      const float gam = lb2 * sigmoidf_(exp_a * (__bfloat162float(s.raw[2][zi(i, ch)]) + dtb));
       acc += i < nv ? gam : 0.f;
-      G[i] = acc;
+      if (i == 7) gm = acc;
+      if (i < 8) G[i] = acc;
+      else G[i - 8] = acc;
     }
-    const float gm = G[7];
 #pragma unroll
-    for (int i = 0; i < CH; ++i) {
-      const float kv = __bfloat162float(s.raw[1][i][ch]) * s.rk[i];
-      const float qv = __bfloat162float(s.raw[0][i][ch]) * s.rq[i] * p.scale;
-      const float ep = ex2(G[i] - gm), em = ex2(gm - G[i]);
-      s.G[i][ch] = G[i];
+    for (int ii = 0; ii < 8; ++ii) {
+      const int i = 8 * hf + ii;
+      const float kv = __bfloat162float(s.raw[1][zi(i, ch)]) * s.rk[i];
+      const float qv = __bfloat162float(s.raw[0][zi(i, ch)]) * s.rq[i] * p.scale;
+      const float ep = ex2(G[ii] - gm), em = ex2(gm - G[ii]);
+      s.G[i][ch] = G[ii];
       s.qgm[i][ch] = qv * ep;
       s.kgm[i][ch] = kv * ep;
       s.kim[i][ch] = kv * em;
@@ -159,7 +181,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
       mma3(acc, ah, al, bh0, bh1, bl0, bl1);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s.pb[0][warp][gq + 8 * (e >> 1)][nt * 8 + 2 * tq + (e & 1)] = acc[e];
+      for (int e = 0; e < 4; e += 2)
+        *reinterpret_cast<float2*>(&s.pb[0][warp][fz(gq + 4 * e, nt * 8 + 2 * tq)]) = make_float2(acc[e], acc[e + 1]);
     }
   }
   __syncthreads();
@@ -167,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     const int j = tid >> 4, l = tid & 15;
     float a = 0.f;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) a += s.pb[0][w][j][l];
+    for (int w = 0; w < 8; ++w) a += s.pb[0][w][fz(j, l)];
     s.am[j][l] = l < j ? a : 0.f;
   }
   __syncthreads();
@@ -181,16 +204,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       for (int m = 0; m < i; ++m) v = fmaf(-s.b[i] * s.am[i][m], xv[m], v);
       xv[i] = v;
       s.x[i][jc] = v;
+      s.xb[fz(i, jc)] = v * s.b[jc];
     }
   }
   __syncthreads();
   const int lj = lane >> 3, lr = (lane & 7) + 8 * (lj & 1), lc = 8 * (lj >> 1);  // ldmatrix.trans rows
   {  // U = (X diag(b)) Wr, this warp's 16 value rows: X b and Wr split
     uint32_t ah[4], al[4], bw[4];
-    afrag16(ah, al, [&](int r, int cc) { return s.x[r][cc] * s.b[cc]; }, gq, tq);
+    afrag16z(ah, al, s.xb, gq, tq);
     uint32_t bwl[4];
-    ldsm_x4_t(bw, &s.t[3][lr][16 * warp + lc]);
-    ldsm_x4_t(bwl, &wrlo[lr][16 * warp + lc]);
+    ldsm_x4_t(bw, &s.t[1][zi(lr, 16 * warp + lc)]);
+    ldsm_x4_t(bwl, &wrlo[zi(lr, 16 * warp + lc)]);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -198,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int row = gq + 8 * (e >> 1), col = 16 * warp + nt * 8 + 2 * tq;
-        split2(*reinterpret_cast<uint32_t*>(&s.uh[row][col]), *reinterpret_cast<uint32_t*>(&s.ul[row][col]), acc[e],
+        split2(*reinterpret_cast<uint32_t*>(&s.z[2][zi(row, col)]), *reinterpret_cast<uint32_t*>(&s.z[3][zi(row, col)]), acc[e],
                acc[e + 1]);
       }
     }
@@ -206,28 +230,28 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   __syncthreads();
   {  // partials over this warp's 16 value rows: dM = dO U^T (U split), dT = (dU hi + lo) Wr^T
     const int kc = 16 * warp + 2 * tq;
-    const uint32_t o0 = ld32(&s.t[0][gq][kc]), o1 = ld32(&s.t[0][gq + 8][kc]);
-    const uint32_t o2 = ld32(&s.t[0][gq][kc + 8]), o3 = ld32(&s.t[0][gq + 8][kc + 8]);
-    const uint32_t h0 = ld32(&s.t[1][gq][kc]), h1 = ld32(&s.t[1][gq + 8][kc]);
-    const uint32_t h2 = ld32(&s.t[1][gq][kc + 8]), h3 = ld32(&s.t[1][gq + 8][kc + 8]);
-    const uint32_t l0 = ld32(&s.t[4][gq][kc]), l1 = ld32(&s.t[4][gq + 8][kc]);
-    const uint32_t l2 = ld32(&s.t[4][gq][kc + 8]), l3 = ld32(&s.t[4][gq + 8][kc + 8]);
+    const uint32_t o0 = ld32(&s.z[0][zi(gq, kc)]), o1 = ld32(&s.z[0][zi(gq + 8, kc)]);
+    const uint32_t o2 = ld32(&s.z[0][zi(gq, kc + 8)]), o3 = ld32(&s.z[0][zi(gq + 8, kc + 8)]);
+    const uint32_t h0 = ld32(&s.t[0][zi(gq, kc)]), h1 = ld32(&s.t[0][zi(gq + 8, kc)]);
+    const uint32_t h2 = ld32(&s.t[0][zi(gq, kc + 8)]), h3 = ld32(&s.t[0][zi(gq + 8, kc + 8)]);
+    const uint32_t l0 = ld32(&s.t[2][zi(gq, kc)]), l1 = ld32(&s.t[2][zi(gq + 8, kc)]);
+    const uint32_t l2 = ld32(&s.t[2][zi(gq, kc + 8)]), l3 = ld32(&s.t[2][zi(gq + 8, kc + 8)]);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int j = nt * 8 + gq;
-      const uint32_t uh0 = ld32(&s.uh[j][kc]), ul0 = ld32(&s.ul[j][kc]);
-      const uint32_t uh1 = ld32(&s.uh[j][kc + 8]), ul1 = ld32(&s.ul[j][kc + 8]);
+      const uint32_t uh0 = ld32(&s.z[2][zi(j, kc)]), ul0 = ld32(&s.z[3][zi(j, kc)]);
+      const uint32_t uh1 = ld32(&s.z[2][zi(j, kc + 8)]), ul1 = ld32(&s.z[3][zi(j, kc + 8)]);
       float dmv[4] = {0.f, 0.f, 0.f, 0.f}, dtv[4] = {0.f, 0.f, 0.f, 0.f};
       mma(dmv, o0, o1, o2, o3, uh0, uh1, dmv);
       mma(dmv, o0, o1, o2, o3, ul0, ul1, dmv);
-      const uint32_t w0 = ld32(&s.t[3][j][kc]), w1 = ld32(&s.t[3][j][kc + 8]);
+      const uint32_t w0 = ld32(&s.t[1][zi(j, kc)]), w1 = ld32(&s.t[1][zi(j, kc + 8)]);
       mma(dtv, h0, h1, h2, h3, w0, w1, dtv);
       mma(dtv, l0, l1, l2, l3, w0, w1, dtv);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = gq + 8 * (e >> 1), col = nt * 8 + 2 * tq + (e & 1);
-        s.pb[0][warp][row][col] = dmv[e];
-        s.pb[1][warp][row][col] = dtv[e];
+      for (int e = 0; e < 4; e += 2) {
+        const int o = fz(gq + 4 * e, nt * 8 + 2 * tq);
+        *reinterpret_cast<float2*>(&s.pb[0][warp][o]) = make_float2(dmv[e], dmv[e + 1]);
+        *reinterpret_cast<float2*>(&s.pb[1][warp][o]) = make_float2(dtv[e], dtv[e + 1]);
       }
     }
   }
@@ -254,14 +278,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 #pragma unroll
     for (int m2 = 0; m2 < 2; ++m2) {
       const int vb = 32 * (2 * half + m2) + 8 * tq;
-      const uint4 o0 = *reinterpret_cast<const uint4*>(&s.t[0][gq][vb]);
-      const uint4 o1 = *reinterpret_cast<const uint4*>(&s.t[0][gq + 8][vb]);
-      const uint4 w0 = *reinterpret_cast<const uint4*>(&s.t[2][gq][vb]);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(&s.t[2][gq + 8][vb]);
-      const uint4 h0 = *reinterpret_cast<const uint4*>(&s.uh[gq][vb]);
-      const uint4 h1 = *reinterpret_cast<const uint4*>(&s.uh[gq + 8][vb]);
-      const uint4 l0 = *reinterpret_cast<const uint4*>(&s.ul[gq][vb]);
-      const uint4 l1 = *reinterpret_cast<const uint4*>(&s.ul[gq + 8][vb]);
+      const uint4 o0 = *reinterpret_cast<const uint4*>(&s.z[0][zi(gq, vb)]);
+      const uint4 o1 = *reinterpret_cast<const uint4*>(&s.z[0][zi(gq + 8, vb)]);
+      const uint4 w0 = *reinterpret_cast<const uint4*>(&s.z[1][zi(gq, vb)]);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(&s.z[1][zi(gq + 8, vb)]);
+      const uint4 h0 = *reinterpret_cast<const uint4*>(&s.z[2][zi(gq, vb)]);
+      const uint4 h1 = *reinterpret_cast<const uint4*>(&s.z[2][zi(gq + 8, vb)]);
+      const uint4 l0 = *reinterpret_cast<const uint4*>(&s.z[3][zi(gq, vb)]);
+      const uint4 l1 = *reinterpret_cast<const uint4*>(&s.z[3][zi(gq + 8, vb)]);
 #pragma unroll
       for (int odd = 0; odd < 2; ++odd) {
         const uint32_t ao[4] = {odd ? o0.z : o0.x, odd ? o1.z : o1.x, odd ? o0.w : o0.y, odd ? o1.w : o1.y};
@@ -310,10 +334,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     float m = 0.f, t = 0.f;
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
-      m += s.pb[0][w][i][j];
-      t += s.pb[1][w][i][j];
+      m += s.pb[0][w][fz(i, j)];
+      t += s.pb[1][w][fz(i, j)];
     }
-    s.dm[i][j] = j <= i ? m : 0.f;
+    s.dm[fz(i, j)] = j <= i ? m : 0.f;
     s.dt[i][j] = j <= i ? t : 0.f;
   }
   __syncthreads();
@@ -342,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       for (int r = 0; r < CH; ++r) dl = fmaf(-s.y[jr][r], s.x[l][r], dl);
     }
     s.tp2[jr][l] = dl * s.am[jr][l];
-    s.da[jr][l] = dl * s.b[jr];
+    s.da[fz(jr, l)] = dl * s.b[jr];
   }
   __syncthreads();
   if (tid < CH) {
@@ -364,10 +388,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
   float sm1[2][4] = {}, sm2[2][4] = {}, sa1[2][4] = {}, sa2[2][4] = {};
   {
     uint32_t mh[4], ml[4], mth[4], mtl[4], dh[4], dl[4], dth[4], dtl[4];
-    afrag16(mh, ml, [&](int r, int cc) { return s.dm[r][cc]; }, gq, tq);
-    afrag16(mth, mtl, [&](int r, int cc) { return s.dm[cc][r]; }, gq, tq);
-    afrag16(dh, dl, [&](int r, int cc) { return s.da[r][cc]; }, gq, tq);
-    afrag16(dth, dtl, [&](int r, int cc) { return s.da[cc][r]; }, gq, tq);
+    afrag16z(mh, ml, s.dm, gq, tq);
+    afrag16(mth, mtl, [&](int r, int cc) { return s.dm[fz(cc, r)]; }, gq, tq);
+    afrag16z(dh, dl, s.da, gq, tq);
+    afrag16(dth, dtl, [&](int r, int cc) { return s.da[fz(cc, r)]; }, gq, tq);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int ch = 16 * warp + nt * 8 + gq;
@@ -444,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
       if (!p.fused) {
         p.acc[((t0 + j) * H + h) * ACC_W + 2 * KD + ch] = run;
       } else {
-        const float x = ea * (__bfloat162float(s.raw[2][j][ch]) + dtb);
+        const float x = ea * (__bfloat162float(s.raw[2][zi(j, ch)]) + dtb);
         const float sg = sigmoidf_(x);
         const float dx = run * lb * sg * (1.f - sg);
         p.dg[(t0 + j) * hs + (long long)h * KD + ch] = __float2bfloat16(dx * ea);
@@ -471,8 +495,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int ch = 16 * warp + nt * 8 + 2 * tq + e;
-        pq = fmaf(__bfloat162float(s.raw[0][i][ch]), dqh[nt][2 * hr + e], pq);
-        pk = fmaf(__bfloat162float(s.raw[1][i][ch]), dkh[nt][2 * hr + e], pk);
+        pq = fmaf(__bfloat162float(s.raw[0][zi(i, ch)]), dqh[nt][2 * hr + e], pq);
+        pk = fmaf(__bfloat162float(s.raw[1][zi(i, ch)]), dkh[nt][2 * hr + e], pk);
       }
     pq += __shfl_xor_sync(0xffffffffu, pq, 1);
     pq += __shfl_xor_sync(0xffffffffu, pq, 2);
@@ -504,8 +528,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int ch = 16 * warp + nt * 8 + 2 * tq;
-      const float q0 = __bfloat162float(s.raw[0][i][ch]), q1 = __bfloat162float(s.raw[0][i][ch + 1]);
-      const float k0 = __bfloat162float(s.raw[1][i][ch]), k1 = __bfloat162float(s.raw[1][i][ch + 1]);
+      const float q0 = __bfloat162float(s.raw[0][zi(i, ch)]), q1 = __bfloat162float(s.raw[0][zi(i, ch + 1)]);
+      const float k0 = __bfloat162float(s.raw[1][zi(i, ch)]), k1 = __bfloat162float(s.raw[1][zi(i, ch + 1)]);
       const float cq = rq * rq * rq * dq_dot, ck = rk * rk * rk * dk_dot;
       const size_t o = (size_t)(t0 + i) * qhs + (size_t)hq * KD + ch;
       *reinterpret_cast<__nv_bfloat162*>(p.dq + o) =

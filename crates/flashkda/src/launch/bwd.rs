@@ -28,7 +28,7 @@ const fn pass_smem_bytes(nw: usize) -> u32 {
         as u32
 }
 /// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
-const CHUNK_SMEM_BYTES: u32 = 113696;
+const CHUNK_SMEM_BYTES: u32 = 111008;
 /// Floats of one chunk's partial sums (`PART_W`: ddt_bias[128], dA_log, 3 pad).
 const PART_W: usize = 132;
 
