@@ -49,7 +49,49 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, FlashKdaError> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(FlashKdaError::NoDriver);
     }
+    let _relaxed = RelaxedCapture::enter();
     CudaContext::new(ordinal).during("opening the CUDA device")
+}
+
+/// Puts the calling thread in relaxed stream-capture mode until dropped, so that one-time work
+/// (loading the cubins, growing a pooled workspace) done inside a caller's capture neither fails
+/// nor invalidates it (torch's allocator does the same around its cudaMalloc). Best effort: a
+/// driver that refuses leaves the mode as it was.
+struct RelaxedCapture(Option<cudarc::driver::sys::CUstreamCaptureMode>);
+
+impl RelaxedCapture {
+    fn enter() -> Self {
+        let mut mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: swaps this thread's capture mode; the previous one is restored on drop.
+        let ok = unsafe { cudarc::driver::sys::cuThreadExchangeStreamCaptureMode(&mut mode) }
+            == cudarc::driver::sys::CUresult::CUDA_SUCCESS;
+        RelaxedCapture(ok.then_some(mode))
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        if let Some(mut mode) = self.0.take() {
+            // SAFETY: restores the mode `enter` swapped out.
+            let _ = unsafe { cudarc::driver::sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    }
+}
+
+/// Whether `stream` is being captured into a CUDA graph.
+pub fn is_capturing(stream: &CudaStream) -> Result<bool, FlashKdaError> {
+    // SAFETY: queries the capture status of the caller's live stream.
+    let status = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
+        .during("querying the stream's capture status")?;
+    Ok(status != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// Loads `f` now rather than at its first launch (lazy loading), which may fall inside a capture.
+fn load_now(f: &CudaFunction) -> Result<(), FlashKdaError> {
+    // SAFETY: `f` is a live function of a loaded module.
+    unsafe { cudarc::driver::sys::cuFuncLoad(f.cu_function()) }
+        .result()
+        .during("loading a kernel")
 }
 
 /// Mirror of `struct KdaParams` in `kernels/kda_common.cuh` (passed by value).
@@ -130,7 +172,9 @@ pub struct FwdOptions {
     /// Context parallelism: `None` = [`crate::plan_segments`], `Some(0)` = off, `Some(c)` =
     /// segments of `c` chunks (fixed-length calls of the `Workspace` schedule only).
     pub segment_chunks: Option<usize>,
-    /// The caller's workspace; `None` takes the stream's pooled one from [`KdaKernels`].
+    /// The caller's workspace; `None` takes the stream's pooled one from [`KdaKernels`] (a graph
+    /// captured with it shares it with every call on its capture stream: replay it in stream
+    /// order with them, or pass a workspace of its own).
     pub workspace: Option<Workspace>,
 }
 
@@ -206,8 +250,7 @@ pub struct KdaKernels {
     ws_split: WorkspaceKernels,
     /// `kda_bwd_chunk.cu`.
     bwd: bwd::BwdKernels,
-    /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
-    /// outside graph capture only.
+    /// Pooled workspaces, one per stream (so calls on different streams never share one).
     workspaces: Mutex<WorkspacePool>,
     /// Highest-priority side streams of the overlapped state pass, one per caller stream, kept
     /// (never destroyed while a capture may hold them) until the kernels are dropped.
@@ -325,8 +368,10 @@ impl WorkspaceKernels {
 }
 
 impl KdaKernels {
-    /// Loads the cubins into `ctx` (the device's primary context, shared with torch).
+    /// Loads the cubins into `ctx` (the device's primary context, shared with torch), every
+    /// forward kernel at once. Safe to call inside a stream capture (relaxed mode meanwhile).
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, FlashKdaError> {
+        let _relaxed = RelaxedCapture::enter();
         let cubin = |stem: &str| {
             built::CUBINS
                 .iter()
@@ -379,6 +424,15 @@ impl KdaKernels {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .during("reading the SM count")? as usize;
+        for ws in [&ws_bf16, &ws_split] {
+            let (t, o, _) = &ws.segmented;
+            for f in ws.state.iter().chain([&ws.prep, t, o, &ws.scan]) {
+                load_now(f)?;
+            }
+        }
+        for f in [&two_warps, &four_warps, &pipelined] {
+            load_now(f)?;
+        }
         Ok(KdaKernels {
             ctx: ctx.clone(),
             two_warps,
@@ -400,6 +454,24 @@ impl KdaKernels {
     /// Streaming multiprocessors of the device.
     pub fn sm_count(&self) -> usize {
         self.sm_count
+    }
+
+    /// Frees the pooled workspaces after waiting for the device (the next call allocates again);
+    /// those a graph captured stay alive. Returns the bytes freed.
+    pub fn release_workspaces(&self) -> Result<usize, FlashKdaError> {
+        let mut pool = self.workspaces.lock().unwrap_or_else(|p| p.into_inner());
+        self.ctx
+            .synchronize()
+            .during("waiting before freeing the workspaces")?;
+        let mut freed = 0;
+        for (_, b) in pool.by_stream.drain().collect::<Vec<_>>() {
+            if b.captured {
+                pool.retired.push(b.buf);
+            } else {
+                freed += b.buf.bytes;
+            }
+        }
+        Ok(freed)
     }
 
     /// [`call_plan`] of a validated call on this device (pure: no device access).
@@ -515,8 +587,6 @@ pub fn fwd_planned(
     Ok(())
 }
 
-/// The stream's pooled workspace of at least `need` bytes. Grows only outside capture; a buffer
-/// a graph captured is retired (kept alive), never freed, when it is replaced.
 /// The start of every call (forward and backward): checks the device, binds the context and,
 /// outside a stream capture and when `check` is set, checks `cu_seqlens` on the host. Returns
 /// whether the stream is capturing.
@@ -535,10 +605,7 @@ fn begin_call(
         });
     }
     kernels.ctx.bind_to_thread().during("binding the context")?;
-    // SAFETY: queries the capture status of the caller's live stream.
-    let capturing = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
-        .during("querying the stream's capture status")?
-        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let capturing = is_capturing(stream)?;
     if let (Some(cu), true, false) = (cu_seqlens, check, capturing) {
         let mut host = vec![0i64; plan.num_seqs + 1];
         // SAFETY: `cu` was validated as num_seqs + 1 contiguous int64 on this device.
@@ -573,6 +640,11 @@ fn workspace_ptr(
     }
 }
 
+/// The stream's pooled workspace of at least `need` bytes: allocated once per stream and reused
+/// by every later call (no allocation in a steady-state call). It grows when a call needs more;
+/// inside a capture the new buffer is allocated in relaxed mode and the old one kept alive (the
+/// stream may still be running it). A buffer a graph captured is retired (kept until the kernels
+/// are dropped), never freed, when it is replaced.
 fn pooled_workspace(
     kernels: &KdaKernels,
     stream: &CudaStream,
@@ -587,25 +659,30 @@ fn pooled_workspace(
         b.captured |= capturing;
         return Ok(b.buf.ptr);
     }
-    if capturing {
-        return Err(FlashKdaError::NotCapturable { need });
-    }
     if let Some(old) = pool.by_stream.remove(&key) {
-        // the old one may still be read by this stream's previous call
-        stream
-            .synchronize()
-            .during("waiting before growing the workspace")?;
-        if old.captured {
+        if capturing {
+            // no wait is possible while capturing: the stream's earlier calls may still read it
             pool.retired.push(old.buf);
+        } else {
+            // the old one may still be read by this stream's previous call
+            stream
+                .synchronize()
+                .during("waiting before growing the workspace")?;
+            if old.captured {
+                pool.retired.push(old.buf);
+            }
         }
     }
-    let buf = OwnedBuffer::new(&kernels.ctx, need)?;
+    let buf = {
+        let _relaxed = RelaxedCapture::enter();
+        OwnedBuffer::new(&kernels.ctx, need)?
+    };
     let ptr = buf.ptr;
     pool.by_stream.insert(
         key,
         PooledBuffer {
             buf,
-            captured: false,
+            captured: capturing,
         },
     );
     Ok(ptr)
@@ -624,6 +701,8 @@ fn side_stream(
     let raw = match map.get(&key) {
         Some(s) => s.0,
         None => {
+            // created once, possibly inside a capture
+            let _relaxed = RelaxedCapture::enter();
             let (_, greatest) = cudarc::driver::result::stream::get_priority_range()
                 .during("reading the stream priority range")?;
             let raw = cudarc::driver::result::stream::create_with_priority(
