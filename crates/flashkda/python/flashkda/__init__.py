@@ -9,7 +9,8 @@ states are ``[N, H, V, K]`` (fla's ``state_v_first=True``), bf16 or fp32. Runs o
 stream; bad arguments raise ValueError/TypeError.
 
 Workspace: eager calls reuse a pooled workspace per device and stream (allocated by the first call
-that needs it, never in a steady-state call; ``flashkda.release_workspaces()`` frees it), or pass
+that needs it, never in a steady-state call; outside torch's allocator, so torch neither counts nor
+reclaims it: ``flashkda.release_workspaces()`` frees it), or pass
 your own ``workspace`` (``flashkda.workspace(q, cu_seqlens, v=v)``). CUDA graphs: the call is
 capturable (``torch.cuda.graph``), also as the first call of a process; a capture takes its workspace
 from the graph's private pool. Long fixed-length sequences are split into segments processed in
