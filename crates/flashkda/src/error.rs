@@ -53,12 +53,6 @@ pub enum FlashKdaError {
     #[error("problem too large: {0}")]
     TooLarge(String),
     #[error(
-        "capturing into a CUDA graph needs a workspace of {need} bytes that outlives the graph: pass one \
-         (FwdOptions::workspace; in Python the default call does this), or call once on this stream \
-         before capturing so the stream's pooled workspace is large enough"
-    )]
-    NotCapturable { need: usize },
-    #[error(
         "{heads} value heads over {qk_heads} query/key heads (GVA) run only on the workspace schedule, \
          not {schedule}"
     )]

@@ -198,6 +198,48 @@ impl DeviceProblem {
         }
     }
 
+    /// Copies `src`'s inputs (q, k, v, g, beta, A_log, dt_bias, initial state, cu_seqlens) into
+    /// this problem's buffers on this problem's stream, as a captured graph's caller would before
+    /// a replay. Both must have the same shapes and state tensors.
+    pub fn copy_inputs_from(&mut self, src: &DeviceProblem) -> Result<(), FlashKdaError> {
+        fn copy<T>(
+            s: &Arc<CudaStream>,
+            from: &CudaSlice<T>,
+            to: &mut CudaSlice<T>,
+        ) -> Result<(), FlashKdaError> {
+            assert_eq!(from.len(), to.len(), "copy_inputs_from: shapes differ");
+            s.memcpy_dtod(from, to).during("copying inputs")
+        }
+        fn copy_opt<T>(
+            s: &Arc<CudaStream>,
+            from: &Option<CudaSlice<T>>,
+            to: &mut Option<CudaSlice<T>>,
+        ) -> Result<(), FlashKdaError> {
+            match (from, to) {
+                (Some(f), Some(t)) => copy(s, f, t),
+                (None, None) => Ok(()),
+                _ => panic!("copy_inputs_from: state or cu_seqlens tensors differ"),
+            }
+        }
+        let s = self.stream.clone();
+        // src's uploads were enqueued on its own stream
+        src.stream.synchronize().during("waiting for the source")?;
+        for (f, t) in [
+            (&src.q, &mut self.q),
+            (&src.k, &mut self.k),
+            (&src.v, &mut self.v),
+            (&src.g, &mut self.g),
+            (&src.beta, &mut self.beta),
+        ] {
+            copy(&s, f, t)?;
+        }
+        copy(&s, &src.a_log, &mut self.a_log)?;
+        copy(&s, &src.dt_bias, &mut self.dt_bias)?;
+        copy_opt(&s, &src.h0_bf16, &mut self.h0_bf16)?;
+        copy_opt(&s, &src.h0_f32, &mut self.h0_f32)?;
+        copy_opt(&s, &src.cu, &mut self.cu)
+    }
+
     /// Refills `out` and the final state with NaN (canaries untouched).
     pub fn poison(&mut self) -> Result<(), FlashKdaError> {
         let s = self.stream.clone();

@@ -17,6 +17,10 @@ pub use crate::schedule::{
     WORKSPACE_RECORD_BYTES,
 };
 
+mod pool;
+pub use pool::is_capturing;
+use pool::{RelaxedCapture, SideStream, WorkspacePool, side_stream, workspace_ptr};
+
 mod bwd;
 pub use bwd::{
     BwdLayout, BwdOptions, PassSchedule, bwd, bwd_layout, bwd_pass_warps, bwd_validated,
@@ -49,7 +53,16 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, FlashKdaError> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(FlashKdaError::NoDriver);
     }
+    let _relaxed = RelaxedCapture::enter();
     CudaContext::new(ordinal).during("opening the CUDA device")
+}
+
+/// Loads `f` now rather than at its first launch (lazy loading), which may fall inside a capture.
+fn load_now(f: &CudaFunction) -> Result<(), FlashKdaError> {
+    // SAFETY: `f` is a live function of a loaded module.
+    unsafe { cudarc::driver::sys::cuFuncLoad(f.cu_function()) }
+        .result()
+        .during("loading a kernel")
 }
 
 /// Mirror of `struct KdaParams` in `kernels/kda_common.cuh` (passed by value).
@@ -130,7 +143,9 @@ pub struct FwdOptions {
     /// Context parallelism: `None` = [`crate::plan_segments`], `Some(0)` = off, `Some(c)` =
     /// segments of `c` chunks (fixed-length calls of the `Workspace` schedule only).
     pub segment_chunks: Option<usize>,
-    /// The caller's workspace; `None` takes the stream's pooled one from [`KdaKernels`].
+    /// The caller's workspace; `None` takes the stream's pooled one from [`KdaKernels`] (a graph
+    /// captured with it shares it with every call on its capture stream: replay it in stream
+    /// order with them, or pass a workspace of its own).
     pub workspace: Option<Workspace>,
 }
 
@@ -161,38 +176,6 @@ impl Default for FwdOptions {
     }
 }
 
-/// One device allocation, freed on drop.
-#[derive(Debug)]
-struct OwnedBuffer {
-    ctx: Arc<CudaContext>,
-    ptr: cudarc::driver::sys::CUdeviceptr,
-    bytes: usize,
-}
-
-impl OwnedBuffer {
-    fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, FlashKdaError> {
-        ctx.bind_to_thread().during("binding the context")?;
-        // SAFETY: a plain allocation on the bound context.
-        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes) }
-            .during("allocating the workspace")?;
-        Ok(OwnedBuffer {
-            ctx: ctx.clone(),
-            ptr,
-            bytes,
-        })
-    }
-}
-
-impl Drop for OwnedBuffer {
-    fn drop(&mut self) {
-        // cuMemFree waits for work still using the allocation; errors cannot be reported here.
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from malloc_sync on this context and is freed once.
-            let _ = unsafe { cudarc::driver::result::free_sync(self.ptr) };
-        }
-    }
-}
-
 /// The loaded kernels of one device.
 #[derive(Debug)]
 pub struct KdaKernels {
@@ -206,41 +189,12 @@ pub struct KdaKernels {
     ws_split: WorkspaceKernels,
     /// `kda_bwd_chunk.cu`.
     bwd: bwd::BwdKernels,
-    /// Pooled workspaces, one per stream (so calls on different streams never share one), grown
-    /// outside graph capture only.
+    /// Pooled workspaces, one per stream (so calls on different streams never share one).
     workspaces: Mutex<WorkspacePool>,
     /// Highest-priority side streams of the overlapped state pass, one per caller stream, kept
     /// (never destroyed while a capture may hold them) until the kernels are dropped.
     side_streams: Mutex<HashMap<usize, SideStream>>,
     sm_count: usize,
-}
-
-#[derive(Debug, Default)]
-struct WorkspacePool {
-    by_stream: HashMap<usize, PooledBuffer>,
-    /// Buffers replaced after a graph captured them: kept until the kernels are dropped, since a
-    /// graph may still replay with their address.
-    retired: Vec<OwnedBuffer>,
-}
-
-/// A stream this crate created (destroyed on drop).
-#[derive(Debug)]
-struct SideStream(cudarc::driver::sys::CUstream);
-
-// SAFETY: a CUstream handle may be used from any thread.
-unsafe impl Send for SideStream {}
-
-impl Drop for SideStream {
-    fn drop(&mut self) {
-        // SAFETY: created by create_with_priority below and destroyed once.
-        let _ = unsafe { cudarc::driver::result::stream::destroy(self.0) };
-    }
-}
-
-#[derive(Debug)]
-struct PooledBuffer {
-    buf: OwnedBuffer,
-    captured: bool,
 }
 
 /// Dynamic shared memory of `kda_fwd_pipe_w4` (`PIPE_SMEM_BYTES` in the .cu, checked there).
@@ -325,8 +279,10 @@ impl WorkspaceKernels {
 }
 
 impl KdaKernels {
-    /// Loads the cubins into `ctx` (the device's primary context, shared with torch).
+    /// Loads the cubins into `ctx` (the device's primary context, shared with torch), every
+    /// forward kernel at once. Safe to call inside a stream capture (relaxed mode meanwhile).
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, FlashKdaError> {
+        let _relaxed = RelaxedCapture::enter();
         let cubin = |stem: &str| {
             built::CUBINS
                 .iter()
@@ -379,6 +335,15 @@ impl KdaKernels {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .during("reading the SM count")? as usize;
+        for ws in [&ws_bf16, &ws_split] {
+            let (t, o, _) = &ws.segmented;
+            for f in ws.state.iter().chain([&ws.prep, t, o, &ws.scan]) {
+                load_now(f)?;
+            }
+        }
+        for f in [&two_warps, &four_warps, &pipelined] {
+            load_now(f)?;
+        }
         Ok(KdaKernels {
             ctx: ctx.clone(),
             two_warps,
@@ -515,8 +480,6 @@ pub fn fwd_planned(
     Ok(())
 }
 
-/// The stream's pooled workspace of at least `need` bytes. Grows only outside capture; a buffer
-/// a graph captured is retired (kept alive), never freed, when it is replaced.
 /// The start of every call (forward and backward): checks the device, binds the context and,
 /// outside a stream capture and when `check` is set, checks `cu_seqlens` on the host. Returns
 /// whether the stream is capturing.
@@ -535,10 +498,7 @@ fn begin_call(
         });
     }
     kernels.ctx.bind_to_thread().during("binding the context")?;
-    // SAFETY: queries the capture status of the caller's live stream.
-    let capturing = unsafe { cudarc::driver::result::stream::is_capturing(stream.cu_stream()) }
-        .during("querying the stream's capture status")?
-        != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let capturing = is_capturing(stream)?;
     if let (Some(cu), true, false) = (cu_seqlens, check, capturing) {
         let mut host = vec![0i64; plan.num_seqs + 1];
         // SAFETY: `cu` was validated as num_seqs + 1 contiguous int64 on this device.
@@ -548,95 +508,6 @@ fn begin_call(
         check_cu_seqlens(&host, plan.batch * plan.seq_len)?;
     }
     Ok(capturing)
-}
-
-/// The caller's workspace (checked: at least `need` bytes, 16-aligned) or this stream's pooled one.
-fn workspace_ptr(
-    kernels: &KdaKernels,
-    stream: &CudaStream,
-    given: Option<Workspace>,
-    need: usize,
-    capturing: bool,
-) -> Result<u64, FlashKdaError> {
-    match given {
-        Some(w) if w.bytes < need => Err(FlashKdaError::WorkspaceTooSmall {
-            need,
-            have: w.bytes,
-        }),
-        Some(w) if w.ptr == 0 || !w.ptr.is_multiple_of(16) => Err(FlashKdaError::Misaligned {
-            tensor: "workspace",
-            ptr: w.ptr,
-            align: 16,
-        }),
-        Some(w) => Ok(w.ptr),
-        None => pooled_workspace(kernels, stream, need, capturing),
-    }
-}
-
-fn pooled_workspace(
-    kernels: &KdaKernels,
-    stream: &CudaStream,
-    need: usize,
-    capturing: bool,
-) -> Result<u64, FlashKdaError> {
-    let mut pool = kernels.workspaces.lock().unwrap_or_else(|p| p.into_inner());
-    let key = stream.cu_stream() as usize;
-    if let Some(b) = pool.by_stream.get_mut(&key)
-        && b.buf.bytes >= need
-    {
-        b.captured |= capturing;
-        return Ok(b.buf.ptr);
-    }
-    if capturing {
-        return Err(FlashKdaError::NotCapturable { need });
-    }
-    if let Some(old) = pool.by_stream.remove(&key) {
-        // the old one may still be read by this stream's previous call
-        stream
-            .synchronize()
-            .during("waiting before growing the workspace")?;
-        if old.captured {
-            pool.retired.push(old.buf);
-        }
-    }
-    let buf = OwnedBuffer::new(&kernels.ctx, need)?;
-    let ptr = buf.ptr;
-    pool.by_stream.insert(
-        key,
-        PooledBuffer {
-            buf,
-            captured: false,
-        },
-    );
-    Ok(ptr)
-}
-
-/// The highest-priority side stream kept for `stream` (created on first use).
-fn side_stream(
-    kernels: &KdaKernels,
-    stream: &CudaStream,
-) -> Result<Arc<CudaStream>, FlashKdaError> {
-    let mut map = kernels
-        .side_streams
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    let key = stream.cu_stream() as usize;
-    let raw = match map.get(&key) {
-        Some(s) => s.0,
-        None => {
-            let (_, greatest) = cudarc::driver::result::stream::get_priority_range()
-                .during("reading the stream priority range")?;
-            let raw = cudarc::driver::result::stream::create_with_priority(
-                cudarc::driver::result::stream::StreamKind::NonBlocking,
-                greatest,
-            )
-            .during("creating the side stream")?;
-            map.insert(key, SideStream(raw));
-            raw
-        }
-    };
-    // SAFETY: `raw` stays alive in the map as long as `kernels`; the wrapper does not destroy it.
-    Ok(unsafe { kernels.ctx.wrap_borrowed_stream(raw) })
 }
 
 /// Prep, then either the state pass, or (context parallelism) the transition pass, the scan and

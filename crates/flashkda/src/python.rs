@@ -23,10 +23,21 @@ fn to_py(e: FlashKdaError) -> PyErr {
     }
 }
 
+type Loaded = Mutex<HashMap<usize, Arc<KdaKernels>>>;
+
+fn loaded() -> &'static Loaded {
+    static LOADED: OnceLock<Loaded> = OnceLock::new();
+    LOADED.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The kernels of cuda:`ordinal` if this process loaded them.
+fn loaded_kernels(ordinal: usize) -> Option<Arc<KdaKernels>> {
+    let map = loaded().lock().unwrap_or_else(|p| p.into_inner());
+    map.get(&ordinal).cloned()
+}
+
 fn kernels_for(ordinal: usize) -> Result<Arc<KdaKernels>, FlashKdaError> {
-    static LOADED: OnceLock<Mutex<HashMap<usize, Arc<KdaKernels>>>> = OnceLock::new();
-    let map = LOADED.get_or_init(|| Mutex::new(HashMap::new()));
-    let mut map = map.lock().unwrap_or_else(|p| p.into_inner());
+    let mut map = loaded().lock().unwrap_or_else(|p| p.into_inner());
     if let Some(k) = map.get(&ordinal) {
         return Ok(k.clone());
     }
@@ -148,8 +159,9 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// tensor-core operands, more accurate); `overlap` None (automatic) or whether the prep and the state
 /// pass run at once where that is safe; `segment_chunks` None (automatic), 0 (off) or the segment
 /// length in 16-token chunks; `workspace` a contiguous uint8 CUDA tensor of at least
-/// `workspace_bytes(...)` bytes (None: one from torch's caching allocator, sized by this call's
-/// plan). The arguments are validated and the call planned once, here.
+/// `workspace_bytes(...)` bytes (None: the stream's pooled one, or while capturing one from torch's
+/// allocator, i.e. the graph's private pool). The arguments are validated and the call planned
+/// once, here.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None, operands=None, overlap=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
@@ -237,16 +249,20 @@ fn fwd(
     };
     let call = kernels.call_plan(&plan, &opts).map_err(to_py)?;
     let torch = py.import("torch")?;
-    // stream-ordered on torch's current stream (the graph's private pool while capturing); kept
-    // alive until the call is enqueued
+    let stream = torch_stream(&torch, &kernels, plan.ordinal)?;
+    // Eager calls use the stream's pooled workspace (no allocation once it is large enough). A
+    // capture takes its own from torch's allocator, i.e. from the graph's private pool, freed with
+    // the graph; kept alive until the call is enqueued.
     let mut _owned = None;
     let need = call.workspace.total_bytes;
-    if opts.workspace.is_none() && need > 0 {
+    if opts.workspace.is_none()
+        && need > 0
+        && crate::launch::is_capturing(&stream).map_err(to_py)?
+    {
         let (t, ws) = torch_workspace(py, &torch, q, need)?;
         opts.workspace = Some(ws);
         _owned = Some(t);
     }
-    let stream = torch_stream(&torch, &kernels, plan.ordinal)?;
     py.detach(|| fwd_planned(&kernels, &stream, &args, &plan, &call, &opts))
         .map_err(to_py)
 }
@@ -389,6 +405,16 @@ fn operands_of(name: Option<&str>) -> PyResult<Operands> {
     }
 }
 
+/// Frees the pooled forward workspaces of cuda:`device` after waiting for it (those a CUDA graph
+/// captured stay); returns the bytes freed. Only devices this process already called are touched.
+#[pyfunction]
+fn release_workspaces(py: Python<'_>, device: usize) -> PyResult<usize> {
+    match loaded_kernels(device) {
+        None => Ok(0),
+        Some(k) => py.detach(|| k.release_workspaces()).map_err(to_py),
+    }
+}
+
 /// Whether this build embeds the sm_90a kernels.
 #[pyfunction]
 fn kernels_built() -> bool {
@@ -401,6 +427,7 @@ fn _flashkda(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bwd, m)?)?;
     m.add_function(wrap_pyfunction!(kernels_built, m)?)?;
     m.add_function(wrap_pyfunction!(workspace_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(release_workspaces, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

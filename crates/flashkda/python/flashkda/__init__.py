@@ -8,10 +8,13 @@ fused ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` gate, beta logits (s
 states are ``[N, H, V, K]`` (fla's ``state_v_first=True``), bf16 or fp32. Runs on torch's current
 stream; bad arguments raise ValueError/TypeError.
 
-CUDA graphs: the call is capturable (``torch.cuda.graph``). Its workspace comes from torch's
-caching allocator (stream-ordered, and from the graph's private pool while capturing), or pass
-your own ``workspace`` (``flashkda.workspace(q, cu_seqlens, v=v)``). Long fixed-length sequences are
-split into segments processed in parallel (intra-card context parallelism) automatically.
+Workspace: eager calls reuse a pooled workspace per device and stream (allocated by the first call
+that needs it, never in a steady-state call; outside torch's allocator, so torch neither counts nor
+reclaims it: ``flashkda.release_workspaces()`` frees it), or pass
+your own ``workspace`` (``flashkda.workspace(q, cu_seqlens, v=v)``). CUDA graphs: the call is
+capturable (``torch.cuda.graph``), also as the first call of a process; a capture takes its workspace
+from the graph's private pool. Long fixed-length sequences are split into segments processed in
+parallel (intra-card context parallelism) automatically.
 
 Training: ``o, ht = flashkda.chunk_kda(q, k, v, g, beta, A_log, dt_bias, ...)`` returns outputs with
 gradients (sm_90a backward kernels; see ``flashkda.autograd``).
@@ -25,7 +28,17 @@ from flashkda._flashkda import __version__, kernels_built
 from flashkda.autograd import chunk_kda
 from flashkda.fla_backend import register_fla_backend
 
-__all__ = ["__version__", "chunk_kda", "fwd", "kernels_built", "register_fla_backend", "workspace", "workspace_bytes"]
+__all__ = ["__version__", "chunk_kda", "fwd", "kernels_built", "register_fla_backend", "release_workspaces", "workspace",
+           "workspace_bytes"]
+
+
+def release_workspaces(device=None):
+    """Frees the pooled workspaces of ``device`` (default: the current CUDA device) after waiting for
+    it; those a CUDA graph captured stay. Returns the bytes freed."""
+    import torch
+
+    d = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return _flashkda.release_workspaces(d.index if d.index is not None else torch.cuda.current_device())
 
 
 def workspace_bytes(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None):
@@ -51,8 +64,8 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         cu_seqlens=None, check_cu_seqlens=True, value_split=None, segment_chunks=None, workspace=None,
         operands=None, overlap=None):
     """KDA forward: writes ``out`` (and ``final_state`` when given) on torch's current stream.
-    Validated and planned once, in the compiled module, which also takes the workspace from torch's
-    caching allocator when none is passed. ``operands``: None (the measured default), ``"bf16"`` or
+    Validated and planned once, in the compiled module, which also supplies the workspace when none
+    is passed (the stream's pooled one; the graph's private pool while capturing). ``operands``: None (the measured default), ``"bf16"`` or
     ``"split"`` (hi + lo bf16 tensor-core operands: more accurate); ``overlap``: None (the measured
     default) or whether the prep and the state pass run at once where that is safe."""
     return _flashkda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
