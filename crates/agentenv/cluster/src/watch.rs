@@ -8,6 +8,7 @@
 //! Claims decide nothing on their own: the claim transaction still checks the node in etcd.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -35,6 +36,8 @@ struct Copy {
 struct Inner {
     store: ClusterStore,
     copy: Mutex<Copy>,
+    /// Watches that caught up so far (1 while the first lives).
+    syncs: AtomicU64,
 }
 
 /// The cluster view a gateway places with; clones share one watch.
@@ -50,6 +53,7 @@ impl ViewCache {
         let inner = Arc::new(Inner {
             store,
             copy: Mutex::new(Copy::default()),
+            syncs: AtomicU64::new(0),
         });
         tokio::spawn(keep(Arc::downgrade(&inner)));
         ViewCache { inner }
@@ -62,6 +66,11 @@ impl ViewCache {
             Some(v) => Ok(v),
             None => self.inner.store.view().await,
         }
+    }
+
+    /// How many watches have caught up since the start (a new one after each failure).
+    pub fn syncs(&self) -> u64 {
+        self.inner.syncs.load(Ordering::Relaxed)
     }
 
     /// Whether views come from the watched copy now.
@@ -159,6 +168,7 @@ async fn follow(store: &ClusterStore, weak: &Weak<Inner>) -> Result<()> {
         copy.nodes = nodes;
         copy.claims = claims;
         copy.live = true;
+        inner.syncs.fetch_add(1, Ordering::Relaxed);
     }
     let mut tick = tokio::time::interval(PROGRESS_EVERY);
     let mut heard = Instant::now();

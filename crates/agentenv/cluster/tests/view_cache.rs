@@ -128,6 +128,15 @@ async fn the_cached_view_follows_etcd_and_survives_an_outage() {
     })
     .await;
 
+    // An idle watch stays: progress answers keep it live past the staleness bound.
+    tokio::time::sleep(agentenv_cluster::watch::STALE_AFTER * 2).await;
+    assert!(cache.is_live());
+    assert_eq!(
+        cache.syncs(),
+        1,
+        "the first watch lived through the idle time"
+    );
+
     // etcd away: the watch is given up within seconds and views fail cleanly, as reads do.
     etcd.stop();
     eventually("the watch is given up", || async { !cache.is_live() }).await;
@@ -137,6 +146,7 @@ async fn the_cached_view_follows_etcd_and_survives_an_outage() {
     }
     etcd.resume().unwrap();
     eventually("the watch is live again", || async { cache.is_live() }).await;
+    assert!(cache.syncs() >= 2);
     let report: agentenv_cluster::node::Report = Arc::new(|| node("n3"));
     let _n3 = Registration::start(
         other.clone(),
