@@ -136,3 +136,39 @@ impl Drop for Etcd {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A small idle node's record (4 CPUs, 8 GiB, the `base` template, no bucket) for tests.
+pub fn idle_node(id: &str, url: &str) -> crate::NodeRecord {
+    crate::NodeRecord {
+        version: crate::SCHEMA_VERSION,
+        id: id.into(),
+        url: url.into(),
+        cpus: 4,
+        vcpus_used: 0,
+        memory_mb: 8192,
+        free_memory_mb: 8192,
+        running: 0,
+        paused: 0,
+        max_running: None,
+        templates: vec!["base".into()],
+        snapshots: vec![],
+        shared_store: false,
+        updated_at_ms: 0,
+        sizes: Default::default(),
+    }
+}
+
+/// Polls `f` every 100 ms until it is true; panics naming `what` after 30 s.
+pub async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..300 {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{what}: not within 30 s");
+}

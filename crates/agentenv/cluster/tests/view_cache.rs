@@ -6,30 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use agentenv_cluster::store::ClusterStore;
-use agentenv_cluster::testing::etcd_or_skip;
+use agentenv_cluster::testing::{etcd_or_skip, eventually};
 use agentenv_cluster::{
     Claim, ClaimOutcome, ClusterError, ClusterView, NodeRecord, Registration, SCHEMA_VERSION,
     ViewCache,
 };
 
 fn node(id: &str) -> NodeRecord {
-    NodeRecord {
-        version: SCHEMA_VERSION,
-        id: id.into(),
-        url: format!("http://{id}"),
-        cpus: 4,
-        vcpus_used: 0,
-        memory_mb: 8192,
-        free_memory_mb: 8192,
-        running: 0,
-        paused: 0,
-        max_running: None,
-        templates: vec!["base".into()],
-        snapshots: vec![],
-        shared_store: false,
-        updated_at_ms: 0,
-        sizes: Default::default(),
-    }
+    agentenv_cluster::testing::idle_node(id, &format!("http://{id}"))
 }
 
 fn claim(n: &str) -> Claim {
@@ -51,20 +35,6 @@ fn summary(v: &ClusterView) -> Vec<(String, u32)> {
         .collect();
     s.sort();
     s
-}
-
-async fn eventually<F, Fut>(what: &str, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    for _ in 0..300 {
-        if f().await {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{what}: not within 30 s");
 }
 
 #[tokio::test]

@@ -5,9 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentenv_cluster::{
-    ClusterStore, EntryState, NodeRecord, Registration, SCHEMA_VERSION, SandboxEntry,
-};
+use agentenv_cluster::{ClusterStore, EntryState, Registration, SCHEMA_VERSION, SandboxEntry};
 use axum::extract::{RawQuery, State};
 use axum::response::IntoResponse;
 use http_body_util::BodyExt;
@@ -54,25 +52,7 @@ async fn serve(router: axum::Router) -> String {
     format!("http://{addr}")
 }
 
-fn node(id: &str, url: &str) -> NodeRecord {
-    NodeRecord {
-        version: SCHEMA_VERSION,
-        id: id.into(),
-        url: url.into(),
-        cpus: 4,
-        vcpus_used: 0,
-        memory_mb: 8192,
-        free_memory_mb: 8192,
-        running: 0,
-        paused: 0,
-        max_running: None,
-        templates: vec!["base".into()],
-        snapshots: vec![],
-        shared_store: false,
-        updated_at_ms: 0,
-        sizes: Default::default(),
-    }
-}
+use agentenv_cluster::testing::idle_node as node;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paging_through_the_gateway_merges_both_nodes_in_order() {
