@@ -242,9 +242,12 @@ fn too_large(limit: u64) -> ApiError {
 async fn forward(
     state: &AppState,
     rec: &SandboxRecord,
-    req: Request,
+    mut req: Request,
     port: Option<u16>,
 ) -> Result<Response, ApiError> {
+    // Upgrades (WebSocket) go to user ports only; envd speaks none.
+    let upgrade = port.and(crate::upgrade::requested(req.headers()));
+    let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     let limit = state.max_upload_bytes;
     let declared = parts
@@ -263,6 +266,9 @@ async fn forward(
         .map_err(|e| ApiError::bad_request(format!("bad URI: {e}")))?;
     parts.version = Version::HTTP_11;
     strip_for_guest(&mut parts.headers);
+    if let Some(protocol) = upgrade {
+        crate::upgrade::keep(&mut parts.headers, protocol);
+    }
     let host = format!(
         "localhost:{}",
         port.map_or(ENVD_PORT.to_string(), |p| p.to_string())
@@ -299,11 +305,11 @@ async fn forward(
         })?;
     let sid = id.clone();
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
+        if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(sandbox = %sid, error = %e, "envd connection ended");
         }
     });
-    let resp = sender
+    let mut resp = sender
         .send_request(axum::http::Request::from_parts(parts, body))
         .await
         .map_err(|e| {
@@ -313,6 +319,13 @@ async fn forward(
                 ApiError::bad_gateway(format!("sandbox {id}: envd request failed: {e}"))
             }
         })?;
+    if let Some(client) = client_side
+        && resp.status() == StatusCode::SWITCHING_PROTOCOLS
+    {
+        let guest = hyper::upgrade::on(&mut resp);
+        let what = format!("sandbox {id} port {}", port.unwrap_or_default());
+        crate::upgrade::splice(client, guest, what);
+    }
     Ok(resp.map(Body::new))
 }
 

@@ -1,7 +1,8 @@
 //! agentenv API server: the E2B control plane and the sandbox data-plane proxy on one port.
 //!
 //! - [`app`]: route table, API-key check, plane dispatch.
-//! - [`routes`]: control-plane handlers; [`dataplane`]: envd routing and the HTTP/1.1 proxy.
+//! - [`routes`]: control-plane handlers; [`dataplane`]: envd routing and the HTTP/1.1 proxy;
+//!   [`upgrade`]: upgraded connections (WebSocket) through it.
 //! - [`sandboxes`]: lifecycle and timeouts; [`store`]: persisted records; [`keys`]: key and tokens;
 //!   [`tenants`]: named keys, their quotas and name scopes.
 //! - [`backend`]: the runtime as the server sees it; [`runtime_backend`]: the real runtime.
@@ -37,4 +38,5 @@ pub mod store;
 #[cfg(test)]
 mod tenant_tests;
 pub mod tenants;
+pub mod upgrade;
 pub mod views;

@@ -1,5 +1,5 @@
-//! Forwarding one request to a node, streaming both bodies (Connect streams, file transfers), with a
-//! deadline on the connection and on the response head.
+//! Forwarding one request to a node, streaming both bodies (Connect streams, file transfers) and
+//! upgraded connections (`crate::upgrade`), with a deadline on the connection and on the response head.
 
 use std::time::Duration;
 
@@ -55,6 +55,9 @@ pub async fn forward(
     req: Request,
     deadline: Duration,
 ) -> Result<Response, GatewayError> {
+    let mut req = req;
+    let upgrade = crate::upgrade::requested(req.headers());
+    let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     parts.uri = format!("{}{pq}", base.trim_end_matches('/'))
@@ -65,6 +68,9 @@ pub async fn forward(
         })?;
     parts.version = Version::HTTP_11;
     strip_hop(&mut parts.headers);
+    if let Some(protocol) = upgrade {
+        crate::upgrade::keep(&mut parts.headers, protocol);
+    }
     parts.headers.remove(header::HOST);
     let call = client.request(Request::from_parts(parts, body));
     let resp = match tokio::time::timeout(deadline, call).await {
@@ -82,6 +88,15 @@ pub async fn forward(
         }
         Ok(Ok(r)) => r,
     };
+    let mut resp = resp;
+    if let Some(client) = client_side
+        && resp.status() == axum::http::StatusCode::SWITCHING_PROTOCOLS
+    {
+        // The 101 keeps its Connection and Upgrade headers.
+        let upstream = hyper::upgrade::on(&mut resp);
+        crate::upgrade::splice(client, upstream, format!("node {node}"));
+        return Ok(resp.map(Body::new));
+    }
     let (mut parts, body) = resp.into_parts();
     strip_hop(&mut parts.headers);
     Ok(Response::from_parts(parts, Body::new(body)))

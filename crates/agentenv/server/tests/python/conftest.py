@@ -129,3 +129,72 @@ def pause(sbx):
         return sbx.pause()
     sbx.beta_pause()
     return None
+
+
+# A guest server that answers `Upgrade: k3-echo` with 101 and then echoes every byte upper-cased: the
+# HTTP upgrade a WebSocket makes, without a WebSocket library in the guest.
+UPGRADE_ECHO = r'''
+import socket, threading
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", PORT))
+s.listen()
+def serve(c):
+    head = b""
+    while b"\r\n\r\n" not in head:
+        d = c.recv(4096)
+        if not d:
+            return
+        head += d
+    if b"upgrade: k3-echo" not in head.lower():
+        c.sendall(b"HTTP/1.1 426 Upgrade Required\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        c.close()
+        return
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: k3-echo\r\n\r\n")
+    rest = head.split(b"\r\n\r\n", 1)[1]
+    if rest:
+        c.sendall(rest.upper())
+    while True:
+        d = c.recv(65536)
+        if not d:
+            break
+        c.sendall(d.upper())
+    c.close()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+'''
+
+
+def start_upgrade_echo(sbx, port):
+    """Starts UPGRADE_ECHO on `port` in sandbox `sbx` (in the background)."""
+    sbx.files.write("/tmp/upgrade_echo.py", UPGRADE_ECHO.replace("PORT", str(port)))
+    sbx.commands.run("python3 /tmp/upgrade_echo.py", background=True)
+
+
+def upgrade_roundtrip(url, headers, payload, timeout=30):
+    """Opens `Upgrade: k3-echo` at `url` (http://host:port) with `headers`, sends `payload` after the 101
+    and returns (status line, what came back: len(payload) bytes at most)."""
+    host, port = url.removeprefix("http://").rstrip("/").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        lines = ["GET /echo HTTP/1.1", f"Host: {host}", "Connection: Upgrade", "Upgrade: k3-echo"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            d = s.recv(4096)
+            if not d:
+                break
+            head += d
+        status, _, rest = head.partition(b"\r\n")
+        body = head.split(b"\r\n\r\n", 1)[1] if b"\r\n\r\n" in head else b""
+        if not status.startswith(b"HTTP/1.1 101"):
+            return status.decode(errors="replace"), body
+        s.sendall(payload)
+        got = body
+        while len(got) < len(payload):
+            d = s.recv(65536)
+            if not d:
+                break
+            got += d
+        return status.decode(errors="replace"), got

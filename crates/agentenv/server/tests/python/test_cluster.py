@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from conftest import Server, pause
+from conftest import Server, pause, start_upgrade_echo, upgrade_roundtrip
 
 TTL_S = 3  # node lease TTL: a killed node leaves the cluster this long after its last refresh
 WAIT_S = 120  # longest wait for any state change below
@@ -372,6 +372,30 @@ def test_snapshot_and_fork_through_the_gateway(cluster):
     finally:
         for sid in made:
             _http("DELETE", f"{g.url}/sandboxes/{sid}", cluster.key)
+
+
+def test_an_http_upgrade_through_the_gateway(cluster):
+    """A WebSocket-style upgrade to a guest port, through a gateway and the sandbox's node."""
+    g = cluster.gateways[1]
+    cluster.use(g)
+    s = _create("base")
+    try:
+        start_upgrade_echo(s, 8771)
+        status, detail = _http("GET", f"{g.url}/sandboxes/{s.sandbox_id}", cluster.key)
+        assert status == 200, detail
+        headers = {"E2b-Sandbox-Id": s.sandbox_id, "E2b-Sandbox-Port": "8771",
+                   "X-Access-Token": detail["envdAccessToken"]}
+        payload = secrets.token_hex(50_000).encode()
+        deadline = time.monotonic() + 60
+        while True:
+            line, got = upgrade_roundtrip(g.url, headers, payload)
+            if "101" in line or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert line.startswith("HTTP/1.1 101"), line
+        assert got == payload.upper()
+    finally:
+        s.kill()
 
 
 def test_bad_input_and_keys_at_the_gateway(cluster):

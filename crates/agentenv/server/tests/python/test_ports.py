@@ -6,6 +6,8 @@ import time
 
 import httpx
 
+from conftest import start_upgrade_echo, upgrade_roundtrip
+
 
 def test_a_guest_port_is_reachable_through_the_data_plane(server, sandbox):
     token = secrets.token_hex(6)
@@ -44,3 +46,26 @@ def test_a_guest_port_is_reachable_through_the_data_plane(server, sandbox):
     assert r.status_code == 200 and r.text == f"hello {token}"
     envd = {**only_traffic, "E2b-Sandbox-Port": "49983"}
     assert httpx.get(f"{server.url}/health", headers=envd, timeout=30).status_code == 401
+
+
+def test_an_http_upgrade_reaches_a_guest_port(server, sandbox):
+    """A WebSocket-style upgrade to a user port: 101, then bytes both ways through the data plane."""
+    start_upgrade_echo(sandbox, 8770)
+    detail = httpx.get(f"{server.url}/sandboxes/{sandbox.sandbox_id}", headers={"X-API-KEY": server.api_key}).json()
+    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8770",
+               "X-Access-Token": detail["envdAccessToken"]}
+    payload = secrets.token_hex(70_000).encode()  # 140 KB: several reads each way
+    deadline = time.time() + 60
+    while True:
+        status, got = upgrade_roundtrip(server.url, headers, payload)
+        if "101" in status or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert status.startswith("HTTP/1.1 101"), status
+    assert got == payload.upper()
+    # envd's port takes no upgrade: the request goes on as plain HTTP, without the upgrade.
+    status, _ = upgrade_roundtrip(server.url, {**headers, "E2b-Sandbox-Port": "49983"}, b"x")
+    assert not status.startswith("HTTP/1.1 101"), status
+    # Without the sandbox's token: refused before any upgrade.
+    status, _ = upgrade_roundtrip(server.url, {**headers, "X-Access-Token": "nope"}, b"x")
+    assert status.startswith("HTTP/1.1 401"), status
