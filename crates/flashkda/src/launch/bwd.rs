@@ -24,8 +24,13 @@ const STATE_BYTES: usize = HEAD_DIM * HEAD_DIM * 2;
 const WU_BYTES: usize = 4 * CHUNK * HEAD_DIM * 2;
 /// Dynamic shared memory of `kdab_states_w*` / `kdab_dstates_w*` (`PASS_SMEM(NW)`).
 const fn pass_smem_bytes(nw: usize) -> u32 {
-    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * (HEAD_DIM + 16) * 16 * 2 + 3 * 8)
-        as u32
+    pass_smem_bytes_v(nw, 3, 1)
+}
+/// `PASS_SMEM_V(NW, PS, DB)`: `ps` cp.async stages, `db` state staging tiles per warp.
+const fn pass_smem_bytes_v(nw: usize, ps: usize, db: usize) -> u32 {
+    (ps * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)
+        + nw * (db * HEAD_DIM + 16) * 16 * 2
+        + ps * 8) as u32
 }
 /// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
 const CHUNK_SMEM_BYTES: u32 = 111008;
@@ -50,6 +55,9 @@ pub enum PassSchedule {
     /// (opt-in, measured slower): the forward pass also runs beside the prep, waiting on each
     /// record's ready flag, where [`prep_overlap_fits`] (else as without).
     Concurrent { warps: usize, overlap_prep: bool },
+    /// At once, 4 warps, `stages` cp.async stages and `staging` state staging tiles per warp:
+    /// (2, 2) and (3, 2) (`kdab_*states_w4d2`, `_w4d3`) or (4, 1) (`_w4p4`).
+    ConcurrentV { stages: usize, staging: usize },
 }
 
 /// Blocks of `warps` warps a multiprocessor holds at once in a state pass (shared memory).
@@ -76,7 +84,8 @@ pub fn prep_overlap_fits(chains: usize, warps: usize, sm_count: usize) -> bool {
 }
 
 impl PassSchedule {
-    /// `seq2`, `seq4`, `conc2`, `conc4`, `conc4o` (with the prep overlap) or `auto` (benchmark knob
+    /// `seq2`, `seq4`, `conc2`, `conc4`, `conc4o` (with the prep overlap), `conc4d2`, `conc4d3`
+    /// (double-buffered staging, 2 or 3 stages), `conc4p4` (4 stages) or `auto` (benchmark knob
     /// of the Python call).
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
@@ -94,6 +103,18 @@ impl PassSchedule {
             "conc4o" => PassSchedule::Concurrent {
                 warps: 4,
                 overlap_prep: true,
+            },
+            "conc4d2" => PassSchedule::ConcurrentV {
+                stages: 2,
+                staging: 2,
+            },
+            "conc4d3" => PassSchedule::ConcurrentV {
+                stages: 3,
+                staging: 2,
+            },
+            "conc4p4" => PassSchedule::ConcurrentV {
+                stages: 4,
+                staging: 1,
             },
             _ => return None,
         })
@@ -208,10 +229,10 @@ unsafe impl DeviceRepr for BwdKernelParams {}
 #[derive(Debug)]
 pub(super) struct BwdKernels {
     prep: CudaFunction,
-    /// `kdab_states_w2`, `kdab_states_w4`.
-    states: [CudaFunction; 2],
-    /// `kdab_dstates_w2`, `kdab_dstates_w4`.
-    dstates: [CudaFunction; 2],
+    /// `kdab_states_w2`, `_w4`, `_w4d2`, `_w4d3`, `_w4p4`.
+    states: [CudaFunction; 5],
+    /// `kdab_dstates_w2`, `_w4`, `_w4d2`, `_w4d3`, `_w4p4`.
+    dstates: [CudaFunction; 5],
     chunk: CudaFunction,
     reduce: CudaFunction,
     finish: CudaFunction,
@@ -235,10 +256,16 @@ impl BwdKernels {
             states: [
                 load("kdab_states_w2", pass_smem_bytes(2))?,
                 load("kdab_states_w4", pass_smem_bytes(4))?,
+                load("kdab_states_w4d2", pass_smem_bytes_v(4, 2, 2))?,
+                load("kdab_states_w4d3", pass_smem_bytes_v(4, 3, 2))?,
+                load("kdab_states_w4p4", pass_smem_bytes_v(4, 4, 1))?,
             ],
             dstates: [
                 load("kdab_dstates_w2", pass_smem_bytes(2))?,
                 load("kdab_dstates_w4", pass_smem_bytes(4))?,
+                load("kdab_dstates_w4d2", pass_smem_bytes_v(4, 2, 2))?,
+                load("kdab_dstates_w4d3", pass_smem_bytes_v(4, 3, 2))?,
+                load("kdab_dstates_w4p4", pass_smem_bytes_v(4, 4, 1))?,
             ],
             chunk: load("kdab_chunk", CHUNK_SMEM_BYTES)?,
             reduce: load("kdab_reduce", 0)?,
@@ -417,8 +444,18 @@ pub fn bwd_validated(
             PassSchedule::Auto => pass_schedule(chains, kernels.sm_count),
             s => s,
         };
+        let mut variant = None;
         let (nw, both, overlap) = match sched {
             PassSchedule::Sequential { warps } => (warps, false, false),
+            PassSchedule::ConcurrentV { stages, staging } => {
+                variant = Some(match (stages, staging) {
+                    (2, 2) => 2,
+                    (3, 2) => 3,
+                    (4, 1) => 4,
+                    _ => return Err(FlashKdaError::PassWarps(stages)),
+                });
+                (4, true, false)
+            }
             PassSchedule::Concurrent {
                 warps,
                 overlap_prep,
@@ -432,12 +469,16 @@ pub fn bwd_validated(
         if nw != 2 && nw != 4 {
             return Err(FlashKdaError::PassWarps(nw));
         }
-        let i = usize::from(nw == 4);
+        let (i, smem) = match variant {
+            None => (usize::from(nw == 4), pass_smem_bytes(nw)),
+            Some(4) => (4, pass_smem_bytes_v(4, 4, 1)),
+            Some(st) => (st, pass_smem_bytes_v(4, st, 2)),
+        };
         let blocks = (chains * HEAD_DIM / (16 * nw)) as u32;
         let cfg = |grid: u32| LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: ((32 * nw) as u32, 1, 1),
-            shared_mem_bytes: pass_smem_bytes(nw),
+            shared_mem_bytes: smem,
         };
         // Concurrent: the forward pass on the highest-priority side stream beside the reverse pass
         // on the caller's stream, which then waits for both (they share no data). Overlapped: the
@@ -526,6 +567,9 @@ mod tests {
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
         assert_eq!(pass_smem_bytes(2), 56280);
         assert_eq!(pass_smem_bytes(4), 68568);
+        assert_eq!(pass_smem_bytes_v(4, 2, 2), 68240);
+        assert_eq!(pass_smem_bytes_v(4, 3, 2), 84952);
+        assert_eq!(pass_smem_bytes_v(4, 4, 1), 85280);
         assert_eq!(ACC_W % 4, 0);
     }
 
@@ -588,6 +632,13 @@ mod tests {
             Some(PassSchedule::Concurrent {
                 warps: 2,
                 overlap_prep: false
+            })
+        );
+        assert_eq!(
+            PassSchedule::parse("conc4d3"),
+            Some(PassSchedule::ConcurrentV {
+                stages: 3,
+                staging: 2
             })
         );
         assert_eq!(PassSchedule::parse("x"), None);
