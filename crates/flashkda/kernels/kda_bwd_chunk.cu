@@ -528,7 +528,8 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
 static_assert(sizeof(PassStage<32>) * PST + 2 * (KD + CH) * 16 * 2 + PST * 8 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
 static_assert(PASS_SMEM(2) == 56280, "pass_smem_bytes in src/launch/bwd.rs");
 static_assert(PASS_SMEM(4) == 68568, "pass_smem_bytes in src/launch/bwd.rs");
-static_assert(PASS_SMEM_V(4, 2, 2) == 68240 && PASS_SMEM_V(4, 3, 2) == 84952 && PASS_SMEM_V(4, 4, 1) == 85280,
+static_assert(PASS_SMEM_V(4, 2, 2) == 68240 && PASS_SMEM_V(4, 3, 2) == 84952 && PASS_SMEM_V(4, 4, 1) == 85280 &&
+                  PASS_SMEM_V(4, 2, 3) == 84624 && PASS_SMEM_V(4, 3, 3) == 101336,
               "pass_smem_bytes in src/launch/bwd.rs");
 
 extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2, PST, 1>(p, blockIdx.x); }
@@ -539,11 +540,15 @@ extern "C" __global__ void __launch_bounds__(64) kdab_dstates_w2(const KdaBwdPar
 extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4(const KdaBwdParams p) { dstates_body<4, PST, 1>(p, blockIdx.x); }
 // Double-buffered state staging (a chunk's bulk store need not have left shared memory before the next
 // chunk's): d2 with 2 cp.async stages (68 KB, 3 blocks per SM), d3 with 3 (85 KB, 2 per SM); p4: one
-// staging tile, 4 stages (3 chunks ahead, 85 KB).
+// staging tile, 4 stages (3 chunks ahead, 85 KB); t2 / t3: three staging tiles, 2 / 3 stages (85 / 101 KB).
 extern "C" __global__ void __launch_bounds__(128) kdab_states_w4d2(const KdaBwdParams p) { states_body<4, 2, 2>(p, blockIdx.x); }
 extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4d2(const KdaBwdParams p) { dstates_body<4, 2, 2>(p, blockIdx.x); }
 extern "C" __global__ void __launch_bounds__(128) kdab_states_w4d3(const KdaBwdParams p) { states_body<4, 3, 2>(p, blockIdx.x); }
 extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4d3(const KdaBwdParams p) { dstates_body<4, 3, 2>(p, blockIdx.x); }
 extern "C" __global__ void __launch_bounds__(128) kdab_states_w4p4(const KdaBwdParams p) { states_body<4, 4, 1>(p, blockIdx.x); }
 extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4p4(const KdaBwdParams p) { dstates_body<4, 4, 1>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4t2(const KdaBwdParams p) { states_body<4, 2, 3>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4t2(const KdaBwdParams p) { dstates_body<4, 2, 3>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4t3(const KdaBwdParams p) { states_body<4, 3, 3>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4t3(const KdaBwdParams p) { dstates_body<4, 3, 3>(p, blockIdx.x); }
 #include "kda_bwd_chunk.cuh"

@@ -106,7 +106,15 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
 }
 
 /// The state-pass schedules every case runs under.
-const SCHEDULES: [PassSchedule; 8] = [
+const SCHEDULES: [PassSchedule; 10] = [
+    PassSchedule::ConcurrentV {
+        stages: 2,
+        staging: 3,
+    },
+    PassSchedule::ConcurrentV {
+        stages: 3,
+        staging: 3,
+    },
     PassSchedule::ConcurrentV {
         stages: 2,
         staging: 2,

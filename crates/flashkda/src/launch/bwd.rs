@@ -26,6 +26,15 @@ const WU_BYTES: usize = 4 * CHUNK * HEAD_DIM * 2;
 const fn pass_smem_bytes(nw: usize) -> u32 {
     pass_smem_bytes_v(nw, 3, 1)
 }
+/// The 4-warp pass variants (`kdab_*states_w4<suffix>`): suffix, cp.async stages, state staging
+/// tiles per warp; `PassSchedule::ConcurrentV` names one by its stages and staging.
+const PASS_VARIANTS: [(&str, usize, usize); 5] = [
+    ("d2", 2, 2),
+    ("d3", 3, 2),
+    ("p4", 4, 1),
+    ("t2", 2, 3),
+    ("t3", 3, 3),
+];
 /// `PASS_SMEM_V(NW, PS, DB)`: `ps` cp.async stages, `db` state staging tiles per warp.
 const fn pass_smem_bytes_v(nw: usize, ps: usize, db: usize) -> u32 {
     (ps * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)
@@ -55,8 +64,8 @@ pub enum PassSchedule {
     /// (opt-in, measured slower): the forward pass also runs beside the prep, waiting on each
     /// record's ready flag, where [`prep_overlap_fits`] (else as without).
     Concurrent { warps: usize, overlap_prep: bool },
-    /// At once, 4 warps, `stages` cp.async stages and `staging` state staging tiles per warp:
-    /// (2, 2) and (3, 2) (`kdab_*states_w4d2`, `_w4d3`) or (4, 1) (`_w4p4`).
+    /// At once, 4 warps, `stages` cp.async stages and `staging` state staging tiles per warp
+    /// (one of `PASS_VARIANTS`: (2, 2), (3, 2), (4, 1), (2, 3), (3, 3)).
     ConcurrentV { stages: usize, staging: usize },
 }
 
@@ -66,14 +75,13 @@ const fn pass_blocks_per_sm(warps: usize) -> usize {
     233472 / (pass_smem_bytes(warps) as usize + 1024)
 }
 
-/// The schedule `Auto` takes: both passes at once, 4 warps per block (the fastest of the four on all
-/// six anchors, bwd4 call 1; 3 blocks of either pass per SM, so H = 96 fixed's 384 run at once), without
-/// the prep overlap (slower: bwd4 call 5, H=96 fixed 7.06 vs 6.80 ms fwd+bwd).
-pub fn pass_schedule(_chains: usize, _sm_count: usize) -> PassSchedule {
-    PassSchedule::Concurrent {
-        warps: 4,
-        overlap_prep: false,
-    }
+/// The schedule `Auto` takes: both passes at once, 4 warps per block, double-buffered state staging
+/// (bwd7 call 1: passes 1.93 -> 1.65 ms at H = 96 fixed), without the prep overlap (slower: bwd4
+/// call 5). Two cp.async stages (68 KB, 3 blocks per SM) while both passes' blocks all fit at once
+/// (the fixed anchors), else three (85 KB, 2 per SM: faster on the other four anchors).
+pub fn pass_schedule(chains: usize, sm_count: usize) -> PassSchedule {
+    let stages = if 4 * chains <= 3 * sm_count { 2 } else { 3 };
+    PassSchedule::ConcurrentV { stages, staging: 2 }
 }
 
 /// Whether the forward pass (`chains` x 2 blocks of 4 warps) may wait on the prep's ready flags: at
@@ -85,7 +93,8 @@ pub fn prep_overlap_fits(chains: usize, warps: usize, sm_count: usize) -> bool {
 
 impl PassSchedule {
     /// `seq2`, `seq4`, `conc2`, `conc4`, `conc4o` (with the prep overlap), `conc4d2`, `conc4d3`
-    /// (double-buffered staging, 2 or 3 stages), `conc4p4` (4 stages) or `auto` (benchmark knob
+    /// (double-buffered staging, 2 or 3 stages), `conc4p4` (4 stages), `conc4t2`, `conc4t3` (three
+    /// staging tiles) or `auto` (benchmark knob
     /// of the Python call).
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
@@ -115,6 +124,14 @@ impl PassSchedule {
             "conc4p4" => PassSchedule::ConcurrentV {
                 stages: 4,
                 staging: 1,
+            },
+            "conc4t2" => PassSchedule::ConcurrentV {
+                stages: 2,
+                staging: 3,
+            },
+            "conc4t3" => PassSchedule::ConcurrentV {
+                stages: 3,
+                staging: 3,
             },
             _ => return None,
         })
@@ -229,10 +246,10 @@ unsafe impl DeviceRepr for BwdKernelParams {}
 #[derive(Debug)]
 pub(super) struct BwdKernels {
     prep: CudaFunction,
-    /// `kdab_states_w2`, `_w4`, `_w4d2`, `_w4d3`, `_w4p4`.
-    states: [CudaFunction; 5],
-    /// `kdab_dstates_w2`, `_w4`, `_w4d2`, `_w4d3`, `_w4p4`.
-    dstates: [CudaFunction; 5],
+    /// `kdab_states_w2`, `_w4`, then `_w4<suffix>` of `PASS_VARIANTS`.
+    states: Vec<CudaFunction>,
+    /// `kdab_dstates_w2`, `_w4`, then the variants.
+    dstates: Vec<CudaFunction>,
     chunk: CudaFunction,
     reduce: CudaFunction,
     finish: CudaFunction,
@@ -251,22 +268,36 @@ impl BwdKernels {
             }
             Ok::<_, FlashKdaError>(f)
         };
+        let pass_fns = |names: [&'static str; 7]| {
+            let mut v = vec![
+                load(names[0], pass_smem_bytes(2))?,
+                load(names[1], pass_smem_bytes(4))?,
+            ];
+            for (name, (_, ps, db)) in names[2..].iter().zip(PASS_VARIANTS) {
+                v.push(load(name, pass_smem_bytes_v(4, ps, db))?);
+            }
+            Ok::<_, FlashKdaError>(v)
+        };
         Ok(BwdKernels {
             prep: load("kda_prep", 0)?,
-            states: [
-                load("kdab_states_w2", pass_smem_bytes(2))?,
-                load("kdab_states_w4", pass_smem_bytes(4))?,
-                load("kdab_states_w4d2", pass_smem_bytes_v(4, 2, 2))?,
-                load("kdab_states_w4d3", pass_smem_bytes_v(4, 3, 2))?,
-                load("kdab_states_w4p4", pass_smem_bytes_v(4, 4, 1))?,
-            ],
-            dstates: [
-                load("kdab_dstates_w2", pass_smem_bytes(2))?,
-                load("kdab_dstates_w4", pass_smem_bytes(4))?,
-                load("kdab_dstates_w4d2", pass_smem_bytes_v(4, 2, 2))?,
-                load("kdab_dstates_w4d3", pass_smem_bytes_v(4, 3, 2))?,
-                load("kdab_dstates_w4p4", pass_smem_bytes_v(4, 4, 1))?,
-            ],
+            states: pass_fns([
+                "kdab_states_w2",
+                "kdab_states_w4",
+                "kdab_states_w4d2",
+                "kdab_states_w4d3",
+                "kdab_states_w4p4",
+                "kdab_states_w4t2",
+                "kdab_states_w4t3",
+            ])?,
+            dstates: pass_fns([
+                "kdab_dstates_w2",
+                "kdab_dstates_w4",
+                "kdab_dstates_w4d2",
+                "kdab_dstates_w4d3",
+                "kdab_dstates_w4p4",
+                "kdab_dstates_w4t2",
+                "kdab_dstates_w4t3",
+            ])?,
             chunk: load("kdab_chunk", CHUNK_SMEM_BYTES)?,
             reduce: load("kdab_reduce", 0)?,
             finish: load("kda_bwd_finish", 0)?,
@@ -448,12 +479,13 @@ pub fn bwd_validated(
         let (nw, both, overlap) = match sched {
             PassSchedule::Sequential { warps } => (warps, false, false),
             PassSchedule::ConcurrentV { stages, staging } => {
-                variant = Some(match (stages, staging) {
-                    (2, 2) => 2,
-                    (3, 2) => 3,
-                    (4, 1) => 4,
-                    _ => return Err(FlashKdaError::PassWarps(stages)),
-                });
+                let Some(v) = PASS_VARIANTS
+                    .iter()
+                    .position(|&(_, ps, db)| (ps, db) == (stages, staging))
+                else {
+                    return Err(FlashKdaError::PassWarps(stages));
+                };
+                variant = Some(v);
                 (4, true, false)
             }
             PassSchedule::Concurrent {
@@ -471,8 +503,10 @@ pub fn bwd_validated(
         }
         let (i, smem) = match variant {
             None => (usize::from(nw == 4), pass_smem_bytes(nw)),
-            Some(4) => (4, pass_smem_bytes_v(4, 4, 1)),
-            Some(st) => (st, pass_smem_bytes_v(4, st, 2)),
+            Some(v) => (
+                2 + v,
+                pass_smem_bytes_v(4, PASS_VARIANTS[v].1, PASS_VARIANTS[v].2),
+            ),
         };
         let blocks = (chains * HEAD_DIM / (16 * nw)) as u32;
         let cfg = |grid: u32| LaunchConfig {
@@ -570,6 +604,8 @@ mod tests {
         assert_eq!(pass_smem_bytes_v(4, 2, 2), 68240);
         assert_eq!(pass_smem_bytes_v(4, 3, 2), 84952);
         assert_eq!(pass_smem_bytes_v(4, 4, 1), 85280);
+        assert_eq!(pass_smem_bytes_v(4, 2, 3), 84624);
+        assert_eq!(pass_smem_bytes_v(4, 3, 3), 101336);
         assert_eq!(ACC_W % 4, 0);
     }
 
@@ -614,9 +650,17 @@ mod tests {
         assert!(2 * 96 * HEAD_DIM / 64 <= pass_blocks_per_sm(4) * 132);
         assert_eq!(
             pass_schedule(96, 132),
-            PassSchedule::Concurrent {
-                warps: 4,
-                overlap_prep: false
+            PassSchedule::ConcurrentV {
+                stages: 2,
+                staging: 2
+            }
+        );
+        // varlen6 at H = 64: 384 chains, not all resident: three stages
+        assert_eq!(
+            pass_schedule(6 * 64, 132),
+            PassSchedule::ConcurrentV {
+                stages: 3,
+                staging: 2
             }
         );
         // the prep overlap: H = 96 and 64 fixed (192 / 128 forward blocks), not varlen6 at H = 64
