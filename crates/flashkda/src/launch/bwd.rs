@@ -35,6 +35,12 @@ const PASS_VARIANTS: [(&str, usize, usize); 5] = [
     ("t2", 2, 3),
     ("t3", 3, 3),
 ];
+/// Index into `PASS_VARIANTS` of the variant with `stages` and `staging`.
+fn pass_variant(stages: usize, staging: usize) -> Option<usize> {
+    PASS_VARIANTS
+        .iter()
+        .position(|&(_, ps, db)| (ps, db) == (stages, staging))
+}
 /// `PASS_SMEM_V(NW, PS, DB)`: `ps` cp.async stages, `db` state staging tiles per warp.
 const fn pass_smem_bytes_v(nw: usize, ps: usize, db: usize) -> u32 {
     (ps * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)
@@ -479,11 +485,8 @@ pub fn bwd_validated(
         let (nw, both, overlap) = match sched {
             PassSchedule::Sequential { warps } => (warps, false, false),
             PassSchedule::ConcurrentV { stages, staging } => {
-                let Some(v) = PASS_VARIANTS
-                    .iter()
-                    .position(|&(_, ps, db)| (ps, db) == (stages, staging))
-                else {
-                    return Err(FlashKdaError::PassWarps(stages));
+                let Some(v) = pass_variant(stages, staging) else {
+                    return Err(FlashKdaError::PassVariant { stages, staging });
                 };
                 variant = Some(v);
                 (4, true, false)
@@ -686,6 +689,14 @@ mod tests {
             })
         );
         assert_eq!(PassSchedule::parse("x"), None);
+        // every knob names a compiled variant, nothing else does
+        for k in ["conc4d2", "conc4d3", "conc4p4", "conc4t2", "conc4t3"] {
+            let Some(PassSchedule::ConcurrentV { stages, staging }) = PassSchedule::parse(k) else {
+                panic!("{k}");
+            };
+            assert!(pass_variant(stages, staging).is_some(), "{k}");
+        }
+        assert_eq!(pass_variant(2, 1), None);
     }
 
     #[test]
