@@ -144,10 +144,11 @@ __device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t by
 
 // The warp's 16 state rows (fp32 fragments) as bf16 into its transposed global tile dst[key][16 values]
 // (4 KiB): stmatrix.trans into the warp's staging tile ot[128][16], then one bulk copy by lane 0 (off
-// the load/store units); the previous chunk's copy must have read ot first.
+// the load/store units). DB staging tiles used in turn: the copy DB chunks back must have read ot first.
+template <int DB>
 __device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int lane) {
   const int mi = lane >> 3, c = lane & 7;
-  if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(DB - 1) : "memory");
   __syncwarp();
 #pragma unroll
   for (int np = 0; np < 8; ++np) {
@@ -236,17 +237,17 @@ __device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, uint32_t bar, c
 }
 
 // ---- 2. forward state pass, storing S0, Wr and U per chunk
-template <int NW>
+template <int NW, int PS, int DB>
 __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
   constexpr int VS = 16 * NW, SLICES = KD / VS, NT = 32 * NW;
   extern __shared__ __align__(16) unsigned char bsm_raw[];
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // state staging
-  bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + NW * KD * 16 + warp * CH * 16;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PST * sizeof(PassStage<VS>) + NW * (KD + CH) * 16 * 2);
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + warp * DB * KD * 16;  // state staging
+  bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + NW * DB * KD * 16 + warp * CH * 16;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PS * sizeof(PassStage<VS>) + NW * (DB * KD + CH) * 16 * 2);
   if (tid == 0) {
-    for (int i = 0; i < PST; ++i) mbar_init(smem_u32(&bars[i]), 1);
+    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&bars[i]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -264,17 +265,17 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
     return rem < CH ? (int)rem : CH;
   };
   auto issue = [&](int c) {  // one commit group per chunk, empty past the end
-    if (c < nch) pass_prefetch<NT, VS, false>(stg[c % PST], smem_u32(&bars[c % PST]), p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    if (c < nch) pass_prefetch<NT, VS, false>(stg[c % PS], smem_u32(&bars[c % PS]), p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
     else cp_async_commit();
   };
 #pragma unroll
-  for (int c = 0; c < PST - 1; ++c) issue(c);
+  for (int c = 0; c < PS - 1; ++c) issue(c);
   for (int c = 0; c < nch; ++c) {
-    cp_async_wait_group<PST - 2>();
-    mbar_wait(smem_u32(&bars[c % PST]), (uint32_t)((c / PST) & 1));
+    cp_async_wait_group<PS - 2>();
+    mbar_wait(smem_u32(&bars[c % PS]), (uint32_t)((c / PS) & 1));
     __syncthreads();
-    issue(c + PST - 1);
-    const PassStage<VS>& st = stg[c % PST];
+    issue(c + PS - 1);
+    const PassStage<VS>& st = stg[c % PS];
     const long long slot = slot0 + c;
     const int nv = nvalid(c);
     if (c == nch - 1 && p.dht != nullptr) {
@@ -311,7 +312,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
         }
     }
     const size_t sh = (size_t)slot * H + h;
-    store_rows_t(S, ots, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16, lane);
+    store_rows_t<DB>(S, ots + (c % DB) * KD * 16, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
     const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
@@ -378,17 +379,17 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
 }
 
 // ---- 3. reverse state-gradient pass
-template <int NW>
+template <int NW, int PS, int DB>
 __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   constexpr int VS = 16 * NW, SLICES = KD / VS, NT = 32 * NW;
   extern __shared__ __align__(16) unsigned char bsm_raw[];
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + warp * KD * 16;  // state staging
-  bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PST * sizeof(PassStage<VS>)) + NW * KD * 16 + warp * CH * 16;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PST * sizeof(PassStage<VS>) + NW * (KD + CH) * 16 * 2);
+  bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + warp * DB * KD * 16;  // state staging
+  bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + NW * DB * KD * 16 + warp * CH * 16;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PS * sizeof(PassStage<VS>) + NW * (DB * KD + CH) * 16 * 2);
   if (tid == 0) {
-    for (int i = 0; i < PST; ++i) mbar_init(smem_u32(&bars[i]), 1);
+    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&bars[i]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -409,22 +410,22 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   };
   auto issue = [&](int k) {  // k-th chunk from the end; one commit group each, empty past the start
     const int c = nch - 1 - k;
-    if (c >= 0) pass_prefetch<NT, VS, true>(stg[k % PST], smem_u32(&bars[k % PST]), p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    if (c >= 0) pass_prefetch<NT, VS, true>(stg[k % PS], smem_u32(&bars[k % PS]), p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
     else cp_async_commit();
   };
 #pragma unroll
-  for (int k = 0; k < PST - 1; ++k) issue(k);
+  for (int k = 0; k < PS - 1; ++k) issue(k);
   for (int k = 0; k < nch; ++k) {
     const int c = nch - 1 - k;
-    cp_async_wait_group<PST - 2>();
-    mbar_wait(smem_u32(&bars[k % PST]), (uint32_t)((k / PST) & 1));
+    cp_async_wait_group<PS - 2>();
+    mbar_wait(smem_u32(&bars[k % PS]), (uint32_t)((k / PS) & 1));
     __syncthreads();
-    issue(k + PST - 1);
-    const PassStage<VS>& st = stg[k % PST];
+    issue(k + PS - 1);
+    const PassStage<VS>& st = stg[k % PS];
     const long long slot = slot0 + c, t0 = bos + (long long)c * CH;
     const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
-    store_rows_t(dS, ots, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16, lane);
+    store_rows_t<DB>(dS, ots + (k % DB) * KD * 16, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16, lane);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* qd = reinterpret_cast<const bf16*>(st.rec + R_QD);
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
@@ -521,15 +522,33 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   bulk_drain(lane);
 }
 
-#define PASS_SMEM(NW) (PST * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * (KD + CH) * 16 * 2 + PST * 8)
+// PS cp.async stages, DB state staging tiles per warp
+#define PASS_SMEM_V(NW, PS, DB) ((PS) * (REC_BYTES + CH * (16 * (NW) + 8) * 2) + (NW) * ((DB) * KD + CH) * 16 * 2 + (PS) * 8)
+#define PASS_SMEM(NW) PASS_SMEM_V(NW, PST, 1)
 static_assert(sizeof(PassStage<32>) * PST + 2 * (KD + CH) * 16 * 2 + PST * 8 == PASS_SMEM(2), "pass_smem_bytes in src/launch/bwd.rs");
 static_assert(PASS_SMEM(2) == 56280, "pass_smem_bytes in src/launch/bwd.rs");
 static_assert(PASS_SMEM(4) == 68568, "pass_smem_bytes in src/launch/bwd.rs");
+static_assert(PASS_SMEM_V(4, 2, 2) == 68240 && PASS_SMEM_V(4, 3, 2) == 84952 && PASS_SMEM_V(4, 4, 1) == 85280 &&
+                  PASS_SMEM_V(4, 2, 3) == 84624 && PASS_SMEM_V(4, 3, 3) == 101336,
+              "pass_smem_bytes in src/launch/bwd.rs");
 
-extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(64) kdab_states_w2(const KdaBwdParams p) { states_body<2, PST, 1>(p, blockIdx.x); }
 // 4-warp blocks at <= 168 registers (states: as compiled, 36 B of spills when capped; dstates: capped
 // from 182): three blocks of either pass fit one SM, so both passes of H = 96 fixed (384 blocks) run at once.
-extern "C" __global__ void __launch_bounds__(128) kdab_states_w4(const KdaBwdParams p) { states_body<4>(p, blockIdx.x); }
-extern "C" __global__ void __launch_bounds__(64) kdab_dstates_w2(const KdaBwdParams p) { dstates_body<2>(p, blockIdx.x); }
-extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4(const KdaBwdParams p) { dstates_body<4>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4(const KdaBwdParams p) { states_body<4, PST, 1>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(64) kdab_dstates_w2(const KdaBwdParams p) { dstates_body<2, PST, 1>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4(const KdaBwdParams p) { dstates_body<4, PST, 1>(p, blockIdx.x); }
+// Double-buffered state staging (a chunk's bulk store need not have left shared memory before the next
+// chunk's): d2 with 2 cp.async stages (68 KB, 3 blocks per SM), d3 with 3 (85 KB, 2 per SM); p4: one
+// staging tile, 4 stages (3 chunks ahead, 85 KB); t2 / t3: three staging tiles, 2 / 3 stages (85 / 101 KB).
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4d2(const KdaBwdParams p) { states_body<4, 2, 2>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4d2(const KdaBwdParams p) { dstates_body<4, 2, 2>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4d3(const KdaBwdParams p) { states_body<4, 3, 2>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4d3(const KdaBwdParams p) { dstates_body<4, 3, 2>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4p4(const KdaBwdParams p) { states_body<4, 4, 1>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4p4(const KdaBwdParams p) { dstates_body<4, 4, 1>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4t2(const KdaBwdParams p) { states_body<4, 2, 3>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4t2(const KdaBwdParams p) { dstates_body<4, 2, 3>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128) kdab_states_w4t3(const KdaBwdParams p) { states_body<4, 3, 3>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4t3(const KdaBwdParams p) { dstates_body<4, 3, 3>(p, blockIdx.x); }
 #include "kda_bwd_chunk.cuh"

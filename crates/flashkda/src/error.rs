@@ -65,6 +65,10 @@ pub enum FlashKdaError {
     OperandsSchedule { schedule: String },
     #[error("the backward state passes take 2 or 4 warps per block, not {0}")]
     PassWarps(usize),
+    #[error(
+        "no backward state-pass variant with {stages} cp.async stages and {staging} staging tiles"
+    )]
+    PassVariant { stages: usize, staging: usize },
     #[error("workspace of {have} bytes is too small: this call needs {need} bytes")]
     WorkspaceTooSmall { need: usize, have: usize },
     #[error(

@@ -106,7 +106,27 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
 }
 
 /// The state-pass schedules every case runs under.
-const SCHEDULES: [PassSchedule; 5] = [
+const SCHEDULES: [PassSchedule; 10] = [
+    PassSchedule::ConcurrentV {
+        stages: 2,
+        staging: 3,
+    },
+    PassSchedule::ConcurrentV {
+        stages: 3,
+        staging: 3,
+    },
+    PassSchedule::ConcurrentV {
+        stages: 2,
+        staging: 2,
+    },
+    PassSchedule::ConcurrentV {
+        stages: 3,
+        staging: 2,
+    },
+    PassSchedule::ConcurrentV {
+        stages: 4,
+        staging: 1,
+    },
     PassSchedule::Concurrent {
         warps: 4,
         overlap_prep: true,

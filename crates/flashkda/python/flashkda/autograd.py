@@ -17,6 +17,8 @@ import os
 
 # benchmark knob: how the backward's two state passes run (auto, seq2, seq4, conc2, conc4, conc4o)
 _PASSES = os.environ.get("FLASHKDA_BWD_PASSES") or None
+# benchmark knob: the forward's prep and state pass at once (`overlap=True` where eligible)
+_FWD_OVERLAP = True if os.environ.get("FLASHKDA_FWD_OVERLAP") == "1" else None
 
 
 def _function():
@@ -36,7 +38,7 @@ def _function():
                 sd = initial_state.dtype if initial_state is not None else torch.float32
                 final_state = torch.empty(n, H, 128, 128, dtype=sd, device=q.device)
             _flashkda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
-                          final_state, cu_seqlens)
+                          final_state, cu_seqlens, overlap=_FWD_OVERLAP)
             ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
             ctx.scale, ctx.lower_bound = scale, lower_bound
             ctx.state_dtype = final_state.dtype if final_state is not None else torch.float32

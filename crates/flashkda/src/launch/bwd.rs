@@ -24,8 +24,28 @@ const STATE_BYTES: usize = HEAD_DIM * HEAD_DIM * 2;
 const WU_BYTES: usize = 4 * CHUNK * HEAD_DIM * 2;
 /// Dynamic shared memory of `kdab_states_w*` / `kdab_dstates_w*` (`PASS_SMEM(NW)`).
 const fn pass_smem_bytes(nw: usize) -> u32 {
-    (3 * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2) + nw * (HEAD_DIM + 16) * 16 * 2 + 3 * 8)
-        as u32
+    pass_smem_bytes_v(nw, 3, 1)
+}
+/// The 4-warp pass variants (`kdab_*states_w4<suffix>`): suffix, cp.async stages, state staging
+/// tiles per warp; `PassSchedule::ConcurrentV` names one by its stages and staging.
+const PASS_VARIANTS: [(&str, usize, usize); 5] = [
+    ("d2", 2, 2),
+    ("d3", 3, 2),
+    ("p4", 4, 1),
+    ("t2", 2, 3),
+    ("t3", 3, 3),
+];
+/// Index into `PASS_VARIANTS` of the variant with `stages` and `staging`.
+fn pass_variant(stages: usize, staging: usize) -> Option<usize> {
+    PASS_VARIANTS
+        .iter()
+        .position(|&(_, ps, db)| (ps, db) == (stages, staging))
+}
+/// `PASS_SMEM_V(NW, PS, DB)`: `ps` cp.async stages, `db` state staging tiles per warp.
+const fn pass_smem_bytes_v(nw: usize, ps: usize, db: usize) -> u32 {
+    (ps * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)
+        + nw * (db * HEAD_DIM + 16) * 16 * 2
+        + ps * 8) as u32
 }
 /// Dynamic shared memory of `kdab_chunk` (`CHUNK_SMEM`).
 const CHUNK_SMEM_BYTES: u32 = 111008;
@@ -50,6 +70,9 @@ pub enum PassSchedule {
     /// (opt-in, measured slower): the forward pass also runs beside the prep, waiting on each
     /// record's ready flag, where [`prep_overlap_fits`] (else as without).
     Concurrent { warps: usize, overlap_prep: bool },
+    /// At once, 4 warps, `stages` cp.async stages and `staging` state staging tiles per warp
+    /// (one of `PASS_VARIANTS`: (2, 2), (3, 2), (4, 1), (2, 3), (3, 3)).
+    ConcurrentV { stages: usize, staging: usize },
 }
 
 /// Blocks of `warps` warps a multiprocessor holds at once in a state pass (shared memory).
@@ -58,14 +81,13 @@ const fn pass_blocks_per_sm(warps: usize) -> usize {
     233472 / (pass_smem_bytes(warps) as usize + 1024)
 }
 
-/// The schedule `Auto` takes: both passes at once, 4 warps per block (the fastest of the four on all
-/// six anchors, bwd4 call 1; 3 blocks of either pass per SM, so H = 96 fixed's 384 run at once), without
-/// the prep overlap (slower: bwd4 call 5, H=96 fixed 7.06 vs 6.80 ms fwd+bwd).
-pub fn pass_schedule(_chains: usize, _sm_count: usize) -> PassSchedule {
-    PassSchedule::Concurrent {
-        warps: 4,
-        overlap_prep: false,
-    }
+/// The schedule `Auto` takes: both passes at once, 4 warps per block, double-buffered state staging
+/// (bwd7 call 1: passes 1.93 -> 1.65 ms at H = 96 fixed), without the prep overlap (slower: bwd4
+/// call 5). Two cp.async stages (68 KB, 3 blocks per SM) while both passes' blocks all fit at once
+/// (the fixed anchors), else three (85 KB, 2 per SM: faster on the other four anchors).
+pub fn pass_schedule(chains: usize, sm_count: usize) -> PassSchedule {
+    let stages = if 4 * chains <= 3 * sm_count { 2 } else { 3 };
+    PassSchedule::ConcurrentV { stages, staging: 2 }
 }
 
 /// Whether the forward pass (`chains` x 2 blocks of 4 warps) may wait on the prep's ready flags: at
@@ -76,7 +98,9 @@ pub fn prep_overlap_fits(chains: usize, warps: usize, sm_count: usize) -> bool {
 }
 
 impl PassSchedule {
-    /// `seq2`, `seq4`, `conc2`, `conc4`, `conc4o` (with the prep overlap) or `auto` (benchmark knob
+    /// `seq2`, `seq4`, `conc2`, `conc4`, `conc4o` (with the prep overlap), `conc4d2`, `conc4d3`
+    /// (double-buffered staging, 2 or 3 stages), `conc4p4` (4 stages), `conc4t2`, `conc4t3` (three
+    /// staging tiles) or `auto` (benchmark knob
     /// of the Python call).
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
@@ -94,6 +118,26 @@ impl PassSchedule {
             "conc4o" => PassSchedule::Concurrent {
                 warps: 4,
                 overlap_prep: true,
+            },
+            "conc4d2" => PassSchedule::ConcurrentV {
+                stages: 2,
+                staging: 2,
+            },
+            "conc4d3" => PassSchedule::ConcurrentV {
+                stages: 3,
+                staging: 2,
+            },
+            "conc4p4" => PassSchedule::ConcurrentV {
+                stages: 4,
+                staging: 1,
+            },
+            "conc4t2" => PassSchedule::ConcurrentV {
+                stages: 2,
+                staging: 3,
+            },
+            "conc4t3" => PassSchedule::ConcurrentV {
+                stages: 3,
+                staging: 3,
             },
             _ => return None,
         })
@@ -208,10 +252,10 @@ unsafe impl DeviceRepr for BwdKernelParams {}
 #[derive(Debug)]
 pub(super) struct BwdKernels {
     prep: CudaFunction,
-    /// `kdab_states_w2`, `kdab_states_w4`.
-    states: [CudaFunction; 2],
-    /// `kdab_dstates_w2`, `kdab_dstates_w4`.
-    dstates: [CudaFunction; 2],
+    /// `kdab_states_w2`, `_w4`, then `_w4<suffix>` of `PASS_VARIANTS`.
+    states: Vec<CudaFunction>,
+    /// `kdab_dstates_w2`, `_w4`, then the variants.
+    dstates: Vec<CudaFunction>,
     chunk: CudaFunction,
     reduce: CudaFunction,
     finish: CudaFunction,
@@ -230,16 +274,36 @@ impl BwdKernels {
             }
             Ok::<_, FlashKdaError>(f)
         };
+        let pass_fns = |names: [&'static str; 7]| {
+            let mut v = vec![
+                load(names[0], pass_smem_bytes(2))?,
+                load(names[1], pass_smem_bytes(4))?,
+            ];
+            for (name, (_, ps, db)) in names[2..].iter().zip(PASS_VARIANTS) {
+                v.push(load(name, pass_smem_bytes_v(4, ps, db))?);
+            }
+            Ok::<_, FlashKdaError>(v)
+        };
         Ok(BwdKernels {
             prep: load("kda_prep", 0)?,
-            states: [
-                load("kdab_states_w2", pass_smem_bytes(2))?,
-                load("kdab_states_w4", pass_smem_bytes(4))?,
-            ],
-            dstates: [
-                load("kdab_dstates_w2", pass_smem_bytes(2))?,
-                load("kdab_dstates_w4", pass_smem_bytes(4))?,
-            ],
+            states: pass_fns([
+                "kdab_states_w2",
+                "kdab_states_w4",
+                "kdab_states_w4d2",
+                "kdab_states_w4d3",
+                "kdab_states_w4p4",
+                "kdab_states_w4t2",
+                "kdab_states_w4t3",
+            ])?,
+            dstates: pass_fns([
+                "kdab_dstates_w2",
+                "kdab_dstates_w4",
+                "kdab_dstates_w4d2",
+                "kdab_dstates_w4d3",
+                "kdab_dstates_w4p4",
+                "kdab_dstates_w4t2",
+                "kdab_dstates_w4t3",
+            ])?,
             chunk: load("kdab_chunk", CHUNK_SMEM_BYTES)?,
             reduce: load("kdab_reduce", 0)?,
             finish: load("kda_bwd_finish", 0)?,
@@ -417,8 +481,16 @@ pub fn bwd_validated(
             PassSchedule::Auto => pass_schedule(chains, kernels.sm_count),
             s => s,
         };
+        let mut variant = None;
         let (nw, both, overlap) = match sched {
             PassSchedule::Sequential { warps } => (warps, false, false),
+            PassSchedule::ConcurrentV { stages, staging } => {
+                let Some(v) = pass_variant(stages, staging) else {
+                    return Err(FlashKdaError::PassVariant { stages, staging });
+                };
+                variant = Some(v);
+                (4, true, false)
+            }
             PassSchedule::Concurrent {
                 warps,
                 overlap_prep,
@@ -432,12 +504,18 @@ pub fn bwd_validated(
         if nw != 2 && nw != 4 {
             return Err(FlashKdaError::PassWarps(nw));
         }
-        let i = usize::from(nw == 4);
+        let (i, smem) = match variant {
+            None => (usize::from(nw == 4), pass_smem_bytes(nw)),
+            Some(v) => (
+                2 + v,
+                pass_smem_bytes_v(4, PASS_VARIANTS[v].1, PASS_VARIANTS[v].2),
+            ),
+        };
         let blocks = (chains * HEAD_DIM / (16 * nw)) as u32;
         let cfg = |grid: u32| LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: ((32 * nw) as u32, 1, 1),
-            shared_mem_bytes: pass_smem_bytes(nw),
+            shared_mem_bytes: smem,
         };
         // Concurrent: the forward pass on the highest-priority side stream beside the reverse pass
         // on the caller's stream, which then waits for both (they share no data). Overlapped: the
@@ -526,6 +604,11 @@ mod tests {
         assert_eq!(std::mem::align_of::<BwdKernelParams>(), 8);
         assert_eq!(pass_smem_bytes(2), 56280);
         assert_eq!(pass_smem_bytes(4), 68568);
+        assert_eq!(pass_smem_bytes_v(4, 2, 2), 68240);
+        assert_eq!(pass_smem_bytes_v(4, 3, 2), 84952);
+        assert_eq!(pass_smem_bytes_v(4, 4, 1), 85280);
+        assert_eq!(pass_smem_bytes_v(4, 2, 3), 84624);
+        assert_eq!(pass_smem_bytes_v(4, 3, 3), 101336);
         assert_eq!(ACC_W % 4, 0);
     }
 
@@ -570,9 +653,17 @@ mod tests {
         assert!(2 * 96 * HEAD_DIM / 64 <= pass_blocks_per_sm(4) * 132);
         assert_eq!(
             pass_schedule(96, 132),
-            PassSchedule::Concurrent {
-                warps: 4,
-                overlap_prep: false
+            PassSchedule::ConcurrentV {
+                stages: 2,
+                staging: 2
+            }
+        );
+        // varlen6 at H = 64: 384 chains, not all resident: three stages
+        assert_eq!(
+            pass_schedule(6 * 64, 132),
+            PassSchedule::ConcurrentV {
+                stages: 3,
+                staging: 2
             }
         );
         // the prep overlap: H = 96 and 64 fixed (192 / 128 forward blocks), not varlen6 at H = 64
@@ -590,7 +681,22 @@ mod tests {
                 overlap_prep: false
             })
         );
+        assert_eq!(
+            PassSchedule::parse("conc4d3"),
+            Some(PassSchedule::ConcurrentV {
+                stages: 3,
+                staging: 2
+            })
+        );
         assert_eq!(PassSchedule::parse("x"), None);
+        // every knob names a compiled variant, nothing else does
+        for k in ["conc4d2", "conc4d3", "conc4p4", "conc4t2", "conc4t3"] {
+            let Some(PassSchedule::ConcurrentV { stages, staging }) = PassSchedule::parse(k) else {
+                panic!("{k}");
+            };
+            assert!(pass_variant(stages, staging).is_some(), "{k}");
+        }
+        assert_eq!(pass_variant(2, 1), None);
     }
 
     #[test]
