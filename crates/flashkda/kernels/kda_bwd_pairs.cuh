@@ -221,16 +221,16 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
     const size_t sh = (size_t)slot * H + h;
     if (c == nch - 1 && p.dht != nullptr) dgl_rows_h(p, S, ((size_t)n * H + h) * KD * KD, (((size_t)n * H + h) * 8 + vw / 16) * KD, vw + gq, k0, gq, tq);
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
-    // W^T partial = S kd^T over this warp's keys: global k-step kb = 4 hf + j (keys 16 kb + [0, 16))
+    // W^T partial = S kd^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
     float W[2][4] = {};
     auto partial = [&]() {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int kb = 4 * hf + j;
         const uint32_t a0 = pack(S[2 * j][0], S[2 * j][1]), a1 = pack(S[2 * j][2], S[2 * j][3]);
         const uint32_t a2 = pack(S[2 * j + 1][0], S[2 * j + 1][1]), a3 = pack(S[2 * j + 1][2], S[2 * j + 1][3]);
         uint32_t bk[4];
-        ldsm_x4(bk, kd + lrow * KD + (((2 * kb + lhalf) ^ (lrow & 7)) << 3));
+        // 16-byte unit 8 hf + 2 j + lhalf of row lrow xor lrow & 7 (< 8: bit 3 kept) = k0 + unit (2 j + lhalf) ^ ...
+        ldsm_x4(bk, kd + k0 + lrow * KD + (((2 * j + lhalf) ^ (lrow & 7)) << 3));
         mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
         mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
       }
@@ -290,12 +290,12 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
     }
     uint32_t uah[4], ual[4];
     split_tile(uah, ual, U, 1.f);
-    // S = S diag(E) + U^T kr, this warp's keys: global key pair-tile g = 4 hf + np (keys 16 g + [0, 16))
+    // S = S diag(E) + U^T kr, this warp's keys: step np covers keys k0 + 16 np + [0, 16) (tiles 2 np, 2 np + 1)
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t bk[4];
-      const int r = (4 * hf + np) * 16 + lrow;
-      ldsm_x4(bk, krT + r * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
+      const int r = np * 16 + lrow;  // key k0 + r; the half swizzle (r >> 2) & 1 is the same for k0 + r
+      ldsm_x4(bk, krT + (k0 + r) * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int nt = 2 * np + j;
@@ -354,17 +354,16 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
     const int nv = nvalid(c);
     const size_t sh = (size_t)slot * H + h;
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
-    // dU^T partial = dS kr^T over this warp's keys: global k-step kb = 4 hf + j (keys 16 kb + [0, 16))
+    // dU^T partial = dS kr^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
     float dU[2][4] = {};
     auto partial = [&]() {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const int kb = 4 * hf + j;
         const uint32_t a0 = pack(dS[2 * j][0], dS[2 * j][1]), a1 = pack(dS[2 * j][2], dS[2 * j][3]);
         const uint32_t a2 = pack(dS[2 * j + 1][0], dS[2 * j + 1][1]);
         const uint32_t a3 = pack(dS[2 * j + 1][2], dS[2 * j + 1][3]);
         uint32_t bk[4];
-        ldsm_x4_t(bk, krT + swz16(16 * kb + lr, lc));
+        ldsm_x4_t(bk, krT + k0 * 16 + swz16(16 * j + lr, lc));  // rows k0 + 16 j + lr (same half swizzle)
         mma(dU[0], a0, a1, a2, a3, bk[0], bk[1], dU[0]);
         mma(dU[1], a0, a1, a2, a3, bk[2], bk[3], dU[1]);
       }
@@ -432,13 +431,13 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
     if (hf == 0) store_tile_t(dW, L.tts, p.dv + t0 * hs + (long long)h * KD + vw, (size_t)hs, nv, lane);
     uint32_t wh[4], wl[4];
     split_tile(wh, wl, dW, -1.f);
-    // dS = dS diag(E) + dO^T qd - dv^T kd, this warp's keys: global key pair-tile g = 4 hf + np
+    // dS = dS diag(E) + dO^T qd - dv^T kd, this warp's keys: step np covers keys k0 + 16 np + [0, 16)
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t bq[4], bk[4];
-      const int g = 4 * hf + np;
-      ldsm_x4_t(bq, qd + swz128(lr, 16 * g + lc));
-      ldsm_x4_t(bk, kd + swz128(lr, 16 * g + lc));
+      // swz128(lr, k0 + 16 np + lc) = k0 + swz128(lr, 16 np + lc): unit 8 hf + u, u ^ (lr & 7) < 8
+      ldsm_x4_t(bq, qd + k0 + swz128(lr, 16 * np + lc));
+      ldsm_x4_t(bk, kd + k0 + swz128(lr, 16 * np + lc));
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int nt = 2 * np + j;
