@@ -552,3 +552,4 @@ extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4t2(const Kda
 extern "C" __global__ void __launch_bounds__(128) kdab_states_w4t3(const KdaBwdParams p) { states_body<4, 3, 3>(p, blockIdx.x); }
 extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4t3(const KdaBwdParams p) { dstates_body<4, 3, 3>(p, blockIdx.x); }
 #include "kda_bwd_chunk.cuh"
+#include "kda_bwd_pairs.cuh"

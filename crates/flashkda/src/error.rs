@@ -69,6 +69,14 @@ pub enum FlashKdaError {
         "no backward state-pass variant with {stages} cp.async stages and {staging} staging tiles"
     )]
     PassVariant { stages: usize, staging: usize },
+    #[error(
+        "no warp-pair state-pass variant with {stages} cp.async stages, {staging} staging tiles and pair_barrier = {pair_barrier}"
+    )]
+    PairVariant {
+        stages: usize,
+        staging: usize,
+        pair_barrier: bool,
+    },
     #[error("workspace of {have} bytes is too small: this call needs {need} bytes")]
     WorkspaceTooSmall { need: usize, have: usize },
     #[error(

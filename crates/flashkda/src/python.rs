@@ -305,7 +305,7 @@ fn bwd(
         None => crate::launch::PassSchedule::Auto,
         Some(s) => crate::launch::PassSchedule::parse(s).ok_or_else(|| {
             PyValueError::new_err(format!(
-                "passes={s:?}: expected auto, seq2, seq4, conc2, conc4, conc4o, conc4d2, conc4d3, conc4p4, conc4t2 or conc4t3"
+                "passes={s:?}: expected auto, seq2, seq4, conc2, conc4, conc4o, conc4d2, conc4d3, conc4p4, conc4t2, conc4t3, pair2, pair3 or pair2n"
             ))
         })?,
     };

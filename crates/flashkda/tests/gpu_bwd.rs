@@ -2,7 +2,8 @@
 //! (`reference::recurrence_grad_f64`) on fresh random inputs and upstream gradients, with every
 //! gradient output NaN-poisoned (and canaried) before the kernels run. Skipped, with the reason
 //! printed, where no Hopper GPU is; `K3_REQUIRE_GPU=1` turns the skip into a failure. Run with
-//! `--test-threads=1`. `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case.
+//! `--test-threads=1`. `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case;
+//! `FLASHKDA_TEST_PASSES=<knob,...>` runs only those state-pass schedules.
 
 mod common;
 use common::{gpu, log_line, seed};
@@ -74,7 +75,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     // FLASHKDA_TEST_NO_OVERLAP=1 skips the prep overlap (under compute-sanitizer, which serializes
     // kernels and would leave the forward pass waiting on flags of a prep that cannot start)
     let no_overlap = std::env::var("FLASHKDA_TEST_NO_OVERLAP").is_ok_and(|v| v == "1");
-    for passes in SCHEDULES {
+    for passes in schedules() {
         if no_overlap
             && matches!(
                 passes,
@@ -105,8 +106,23 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     }
 }
 
-/// The state-pass schedules every case runs under.
-const SCHEDULES: [PassSchedule; 10] = [
+/// The state-pass schedules every case runs under (the warp-pair ones first: opt-in, not yet run on a GPU).
+const SCHEDULES: [PassSchedule; 13] = [
+    PassSchedule::PairV {
+        stages: 2,
+        staging: 2,
+        pair_barrier: false,
+    },
+    PassSchedule::PairV {
+        stages: 3,
+        staging: 2,
+        pair_barrier: false,
+    },
+    PassSchedule::PairV {
+        stages: 2,
+        staging: 2,
+        pair_barrier: true,
+    },
     PassSchedule::ConcurrentV {
         stages: 2,
         staging: 3,
@@ -142,6 +158,21 @@ const SCHEDULES: [PassSchedule; 10] = [
     PassSchedule::Sequential { warps: 2 },
     PassSchedule::Sequential { warps: 4 },
 ];
+
+/// The schedules of this run: `FLASHKDA_TEST_PASSES=pair2,pair3,...` (knobs of `PassSchedule::parse`)
+/// picks some (e.g. for the sanitizers), default all of [`SCHEDULES`].
+fn schedules() -> Vec<PassSchedule> {
+    match std::env::var("FLASHKDA_TEST_PASSES") {
+        Ok(v) if !v.trim().is_empty() => v
+            .split(',')
+            .map(|k| {
+                PassSchedule::parse(k.trim())
+                    .unwrap_or_else(|| panic!("FLASHKDA_TEST_PASSES: unknown knob {k:?}"))
+            })
+            .collect(),
+        _ => SCHEDULES.to_vec(),
+    }
+}
 
 /// Checks one schedule's gradients against float64 (all written, within [`BAR`]); logs a line.
 fn compare(

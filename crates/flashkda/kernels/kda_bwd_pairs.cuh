@@ -1,0 +1,464 @@
+// kda_bwd_chunk.cu, launches 2 and 3 split over warp pairs (opt-in, `PassSchedule::PairV`): the same math
+// as states_body / dstates_body, with half the mma of a chained chunk step per warp.
+//
+// An 8-warp block covers the same 64 value rows as a 4-warp block of the w4 passes. Warp w is half
+// hf = w & 1 of pair pr = w >> 1; the pair owns value rows vw + [0, 16), vw = v0 + 16 pr; the warp holds
+// keys [64 hf, 64 hf + 64) of them. Local accumulator tile j (j < 8) is global key tile 8 hf + j: lane
+// (gq, tq) holds rows vw + gq (elements 0, 1) and vw + gq + 8 (2, 3), keys 64 hf + 8 j + 2 tq + (0, 1).
+// The key-summed product of a step (W = S kd^T; dS kr^T of dU) is a partial over the warp's 64 keys; the
+// pair exchanges the 16 x 16 fp32 partials through shared memory (tile [warp][step & 1], fragment order:
+// float4 (X[nt][0..3]) at nt * 32 + lane, read back by the partner's same lane) and both add the partner's
+// (P_own + P_other: the same fp32 bits in both warps). The exchange rides the block barrier every chunk
+// step already has (the partial is computed from registers and the mbarrier-delivered record before it),
+// so no extra barrier sits on the chain; PB (the `_p8n*` kernels) instead computes the partial after the
+// block barrier and exchanges it through a pair-scoped named barrier (`bar.sync 1 + pr, 64`: ids 1 - 4,
+// id 0 is __syncthreads, no other named barrier in these kernels). Two tiles used in turn: a warp writes
+// step s + 2's partial only after the barrier of step s + 1, which its partner reaches after reading step
+// s's. Both warps do the 16 x 16 work (identical inputs, identical results); the stores of the 16 x 16
+// tiles are split (hi by half 0, lo by half 1; dv by half 0), each warp stores its own 64 keys of the chunk
+// state (2 KiB, keys [64 hf, 64 hf + 64) of the tiled [value/16][key][value%16] layout) and of dh0 / dgl.
+#pragma once
+
+#define PAIR_XCH 256  // floats of one exchange tile (a warp's 16 x 16 fp32 partial)
+
+// Dynamic shared memory: PS stages, per warp DB state staging tiles [64 key][16 value] bf16 and a 16 x 16
+// bf16 tile staging tile, per warp two exchange tiles, PS mbarriers (`pair_smem_bytes` in src/launch/bwd.rs).
+#define PAIR_SMEM(PS, DB) ((PS) * (REC_BYTES + CH * (64 + 8) * 2) + 8 * ((DB) * 64 + CH) * 16 * 2 + 8 * 2 * PAIR_XCH * 4 + (PS) * 8)
+static_assert(sizeof(PassStage<64>) == REC_BYTES + CH * (64 + 8) * 2, "pair_smem_bytes in src/launch/bwd.rs");
+static_assert(PAIR_SMEM(2, 2) == 86672 && PAIR_SMEM(3, 2) == 103384, "pair_smem_bytes in src/launch/bwd.rs");
+
+// Pair pr's named barrier, id 1 + pr (literal ids: ptxas then counts 5 barriers, not 16).
+__device__ __forceinline__ void pair_sync(int pr) {
+  if (pr == 0) asm volatile("bar.sync 1, 64;\n" ::: "memory");
+  else if (pr == 1) asm volatile("bar.sync 2, 64;\n" ::: "memory");
+  else if (pr == 2) asm volatile("bar.sync 3, 64;\n" ::: "memory");
+  else asm volatile("bar.sync 4, 64;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void xch_put(float* xt, const float (&X)[2][4], int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+    reinterpret_cast<float4*>(xt)[nt * 32 + lane] = make_float4(X[nt][0], X[nt][1], X[nt][2], X[nt][3]);
+}
+
+__device__ __forceinline__ void xch_add(float (&X)[2][4], const float* xt, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float4 o = reinterpret_cast<const float4*>(xt)[nt * 32 + lane];
+    X[nt][0] += o.x;
+    X[nt][1] += o.y;
+    X[nt][2] += o.z;
+    X[nt][3] += o.w;
+  }
+}
+
+// load_rows over this warp's keys [k0, k0 + 64).
+__device__ __forceinline__ void load_rows_h(float (&S)[8][4], const void* base, int fp32, size_t sbase, int r0, int tq,
+                                            int k0) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int col = k0 + nt * 8 + 2 * tq;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const size_t o = sbase + (size_t)(r0 + 8 * hr) * KD + col;
+      float x0 = 0.f, x1 = 0.f;
+      if (base != nullptr && fp32) {
+        const float2 x = *reinterpret_cast<const float2*>(static_cast<const float*>(base) + o);
+        x0 = x.x; x1 = x.y;
+      } else if (base != nullptr) {
+        const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(base) + o);
+        x0 = __low2float(x); x1 = __high2float(x);
+      }
+      S[nt][2 * hr] = x0;
+      S[nt][2 * hr + 1] = x1;
+    }
+  }
+}
+
+// store_rows_t of this warp's 64 keys: staging tile ot[64 local key][16 value], one 2 KiB bulk copy to dst
+// (the caller's dst points at key k0 of the 16-row tile).
+template <int DB>
+__device__ __forceinline__ void store_rows_h(const float (&S)[8][4], bf16* ot, bf16* dst, int lane) {
+  const int mi = lane >> 3, c = lane & 7;
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(DB - 1) : "memory");
+  __syncwarp();
+#pragma unroll
+  for (int np = 0; np < 4; ++np) {
+    const int nt = 2 * np;
+    const uint32_t r[4] = {pack(S[nt][0], S[nt][1]), pack(S[nt][2], S[nt][3]), pack(S[nt + 1][0], S[nt + 1][1]),
+                           pack(S[nt + 1][2], S[nt + 1][3])};
+    // matrix mi: local key tile nt + (mi >> 1) (rows c), value rows 8 (mi & 1) + [0, 8)
+    const bf16* a = ot + (size_t)((nt + (mi >> 1)) * 8 + c) * 16 + 8 * (mi & 1);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(a)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the bulk copy reads ot next
+  __syncwarp();
+  if (lane == 0) bulk_s2g(dst, ot, 64 * 16 * 2);
+}
+
+// d G_last of the last chunk from the fp32 start state S: sum over the pair's 16 value rows of dht S for
+// this warp's keys, into dgl[dbase + key]. The row pointer goes through an opaque move so that the 16
+// addresses are not hoisted out of the chunk loop (32 registers held for the last chunk only).
+__device__ __forceinline__ void dgl_rows_h(const KdaBwdParams& p, const float (&S)[8][4], size_t sbase, size_t dbase,
+                                           int r0, int k0, int gq, int tq) {
+  // element (row r0 + 8 hr, key k0 + 8 nt + 2 tq) at e0 + 8 hr KD + 8 nt; the row pointer is opaque
+  const size_t e0 = sbase + (size_t)r0 * KD + k0 + 2 * tq;
+  const unsigned char* base = static_cast<const unsigned char*>(p.dht) + e0 * (p.state_fp32 ? 4 : 2);
+  asm volatile("mov.b64 %0, %0;\n" : "+l"(base));
+  float part[8][2];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    part[nt][0] = part[nt][1] = 0.f;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int o = 8 * hr * KD + 8 * nt;
+      float d0, d1;
+      if (p.state_fp32) {
+        const float2 x = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(base) + o);
+        d0 = x.x; d1 = x.y;
+      } else {
+        const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(reinterpret_cast<const bf16*>(base) + o);
+        d0 = __low2float(x); d1 = __high2float(x);
+      }
+      part[nt][0] = fmaf(d0, S[nt][2 * hr], part[nt][0]);
+      part[nt][1] = fmaf(d1, S[nt][2 * hr + 1], part[nt][1]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = part[nt][e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (gq == 0) p.dgl[dbase + k0 + nt * 8 + 2 * tq + e] = v;
+    }
+}
+
+// dh0 = the final dS, this warp's rows and keys; block and warp coordinates read again (not held in
+// registers across the chunk loop).
+__device__ __forceinline__ void store_dh0_h(const KdaBwdParams& p, const float (&dS)[8][4]) {
+  uint32_t tid, bid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(bid));
+  const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3, H = p.num_heads;
+  const int slice = bid % 2, h = (bid / 2) % H, n = bid / (2 * H);
+  const int vw = slice * 64 + (warp >> 1) * 16, k0 = 64 * (warp & 1);
+  const size_t sbase = ((size_t)n * H + h) * KD * KD;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const int col = k0 + nt * 8 + 2 * tq;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const size_t o = sbase + (size_t)(vw + gq + 8 * hr) * KD + col;
+      if (p.dh0_fp32)
+        *reinterpret_cast<float2*>(static_cast<float*>(p.dh0) + o) = make_float2(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
+      else
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dh0) + o) =
+            __floats2bfloat162_rn(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
+    }
+  }
+}
+
+// The shared-memory carve-up of a pair block (after the PS stages).
+template <int PS, int DB>
+struct PairLayout {
+  bf16* ots;     // this warp's DB state staging tiles
+  bf16* tts;     // this warp's 16 x 16 tile staging
+  float* xch;    // exchange tiles [8 warps][2][PAIR_XCH]
+  uint64_t* bars;
+  __device__ __forceinline__ PairLayout(unsigned char* raw, int warp) {
+    unsigned char* b = raw + PS * sizeof(PassStage<64>);
+    ots = reinterpret_cast<bf16*>(b) + warp * DB * 64 * 16;
+    tts = reinterpret_cast<bf16*>(b) + 8 * DB * 64 * 16 + warp * CH * 16;
+    xch = reinterpret_cast<float*>(b + 8 * (DB * 64 + CH) * 16 * 2);
+    bars = reinterpret_cast<uint64_t*>(b + 8 * (DB * 64 + CH) * 16 * 2 + 8 * 2 * PAIR_XCH * 4);
+  }
+};
+
+// ---- 2. forward state pass over warp pairs
+template <int PS, int DB, bool PB>
+__device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid) {
+  constexpr int VS = 64, SLICES = KD / VS, NT = 256;
+  extern __shared__ __align__(16) unsigned char bsm_raw[];
+  PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const PairLayout<PS, DB> L(bsm_raw, warp);
+  if (tid == 0) {
+    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&L.bars[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int H = p.num_heads;
+  const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
+  long long bos, len, slot0;
+  bseq(p, n, bos, len, slot0);
+  const int pr = warp >> 1, hf = warp & 1, k0 = 64 * hf;
+  const int v0 = slice * VS, vl = pr * 16, vw = v0 + vl;
+  const int nch = (int)((len + CH - 1) / CH);
+  const int lrow = ((lane >> 4) << 3) + (lane & 7), lhalf = (lane >> 3) & 1;
+  float S[8][4];
+  load_rows_h(S, p.h0, p.state_fp32, ((size_t)n * H + h) * KD * KD, vw + gq, tq, k0);
+  auto nvalid = [&](int c) {
+    const long long rem = len - (long long)c * CH;
+    return rem < CH ? (int)rem : CH;
+  };
+  auto issue = [&](int c) {  // one commit group per chunk, empty past the end
+    if (c < nch) pass_prefetch<NT, VS, false>(stg[c % PS], smem_u32(&L.bars[c % PS]), p, p.v, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    else cp_async_commit();
+  };
+#pragma unroll
+  for (int c = 0; c < PS - 1; ++c) issue(c);
+  for (int c = 0; c < nch; ++c) {
+    cp_async_wait_group<PS - 2>();
+    mbar_wait(smem_u32(&L.bars[c % PS]), (uint32_t)((c / PS) & 1));
+    const PassStage<VS>& st = stg[c % PS];
+    const long long slot = slot0 + c;
+    const int nv = nvalid(c);
+    const size_t sh = (size_t)slot * H + h;
+    if (c == nch - 1 && p.dht != nullptr) dgl_rows_h(p, S, ((size_t)n * H + h) * KD * KD, (((size_t)n * H + h) * 8 + vw / 16) * KD, vw + gq, k0, gq, tq);
+    const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
+    // W^T partial = S kd^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
+    float W[2][4] = {};
+    auto partial = [&]() {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t a0 = pack(S[2 * j][0], S[2 * j][1]), a1 = pack(S[2 * j][2], S[2 * j][3]);
+        const uint32_t a2 = pack(S[2 * j + 1][0], S[2 * j + 1][1]), a3 = pack(S[2 * j + 1][2], S[2 * j + 1][3]);
+        uint32_t bk[4];
+        // 16-byte unit 8 hf + 2 j + lhalf of row lrow xor lrow & 7 (< 8: bit 3 kept) = k0 + unit (2 j + lhalf) ^ ...
+        ldsm_x4(bk, kd + k0 + lrow * KD + (((2 * j + lhalf) ^ (lrow & 7)) << 3));
+        mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
+        mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
+      }
+    };
+    float* xo = L.xch + ((warp * 2) + (c & 1)) * PAIR_XCH;
+    if (!PB) {
+      partial();
+      xch_put(xo, W, lane);
+    }
+    store_rows_h<DB>(S, L.ots + (c % DB) * 64 * 16, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane);
+    __syncthreads();
+    issue(c + PS - 1);
+    if (PB) {
+      partial();
+      xch_put(xo, W, lane);
+      pair_sync(pr);
+    }
+    xch_add(W, L.xch + (((warp ^ 1) * 2) + (c & 1)) * PAIR_XCH, lane);
+    const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
+    const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
+    const float* E = reinterpret_cast<const float*>(st.rec + R_E);
+    const float* b = reinterpret_cast<const float*>(st.rec + R_B);
+    // Wr = v - W (hi stored by half 0, lo by half 1), Vb = Wr b split hi + lo; U = INV Vb
+    bf16* wr = p.wu + sh * 4 * CH * KD + vw;
+    float vb[2][4];
+    {
+      float x[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
+          x[nt][e] = tok < nv ? __bfloat162float(st.t[tok][vl + r]) - W[nt][e] : 0.f;
+          vb[nt][e] = x[nt][e] * b[tok];
+        }
+      if (hf == 0) {
+        store_tile_t(x, L.tts, wr, KD, CH, lane);
+      } else {
+        float xl[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xl[nt][e] = lo_of(x[nt][e]);
+        store_tile_t(xl, L.tts, wr + 3 * CH * KD, KD, CH, lane);
+      }
+    }
+    uint32_t vah[4], val[4];
+    split_tile(vah, val, vb, 1.f);
+    uint32_t bi[4];
+    ldsm_x4(bi, inv + lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3));
+    float U[2][4];
+    const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma(U[nt], vah[0], vah[1], vah[2], vah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
+      mma(U[nt], val[0], val[1], val[2], val[3], bi[2 * nt], bi[2 * nt + 1], U[nt]);
+    }
+    uint32_t uah[4], ual[4];
+    split_tile(uah, ual, U, 1.f);
+    // S = S diag(E) + U^T kr, this warp's keys: step np covers keys k0 + 16 np + [0, 16) (tiles 2 np, 2 np + 1)
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t bk[4];
+      const int r = np * 16 + lrow;  // key k0 + r; the half swizzle (r >> 2) & 1 is the same for k0 + r
+      ldsm_x4(bk, krT + (k0 + r) * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int nt = 2 * np + j;
+        const float2 e01 = *reinterpret_cast<const float2*>(&E[k0 + nt * 8 + 2 * tq]);
+        const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
+        mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
+        mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
+      }
+    }
+  }
+  bulk_drain(lane);
+}
+
+// ---- 3. reverse state-gradient pass over warp pairs
+template <int PS, int DB, bool PB>
+__device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid) {
+  constexpr int VS = 64, SLICES = KD / VS, NT = 256;
+  extern __shared__ __align__(16) unsigned char bsm_raw[];
+  PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const PairLayout<PS, DB> L(bsm_raw, warp);
+  if (tid == 0) {
+    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&L.bars[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int H = p.num_heads;
+  const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
+  long long bos, len, slot0;
+  bseq(p, n, bos, len, slot0);
+  const int pr = warp >> 1, hf = warp & 1, k0 = 64 * hf;
+  const int v0 = slice * VS, vl = pr * 16, vw = v0 + vl;
+  const int nch = (int)((len + CH - 1) / CH);
+  const int lj = lane >> 3, lr = (lane & 7) + 8 * (lj & 1), lc = 8 * (lj >> 1);  // ldmatrix.trans rows
+  const size_t sbase = ((size_t)n * H + h) * KD * KD;
+  const long long hs = (long long)H * KD;
+  float dS[8][4];
+  load_rows_h(dS, p.dht, p.state_fp32, sbase, vw + gq, tq, k0);
+  auto nvalid = [&](int c) {
+    const long long rem = len - (long long)c * CH;
+    return rem < CH ? (int)rem : CH;
+  };
+  auto issue = [&](int k) {  // k-th chunk from the end; one commit group each, empty past the start
+    const int c = nch - 1 - k;
+    if (c >= 0) pass_prefetch<NT, VS, true>(stg[k % PS], smem_u32(&L.bars[k % PS]), p, p.dout, slot0 + c, h, bos + (long long)c * CH, nvalid(c), v0, tid);
+    else cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < PS - 1; ++k) issue(k);
+  for (int k = 0; k < nch; ++k) {
+    const int c = nch - 1 - k;
+    cp_async_wait_group<PS - 2>();
+    mbar_wait(smem_u32(&L.bars[k % PS]), (uint32_t)((k / PS) & 1));
+    const PassStage<VS>& st = stg[k % PS];
+    const long long slot = slot0 + c, t0 = bos + (long long)c * CH;
+    const int nv = nvalid(c);
+    const size_t sh = (size_t)slot * H + h;
+    const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
+    // dU^T partial = dS kr^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
+    float dU[2][4] = {};
+    auto partial = [&]() {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t a0 = pack(dS[2 * j][0], dS[2 * j][1]), a1 = pack(dS[2 * j][2], dS[2 * j][3]);
+        const uint32_t a2 = pack(dS[2 * j + 1][0], dS[2 * j + 1][1]);
+        const uint32_t a3 = pack(dS[2 * j + 1][2], dS[2 * j + 1][3]);
+        uint32_t bk[4];
+        ldsm_x4_t(bk, krT + k0 * 16 + swz16(16 * j + lr, lc));  // rows k0 + 16 j + lr (same half swizzle)
+        mma(dU[0], a0, a1, a2, a3, bk[0], bk[1], dU[0]);
+        mma(dU[1], a0, a1, a2, a3, bk[2], bk[3], dU[1]);
+      }
+    };
+    float* xo = L.xch + ((warp * 2) + (k & 1)) * PAIR_XCH;
+    if (!PB) {
+      partial();
+      xch_put(xo, dU, lane);
+    }
+    store_rows_h<DB>(dS, L.ots + (k % DB) * 64 * 16, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane);
+    __syncthreads();
+    issue(k + PS - 1);
+    if (PB) {
+      partial();
+      xch_put(xo, dU, lane);
+      pair_sync(pr);
+    }
+    xch_add(dU, L.xch + (((warp ^ 1) * 2) + (k & 1)) * PAIR_XCH, lane);
+    const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
+    const bf16* qd = reinterpret_cast<const bf16*>(st.rec + R_QD);
+    const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
+    const bf16* mm = reinterpret_cast<const bf16*>(st.rec + R_M);
+    const float* E = reinterpret_cast<const float*>(st.rec + R_E);
+    const float* b = reinterpret_cast<const float*>(st.rec + R_B);
+    uint32_t oa[4];  // dO^T as an A operand (value rows x tokens)
+    oa[0] = pair_raw(st.t[2 * tq][vl + gq], st.t[2 * tq + 1][vl + gq]);
+    oa[1] = pair_raw(st.t[2 * tq][vl + gq + 8], st.t[2 * tq + 1][vl + gq + 8]);
+    oa[2] = pair_raw(st.t[2 * tq + 8][vl + gq], st.t[2 * tq + 9][vl + gq]);
+    oa[3] = pair_raw(st.t[2 * tq + 8][vl + gq + 8], st.t[2 * tq + 9][vl + gq + 8]);
+    {  // dU^T += dO^T M
+      uint32_t bm[4];
+      ldsm_x4_t(bm, mm + swz16(lr, lc));
+      mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
+      mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
+    }
+    bf16* dus = p.wu + (sh * 4 + 1) * CH * KD + vw;
+    if (hf == 0) {
+      store_tile_t(dU, L.tts, dus, KD, CH, lane);
+    } else {
+      float dl[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dl[nt][e] = lo_of(dU[nt][e]);
+      store_tile_t(dl, L.tts, dus + CH * KD, KD, CH, lane);
+    }
+    // dv^T = (dU^T INV) diag(b)
+    uint32_t dh[4], dl[4];
+    split_tile(dh, dl, dU, 1.f);
+    float dW[2][4];
+    {
+      uint32_t bi[4];
+      ldsm_x4_t(bi, inv + swz16(lr, lc));
+      const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        mma(dW[nt], dh[0], dh[1], dh[2], dh[3], bi[2 * nt], bi[2 * nt + 1], zero4);
+        mma(dW[nt], dl[0], dl[1], dl[2], dl[3], bi[2 * nt], bi[2 * nt + 1], dW[nt]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dW[nt][e] *= b[nt * 8 + 2 * tq + (e & 1)];
+    if (hf == 0) store_tile_t(dW, L.tts, p.dv + t0 * hs + (long long)h * KD + vw, (size_t)hs, nv, lane);
+    uint32_t wh[4], wl[4];
+    split_tile(wh, wl, dW, -1.f);
+    // dS = dS diag(E) + dO^T qd - dv^T kd, this warp's keys: step np covers keys k0 + 16 np + [0, 16)
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t bq[4], bk[4];
+      // swz128(lr, k0 + 16 np + lc) = k0 + swz128(lr, 16 np + lc): unit 8 hf + u, u ^ (lr & 7) < 8
+      ldsm_x4_t(bq, qd + k0 + swz128(lr, 16 * np + lc));
+      ldsm_x4_t(bk, kd + k0 + swz128(lr, 16 * np + lc));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int nt = 2 * np + j;
+        const float2 e01 = *reinterpret_cast<const float2*>(&E[k0 + nt * 8 + 2 * tq]);
+        const float cin[4] = {dS[nt][0] * e01.x, dS[nt][1] * e01.y, dS[nt][2] * e01.x, dS[nt][3] * e01.y};
+        mma(dS[nt], oa[0], oa[1], oa[2], oa[3], bq[2 * j], bq[2 * j + 1], cin);
+        mma(dS[nt], wh[0], wh[1], wh[2], wh[3], bk[2 * j], bk[2 * j + 1], dS[nt]);
+        mma(dS[nt], wl[0], wl[1], wl[2], wl[3], bk[2 * j], bk[2 * j + 1], dS[nt]);
+      }
+    }
+  }
+  if (p.dh0 != nullptr) store_dh0_h(p, dS);
+  bulk_drain(lane);
+}
+
+// 8-warp blocks (4 pairs, 64 value rows: the w4 passes' grid) at <= 128 registers: two blocks per SM, so
+// both passes of H = 64 fixed (2 x 128 blocks) are resident at once. d2 / d3: 2 / 3 cp.async stages,
+// double-buffered state staging; n2: d2 with the named pair barrier.
+extern "C" __global__ void __launch_bounds__(256, 2) kdab_states_p8d2(const KdaBwdParams p) { states_pair_body<2, 2, false>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(256, 2) kdab_dstates_p8d2(const KdaBwdParams p) { dstates_pair_body<2, 2, false>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(256, 2) kdab_states_p8d3(const KdaBwdParams p) { states_pair_body<3, 2, false>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(256, 2) kdab_dstates_p8d3(const KdaBwdParams p) { dstates_pair_body<3, 2, false>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(256, 2) kdab_states_p8n2(const KdaBwdParams p) { states_pair_body<2, 2, true>(p, blockIdx.x); }
+extern "C" __global__ void __launch_bounds__(256, 2) kdab_dstates_p8n2(const KdaBwdParams p) { dstates_pair_body<2, 2, true>(p, blockIdx.x); }
