@@ -402,3 +402,38 @@ fn d64_unbuilt_variants_are_refused() {
         );
     }
 }
+
+/// Two runs of every variant on the same inputs are bitwise equal (output and fp32 final state).
+#[test]
+fn d64_deterministic() {
+    let Some(g) = gpu64() else { return };
+    let (kernels, stream) = &g;
+    let p = KdaProblem::random_dim(&[300, 45], 8, 8, D, true, seed());
+    let mut dev = DeviceProblem::upload(stream, &p, StateIo::both(true), false).unwrap();
+    for (variant, schedule, split, segs, operands, overlap) in variants() {
+        let opts = FwdOptions {
+            value_split: split,
+            schedule,
+            segment_chunks: segs,
+            operands,
+            overlap,
+            ..Default::default()
+        };
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            dev.poison().unwrap();
+            fwd(kernels, stream, &dev.args(), &opts).unwrap_or_else(|e| panic!("{variant}: {e}"));
+            stream.synchronize().unwrap();
+            runs.push(dev.read().unwrap());
+        }
+        let same = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same(&runs[0].0, &runs[1].0),
+            "{variant}: output differs between runs"
+        );
+        assert!(
+            same(&runs[0].1, &runs[1].1),
+            "{variant}: state differs between runs"
+        );
+    }
+}
