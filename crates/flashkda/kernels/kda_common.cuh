@@ -47,9 +47,14 @@ __device__ __forceinline__ unsigned int flag_acquire(const unsigned int* f) {
   return v;
 }
 
+// Key = value head dimension: 128, or 64 where a file defines it first (kda_fwd_ws_d64.cu,
+// kda_fwd_ws_split_d64.cu; only the workspace schedule of kda_fwd_ws.cu supports 64).
+#ifndef KD
 #define KD 128
+#endif
+static_assert(KD == 128 || KD == 64, "head dim 64 or 128");
 #define CH 16
-#define RS 136  // padded row stride of the 16x128 tiles (bank-conflict free fragment loads)
+#define RS (KD + 8)  // padded row stride of the 16xKD tiles (bank-conflict free fragment loads)
 #define KRS 24  // krT row stride
 #define TS 24   // 16x16 tile row stride
 
@@ -93,13 +98,13 @@ __device__ __forceinline__ float rcp_approx(float x) {
 __device__ __forceinline__ float sigmoidf_(float x) { return rcp_approx(1.0f + ex2(-1.4426950408889634f * x)); }
 
 
-// The 128x128 state of one (sequence, head) lives in mma accumulator fragments: each warp holds 16 value
+// The KDxKD state of one (sequence, head) lives in mma accumulator fragments: each warp holds 16 value
 // rows, thread (gq, tq) rows r0 = first + gq and r0 + 8, columns nt*8 + 2*tq (+1). `sbase` is the
 // element offset of the (sequence, head) state; a null `h0` means a zero initial state.
-__device__ __forceinline__ void load_state(float (&S)[16][4], const KdaParams& p, size_t sbase, int r0, int tq) {
+__device__ __forceinline__ void load_state(float (&S)[KD / 8][4], const KdaParams& p, size_t sbase, int r0, int tq) {
   const int r1 = r0 + 8;
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
+  for (int nt = 0; nt < KD / 8; ++nt) {
     const int col = nt * 8 + 2 * tq;
     if (p.h0 == nullptr) {
       S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.f;
@@ -119,10 +124,11 @@ __device__ __forceinline__ void load_state(float (&S)[16][4], const KdaParams& p
 }
 
 // Writes the state fragments back to `p.ht` (fp32 or bf16, rounded once).
-__device__ __forceinline__ void store_state(const float (&S)[16][4], const KdaParams& p, size_t sbase, int r0, int tq) {
+__device__ __forceinline__ void store_state(const float (&S)[KD / 8][4], const KdaParams& p, size_t sbase, int r0,
+                                            int tq) {
   const int r1 = r0 + 8;
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
+  for (int nt = 0; nt < KD / 8; ++nt) {
     const int col = nt * 8 + 2 * tq;
     if (p.state_fp32) {
       float* ht = static_cast<float*>(p.ht) + sbase;
@@ -156,7 +162,7 @@ __device__ __forceinline__ void seq_range(const KdaParams& p, int n, long long& 
 }
 
 // cp.async of tokens [t0, t0 + nv) of q, k, g (128 channels) and of v (VS rows from v0) into one
-// stage; rows from nv on are zero-filled.
+// stage; rows from nv on are zero-filled. Head dim 128 only (kda_fwd.cu, kda_fwd_pipelined.cu).
 template <int NT, int VS, int VRS>
 __device__ __forceinline__ void prefetch_chunk(bf16 (*q)[RS], bf16 (*k)[RS], bf16 (*g)[RS], bf16 (*v)[VRS],
                                                const KdaParams& p, long long t0, int nv, long long hs,
@@ -187,6 +193,7 @@ __device__ __forceinline__ void row_norms(Row row_of, Put put, int warp, int lan
 #pragma unroll
   for (int rr = 0; rr < RPW; ++rr) {
     const bf16* row = row_of(warp + rr * NW);
+#if KD == 128
     const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
     const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
     const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
@@ -194,6 +201,10 @@ __device__ __forceinline__ void row_norms(Row row_of, Put put, int warp, int lan
     x = fmaf(a.y, a.y, x);
     x = fmaf(b2.x, b2.x, x);
     ss[rr] = fmaf(b2.y, b2.y, x);
+#else
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + lane * 2));
+    ss[rr] = fmaf(a.y, a.y, a.x * a.x);
+#endif
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1)
@@ -232,7 +243,7 @@ __device__ __forceinline__ void normed_channel(float (&kv)[CH], float (&qv)[CH],
 }
 
 // Channel ch of the decayed tiles, in place: k -> kd = kn 2^G, q -> qd = qn 2^G, g -> ki = kn 2^-G;
-// krT[ch][i] = kn 2^(G_last - G), E[ch] = 2^G_last (kda_fwd*.cu layout).
+// krT[ch][i] = kn 2^(G_last - G), E[ch] = 2^G_last (kda_fwd.cu, kda_fwd_pipelined.cu layout).
 __device__ __forceinline__ void decay_channel(bf16 (*q)[RS], bf16 (*k)[RS], bf16 (*g)[RS], bf16 (*krT)[KRS],
                                               float* E, const float* rnq, const float* rnk, const float (&G)[CH],
                                               int ch, float scale) {
@@ -250,7 +261,7 @@ __device__ __forceinline__ void decay_channel(bf16 (*q)[RS], bf16 (*k)[RS], bf16
   }
 }
 
-// acc = lhs ki^T over the 128 channels: one warp's 16 x 16 tile in mma accumulator layout.
+// acc = lhs ki^T over the KD channels: one warp's 16 x 16 tile in mma accumulator layout.
 template <class Lhs, class Ki>
 __device__ __forceinline__ void tile_product(float (&acc)[2][4], Lhs lhs, Ki ki, int gq, int tq) {
 #pragma unroll
@@ -258,7 +269,7 @@ __device__ __forceinline__ void tile_product(float (&acc)[2][4], Lhs lhs, Ki ki,
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb) {
+  for (int kb = 0; kb < KD / 16; ++kb) {
     const int kc = kb * 16 + 2 * tq;
     const uint32_t a0 = lhs(gq, kc), a1 = lhs(gq + 8, kc);
     const uint32_t a2 = lhs(gq, kc + 8), a3 = lhs(gq + 8, kc + 8);
@@ -274,7 +285,7 @@ __device__ __forceinline__ void tile_product(float (&acc)[2][4], Lhs lhs, Ki ki,
 template <class Lhs, class Ki>
 __device__ __forceinline__ void tile_product_acc(float (&acc)[2][4], Lhs lhs, Ki ki, int gq, int tq) {
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb) {
+  for (int kb = 0; kb < KD / 16; ++kb) {
     const int kc = kb * 16 + 2 * tq;
     const uint32_t a0 = lhs(gq, kc), a1 = lhs(gq + 8, kc);
     const uint32_t a2 = lhs(gq, kc + 8), a3 = lhs(gq + 8, kc + 8);
@@ -328,14 +339,14 @@ __device__ __forceinline__ void store_m(const float (&acc)[2][4], Mst m, int gq,
 
 // W^T = S kd^T and O1^T = S qd^T (value rows x tokens), S rounded to bf16.
 template <class Kd, class Qd>
-__device__ __forceinline__ void state_products(float (&W)[2][4], float (&O1)[2][4], const float (&S)[16][4], Kd kd,
-                                               Qd qd, int gq, int tq) {
+__device__ __forceinline__ void state_products(float (&W)[2][4], float (&O1)[2][4], const float (&S)[KD / 8][4],
+                                               Kd kd, Qd qd, int gq, int tq) {
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) W[nt][e] = O1[nt][e] = 0.f;
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb) {
+  for (int kb = 0; kb < KD / 16; ++kb) {
     const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]);
     const uint32_t a1 = pack(S[2 * kb][2], S[2 * kb][3]);
     const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]);
@@ -401,10 +412,10 @@ __device__ __forceinline__ void out_tile(bf16 (*o)[TS], const uint32_t (&ua)[4],
 
 // S = S diag(E) + U^T kr.
 template <class Kr>
-__device__ __forceinline__ void update_state(float (&S)[16][4], const uint32_t (&ua)[4], const float* E, Kr krT,
+__device__ __forceinline__ void update_state(float (&S)[KD / 8][4], const uint32_t (&ua)[4], const float* E, Kr krT,
                                              int gq, int tq) {
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
+  for (int nt = 0; nt < KD / 8; ++nt) {
     const int col = nt * 8 + 2 * tq;
     const float e0 = E[col], e1 = E[col + 1];
     const float cin[4] = {S[nt][0] * e0, S[nt][1] * e1, S[nt][2] * e0, S[nt][3] * e1};

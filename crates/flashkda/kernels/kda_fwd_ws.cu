@@ -15,25 +15,40 @@
 // hi + lo bf16 pairs: kd, qd, ki in the prep products A and M; M itself (its lo part is one more
 // record field); Vb and U in the state pass. The B fragments of the state pass are loaded with
 // ldmatrix.
+//
+// Head dim: KD = 128 unless the including file defines it (kda_fwd_ws_d64.cu and
+// kda_fwd_ws_split_d64.cu set 64). Record offsets and sizes derive from KD; at 64 a chain has 4
+// warps of value rows, so kda_state_w8 is not built and kda_state_w4 is one block per chain.
 #include "kda_common.cuh"
 
 #ifndef KDA_SPLIT_OPERANDS
 #define KDA_SPLIT_OPERANDS 0
 #endif
 
+// Record offsets (bytes; the values at KD = 128 in brackets, asserted below).
+#define R_KD 0                 // bf16 [16][KD], 16-byte chunks xor-swizzled by row & 7
+#define R_QD (32 * KD)         // [4096] bf16 [16][KD], same swizzle
+#define R_KR (64 * KD)         // [8192] bf16 krT [KD][16], 8-element halves swapped when (row >> 2) & 1
+#define R_INV (96 * KD)        // [12288] bf16 [16][16], half swizzle
+#define R_M (R_INV + 512)      // [12800] bf16 [16][16], half swizzle
+#define R_E (R_M + 512)        // [13312] f32 [KD]
+#define R_B (R_E + 4 * KD)     // [13824] f32 [16]
 #if KDA_SPLIT_OPERANDS
-#define REC_BYTES 14400
-#define R_ML 13888  // bf16 [16][16], lo part of M, half swizzle
+#define R_ML (R_B + 64)        // [13888] bf16 [16][16], lo part of M, half swizzle
+#define REC_BYTES (R_ML + 512) // [14400]
 #else
-#define REC_BYTES 13888
+#define REC_BYTES (R_B + 64)   // [13888]
 #endif
-#define R_KD 0      // bf16 [16][128], 16-byte chunks xor-swizzled by row & 7
-#define R_QD 4096   // bf16 [16][128], same swizzle
-#define R_KR 8192   // bf16 krT [128][16], 8-element halves swapped when (row >> 2) & 1
-#define R_INV 12288 // bf16 [16][16], half swizzle
-#define R_M 12800   // bf16 [16][16], half swizzle
-#define R_E 13312   // f32 [128]
-#define R_B 13824   // f32 [16]
+#if KD == 128
+static_assert(R_QD == 4096 && R_KR == 8192 && R_INV == 12288 && R_M == 12800 && R_E == 13312 && R_B == 13824,
+              "record layout at head dim 128");
+static_assert(REC_BYTES == (KDA_SPLIT_OPERANDS ? 14400 : 13888), "update launch.rs");
+#else
+static_assert(REC_BYTES == (KDA_SPLIT_OPERANDS ? 8000 : 7488), "update launch.rs");
+#endif
+static_assert(REC_BYTES % 16 == 0, "bulk copies move 16-byte multiples");
+// log2 of the 16-byte chunks of a KD-channel row (loops over rows x chunks shift rather than divide)
+#define KC_LOG2 (KD == 128 ? 4 : 3)
 
 __device__ __forceinline__ int swz128(int r, int c) { return r * KD + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 __device__ __forceinline__ int swz16(int r, int c) { return r * 16 + ((((c >> 3) ^ ((r >> 2) & 1))) << 3) + (c & 7); }
@@ -89,8 +104,9 @@ struct __align__(16) PrepSmem {
   float rnk[CH];
 };
 
-extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
-  constexpr int NT = 128, NW = 4;
+// KD threads: one per key channel.
+extern "C" __global__ void __launch_bounds__(KD) kda_prep(const KdaParams p) {
+  constexpr int NT = KD, NW = KD / 32;
   __shared__ PrepSmem sm;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
@@ -129,8 +145,8 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
   const long long qhs = (long long)p.qk_heads * KD;                // GVA: q/k of head h / group
   const long long qhoff = (long long)(h / (H / p.qk_heads)) * KD;
 
-  for (int i = tid; i < 3 * 256; i += NT) {
-    const int which = i >> 8, r = (i >> 4) & 15, cc = i & 15;
+  for (int i = tid; i < 3 * (CH << KC_LOG2); i += NT) {
+    const int which = i >> (KC_LOG2 + 4), r = (i >> KC_LOG2) & 15, cc = i & ((1 << KC_LOG2) - 1);
     const bf16* src = which == 0 ? p.q : (which == 1 ? p.k : p.g);
     bf16* dst = which == 0 ? &sm.q[r][cc * 8] : (which == 1 ? &sm.k[r][cc * 8] : &sm.g[r][cc * 8]);
     const bool ok = r < nv;
@@ -180,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
       sm.g[i][ch] = kih;
       sm.k[i][ch] = __float2bfloat16_rn(kdf - __bfloat162float(kdh));
       sm.q[i][ch] = __float2bfloat16_rn(qdf - __bfloat162float(qdh));
-      krT[swz128(i, ch)] = __float2bfloat16_rn(kif - __bfloat162float(kih));  // ki lo, [16][128]
+      krT[swz128(i, ch)] = __float2bfloat16_rn(kif - __bfloat162float(kih));  // ki lo, [16][KD]
 #else
       kd[swz128(i, ch)] = __float2bfloat16_rn(kv[i] * e);
       qd[swz128(i, ch)] = __float2bfloat16_rn(qv[i] * e);
@@ -215,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(128) kda_prep(const KdaParams p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[nt][e] = acc1[nt][e] = acc2[nt][e] = 0.f;
 #pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
+    for (int kb = 0; kb < KD / 16; ++kb) {
       const int kc = kb * 16 + 2 * tq;
       const uint32_t a0 = ld32(&lhs[swz128(gq, kc)]), a1 = ld32(&lhs[swz128(gq + 8, kc)]);
       const uint32_t a2 = ld32(&lhs[swz128(gq, kc + 8)]), a3 = ld32(&lhs[swz128(gq + 8, kc + 8)]);
@@ -328,7 +344,7 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* ptr) {
 // registers 0-3 are b0, b1 of n-tile 0 and b0, b1 of n-tile 1. `vrow` points at the warp's value
 // columns of the chunk's v tile (row stride vs).
 template <bool TRANS>
-__device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], const unsigned char* rec,
+__device__ __forceinline__ void split_chunk(float (&S)[KD / 8][4], bf16 (*ow)[TS], const unsigned char* rec,
                                             const bf16* vrow, int vs, bool with_v, int nv, int lane) {
   const int gq = lane >> 2, tq = lane & 3;
   const bf16* kd = reinterpret_cast<const bf16*>(rec + R_KD);
@@ -347,7 +363,7 @@ __device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], c
 #pragma unroll
     for (int e = 0; e < 4; ++e) W[nt][e] = O1[nt][e] = 0.f;
 #pragma unroll
-  for (int kb = 0; kb < 8; ++kb) {
+  for (int kb = 0; kb < KD / 16; ++kb) {
     const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]);
     const uint32_t a1 = pack(S[2 * kb][2], S[2 * kb][3]);
     const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]);
@@ -419,7 +435,7 @@ __device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], c
 
   // S = S diag(E) + (U_hi + U_lo)^T kr; krT rows are key channels, 16 tokens each
 #pragma unroll
-  for (int np = 0; np < 8; ++np) {
+  for (int np = 0; np < KD / 16; ++np) {
     uint32_t bk[4];
     const int r = np * 16 + lrow;
     ldsm_x4(bk, krT + r * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
@@ -441,11 +457,12 @@ __device__ __forceinline__ void split_chunk(float (&S)[16][4], bf16 (*ow)[TS], c
 // TRANS (context parallelism, first pass): each segment runs twice from its start, as blocks
 // [0, SLICES) with the real v from a zero state (the particular solution P) and as blocks
 // [SLICES, 2 SLICES) with v = 0 from the identity (the transition M: S_end = S_start M + P);
-// no output; both land in ht as [segment, H, 2, 128, 128] fp32.
+// no output; both land in ht as [segment, H, 2, KD, KD] fp32.
 template <int NW, int ST, bool TRANS>
 __device__ __forceinline__ void state_body(const KdaParams& p) {
   constexpr int VS = 16 * NW;
   constexpr int SLICES = KD / VS;
+  static_assert(SLICES >= 1 && SLICES * VS == KD, "the block's value rows divide the head dim");
   constexpr int PARTS = TRANS ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* recs = smem_raw;                                      // [ST][REC_BYTES]
@@ -528,11 +545,11 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
   if (warp_v)
     for (int c = 0; c < ST; ++c) issue_v(c);
 
-  float S[16][4];
+  float S[KD / 8][4];
   const size_t sbase = (((size_t)n * H + h) * PARTS + part) * KD * KD;
   if (TRANS) {
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int nt = 0; nt < KD / 8; ++nt) {
       const int col = nt * 8 + 2 * tq, r0 = vw + gq;
       const float one = part == 1 ? 1.f : 0.f;
       S[nt][0] = r0 == col ? one : 0.f;
@@ -606,10 +623,10 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
 // in fp32, for SCAN_ROWS value rows of one (sequence, head) per block; writes every segment's
 // start state (fp32, read by the second state pass) and the final state (ht, in its dtype).
 struct ScanParams {
-  const float* pm;   // [B * segs, H, 2, 128, 128]: P then M
-  float* starts;     // [B * segs, H, 128, 128]
-  const void* h0;    // [B, H, 128, 128] or null
-  void* ht;          // [B, H, 128, 128] or null
+  const float* pm;   // [B * segs, H, 2, KD, KD]: P then M
+  float* starts;     // [B * segs, H, KD, KD]
+  const void* h0;    // [B, H, KD, KD] or null
+  void* ht;          // [B, H, KD, KD] or null
   int state_fp32;
   int num_heads;
   int segs;
@@ -623,8 +640,8 @@ extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p
   float* mbuf = scan_smem;                          // [2][KD][KD]
   float* pbuf = mbuf + 2 * KD * KD;                 // [2][SCAN_ROWS][KD]
   float (*srow)[KD] = reinterpret_cast<float (*)[KD]>(pbuf + 2 * SCAN_ROWS * KD);
-  constexpr int RPT = SCAN_ROWS / 2;  // rows per thread
-  const int tid = threadIdx.x, c = tid & (KD - 1), rg = tid >> 7;
+  constexpr int RPT = SCAN_ROWS * KD / 256;  // rows per thread (256 / KD row groups of KD columns)
+  const int tid = threadIdx.x, c = tid & (KD - 1), rg = tid >> (KC_LOG2 + 3);
   const int H = p.num_heads;
   const int bh = blockIdx.x, h = bh % H, b = bh / H;
   const int rowb = blockIdx.y * SCAN_ROWS;
@@ -683,6 +700,7 @@ extern "C" __global__ void __launch_bounds__(256) kda_cp_scan(const ScanParams p
     }
   }
 }
+#if KD == 128
 static_assert(SCAN_SMEM == 155648, "update launch.rs");
 
 #if KDA_SPLIT_OPERANDS
@@ -698,11 +716,28 @@ static_assert(STATE_SMEM(2, 4) == 61216, "update launch.rs");
 static_assert(STATE_SMEM(4, 4) == 66848, "update launch.rs");
 static_assert(STATE_SMEM(4, 3) == 50904, "update launch.rs");
 #endif
+#else  // KD == 64
+static_assert(SCAN_SMEM == 45056, "update launch.rs");
+#if KDA_SPLIT_OPERANDS
+static_assert(STATE_SMEM(1, 2) == 17808, "update launch.rs");
+static_assert(STATE_SMEM(2, 4) == 37664, "update launch.rs");
+static_assert(STATE_SMEM(4, 4) == 43296, "update launch.rs");
+static_assert(STATE_SMEM(4, 3) == 33240, "update launch.rs");
+#else
+static_assert(STATE_SMEM(1, 2) == 16784, "update launch.rs");
+static_assert(STATE_SMEM(2, 4) == 35616, "update launch.rs");
+static_assert(STATE_SMEM(4, 4) == 41248, "update launch.rs");
+static_assert(STATE_SMEM(4, 3) == 31704, "update launch.rs");
+#endif
+#endif
 extern "C" __global__ void __launch_bounds__(32) kda_state_w1(const KdaParams p) { state_body<1, 2, false>(p); }
 extern "C" __global__ void __launch_bounds__(64) kda_state_w2(const KdaParams p) { state_body<2, 4, false>(p); }
+// at KD = 64: one block of 4 warps per chain
 extern "C" __global__ void __launch_bounds__(128) kda_state_w4(const KdaParams p) { state_body<4, 4, false>(p); }
+#if KD == 128
 // one block of 8 warps per chain: every record is read once per chain instead of once per slice
 extern "C" __global__ void __launch_bounds__(256, 2) kda_state_w8(const KdaParams p) { state_body<8, 4, false>(p); }
+#endif
 extern "C" __global__ void __launch_bounds__(128) kda_cp_transition_w4(const KdaParams p) { state_body<4, 4, true>(p); }
 // 3 stages: 4 blocks fit one SM's shared memory (the segmented passes run many blocks per SM)
 extern "C" __global__ void __launch_bounds__(128, 4) kda_cp_transition_w4s3(const KdaParams p) { state_body<4, 3, true>(p); }

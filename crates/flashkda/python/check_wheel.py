@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""GPU check of the `flashkda` wheel: accuracy against a float64 torch recurrence, Python
-exceptions for bad arguments, and the flash-linear-attention backend hookup (dispatch + opt-out).
+"""GPU check of the `flashkda` wheel: accuracy against a float64 torch recurrence (head dim 128, and
+64 opted in with FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1, set here), Python exceptions for bad arguments,
+and the flash-linear-attention backend hookup (dispatch + opt-out).
 Prints one JSON object; exits non-zero on failure. Run on the GPU machine with the wheel (and
 fla >= 0.6 for the hookup part) on PYTHONPATH."""
 import json
@@ -10,6 +11,8 @@ import sys
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
+os.environ["FLASHKDA_EXPERIMENTAL_HEAD_DIM_64"] = "1"  # read once, at the first head-dim-64 call
+
 import torch  # noqa: E402
 
 import flashkda  # noqa: E402
@@ -17,7 +20,7 @@ import flashkda  # noqa: E402
 D, LB = 128, -5.0
 
 
-def inputs(lens, H, seed):
+def inputs(lens, H, seed, D=D):
     g = torch.Generator(device="cuda").manual_seed(seed)
     T, N = sum(lens), len(lens)
     rn = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
@@ -28,7 +31,7 @@ def inputs(lens, H, seed):
 
 
 def reference(x):
-    dd = torch.float64
+    dd, D = torch.float64, x["q"].shape[-1]
     q, k, v = x["q"][0].to(dd), x["k"][0].to(dd), x["v"][0].to(dd)
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -123,6 +126,30 @@ def main():
         except (ValueError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
     res["errors"] = errors
+    # head dim 64 (K = V = 64; workspace schedule only, not yet verified on a GPU before this check):
+    # varlen with tails, fp32 initial and final state, bf16 and split operands against float64
+    x64 = inputs([100, 37, 16], 4, 5, D=64)
+    o64_ref, ht64_ref = reference(x64)
+    for ops, tol in ((None, 6e-3), ("split", 4e-3)):
+        o64 = torch.full_like(x64["v"], float("nan"))
+        ht64 = torch.full_like(x64["h0"], float("nan"))
+        flashkda.fwd(x64["q"], x64["k"], x64["v"], x64["g"], x64["beta"], 64 ** -0.5, o64, x64["A_log"],
+                     x64["dt_bias"], LB, initial_state=x64["h0"], final_state=ht64, cu_seqlens=x64["cu"],
+                     operands=ops)
+        torch.cuda.synchronize()
+        key = f"d64_{ops or 'default'}"
+        res[key + "_rel_out"], res[key + "_rel_state"] = rel(o64, o64_ref), rel(ht64, ht64_ref)
+        ok &= bool(torch.isfinite(o64).all() and torch.isfinite(ht64).all())
+        ok &= res[key + "_rel_out"] < tol and res[key + "_rel_state"] < tol
+    # its training call is refused (the backward is 128-only)
+    try:
+        req = {n: x64[n].clone().requires_grad_(n == "v") for n in ("q", "k", "v", "g", "beta")}
+        flashkda.chunk_kda(req["q"], req["k"], req["v"], req["g"], req["beta"], x64["A_log"], x64["dt_bias"],
+                           cu_seqlens=x64["cu"])
+        res["d64_training"] = "no exception"
+        ok = False
+    except NotImplementedError as e:
+        res["d64_training"] = f"NotImplementedError: {e}"
     # fla hookup
     try:
         os.environ["FLASHKDA_FLA"] = "1"

@@ -63,6 +63,21 @@ pub enum FlashKdaError {
     },
     #[error("split operands run only on the workspace schedule, not {schedule}")]
     OperandsSchedule { schedule: String },
+    #[error(
+        "head dim {head_dim} runs only on the workspace schedule with value split One, Two or Four \
+         (no other kernel is built for it), not {what}"
+    )]
+    HeadDimSchedule { head_dim: usize, what: String },
+    #[error(
+        "the backward supports head dim 128 only, not {0} (train at this head dim with fla's Triton kernels)"
+    )]
+    HeadDimBackward(usize),
+    #[error(
+        "head dim {0} is built but not yet verified on a GPU, so its results are unchecked; set \
+         FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1 (read once per process) or call \
+         flashkda::allow_unverified_head_dim_64() to run it anyway"
+    )]
+    HeadDimUnverified(usize),
     #[error("the backward state passes take 2 or 4 warps per block, not {0}")]
     PassWarps(usize),
     #[error(

@@ -9,7 +9,7 @@ pub use bwd::DeviceGrads;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use crate::error::{DriverContext, FlashKdaError};
-use crate::reference::{HEAD_DIM, KdaProblem};
+use crate::reference::KdaProblem;
 use crate::validate::{DType, FwdArgs, TensorView};
 
 /// Which state tensors a call passes, and their dtype.
@@ -58,6 +58,7 @@ pub struct DeviceProblem {
     seq_len: usize,
     heads: usize,
     qk_heads: usize,
+    head_dim: usize,
     num_seqs: usize,
     q: CudaSlice<u16>,
     k: CudaSlice<u16>,
@@ -105,13 +106,14 @@ impl DeviceProblem {
             (1, t, n > 1)
         };
         let up16 = |x: &[f32]| s.clone_htod(&bits(x)).during("upload");
-        let act = t * p.heads * HEAD_DIM;
+        let d = p.head_dim;
+        let act = t * p.heads * d;
         let mut out = s
             .clone_htod(&vec![NAN_BF16; act + CANARY_LEN])
             .during("upload")?;
         s.memcpy_htod(&[CANARY_BF16; CANARY_LEN], &mut out.slice_mut(act..))
             .during("upload")?;
-        let st_len = n * p.heads * HEAD_DIM * HEAD_DIM;
+        let st_len = n * p.heads * d * d;
         let h0_src: Vec<f32> = p.initial_state.clone().unwrap_or_else(|| vec![0.0; st_len]);
         let (mut h0_bf16, mut h0_f32, mut ht_bf16, mut ht_f32) = (None, None, None, None);
         if state.initial {
@@ -140,6 +142,7 @@ impl DeviceProblem {
             seq_len,
             heads: p.heads,
             qk_heads: p.qk_heads,
+            head_dim: d,
             num_seqs: n,
             q: up16(&p.q)?,
             k: up16(&p.k)?,
@@ -170,9 +173,10 @@ impl DeviceProblem {
 
     /// The call's arguments.
     pub fn args(&self) -> FwdArgs {
-        let act = [self.batch, self.seq_len, self.heads, HEAD_DIM];
-        let qk = [self.batch, self.seq_len, self.qk_heads, HEAD_DIM];
-        let st = [self.num_seqs, self.heads, HEAD_DIM, HEAD_DIM];
+        let d = self.head_dim;
+        let act = [self.batch, self.seq_len, self.heads, d];
+        let qk = [self.batch, self.seq_len, self.qk_heads, d];
+        let st = [self.num_seqs, self.heads, d, d];
         let state = |b: &Option<CudaSlice<u16>>, f: &Option<CudaSlice<f32>>| {
             b.as_ref()
                 .map(|x| self.view(x, DType::BF16, &st))
@@ -186,7 +190,7 @@ impl DeviceProblem {
             beta: self.view(&self.beta, DType::BF16, &act[..3]),
             out: self.view(&self.out, DType::BF16, &act),
             a_log: self.view(&self.a_log, DType::F32, &[self.heads]),
-            dt_bias: self.view(&self.dt_bias, DType::F32, &[self.heads, HEAD_DIM]),
+            dt_bias: self.view(&self.dt_bias, DType::F32, &[self.heads, d]),
             initial_state: state(&self.h0_bf16, &self.h0_f32),
             final_state: state(&self.ht_bf16, &self.ht_f32),
             cu_seqlens: self

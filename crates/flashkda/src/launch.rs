@@ -9,17 +9,22 @@ use cudarc::driver::{
 };
 
 use crate::error::{DriverContext, FlashKdaError};
-use crate::schedule::{ScheduleRequest, call_plan, workspace_slots};
+use crate::head_dim::check_head_dim_enabled;
+use crate::reference::HEAD_DIM;
+use crate::schedule::{ScheduleRequest, call_plan};
 use crate::validate::{FwdArgs, FwdPlan, StateDType, check_cu_seqlens, validate};
 
 pub use crate::schedule::{
-    CallPlan, KernelSchedule, Operands, SPLIT_RECORD_BYTES, ValueSplit, WORKSPACE_AUTO_LIMIT,
-    WORKSPACE_RECORD_BYTES,
+    CallPlan, KernelSchedule, Operands, SPLIT_RECORD_BYTES, SPLIT_RECORD_BYTES_D64, ValueSplit,
+    WORKSPACE_AUTO_LIMIT, WORKSPACE_RECORD_BYTES, WORKSPACE_RECORD_BYTES_D64,
 };
 
 mod pool;
 pub use pool::is_capturing;
 use pool::{RelaxedCapture, SideStream, WorkspacePool, side_stream, workspace_ptr};
+
+mod ws;
+use ws::{WorkspaceKernels, launch_workspace_schedule};
 
 mod bwd;
 pub use bwd::{
@@ -98,27 +103,6 @@ struct KernelParams {
 // SAFETY: plain-old-data, layout identical to the C struct (checked by a test on its size).
 unsafe impl DeviceRepr for KernelParams {}
 
-/// Mirror of `struct ScanParams` in `kernels/kda_fwd_ws.cu`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct ScanParams {
-    pm: u64,
-    starts: u64,
-    h0: u64,
-    ht: u64,
-    state_fp32: i32,
-    num_heads: i32,
-    segs: i32,
-}
-
-// SAFETY: plain-old-data, layout identical to the C struct.
-unsafe impl DeviceRepr for ScanParams {}
-
-/// Rows of the state one `kda_cp_scan` block carries (`SCAN_ROWS` in the .cu).
-const SCAN_ROWS: u32 = 16;
-/// Dynamic shared memory of `kda_cp_scan` (`SCAN_SMEM`: double-buffered M and P rows).
-const SCAN_SMEM_BYTES: u32 = 155648;
-
 /// A caller-owned device buffer for a call's workspace (size: [`workspace_bytes`]). It must stay
 /// allocated until the stream has run the call (for a captured graph: as long as the graph).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,6 +171,9 @@ pub struct KdaKernels {
     ws_bf16: WorkspaceKernels,
     /// `kda_fwd_ws_split.cu` (split operands).
     ws_split: WorkspaceKernels,
+    /// `kda_fwd_ws_d64.cu`, `kda_fwd_ws_split_d64.cu`: the same at head dim 64.
+    ws64_bf16: WorkspaceKernels,
+    ws64_split: WorkspaceKernels,
     /// `kda_bwd_chunk.cu`.
     bwd: bwd::BwdKernels,
     /// Pooled workspaces, one per stream (so calls on different streams never share one).
@@ -199,85 +186,6 @@ pub struct KdaKernels {
 
 /// Dynamic shared memory of `kda_fwd_pipe_w4` (`PIPE_SMEM_BYTES` in the .cu, checked there).
 const PIPE_SMEM_BYTES: u32 = 65344;
-/// The kernels of one workspace cubin (`kda_fwd_ws.cu` or `kda_fwd_ws_split.cu`: same names).
-#[derive(Debug)]
-struct WorkspaceKernels {
-    prep: CudaFunction,
-    /// `kda_state_w{1,2,4,8}`: 1, 2, 4 and 8 warps per block.
-    state: [CudaFunction; 4],
-    /// Dynamic shared memory of `state`.
-    state_smem: [u32; 4],
-    /// Segmented passes (context parallelism): (transition, output pass, dynamic smem bytes).
-    segmented: (CudaFunction, CudaFunction, u32),
-    scan: CudaFunction,
-}
-
-/// Dynamic shared memory of `kda_state_w{1,2,4,8}` and of the 3-stage segmented passes
-/// (`STATE_SMEM(1, 2)`, `(2, 4)`, `(4, 4)`, `(8, 4)`, `(4, 3)` in kda_fwd_ws.cu, checked there), per
-/// record size.
-fn state_smem_bytes(operands: Operands) -> ([u32; 4], u32) {
-    match operands {
-        Operands::Split => ([30608, 63264, 68896, 80160], 52440),
-        _ => ([29584, 61216, 66848, 78112], 50904),
-    }
-}
-
-impl WorkspaceKernels {
-    fn load(
-        ctx: &Arc<CudaContext>,
-        cubin: Vec<u8>,
-        operands: Operands,
-    ) -> Result<Self, FlashKdaError> {
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-            .during(match operands {
-                Operands::Split => "loading the kda_fwd_ws_split cubin",
-                _ => "loading the kda_fwd_ws cubin",
-            })?;
-        let prep = module
-            .load_function("kda_prep")
-            .during("loading kda_prep")?;
-        let load_state = |name: &str, bytes: u32| -> Result<CudaFunction, FlashKdaError> {
-            let f = module.load_function(name).during("loading kda_state_w*")?;
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-            .during("allowing the state pass's dynamic shared memory")?;
-            Ok(f)
-        };
-        let (state_smem, cp_smem) = state_smem_bytes(operands);
-        let state = [
-            load_state("kda_state_w1", state_smem[0])?,
-            load_state("kda_state_w2", state_smem[1])?,
-            load_state("kda_state_w4", state_smem[2])?,
-            load_state("kda_state_w8", state_smem[3])?,
-        ];
-        // FLASHKDA_CP_STAGES=4 (tuning only): the 4-stage kernels, 3 blocks per SM instead of 4
-        let segmented = if std::env::var("FLASHKDA_CP_STAGES").is_ok_and(|v| v == "4") {
-            (
-                load_state("kda_cp_transition_w4", state_smem[2])?,
-                load_state("kda_state_w4", state_smem[2])?,
-                state_smem[2],
-            )
-        } else {
-            (
-                load_state("kda_cp_transition_w4s3", cp_smem)?,
-                load_state("kda_cp_state_w4s3", cp_smem)?,
-                cp_smem,
-            )
-        };
-        let scan = load_state("kda_cp_scan", SCAN_SMEM_BYTES)?;
-        Ok(WorkspaceKernels {
-            prep,
-            state,
-            state_smem,
-            segmented,
-            scan,
-        })
-    }
-}
-
 impl KdaKernels {
     /// Loads the cubins into `ctx` (the device's primary context, shared with torch), every
     /// forward kernel at once. Safe to call inside a stream capture (relaxed mode meanwhile).
@@ -291,7 +199,15 @@ impl KdaKernels {
                 .ok_or(FlashKdaError::KernelsNotBuilt(not_built_reason()))
         };
         let (seq_cubin, pipe_cubin) = (cubin("kda_fwd")?, cubin("kda_fwd_pipelined")?);
-        let (ws_cubin, split_cubin) = (cubin("kda_fwd_ws")?, cubin("kda_fwd_ws_split")?);
+        let ws_cubins = [
+            (Operands::Bf16, HEAD_DIM),
+            (Operands::Split, HEAD_DIM),
+            (Operands::Bf16, 64),
+            (Operands::Split, 64),
+        ]
+        .map(|(o, d)| cubin(ws::cubin_stem(o, d)).map(|c| (c, o, d)));
+        let [ws_a, ws_b, ws_c, ws_d] = ws_cubins;
+        let ws_cubins = [ws_a?, ws_b?, ws_c?, ws_d?];
         let bwd_cubin = cubin("kda_bwd_chunk")?;
         let (major, minor) = ctx
             .compute_capability()
@@ -324,8 +240,10 @@ impl KdaKernels {
                 PIPE_SMEM_BYTES as i32,
             )
             .during("allowing 64 KiB of dynamic shared memory")?;
-        let ws_bf16 = WorkspaceKernels::load(ctx, ws_cubin, Operands::Bf16)?;
-        let ws_split = WorkspaceKernels::load(ctx, split_cubin, Operands::Split)?;
+        let [ws_bf16, ws_split, ws64_bf16, ws64_split] =
+            ws_cubins.map(|(c, o, d)| WorkspaceKernels::load(ctx, c, o, d));
+        let (ws_bf16, ws_split, ws64_bf16, ws64_split) =
+            (ws_bf16?, ws_split?, ws64_bf16?, ws64_split?);
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(bwd_cubin))
             .during("loading the kda_bwd_chunk cubin")?;
@@ -335,9 +253,8 @@ impl KdaKernels {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .during("reading the SM count")? as usize;
-        for ws in [&ws_bf16, &ws_split] {
-            let (t, o, _) = &ws.segmented;
-            for f in ws.state.iter().chain([&ws.prep, t, o, &ws.scan]) {
+        for ws in [&ws_bf16, &ws_split, &ws64_bf16, &ws64_split] {
+            for f in ws.functions() {
                 load_now(f)?;
             }
         }
@@ -351,6 +268,8 @@ impl KdaKernels {
             pipelined,
             ws_bf16,
             ws_split,
+            ws64_bf16,
+            ws64_split,
             bwd,
             workspaces: Mutex::new(WorkspacePool::default()),
             side_streams: Mutex::new(HashMap::new()),
@@ -367,9 +286,22 @@ impl KdaKernels {
         self.sm_count
     }
 
-    /// [`call_plan`] of a validated call on this device (pure: no device access).
+    /// [`call_plan`] of a validated call on this device (no device access), or
+    /// [`FlashKdaError::HeadDimUnverified`] for a head dim not yet verified on a GPU and not opted
+    /// in to ([`crate::head_dim`]).
     pub fn call_plan(&self, plan: &FwdPlan, opts: &FwdOptions) -> Result<CallPlan, FlashKdaError> {
+        check_head_dim_enabled(plan.head_dim)?;
         call_plan(plan, &opts.schedule_request(), self.sm_count)
+    }
+
+    /// The workspace kernels for resolved `operands` (`Bf16` or `Split`) at `head_dim`.
+    fn workspace_kernels(&self, operands: Operands, head_dim: usize) -> &WorkspaceKernels {
+        match (operands, head_dim == HEAD_DIM) {
+            (Operands::Split, true) => &self.ws_split,
+            (_, true) => &self.ws_bf16,
+            (Operands::Split, false) => &self.ws64_split,
+            (_, false) => &self.ws64_bf16,
+        }
     }
 }
 
@@ -420,6 +352,13 @@ pub fn fwd_planned(
     call: &CallPlan,
     opts: &FwdOptions,
 ) -> Result<(), FlashKdaError> {
+    check_head_dim_enabled(plan.head_dim)?;
+    if plan.head_dim != HEAD_DIM && call.schedule != KernelSchedule::Workspace {
+        return Err(FlashKdaError::HeadDimSchedule {
+            head_dim: plan.head_dim,
+            what: format!("the {:?} schedule", call.schedule),
+        });
+    }
     let capturing = begin_call(
         kernels,
         stream,
@@ -510,151 +449,6 @@ fn begin_call(
     Ok(capturing)
 }
 
-/// Prep, then either the state pass, or (context parallelism) the transition pass, the scan and
-/// the segmented state pass.
-fn launch_workspace_schedule(
-    kernels: &KdaKernels,
-    stream: &CudaStream,
-    plan: &FwdPlan,
-    call: &CallPlan,
-    params: KernelParams,
-) -> Result<(), FlashKdaError> {
-    let chains = (plan.num_seqs * plan.heads) as u32;
-    let slots = workspace_slots(plan);
-    let ws = match call.operands {
-        Operands::Split => &kernels.ws_split,
-        _ => &kernels.ws_bf16,
-    };
-    let launch_prep = |on: &CudaStream, params: &KernelParams| -> Result<(), FlashKdaError> {
-        if slots == 0 {
-            return Ok(());
-        }
-        let cfg = LaunchConfig {
-            // the split prep is one slot-major grid dimension (slots * heads <= i32::MAX: call_plan)
-            grid_dim: match call.operands {
-                Operands::Split => ((slots * plan.heads) as u32, 1, 1),
-                _ => (slots as u32, plan.heads as u32, 1),
-            },
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = on.launch_builder(&ws.prep);
-        launch.arg(params);
-        // SAFETY: reads the validated inputs, writes records [0, slots * heads) of the workspace
-        // (and, overlapped, their ready flags).
-        unsafe { launch.launch(cfg) }.during("launching kda_prep")?;
-        Ok(())
-    };
-    let segs = call.segments;
-    if !segs.active() {
-        let (index, slices) = match call.split {
-            ValueSplit::Eight => (0, 8u32),
-            ValueSplit::Four => (1, 4),
-            ValueSplit::One => (3, 1),
-            _ => (2, 2),
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (chains * slices, 1, 1),
-            block_dim: (256 / slices, 1, 1),
-            shared_mem_bytes: ws.state_smem[index],
-        };
-        if !call.overlap {
-            launch_prep(stream, &params)?;
-            let mut launch = stream.launch_builder(&ws.state[index]);
-            launch.arg(&params);
-            // SAFETY: reads the records written above and the validated tensors.
-            unsafe { launch.launch(cfg) }.during("launching kda_state")?;
-            return Ok(());
-        }
-        // Overlapped: flags zeroed on the caller's stream; the state pass on a highest-priority
-        // side stream (its blocks, all resident at once by call_plan's bound, wait on each
-        // record's flag) beside the prep on the caller's stream, which then waits for both.
-        let flags = params.ws + call.workspace.flags_offset as u64;
-        // SAFETY: the flags lie inside the call's workspace.
-        unsafe {
-            cudarc::driver::result::memset_d8_async(
-                flags,
-                0,
-                call.workspace.flags_bytes,
-                stream.cu_stream(),
-            )
-        }
-        .during("zeroing the ready flags")?;
-        let side = side_stream(kernels, stream)?;
-        side.join(stream).during("ordering the side stream")?;
-        let over = KernelParams { flags, ..params };
-        let mut launch = side.launch_builder(&ws.state[index]);
-        launch.arg(&over);
-        // SAFETY: reads each record once its flag is set, and the validated tensors.
-        unsafe { launch.launch(cfg) }.during("launching kda_state (overlapped)")?;
-        launch_prep(stream, &over)?;
-        stream.join(&side).during("joining the side stream")?;
-        return Ok(());
-    }
-    launch_prep(stream, &params)?;
-    let n_segs = chains * segs.segs_per_seq as u32;
-    let pm = params.ws + call.workspace.pm_offset as u64;
-    let starts = params.ws + call.workspace.starts_offset as u64;
-    let seg_params = KernelParams {
-        seg_chunks: segs.seg_chunks as i32,
-        segs_per_seq: segs.segs_per_seq as i32,
-        num_seqs: (plan.num_seqs * segs.segs_per_seq) as i32,
-        state_fp32: 1,
-        ..params
-    };
-    // 1. every segment from zero (P) and from the identity with v = 0 (M)
-    let trans = KernelParams {
-        h0: 0,
-        ht: pm,
-        ..seg_params
-    };
-    let (transition, out_kernel, smem) = &ws.segmented;
-    let cfg = LaunchConfig {
-        grid_dim: (n_segs * 4, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: *smem,
-    };
-    let mut launch = stream.launch_builder(transition);
-    launch.arg(&trans);
-    // SAFETY: reads the records and v; writes P and M of every segment inside the workspace.
-    unsafe { launch.launch(cfg) }.during("launching kda_cp_transition")?;
-    // 2. start state of every segment, and the final state
-    let scan = ScanParams {
-        pm,
-        starts,
-        h0: params.h0,
-        ht: params.ht,
-        state_fp32: params.state_fp32,
-        num_heads: plan.heads as i32,
-        segs: segs.segs_per_seq as i32,
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (chains, 128 / SCAN_ROWS, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: SCAN_SMEM_BYTES,
-    };
-    let mut launch = stream.launch_builder(&ws.scan);
-    launch.arg(&scan);
-    // SAFETY: reads P, M and h0; writes the start states (workspace) and ht.
-    unsafe { launch.launch(cfg) }.during("launching kda_cp_scan")?;
-    // 3. the outputs of every segment from its start state
-    let out_pass = KernelParams {
-        h0: starts,
-        ht: 0,
-        ..seg_params
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (n_segs * 2, 1, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: *smem,
-    };
-    let mut launch = stream.launch_builder(out_kernel);
-    launch.arg(&out_pass);
-    // SAFETY: reads the records, v and the start states; writes out.
-    unsafe { launch.launch(cfg) }.during("launching kda_state (segments)")?;
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     #[test]
@@ -662,7 +456,7 @@ mod tests {
         // 11 pointers, 2 int64, 3 int32, 2 float = 124 bytes, padded to 128, the ws pointer, 4 int32,
         // the flags pointer.
         assert_eq!(std::mem::size_of::<super::KernelParams>(), 160);
-        assert_eq!(std::mem::size_of::<super::ScanParams>(), 48);
+        assert_eq!(std::mem::size_of::<super::ws::ScanParams>(), 48);
         assert_eq!(std::mem::align_of::<super::KernelParams>(), 8);
     }
 }

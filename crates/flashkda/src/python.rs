@@ -352,9 +352,10 @@ fn bwd(
 
 /// Workspace bytes of a default `fwd` call with these sizes on cuda:`device` (0 when the call
 /// needs none): `batch, seq_len` of q, `heads` of v (value heads), `qk_heads` of q (GVA when
-/// fewer; default `heads`), `num_seqs` = len(cu_seqlens) - 1 or batch.
+/// fewer; default `heads`), `num_seqs` = len(cu_seqlens) - 1 or batch, `head_dim` q's last
+/// dimension (default 128; 64 is refused like `fwd` unless opted in).
 #[pyfunction]
-#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None, operands=None, overlap=None))]
+#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None, operands=None, overlap=None, head_dim=None))]
 #[allow(clippy::too_many_arguments)]
 fn workspace_bytes(
     batch: usize,
@@ -367,8 +368,15 @@ fn workspace_bytes(
     qk_heads: Option<usize>,
     operands: Option<&str>,
     overlap: Option<bool>,
+    head_dim: Option<usize>,
 ) -> PyResult<usize> {
     let operands = operands_of(operands)?;
+    let head_dim = head_dim.unwrap_or(crate::reference::HEAD_DIM);
+    if !crate::reference::HEAD_DIMS.contains(&head_dim) {
+        return Err(PyValueError::new_err(format!(
+            "head_dim must be 64 or 128, got {head_dim}"
+        )));
+    }
     let kernels = kernels_for(device).map_err(to_py)?;
     let plan = crate::validate::FwdPlan {
         batch,
@@ -379,6 +387,7 @@ fn workspace_bytes(
         varlen,
         state: None,
         ordinal: device,
+        head_dim,
     };
     let opts = FwdOptions {
         segment_chunks,
@@ -421,11 +430,19 @@ fn kernels_built() -> bool {
     crate::launch::kernels_built()
 }
 
+/// Whether a forward call of head dim `head_dim` may run in this process (64: built but not yet
+/// verified on a GPU, only with FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1).
+#[pyfunction]
+fn head_dim_enabled(head_dim: usize) -> bool {
+    crate::head_dim::head_dim_enabled(head_dim)
+}
+
 #[pymodule]
 fn _flashkda(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fwd, m)?)?;
     m.add_function(wrap_pyfunction!(bwd, m)?)?;
     m.add_function(wrap_pyfunction!(kernels_built, m)?)?;
+    m.add_function(wrap_pyfunction!(head_dim_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(workspace_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(release_workspaces, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -2,7 +2,7 @@
 //! [`FwdPlan`] or a [`FlashKdaError`] (`docs/specs/kda.md §2`).
 
 use crate::error::FlashKdaError;
-use crate::reference::HEAD_DIM;
+use crate::reference::{HEAD_DIM, HEAD_DIMS};
 
 /// Element type of a device tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,9 +74,10 @@ impl TensorView {
     }
 }
 
-/// Arguments of one forward call (`docs/specs/kda.md §2`): `[B, T, H, 128]` bf16 q, k, v, g, out; `[B, T, H]`
-/// bf16 beta logits; fp32 `A_log [H]`, `dt_bias [H, 128]`; optional `[N, H, 128, 128]` states
-/// (bf16 or fp32, row = value channel) and int64 `cu_seqlens [N + 1]` (then `B == 1`).
+/// Arguments of one forward call (`docs/specs/kda.md §2`): `[B, T, H, D]` bf16 q, k, v, g, out; `[B, T, H]`
+/// bf16 beta logits; fp32 `A_log [H]`, `dt_bias [H, D]`; optional `[N, H, D, D]` states
+/// (bf16 or fp32, row = value channel) and int64 `cu_seqlens [N + 1]` (then `B == 1`). The head
+/// dim `D` (K = V) is 128 or 64 (q's last dimension; 64 runs on the workspace schedule only).
 #[derive(Debug, Clone)]
 pub struct FwdArgs {
     pub q: TensorView,
@@ -117,6 +118,8 @@ pub struct FwdPlan {
     pub varlen: bool,
     pub state: Option<StateDType>,
     pub ordinal: usize,
+    /// Key = value head dimension, one of [`HEAD_DIMS`].
+    pub head_dim: usize,
 }
 
 fn check_dtype(name: &'static str, t: &TensorView, want: DType) -> Result<(), FlashKdaError> {
@@ -130,7 +133,7 @@ fn check_dtype(name: &'static str, t: &TensorView, want: DType) -> Result<(), Fl
     Ok(())
 }
 
-/// A state tensor (`[N, H, 128, 128]`, contiguous, on `ordinal`): its dtype, bf16 or fp32.
+/// A state tensor (`[N, H, D, D]`, contiguous, on `ordinal`): its dtype, bf16 or fp32.
 fn state_view(
     name: &'static str,
     t: &TensorView,
@@ -243,14 +246,14 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
     check_dtype("A_log", &args.a_log, DType::F32)?;
     check_dtype("dt_bias", &args.dt_bias, DType::F32)?;
     let s = &args.q.shape;
-    if s.len() != 4 || s[3] != HEAD_DIM {
+    if s.len() != 4 || !HEAD_DIMS.contains(&s[3]) {
         return Err(FlashKdaError::Shape {
             tensor: "q",
-            expected: format!("[B, T, H, {HEAD_DIM}]"),
+            expected: "[B, T, H, D] with D = 64 or 128".into(),
             found: s.clone(),
         });
     }
-    let (batch, seq_len, qk_heads) = (s[0], s[1], s[2]);
+    let (batch, seq_len, qk_heads, d) = (s[0], s[1], s[2], s[3]);
     if qk_heads == 0 {
         return Err(FlashKdaError::Shape {
             tensor: "q",
@@ -260,7 +263,7 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
     }
     // value heads from v (GVA: a multiple of q's heads); a malformed v fails its layout check
     let vs = &args.v.shape;
-    let heads = if vs.len() == 4 && vs[0] == batch && vs[1] == seq_len && vs[3] == HEAD_DIM {
+    let heads = if vs.len() == 4 && vs[0] == batch && vs[1] == seq_len && vs[3] == d {
         vs[2]
     } else {
         qk_heads
@@ -268,12 +271,12 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
     if heads == 0 || !heads.is_multiple_of(qk_heads) {
         return Err(FlashKdaError::Shape {
             tensor: "v",
-            expected: format!("[B, T, H, {HEAD_DIM}] with H a multiple of q's {qk_heads} heads"),
+            expected: format!("[B, T, H, {d}] with H a multiple of q's {qk_heads} heads"),
             found: vs.clone(),
         });
     }
-    let qk = [batch, seq_len, qk_heads, HEAD_DIM];
-    let act = [batch, seq_len, heads, HEAD_DIM];
+    let qk = [batch, seq_len, qk_heads, d];
+    let act = [batch, seq_len, heads, d];
     for (name, t, shape) in [
         ("q", &args.q, &qk),
         ("k", &args.k, &qk),
@@ -285,7 +288,7 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
     }
     check_layout("beta", &args.beta, &[batch, seq_len, heads], ordinal, 2)?;
     check_layout("A_log", &args.a_log, &[heads], ordinal, 4)?;
-    check_layout("dt_bias", &args.dt_bias, &[heads, HEAD_DIM], ordinal, 4)?;
+    check_layout("dt_bias", &args.dt_bias, &[heads, d], ordinal, 4)?;
     if !(-5.0..0.0).contains(&args.lower_bound) {
         return Err(FlashKdaError::LowerBound(args.lower_bound));
     }
@@ -310,8 +313,7 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
             cu.shape[0] - 1
         }
     };
-    let state_dtype =
-        |name, t: &TensorView| state_view(name, t, [num_seqs, heads, HEAD_DIM, HEAD_DIM], ordinal);
+    let state_dtype = |name, t: &TensorView| state_view(name, t, [num_seqs, heads, d, d], ordinal);
     let h0 = args
         .initial_state
         .as_ref()
@@ -355,6 +357,7 @@ pub fn validate(args: &FwdArgs) -> Result<FwdPlan, FlashKdaError> {
         varlen: args.cu_seqlens.is_some(),
         state,
         ordinal,
+        head_dim: d,
     })
 }
 
@@ -387,7 +390,7 @@ pub fn check_cu_seqlens(cu: &[i64], total: usize) -> Result<(), FlashKdaError> {
 /// (`[B, T, H, 128]` bf16, like `out`) and `dfinal_state` (like the final state; absent = zeros),
 /// and the gradient outputs: `dq`, `dk` (like q), `dv`, `dg` (like v), `dbeta` (like beta), fp32
 /// `da_log [H]` and `ddt_bias [H, 128]`, and optionally `dinitial_state` (`[N, H, 128, 128]`,
-/// bf16 or fp32; the gradient at the initial state, zeros when absent).
+/// bf16 or fp32; the gradient at the initial state, zeros when absent). Head dim 128 only.
 #[derive(Debug, Clone)]
 pub struct BwdArgs {
     pub q: TensorView,
@@ -422,7 +425,8 @@ pub struct BwdPlan {
 }
 
 /// Checks every tensor of a backward call (the forward's rules for the inputs, and each gradient
-/// shaped like its input). Does not read device memory.
+/// shaped like its input). Does not read device memory. A head dim other than 128 is refused with
+/// [`FlashKdaError::HeadDimBackward`].
 pub fn validate_bwd(a: &BwdArgs) -> Result<BwdPlan, FlashKdaError> {
     let fwd_args = FwdArgs {
         q: a.q.clone(),
@@ -440,6 +444,9 @@ pub fn validate_bwd(a: &BwdArgs) -> Result<BwdPlan, FlashKdaError> {
         lower_bound: a.lower_bound,
     };
     let mut plan = validate(&fwd_args)?;
+    if plan.head_dim != HEAD_DIM {
+        return Err(FlashKdaError::HeadDimBackward(plan.head_dim));
+    }
     let o = plan.ordinal;
     for (name, t, like) in [
         ("dout", &a.dout, &a.v),

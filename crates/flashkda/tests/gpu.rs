@@ -568,6 +568,7 @@ fn cp_long_sequences_match_float64() {
         varlen: false,
         state: None,
         ordinal: 0,
+        head_dim: 128,
     };
     let auto = kernels.call_plan(&plan, &FwdOptions::default()).unwrap();
     println!("auto split of T=30001 H=2: {auto:?}");

@@ -50,7 +50,7 @@ fn rejects_bad_arguments_with_typed_errors() {
     ));
 
     let mut a = args(1, 8, 2);
-    a.q = t(DType::BF16, &[1, 8, 2, 64], 0x1000);
+    a.q = t(DType::BF16, &[1, 8, 2, 96], 0x1000); // head dims are 64 or 128
     assert!(matches!(
         validate(&a),
         Err(FlashKdaError::Shape { tensor: "q", .. })

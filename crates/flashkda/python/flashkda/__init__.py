@@ -19,16 +19,20 @@ parallel (intra-card context parallelism) automatically.
 Training: ``o, ht = flashkda.chunk_kda(q, k, v, g, beta, A_log, dt_bias, ...)`` returns outputs with
 gradients (sm_90a backward kernels; see ``flashkda.autograd``).
 
+Head dim: K = V = 128, or 64 on the workspace schedule, forward only. Head dim 64 is built but not yet
+verified on a GPU: it raises ValueError unless ``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1`` is set (read
+once per process; ``flashkda.head_dim_enabled(64)`` tells).
+
 To make flash-linear-attention's ``chunk_kda`` use it: ``flashkda.register_fla_backend()``
 (opt out with ``FLASHKDA_FLA=0``).
 """
 
 from flashkda import _flashkda
-from flashkda._flashkda import __version__, kernels_built
+from flashkda._flashkda import __version__, head_dim_enabled, kernels_built
 from flashkda.autograd import chunk_kda
 from flashkda.fla_backend import register_fla_backend
 
-__all__ = ["__version__", "chunk_kda", "fwd", "kernels_built", "register_fla_backend", "release_workspaces", "workspace",
+__all__ = ["__version__", "chunk_kda", "fwd", "head_dim_enabled", "kernels_built", "register_fla_backend", "release_workspaces", "workspace",
            "workspace_bytes"]
 
 
@@ -43,13 +47,14 @@ def release_workspaces(device=None):
 
 def workspace_bytes(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None):
     """Bytes of workspace a ``fwd`` call on these inputs needs (0 when it needs none); pass ``v``
-    when it has more heads than ``q`` (GVA), and the call's ``operands``."""
+    when it has more heads than ``q`` (GVA), and the call's ``operands``. Head dim 64 raises like ``fwd``
+    unless opted in (``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1``)."""
     b, t, hq = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
     h = hq if v is None else int(v.shape[2])
     n = b if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
     dev = q.device.index if q.device.index is not None else 0
     return _flashkda.workspace_bytes(b, t, h, n, cu_seqlens is not None, dev, segment_chunks, hq, operands,
-                                     overlap)
+                                     overlap, int(q.shape[-1]))
 
 
 def workspace(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None):

@@ -36,7 +36,8 @@ def _function():
             final_state = None
             if output_final_state:
                 sd = initial_state.dtype if initial_state is not None else torch.float32
-                final_state = torch.empty(n, H, 128, 128, dtype=sd, device=q.device)
+                D = q.shape[-1]
+                final_state = torch.empty(n, H, D, D, dtype=sd, device=q.device)
             _flashkda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
                           final_state, cu_seqlens, overlap=_FWD_OVERLAP)
             ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
@@ -72,7 +73,10 @@ def chunk_kda(q, k, v, g, beta, A_log, dt_bias, scale=None, lower_bound=-5.0, in
               output_final_state=False, cu_seqlens=None):
     """KDA forward returning ``(o, final_state)`` (``final_state`` None unless requested), with
     gradients through the sm_90a backward. bf16 q, k, v, g, beta; ``A_log [H]`` and ``dt_bias``
-    (``[H, 128]`` or ``[H * 128]``) in any float dtype (used in fp32); states bf16 or fp32."""
+    (``[H, D]`` or ``[H * D]``) in any float dtype (used in fp32); states bf16 or fp32. Head dim
+    ``D`` (K = V) 128, or 64 without gradients (forward only, opted in with
+    ``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1``: the backward is 128-only, a call that needs gradients
+    raises NotImplementedError)."""
     global _FUNCTION
     import torch
 
@@ -80,9 +84,14 @@ def chunk_kda(q, k, v, g, beta, A_log, dt_bias, scale=None, lower_bound=-5.0, in
         _FUNCTION = _function()
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    H = v.shape[2]
+    H, D = v.shape[2], q.shape[-1]
+    if D != 128 and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)):
+        raise NotImplementedError(
+            f"flashkda.chunk_kda: the backward supports head dim 128 only, not {D}; train at this head dim "
+            "with fla's chunk_kda (Triton), or call under torch.no_grad() for the forward")
     a = A_log.to(torch.float32).contiguous()
-    d = dt_bias.to(torch.float32).reshape(H, 128).contiguous()
+    d = dt_bias.to(torch.float32).reshape(H, D).contiguous()
     if cu_seqlens is not None and cu_seqlens.dtype != torch.long:
         cu_seqlens = cu_seqlens.to(torch.long)
     h0 = initial_state.contiguous() if initial_state is not None else None

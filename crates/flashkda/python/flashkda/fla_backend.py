@@ -12,8 +12,10 @@ It takes precedence over fla's FlashKDA backend (priority 2 < 3) for the calls i
 (inference and training: a call with gradients goes through ``flashkda.chunk_kda``'s autograd
 function and the chunked sm_90a backward, 8.6 vs 12.7 ms forward+backward at H=96, T=8192 on an
 H200; ``FLASHKDA_FLA_TRAIN=0`` keeps training calls on fla's kernels; bf16, K = V = 128, GVA
-included, fused gate/norm/sigmoid, ``state_v_first=True``, ``lower_bound`` in [-5, 0)); anything
-else falls through to the next backend or to Triton. Opt out with the environment variable
+included, fused gate/norm/sigmoid, ``state_v_first=True``, ``lower_bound`` in [-5, 0)); K = V = 64
+only for calls without gradients and only with ``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1`` (built, not
+yet verified on a GPU; the backward is 128-only, so head-dim-64 training stays on fla's Triton);
+anything else falls through to the next backend or to Triton. Opt out with the environment variable
 ``FLASHKDA_FLA=0`` (read at every call).
 """
 
@@ -39,8 +41,16 @@ def _verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
         return False, f"{TRAIN_ENV_VAR}=0 keeps training calls on fla's kernels"
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False, "flashkda needs an sm_90 (Hopper) CUDA device"
-    if q.dtype != torch.bfloat16 or q.shape[-1] != 128 or v.shape[-1] != 128:
-        return False, "flashkda needs bf16 and K = V = 128"
+    D = q.shape[-1]
+    if q.dtype != torch.bfloat16 or D not in (64, 128) or k.shape[-1] != D or v.shape[-1] != D:
+        return False, "flashkda needs bf16 and K = V = 128 (or 64)"
+    if D == 64:
+        if wants_grad:
+            return False, "flashkda's backward supports K = V = 128 only: head-dim-64 training stays on fla"
+        from flashkda import head_dim_enabled
+        if not head_dim_enabled(64):
+            return False, ("flashkda's head dim 64 is built but not yet verified on a GPU "
+                           "(FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1 opts in)")
     if v.shape[2] % q.shape[2] != 0:
         return False, "GVA needs the value heads to be a multiple of the query/key heads"
     if not (use_gate_in_kernel and use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and safe_gate):
@@ -81,7 +91,8 @@ def _chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
     out = torch.empty_like(v)
     final_state = None
     if output_final_state:
-        final_state = torch.empty(n, H, 128, 128, dtype=torch.float32, device=q.device)
+        D = q.shape[-1]
+        final_state = torch.empty(n, H, D, D, dtype=torch.float32, device=q.device)
     fwd(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), float(scale), out,
         A_log.to(torch.float32).contiguous(), dt_bias.to(torch.float32).contiguous(), float(lower_bound),
         initial_state=initial_state, final_state=final_state, cu_seqlens=cu_seqlens,

@@ -5,7 +5,7 @@ use cudarc::driver::CudaSlice;
 
 use super::{CANARY_BF16, CANARY_F32, CANARY_LEN, DeviceProblem, NAN_BF16, bits};
 use crate::error::{DriverContext, FlashKdaError};
-use crate::reference::{HEAD_DIM, KdaGrads};
+use crate::reference::KdaGrads;
 use crate::validate::{BwdArgs, DType};
 
 /// A gradient output: bf16 or fp32 elements followed by a canary.
@@ -41,7 +41,7 @@ impl DeviceProblem {
     ) -> Result<DeviceGrads, FlashKdaError> {
         let s = &self.stream;
         let t = self.batch * self.seq_len;
-        let st = self.num_seqs * self.heads * HEAD_DIM * HEAD_DIM;
+        let st = self.num_seqs * self.heads * self.head_dim * self.head_dim;
         let bf = |n: usize| -> Result<Out, FlashKdaError> {
             let mut v = vec![NAN_BF16; n];
             v.extend([CANARY_BF16; CANARY_LEN]);
@@ -61,13 +61,13 @@ impl DeviceProblem {
         Ok(DeviceGrads {
             dout: s.clone_htod(&bits(dout)).during("upload")?,
             dht,
-            dq: bf(t * self.qk_heads * HEAD_DIM)?,
-            dk: bf(t * self.qk_heads * HEAD_DIM)?,
-            dv: bf(t * self.heads * HEAD_DIM)?,
-            dg: bf(t * self.heads * HEAD_DIM)?,
+            dq: bf(t * self.qk_heads * self.head_dim)?,
+            dk: bf(t * self.qk_heads * self.head_dim)?,
+            dv: bf(t * self.heads * self.head_dim)?,
+            dg: bf(t * self.heads * self.head_dim)?,
             dbeta: bf(t * self.heads)?,
             da_log: f32_(self.heads)?,
-            ddt_bias: f32_(self.heads * HEAD_DIM)?,
+            ddt_bias: f32_(self.heads * self.head_dim)?,
             dh0: if dinitial { Some(state(st)?) } else { None },
         })
     }
@@ -82,9 +82,9 @@ impl DeviceProblem {
     /// The backward call's arguments (the forward inputs of [`Self::args`] and `g`'s buffers).
     pub fn bwd_args(&self, g: &DeviceGrads) -> BwdArgs {
         let f = self.args();
-        let act = [self.batch, self.seq_len, self.heads, HEAD_DIM];
-        let qk = [self.batch, self.seq_len, self.qk_heads, HEAD_DIM];
-        let st = [self.num_seqs, self.heads, HEAD_DIM, HEAD_DIM];
+        let act = [self.batch, self.seq_len, self.heads, self.head_dim];
+        let qk = [self.batch, self.seq_len, self.qk_heads, self.head_dim];
+        let st = [self.num_seqs, self.heads, self.head_dim, self.head_dim];
         BwdArgs {
             q: f.q,
             k: f.k,
@@ -105,7 +105,7 @@ impl DeviceProblem {
             dg: self.out_view(&g.dg, &act),
             dbeta: self.out_view(&g.dbeta, &act[..3]),
             da_log: self.out_view(&g.da_log, &[self.heads]),
-            ddt_bias: self.out_view(&g.ddt_bias, &[self.heads, HEAD_DIM]),
+            ddt_bias: self.out_view(&g.ddt_bias, &[self.heads, self.head_dim]),
             dinitial_state: g.dh0.as_ref().map(|o| self.out_view(o, &st)),
         }
     }

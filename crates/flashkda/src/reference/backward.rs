@@ -88,8 +88,10 @@ const CHECKPOINT: usize = 64;
 
 /// Reference gradient for upstream gradients `dout` (`[T, H, 128]`) and `dfinal`
 /// (`[N, H, 128, 128]`, or none). Runs the (sequence, head) pairs on all cores, each keeping a
-/// state every 64 tokens and recomputing the ones in between.
+/// state every 64 tokens and recomputing the ones in between. Head dim 128 only: panics with a
+/// message for any other [`KdaProblem::head_dim`].
 pub fn recurrence_grad_f64(p: &KdaProblem, dout: &[f64], dfinal: Option<&[f64]>) -> KdaGrads {
+    assert_backward_head_dim(p);
     let h_n = p.heads;
     let cu = p.cu_seqlens();
     let tasks: Vec<(usize, usize)> = (0..p.seq_lens.len())
@@ -338,4 +340,13 @@ fn step(p: &KdaProblem, t: usize, h: usize, a: f64, lb: f64, s: &mut [f64]) {
             row[c] += u * kh[c];
         }
     }
+}
+
+/// The backward references take head dim [`HEAD_DIM`] (128) only.
+pub(super) fn assert_backward_head_dim(p: &KdaProblem) {
+    assert!(
+        p.head_dim == HEAD_DIM,
+        "the backward references support head dim {HEAD_DIM} only, not {}",
+        p.head_dim
+    );
 }

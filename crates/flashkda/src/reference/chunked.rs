@@ -1,8 +1,6 @@
 //! Float64 chunked form (`docs/specs/kda.md §1.4`): what the kernels compute, without rounding.
 
-use super::{HEAD_DIM, KdaOutput, KdaProblem, initial_state_f64, per_sequence_head, token_acts};
-
-const D: usize = HEAD_DIM;
+use super::{KdaOutput, KdaProblem, initial_state_f64, per_sequence_head, token_acts};
 
 /// `(I + A)^{-1}` for a strictly lower-triangular `n x n` matrix `A` by forward substitution.
 pub(crate) fn unit_lower_inverse(a: &[Vec<f64>]) -> Vec<Vec<f64>> {
@@ -26,36 +24,32 @@ pub fn chunked_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
     assert!(chunk > 0, "chunk length must be positive");
     let scale = f64::from(p.scale);
     let ln2 = std::f64::consts::LN_2;
+    let d = p.head_dim;
     per_sequence_head(p, |nseq, h, bos, len| {
         let mut s = initial_state_f64(p, nseq, h); // [v][k]
-        let mut out = vec![0.0; len * D];
+        let mut out = vec![0.0; len * d];
         let mut c0 = 0;
         while c0 < len {
             let n = chunk.min(len - c0);
             let acts: Vec<_> = (0..n).map(|i| token_acts(p, bos + c0 + i, h)).collect();
             // G_i (log2 cumulative decay), per key channel
-            let mut g = vec![[0.0f64; D]; n];
-            let mut acc = [0.0f64; D];
+            let mut g = vec![vec![0.0f64; d]; n];
+            let mut acc = vec![0.0f64; d];
             for i in 0..n {
-                for c in 0..D {
+                for c in 0..d {
                     acc[c] += acts[i].gamma[c] / ln2;
                 }
-                g[i] = acc;
+                g[i].copy_from_slice(&acc);
             }
             let gtot = acc;
-            let kd: Vec<[f64; D]> = (0..n)
-                .map(|i| std::array::from_fn(|c| acts[i].k[c] * g[i][c].exp2()))
-                .collect();
-            let qd: Vec<[f64; D]> = (0..n)
-                .map(|i| std::array::from_fn(|c| scale * acts[i].q[c] * g[i][c].exp2()))
-                .collect();
-            let ki: Vec<[f64; D]> = (0..n)
-                .map(|i| std::array::from_fn(|c| acts[i].k[c] * (-g[i][c]).exp2()))
-                .collect();
-            let kr: Vec<[f64; D]> = (0..n)
-                .map(|i| std::array::from_fn(|c| acts[i].k[c] * (gtot[c] - g[i][c]).exp2()))
-                .collect();
-            let dot = |x: &[f64; D], y: &[f64; D]| x.iter().zip(y).map(|(a, b)| a * b).sum::<f64>();
+            let per_token = |f: &dyn Fn(usize, usize) -> f64| -> Vec<Vec<f64>> {
+                (0..n).map(|i| (0..d).map(|c| f(i, c)).collect()).collect()
+            };
+            let kd = per_token(&|i, c| acts[i].k[c] * g[i][c].exp2());
+            let qd = per_token(&|i, c| scale * acts[i].q[c] * g[i][c].exp2());
+            let ki = per_token(&|i, c| acts[i].k[c] * (-g[i][c]).exp2());
+            let kr = per_token(&|i, c| acts[i].k[c] * (gtot[c] - g[i][c]).exp2());
+            let dot = |x: &[f64], y: &[f64]| x.iter().zip(y).map(|(a, b)| a * b).sum::<f64>();
             let a: Vec<Vec<f64>> = (0..n)
                 .map(|i| {
                     (0..n)
@@ -78,35 +72,34 @@ pub fn chunked_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
                 .collect();
             let inv = unit_lower_inverse(&a);
             // rhs_i[v] = beta_i (v_i[v] - (kd_i . S[v,:]))
-            let mut rhs = vec![[0.0f64; D]; n];
-            let mut o1 = vec![[0.0f64; D]; n];
+            let mut rhs = vec![vec![0.0f64; d]; n];
+            let mut o1 = vec![vec![0.0f64; d]; n];
             for i in 0..n {
-                let vrow = &p.v[((bos + c0 + i) * p.heads + h) * D..][..D];
-                for (vi, srow) in s.chunks_exact(D).enumerate() {
-                    let srow: &[f64; D] = srow.try_into().unwrap();
+                let vrow = &p.v[((bos + c0 + i) * p.heads + h) * d..][..d];
+                for (vi, srow) in s.chunks_exact(d).enumerate() {
                     rhs[i][vi] = acts[i].beta * (f64::from(vrow[vi]) - dot(&kd[i], srow));
                     o1[i][vi] = dot(&qd[i], srow);
                 }
             }
-            let mut u = vec![[0.0f64; D]; n];
+            let mut u = vec![vec![0.0f64; d]; n];
             for i in 0..n {
                 for j in 0..=i {
-                    for vi in 0..D {
+                    for vi in 0..d {
                         u[i][vi] += inv[i][j] * rhs[j][vi];
                     }
                 }
             }
             for i in 0..n {
-                for vi in 0..D {
+                for vi in 0..d {
                     let mut o = o1[i][vi];
                     for j in 0..=i {
                         o += m[i][j] * u[j][vi];
                     }
-                    out[(c0 + i) * D + vi] = o;
+                    out[(c0 + i) * d + vi] = o;
                 }
             }
-            for (vi, srow) in s.chunks_exact_mut(D).enumerate() {
-                for c in 0..D {
+            for (vi, srow) in s.chunks_exact_mut(d).enumerate() {
+                for c in 0..d {
                     let mut x = srow[c] * gtot[c].exp2();
                     for i in 0..n {
                         x += u[i][vi] * kr[i][c];

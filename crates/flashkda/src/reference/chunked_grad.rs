@@ -265,6 +265,7 @@ pub fn chunked_grad_f64(
     dfinal: Option<&[f64]>,
     chunk: usize,
 ) -> KdaGrads {
+    super::backward::assert_backward_head_dim(p);
     assert!(chunk > 0, "chunk must be positive");
     let h_n = p.heads;
     let mut g = KdaGrads::zeros(p);

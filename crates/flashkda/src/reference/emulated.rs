@@ -8,9 +8,7 @@
 //! is **fp32** (rounded to bf16 only as a matmul operand); `Vb = bf16((v - S kd) b)`,
 //! `U = bf16(INV Vb)`, `out = bf16(S qd + M U)`, `S = S E + Uᵀ kr` in fp32.
 
-use super::{CHUNK, HEAD_DIM, KdaOutput, KdaProblem, per_sequence_head};
-
-const D: usize = HEAD_DIM;
+use super::{CHUNK, KdaOutput, KdaProblem, per_sequence_head};
 
 fn bf(x: f32) -> f32 {
     half::bf16::from_f32(x).to_f32()
@@ -120,39 +118,40 @@ pub fn emulated(p: &KdaProblem) -> KdaOutput {
 pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
     let rd = |o: Operand, x: f32| o.apply(x);
     let lb2 = p.lower_bound * std::f32::consts::LOG2_E;
+    let d = p.head_dim;
     per_sequence_head(p, |nseq, h, bos, len| {
-        let hd2 = D * D;
+        let hd2 = d * d;
         let mut s: Vec<f32> = match &p.initial_state {
             Some(st) => st[(nseq * p.heads + h) * hd2..][..hd2].to_vec(),
             None => vec![0.0; hd2],
         };
         let exp_a = p.a_log[h].exp();
-        let dtb = &p.dt_bias[h * D..][..D];
-        let mut out = vec![0.0f64; len * D];
+        let dtb = &p.dt_bias[h * d..][..d];
+        let mut out = vec![0.0f64; len * d];
         let mut c0 = 0;
         while c0 < len {
             let n = CHUNK.min(len - c0);
             let row = |x: &[f32], i: usize| -> Vec<f32> {
-                x[((bos + c0 + i) * p.heads + h) * D..][..D].to_vec()
+                x[((bos + c0 + i) * p.heads + h) * d..][..d].to_vec()
             };
             let rn = |x: &[f32]| 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
-            let mut kd = vec![vec![0.0f32; D]; n];
-            let mut qd = vec![vec![0.0f32; D]; n];
-            let mut kd_p = vec![vec![0.0f32; D]; n]; // the prep products' operands
-            let mut qd_p = vec![vec![0.0f32; D]; n];
-            let mut ki = vec![vec![0.0f32; D]; n];
-            let mut kr = vec![vec![0.0f32; D]; n];
-            let mut e = vec![0.0f32; D];
+            let mut kd = vec![vec![0.0f32; d]; n];
+            let mut qd = vec![vec![0.0f32; d]; n];
+            let mut kd_p = vec![vec![0.0f32; d]; n]; // the prep products' operands
+            let mut qd_p = vec![vec![0.0f32; d]; n];
+            let mut ki = vec![vec![0.0f32; d]; n];
+            let mut kr = vec![vec![0.0f32; d]; n];
+            let mut e = vec![0.0f32; d];
             let b: Vec<f32> = (0..n)
                 .map(|i| sigmoid32(p.beta[(bos + c0 + i) * p.heads + h]))
                 .collect();
-            let qk_row = |x: &[f32], i: usize| x[p.qk_offset(bos + c0 + i, h)..][..D].to_vec();
+            let qk_row = |x: &[f32], i: usize| x[p.qk_offset(bos + c0 + i, h)..][..d].to_vec();
             let qs: Vec<Vec<f32>> = (0..n).map(|i| qk_row(&p.q, i)).collect();
             let ks: Vec<Vec<f32>> = (0..n).map(|i| qk_row(&p.k, i)).collect();
             let gs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.g, i)).collect();
             let rnq: Vec<f32> = qs.iter().map(|x| rn(x)).collect();
             let rnk: Vec<f32> = ks.iter().map(|x| rn(x)).collect();
-            for c in 0..D {
+            for c in 0..d {
                 let mut acc = 0.0f32;
                 let mut gcum = [0.0f32; CHUNK];
                 for i in 0..n {
@@ -217,16 +216,16 @@ pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
                 .collect();
             // state-dependent chain, per value row
             let sb: Vec<f32> = s.iter().map(|&x| rd(r.state_operand, x)).collect();
-            let mut u = vec![vec![0.0f32; D]; n]; // [token][v], the output's operand
-            let mut us = vec![vec![0.0f32; D]; n]; // the state update's operand
-            for vi in 0..D {
-                let srow = &sb[vi * D..][..D];
+            let mut u = vec![vec![0.0f32; d]; n]; // [token][v], the output's operand
+            let mut us = vec![vec![0.0f32; d]; n]; // the state update's operand
+            for vi in 0..d {
+                let srow = &sb[vi * d..][..d];
                 let vb: Vec<f32> = (0..n)
                     .map(|i| {
                         let w = dot32(srow, &kd[i]);
                         rd(
                             r.vb,
-                            (p.v[((bos + c0 + i) * p.heads + h) * D + vi] - w) * b[i],
+                            (p.v[((bos + c0 + i) * p.heads + h) * d + vi] - w) * b[i],
                         )
                     })
                     .collect();
@@ -239,15 +238,15 @@ pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
                     let o1 = dot32(srow, &qd[i]);
                     let ucol: Vec<f32> = (0..n).map(|j| u[j][vi]).collect();
                     let o = f64::from(o1) + f64::from(dot32(&m[i], &ucol));
-                    out[(c0 + i) * D + vi] = f64::from(bf(o as f32));
+                    out[(c0 + i) * d + vi] = f64::from(bf(o as f32));
                 }
             }
-            for vi in 0..D {
-                for c in 0..D {
+            for vi in 0..d {
+                for c in 0..d {
                     let acc: f64 = (0..n)
                         .map(|i| f64::from(us[i][vi]) * f64::from(kr[i][c]))
                         .sum();
-                    s[vi * D + c] = (f64::from(s[vi * D + c] * e[c]) + acc) as f32;
+                    s[vi * d + c] = (f64::from(s[vi * d + c] * e[c]) + acc) as f32;
                 }
             }
             c0 += n;
