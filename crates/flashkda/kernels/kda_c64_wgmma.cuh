@@ -11,8 +11,8 @@
 // movement: k-step kk (columns 16kk..16kk+15) is a[0] = pack(d[8kk], d[8kk+1]),
 // a[1] = pack(d[8kk+2], d[8kk+3]), a[2] = pack(d[8kk+4], d[8kk+5]), a[3] = pack(d[8kk+6], d[8kk+7]).
 //
-// Shared-memory descriptor without swizzle, K-major (verified on the H200,
-// shared/notes/gpu-workflow.md): bits 0-13 = address >> 4, 16-29 = LBO >> 4 (bytes between core
+// Shared-memory descriptor without swizzle, K-major (this encoding was verified exact on the H200
+// by an earlier standalone wgmma check): bits 0-13 = address >> 4, 16-29 = LBO >> 4 (bytes between core
 // matrices adjacent in K), 32-45 = SBO >> 4 (bytes between 8-row groups in N), 62-63 = 0. A core
 // matrix is 8 rows x 16 bytes, stored contiguously (row r at 16 r).
 #pragma once

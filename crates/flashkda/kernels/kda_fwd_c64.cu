@@ -18,7 +18,7 @@
 #include "kda_c64_wgmma.cuh"
 
 #define C64 64        // tokens per chunk
-#define SUB 16        // tokens per sub-chunk (the range bound of kda.md §1.4 at lower bound -5)
+#define SUB 16        // tokens per sub-chunk (range bound of docs/specs/kda.md §1.4 at lower bound -5)
 #define PRS (KD + 8)  // padded row stride of the prep's [64][KD] bf16 tiles
 static_assert(KD == 128, "kda_fwd_c64.cu is head dim 128 only");
 
@@ -80,6 +80,7 @@ struct __align__(16) Prep64Smem {
   float Y[3][SUB][SUB + 1];
 };
 #define PREP64_SMEM ((int)sizeof(Prep64Smem))
+static_assert(sizeof(Prep64Smem) == 191168, "update launch/c64.rs");
 
 __device__ __forceinline__ void split_bf16(float x, bf16& hi, bf16& lo) {
   hi = __float2bfloat16_rn(x);
