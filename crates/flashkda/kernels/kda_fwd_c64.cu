@@ -314,3 +314,4 @@ extern "C" __global__ void __launch_bounds__(256, 1) kda_prep64(const KdaParams 
 }
 
 #include "kda_fwd_c64_state.cuh"
+#include "kda_c64_selftest.cuh"

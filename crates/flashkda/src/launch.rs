@@ -44,6 +44,15 @@ pub fn kernels_built() -> bool {
     !built::CUBINS.is_empty()
 }
 
+/// The embedded sm_90a cubin of `kernels/<stem>.cu` (for GPU tests that launch one of its kernels
+/// directly, e.g. `kda_c64_wgmma_selftest`), if it was built.
+pub fn embedded_cubin(stem: &str) -> Option<&'static [u8]> {
+    built::CUBINS
+        .iter()
+        .find(|(s, _)| *s == stem)
+        .map(|(_, c)| *c)
+}
+
 #[cfg(flashkda_kernels)]
 fn not_built_reason() -> &'static str {
     "no cubin embedded"

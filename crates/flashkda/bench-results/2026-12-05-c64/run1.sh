@@ -1,7 +1,7 @@
 #!/bin/bash
 # flashkda chunk-64 forward (kda_fwd_c64.cu, KernelSchedule::Chunk64 / chunk=64), first device call.
 # NOT YET RUN. Carry (prepared on the build machine, see README.md): crates/flashkda/.carry/c64/ with
-#   new/gpu, new/gpu_graph   release test binaries (cargo test --release -p flashkda --no-run)
+#   new/gpu, new/gpu_graph, new/gpu_c64   release test binaries (cargo test --release -p flashkda --no-run)
 #   new/flashkda-*.whl       the abi3 wheel of the same commit (maturin build --release --strip --features python)
 #   py/                      crates/flashkda/python/*.py
 # BUDGET=560 bash crates/flashkda/bench-results/2026-12-05-c64/run1.sh
@@ -21,6 +21,12 @@ cat $L/env.txt >> $S
 rm -rf /tmp/fk_new; mkdir -p /tmp/fk_new; (cd /tmp/fk_new && python3 -m zipfile -e $C/new/flashkda-*.whl .)
 export PYTHONPATH=/tmp/fk_new
 
+# 0. the wgmma building blocks alone (tile layout, descriptors, fragment mapping): a failure here is a
+#    layout error, not a math one
+FLASHKDA_GPU_LOG=$L/selftest.jsonl timeout 60 $C/new/gpu_c64 --test-threads=1 --nocapture > $L/selftest.log 2>&1
+echo "wgmma selftest rc=$? ($(left) s left)" >> $S; grep -E "wgmma selftest|panicked|test result" $L/selftest.log | head -4 >> $S
+timeout 60 compute-sanitizer --tool memcheck $C/new/gpu_c64 --test-threads=1 > $L/selftest_memcheck.log 2>&1
+echo "selftest memcheck rc=$?" >> $S; grep -E "ERROR SUMMARY" $L/selftest_memcheck.log >> $S
 # 1. smoke cases of the variant alone (also the default, as a control on the same inputs)
 FLASHKDA_TEST_KERNELS=chunk64,default FLASHKDA_GPU_LOG=$L/smoke.jsonl timeout 120 $C/new/gpu --test-threads=1 \
   smoke_small_cases > $L/smoke.log 2>&1
