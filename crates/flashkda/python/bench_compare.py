@@ -157,6 +157,9 @@ def main():
     ap.add_argument("--segments", default="", help="extra segment_chunks values timed on long shapes")
     ap.add_argument("--operands", default="", help="flashkda operands= values (bf16, split) also timed on every shape")
     ap.add_argument("--overlap", action="store_true", help="also time overlap=True (and its graph replay)")
+    ap.add_argument("--chunk64", action="store_true",
+                    help="also time chunk=64 (the opt-in 64-token-chunk wgmma forward), profile its kernels and "
+                         "compare its output with the default's")
     ap.add_argument("--value-splits", default="", help="operands:value_split pairs also timed on the anchors (split:4)")
     ap.add_argument("--no-flash-kda", action="store_true", help="do not time the public FlashKDA")
     ap.add_argument("--fla", action="store_true", help="also time fla chunk_kda (autotunes per new shape)")
@@ -224,6 +227,24 @@ def main():
                 log(f"{label}: overlap output equal to the default: {row['overlap_equal_default']}")
                 if not row["overlap_equal_default"]:
                     failures.append(f"{label}: overlap=True differs from the default")
+            if args.chunk64:
+                o2, h2 = torch.full_like(out, float("nan")), torch.full_like(ht, float("nan"))
+                call_flashkda(inp, out, ht)
+                call_flashkda(inp, o2, h2, chunk=64)
+                torch.cuda.synchronize()
+                row["chunk64_nonfinite"] = int((~torch.isfinite(o2)).sum()) + int((~torch.isfinite(h2)).sum())
+                row["chunk64_rel_out_vs_default"] = rel(o2, out)
+                row["chunk64_rel_state_vs_default"] = rel(h2, ht)
+                r = time_fn(lambda: call_flashkda(inp, o2, h2, chunk=64), w, it, rp)
+                row["flashkda_chunk64"] = r
+                row["speedup_chunk64_vs_default"] = m / r["median_ms"]
+                log(f"{label}: flashkda chunk=64 {r['median_ms']:.4f} ms ({m / r['median_ms']:.3f}x the default), "
+                    f"rel out vs default {row['chunk64_rel_out_vs_default']:.2e}, non-finite {row['chunk64_nonfinite']}")
+                if row["chunk64_nonfinite"]:
+                    failures.append(f"{label}: chunk=64 left non-finite outputs")
+                if not is_long:
+                    row["kernels_ms_chunk64"] = profile_kernels(lambda: call_flashkda(inp, o2, h2, chunk=64))
+                    log(f"{label}: kernels chunk=64 {row['kernels_ms_chunk64']}")
             for pair in [x for x in args.value_splits.split(",") if x and not is_long]:
                 op, vs = pair.split(":")
                 r = time_fn(lambda: call_flashkda(inp, out, ht, operands=op, value_split=int(vs)), w, it, rp)

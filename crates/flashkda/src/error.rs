@@ -69,6 +69,11 @@ pub enum FlashKdaError {
     )]
     HeadDimSchedule { head_dim: usize, what: String },
     #[error(
+        "the chunk-64 forward (opt-in KernelSchedule::Chunk64: head dim 128, one 2-warpgroup block per \
+         chain, split operands, no context parallelism) does not take {0}"
+    )]
+    Chunk64Unsupported(String),
+    #[error(
         "the backward supports head dim 128 only, not {0} (train at this head dim with fla's Triton kernels)"
     )]
     HeadDimBackward(usize),

@@ -26,6 +26,9 @@ use pool::{RelaxedCapture, SideStream, WorkspacePool, side_stream, workspace_ptr
 mod ws;
 use ws::{WorkspaceKernels, launch_workspace_schedule};
 
+mod c64;
+use c64::{Chunk64Kernels, launch_chunk64};
+
 mod bwd;
 pub use bwd::{
     BwdLayout, BwdOptions, PassSchedule, bwd, bwd_layout, bwd_pass_warps, bwd_validated,
@@ -39,6 +42,15 @@ mod built {
 /// True when build.rs compiled the kernels (nvcc was found).
 pub fn kernels_built() -> bool {
     !built::CUBINS.is_empty()
+}
+
+/// The embedded sm_90a cubin of `kernels/<stem>.cu` (for GPU tests that launch one of its kernels
+/// directly, e.g. `kda_c64_wgmma_selftest`), if it was built.
+pub fn embedded_cubin(stem: &str) -> Option<&'static [u8]> {
+    built::CUBINS
+        .iter()
+        .find(|(s, _)| *s == stem)
+        .map(|(_, c)| *c)
 }
 
 #[cfg(flashkda_kernels)]
@@ -174,6 +186,9 @@ pub struct KdaKernels {
     /// `kda_fwd_ws_d64.cu`, `kda_fwd_ws_split_d64.cu`: the same at head dim 64.
     ws64_bf16: WorkspaceKernels,
     ws64_split: WorkspaceKernels,
+    /// `kda_fwd_c64.cu` (opt-in `KernelSchedule::Chunk64`, not yet run on a GPU): a failure to
+    /// load them fails only the calls that ask for them, never the default kernels.
+    c64: Result<Chunk64Kernels, String>,
     /// `kda_bwd_chunk.cu`.
     bwd: bwd::BwdKernels,
     /// Pooled workspaces, one per stream (so calls on different streams never share one).
@@ -209,6 +224,7 @@ impl KdaKernels {
         let [ws_a, ws_b, ws_c, ws_d] = ws_cubins;
         let ws_cubins = [ws_a?, ws_b?, ws_c?, ws_d?];
         let bwd_cubin = cubin("kda_bwd_chunk")?;
+        let c64_cubin = cubin("kda_fwd_c64")?;
         let (major, minor) = ctx
             .compute_capability()
             .during("reading compute capability")?;
@@ -248,6 +264,12 @@ impl KdaKernels {
             .load_module(cudarc::nvrtc::Ptx::from_binary(bwd_cubin))
             .during("loading the kda_bwd_chunk cubin")?;
         let bwd = bwd::BwdKernels::load(&module)?;
+        let c64 = Chunk64Kernels::load(ctx, c64_cubin)
+            .and_then(|k| {
+                k.functions().into_iter().try_for_each(load_now)?;
+                Ok(k)
+            })
+            .map_err(|e| e.to_string());
         let sm_count = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -270,6 +292,7 @@ impl KdaKernels {
             ws_split,
             ws64_bf16,
             ws64_split,
+            c64,
             bwd,
             workspaces: Mutex::new(WorkspacePool::default()),
             side_streams: Mutex::new(HashMap::new()),
@@ -354,6 +377,7 @@ pub fn fwd_planned(
 ) -> Result<(), FlashKdaError> {
     check_head_dim_enabled(plan.head_dim)?;
     if plan.head_dim != HEAD_DIM && call.schedule != KernelSchedule::Workspace {
+        // (Chunk64 at head dim 64 never gets here: call_plan refuses it)
         return Err(FlashKdaError::HeadDimSchedule {
             head_dim: plan.head_dim,
             what: format!("the {:?} schedule", call.schedule),
@@ -401,6 +425,16 @@ pub fn fwd_planned(
         let need = call.workspace.total_bytes.max(1);
         params.ws = workspace_ptr(kernels, stream, opts.workspace, need, capturing)?;
         return launch_workspace_schedule(kernels, stream, plan, call, params);
+    }
+    if call.schedule == KernelSchedule::Chunk64 {
+        let need = call.workspace.total_bytes.max(1);
+        params.ws = workspace_ptr(kernels, stream, opts.workspace, need, capturing)?;
+        let c64 = kernels.c64.as_ref().map_err(|e| {
+            FlashKdaError::Chunk64Unsupported(format!(
+                "this device: its kernels did not load ({e})"
+            ))
+        })?;
+        return launch_chunk64(c64, stream, plan, params);
     }
     let (func, slices, threads, smem) = match (call.schedule, call.split) {
         (KernelSchedule::Pipelined, _) => (&kernels.pipelined, 2u32, 128u32, PIPE_SMEM_BYTES),

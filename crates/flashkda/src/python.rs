@@ -160,10 +160,11 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// pass run at once where that is safe; `segment_chunks` None (automatic), 0 (off) or the segment
 /// length in 16-token chunks; `workspace` a contiguous uint8 CUDA tensor of at least
 /// `workspace_bytes(...)` bytes (None: the stream's pooled one, or while capturing one from torch's
-/// allocator, i.e. the graph's private pool). The arguments are validated and the call planned
+/// allocator, i.e. the graph's private pool); `chunk` None or 16 (default) or 64 (the opt-in
+/// chunk-64 wgmma forward, not yet run on a GPU). The arguments are validated and the call planned
 /// once, here.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None, operands=None, overlap=None))]
+#[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None, operands=None, overlap=None, chunk=None))]
 #[allow(non_snake_case, clippy::too_many_arguments)]
 fn fwd(
     py: Python<'_>,
@@ -186,6 +187,7 @@ fn fwd(
     workspace: Option<&Bound<'_, PyAny>>,
     operands: Option<&str>,
     overlap: Option<bool>,
+    chunk: Option<usize>,
 ) -> PyResult<()> {
     let args = FwdArgs {
         q: view("q", q)?,
@@ -240,12 +242,12 @@ fn fwd(
     let kernels = kernels_for(plan.ordinal).map_err(to_py)?;
     let mut opts = FwdOptions {
         value_split: split,
+        schedule: schedule_of(chunk)?,
         operands,
         overlap,
         check_cu_seqlens,
         segment_chunks,
         workspace,
-        ..Default::default()
     };
     let call = kernels.call_plan(&plan, &opts).map_err(to_py)?;
     let torch = py.import("torch")?;
@@ -355,7 +357,7 @@ fn bwd(
 /// fewer; default `heads`), `num_seqs` = len(cu_seqlens) - 1 or batch, `head_dim` q's last
 /// dimension (default 128; 64 is refused like `fwd` unless opted in).
 #[pyfunction]
-#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None, operands=None, overlap=None, head_dim=None))]
+#[pyo3(signature = (batch, seq_len, heads, num_seqs, varlen, device, segment_chunks=None, qk_heads=None, operands=None, overlap=None, head_dim=None, chunk=None))]
 #[allow(clippy::too_many_arguments)]
 fn workspace_bytes(
     batch: usize,
@@ -369,6 +371,7 @@ fn workspace_bytes(
     operands: Option<&str>,
     overlap: Option<bool>,
     head_dim: Option<usize>,
+    chunk: Option<usize>,
 ) -> PyResult<usize> {
     let operands = operands_of(operands)?;
     let head_dim = head_dim.unwrap_or(crate::reference::HEAD_DIM);
@@ -390,6 +393,7 @@ fn workspace_bytes(
         head_dim,
     };
     let opts = FwdOptions {
+        schedule: schedule_of(chunk)?,
         segment_chunks,
         operands,
         overlap,
@@ -400,6 +404,18 @@ fn workspace_bytes(
         .map_err(to_py)?
         .workspace
         .total_bytes)
+}
+
+/// `chunk=` of the Python calls: None or 16 (the default schedules), 64 (the opt-in chunk-64
+/// forward, `KernelSchedule::Chunk64`, not yet run on a GPU).
+fn schedule_of(chunk: Option<usize>) -> PyResult<crate::KernelSchedule> {
+    match chunk {
+        None | Some(16) => Ok(crate::KernelSchedule::Auto),
+        Some(64) => Ok(crate::KernelSchedule::Chunk64),
+        Some(x) => Err(PyValueError::new_err(format!(
+            "chunk must be None, 16 or 64, got {x}"
+        ))),
+    }
 }
 
 /// `operands=` of the Python calls: None, "bf16" or "split".

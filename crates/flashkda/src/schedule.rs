@@ -85,6 +85,11 @@ pub enum KernelSchedule {
     /// tensors to a device workspace (13888 bytes per 16 tokens and head); the sequential pass only
     /// does the state matmuls, 2, 4 or 8 blocks per chain.
     Workspace,
+    /// `kda_fwd_c64.cu` (opt-in, never picked by `Auto`; NOT YET RUN ON A GPU): 64-token chunks
+    /// on wgmma, a parallel prep writing one 74496-byte record per 64 tokens and head, then one
+    /// block of two warpgroups per chain. Head dim 128, split operands, no context parallelism,
+    /// value split `Auto` or `One`; anything else is [`FlashKdaError::Chunk64Unsupported`].
+    Chunk64,
 }
 
 /// How the workspace schedule feeds its tensor cores (`reference::emulated::Rounding`).
@@ -178,6 +183,9 @@ pub fn call_plan(
     req: &ScheduleRequest,
     sm_count: usize,
 ) -> Result<CallPlan, FlashKdaError> {
+    if req.schedule == KernelSchedule::Chunk64 {
+        return c64::call_plan_c64(plan, req);
+    }
     let gva = plan.qk_heads != plan.heads;
     let d64 = plan.head_dim != HEAD_DIM;
     let split_ops = req.operands == Operands::Split;
@@ -446,6 +454,9 @@ pub fn workspace_layout(plan: &FwdPlan, segs: Segments, operands: Operands) -> W
         total_bytes,
     }
 }
+
+mod c64;
+pub use c64::{CHUNK64_RECORD_BYTES, chunk64_slots};
 
 #[cfg(test)]
 mod tests;

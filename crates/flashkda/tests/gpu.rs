@@ -10,6 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use flashkda::harness::{DeviceProblem, StateIo};
 use flashkda::reference::emulated::{Rounding, emulated_with};
+use flashkda::reference::emulated64::emulated_c64;
 use flashkda::reference::metrics::rel_frobenius;
 use flashkda::reference::{KdaOutput, KdaProblem, recurrence_f64};
 use flashkda::{FlashKdaError, FwdOptions, KdaKernels, KernelSchedule, Operands, ValueSplit, fwd};
@@ -36,8 +37,10 @@ type Variant = (
 /// e.g. to run a new variant in its own process. `workspace-cp3` splits every fixed-length
 /// sequence into 3-chunk segments (context parallelism; varlen calls run unsplit); `default`
 /// is what a caller without options gets; `split-*` are the split-operand kernels
-/// (`kda_fwd_ws_split.cu`), `split-auto` with the automatic schedule and segments.
-const VARIANTS: [Variant; 13] = [
+/// (`kda_fwd_ws_split.cu`), `split-auto` with the automatic schedule and segments; `chunk64` the
+/// opt-in 64-token-chunk wgmma forward (`kda_fwd_c64.cu`: its own emulation, `emulated_c64`; it
+/// refuses context parallelism, so cases that force segments expect that refusal).
+const VARIANTS: [Variant; 14] = [
     (
         "sequential",
         KernelSchedule::Sequential,
@@ -142,6 +145,14 @@ const VARIANTS: [Variant; 13] = [
         Operands::Split,
         Some(true),
     ),
+    (
+        "chunk64",
+        KernelSchedule::Chunk64,
+        Some(ValueSplit::One),
+        Some(0),
+        Operands::Auto,
+        None,
+    ),
 ];
 
 /// The default call (no options) is always tested as well.
@@ -200,7 +211,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     let mut dev = DeviceProblem::upload(stream, &p, c.state, c.batched).expect("upload");
     let reference: KdaOutput = recurrence_f64(&p);
     // one emulation per rounding, computed when a variant needs it
-    let mut emulations: [Option<KdaOutput>; 2] = [None, None];
+    let mut emulations: [Option<KdaOutput>; 3] = [None, None, None];
     for (variant, schedule, split, segs, operands, overlap) in variants() {
         dev.poison().expect("poison");
         let opts = FwdOptions {
@@ -225,11 +236,21 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             );
             continue;
         }
+        if schedule == KernelSchedule::Chunk64 && opts.segment_chunks.is_some_and(|c| c > 0) {
+            let err = fwd(kernels, stream, &dev.args(), &opts).unwrap_err();
+            assert!(
+                matches!(err, FlashKdaError::Chunk64Unsupported(_)),
+                "{name}: {err}"
+            );
+            continue;
+        }
         let call = kernels
             .call_plan(&flashkda::validate(&dev.args()).unwrap(), &opts)
             .unwrap();
         let split_ops = call.operands == Operands::Split;
-        let emulation = if c.emulate {
+        let emulation = if c.emulate && schedule == KernelSchedule::Chunk64 {
+            Some(&*emulations[2].get_or_insert_with(|| emulated_c64(&p)))
+        } else if c.emulate {
             let (i, r) = if split_ops {
                 (1, Rounding::SPLIT)
             } else {

@@ -207,6 +207,41 @@ fn graph_replay_on_fresh_inputs_equals_eager_bitwise() {
     }
 }
 
+/// The opt-in chunk-64 forward (`KernelSchedule::Chunk64`) captured and replayed like the others;
+/// its own test so the device script can run it apart (`chunk64_graph`) while it is unverified.
+#[test]
+fn chunk64_graph_replay_equals_eager_bitwise() {
+    let Some(gpu) = gpu() else { return };
+    let c64 = FwdOptions {
+        schedule: flashkda::KernelSchedule::Chunk64,
+        ..FwdOptions::default()
+    };
+    for c in [
+        GraphCase {
+            name: "chunk64 H=8 varlen4 fp32 state",
+            lens_captured: vec![100, 37, 64, 300],
+            lens_fresh: vec![300, 64, 100, 37],
+            batched: false,
+            heads: 8,
+            state: StateIo::both(true),
+            caller_workspace: false,
+            opts: c64,
+        },
+        GraphCase {
+            name: "chunk64 B=2 T=1024 H=4 bf16 state, caller workspace",
+            lens_captured: vec![1024, 1024],
+            lens_fresh: vec![1024, 1024],
+            batched: true,
+            heads: 4,
+            state: StateIo::both(false),
+            caller_workspace: true,
+            opts: c64,
+        },
+    ] {
+        graph_case(&gpu, &c);
+    }
+}
+
 /// The first use of the kernels may fall inside a caller's capture: loading them there neither
 /// fails nor invalidates the capture, and the graph replays like the eager call.
 #[test]

@@ -45,33 +45,36 @@ def release_workspaces(device=None):
     return _flashkda.release_workspaces(d.index if d.index is not None else torch.cuda.current_device())
 
 
-def workspace_bytes(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None):
+def workspace_bytes(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None, chunk=None):
     """Bytes of workspace a ``fwd`` call on these inputs needs (0 when it needs none); pass ``v``
-    when it has more heads than ``q`` (GVA), and the call's ``operands``. Head dim 64 raises like ``fwd``
+    when it has more heads than ``q`` (GVA), and the call's ``operands`` and ``chunk``. Head dim 64 raises like ``fwd``
     unless opted in (``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1``)."""
     b, t, hq = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
     h = hq if v is None else int(v.shape[2])
     n = b if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
     dev = q.device.index if q.device.index is not None else 0
     return _flashkda.workspace_bytes(b, t, h, n, cu_seqlens is not None, dev, segment_chunks, hq, operands,
-                                     overlap, int(q.shape[-1]))
+                                     overlap, int(q.shape[-1]), chunk)
 
 
-def workspace(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None):
+def workspace(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None, chunk=None):
     """A workspace tensor for ``fwd(..., workspace=)`` (uint8, on q's device)."""
     import torch
 
-    nbytes = max(1, workspace_bytes(q, cu_seqlens, segment_chunks, v, operands, overlap))
+    nbytes = max(1, workspace_bytes(q, cu_seqlens, segment_chunks, v, operands, overlap, chunk))
     return torch.empty(nbytes, dtype=torch.uint8, device=q.device)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
         cu_seqlens=None, check_cu_seqlens=True, value_split=None, segment_chunks=None, workspace=None,
-        operands=None, overlap=None):
+        operands=None, overlap=None, chunk=None):
     """KDA forward: writes ``out`` (and ``final_state`` when given) on torch's current stream.
     Validated and planned once, in the compiled module, which also supplies the workspace when none
     is passed (the stream's pooled one; the graph's private pool while capturing). ``operands``: None (the measured default), ``"bf16"`` or
     ``"split"`` (hi + lo bf16 tensor-core operands: more accurate); ``overlap``: None (the measured
-    default) or whether the prep and the state pass run at once where that is safe."""
+    default) or whether the prep and the state pass run at once where that is safe; ``chunk``: None or 16
+    (the default kernels) or 64 (the opt-in 64-token-chunk wgmma forward, head dim 128, not yet run on a
+    GPU)."""
     return _flashkda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                         cu_seqlens, check_cu_seqlens, value_split, segment_chunks, workspace, operands, overlap)
+                         cu_seqlens, check_cu_seqlens, value_split, segment_chunks, workspace, operands, overlap,
+                         chunk)

@@ -10,17 +10,17 @@
 
 use super::{CHUNK, KdaOutput, KdaProblem, per_sequence_head};
 
-fn bf(x: f32) -> f32 {
+pub(crate) fn bf(x: f32) -> f32 {
     half::bf16::from_f32(x).to_f32()
 }
 
-fn sigmoid32(x: f32) -> f32 {
+pub(crate) fn sigmoid32(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
 /// Dot product accumulated in f64 and rounded to f32 (the MMA accumulates in fp32; the order
 /// differs anyway, so the closer-to-exact sum is the better model).
-fn dot32(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot32(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
         .map(|(x, y)| f64::from(*x) * f64::from(*y))
@@ -39,7 +39,7 @@ pub enum Operand {
 }
 
 impl Operand {
-    fn apply(self, x: f32) -> f32 {
+    pub(crate) fn apply(self, x: f32) -> f32 {
         match self {
             Operand::Bf16 => bf(x),
             Operand::Split => {

@@ -12,14 +12,17 @@
 
 mod backward;
 mod chunked;
+pub mod chunked64;
 mod chunked_grad;
 pub mod emulated;
+pub mod emulated64;
 pub mod metrics;
 mod segmented;
 
 pub use backward::{KdaGrads, recurrence_grad_f64};
 pub use chunked::chunked_f64;
 pub use chunked_grad::chunked_grad_f64;
+pub use chunked64::chunked_sub_f64;
 pub use segmented::segmented_f64;
 
 use rand::{Rng, SeedableRng};

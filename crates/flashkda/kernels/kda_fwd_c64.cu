@@ -1,0 +1,317 @@
+// KDA forward with 64-token chunks on wgmma (issue 11, opt-in `Kernel::Chunk64`; NOT YET RUN ON A
+// GPU). Math: `reference::chunked64` (16-token sub-chunks keep every factor in range: see its
+// module docs); rounding: `reference::emulated64::C64_KERNEL` (= `Rounding::SPLIT`: hi + lo bf16
+// pairs for the prep products, M, Vb and U; bf16 kd, qd, kr, INV and state operand; fp32 state).
+//
+// kda_prep64: fully parallel, one 256-thread block per (64-token chunk slot, head). Norms, beta,
+// gate cumsum, kd/qd/krT/E/b, the sub-chunked A -> INV (block forward substitution) and M, written
+// straight to one REC64_BYTES record per (slot, head), every bf16 tile in the no-swizzle K-major
+// core-matrix layout of the state pass's wgmma B descriptors.
+// kda_state64: the serial pass. One block of two warpgroups per (sequence, head) chain, warpgroup
+// wg owning value rows [64 wg, 64 wg + 64) of the fp32 state in m64n128 wgmma accumulators for the
+// whole sequence. One block rather than two: both warpgroups read the same record, so one shared
+// copy halves the record traffic and shared memory (2 stages of 74.5 KB fit once per SM, and
+// H <= 132 chains per sequence stay one wave); the price is a block-wide barrier per chunk.
+// Records arrive by bulk copy on mbarriers (2 stages: chunk c + 2 is requested when chunk c is
+// done), v rows by cp.async per warpgroup (pad rows zero-filled).
+#include "kda_common.cuh"
+#include "kda_c64_wgmma.cuh"
+
+#define C64 64        // tokens per chunk
+#define SUB 16        // tokens per sub-chunk (range bound of docs/specs/kda.md §1.4 at lower bound -5)
+#define PRS (KD + 8)  // padded row stride of the prep's [64][KD] bf16 tiles
+static_assert(KD == 128, "kda_fwd_c64.cu is head dim 128 only");
+
+// Record (bytes). Tile [N][K] bf16, element (n, k) at (n / 8) * SBO + (k / 8) * 128 + (n % 8) * 16
+// + (k % 8) * 2: LBO = 128, SBO = K * 16.
+#define R64_KD 0          // kd  [64 tok][128 ch], SBO 2048 (B of W^T = S kd^T)
+#define R64_QD 16384      // qd  [64 tok][128 ch], SBO 2048 (B of O1^T = S qd^T)
+#define R64_KR 32768      // krT [128 ch][64 tok], SBO 1024 (B of S += U^T kr)
+#define R64_INV 49152     // INV [64 i][64 j],     SBO 1024 (B of U^T = Vb^T INV^T)
+#define R64_MH 57344      // M hi [64 i][64 j],    SBO 1024 (B of O^T += U^T M^T)
+#define R64_ML 65536      // M lo
+#define R64_E 73728       // f32 [128] 2^Gtot
+#define R64_B 74240       // f32 [64] sigmoid(beta), 0 on pad rows
+#define REC64_BYTES 74496 // mirrored in launch/c64.rs
+static_assert(REC64_BYTES == R64_B + 256 && REC64_BYTES % 16 == 0, "record layout");
+
+__device__ __forceinline__ int core_off(int n, int k, int sbo) { return (n >> 3) * sbo + (k >> 3) * 128 + (n & 7) * 16 + (k & 7) * 2; }
+
+// Sequence n's 64-token slots: fixed length -> n * ceil(T / 64); varlen -> cu[n] / 64 + n (as the
+// 16-token workspace: floor(a/64) + ceil(len/64) <= floor((a+len)/64) + 1, so slots never overlap;
+// total <= T/64 + N).
+struct Seq64 {
+  long long bos, len, slot0;
+};
+__device__ __forceinline__ long long clamp_cu64(const KdaParams& p, int n) {
+  long long a = p.cu_seqlens[n];
+  return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
+}
+__device__ __forceinline__ Seq64 seq64(const KdaParams& p, int n) {
+  Seq64 s;
+  if (p.cu_seqlens != nullptr) {
+    const long long a = clamp_cu64(p, n);
+    long long e = clamp_cu64(p, n + 1);
+    e = e < a ? a : e;
+    s.bos = a;
+    s.len = e - a;
+    s.slot0 = a / C64 + n;
+  } else {
+    s.bos = (long long)n * p.seq_len;
+    s.len = p.seq_len;
+    s.slot0 = (long long)n * ((p.seq_len + C64 - 1) / C64);
+  }
+  return s;
+}
+
+struct __align__(16) Prep64Smem {
+  bf16 q[C64][PRS];
+  bf16 k[C64][PRS];
+  bf16 g[C64][PRS];
+  float G[C64][KD];     // cumulative log2 decay from the chunk start (pad rows: the last valid one)
+  float rnq[C64], rnk[C64], b[C64];
+  bf16 rh[2][SUB][PRS];  // row operands of row block s: [0] kdl, [1] qdl (hi)
+  bf16 rl[2][SUB][PRS];  // (lo)
+  bf16 ch[C64][PRS];     // column operands kc^(s) (hi)
+  bf16 cl[C64][PRS];     // (lo)
+  float A[C64][C64 + 1];  // diag(b) strict_lower(kd ki^T), fp32
+  float M[C64][C64 + 1];  // lower_incl(qd ki^T), fp32
+  float X[C64][C64 + 1];  // INV, fp32
+  float Y[3][SUB][SUB + 1];
+};
+#define PREP64_SMEM ((int)sizeof(Prep64Smem))
+static_assert(sizeof(Prep64Smem) == 191168, "update launch/c64.rs");
+
+__device__ __forceinline__ void split_bf16(float x, bf16& hi, bf16& lo) {
+  hi = __float2bfloat16_rn(x);
+  lo = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
+
+// 256 threads: 8 warps.
+extern "C" __global__ void __launch_bounds__(256, 1) kda_prep64(const KdaParams p) {
+  extern __shared__ __align__(16) unsigned char prep_raw[];
+  Prep64Smem& sm = *reinterpret_cast<Prep64Smem*>(prep_raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int H = p.num_heads;
+  const long long slot = blockIdx.x;
+  const int h = blockIdx.y;
+  int n;
+  if (p.cu_seqlens != nullptr) {
+    int lo = 0, hi = p.num_seqs - 1;  // largest n with slot0(n) <= slot
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (clamp_cu64(p, mid) / C64 + mid <= slot) lo = mid; else hi = mid - 1;
+    }
+    n = lo;
+  } else {
+    n = static_cast<int>(slot / ((p.seq_len + C64 - 1) / C64));
+  }
+  const Seq64 si = seq64(p, n);
+  const long long c = slot - si.slot0;
+  if (c < 0 || c * C64 >= si.len) return;  // unused slot (block-uniform)
+  const long long rem = si.len - c * C64;
+  const int nv = rem < C64 ? static_cast<int>(rem) : C64;
+  const long long t0 = si.bos + c * C64;
+  const long long hs = (long long)H * KD, hoff = (long long)h * KD;
+  const long long qhs = (long long)p.qk_heads * KD;
+  const long long qhoff = (long long)(h / (H / p.qk_heads)) * KD;
+
+  // q, k (of the q/k head), g rows; rows from nv on zero-filled
+  for (int i = tid; i < 3 * C64 * 16; i += 256) {
+    const int which = i / (C64 * 16), r = (i / 16) % C64, cc = i % 16;
+    const bf16* src = which == 0 ? p.q : (which == 1 ? p.k : p.g);
+    bf16* dst = which == 0 ? &sm.q[r][cc * 8] : (which == 1 ? &sm.k[r][cc * 8] : &sm.g[r][cc * 8]);
+    const bool ok = r < nv;
+    const long long off = which == 2 ? (t0 + r) * hs + hoff : (t0 + r) * qhs + qhoff;
+    cp_async16(dst, ok ? src + off + cc * 8 : src, ok ? 16 : 0);
+  }
+  cp_async_commit();
+  const float exp_a = __expf(p.a_log[h]);
+  const float lb2 = p.lower_bound * 1.4426950408889634f;
+  unsigned char* rec = reinterpret_cast<unsigned char*>(p.ws) + (size_t)(slot * H + h) * REC64_BYTES;
+  for (int u = tid; u < C64 * (C64 + 1); u += 256) {
+    (&sm.A[0][0])[u] = 0.f;
+    (&sm.M[0][0])[u] = 0.f;  // blocks above the diagonal stay 0
+  }
+  cp_async_wait_all();
+  __syncthreads();
+
+  // norms of the 64 q and 64 k rows (warp w: rows w, w + 8, ...), sigmoid(beta)
+  for (int r = warp; r < 2 * C64; r += 8) {
+    const bf16* row = r < C64 ? &sm.q[r][0] : &sm.k[r - C64][0];
+    const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    float x = a.x * a.x;
+    x = fmaf(a.y, a.y, x);
+    x = fmaf(b2.x, b2.x, x);
+    x = fmaf(b2.y, b2.y, x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (lane == 0) {
+      if (r < C64) sm.rnq[r] = rsqrtf(x + 1e-6f); else sm.rnk[r - C64] = rsqrtf(x + 1e-6f);
+    }
+  }
+  if (tid < C64) sm.b[tid] = tid < nv ? sigmoidf_(__bfloat162float(p.beta[(t0 + tid) * H + h])) : 0.f;
+  // gate cumsum, one thread per channel (pad rows add no decay)
+  if (tid < KD) {
+    const float dtb = p.dt_bias[hoff + tid];
+    float acc = 0.f;
+    for (int i = 0; i < C64; ++i) {
+      const float gm = lb2 * sigmoidf_(exp_a * (__bfloat162float(sm.g[i][tid]) + dtb));
+      acc += i < nv ? gm : 0.f;
+      sm.G[i][tid] = acc;
+    }
+  }
+  __syncthreads();
+
+  // ---- state-pass tiles straight into the record: kd, qd (thread: token i, 8 channels), krT
+  // (thread: channel, 8 tokens), E, b
+  for (int u = tid; u < C64 * 16; u += 256) {
+    const int i = u >> 4, c0 = (u & 15) * 8;
+    uint32_t kw[4], qw[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      float kv[2], qv[2];
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int ch = c0 + e + x;
+        const float ex = ex2(sm.G[i][ch]);
+        kv[x] = __bfloat162float(sm.k[i][ch]) * sm.rnk[i] * ex;
+        qv[x] = __bfloat162float(sm.q[i][ch]) * sm.rnq[i] * p.scale * ex;
+      }
+      kw[e / 2] = pack(kv[0], kv[1]);
+      qw[e / 2] = pack(qv[0], qv[1]);
+    }
+    *reinterpret_cast<uint4*>(rec + R64_KD + core_off(i, c0, 2048)) = make_uint4(kw[0], kw[1], kw[2], kw[3]);
+    *reinterpret_cast<uint4*>(rec + R64_QD + core_off(i, c0, 2048)) = make_uint4(qw[0], qw[1], qw[2], qw[3]);
+  }
+  for (int u = tid; u < KD * 8; u += 256) {
+    const int ch = u >> 3, i0 = (u & 7) * 8;
+    const float gt = sm.G[C64 - 1][ch];
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const float k0 = __bfloat162float(sm.k[i0 + e][ch]) * sm.rnk[i0 + e];
+      const float k1 = __bfloat162float(sm.k[i0 + e + 1][ch]) * sm.rnk[i0 + e + 1];
+      w[e / 2] = pack(k0 * ex2(gt - sm.G[i0 + e][ch]), k1 * ex2(gt - sm.G[i0 + e + 1][ch]));
+    }
+    *reinterpret_cast<uint4*>(rec + R64_KR + core_off(ch, i0, 1024)) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  if (tid < KD) reinterpret_cast<float*>(rec + R64_E)[tid] = ex2(sm.G[C64 - 1][tid]);
+  if (tid < C64) reinterpret_cast<float*>(rec + R64_B)[tid] = sm.b[tid];
+
+  // ---- A and M by row blocks of 16 (reference::chunked64::build_intra)
+  for (int s = 0; s < C64 / SUB; ++s) {
+    const int ncol = SUB * (s + 1);
+    // row operands kdl, qdl = (k, scale q) 2^(G_i - R), R = G at the end of sub-chunk s - 1
+    for (int u = tid; u < SUB * KD; u += 256) {
+      const int li = u / KD, ch = u % KD, i = SUB * s + li;
+      const float r = s == 0 ? 0.f : sm.G[SUB * s - 1][ch];
+      const float ex = ex2(sm.G[i][ch] - r);
+      const float kn = __bfloat162float(sm.k[i][ch]) * sm.rnk[i];
+      const float qn = __bfloat162float(sm.q[i][ch]) * sm.rnq[i] * p.scale;
+      split_bf16(kn * ex, sm.rh[0][li][ch], sm.rl[0][li][ch]);
+      split_bf16(qn * ex, sm.rh[1][li][ch], sm.rl[1][li][ch]);
+    }
+    // column operands kc_j = k_j 2^(R - G_j), j < 16 (s + 1): <= 1 off the diagonal block
+    for (int u = tid; u < ncol * KD; u += 256) {
+      const int j = u / KD, ch = u % KD;
+      const float r = s == 0 ? 0.f : sm.G[SUB * s - 1][ch];
+      const float kn = __bfloat162float(sm.k[j][ch]) * sm.rnk[j];
+      split_bf16(kn * ex2(r - sm.G[j][ch]), sm.ch[j][ch], sm.cl[j][ch]);
+    }
+    __syncthreads();
+    // 16 x 16 tiles (which: 0 = A, 1 = M; column block t <= s), split product without lo lo
+    for (int tile = warp; tile < 2 * (s + 1); tile += 8) {
+      const int which = tile / (s + 1), t = tile % (s + 1);
+      float acc[2][4] = {};
+#pragma unroll 2
+      for (int kb = 0; kb < KD / 16; ++kb) {
+        const int kc = kb * 16 + 2 * tq;
+        const bf16(*rh)[PRS] = sm.rh[which];
+        const bf16(*rl)[PRS] = sm.rl[which];
+        const uint32_t a0 = ld32(&rh[gq][kc]), a1 = ld32(&rh[gq + 8][kc]);
+        const uint32_t a2 = ld32(&rh[gq][kc + 8]), a3 = ld32(&rh[gq + 8][kc + 8]);
+        const uint32_t l0 = ld32(&rl[gq][kc]), l1 = ld32(&rl[gq + 8][kc]);
+        const uint32_t l2 = ld32(&rl[gq][kc + 8]), l3 = ld32(&rl[gq + 8][kc + 8]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int j = SUB * t + nt * 8 + gq;
+          const uint32_t b0 = ld32(&sm.ch[j][kc]), b1 = ld32(&sm.ch[j][kc + 8]);
+          const uint32_t c0 = ld32(&sm.cl[j][kc]), c1 = ld32(&sm.cl[j][kc + 8]);
+          mma(acc[nt], a0, a1, a2, a3, b0, b1, acc[nt]);
+          mma(acc[nt], a0, a1, a2, a3, c0, c1, acc[nt]);
+          mma(acc[nt], l0, l1, l2, l3, b0, b1, acc[nt]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = SUB * s + gq + 8 * (e >> 1), j = SUB * t + nt * 8 + 2 * tq + (e & 1);
+          // select, never mask by multiplying: above the diagonal the products may be huge
+          if (which == 0) sm.A[i][j] = j < i ? acc[nt][e] * sm.b[i] : 0.f;
+          else sm.M[i][j] = j <= i ? acc[nt][e] : 0.f;
+        }
+    }
+    __syncthreads();  // the operand tiles are rewritten for the next row block
+  }
+
+  // ---- INV = (I + A)^-1: diagonal blocks by forward substitution (thread: one column) ...
+  for (int u = tid; u < C64 * C64; u += 256) sm.X[u / C64][u % C64] = 0.f;
+  __syncthreads();
+  if (tid < C64) {
+    const int s0 = (tid / SUB) * SUB, j = tid;
+    for (int i = s0; i < s0 + SUB; ++i) {
+      float acc = i == j ? 1.f : 0.f;
+      for (int m = s0; m < i; ++m) acc = fmaf(-sm.A[i][m], sm.X[m][j], acc);
+      sm.X[i][j] = acc;
+    }
+  }
+  __syncthreads();
+  // ... then X_st = -X_ss (sum_{t <= m < s} A_sm X_mt), row block by row block
+  for (int s = 1; s < C64 / SUB; ++s) {
+    for (int u = tid; u < s * SUB * SUB; u += 256) {
+      const int t = u / (SUB * SUB), li = (u / SUB) % SUB, lj = u % SUB;
+      const int i = SUB * s + li, j = SUB * t + lj;
+      float acc = 0.f;
+      for (int m = SUB * t; m < SUB * s; ++m) acc = fmaf(sm.A[i][m], sm.X[m][j], acc);
+      sm.Y[t][li][lj] = acc;
+    }
+    __syncthreads();
+    for (int u = tid; u < s * SUB * SUB; u += 256) {
+      const int t = u / (SUB * SUB), li = (u / SUB) % SUB, lj = u % SUB;
+      const int i = SUB * s + li;
+      float acc = 0.f;
+      for (int m = 0; m <= li; ++m) acc = fmaf(sm.X[i][SUB * s + m], sm.Y[t][m][lj], acc);
+      sm.X[i][SUB * t + lj] = -acc;
+    }
+    __syncthreads();
+  }
+
+  // ---- INV (bf16) and M (hi + lo) tiles [i][j] into the record (thread: row i, 8 columns)
+  for (int u = tid; u < C64 * 8; u += 256) {
+    const int i = u >> 3, j0 = (u & 7) * 8;
+    uint32_t wi[4], wh[4], wl[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      const float x0 = j0 + e <= i ? sm.X[i][j0 + e] : 0.f, x1 = j0 + e + 1 <= i ? sm.X[i][j0 + e + 1] : 0.f;
+      wi[e / 2] = pack(x0, x1);
+      bf16 h0, l0, h1, l1;
+      split_bf16(sm.M[i][j0 + e], h0, l0);
+      split_bf16(sm.M[i][j0 + e + 1], h1, l1);
+      __nv_bfloat162 hh = __halves2bfloat162(h0, h1), ll = __halves2bfloat162(l0, l1);
+      wh[e / 2] = *reinterpret_cast<uint32_t*>(&hh);
+      wl[e / 2] = *reinterpret_cast<uint32_t*>(&ll);
+    }
+    const int off = core_off(i, j0, 1024);
+    *reinterpret_cast<uint4*>(rec + R64_INV + off) = make_uint4(wi[0], wi[1], wi[2], wi[3]);
+    *reinterpret_cast<uint4*>(rec + R64_MH + off) = make_uint4(wh[0], wh[1], wh[2], wh[3]);
+    *reinterpret_cast<uint4*>(rec + R64_ML + off) = make_uint4(wl[0], wl[1], wl[2], wl[3]);
+  }
+}
+
+#include "kda_fwd_c64_state.cuh"
+#include "kda_c64_selftest.cuh"
