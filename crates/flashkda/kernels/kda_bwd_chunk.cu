@@ -109,11 +109,14 @@ __device__ __forceinline__ void split_tile(uint32_t (&hi)[4], uint32_t (&lo)[4],
   pack_tile(lo, l);
 }
 
-// State rows (fp32 fragments, the load_state layout) from a forward-side state tensor.
-__device__ __forceinline__ void load_rows(float (&S)[16][4], const void* base, int fp32, size_t sbase, int r0, int tq) {
+// State rows (fp32 fragments, the load_state layout) from a forward-side state tensor: keys
+// [k0, k0 + 8 NTL) (all 128 in the w passes, a warp's 64 in the pair passes of kda_bwd_pairs.cuh).
+template <int NTL>
+__device__ __forceinline__ void load_rows(float (&S)[NTL][4], const void* base, int fp32, size_t sbase, int r0, int tq,
+                                          int k0 = 0) {
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    const int col = nt * 8 + 2 * tq;
+  for (int nt = 0; nt < NTL; ++nt) {
+    const int col = k0 + nt * 8 + 2 * tq;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const size_t o = sbase + (size_t)(r0 + 8 * hr) * KD + col;
@@ -142,16 +145,17 @@ __device__ __forceinline__ void bulk_s2g(void* dst, const void* src, uint32_t by
                : "memory");
 }
 
-// The warp's 16 state rows (fp32 fragments) as bf16 into its transposed global tile dst[key][16 values]
-// (4 KiB): stmatrix.trans into the warp's staging tile ot[128][16], then one bulk copy by lane 0 (off
-// the load/store units). DB staging tiles used in turn: the copy DB chunks back must have read ot first.
-template <int DB>
-__device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, bf16* dst, int lane) {
+// The warp's 16 state rows (fp32 fragments, 8 NTL keys) as bf16 into its transposed global tile
+// dst[key][16 values] (NTL KiB / 4): stmatrix.trans into the warp's staging tile ot[8 NTL][16], then one bulk
+// copy by lane 0 (off the load/store units). DB staging tiles used in turn: the copy DB chunks back must have
+// read ot first.
+template <int DB, int NTL>
+__device__ __forceinline__ void store_rows_t(const float (&S)[NTL][4], bf16* ot, bf16* dst, int lane) {
   const int mi = lane >> 3, c = lane & 7;
   if (lane == 0) asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(DB - 1) : "memory");
   __syncwarp();
 #pragma unroll
-  for (int np = 0; np < 8; ++np) {
+  for (int np = 0; np < NTL / 2; ++np) {
     const int nt = 2 * np;
     const uint32_t r[4] = {pack(S[nt][0], S[nt][1]), pack(S[nt][2], S[nt][3]), pack(S[nt + 1][0], S[nt + 1][1]),
                            pack(S[nt + 1][2], S[nt + 1][3])};
@@ -162,7 +166,7 @@ __device__ __forceinline__ void store_rows_t(const float (&S)[16][4], bf16* ot, 
   }
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the bulk copy reads ot next
   __syncwarp();
-  if (lane == 0) bulk_s2g(dst, ot, KD * 16 * 2);
+  if (lane == 0) bulk_s2g(dst, ot, NTL * 8 * 16 * 2);
 }
 
 // Lane 0's bulk copies complete before the block exits.

@@ -52,52 +52,6 @@ __device__ __forceinline__ void xch_add(float (&X)[2][4], const float* xt, int l
   }
 }
 
-// load_rows over this warp's keys [k0, k0 + 64).
-__device__ __forceinline__ void load_rows_h(float (&S)[8][4], const void* base, int fp32, size_t sbase, int r0, int tq,
-                                            int k0) {
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int col = k0 + nt * 8 + 2 * tq;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const size_t o = sbase + (size_t)(r0 + 8 * hr) * KD + col;
-      float x0 = 0.f, x1 = 0.f;
-      if (base != nullptr && fp32) {
-        const float2 x = *reinterpret_cast<const float2*>(static_cast<const float*>(base) + o);
-        x0 = x.x; x1 = x.y;
-      } else if (base != nullptr) {
-        const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(base) + o);
-        x0 = __low2float(x); x1 = __high2float(x);
-      }
-      S[nt][2 * hr] = x0;
-      S[nt][2 * hr + 1] = x1;
-    }
-  }
-}
-
-// store_rows_t of this warp's 64 keys: staging tile ot[64 local key][16 value], one 2 KiB bulk copy to dst
-// (the caller's dst points at key k0 of the 16-row tile).
-template <int DB>
-__device__ __forceinline__ void store_rows_h(const float (&S)[8][4], bf16* ot, bf16* dst, int lane) {
-  const int mi = lane >> 3, c = lane & 7;
-  if (lane == 0) asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(DB - 1) : "memory");
-  __syncwarp();
-#pragma unroll
-  for (int np = 0; np < 4; ++np) {
-    const int nt = 2 * np;
-    const uint32_t r[4] = {pack(S[nt][0], S[nt][1]), pack(S[nt][2], S[nt][3]), pack(S[nt + 1][0], S[nt + 1][1]),
-                           pack(S[nt + 1][2], S[nt + 1][3])};
-    // matrix mi: local key tile nt + (mi >> 1) (rows c), value rows 8 (mi & 1) + [0, 8)
-    const bf16* a = ot + (size_t)((nt + (mi >> 1)) * 8 + c) * 16 + 8 * (mi & 1);
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(a)),
-                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
-  }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the bulk copy reads ot next
-  __syncwarp();
-  if (lane == 0) bulk_s2g(dst, ot, 64 * 16 * 2);
-}
-
 // d G_last of the last chunk from the fp32 start state S: sum over the pair's 16 value rows of dht S for
 // this warp's keys, into dgl[dbase + key]. The row pointer goes through an opaque move so that the 16
 // addresses are not hoisted out of the chunk loop (32 registers held for the last chunk only).
@@ -201,7 +155,7 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
   const int nch = (int)((len + CH - 1) / CH);
   const int lrow = ((lane >> 4) << 3) + (lane & 7), lhalf = (lane >> 3) & 1;
   float S[8][4];
-  load_rows_h(S, p.h0, p.state_fp32, ((size_t)n * H + h) * KD * KD, vw + gq, tq, k0);
+  load_rows(S, p.h0, p.state_fp32, ((size_t)n * H + h) * KD * KD, vw + gq, tq, k0);
   auto nvalid = [&](int c) {
     const long long rem = len - (long long)c * CH;
     return rem < CH ? (int)rem : CH;
@@ -240,7 +194,7 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
       partial();
       xch_put(xo, W, lane);
     }
-    store_rows_h<DB>(S, L.ots + (c % DB) * 64 * 16, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane);
+    store_rows_t<DB>(S, L.ots + (c % DB) * 64 * 16, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane);
     __syncthreads();
     issue(c + PS - 1);
     if (PB) {
@@ -333,7 +287,7 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
   const size_t sbase = ((size_t)n * H + h) * KD * KD;
   const long long hs = (long long)H * KD;
   float dS[8][4];
-  load_rows_h(dS, p.dht, p.state_fp32, sbase, vw + gq, tq, k0);
+  load_rows(dS, p.dht, p.state_fp32, sbase, vw + gq, tq, k0);
   auto nvalid = [&](int c) {
     const long long rem = len - (long long)c * CH;
     return rem < CH ? (int)rem : CH;
@@ -373,7 +327,7 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
       partial();
       xch_put(xo, dU, lane);
     }
-    store_rows_h<DB>(dS, L.ots + (k % DB) * 64 * 16, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane);
+    store_rows_t<DB>(dS, L.ots + (k % DB) * 64 * 16, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane);
     __syncthreads();
     issue(k + PS - 1);
     if (PB) {

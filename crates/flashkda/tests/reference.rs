@@ -25,10 +25,7 @@ fn chunked_form_matches_recurrence_varlen_with_state() {
     let r = recurrence_f64(&p);
     for chunk in [16, 5, 64] {
         let c = chunked_f64(&p, chunk);
-        let (eo, es) = (
-            rel_frobenius(&c.out, &r.out),
-            rel_frobenius(&c.final_state, &r.final_state),
-        );
+        let (eo, es) = c.rel_errors(&r);
         println!("chunk {chunk}: out {eo:e} state {es:e}");
         assert!(
             eo < 1e-12 && es < 1e-12,
@@ -90,10 +87,7 @@ fn zero_length_sequence_passes_state_through() {
 fn emulated_rounding_stays_within_bf16_error_of_float64() {
     let p = KdaProblem::random(&[100, 37], 3, true, seed());
     let (r, e) = (recurrence_f64(&p), emulated(&p));
-    let (eo, es) = (
-        rel_frobenius(&e.out, &r.out),
-        rel_frobenius(&e.final_state, &r.final_state),
-    );
+    let (eo, es) = e.rel_errors(&r);
     println!(
         "emulated vs f64: out {eo:e} state {es:e} max|d| {:e}",
         max_abs_diff(&e.out, &r.out)
@@ -135,10 +129,7 @@ fn segmented_form_matches_recurrence() {
     let r = recurrence_f64(&p);
     for seg in [16, 48, 7, 1, 1000] {
         let s = flashkda::reference::segmented_f64(&p, seg);
-        let (eo, es) = (
-            rel_frobenius(&s.out, &r.out),
-            rel_frobenius(&s.final_state, &r.final_state),
-        );
+        let (eo, es) = s.rel_errors(&r);
         println!("segments of {seg}: out {eo:e} state {es:e}");
         assert!(
             eo < 1e-12 && es < 1e-12,

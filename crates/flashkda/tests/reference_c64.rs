@@ -27,10 +27,7 @@ fn check_f64(p: &KdaProblem, what: &str) {
     let r = recurrence_f64(p);
     for chunk in [CHUNK64, 16, 32, 128] {
         let c = chunked_sub_f64(p, chunk);
-        let (eo, es) = (
-            rel_frobenius(&c.out, &r.out),
-            rel_frobenius(&c.final_state, &r.final_state),
-        );
+        let (eo, es) = c.rel_errors(&r);
         println!("{what} chunk {chunk}: out {eo:e} state {es:e}");
         assert!(
             eo < 1e-10 && es < 1e-10,

@@ -52,10 +52,7 @@ fn d64_chunked_form_matches_recurrence_varlen_with_state() {
     let r = recurrence_f64(&p);
     for chunk in [16, 5, 64] {
         let c = chunked_f64(&p, chunk);
-        let (eo, es) = (
-            rel_frobenius(&c.out, &r.out),
-            rel_frobenius(&c.final_state, &r.final_state),
-        );
+        let (eo, es) = c.rel_errors(&r);
         println!("chunk {chunk}: out {eo:e} state {es:e}");
         assert!(
             eo < 1e-12 && es < 1e-12,
@@ -72,10 +69,7 @@ fn d64_chunked_form_matches_recurrence_extreme_gates_no_state() {
     }
     p.a_log.iter_mut().for_each(|a| *a = 0.0);
     let (r, c) = (recurrence_f64(&p), chunked_f64(&p, 16));
-    let (eo, es) = (
-        rel_frobenius(&c.out, &r.out),
-        rel_frobenius(&c.final_state, &r.final_state),
-    );
+    let (eo, es) = c.rel_errors(&r);
     assert!(eo < 1e-12 && es < 1e-12, "out {eo:e} state {es:e}");
 }
 
@@ -85,10 +79,7 @@ fn d64_segmented_form_matches_recurrence() {
     let r = recurrence_f64(&p);
     for seg in [16, 48, 7, 1, 1000] {
         let s = segmented_f64(&p, seg);
-        let (eo, es) = (
-            rel_frobenius(&s.out, &r.out),
-            rel_frobenius(&s.final_state, &r.final_state),
-        );
+        let (eo, es) = s.rel_errors(&r);
         println!("segments of {seg}: out {eo:e} state {es:e}");
         assert!(
             eo < 1e-12 && es < 1e-12,
@@ -136,10 +127,7 @@ fn d64_emulated_rounding_stays_within_bf16_error_of_float64() {
         ("split", Rounding::SPLIT, 2.5e-3),
     ] {
         let e = emulated_with(&p, ro);
-        let (eo, es) = (
-            rel_frobenius(&e.out, &r.out),
-            rel_frobenius(&e.final_state, &r.final_state),
-        );
+        let (eo, es) = e.rel_errors(&r);
         println!(
             "{name}: emulated vs f64: out {eo:e} state {es:e} max|d| {:e}",
             max_abs_diff(&e.out, &r.out)

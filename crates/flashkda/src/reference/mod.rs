@@ -107,6 +107,17 @@ pub struct KdaOutput {
     pub final_state: Vec<f64>,
 }
 
+impl KdaOutput {
+    /// Relative Frobenius errors (output, final state) against `reference`
+    /// ([`metrics::rel_frobenius`]).
+    pub fn rel_errors(&self, reference: &KdaOutput) -> (f64, f64) {
+        (
+            metrics::rel_frobenius(&self.out, &reference.out),
+            metrics::rel_frobenius(&self.final_state, &reference.final_state),
+        )
+    }
+}
+
 fn bf16_round(x: f32) -> f32 {
     half::bf16::from_f32(x).to_f32()
 }
