@@ -33,6 +33,22 @@ impl StateIo {
             fp32,
         }
     }
+    /// Relative error of a read-back final state against an emulation's fp32 state, rounded to this
+    /// dtype first (the kernel rounds once on the way out); 0 when the call writes no final state.
+    pub fn final_state_error(&self, got: &[f64], emulated: &[f64]) -> f64 {
+        if !self.final_ {
+            return 0.0;
+        }
+        let rounded: Vec<f64> = if self.fp32 {
+            emulated.to_vec()
+        } else {
+            emulated
+                .iter()
+                .map(|&x| f64::from(half::bf16::from_f64(x).to_f32()))
+                .collect()
+        };
+        crate::reference::metrics::rel_frobenius(got, &rounded)
+    }
     pub fn label(&self) -> String {
         let d = if self.fp32 { "fp32" } else { "bf16" };
         match (self.initial, self.final_) {

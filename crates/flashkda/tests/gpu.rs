@@ -277,20 +277,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
         let (mut emo, mut ems) = (f64::NAN, f64::NAN);
         if let Some(e) = emulation {
             emo = rel_frobenius(&out, &e.out);
-            ems = if c.state.final_ {
-                // the emulation keeps the fp32 state; round it like the output dtype before comparing
-                let rounded: Vec<f64> = if c.state.fp32 {
-                    e.final_state.clone()
-                } else {
-                    e.final_state
-                        .iter()
-                        .map(|&x| f64::from(half::bf16::from_f64(x).to_f32()))
-                        .collect()
-                };
-                rel_frobenius(&st, &rounded)
-            } else {
-                0.0
-            };
+            ems = c.state.final_state_error(&st, &e.final_state);
         }
         log_line(&format!(
             "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"schedule\":\"{:?}\",\"operands\":\"{:?}\",\"overlap\":{},\"variant\":\"{variant}\",\"seed\":{s},\

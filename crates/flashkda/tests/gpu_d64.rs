@@ -215,19 +215,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             };
             let e = emulations[i].get_or_insert_with(|| emulated_with(&p, r));
             emo = rel_frobenius(&out, &e.out);
-            ems = if c.state.final_ {
-                let rounded: Vec<f64> = if c.state.fp32 {
-                    e.final_state.clone()
-                } else {
-                    e.final_state
-                        .iter()
-                        .map(|&x| f64::from(half::bf16::from_f64(x).to_f32()))
-                        .collect()
-                };
-                rel_frobenius(&st, &rounded)
-            } else {
-                0.0
-            };
+            ems = c.state.final_state_error(&st, &e.final_state);
         }
         log_line(&format!(
             "{{\"case\":\"{}\",\"head_dim\":{D},\"seq_lens\":\"{:?}\",\"H\":{},\"H_qk\":{},\"state\":\"{}\",\"variant\":\"{variant}\",\
