@@ -1,6 +1,8 @@
 //! Float64 chunked form (`docs/specs/kda.md §1.4`): what the kernels compute, without rounding.
 
-use super::{KdaOutput, KdaProblem, initial_state_f64, per_sequence_head, token_acts};
+use super::{
+    KdaOutput, KdaProblem, initial_state_f64, log2_cumulative_gates, per_sequence_head, token_acts,
+};
 
 /// `(I + A)^{-1}` for a strictly lower-triangular `n x n` matrix `A` by forward substitution.
 pub(crate) fn unit_lower_inverse(a: &[Vec<f64>]) -> Vec<Vec<f64>> {
@@ -23,7 +25,6 @@ pub(crate) fn unit_lower_inverse(a: &[Vec<f64>]) -> Vec<Vec<f64>> {
 pub fn chunked_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
     assert!(chunk > 0, "chunk length must be positive");
     let scale = f64::from(p.scale);
-    let ln2 = std::f64::consts::LN_2;
     let d = p.head_dim;
     per_sequence_head(p, |nseq, h, bos, len| {
         let mut s = initial_state_f64(p, nseq, h); // [v][k]
@@ -32,16 +33,7 @@ pub fn chunked_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
         while c0 < len {
             let n = chunk.min(len - c0);
             let acts: Vec<_> = (0..n).map(|i| token_acts(p, bos + c0 + i, h)).collect();
-            // G_i (log2 cumulative decay), per key channel
-            let mut g = vec![vec![0.0f64; d]; n];
-            let mut acc = vec![0.0f64; d];
-            for i in 0..n {
-                for c in 0..d {
-                    acc[c] += acts[i].gamma[c] / ln2;
-                }
-                g[i].copy_from_slice(&acc);
-            }
-            let gtot = acc;
+            let (g, gtot) = log2_cumulative_gates(&acts, d);
             let per_token = |f: &dyn Fn(usize, usize) -> f64| -> Vec<Vec<f64>> {
                 (0..n).map(|i| (0..d).map(|c| f(i, c)).collect()).collect()
             };

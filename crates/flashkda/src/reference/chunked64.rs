@@ -34,7 +34,9 @@
 //! `X_ss = (I + A_ss)^{-1}` (forward substitution, as the 16-token kernels), then for `s > t`
 //! `X_st = -X_ss Σ_{t <= m < s} A_sm X_mt`.
 
-use super::{KdaOutput, KdaProblem, initial_state_f64, per_sequence_head, token_acts};
+use super::{
+    KdaOutput, KdaProblem, initial_state_f64, log2_cumulative_gates, per_sequence_head, token_acts,
+};
 
 /// Sub-chunk length of the long-chunk forms (the range argument above needs <= 16 at lower bound -5).
 pub const SUB_CHUNK: usize = 16;
@@ -157,7 +159,6 @@ pub fn chunked_sub_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
         "chunk length must be a positive multiple of {SUB_CHUNK}"
     );
     let scale = f64::from(p.scale);
-    let ln2 = std::f64::consts::LN_2;
     let d = p.head_dim;
     let id = |x: f64| x;
     let ar = Arith {
@@ -171,15 +172,7 @@ pub fn chunked_sub_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
         while c0 < len {
             let n = chunk.min(len - c0);
             let acts: Vec<_> = (0..n).map(|i| token_acts(p, bos + c0 + i, h)).collect();
-            let mut g = vec![vec![0.0f64; d]; n];
-            let mut acc = vec![0.0f64; d];
-            for i in 0..n {
-                for c in 0..d {
-                    acc[c] += acts[i].gamma[c] / ln2;
-                }
-                g[i].copy_from_slice(&acc);
-            }
-            let gtot = acc;
+            let (g, gtot) = log2_cumulative_gates(&acts, d);
             let kn: Vec<Vec<f64>> = acts.iter().map(|a| a.k.clone()).collect();
             let qs: Vec<Vec<f64>> = acts
                 .iter()

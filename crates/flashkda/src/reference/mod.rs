@@ -256,6 +256,23 @@ pub(crate) fn token_acts(p: &KdaProblem, t: usize, h: usize) -> TokenActs {
     }
 }
 
+/// `G_i = sum_{s <= i} gamma_s / ln 2` (log2 cumulative decay per key channel) of one chunk's tokens,
+/// and `G` of its last token.
+pub(crate) fn log2_cumulative_gates(acts: &[TokenActs], d: usize) -> (Vec<Vec<f64>>, Vec<f64>) {
+    let ln2 = std::f64::consts::LN_2;
+    let mut acc = vec![0.0f64; d];
+    let g = acts
+        .iter()
+        .map(|a| {
+            for (x, gamma) in acc.iter_mut().zip(&a.gamma) {
+                *x += gamma / ln2;
+            }
+            acc.clone()
+        })
+        .collect();
+    (g, acc)
+}
+
 /// Runs `f(seq, head) -> (out rows [len, D], state [D*D])` for every (sequence, head) on
 /// all cores and assembles the token-major output.
 pub(crate) fn per_sequence_head<F>(p: &KdaProblem, f: F) -> KdaOutput
