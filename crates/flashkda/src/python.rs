@@ -151,9 +151,9 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 }
 
 /// KDA chunked-prefill forward; writes `out` (and `final_state` when given) on torch's current
-/// stream of the tensors' device. Shapes: q, k, v, g, out `[B, T, H, 128]` bf16; beta `[B, T, H]`
-/// bf16 logits; A_log `[H]`, dt_bias `[H, 128]` fp32; states `[N, H, 128, 128]` (row = value
-/// channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
+/// stream of the tensors' device. Shapes: q, k, v, g, out `[B, T, H, D]` bf16 (D = 128, or 64 opted in
+/// with FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1); beta `[B, T, H]` bf16 logits; A_log `[H]`, dt_bias `[H, D]`
+/// fp32; states `[N, H, D, D]` (row = value channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
 /// host copy of cu_seqlens (it is skipped anyway while the stream is being captured);
 /// `value_split` is None, 1, 2, 4 or 8 (blocks per chain); `operands` None (automatic), "bf16" or "split" (hi + lo bf16
 /// tensor-core operands, more accurate); `overlap` None (automatic) or whether the prep and the state
