@@ -23,7 +23,7 @@ extern "C" __global__ void __launch_bounds__(128) kda_c64_wgmma_selftest(const f
   }
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores -> wgmma reads
   __syncthreads();
-  const uint32_t base = smem_u32_64(tiles);
+  const uint32_t base = smem_u32(tiles);
   const int r = 16 * w + gq;
   float S[64], d1[32];
 #pragma unroll

@@ -18,29 +18,6 @@ static_assert(STATE64_SMEM == 201232, "update launch/c64.rs");
 static_assert(STATE64_SMEM <= 227 * 1024, "one block per SM");
 static_assert(SM64_V % 128 == 0 && SM64_O % 16 == 0 && SM64_BAR % 8 == 0, "alignment");
 
-__device__ __forceinline__ uint32_t smem_u32_64(const void* ptr) { return static_cast<uint32_t>(__cvta_generic_to_shared(ptr)); }
-__device__ __forceinline__ void mbar_init64(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx64(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait64(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
-}
-__device__ __forceinline__ void bulk_g2s64(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
 // The 128 threads of warpgroup wg (barrier ids 1, 2; 0 is __syncthreads).
 __device__ __forceinline__ void wg_bar(int wg) {
   if (wg == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
@@ -101,16 +78,16 @@ extern "C" __global__ void __launch_bounds__(256, 1) kda_state64(const KdaParams
   };
   auto issue_rec = [&](int c) {
     const int st = c % ST64;
-    const uint32_t bar = smem_u32_64(&bars[st]);
-    mbar_expect_tx64(bar, REC64_BYTES);
+    const uint32_t bar = smem_u32(&bars[st]);
+    mbar_expect_tx(bar, REC64_BYTES);
     const unsigned char* src = ws + (size_t)((si.slot0 + c) * H + h) * REC64_BYTES;
     constexpr uint32_t PIECE = REC64_BYTES / 3;  // 24832: a multiple of 16
     static_assert(PIECE * 3 == REC64_BYTES && PIECE % 16 == 0, "record pieces");
-    for (int i = 0; i < 3; ++i) bulk_g2s64(smem_u32_64(recs + st * REC64_BYTES + i * PIECE), src + i * PIECE, PIECE, bar);
+    for (int i = 0; i < 3; ++i) bulk_g2s(smem_u32(recs + st * REC64_BYTES + i * PIECE), src + i * PIECE, PIECE, bar);
   };
 
   if (tid == 0) {
-    for (int s = 0; s < ST64; ++s) mbar_init64(smem_u32_64(&bars[s]), 1);
+    for (int s = 0; s < ST64; ++s) mbar_init(smem_u32(&bars[s]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -140,11 +117,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) kda_state64(const KdaParams
 
   for (int c = 0; c < nchunks; ++c) {
     const int st = c % ST64, nv = nvalid(c);
-    mbar_wait64(smem_u32_64(&bars[st]), static_cast<uint32_t>((c / ST64) & 1));
+    mbar_wait(smem_u32(&bars[st]), static_cast<uint32_t>((c / ST64) & 1));
     cp_async_wait_group<ST64 - 1>();  // this thread's v copies of chunk c landed ...
     wg_bar(wg);                       // ... and the warpgroup's
     const unsigned char* rec = recs + st * REC64_BYTES;
-    const uint32_t rbase = smem_u32_64(rec);
+    const uint32_t rbase = smem_u32(rec);
     const float* E = reinterpret_cast<const float*>(rec + R64_E);
     const float* b = reinterpret_cast<const float*>(rec + R64_B);
     const bf16* vst = vs + st * C64 * VRS64;
