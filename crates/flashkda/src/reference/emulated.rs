@@ -214,43 +214,76 @@ pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
                         .collect()
                 })
                 .collect();
-            // state-dependent chain, per value row
-            let sb: Vec<f32> = s.iter().map(|&x| rd(r.state_operand, x)).collect();
-            let mut u = vec![vec![0.0f32; d]; n]; // [token][v], the output's operand
-            let mut us = vec![vec![0.0f32; d]; n]; // the state update's operand
-            for vi in 0..d {
-                let srow = &sb[vi * d..][..d];
-                let vb: Vec<f32> = (0..n)
-                    .map(|i| {
-                        let w = dot32(srow, &kd[i]);
-                        rd(
-                            r.vb,
-                            (p.v[((bos + c0 + i) * p.heads + h) * d + vi] - w) * b[i],
-                        )
-                    })
-                    .collect();
-                for i in 0..n {
-                    let x = dot32(&inv[i][..n], &vb);
-                    u[i][vi] = rd(r.u_out, x);
-                    us[i][vi] = rd(r.u_state, x);
-                }
-                for i in 0..n {
-                    let o1 = dot32(srow, &qd[i]);
-                    let ucol: Vec<f32> = (0..n).map(|j| u[j][vi]).collect();
-                    let o = f64::from(o1) + f64::from(dot32(&m[i], &ucol));
-                    out[(c0 + i) * d + vi] = f64::from(bf(o as f32));
-                }
-            }
-            for vi in 0..d {
-                for c in 0..d {
-                    let acc: f64 = (0..n)
-                        .map(|i| f64::from(us[i][vi]) * f64::from(kr[i][c]))
-                        .sum();
-                    s[vi * d + c] = (f64::from(s[vi * d + c] * e[c]) + acc) as f32;
-                }
-            }
+            let v_at = |i: usize, vi: usize| p.v[((bos + c0 + i) * p.heads + h) * d + vi];
+            let step = ChunkStep {
+                kd: &kd,
+                qd: &qd,
+                kr: &kr,
+                e: &e,
+                inv: &inv,
+                m: &m,
+                b: &b,
+            };
+            step.run(&mut s, &v_at, &mut out[c0 * d..(c0 + n) * d], d, r);
             c0 += n;
         }
         (out, s.iter().map(|&x| f64::from(x)).collect())
     })
+}
+
+/// One chunk's state-dependent chain with the kernels' rounding (shared by the 16- and 64-token
+/// emulations): `Vb = (v - S kd) b`, `U = INV Vb`, `out = bf16(S qd + M U)`, `S = S diag(E) + Uᵀ kr`
+/// in fp32. Rows of `kd`, `qd`, `kr` are tokens (already rounded as operands); `out` holds the
+/// chunk's `n` rows of `d` values.
+pub(crate) struct ChunkStep<'a> {
+    pub kd: &'a [Vec<f32>],
+    pub qd: &'a [Vec<f32>],
+    pub kr: &'a [Vec<f32>],
+    pub e: &'a [f32],
+    pub inv: &'a [Vec<f32>],
+    pub m: &'a [Vec<f32>],
+    pub b: &'a [f32],
+}
+
+impl ChunkStep<'_> {
+    pub(crate) fn run(
+        &self,
+        s: &mut [f32],
+        v_at: &dyn Fn(usize, usize) -> f32,
+        out: &mut [f64],
+        d: usize,
+        r: Rounding,
+    ) {
+        let n = self.kd.len();
+        let sb: Vec<f32> = s.iter().map(|&x| r.state_operand.apply(x)).collect();
+        let mut u = vec![vec![0.0f32; d]; n]; // [token][v], the output's operand
+        let mut us = vec![vec![0.0f32; d]; n]; // the state update's operand
+        for vi in 0..d {
+            let srow = &sb[vi * d..][..d];
+            let vb: Vec<f32> = (0..n)
+                .map(|i| {
+                    let w = dot32(srow, &self.kd[i]);
+                    r.vb.apply((v_at(i, vi) - w) * self.b[i])
+                })
+                .collect();
+            for i in 0..n {
+                let x = dot32(&self.inv[i][..n], &vb);
+                u[i][vi] = r.u_out.apply(x);
+                us[i][vi] = r.u_state.apply(x);
+            }
+            let ucol: Vec<f32> = (0..n).map(|j| u[j][vi]).collect();
+            for i in 0..n {
+                let o = f64::from(dot32(srow, &self.qd[i])) + f64::from(dot32(&self.m[i], &ucol));
+                out[i * d + vi] = f64::from(bf(o as f32));
+            }
+        }
+        for vi in 0..d {
+            for c in 0..d {
+                let acc: f64 = (0..n)
+                    .map(|i| f64::from(us[i][vi]) * f64::from(self.kr[i][c]))
+                    .sum();
+                s[vi * d + c] = (f64::from(s[vi * d + c] * self.e[c]) + acc) as f32;
+            }
+        }
+    }
 }

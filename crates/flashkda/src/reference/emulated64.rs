@@ -12,7 +12,7 @@
 //! `out = bf16(S qd + M U)`, `S = S E + Uᵀ kr` in fp32.
 
 use super::chunked64::{Arith, CHUNK64, SUB_CHUNK, build_intra};
-use super::emulated::{Operand, Rounding, bf, dot32, sigmoid32};
+use super::emulated::{ChunkStep, Operand, Rounding, sigmoid32};
 use super::{KdaOutput, KdaProblem, per_sequence_head};
 
 /// The rounding the chunk-64 kernel uses (`examples/rounding_cost_c64.rs` measures the choices):
@@ -105,36 +105,17 @@ pub fn emulated_chunked_with(p: &KdaProblem, chunk: usize, r: Rounding) -> KdaOu
             let qd = per(r.qd, &|i, c| qn[i][c] * g[i][c].exp2());
             let gt = &g[n - 1];
             let kr = per(r.kr, &|i, c| kn[i][c] * (gt[c] - g[i][c]).exp2());
-            let sb: Vec<f32> = s.iter().map(|&x| r.state_operand.apply(x)).collect();
-            let mut u = vec![vec![0.0f32; d]; n];
-            let mut us = vec![vec![0.0f32; d]; n];
-            for vi in 0..d {
-                let srow = &sb[vi * d..][..d];
-                let vb: Vec<f32> = (0..n)
-                    .map(|i| {
-                        let w = dot32(srow, &kd[i]);
-                        r.vb.apply((p.v[(tok(i) * p.heads + h) * d + vi] - w) * b[i])
-                    })
-                    .collect();
-                for i in 0..n {
-                    let x = dot32(&inv[i][..n], &vb);
-                    u[i][vi] = r.u_out.apply(x);
-                    us[i][vi] = r.u_state.apply(x);
-                }
-                let ucol: Vec<f32> = (0..n).map(|j| u[j][vi]).collect();
-                for i in 0..n {
-                    let o = f64::from(dot32(srow, &qd[i])) + f64::from(dot32(&m[i], &ucol));
-                    out[(c0 + i) * d + vi] = f64::from(bf(o as f32));
-                }
-            }
-            for vi in 0..d {
-                for c in 0..d {
-                    let acc: f64 = (0..n)
-                        .map(|i| f64::from(us[i][vi]) * f64::from(kr[i][c]))
-                        .sum();
-                    s[vi * d + c] = (f64::from(s[vi * d + c] * e[c]) + acc) as f32;
-                }
-            }
+            let v_at = |i: usize, vi: usize| p.v[(tok(i) * p.heads + h) * d + vi];
+            let step = ChunkStep {
+                kd: &kd,
+                qd: &qd,
+                kr: &kr,
+                e: &e,
+                inv: &inv,
+                m: &m,
+                b: &b,
+            };
+            step.run(&mut s, &v_at, &mut out[c0 * d..(c0 + n) * d], d, r);
             c0 += n;
         }
         (out, s.iter().map(|&x| f64::from(x)).collect())
