@@ -109,6 +109,15 @@ impl Rounding {
     }
 }
 
+/// The fp32 initial state of (sequence `nseq`, head `h`), `[v][k]` (zeros when absent).
+pub(crate) fn initial_state_f32(p: &KdaProblem, nseq: usize, h: usize) -> Vec<f32> {
+    let hd2 = p.head_dim * p.head_dim;
+    match &p.initial_state {
+        Some(st) => st[(nseq * p.heads + h) * hd2..][..hd2].to_vec(),
+        None => vec![0.0; hd2],
+    }
+}
+
 /// Kernel-rounding forward; `final_state` is the fp32 state the kernel holds on chip.
 pub fn emulated(p: &KdaProblem) -> KdaOutput {
     emulated_with(p, Rounding::KERNEL)
@@ -120,11 +129,7 @@ pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
     let lb2 = p.lower_bound * std::f32::consts::LOG2_E;
     let d = p.head_dim;
     per_sequence_head(p, |nseq, h, bos, len| {
-        let hd2 = d * d;
-        let mut s: Vec<f32> = match &p.initial_state {
-            Some(st) => st[(nseq * p.heads + h) * hd2..][..hd2].to_vec(),
-            None => vec![0.0; hd2],
-        };
+        let mut s = initial_state_f32(p, nseq, h);
         let exp_a = p.a_log[h].exp();
         let dtb = &p.dt_bias[h * d..][..d];
         let mut out = vec![0.0f64; len * d];

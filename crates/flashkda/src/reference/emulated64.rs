@@ -12,7 +12,7 @@
 //! `out = bf16(S qd + M U)`, `S = S E + Uᵀ kr` in fp32.
 
 use super::chunked64::{Arith, CHUNK64, SUB_CHUNK, build_intra};
-use super::emulated::{ChunkStep, Operand, Rounding, sigmoid32};
+use super::emulated::{ChunkStep, Operand, Rounding, initial_state_f32, sigmoid32};
 use super::{KdaOutput, KdaProblem, per_sequence_head};
 
 /// The rounding the chunk-64 kernel uses (`examples/rounding_cost_c64.rs` measures the choices):
@@ -41,11 +41,7 @@ pub fn emulated_chunked_with(p: &KdaProblem, chunk: usize, r: Rounding) -> KdaOu
         operand: &prep,
     };
     per_sequence_head(p, |nseq, h, bos, len| {
-        let hd2 = d * d;
-        let mut s: Vec<f32> = match &p.initial_state {
-            Some(st) => st[(nseq * p.heads + h) * hd2..][..hd2].to_vec(),
-            None => vec![0.0; hd2],
-        };
+        let mut s = initial_state_f32(p, nseq, h);
         let exp_a = p.a_log[h].exp();
         let dtb = &p.dt_bias[h * d..][..d];
         let mut out = vec![0.0f64; len * d];
