@@ -165,7 +165,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
   if (tid < KD) {
     const float dtb = p.dt_bias[hoff + tid];
     float acc = 0.f;
-    for (int i = 0; i < C64; ++i) {
+#pragma unroll 8
+    for (int i = 0; i < C64; ++i) {  // the sigmoids are independent: only acc is serial
       const float gm = lb2 * sigmoidf_(exp_a * (__bfloat162float(sm.u.g[i][tid]) + dtb));
       acc += i < nv ? gm : 0.f;
       sm.G[i][tid] = acc;
@@ -173,20 +174,28 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
   }
   __syncthreads();
 
-  // ---- state-pass tiles straight into the record: kd, qd (thread: token i, 8 channels), krT
-  // (thread: channel, 8 tokens), E, b
+  // ---- state-pass tiles straight into the record: kd, qd (thread: token i, 8 channels by 16-byte
+  // shared loads), krT (thread: channel, 8 tokens; lanes along channels, so the shared column reads
+  // are conflict-free and 8 lanes fill one 128-byte core row), E, b
   for (int u = tid; u < C64 * 16; u += 256) {
     const int i = u >> 4, c0 = (u & 15) * 8;
+    const uint4 kraw = *reinterpret_cast<const uint4*>(&sm.k[i][c0]);
+    const uint4 qraw = *reinterpret_cast<const uint4*>(&sm.q[i][c0]);
+    const float4 g0 = *reinterpret_cast<const float4*>(&sm.G[i][c0]);
+    const float4 g1 = *reinterpret_cast<const float4*>(&sm.G[i][c0 + 4]);
+    const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    const bf16* kb = reinterpret_cast<const bf16*>(&kraw);
+    const bf16* qb = reinterpret_cast<const bf16*>(&qraw);
+    const float rk = sm.rnk[i], rq = sm.rnq[i];
     uint32_t kw[4], qw[4];
 #pragma unroll
     for (int e = 0; e < 8; e += 2) {
       float kv[2], qv[2];
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
-        const int ch = c0 + e + x;
-        const float ex = ex2(sm.G[i][ch]);
-        kv[x] = __bfloat162float(sm.k[i][ch]) * sm.rnk[i] * ex;
-        qv[x] = __bfloat162float(sm.q[i][ch]) * sm.rnq[i] * p.scale * ex;
+        const float ex = ex2(gv[e + x]);
+        kv[x] = __bfloat162float(kb[e + x]) * rk * ex;
+        qv[x] = __bfloat162float(qb[e + x]) * rq * p.scale * ex;
       }
       kw[e / 2] = pack(kv[0], kv[1]);
       qw[e / 2] = pack(qv[0], qv[1]);
@@ -195,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
     *reinterpret_cast<uint4*>(rec + R64_QD + core_off(i, c0, 2048)) = make_uint4(qw[0], qw[1], qw[2], qw[3]);
   }
   for (int u = tid; u < KD * 8; u += 256) {
-    const int ch = u >> 3, i0 = (u & 7) * 8;
+    const int ch = u % KD, i0 = (u / KD) * 8;
     const float gt = sm.G[C64 - 1][ch];
     uint32_t w[4];
 #pragma unroll
@@ -215,56 +224,72 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
   for (int s = 0; s < C64 / SUB; ++s) {
     const int ncol = SUB * (s + 1);
     // row factors 2^(G_i - R), R = G at the end of sub-chunk s - 1, of the rows i of block s
-    for (int u = tid; u < SUB * KD; u += 256) {
-      const int li = u / KD, ch = u % KD;
-      const float r = s == 0 ? 0.f : sm.G[SUB * s - 1][ch];
-      sm.ER[li][ch] = ex2(sm.G[SUB * s + li][ch] - r);
+    // (thread: 2 channels, the same pair on every iteration as 256 is a multiple of KD / 2)
+    const int chp = 2 * (tid % (KD / 2));
+    const float2 r = s == 0 ? make_float2(0.f, 0.f) : *reinterpret_cast<const float2*>(&sm.G[SUB * s - 1][chp]);
+    for (int u = tid; u < SUB * KD / 2; u += 256) {
+      const int li = u / (KD / 2), ch = chp;
+      const float2 gi = *reinterpret_cast<const float2*>(&sm.G[SUB * s + li][ch]);
+      *reinterpret_cast<float2*>(&sm.ER[li][ch]) = make_float2(ex2(gi.x - r.x), ex2(gi.y - r.y));
     }
     // column operands kc_j = k_j 2^(R - G_j), j < 16 (s + 1): <= 1 off the diagonal block
-    for (int u = tid; u < ncol * KD; u += 256) {
-      const int j = u / KD, ch = u % KD;
-      const float r = s == 0 ? 0.f : sm.G[SUB * s - 1][ch];
-      const float kn = __bfloat162float(sm.k[j][ch]) * sm.rnk[j];
-      split_bf16(kn * ex2(r - sm.G[j][ch]), sm.u.col.h[j][ch], sm.u.col.l[j][ch]);
+    for (int u = tid; u < ncol * KD / 2; u += 256) {
+      const int j = u / (KD / 2), ch = chp;
+      const float2 gj = *reinterpret_cast<const float2*>(&sm.G[j][ch]);
+      const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sm.k[j][ch]));
+      const float rk = sm.rnk[j];
+      bf16 h0, l0, h1, l1;
+      split_bf16(kk.x * rk * ex2(r.x - gj.x), h0, l0);
+      split_bf16(kk.y * rk * ex2(r.y - gj.y), h1, l1);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.u.col.h[j][ch]) = __halves2bfloat162(h0, h1);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.u.col.l[j][ch]) = __halves2bfloat162(l0, l1);
     }
     __syncthreads();
-    const bool busy = warp < 2 * (s + 1);
-    const int which = warp / (s + 1), t = warp % (s + 1);
-    float acc[2][4] = {};
+    const bool busy = warp <= s;  // warp t: the A and M tiles of column block t (shared B fragments)
+    const int t = warp;
+    float acc[2][2][4] = {};  // [which: 0 = A, 1 = M][nt]
     if (busy) {
       // row operands kdl, qdl = (k, scale q) 2^(G_i - R), split in registers (rows 16 s + gq, + 8;
-      // columns kc, kc + 1, kc + 8, kc + 9)
-      const bf16(*src)[PRS] = which == 0 ? sm.k : sm.q;
-      const float* rn = which == 0 ? sm.rnk : sm.rnq;
-      const float sc = which == 0 ? 1.f : p.scale;  // x * 1 is exact: the k operand is bitwise kn * ex
+      // columns kc, kc + 1, kc + 8, kc + 9); the factors 2^(G_i - R) read once for both
       const int i0 = SUB * s + gq;
-      const float rn0 = rn[i0], rn1 = rn[i0 + 8];
-      auto rowpair = [&](int i, float rni, int ch, uint32_t& hi, uint32_t& lo) {
-        bf16 h2[2], l2[2];
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          split_bf16(__bfloat162float(src[i][ch + x]) * rni * sc * sm.ER[i - SUB * s][ch + x], h2[x], l2[x]);
-        }
-        __nv_bfloat162 hh = __halves2bfloat162(h2[0], h2[1]), ll = __halves2bfloat162(l2[0], l2[1]);
-        hi = *reinterpret_cast<uint32_t*>(&hh);
-        lo = *reinterpret_cast<uint32_t*>(&ll);
+      const float rk0 = sm.rnk[i0], rk1 = sm.rnk[i0 + 8];
+      const float rq0 = sm.rnq[i0], rq1 = sm.rnq[i0 + 8];
+      auto rowpairs = [&](int li, int ch, float rk, float rq, uint32_t& kh, uint32_t& kl, uint32_t& qh, uint32_t& ql) {
+        const float2 er = *reinterpret_cast<const float2*>(&sm.ER[li][ch]);
+        const float2 kk = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sm.k[SUB * s + li][ch]));
+        const float2 qq = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sm.q[SUB * s + li][ch]));
+        bf16 h0, l0, h1, l1;
+        split_bf16(kk.x * rk * er.x, h0, l0);  // = (k rn) 2^(G_i - R), as the float64 form's kn * ex
+        split_bf16(kk.y * rk * er.y, h1, l1);
+        __nv_bfloat162 hh = __halves2bfloat162(h0, h1), ll = __halves2bfloat162(l0, l1);
+        kh = *reinterpret_cast<uint32_t*>(&hh);
+        kl = *reinterpret_cast<uint32_t*>(&ll);
+        split_bf16(qq.x * rq * p.scale * er.x, h0, l0);  // = (q rn scale) 2^(G_i - R)
+        split_bf16(qq.y * rq * p.scale * er.y, h1, l1);
+        hh = __halves2bfloat162(h0, h1);
+        ll = __halves2bfloat162(l0, l1);
+        qh = *reinterpret_cast<uint32_t*>(&hh);
+        ql = *reinterpret_cast<uint32_t*>(&ll);
       };
 #pragma unroll 2
       for (int kb = 0; kb < KD / 16; ++kb) {
         const int kc = kb * 16 + 2 * tq;
-        uint32_t a0, a1, a2, a3, l0, l1, l2, l3;
-        rowpair(i0, rn0, kc, a0, l0);
-        rowpair(i0 + 8, rn1, kc, a1, l1);
-        rowpair(i0, rn0, kc + 8, a2, l2);
-        rowpair(i0 + 8, rn1, kc + 8, a3, l3);
+        uint32_t ka[4], kl[4], qa[4], ql[4];
+        rowpairs(gq, kc, rk0, rq0, ka[0], kl[0], qa[0], ql[0]);
+        rowpairs(gq + 8, kc, rk1, rq1, ka[1], kl[1], qa[1], ql[1]);
+        rowpairs(gq, kc + 8, rk0, rq0, ka[2], kl[2], qa[2], ql[2]);
+        rowpairs(gq + 8, kc + 8, rk1, rq1, ka[3], kl[3], qa[3], ql[3]);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int j = SUB * t + nt * 8 + gq;
           const uint32_t b0 = ld32(&sm.u.col.h[j][kc]), b1 = ld32(&sm.u.col.h[j][kc + 8]);
           const uint32_t c0 = ld32(&sm.u.col.l[j][kc]), c1 = ld32(&sm.u.col.l[j][kc + 8]);
-          mma(acc[nt], a0, a1, a2, a3, b0, b1, acc[nt]);
-          mma(acc[nt], a0, a1, a2, a3, c0, c1, acc[nt]);
-          mma(acc[nt], l0, l1, l2, l3, b0, b1, acc[nt]);
+          mma(acc[0][nt], ka[0], ka[1], ka[2], ka[3], b0, b1, acc[0][nt]);
+          mma(acc[1][nt], qa[0], qa[1], qa[2], qa[3], b0, b1, acc[1][nt]);
+          mma(acc[0][nt], ka[0], ka[1], ka[2], ka[3], c0, c1, acc[0][nt]);
+          mma(acc[1][nt], qa[0], qa[1], qa[2], qa[3], c0, c1, acc[1][nt]);
+          mma(acc[0][nt], kl[0], kl[1], kl[2], kl[3], b0, b1, acc[0][nt]);
+          mma(acc[1][nt], ql[0], ql[1], ql[2], ql[3], b0, b1, acc[1][nt]);
         }
       }
     }
@@ -275,20 +300,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int i = SUB * s + gq + 8 * hr, j = SUB * t + nt * 8 + 2 * tq;
-          const float v0 = acc[nt][2 * hr], v1 = acc[nt][2 * hr + 1];
+          const float v0 = acc[0][nt][2 * hr], v1 = acc[0][nt][2 * hr + 1];
+          const float m0 = acc[1][nt][2 * hr], m1 = acc[1][nt][2 * hr + 1];
           // select, never mask by multiplying: above the diagonal the products may be huge
-          if (which == 0) {
-            Af[i * AST + j] = j < i ? v0 * sm.b[i] : 0.f;
-            Af[i * AST + j + 1] = j + 1 < i ? v1 * sm.b[i] : 0.f;
-          } else {  // M straight to the record (hi, lo pairs; j even, so 4-byte aligned)
-            bf16 h0, lo0, h1, lo1;
-            split_bf16(j <= i ? v0 : 0.f, h0, lo0);
-            split_bf16(j + 1 <= i ? v1 : 0.f, h1, lo1);
-            __nv_bfloat162 hh = __halves2bfloat162(h0, h1), ll = __halves2bfloat162(lo0, lo1);
-            const int off = core_off(i, j, 1024);
-            *reinterpret_cast<__nv_bfloat162*>(rec + R64_MH + off) = hh;
-            *reinterpret_cast<__nv_bfloat162*>(rec + R64_ML + off) = ll;
-          }
+          Af[i * AST + j] = j < i ? v0 * sm.b[i] : 0.f;
+          Af[i * AST + j + 1] = j + 1 < i ? v1 * sm.b[i] : 0.f;
+          // M straight to the record (hi, lo pairs; j even, so 4-byte aligned)
+          bf16 h0, lo0, h1, lo1;
+          split_bf16(j <= i ? m0 : 0.f, h0, lo0);
+          split_bf16(j + 1 <= i ? m1 : 0.f, h1, lo1);
+          const int off = core_off(i, j, 1024);
+          *reinterpret_cast<__nv_bfloat162*>(rec + R64_MH + off) = __halves2bfloat162(h0, h1);
+          *reinterpret_cast<__nv_bfloat162*>(rec + R64_ML + off) = __halves2bfloat162(lo0, lo1);
         }
     }
     __syncthreads();  // the column operands are rewritten by the next step
