@@ -397,10 +397,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
     __syncthreads();
   }
 
-  // ---- INV (bf16) into the record, and the zero M blocks above the diagonal (thread: row i, 8
-  // columns; the blocks on and below it were written by the A/M steps)
+  // ---- INV (bf16) into the record (thread: row i, 8 columns). The zero blocks above the diagonal
+  // of INV, M hi and M lo are never written: kda_state64 neither copies nor reads them (its shared
+  // copies hold zeros there)
   for (int u = tid; u < C64 * 8; u += 256) {
     const int i = u >> 3, j0 = (u & 7) * 8;
+    if (j0 >= SUB * (i / SUB + 1)) continue;
     uint32_t wi[4];
 #pragma unroll
     for (int e = 0; e < 8; e += 2) {
@@ -409,10 +411,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
     }
     const int off = core_off(i, j0, 1024);
     *reinterpret_cast<uint4*>(rec + R64_INV + off) = make_uint4(wi[0], wi[1], wi[2], wi[3]);
-    if (j0 >= SUB * (i / SUB + 1)) {
-      *reinterpret_cast<uint4*>(rec + R64_MH + off) = make_uint4(0u, 0u, 0u, 0u);
-      *reinterpret_cast<uint4*>(rec + R64_ML + off) = make_uint4(0u, 0u, 0u, 0u);
-    }
   }
 }
 
