@@ -3,17 +3,19 @@
 // module docs); rounding: `reference::emulated64::C64_KERNEL` (= `Rounding::SPLIT`: hi + lo bf16
 // pairs for the prep products, M, Vb and U; bf16 kd, qd, kr, INV and state operand; fp32 state).
 //
-// kda_prep64: fully parallel, one 256-thread block per (64-token chunk slot, head). Norms, beta,
-// gate cumsum, kd/qd/krT/E/b, the sub-chunked A -> INV (block forward substitution) and M, written
-// straight to one REC64_BYTES record per (slot, head), every bf16 tile in the no-swizzle K-major
-// core-matrix layout of the state pass's wgmma B descriptors.
+// kda_prep64: fully parallel, one 256-thread block per (64-token chunk slot, head), two blocks per
+// SM. Norms, beta, gate cumsum, kd/qd/krT/E/b, the sub-chunked A -> INV (block forward substitution,
+// off-diagonal blocks on mma.sync) and M, written straight to one REC64_BYTES record per (slot,
+// head), every bf16 tile in the no-swizzle K-major core-matrix layout of the state pass's wgmma B
+// descriptors; the zero blocks above the diagonal of INV, M hi, M lo are left unwritten (the state
+// pass neither copies nor reads them).
 // kda_state64: the serial pass. One block of two warpgroups per (sequence, head) chain, warpgroup
 // wg owning value rows [64 wg, 64 wg + 64) of the fp32 state in m64n128 wgmma accumulators for the
 // whole sequence. One block rather than two: both warpgroups read the same record, so one shared
 // copy halves the record traffic and shared memory (2 stages of 74.5 KB fit once per SM, and
 // H <= 132 chains per sequence stay one wave); the price is a block-wide barrier per chunk.
-// Records arrive by bulk copy on mbarriers (2 stages: chunk c + 2 is requested when chunk c is
-// done), v rows by cp.async per warpgroup (pad rows zero-filled).
+// Records arrive by bulk copy on mbarriers (19 pieces around the zero blocks; 2 stages: chunk c + 2
+// is requested when chunk c is done), v rows by cp.async per warpgroup (pad rows zero-filled).
 #include "kda_common.cuh"
 #include "kda_c64_wgmma.cuh"
 

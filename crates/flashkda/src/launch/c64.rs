@@ -89,12 +89,15 @@ mod tests {
     #[test]
     fn shared_memory_mirrors_the_kernel_layout() {
         // prep: q, k [64][136] bf16 (A's rows over q's); G [64][128] f32; rnq, rnk, b; ER [16][136]
-        // f32; then one
-        // union of g [64][136] bf16, the column operands 2 x [64][136] bf16, X [64][65] + Y
-        // [3][16][17] f32
-        let union = (64 * 136 * 2)
-            .max(2 * 64 * 136 * 2)
-            .max(64 * 65 * 4 + 3 * 16 * 17 * 4);
+        // f32; then one union of g [64][136] bf16 (the smallest), the column operands 2 x [64][136]
+        // bf16, X [64][65] + Y [3][16][17] f32
+        let (g, col, inv) = (
+            64 * 136 * 2,
+            2 * 64 * 136 * 2,
+            64 * 65 * 4 + 3 * 16 * 17 * 4,
+        );
+        assert!(g <= col);
+        let union = col.max(inv);
         let prep = 2 * 64 * 136 * 2 + 64 * 128 * 4 + 3 * 64 * 4 + 16 * 136 * 4 + union;
         assert_eq!(PREP64_SMEM as usize, prep);
         // state pass: 2 record stages, 2 v stages and the output tile [64][136] bf16, 2 mbarriers
