@@ -220,8 +220,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
   if (tid < KD) reinterpret_cast<float*>(rec + R64_E)[tid] = ex2(sm.G[C64 - 1][tid]);
   if (tid < C64) reinterpret_cast<float*>(rec + R64_B)[tid] = sm.b[tid];
 
-  // ---- A and M by row blocks of 16 (reference::chunked64::build_intra). Step s: 2 (s + 1) <= 8
-  // 16 x 16 tiles (which: 0 = A, 1 = M; column block t <= s), one per warp.
+  // ---- A and M by row blocks of 16 (reference::chunked64::build_intra). Step s: warp t <= s
+  // computes the 16 x 16 tiles A_st and M_st.
   float* const Af = reinterpret_cast<float*>(&sm.q[0][0]);  // A(i, j) = Af[i * AST + j], rows of done steps
   for (int s = 0; s < C64 / SUB; ++s) {
     const int ncol = SUB * (s + 1);
