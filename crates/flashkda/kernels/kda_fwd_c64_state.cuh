@@ -16,6 +16,10 @@
 #define STATE64_SMEM (SM64_BAR + 8 * ST64)   // mirrored in launch/c64.rs
 static_assert(STATE64_SMEM == 201232, "update launch/c64.rs");
 static_assert(STATE64_SMEM <= 227 * 1024, "one block per SM");
+// bytes copied per record: all but the 3 x 3072 zero bytes above the diagonal blocks of INV, M hi, M lo
+// (kda_prep64 does not write them)
+#define REC64_COPY_BYTES (REC64_BYTES - 3 * 3072)
+static_assert(R64_MH == R64_INV + 8192 && R64_ML == R64_MH + 8192 && R64_E == R64_ML + 8192, "INV, M hi, M lo contiguous");
 static_assert(SM64_V % 128 == 0 && SM64_O % 16 == 0 && SM64_BAR % 8 == 0, "alignment");
 
 // The 128 threads of warpgroup wg (barrier ids 1, 2; 0 is __syncthreads).
@@ -79,17 +83,36 @@ extern "C" __global__ void __launch_bounds__(256, 1) kda_state64(const KdaParams
   auto issue_rec = [&](int c) {
     const int st = c % ST64;
     const uint32_t bar = smem_u32(&bars[st]);
-    mbar_expect_tx(bar, REC64_BYTES);
+    mbar_expect_tx(bar, REC64_COPY_BYTES);
     const unsigned char* src = ws + (size_t)((si.slot0 + c) * H + h) * REC64_BYTES;
-    constexpr uint32_t PIECE = REC64_BYTES / 3;  // 24832: a multiple of 16
-    static_assert(PIECE * 3 == REC64_BYTES && PIECE % 16 == 0, "record pieces");
-    for (int i = 0; i < 3; ++i) bulk_g2s(smem_u32(recs + st * REC64_BYTES + i * PIECE), src + i * PIECE, PIECE, bar);
+    const uint32_t dst = smem_u32(recs + st * REC64_BYTES);
+    // 19 pieces: everything but the zero blocks above the diagonal of INV, M hi, M lo (row group g of
+    // such a tile keeps its first 256 (g / 2 + 1) bytes; groups 6, 7 are whole and run on into the
+    // next tile or E, b)
+    uint32_t a = 0;
+#pragma unroll
+    for (int t = 0; t < 3; ++t)
+#pragma unroll
+      for (int g = 0; g < 6; ++g) {
+        const uint32_t base = R64_INV + t * 8192 + g * 1024, end = base + 256 * (g / 2 + 1);
+        bulk_g2s(dst + a, src + a, end - a, bar);
+        a = base + 1024;
+      }
+    bulk_g2s(dst + a, src + a, REC64_BYTES - a, bar);
   };
 
   if (tid == 0) {
     for (int s = 0; s < ST64; ++s) mbar_init(smem_u32(&bars[s]), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  // the zero blocks the records leave out, once per stage (no copy ever writes them); the wgmma
+  // read them through the async proxy
+  for (int u = tid; u < ST64 * 3 * 8 * 64; u += 256) {
+    const int q = u & 63, g = (u >> 6) & 7, t = (u >> 9) % 3, st = u / (3 * 8 * 64);
+    if (g < 6 && 16 * q >= 256 * (g / 2 + 1))
+      *reinterpret_cast<uint4*>(recs + st * REC64_BYTES + R64_INV + t * 8192 + g * 1024 + 16 * q) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   if (tid == 0)
     for (int c = 0; c < ST64 && c < nchunks; ++c) issue_rec(c);

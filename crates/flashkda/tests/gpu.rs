@@ -369,7 +369,8 @@ fn edge_cases_match_float64() {
     let Some(g) = gpu() else { return };
     let fp32 = StateIo::both(true);
     let bf16 = StateIo::both(false);
-    for t in [1, 15, 16, 17, 37, 1000] {
+    // 16-token sub-chunk and 64-token chunk edges (chunk64: the block substitution's tails)
+    for t in [1, 15, 16, 17, 33, 37, 63, 64, 65, 1000] {
         check(&g, &case("fixed", vec![t], 4, fp32));
     }
     check(&g, &case("fixed-no-state", vec![97], 4, StateIo::NONE));

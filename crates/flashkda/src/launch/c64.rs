@@ -12,7 +12,7 @@ use crate::schedule::chunk64_slots;
 use crate::validate::FwdPlan;
 
 /// Dynamic shared memory of `kda_prep64` (`sizeof(Prep64Smem)`, asserted in the .cu).
-pub(super) const PREP64_SMEM: u32 = 191168;
+pub(super) const PREP64_SMEM: u32 = 111872;
 /// Dynamic shared memory of `kda_state64` (`STATE64_SMEM`, asserted in the .cu).
 pub(super) const STATE64_SMEM: u32 = 201232;
 /// Threads of both kernels (prep: 8 warps; state pass: two warpgroups).
@@ -88,21 +88,25 @@ mod tests {
 
     #[test]
     fn shared_memory_mirrors_the_kernel_layout() {
-        // prep: q, k, g [64][136] bf16; G [64][128] f32; rnq, rnk, b; row operands 2 x 2 x [16][136]
-        // bf16; column operands 2 x [64][136] bf16; A, M, X [64][65] f32; Y [3][16][17] f32
-        let prep = 3 * 64 * 136 * 2
-            + 64 * 128 * 4
-            + 3 * 64 * 4
-            + 4 * 16 * 136 * 2
-            + 2 * 64 * 136 * 2
-            + 3 * 64 * 65 * 4
-            + 3 * 16 * 17 * 4;
+        // prep: q, k [64][136] bf16 (A's rows over q's); G [64][128] f32; rnq, rnk, b; ER [16][136]
+        // f32; then one union of g [64][136] bf16 (the smallest), the column operands 2 x [64][136]
+        // bf16, X [64][65] + Y [3][16][17] f32
+        let (g, col, inv) = (
+            64 * 136 * 2,
+            2 * 64 * 136 * 2,
+            64 * 65 * 4 + 3 * 16 * 17 * 4,
+        );
+        assert!(g <= col);
+        let union = col.max(inv);
+        let prep = 2 * 64 * 136 * 2 + 64 * 128 * 4 + 3 * 64 * 4 + 16 * 136 * 4 + union;
         assert_eq!(PREP64_SMEM as usize, prep);
         // state pass: 2 record stages, 2 v stages and the output tile [64][136] bf16, 2 mbarriers
         let state = 2 * CHUNK64_RECORD_BYTES + 2 * 64 * 136 * 2 + 64 * 136 * 2 + 2 * 8;
         assert_eq!(STATE64_SMEM as usize, state);
-        // one block per SM on the H200 (227 KiB per block)
+        // at most 227 KiB per block on the H200; two prep blocks per SM (228 KiB, 1 KiB reserved
+        // per block)
         const { assert!(PREP64_SMEM <= 227 * 1024 && STATE64_SMEM <= 227 * 1024) };
+        const { assert!(2 * (PREP64_SMEM + 1024) <= 228 * 1024) };
         assert_eq!(C64_THREADS, 2 * 128);
     }
 }

@@ -53,10 +53,13 @@ pub(crate) struct Intra {
 
 /// How the builder stores intermediates: `store` rounds every stored scalar (identity in float64,
 /// round-to-f32 in the emulation); `operand` rounds the operands of the products `A` and `M`
-/// (applied after `store`).
+/// (applied after `store`); `inv_operand` the operands of the off-diagonal block products of the
+/// substitution (`A_sm X_mt` and `X_ss Y`; identity in float64, the kernel's hi + lo split on
+/// mma.sync in the emulation).
 pub(crate) struct Arith<'a> {
     pub store: &'a (dyn Fn(f64) -> f64 + Sync),
     pub operand: &'a (dyn Fn(f64) -> f64 + Sync),
+    pub inv_operand: &'a (dyn Fn(f64) -> f64 + Sync),
 }
 
 /// Builds `INV` and `M` for one chunk from the normalised keys `kn[i][c]`, the scaled normalised
@@ -74,6 +77,7 @@ pub(crate) fn build_intra(
     let d = kn.first().map_or(0, Vec::len);
     let st = ar.store;
     let op = |x: f64| (ar.operand)(st(x));
+    let iop = ar.inv_operand;
     let nsub = n.div_ceil(SUB_CHUNK);
     let sub_end = |s: usize| (SUB_CHUNK * (s + 1)).min(n);
     // reference point of row block s: cumulative decay at the end of sub-chunk s-1 (0 at s = 0)
@@ -130,7 +134,11 @@ pub(crate) fn build_intra(
                 .clone()
                 .map(|i| {
                     cs.clone()
-                        .map(|j| st((cs.start..rs.start).map(|k| a[i][k] * inv[k][j]).sum()))
+                        .map(|j| {
+                            st((cs.start..rs.start)
+                                .map(|k| iop(a[i][k]) * iop(inv[k][j]))
+                                .sum())
+                        })
                         .collect()
                 })
                 .collect();
@@ -139,7 +147,7 @@ pub(crate) fn build_intra(
                     let x: f64 = rs
                         .clone()
                         .filter(|&k| k <= i)
-                        .map(|k| inv[i][k] * y[k - rs.start][lj])
+                        .map(|k| iop(inv[i][k]) * iop(y[k - rs.start][lj]))
                         .sum();
                     inv[i][j] = st(-x);
                 }
@@ -164,6 +172,7 @@ pub fn chunked_sub_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
     let ar = Arith {
         store: &id,
         operand: &id,
+        inv_operand: &id,
     };
     per_sequence_head(p, |nseq, h, bos, len| {
         let mut s = initial_state_f64(p, nseq, h); // [v][k]

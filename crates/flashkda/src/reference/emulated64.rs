@@ -5,7 +5,8 @@
 //! Rounding points (the same fields as [`super::emulated`], per 64-token chunk):
 //! q̂, k̂, the gates and their cumulative sum (from the chunk start) are fp32; the prep products
 //! `A` and `M` take the sub-chunk operands `kdl, qdl, kc` through `prep`; `A` is fp32 (scaled by
-//! `b`), `INV` by block forward substitution in fp32, then through `inv`; `M` through `m`;
+//! `b`), `INV` by block forward substitution (diagonal blocks in fp32, off-diagonal block products
+//! on hi + lo split operands with fp32 sums), then through `inv`; `M` through `m`;
 //! `kd, qd, kr` through their fields (`kr` from `2^{Gtot-G}` directly), `E = 2^{Gtot}` fp32; the
 //! state is fp32 and enters `S kdᵀ`, `S qdᵀ` through `state_operand`; `Vb = (v - S kd) b` through
 //! `vb`, `U = INV Vb` through `u_out` (output product) and `u_state` (state update);
@@ -36,9 +37,13 @@ pub fn emulated_chunked_with(p: &KdaProblem, chunk: usize, r: Rounding) -> KdaOu
     let d = p.head_dim;
     let f32s = |x: f64| f64::from(x as f32);
     let prep = |x: f64| f64::from(r.prep.apply(x as f32));
+    // the kernel's off-diagonal INV blocks: mma.sync on hi + lo operands (the lo x lo term is left
+    // out there, below 2^-16 relative)
+    let split = |x: f64| f64::from(Operand::Split.apply(x as f32));
     let ar = Arith {
         store: &f32s,
         operand: &prep,
+        inv_operand: &split,
     };
     per_sequence_head(p, |nseq, h, bos, len| {
         let mut s = initial_state_f32(p, nseq, h);
