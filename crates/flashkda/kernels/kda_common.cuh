@@ -47,6 +47,51 @@ __device__ __forceinline__ unsigned int flag_acquire(const unsigned int* f) {
   return v;
 }
 
+// The slot space of C-token chunks (16: the workspace records, 64: the chunk-64 records). Sequence n:
+// fixed length -> slots from n * ceil(T / C); varlen -> from cu[n] / C + n (a sequence of len tokens
+// needs ceil(len/C) slots, and floor(a/C) + ceil(len/C) <= floor((a+len)/C) + 1, so slots never overlap;
+// total <= T/C + N). Offsets are clamped to [0, total_tokens].
+struct SeqInfo {
+  long long bos, len, slot0;
+};
+
+__device__ __forceinline__ long long clamp_cu(const KdaParams& p, int n) {
+  long long a = p.cu_seqlens[n];
+  return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
+}
+
+template <int C>
+__device__ __forceinline__ SeqInfo seq_slots(const KdaParams& p, int n) {
+  SeqInfo s;
+  if (p.cu_seqlens != nullptr) {
+    const long long a = clamp_cu(p, n);
+    long long e = clamp_cu(p, n + 1);
+    e = e < a ? a : e;
+    s.bos = a;
+    s.len = e - a;
+    s.slot0 = a / C + n;
+  } else {
+    s.bos = (long long)n * p.seq_len;
+    s.len = p.seq_len;
+    s.slot0 = (long long)n * ((p.seq_len + C - 1) / C);
+  }
+  return s;
+}
+
+// The sequence whose slots hold `slot` (varlen: the largest n with slot0(n) <= slot).
+template <int C>
+__device__ __forceinline__ int slot_owner(const KdaParams& p, long long slot) {
+  if (p.cu_seqlens != nullptr) {
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (clamp_cu(p, mid) / C + mid <= slot) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+  return static_cast<int>(slot / ((p.seq_len + C - 1) / C));
+}
+
 // mbarrier + bulk copy (TMA engine) helpers of the workspace state passes, the backward and the chunk-64 pass.
 __device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));

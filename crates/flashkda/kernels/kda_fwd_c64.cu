@@ -39,32 +39,6 @@ static_assert(REC64_BYTES == R64_B + 256 && REC64_BYTES % 16 == 0, "record layou
 
 __device__ __forceinline__ int core_off(int n, int k, int sbo) { return (n >> 3) * sbo + (k >> 3) * 128 + (n & 7) * 16 + (k & 7) * 2; }
 
-// Sequence n's 64-token slots: fixed length -> n * ceil(T / 64); varlen -> cu[n] / 64 + n (as the
-// 16-token workspace: floor(a/64) + ceil(len/64) <= floor((a+len)/64) + 1, so slots never overlap;
-// total <= T/64 + N).
-struct Seq64 {
-  long long bos, len, slot0;
-};
-__device__ __forceinline__ long long clamp_cu64(const KdaParams& p, int n) {
-  long long a = p.cu_seqlens[n];
-  return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
-}
-__device__ __forceinline__ Seq64 seq64(const KdaParams& p, int n) {
-  Seq64 s;
-  if (p.cu_seqlens != nullptr) {
-    const long long a = clamp_cu64(p, n);
-    long long e = clamp_cu64(p, n + 1);
-    e = e < a ? a : e;
-    s.bos = a;
-    s.len = e - a;
-    s.slot0 = a / C64 + n;
-  } else {
-    s.bos = (long long)n * p.seq_len;
-    s.len = p.seq_len;
-    s.slot0 = (long long)n * ((p.seq_len + C64 - 1) / C64);
-  }
-  return s;
-}
 
 // Phase-disjoint buffers share memory so that two blocks fit per SM (2 x (109.25 + 1) KiB <= 228 KiB):
 // g only until the cumsum, the column operands only during the A/M steps, X/Y only for the inverse;
@@ -109,18 +83,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
   const int H = p.num_heads;
   const long long slot = blockIdx.x;
   const int h = blockIdx.y;
-  int n;
-  if (p.cu_seqlens != nullptr) {
-    int lo = 0, hi = p.num_seqs - 1;  // largest n with slot0(n) <= slot
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (clamp_cu64(p, mid) / C64 + mid <= slot) lo = mid; else hi = mid - 1;
-    }
-    n = lo;
-  } else {
-    n = static_cast<int>(slot / ((p.seq_len + C64 - 1) / C64));
-  }
-  const Seq64 si = seq64(p, n);
+  const int n = slot_owner<C64>(p, slot);
+  const SeqInfo si = seq_slots<C64>(p, n);
   const long long c = slot - si.slot0;
   if (c < 0 || c * C64 >= si.len) return;  // unused slot (block-uniform)
   const long long rem = si.len - c * C64;

@@ -54,7 +54,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) kda_state64(const KdaParams
   const int gq = lane >> 2, tq = lane & 3;
   const int H = p.num_heads;
   const int h = static_cast<int>(blockIdx.x % H), n = static_cast<int>(blockIdx.x / H);
-  const Seq64 si = seq64(p, n);
+  const SeqInfo si = seq_slots<C64>(p, n);
   const long long bos = si.bos, len = si.len;
   const long long hs = (long long)H * KD, hoff = (long long)h * KD;
   const int nchunks = static_cast<int>((len + C64 - 1) / C64);

@@ -53,18 +53,9 @@ static_assert(REC_BYTES % 16 == 0, "bulk copies move 16-byte multiples");
 __device__ __forceinline__ int swz128(int r, int c) { return r * KD + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 __device__ __forceinline__ int swz16(int r, int c) { return r * 16 + ((((c >> 3) ^ ((r >> 2) & 1))) << 3) + (c & 7); }
 
-// Sequence n of the slot space: fixed length -> n * chunks_per_seq; varlen -> cu[n] / 16 + n
-// (a sequence of len tokens needs ceil(len/16) slots, and floor(a/16) + ceil(len/16) <=
-// floor((a+len)/16) + 1, so slots never overlap; total <= T/16 + N).
-struct SeqInfo {
-  long long bos, len, slot0;
-};
-
-__device__ __forceinline__ long long clamp_cu(const KdaParams& p, int n) {
-  long long a = p.cu_seqlens[n];
-  return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
-}
-
+// seq_slots<CH> written out with the segment case between its two branches (context parallelism:
+// segment n of a fixed-length batch, same slots as unsegmented); kept in this order, which the measured
+// kernels were compiled from.
 __device__ __forceinline__ SeqInfo seq_info(const KdaParams& p, int n) {
   SeqInfo s;
   if (p.cu_seqlens != nullptr) {

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 use crate::error::{DriverContext, FlashKdaError};
@@ -42,6 +42,25 @@ mod built {
 /// True when build.rs compiled the kernels (nvcc was found).
 pub fn kernels_built() -> bool {
     !built::CUBINS.is_empty()
+}
+
+/// `name` from `module`, allowed `smem` bytes of dynamic shared memory (0: the default); `what` names the
+/// step in a driver error.
+fn load_kernel(
+    module: &Arc<CudaModule>,
+    name: &str,
+    smem: u32,
+    what: &'static str,
+) -> Result<CudaFunction, FlashKdaError> {
+    let f = module.load_function(name).during(what)?;
+    if smem > 0 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .during(what)?;
+    }
+    Ok(f)
 }
 
 /// The embedded sm_90a cubin of `kernels/<stem>.cu` (for GPU tests that launch one of its kernels
@@ -247,15 +266,12 @@ impl KdaKernels {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(pipe_cubin))
             .during("loading the kda_fwd_pipelined cubin")?;
-        let pipelined = module
-            .load_function("kda_fwd_pipe_w4")
-            .during("loading kda_fwd_pipe_w4")?;
-        pipelined
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                PIPE_SMEM_BYTES as i32,
-            )
-            .during("allowing 64 KiB of dynamic shared memory")?;
+        let pipelined = load_kernel(
+            &module,
+            "kda_fwd_pipe_w4",
+            PIPE_SMEM_BYTES,
+            "loading kda_fwd_pipe_w4",
+        )?;
         let [ws_bf16, ws_split, ws64_bf16, ws64_split] =
             ws_cubins.map(|(c, o, d)| WorkspaceKernels::load(ctx, c, o, d));
         let (ws_bf16, ws_split, ws64_bf16, ws64_split) =

@@ -305,17 +305,7 @@ pub(super) struct BwdKernels {
 
 impl BwdKernels {
     pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, FlashKdaError> {
-        let load = |name: &'static str, smem: u32| {
-            let f = module.load_function(name).during(name)?;
-            if smem > 48 * 1024 {
-                f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .during("allowing a backward kernel's dynamic shared memory")?;
-            }
-            Ok::<_, FlashKdaError>(f)
-        };
+        let load = |name: &'static str, smem: u32| super::load_kernel(module, name, smem, name);
         let pass_fns = |names: [&'static str; 10]| {
             let mut v = vec![
                 load(names[0], pass_smem_bytes(2))?,

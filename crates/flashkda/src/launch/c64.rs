@@ -30,15 +30,7 @@ impl Chunk64Kernels {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
             .during("loading the kda_fwd_c64 cubin")?;
-        let load = |name: &str, what: &'static str, smem: u32| -> Result<_, FlashKdaError> {
-            let f = module.load_function(name).during(what)?;
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .during("allowing the chunk-64 kernels' dynamic shared memory")?;
-            Ok(f)
-        };
+        let load = |name: &str, what, smem| super::load_kernel(&module, name, smem, what);
         Ok(Chunk64Kernels {
             prep: load("kda_prep64", "loading kda_prep64", PREP64_SMEM)?,
             state: load("kda_state64", "loading kda_state64", STATE64_SMEM)?,

@@ -96,14 +96,13 @@ impl WorkspaceKernels {
         let prep = module
             .load_function("kda_prep")
             .during("loading kda_prep")?;
-        let load_state = |name: &str, bytes: u32| -> Result<CudaFunction, FlashKdaError> {
-            let f = module.load_function(name).during("loading kda_state_w*")?;
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
+        let load_state = |name: &str, bytes: u32| {
+            super::load_kernel(
+                &module,
+                name,
+                bytes,
+                "loading a workspace state-pass kernel",
             )
-            .during("allowing the state pass's dynamic shared memory")?;
-            Ok(f)
         };
         let (state_smem, cp_smem) = state_smem_bytes(operands, head_dim);
         let mut state = [None, None, None, None];
