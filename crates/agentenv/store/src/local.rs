@@ -46,8 +46,9 @@ impl LocalDir {
             .join(format!("{what}.{}.{seq}", std::process::id()))
     }
 
-    /// Creates the folders, takes the folder lock and empties `tmp/`.
-    pub(crate) fn prepare(&self) -> Result<std::fs::File> {
+    /// Creates the folders, takes the folder lock (waiting up to `lock_wait` for another holder to let
+    /// go) and empties `tmp/`.
+    pub(crate) fn prepare(&self, lock_wait: std::time::Duration) -> Result<std::fs::File> {
         for sub in ["chunks", "meta", "pins", "tmp"] {
             let p = self.root.join(sub);
             std::fs::create_dir_all(&p).map_err(StoreError::io("create", &p))?;
@@ -59,13 +60,23 @@ impl LocalDir {
             .write(true)
             .open(&lock_path)
             .map_err(StoreError::io("open", &lock_path))?;
-        // SAFETY: flock on an fd we own.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            return Err(StoreError::Io {
-                what: "lock (another process has this store open)",
-                path: lock_path,
-                source: std::io::Error::last_os_error(),
-            });
+        let deadline = std::time::Instant::now() + lock_wait;
+        loop {
+            // SAFETY: flock on an fd we own.
+            if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                break;
+            }
+            let source = std::io::Error::last_os_error();
+            if source.kind() != std::io::ErrorKind::WouldBlock
+                || std::time::Instant::now() >= deadline
+            {
+                return Err(StoreError::Io {
+                    what: "lock (another process has this store open)",
+                    path: lock_path,
+                    source,
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
         let tmp = self.root.join("tmp");
         for e in std::fs::read_dir(&tmp)

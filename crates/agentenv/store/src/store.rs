@@ -36,6 +36,9 @@ pub struct StoreConfig {
     /// Remote gc spares unreferenced chunks younger than this (another server's running ingest may own
     /// them); default 1 hour.
     pub remote_gc_grace: Duration,
+    /// How long [`ChunkStore::open`] waits for the folder lock that another opener holds (a restarting
+    /// server whose old process is still exiting); default 10 s.
+    pub lock_wait: Duration,
 }
 
 impl StoreConfig {
@@ -49,6 +52,7 @@ impl StoreConfig {
             remote: None,
             remote_concurrency: 16,
             remote_gc_grace: Duration::from_secs(3600),
+            lock_wait: Duration::from_secs(10),
         }
     }
 
@@ -202,8 +206,9 @@ impl ChunkStore {
             root: cfg.dir.clone(),
         };
         let d = dir.clone();
+        let lock_wait = cfg.lock_wait;
         let (lock, index) = blocking("open", move || {
-            let lock = d.prepare()?;
+            let lock = d.prepare(lock_wait)?;
             let mut index = Index::default();
             let mut files = d.scan_chunks()?;
             files.sort_by_key(|&(_, _, mtime)| mtime);

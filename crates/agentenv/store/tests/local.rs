@@ -307,11 +307,23 @@ async fn bad_config_and_a_second_opener_get_typed_errors() {
         ChunkStore::open(cfg).await,
         Err(StoreError::Config(_))
     ));
-    let _first = open(dir.path(), MIB).await;
+    let first = open(dir.path(), MIB).await;
+    let mut second = StoreConfig::local(dir.path().join("store"), MIB);
+    second.lock_wait = std::time::Duration::from_millis(100);
     assert!(matches!(
-        ChunkStore::open(StoreConfig::local(dir.path().join("store"), MIB)).await,
+        ChunkStore::open(second.clone()).await,
         Err(StoreError::Io { .. })
     ));
+    // An opener waits for a holder that lets go within its lock wait (a restart's old process).
+    second.lock_wait = std::time::Duration::from_secs(10);
+    let waiter = tokio::spawn(ChunkStore::open(second));
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !waiter.is_finished(),
+        "opened while the first holds the lock"
+    );
+    drop(first);
+    waiter.await.unwrap().expect("opens once the first lets go");
 }
 
 /// Page-sized chunks for one file: scattered 4 KiB changes cost 4 KiB each (the store's 64 KiB chunks
