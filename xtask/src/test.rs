@@ -39,7 +39,7 @@ fn steps() -> Vec<Step> {
         Step::Kernels,
         Step::Cmd(
             "tests",
-            s(&[&c, "test", "--workspace"]),
+            s(&[&c, "test", "--workspace", "--no-fail-fast"]),
             vec![("K3_REQUIRE_KERNELS", "1".into())],
         ),
     ];

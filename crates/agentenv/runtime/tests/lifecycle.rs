@@ -48,12 +48,21 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
     assert_eq!(code, 7);
 
     // Confinement: QEMU runs under seccomp, and nothing it or the runtime wrote is readable by others.
+    // A QEMU of a warm-pool refill may still be starting (seccomp comes on after argument parsing):
+    // each gets 10 s to enable it or exit.
     for pid in common::qemu_pids_under(state.path()) {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        assert!(
-            status.contains("Seccomp:\t2"),
-            "QEMU {pid} without seccomp:\n{status}"
-        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // Until it exits (its status file goes) or has seccomp on.
+        while let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+            if status.contains("Seccomp:\t2") {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "QEMU {pid} without seccomp:\n{status}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
     }
     common::assert_private(&state.path().join("sandboxes"));
     // Each QEMU sits in its own cgroup with a memory limit of guest RAM plus QEMU's headroom.
