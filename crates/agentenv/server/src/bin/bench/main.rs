@@ -25,6 +25,7 @@ use agentenv_server::backend::VmBackend;
 use agentenv_server::{keys, runtime_backend};
 
 mod cluster;
+mod host;
 mod lazy;
 mod load;
 mod net;
@@ -536,6 +537,8 @@ async fn main() -> anyhow::Result<()> {
         backend.kill(&id).await?;
     }
     server.abort();
+    // Last, so that the gigabyte it writes and frees cannot speed up the figures above.
+    let host_figure = host::fresh_memory_figure();
 
     let direct_med = stats::median(&direct);
     let anchor = |f: Figure, name: &str, v: f64| f.baseline(name, v, false);
@@ -601,6 +604,7 @@ async fn main() -> anyhow::Result<()> {
                 .param("n", args.iterations)
                 .param("network", if args.network { "on" } else { "off" })
         })
+        .chain(host_figure.as_ref().ok().cloned())
         .collect();
     let plot = Plot {
         title: format!("agentenv lifecycle latency CDF ({accel_name})"),
@@ -634,6 +638,7 @@ async fn main() -> anyhow::Result<()> {
         ]
         .into_iter()
         .chain(s3_note)
+        .chain(host_figure.err().map(|e| format!("first-touch memory probe failed: {e:#}")))
         .collect(),
     });
     report.write(&args.out)?;
