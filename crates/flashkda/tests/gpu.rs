@@ -4,7 +4,7 @@
 //! for the reference). `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case.
 
 mod common;
-use common::{gpu, log_line, run_fwd, seed};
+use common::{gpu, log_line, picked_variants, run_fwd, seed};
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
@@ -166,17 +166,11 @@ const DEFAULT_VARIANT: Variant = (
 );
 
 fn variants() -> Vec<Variant> {
-    let only = std::env::var("FLASHKDA_TEST_KERNELS").unwrap_or_default();
-    let picked: Vec<_> = VARIANTS
-        .into_iter()
-        .chain([DEFAULT_VARIANT])
-        .filter(|(n, ..)| only.is_empty() || only.split(',').any(|o| o.trim() == *n))
-        .collect();
-    assert!(
-        !picked.is_empty(),
-        "FLASHKDA_TEST_KERNELS={only:?} names no variant"
-    );
-    picked
+    picked_variants(
+        VARIANTS.into_iter().chain([DEFAULT_VARIANT]),
+        |v| v.0,
+        "variant",
+    )
 }
 
 struct Case<'a> {

@@ -7,7 +7,7 @@
 //! `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case, `FLASHKDA_TEST_KERNELS` picks variants.
 
 mod common;
-use common::{gpu, log_line, run_fwd, seed};
+use common::{gpu, log_line, picked_variants, run_fwd, seed};
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
@@ -120,16 +120,7 @@ const VARIANTS: [Variant; 10] = [
 ];
 
 fn variants() -> Vec<Variant> {
-    let only = std::env::var("FLASHKDA_TEST_KERNELS").unwrap_or_default();
-    let picked: Vec<_> = VARIANTS
-        .into_iter()
-        .filter(|(n, ..)| only.is_empty() || only.split(',').any(|o| o.trim() == *n))
-        .collect();
-    assert!(
-        !picked.is_empty(),
-        "FLASHKDA_TEST_KERNELS={only:?} names no d64 variant"
-    );
-    picked
+    picked_variants(VARIANTS, |v| v.0, "d64 variant")
 }
 
 /// The call options of a variant.

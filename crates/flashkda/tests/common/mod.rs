@@ -55,6 +55,26 @@ pub fn log_line(line: &str) {
     }
 }
 
+/// The variants `FLASHKDA_TEST_KERNELS` (comma list of names) picks from `all`, or all of them
+/// when unset; a list that picks none (`what`: the kind of variant) panics.
+#[allow(dead_code, reason = "the forward tests' (gpu.rs, gpu_d64.rs)")]
+pub fn picked_variants<V>(
+    all: impl IntoIterator<Item = V>,
+    name: impl Fn(&V) -> &str,
+    what: &str,
+) -> Vec<V> {
+    let only = std::env::var("FLASHKDA_TEST_KERNELS").unwrap_or_default();
+    let picked: Vec<_> = all
+        .into_iter()
+        .filter(|v| only.is_empty() || only.split(',').any(|o| o.trim() == name(v)))
+        .collect();
+    assert!(
+        !picked.is_empty(),
+        "FLASHKDA_TEST_KERNELS={only:?} names no {what}"
+    );
+    picked
+}
+
 /// One forward call read back: output and final state, their non-finite (unwritten) element
 /// counts, relative Frobenius errors against the reference (`rel_state` 0 without a final state).
 #[allow(dead_code, reason = "the forward tests' (gpu.rs, gpu_d64.rs)")]
