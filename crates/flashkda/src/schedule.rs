@@ -396,14 +396,19 @@ pub struct WorkspaceLayout {
 
 impl WorkspaceLayout {
     /// No workspace (the schedules without one).
-    pub const NONE: WorkspaceLayout = WorkspaceLayout {
-        records_bytes: 0,
-        pm_offset: 0,
-        starts_offset: 0,
-        flags_offset: 0,
-        flags_bytes: 0,
-        total_bytes: 0,
-    };
+    pub const NONE: WorkspaceLayout = WorkspaceLayout::records_only(0);
+
+    /// Prep records only (no segment states, no ready flags).
+    pub(crate) const fn records_only(records_bytes: usize) -> Self {
+        WorkspaceLayout {
+            records_bytes,
+            pm_offset: records_bytes,
+            starts_offset: records_bytes,
+            flags_offset: records_bytes,
+            flags_bytes: 0,
+            total_bytes: records_bytes,
+        }
+    }
 }
 
 /// Chunk slots of the prep records: `batch * ceil(seq_len / 16)` without `cu_seqlens`, else
@@ -431,14 +436,7 @@ pub fn record_bytes(operands: Operands, head_dim: usize) -> usize {
 pub fn workspace_layout(plan: &FwdPlan, segs: Segments, operands: Operands) -> WorkspaceLayout {
     let records_bytes = workspace_slots(plan) * plan.heads * record_bytes(operands, plan.head_dim);
     if !segs.active() {
-        return WorkspaceLayout {
-            records_bytes,
-            pm_offset: records_bytes,
-            starts_offset: records_bytes,
-            flags_offset: records_bytes,
-            flags_bytes: 0,
-            total_bytes: records_bytes,
-        };
+        return WorkspaceLayout::records_only(records_bytes);
     }
     let states = plan.num_seqs * segs.segs_per_seq * plan.heads;
     let pm_offset = records_bytes;

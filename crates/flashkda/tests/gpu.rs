@@ -4,7 +4,7 @@
 //! for the reference). `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case.
 
 mod common;
-use common::{gpu, log_line, seed};
+use common::{gpu, log_line, picked_variants, run_fwd, seed};
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
@@ -166,17 +166,11 @@ const DEFAULT_VARIANT: Variant = (
 );
 
 fn variants() -> Vec<Variant> {
-    let only = std::env::var("FLASHKDA_TEST_KERNELS").unwrap_or_default();
-    let picked: Vec<_> = VARIANTS
-        .into_iter()
-        .chain([DEFAULT_VARIANT])
-        .filter(|(n, ..)| only.is_empty() || only.split(',').any(|o| o.trim() == *n))
-        .collect();
-    assert!(
-        !picked.is_empty(),
-        "FLASHKDA_TEST_KERNELS={only:?} names no variant"
-    );
-    picked
+    picked_variants(
+        VARIANTS.into_iter().chain([DEFAULT_VARIANT]),
+        |v| v.0,
+        "variant",
+    )
 }
 
 struct Case<'a> {
@@ -260,24 +254,13 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
         } else {
             None
         };
-        fwd(kernels, stream, &dev.args(), &opts)
-            .unwrap_or_else(|e| panic!("{name}: fwd failed: {e}"));
-        stream
-            .synchronize()
-            .unwrap_or_else(|e| panic!("{name}: kernel failed: {e}"));
-        let (out, st) = dev.read().unwrap_or_else(|e| panic!("{name}: {e}"));
-        let nan_out = out.iter().filter(|x| !x.is_finite()).count();
-        let nan_st = st.iter().filter(|x| !x.is_finite()).count();
-        let eo = rel_frobenius(&out, &reference.out);
-        let es = if c.state.final_ {
-            rel_frobenius(&st, &reference.final_state)
-        } else {
-            0.0
-        };
+        let run = run_fwd(gpu, &dev, &opts, c.state, &reference, &name);
+        let (nan_out, nan_st) = (run.nonfinite_out, run.nonfinite_state);
+        let (eo, es) = (run.rel_out, run.rel_state);
         let (mut emo, mut ems) = (f64::NAN, f64::NAN);
         if let Some(e) = emulation {
-            emo = rel_frobenius(&out, &e.out);
-            ems = c.state.final_state_error(&st, &e.final_state);
+            emo = rel_frobenius(&run.out, &e.out);
+            ems = c.state.final_state_error(&run.state, &e.final_state);
         }
         log_line(&format!(
             "{{\"case\":\"{}\",\"seq_lens\":\"{}\",\"H\":{},\"state\":\"{}\",\"batched\":{},\"split\":\"{:?}\",\"schedule\":\"{:?}\",\"operands\":\"{:?}\",\"overlap\":{},\"variant\":\"{variant}\",\"seed\":{s},\
@@ -299,19 +282,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             call.segments.segs_per_seq,
             call.segments.seg_chunks
         ));
-        assert_eq!(
-            nan_out, 0,
-            "{name}: {nan_out} output elements not written (still NaN) or non-finite"
-        );
-        assert_eq!(
-            nan_st, 0,
-            "{name}: {nan_st} state elements not written or non-finite"
-        );
-        assert!(eo <= BAR_F64, "{name}: out rel error {eo:e} > {BAR_F64:e}");
-        assert!(
-            es <= BAR_F64,
-            "{name}: final_state rel error {es:e} > {BAR_F64:e}"
-        );
+        run.assert_written_within(BAR_F64, &name);
         if split_ops {
             assert!(
                 eo <= c.split_bar && es <= c.split_bar,

@@ -7,7 +7,7 @@
 //! `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case, `FLASHKDA_TEST_KERNELS` picks variants.
 
 mod common;
-use common::{gpu, log_line, seed};
+use common::{gpu, log_line, picked_variants, run_fwd, seed};
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
@@ -120,16 +120,19 @@ const VARIANTS: [Variant; 10] = [
 ];
 
 fn variants() -> Vec<Variant> {
-    let only = std::env::var("FLASHKDA_TEST_KERNELS").unwrap_or_default();
-    let picked: Vec<_> = VARIANTS
-        .into_iter()
-        .filter(|(n, ..)| only.is_empty() || only.split(',').any(|o| o.trim() == *n))
-        .collect();
-    assert!(
-        !picked.is_empty(),
-        "FLASHKDA_TEST_KERNELS={only:?} names no d64 variant"
-    );
-    picked
+    picked_variants(VARIANTS, |v| v.0, "d64 variant")
+}
+
+/// The call options of a variant.
+fn options((_, schedule, value_split, segment_chunks, operands, overlap): Variant) -> FwdOptions {
+    FwdOptions {
+        value_split,
+        schedule,
+        segment_chunks,
+        operands,
+        overlap,
+        ..Default::default()
+    }
 }
 
 /// The device with head dim 64 opted in, or `None` (skip).
@@ -174,38 +177,20 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     let mut dev = DeviceProblem::upload(stream, &p, c.state, c.batched).expect("upload");
     let reference: KdaOutput = recurrence_f64(&p);
     let mut emulations: [Option<KdaOutput>; 2] = [None, None];
-    for (variant, schedule, split, segs, operands, overlap) in variants() {
+    for v in variants() {
+        let (variant, opts) = (v.0, options(v));
         if c.default_only && variant != "d64-default" {
             continue;
         }
         dev.poison().expect("poison");
-        let opts = FwdOptions {
-            value_split: split,
-            schedule,
-            segment_chunks: segs,
-            operands,
-            overlap,
-            ..Default::default()
-        };
         let name = format!("{} [{variant}] seed {s}", c.name);
         let call = kernels
             .call_plan(&flashkda::validate(&dev.args()).unwrap(), &opts)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let split_ops = call.operands == Operands::Split;
-        fwd(kernels, stream, &dev.args(), &opts)
-            .unwrap_or_else(|e| panic!("{name}: fwd failed: {e}"));
-        stream
-            .synchronize()
-            .unwrap_or_else(|e| panic!("{name}: kernel failed: {e}"));
-        let (out, st) = dev.read().unwrap_or_else(|e| panic!("{name}: {e}"));
-        let nan_out = out.iter().filter(|x| !x.is_finite()).count();
-        let nan_st = st.iter().filter(|x| !x.is_finite()).count();
-        let eo = rel_frobenius(&out, &reference.out);
-        let es = if c.state.final_ {
-            rel_frobenius(&st, &reference.final_state)
-        } else {
-            0.0
-        };
+        let run = run_fwd(gpu, &dev, &opts, c.state, &reference, &name);
+        let (nan_out, nan_st) = (run.nonfinite_out, run.nonfinite_state);
+        let (eo, es) = (run.rel_out, run.rel_state);
         let (mut emo, mut ems) = (f64::NAN, f64::NAN);
         if c.emulate && !call.segments.active() {
             let (i, r) = if split_ops {
@@ -214,8 +199,8 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
                 (0, Rounding::KERNEL)
             };
             let e = emulations[i].get_or_insert_with(|| emulated_with(&p, r));
-            emo = rel_frobenius(&out, &e.out);
-            ems = c.state.final_state_error(&st, &e.final_state);
+            emo = rel_frobenius(&run.out, &e.out);
+            ems = c.state.final_state_error(&run.state, &e.final_state);
         }
         log_line(&format!(
             "{{\"case\":\"{}\",\"head_dim\":{D},\"seq_lens\":\"{:?}\",\"H\":{},\"H_qk\":{},\"state\":\"{}\",\"variant\":\"{variant}\",\
@@ -230,19 +215,7 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
             call.operands,
             call.segments.segs_per_seq,
         ));
-        assert_eq!(
-            nan_out, 0,
-            "{name}: {nan_out} output elements not written or non-finite"
-        );
-        assert_eq!(
-            nan_st, 0,
-            "{name}: {nan_st} state elements not written or non-finite"
-        );
-        assert!(eo <= BAR_F64, "{name}: out rel error {eo:e} > {BAR_F64:e}");
-        assert!(
-            es <= BAR_F64,
-            "{name}: final_state rel error {es:e} > {BAR_F64:e}"
-        );
+        run.assert_written_within(BAR_F64, &name);
         if split_ops {
             assert!(
                 eo <= BAR_SPLIT && es <= BAR_SPLIT,
@@ -398,15 +371,8 @@ fn d64_deterministic() {
     let (kernels, stream) = &g;
     let p = KdaProblem::random_dim(&[300, 45], 8, 8, D, true, seed());
     let mut dev = DeviceProblem::upload(stream, &p, StateIo::both(true), false).unwrap();
-    for (variant, schedule, split, segs, operands, overlap) in variants() {
-        let opts = FwdOptions {
-            value_split: split,
-            schedule,
-            segment_chunks: segs,
-            operands,
-            overlap,
-            ..Default::default()
-        };
+    for v in variants() {
+        let (variant, opts) = (v.0, options(v));
         let mut runs = Vec::new();
         for _ in 0..2 {
             dev.poison().unwrap();

@@ -1,37 +1,19 @@
 //! CPU reference tests (run in CI, no GPU needed).
 
+mod reference_common;
+use reference_common::{
+    assert_chunked_matches_recurrence, assert_segmented_matches_recurrence,
+    assert_single_token_output, repeat_qk_heads, seed,
+};
+
 use flashkda::reference::emulated::emulated;
 use flashkda::reference::metrics::{max_abs_diff, rel_frobenius};
 use flashkda::reference::{HEAD_DIM, KdaProblem, chunked_f64, recurrence_f64};
 
-/// A fresh seed (printed), or `FLASHKDA_TEST_SEED` to replay a failure.
-fn seed() -> u64 {
-    let s = std::env::var("FLASHKDA_TEST_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    println!("seed {s}");
-    s
-}
-
 #[test]
 fn chunked_form_matches_recurrence_varlen_with_state() {
     let p = KdaProblem::random(&[1, 15, 17, 40, 16], 2, true, seed());
-    let r = recurrence_f64(&p);
-    for chunk in [16, 5, 64] {
-        let c = chunked_f64(&p, chunk);
-        let (eo, es) = c.rel_errors(&r);
-        println!("chunk {chunk}: out {eo:e} state {es:e}");
-        assert!(
-            eo < 1e-12 && es < 1e-12,
-            "chunk {chunk}: out {eo:e} state {es:e}"
-        );
-    }
+    assert_chunked_matches_recurrence(&p);
 }
 
 #[test]
@@ -49,21 +31,7 @@ fn chunked_form_matches_recurrence_extreme_gates() {
 
 #[test]
 fn single_token_output_is_scaled_beta_value() {
-    // one token, zero state, q = k: S = beta v k̂ᵀ and o = scale beta v (k̂·k̂)
-    let mut p = KdaProblem::random(&[1], 1, false, seed());
-    p.q = p.k.clone();
-    let r = recurrence_f64(&p);
-    let kk: f64 = p.k.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-    let nrm2 = kk / (kk + 1e-6);
-    let beta = 1.0 / (1.0 + (-f64::from(p.beta[0])).exp());
-    for c in 0..HEAD_DIM {
-        let want = f64::from(p.scale) * beta * f64::from(p.v[c]) * nrm2;
-        assert!(
-            (r.out[c] - want).abs() < 1e-12,
-            "channel {c}: {} vs {want}",
-            r.out[c]
-        );
-    }
+    assert_single_token_output(KdaProblem::random(&[1], 1, false, seed()));
 }
 
 #[test]
@@ -125,42 +93,15 @@ fn kernels_compiled_when_required() {
 #[test]
 fn segmented_form_matches_recurrence() {
     // ragged tails, one-chunk segments, segments longer than the sequence, zero-length sequences
-    let mut p = KdaProblem::random(&[1, 37, 100, 0, 64], 2, true, seed());
-    let r = recurrence_f64(&p);
-    for seg in [16, 48, 7, 1, 1000] {
-        let s = flashkda::reference::segmented_f64(&p, seg);
-        let (eo, es) = s.rel_errors(&r);
-        println!("segments of {seg}: out {eo:e} state {es:e}");
-        assert!(
-            eo < 1e-12 && es < 1e-12,
-            "segments of {seg}: out {eo:e} state {es:e}"
-        );
-    }
-    // without an initial state as well
-    p.initial_state = None;
-    let r = recurrence_f64(&p);
-    let s = flashkda::reference::segmented_f64(&p, 32);
-    assert!(rel_frobenius(&s.out, &r.out) < 1e-12);
-    assert!(rel_frobenius(&s.final_state, &r.final_state) < 1e-12);
+    let p = KdaProblem::random(&[1, 37, 100, 0, 64], 2, true, seed());
+    assert_segmented_matches_recurrence(p);
 }
 
 #[test]
 fn gva_equals_repeated_query_key_heads() {
     // value head h of a GVA problem reads q/k head h / (H / H_qk): the same as repeating them
     let g = KdaProblem::random_gva(&[40, 17], 6, 2, true, seed());
-    let mut full = g.clone();
-    full.qk_heads = 6;
-    let t = g.tokens();
-    let (mut q, mut k) = (Vec::new(), Vec::new());
-    for tok in 0..t {
-        for h in 0..6 {
-            let o = g.qk_offset(tok, h);
-            q.extend_from_slice(&g.q[o..o + HEAD_DIM]);
-            k.extend_from_slice(&g.k[o..o + HEAD_DIM]);
-        }
-    }
-    full.q = q;
-    full.k = k;
+    let full = repeat_qk_heads(&g);
     let (a, b) = (recurrence_f64(&g), recurrence_f64(&full));
     assert_eq!(a.out, b.out);
     assert_eq!(a.final_state, b.final_state);

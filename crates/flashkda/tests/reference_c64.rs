@@ -2,37 +2,20 @@
 //! sub-chunked float64 form equals the token recurrence, the emulation of `kda_fwd_c64.cu` stays
 //! within issue 11's accuracy bars.
 
+mod reference_common;
+use reference_common::{assert_close, seed};
+
 use flashkda::reference::chunked64::CHUNK64;
 use flashkda::reference::emulated::{Rounding, emulated_with};
 use flashkda::reference::emulated64::{emulated_c64, emulated_chunked_with};
 use flashkda::reference::metrics::rel_frobenius;
 use flashkda::reference::{KdaProblem, chunked_sub_f64, recurrence_f64};
 
-/// A fresh seed (printed), or `FLASHKDA_TEST_SEED` to replay a failure.
-fn seed() -> u64 {
-    let s = std::env::var("FLASHKDA_TEST_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    println!("seed {s}");
-    s
-}
-
 fn check_f64(p: &KdaProblem, what: &str) {
     let r = recurrence_f64(p);
     for chunk in [CHUNK64, 16, 32, 128] {
         let c = chunked_sub_f64(p, chunk);
-        let (eo, es) = c.rel_errors(&r);
-        println!("{what} chunk {chunk}: out {eo:e} state {es:e}");
-        assert!(
-            eo < 1e-10 && es < 1e-10,
-            "{what} chunk {chunk}: out {eo:e} state {es:e}"
-        );
+        assert_close(&c, &r, 1e-10, &format!("{what} chunk {chunk}"));
     }
 }
 

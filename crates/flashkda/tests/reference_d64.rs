@@ -3,26 +3,17 @@
 //! heads; varlen with ragged tails, zero-length sequences and initial states. Fresh seeds
 //! (`FLASHKDA_TEST_SEED` replays one).
 
+mod reference_common;
+use reference_common::{
+    assert_chunked_matches_recurrence, assert_segmented_matches_recurrence,
+    assert_single_token_output, repeat_qk_heads, seed,
+};
+
 use flashkda::reference::emulated::{Rounding, emulated, emulated_with};
 use flashkda::reference::metrics::{max_abs_diff, rel_frobenius};
 use flashkda::reference::{KdaProblem, chunked_f64, recurrence_f64, segmented_f64};
 
 const D: usize = 64;
-
-/// A fresh seed (printed), or `FLASHKDA_TEST_SEED` to replay a failure.
-fn seed() -> u64 {
-    let s = std::env::var("FLASHKDA_TEST_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    println!("seed {s}");
-    s
-}
 
 fn problem(seq_lens: &[usize], heads: usize, qk_heads: usize, state: bool) -> KdaProblem {
     KdaProblem::random_dim(seq_lens, heads, qk_heads, D, state, seed())
@@ -49,16 +40,7 @@ fn d64_problem_has_d64_shapes() {
 #[test]
 fn d64_chunked_form_matches_recurrence_varlen_with_state() {
     let p = problem(&[1, 15, 17, 40, 0, 16], 2, 2, true);
-    let r = recurrence_f64(&p);
-    for chunk in [16, 5, 64] {
-        let c = chunked_f64(&p, chunk);
-        let (eo, es) = c.rel_errors(&r);
-        println!("chunk {chunk}: out {eo:e} state {es:e}");
-        assert!(
-            eo < 1e-12 && es < 1e-12,
-            "chunk {chunk}: out {eo:e} state {es:e}"
-        );
-    }
+    assert_chunked_matches_recurrence(&p);
 }
 
 #[test]
@@ -75,22 +57,7 @@ fn d64_chunked_form_matches_recurrence_extreme_gates_no_state() {
 
 #[test]
 fn d64_segmented_form_matches_recurrence() {
-    let mut p = problem(&[1, 37, 100, 0, 64], 2, 2, true);
-    let r = recurrence_f64(&p);
-    for seg in [16, 48, 7, 1, 1000] {
-        let s = segmented_f64(&p, seg);
-        let (eo, es) = s.rel_errors(&r);
-        println!("segments of {seg}: out {eo:e} state {es:e}");
-        assert!(
-            eo < 1e-12 && es < 1e-12,
-            "segments of {seg}: out {eo:e} state {es:e}"
-        );
-    }
-    p.initial_state = None;
-    let r = recurrence_f64(&p);
-    let s = segmented_f64(&p, 32);
-    assert!(rel_frobenius(&s.out, &r.out) < 1e-12);
-    assert!(rel_frobenius(&s.final_state, &r.final_state) < 1e-12);
+    assert_segmented_matches_recurrence(problem(&[1, 37, 100, 0, 64], 2, 2, true));
 }
 
 #[test]
@@ -143,18 +110,7 @@ fn d64_emulated_rounding_stays_within_bf16_error_of_float64() {
 #[test]
 fn d64_gva_equals_repeated_query_key_heads() {
     let g = problem(&[40, 17], 6, 2, true);
-    let mut full = g.clone();
-    full.qk_heads = 6;
-    let (mut q, mut k) = (Vec::new(), Vec::new());
-    for tok in 0..g.tokens() {
-        for h in 0..6 {
-            let o = g.qk_offset(tok, h);
-            q.extend_from_slice(&g.q[o..o + D]);
-            k.extend_from_slice(&g.k[o..o + D]);
-        }
-    }
-    full.q = q;
-    full.k = k;
+    let full = repeat_qk_heads(&g);
     let (a, b) = (recurrence_f64(&g), recurrence_f64(&full));
     assert_eq!(a.out, b.out);
     assert_eq!(a.final_state, b.final_state);
@@ -167,20 +123,7 @@ fn d64_gva_equals_repeated_query_key_heads() {
 /// One token, zero state, q = k: `out = scale * beta * v * |k̂|^2` (scale `1/8` at head dim 64).
 #[test]
 fn d64_single_token_output_is_scaled_beta_value() {
-    let mut p = problem(&[1], 1, 1, false);
-    p.q = p.k.clone();
-    let r = recurrence_f64(&p);
-    let kk: f64 = p.k.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-    let nrm2 = kk / (kk + 1e-6);
-    let beta = 1.0 / (1.0 + (-f64::from(p.beta[0])).exp());
-    for c in 0..D {
-        let want = f64::from(p.scale) * beta * f64::from(p.v[c]) * nrm2;
-        assert!(
-            (r.out[c] - want).abs() < 1e-12,
-            "channel {c}: {} vs {want}",
-            r.out[c]
-        );
-    }
+    assert_single_token_output(problem(&[1], 1, 1, false));
 }
 
 /// The panic message of `f`, which must panic.

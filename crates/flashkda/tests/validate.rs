@@ -1,28 +1,15 @@
 //! Argument validation (no GPU needed: validation never touches device memory).
 
-use flashkda::validate::check_cu_seqlens;
-use flashkda::{DType, Device, FlashKdaError, FwdArgs, StateDType, TensorView, validate};
+mod validate_common;
+use validate_common::t;
 
-fn t(dtype: DType, shape: &[usize], ptr: u64) -> TensorView {
-    TensorView::contiguous(ptr, dtype, shape, 0)
-}
+use flashkda::validate::check_cu_seqlens;
+use flashkda::{DType, Device, FlashKdaError, FwdArgs, StateDType, validate};
 
 fn args(b: usize, tt: usize, h: usize) -> FwdArgs {
-    let act = [b, tt, h, 128];
     FwdArgs {
-        q: t(DType::BF16, &act, 0x1000),
-        k: t(DType::BF16, &act, 0x2000),
-        v: t(DType::BF16, &act, 0x3000),
-        g: t(DType::BF16, &act, 0x4000),
-        beta: t(DType::BF16, &[b, tt, h], 0x5000),
-        out: t(DType::BF16, &act, 0x6000),
-        a_log: t(DType::F32, &[h], 0x7000),
-        dt_bias: t(DType::F32, &[h, 128], 0x8000),
-        initial_state: None,
-        final_state: None,
-        cu_seqlens: None,
         scale: 0.088,
-        lower_bound: -5.0,
+        ..validate_common::args(b, tt, h, h, 128)
     }
 }
 
@@ -161,31 +148,7 @@ fn cu_seqlens_contents() {
 }
 
 fn bwd_args(b: usize, tt: usize, h: usize) -> flashkda::BwdArgs {
-    let f = args(b, tt, h);
-    let act = [b, tt, h, 128];
-    flashkda::BwdArgs {
-        q: f.q,
-        k: f.k,
-        v: f.v,
-        g: f.g,
-        beta: f.beta,
-        a_log: f.a_log,
-        dt_bias: f.dt_bias,
-        initial_state: None,
-        cu_seqlens: None,
-        scale: f.scale,
-        lower_bound: f.lower_bound,
-        dout: t(DType::BF16, &act, 0x11000),
-        dfinal_state: None,
-        dq: t(DType::BF16, &act, 0x12000),
-        dk: t(DType::BF16, &act, 0x13000),
-        dv: t(DType::BF16, &act, 0x14000),
-        dg: t(DType::BF16, &act, 0x15000),
-        dbeta: t(DType::BF16, &[b, tt, h], 0x16000),
-        da_log: t(DType::F32, &[h], 0x17000),
-        ddt_bias: t(DType::F32, &[h, 128], 0x18000),
-        dinitial_state: None,
-    }
+    validate_common::bwd_args(args(b, tt, h))
 }
 
 #[test]

@@ -1,39 +1,20 @@
 //! Head dim 64 (K = V = 64) on the CPU: validation of every tensor at D = 64, the schedule it gets
 //! (workspace only, refusals typed), the backward's refusal and the not-yet-verified gate.
 
+mod validate_common;
+use validate_common::{args, bwd_args, t};
+
 use flashkda::schedule::{
     SPLIT_RECORD_BYTES_D64, WORKSPACE_RECORD_BYTES_D64, record_bytes, state_f32_bytes,
     workspace_slots,
 };
 use flashkda::{
     DType, FlashKdaError, FwdArgs, KernelSchedule, Operands, ScheduleRequest, StateDType,
-    TensorView, ValueSplit, call_plan, validate, validate_bwd,
+    ValueSplit, call_plan, validate, validate_bwd,
 };
 
 const D: usize = 64;
 const H200_SMS: usize = 132;
-
-fn t(dtype: DType, shape: &[usize], ptr: u64) -> TensorView {
-    TensorView::contiguous(ptr, dtype, shape, 0)
-}
-
-fn args(b: usize, tt: usize, h: usize, hq: usize, d: usize) -> FwdArgs {
-    FwdArgs {
-        q: t(DType::BF16, &[b, tt, hq, d], 0x1000),
-        k: t(DType::BF16, &[b, tt, hq, d], 0x2000),
-        v: t(DType::BF16, &[b, tt, h, d], 0x3000),
-        g: t(DType::BF16, &[b, tt, h, d], 0x4000),
-        beta: t(DType::BF16, &[b, tt, h], 0x5000),
-        out: t(DType::BF16, &[b, tt, h, d], 0x6000),
-        a_log: t(DType::F32, &[h], 0x7000),
-        dt_bias: t(DType::F32, &[h, d], 0x8000),
-        initial_state: None,
-        final_state: None,
-        cu_seqlens: None,
-        scale: 0.125,
-        lower_bound: -5.0,
-    }
-}
 
 #[test]
 fn head_dim_64_is_accepted_with_d64_shapes_everywhere() {
@@ -87,31 +68,7 @@ fn head_dim_64_mismatches_are_refused_by_tensor() {
 
 #[test]
 fn the_backward_refuses_head_dim_64() {
-    let f = args(1, 8, 2, 2, D);
-    let act = [1, 8, 2, D];
-    let a = flashkda::BwdArgs {
-        q: f.q,
-        k: f.k,
-        v: f.v,
-        g: f.g,
-        beta: f.beta,
-        a_log: f.a_log,
-        dt_bias: f.dt_bias,
-        initial_state: None,
-        cu_seqlens: None,
-        scale: f.scale,
-        lower_bound: f.lower_bound,
-        dout: t(DType::BF16, &act, 0x11000),
-        dfinal_state: None,
-        dq: t(DType::BF16, &act, 0x12000),
-        dk: t(DType::BF16, &act, 0x13000),
-        dv: t(DType::BF16, &act, 0x14000),
-        dg: t(DType::BF16, &act, 0x15000),
-        dbeta: t(DType::BF16, &[1, 8, 2], 0x16000),
-        da_log: t(DType::F32, &[2], 0x17000),
-        ddt_bias: t(DType::F32, &[2, D], 0x18000),
-        dinitial_state: None,
-    };
+    let a = bwd_args(args(1, 8, 2, 2, D));
     let e = validate_bwd(&a).unwrap_err();
     assert!(matches!(e, FlashKdaError::HeadDimBackward(64)), "{e}");
     assert!(e.to_string().contains("head dim 128 only"), "{e}");

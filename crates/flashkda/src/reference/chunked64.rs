@@ -34,9 +34,8 @@
 //! `X_ss = (I + A_ss)^{-1}` (forward substitution, as the 16-token kernels), then for `s > t`
 //! `X_st = -X_ss Σ_{t <= m < s} A_sm X_mt`.
 
-use super::{
-    KdaOutput, KdaProblem, initial_state_f64, log2_cumulative_gates, per_sequence_head, token_acts,
-};
+use super::chunked::chunked_walk_f64;
+use super::{KdaOutput, KdaProblem};
 
 /// Sub-chunk length of the long-chunk forms (the range argument above needs <= 16 at lower bound -5).
 pub const SUB_CHUNK: usize = 16;
@@ -174,59 +173,51 @@ pub fn chunked_sub_f64(p: &KdaProblem, chunk: usize) -> KdaOutput {
         operand: &id,
         inv_operand: &id,
     };
-    per_sequence_head(p, |nseq, h, bos, len| {
-        let mut s = initial_state_f64(p, nseq, h); // [v][k]
-        let mut out = vec![0.0; len * d];
-        let mut c0 = 0;
-        while c0 < len {
-            let n = chunk.min(len - c0);
-            let acts: Vec<_> = (0..n).map(|i| token_acts(p, bos + c0 + i, h)).collect();
-            let (g, gtot) = log2_cumulative_gates(&acts, d);
-            let kn: Vec<Vec<f64>> = acts.iter().map(|a| a.k.clone()).collect();
-            let qs: Vec<Vec<f64>> = acts
-                .iter()
-                .map(|a| a.q.iter().map(|x| scale * x).collect())
-                .collect();
-            let b: Vec<f64> = acts.iter().map(|a| a.beta).collect();
-            let intra = build_intra(&kn, &qs, &g, &b, &ar);
-            let kd: Vec<Vec<f64>> = (0..n)
-                .map(|i| (0..d).map(|c| kn[i][c] * g[i][c].exp2()).collect())
-                .collect();
-            let qd: Vec<Vec<f64>> = (0..n)
-                .map(|i| (0..d).map(|c| qs[i][c] * g[i][c].exp2()).collect())
-                .collect();
-            let kr: Vec<Vec<f64>> = (0..n)
+    chunked_walk_f64(p, chunk, |s, ch, out| {
+        let (acts, g, gtot) = (&ch.acts, &ch.g, &ch.gtot);
+        let n = acts.len();
+        let kn: Vec<Vec<f64>> = acts.iter().map(|a| a.k.clone()).collect();
+        let qs: Vec<Vec<f64>> = acts
+            .iter()
+            .map(|a| a.q.iter().map(|x| scale * x).collect())
+            .collect();
+        let b: Vec<f64> = acts.iter().map(|a| a.beta).collect();
+        let intra = build_intra(&kn, &qs, g, &b, &ar);
+        let kd: Vec<Vec<f64>> = (0..n)
+            .map(|i| (0..d).map(|c| kn[i][c] * g[i][c].exp2()).collect())
+            .collect();
+        let qd: Vec<Vec<f64>> = (0..n)
+            .map(|i| (0..d).map(|c| qs[i][c] * g[i][c].exp2()).collect())
+            .collect();
+        let kr: Vec<Vec<f64>> = (0..n)
+            .map(|i| {
+                (0..d)
+                    .map(|c| kn[i][c] * (gtot[c] - g[i][c]).exp2())
+                    .collect()
+            })
+            .collect();
+        let dot = |x: &[f64], y: &[f64]| x.iter().zip(y).map(|(a, b)| a * b).sum::<f64>();
+        let mut u = vec![vec![0.0f64; d]; n];
+        for (vi, srow) in s.chunks_exact(d).enumerate() {
+            let vb: Vec<f64> = (0..n)
                 .map(|i| {
-                    (0..d)
-                        .map(|c| kn[i][c] * (gtot[c] - g[i][c]).exp2())
-                        .collect()
+                    let v = f64::from(p.v[((ch.t0 + i) * p.heads + ch.h) * d + vi]);
+                    b[i] * (v - dot(&kd[i], srow))
                 })
                 .collect();
-            let dot = |x: &[f64], y: &[f64]| x.iter().zip(y).map(|(a, b)| a * b).sum::<f64>();
-            let mut u = vec![vec![0.0f64; d]; n];
-            for (vi, srow) in s.chunks_exact(d).enumerate() {
-                let vb: Vec<f64> = (0..n)
-                    .map(|i| {
-                        let v = f64::from(p.v[((bos + c0 + i) * p.heads + h) * d + vi]);
-                        b[i] * (v - dot(&kd[i], srow))
-                    })
-                    .collect();
-                for i in 0..n {
-                    u[i][vi] = (0..=i).map(|j| intra.inv[i][j] * vb[j]).sum();
-                }
-                for i in 0..n {
-                    let o: f64 = (0..=i).map(|j| intra.m[i][j] * u[j][vi]).sum();
-                    out[(c0 + i) * d + vi] = dot(&qd[i], srow) + o;
-                }
+            for i in 0..n {
+                u[i][vi] = (0..=i).map(|j| intra.inv[i][j] * vb[j]).sum();
             }
-            for (vi, srow) in s.chunks_exact_mut(d).enumerate() {
-                for c in 0..d {
-                    let upd: f64 = (0..n).map(|i| u[i][vi] * kr[i][c]).sum();
-                    srow[c] = srow[c] * gtot[c].exp2() + upd;
-                }
+            for i in 0..n {
+                let o: f64 = (0..=i).map(|j| intra.m[i][j] * u[j][vi]).sum();
+                out[i * d + vi] = dot(&qd[i], srow) + o;
             }
-            c0 += n;
         }
-        (out, s)
+        for (vi, srow) in s.chunks_exact_mut(d).enumerate() {
+            for c in 0..d {
+                let upd: f64 = (0..n).map(|i| u[i][vi] * kr[i][c]).sum();
+                srow[c] = srow[c] * gtot[c].exp2() + upd;
+            }
+        }
     })
 }

@@ -128,90 +128,57 @@ pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
     let rd = |o: Operand, x: f32| o.apply(x);
     let lb2 = p.lower_bound * std::f32::consts::LOG2_E;
     let d = p.head_dim;
-    per_sequence_head(p, |nseq, h, bos, len| {
-        let mut s = initial_state_f32(p, nseq, h);
+    emulate_chunks(p, r, CHUNK, |h, t0, n| {
         let exp_a = p.a_log[h].exp();
         let dtb = &p.dt_bias[h * d..][..d];
-        let mut out = vec![0.0f64; len * d];
-        let mut c0 = 0;
-        while c0 < len {
-            let n = CHUNK.min(len - c0);
-            let row = |x: &[f32], i: usize| -> Vec<f32> {
-                x[((bos + c0 + i) * p.heads + h) * d..][..d].to_vec()
-            };
-            let rn = |x: &[f32]| 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
-            let mut kd = vec![vec![0.0f32; d]; n];
-            let mut qd = vec![vec![0.0f32; d]; n];
-            let mut kd_p = vec![vec![0.0f32; d]; n]; // the prep products' operands
-            let mut qd_p = vec![vec![0.0f32; d]; n];
-            let mut ki = vec![vec![0.0f32; d]; n];
-            let mut kr = vec![vec![0.0f32; d]; n];
-            let mut e = vec![0.0f32; d];
-            let b: Vec<f32> = (0..n)
-                .map(|i| sigmoid32(p.beta[(bos + c0 + i) * p.heads + h]))
-                .collect();
-            let qk_row = |x: &[f32], i: usize| x[p.qk_offset(bos + c0 + i, h)..][..d].to_vec();
-            let qs: Vec<Vec<f32>> = (0..n).map(|i| qk_row(&p.q, i)).collect();
-            let ks: Vec<Vec<f32>> = (0..n).map(|i| qk_row(&p.k, i)).collect();
-            let gs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.g, i)).collect();
-            let rnq: Vec<f32> = qs.iter().map(|x| rn(x)).collect();
-            let rnk: Vec<f32> = ks.iter().map(|x| rn(x)).collect();
-            for c in 0..d {
-                let mut acc = 0.0f32;
-                let mut gcum = [0.0f32; CHUNK];
-                for i in 0..n {
-                    acc += lb2 * sigmoid32(exp_a * (gs[i][c] + dtb[c]));
-                    gcum[i] = acc;
-                }
-                e[c] = acc.exp2();
-                for i in 0..n {
-                    let kn = ks[i][c] * rnk[i];
-                    let qn = qs[i][c] * rnq[i] * p.scale;
-                    let ex = gcum[i].exp2();
-                    kd[i][c] = rd(r.kd, kn * ex);
-                    qd[i][c] = rd(r.qd, qn * ex);
-                    kd_p[i][c] = rd(r.prep, kn * ex);
-                    qd_p[i][c] = rd(r.prep, qn * ex);
-                    ki[i][c] = rd(r.prep, kn * (-gcum[i]).exp2());
-                    kr[i][c] = rd(r.kr, kn * (acc - gcum[i]).exp2());
-                }
+        let row =
+            |x: &[f32], i: usize| -> Vec<f32> { x[((t0 + i) * p.heads + h) * d..][..d].to_vec() };
+        let rn = |x: &[f32]| 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
+        let mut kd = vec![vec![0.0f32; d]; n];
+        let mut qd = vec![vec![0.0f32; d]; n];
+        let mut kd_p = vec![vec![0.0f32; d]; n]; // the prep products' operands
+        let mut qd_p = vec![vec![0.0f32; d]; n];
+        let mut ki = vec![vec![0.0f32; d]; n];
+        let mut kr = vec![vec![0.0f32; d]; n];
+        let mut e = vec![0.0f32; d];
+        let b: Vec<f32> = (0..n)
+            .map(|i| sigmoid32(p.beta[(t0 + i) * p.heads + h]))
+            .collect();
+        let qk_row = |x: &[f32], i: usize| x[p.qk_offset(t0 + i, h)..][..d].to_vec();
+        let qs: Vec<Vec<f32>> = (0..n).map(|i| qk_row(&p.q, i)).collect();
+        let ks: Vec<Vec<f32>> = (0..n).map(|i| qk_row(&p.k, i)).collect();
+        let gs: Vec<Vec<f32>> = (0..n).map(|i| row(&p.g, i)).collect();
+        let rnq: Vec<f32> = qs.iter().map(|x| rn(x)).collect();
+        let rnk: Vec<f32> = ks.iter().map(|x| rn(x)).collect();
+        for c in 0..d {
+            let mut acc = 0.0f32;
+            let mut gcum = [0.0f32; CHUNK];
+            for i in 0..n {
+                acc += lb2 * sigmoid32(exp_a * (gs[i][c] + dtb[c]));
+                gcum[i] = acc;
             }
-            // A (fp32, scaled by b), its inverse (fp32 forward substitution), M (bf16)
-            let mut inv = vec![vec![0.0f32; n]; n];
-            {
-                let a: Vec<Vec<f32>> = (0..n)
-                    .map(|i| {
-                        (0..n)
-                            .map(|j| {
-                                if j < i {
-                                    dot32(&kd_p[i], &ki[j]) * b[i]
-                                } else {
-                                    0.0
-                                }
-                            })
-                            .collect()
-                    })
-                    .collect();
-                for j in 0..n {
-                    let mut x = vec![0.0f32; n];
-                    for i in 0..n {
-                        let mut acc = if i == j { 1.0f32 } else { 0.0 };
-                        for m in 0..i {
-                            acc = (-a[i][m]).mul_add(x[m], acc);
-                        }
-                        x[i] = acc;
-                    }
-                    for i in 0..n {
-                        inv[i][j] = rd(r.inv, x[i]);
-                    }
-                }
+            e[c] = acc.exp2();
+            for i in 0..n {
+                let kn = ks[i][c] * rnk[i];
+                let qn = qs[i][c] * rnq[i] * p.scale;
+                let ex = gcum[i].exp2();
+                kd[i][c] = rd(r.kd, kn * ex);
+                qd[i][c] = rd(r.qd, qn * ex);
+                kd_p[i][c] = rd(r.prep, kn * ex);
+                qd_p[i][c] = rd(r.prep, qn * ex);
+                ki[i][c] = rd(r.prep, kn * (-gcum[i]).exp2());
+                kr[i][c] = rd(r.kr, kn * (acc - gcum[i]).exp2());
             }
-            let m: Vec<Vec<f32>> = (0..n)
+        }
+        // A (fp32, scaled by b), its inverse (fp32 forward substitution), M (bf16)
+        let mut inv = vec![vec![0.0f32; n]; n];
+        {
+            let a: Vec<Vec<f32>> = (0..n)
                 .map(|i| {
                     (0..n)
                         .map(|j| {
-                            if j <= i {
-                                rd(r.m, dot32(&qd_p[i], &ki[j]))
+                            if j < i {
+                                dot32(&kd_p[i], &ki[j]) * b[i]
                             } else {
                                 0.0
                             }
@@ -219,20 +186,42 @@ pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
                         .collect()
                 })
                 .collect();
-            let v_at = |i: usize, vi: usize| p.v[((bos + c0 + i) * p.heads + h) * d + vi];
-            let step = ChunkStep {
-                kd: &kd,
-                qd: &qd,
-                kr: &kr,
-                e: &e,
-                inv: &inv,
-                m: &m,
-                b: &b,
-            };
-            step.run(&mut s, &v_at, &mut out[c0 * d..(c0 + n) * d], d, r);
-            c0 += n;
+            for j in 0..n {
+                let mut x = vec![0.0f32; n];
+                for i in 0..n {
+                    let mut acc = if i == j { 1.0f32 } else { 0.0 };
+                    for m in 0..i {
+                        acc = (-a[i][m]).mul_add(x[m], acc);
+                    }
+                    x[i] = acc;
+                }
+                for i in 0..n {
+                    inv[i][j] = rd(r.inv, x[i]);
+                }
+            }
         }
-        (out, s.iter().map(|&x| f64::from(x)).collect())
+        let m: Vec<Vec<f32>> = (0..n)
+            .map(|i| {
+                (0..n)
+                    .map(|j| {
+                        if j <= i {
+                            rd(r.m, dot32(&qd_p[i], &ki[j]))
+                        } else {
+                            0.0
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        ChunkStep {
+            kd,
+            qd,
+            kr,
+            e,
+            inv,
+            m,
+            b,
+        }
     })
 }
 
@@ -240,17 +229,40 @@ pub fn emulated_with(p: &KdaProblem, r: Rounding) -> KdaOutput {
 /// emulations): `Vb = (v - S kd) b`, `U = INV Vb`, `out = bf16(S qd + M U)`, `S = S diag(E) + Uᵀ kr`
 /// in fp32. Rows of `kd`, `qd`, `kr` are tokens (already rounded as operands); `out` holds the
 /// chunk's `n` rows of `d` values.
-pub(crate) struct ChunkStep<'a> {
-    pub kd: &'a [Vec<f32>],
-    pub qd: &'a [Vec<f32>],
-    pub kr: &'a [Vec<f32>],
-    pub e: &'a [f32],
-    pub inv: &'a [Vec<f32>],
-    pub m: &'a [Vec<f32>],
-    pub b: &'a [f32],
+pub(crate) struct ChunkStep {
+    pub kd: Vec<Vec<f32>>,
+    pub qd: Vec<Vec<f32>>,
+    pub kr: Vec<Vec<f32>>,
+    pub e: Vec<f32>,
+    pub inv: Vec<Vec<f32>>,
+    pub m: Vec<Vec<f32>>,
+    pub b: Vec<f32>,
 }
 
-impl ChunkStep<'_> {
+/// Both emulations' walk over the chunks: every (sequence, head) from its fp32 initial state,
+/// chunks of at most `chunk` tokens in order; `prep(h, t0, n)` rounds the operands of head `h`'s
+/// `n` tokens from token `t0`, [`ChunkStep::run`] steps the state. `final_state` is the fp32 one.
+pub(crate) fn emulate_chunks<F>(p: &KdaProblem, r: Rounding, chunk: usize, prep: F) -> KdaOutput
+where
+    F: Fn(usize, usize, usize) -> ChunkStep + Sync,
+{
+    let d = p.head_dim;
+    per_sequence_head(p, |nseq, h, bos, len| {
+        let mut s = initial_state_f32(p, nseq, h);
+        let mut out = vec![0.0f64; len * d];
+        let mut c0 = 0;
+        while c0 < len {
+            let n = chunk.min(len - c0);
+            let v_at = |i: usize, vi: usize| p.v[((bos + c0 + i) * p.heads + h) * d + vi];
+            let step = prep(h, bos + c0, n);
+            step.run(&mut s, &v_at, &mut out[c0 * d..(c0 + n) * d], d, r);
+            c0 += n;
+        }
+        (out, s.iter().map(|&x| f64::from(x)).collect())
+    })
+}
+
+impl ChunkStep {
     pub(crate) fn run(
         &self,
         s: &mut [f32],

@@ -13,8 +13,8 @@
 //! `out = bf16(S qd + M U)`, `S = S E + Uᵀ kr` in fp32.
 
 use super::chunked64::{Arith, CHUNK64, SUB_CHUNK, build_intra};
-use super::emulated::{ChunkStep, Operand, Rounding, initial_state_f32, sigmoid32};
-use super::{KdaOutput, KdaProblem, per_sequence_head};
+use super::emulated::{ChunkStep, Operand, Rounding, emulate_chunks, sigmoid32};
+use super::{KdaOutput, KdaProblem};
 
 /// The rounding the chunk-64 kernel uses (`examples/rounding_cost_c64.rs` measures the choices):
 /// the 16-token split kernels' points, hi + lo bf16 pairs for the prep products, `M`, `Vb` and `U`;
@@ -45,80 +45,70 @@ pub fn emulated_chunked_with(p: &KdaProblem, chunk: usize, r: Rounding) -> KdaOu
         operand: &prep,
         inv_operand: &split,
     };
-    per_sequence_head(p, |nseq, h, bos, len| {
-        let mut s = initial_state_f32(p, nseq, h);
+    emulate_chunks(p, r, chunk, |h, t0, n| {
         let exp_a = p.a_log[h].exp();
         let dtb = &p.dt_bias[h * d..][..d];
-        let mut out = vec![0.0f64; len * d];
-        let mut c0 = 0;
-        while c0 < len {
-            let n = chunk.min(len - c0);
-            let tok = |i: usize| bos + c0 + i;
-            let qk_row = |x: &[f32], i: usize| x[p.qk_offset(tok(i), h)..][..d].to_vec();
-            let rn = |x: &[f32]| 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
-            let b: Vec<f32> = (0..n)
-                .map(|i| sigmoid32(p.beta[tok(i) * p.heads + h]))
-                .collect();
-            let mut kn = vec![vec![0.0f32; d]; n];
-            let mut qn = vec![vec![0.0f32; d]; n];
-            let mut g = vec![vec![0.0f32; d]; n];
-            for i in 0..n {
-                let (q, k) = (qk_row(&p.q, i), qk_row(&p.k, i));
-                let (rq, rk) = (rn(&q), rn(&k));
-                for c in 0..d {
-                    kn[i][c] = k[c] * rk;
-                    qn[i][c] = q[c] * rq * p.scale;
-                }
-            }
-            let mut e = vec![0.0f32; d];
+        let tok = |i: usize| t0 + i;
+        let qk_row = |x: &[f32], i: usize| x[p.qk_offset(tok(i), h)..][..d].to_vec();
+        let rn = |x: &[f32]| 1.0 / (x.iter().map(|a| a * a).sum::<f32>() + 1e-6).sqrt();
+        let b: Vec<f32> = (0..n)
+            .map(|i| sigmoid32(p.beta[tok(i) * p.heads + h]))
+            .collect();
+        let mut kn = vec![vec![0.0f32; d]; n];
+        let mut qn = vec![vec![0.0f32; d]; n];
+        let mut g = vec![vec![0.0f32; d]; n];
+        for i in 0..n {
+            let (q, k) = (qk_row(&p.q, i), qk_row(&p.k, i));
+            let (rq, rk) = (rn(&q), rn(&k));
             for c in 0..d {
-                let mut acc = 0.0f32;
-                for i in 0..n {
-                    let x = p.g[(tok(i) * p.heads + h) * d + c] + dtb[c];
-                    acc += lb2 * sigmoid32(exp_a * x);
-                    g[i][c] = acc;
-                }
-                e[c] = acc.exp2();
+                kn[i][c] = k[c] * rk;
+                qn[i][c] = q[c] * rq * p.scale;
             }
-            let wide = |x: &[Vec<f32>]| -> Vec<Vec<f64>> {
-                x.iter()
-                    .map(|r| r.iter().map(|&v| f64::from(v)).collect())
-                    .collect()
-            };
-            let bw: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
-            let intra = build_intra(&wide(&kn), &wide(&qn), &wide(&g), &bw, &ar);
-            let inv: Vec<Vec<f32>> = (0..n)
-                .map(|i| {
-                    (0..n)
-                        .map(|j| r.inv.apply(intra.inv[i][j] as f32))
-                        .collect()
-                })
-                .collect();
-            let m: Vec<Vec<f32>> = (0..n)
-                .map(|i| (0..n).map(|j| r.m.apply(intra.m[i][j] as f32)).collect())
-                .collect();
-            let per = |o: Operand, f: &dyn Fn(usize, usize) -> f32| -> Vec<Vec<f32>> {
-                (0..n)
-                    .map(|i| (0..d).map(|c| o.apply(f(i, c))).collect())
-                    .collect()
-            };
-            let kd = per(r.kd, &|i, c| kn[i][c] * g[i][c].exp2());
-            let qd = per(r.qd, &|i, c| qn[i][c] * g[i][c].exp2());
-            let gt = &g[n - 1];
-            let kr = per(r.kr, &|i, c| kn[i][c] * (gt[c] - g[i][c]).exp2());
-            let v_at = |i: usize, vi: usize| p.v[(tok(i) * p.heads + h) * d + vi];
-            let step = ChunkStep {
-                kd: &kd,
-                qd: &qd,
-                kr: &kr,
-                e: &e,
-                inv: &inv,
-                m: &m,
-                b: &b,
-            };
-            step.run(&mut s, &v_at, &mut out[c0 * d..(c0 + n) * d], d, r);
-            c0 += n;
         }
-        (out, s.iter().map(|&x| f64::from(x)).collect())
+        let mut e = vec![0.0f32; d];
+        for c in 0..d {
+            let mut acc = 0.0f32;
+            for i in 0..n {
+                let x = p.g[(tok(i) * p.heads + h) * d + c] + dtb[c];
+                acc += lb2 * sigmoid32(exp_a * x);
+                g[i][c] = acc;
+            }
+            e[c] = acc.exp2();
+        }
+        let wide = |x: &[Vec<f32>]| -> Vec<Vec<f64>> {
+            x.iter()
+                .map(|r| r.iter().map(|&v| f64::from(v)).collect())
+                .collect()
+        };
+        let bw: Vec<f64> = b.iter().map(|&x| f64::from(x)).collect();
+        let intra = build_intra(&wide(&kn), &wide(&qn), &wide(&g), &bw, &ar);
+        let inv: Vec<Vec<f32>> = (0..n)
+            .map(|i| {
+                (0..n)
+                    .map(|j| r.inv.apply(intra.inv[i][j] as f32))
+                    .collect()
+            })
+            .collect();
+        let m: Vec<Vec<f32>> = (0..n)
+            .map(|i| (0..n).map(|j| r.m.apply(intra.m[i][j] as f32)).collect())
+            .collect();
+        let per = |o: Operand, f: &dyn Fn(usize, usize) -> f32| -> Vec<Vec<f32>> {
+            (0..n)
+                .map(|i| (0..d).map(|c| o.apply(f(i, c))).collect())
+                .collect()
+        };
+        let kd = per(r.kd, &|i, c| kn[i][c] * g[i][c].exp2());
+        let qd = per(r.qd, &|i, c| qn[i][c] * g[i][c].exp2());
+        let gt = &g[n - 1];
+        let kr = per(r.kr, &|i, c| kn[i][c] * (gt[c] - g[i][c]).exp2());
+        ChunkStep {
+            kd,
+            qd,
+            kr,
+            e,
+            inv,
+            m,
+            b,
+        }
     })
 }

@@ -61,14 +61,7 @@ pub(super) fn call_plan_c64(
         operands: Operands::Split,
         overlap: false,
         segments: Segments::NONE,
-        workspace: WorkspaceLayout {
-            records_bytes,
-            pm_offset: records_bytes,
-            starts_offset: records_bytes,
-            flags_offset: records_bytes,
-            flags_bytes: 0,
-            total_bytes: records_bytes,
-        },
+        workspace: WorkspaceLayout::records_only(records_bytes),
     })
 }
 
