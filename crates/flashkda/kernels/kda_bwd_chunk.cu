@@ -208,18 +208,8 @@ __device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, uint32_t bar, c
   static_assert(R_KD == 0 && R_QD == 4096 && R_KR == 8192 && R_M + 512 == R_E && R_B + 64 == R_ML, "record layout");
   if (tid == 0) {
     const unsigned char* rs = p.rec + (size_t)(slot * p.num_heads + h) * REC_BYTES;
-    if (!REVERSE && p.flags != nullptr) {  // beside the prep: wait until this record is written
-      const unsigned int* f = p.flags + slot * p.num_heads + h;
-      // Bounded: a prep block that never runs traps after 2 s instead of hanging the stream.
-      unsigned long long w0, now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0));
-      while (flag_acquire(f) == 0) {
-        __nanosleep(100);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - w0 > 2000000000ull) __trap();
-      }
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the bulk copy reads it next
-    }
+    // beside the prep: wait until this record is written
+    if (!REVERSE && p.flags != nullptr) flag_wait_bounded(p.flags + slot * p.num_heads + h);
     if (REVERSE) {
       mbar_expect_tx(bar, R_ML);
       bulk_g2s(smem_u32(st.rec), rs, R_ML, bar);

@@ -46,6 +46,18 @@ __device__ __forceinline__ unsigned int flag_acquire(const unsigned int* f) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
   return v;
 }
+// Waits for flag f (a prep block that never runs traps after 2 s instead of hanging the stream; the
+// caller gets a CUDA error), then orders the record before the bulk copy that reads it next.
+__device__ __forceinline__ void flag_wait_bounded(const unsigned int* f) {
+  unsigned long long w0, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0));
+  while (flag_acquire(f) == 0) {
+    __nanosleep(100);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - w0 > 2000000000ull) __trap();
+  }
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
 
 // The slot space of C-token chunks (16: the workspace records, 64: the chunk-64 records). Sequence n:
 // fixed length -> slots from n * ceil(T / C); varlen -> from cu[n] / C + n (a sequence of len tokens

@@ -477,19 +477,8 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     const uint32_t bar = smem_u32(&bars[st]);
     const bool with_v = part == 0 && !WARP_V;
 #if KDA_SPLIT_OPERANDS
-    if (p.flags != nullptr) {  // overlapped with the prep: wait until its record is written
-      const unsigned int* f = p.flags + (si.slot0 + c) * H + h;
-      // Bounded: a prep block that never runs (the GPU shared with other work) traps after 2 s instead
-      // of hanging the stream; the caller gets a CUDA error.
-      unsigned long long w0, now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0));
-      while (flag_acquire(f) == 0) {
-        __nanosleep(100);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - w0 > 2000000000ull) __trap();
-      }
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the bulk copy reads it next
-    }
+    // overlapped with the prep: wait until its record is written
+    if (p.flags != nullptr) flag_wait_bounded(p.flags + (si.slot0 + c) * H + h);
 #endif
     mbar_expect_tx(bar, REC_BYTES + (with_v ? nv * VS * 2 : 0));
     bulk_g2s(smem_u32(recs + st * REC_BYTES), ws + (size_t)((si.slot0 + c) * H + h) * REC_BYTES, REC_BYTES, bar);
