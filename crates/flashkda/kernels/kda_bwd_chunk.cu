@@ -65,22 +65,10 @@ static_assert(sizeof(KdaBwdParams) == 264 && offsetof(KdaBwdParams, flags) == 25
 #define PST 3               // stages of the state passes' cp.async pipeline (PST - 1 chunks ahead)
 
 __device__ __forceinline__ void bseq(const KdaBwdParams& p, int n, long long& bos, long long& len, long long& slot0) {
-  if (p.cu_seqlens != nullptr) {
-    auto cl = [&](int i) {
-      long long a = p.cu_seqlens[i];
-      return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
-    };
-    const long long a = cl(n);
-    long long e = cl(n + 1);
-    e = e < a ? a : e;
-    bos = a;
-    len = e - a;
-    slot0 = a / CH + n;
-  } else {
-    bos = (long long)n * p.seq_len;
-    len = p.seq_len;
-    slot0 = (long long)n * ((p.seq_len + CH - 1) / CH);
-  }
+  const SeqInfo s = seq_slots<CH>(p, n);
+  bos = s.bos;
+  len = s.len;
+  slot0 = s.slot0;
 }
 
 __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* ptr) {

@@ -67,21 +67,28 @@ struct SeqInfo {
   long long bos, len, slot0;
 };
 
-__device__ __forceinline__ long long clamp_cu(const KdaParams& p, int n) {
+template <class P>
+__device__ __forceinline__ long long clamp_cu(const P& p, int n) {
   long long a = p.cu_seqlens[n];
   return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
 }
 
-template <int C>
-__device__ __forceinline__ SeqInfo seq_slots(const KdaParams& p, int n) {
+// The varlen case (cu_seqlens set); P: KdaParams or KdaBwdParams.
+template <int C, class P>
+__device__ __forceinline__ void seq_slots_varlen(SeqInfo& s, const P& p, int n) {
+  const long long a = clamp_cu(p, n);
+  long long e = clamp_cu(p, n + 1);
+  e = e < a ? a : e;
+  s.bos = a;
+  s.len = e - a;
+  s.slot0 = a / C + n;
+}
+
+template <int C, class P>
+__device__ __forceinline__ SeqInfo seq_slots(const P& p, int n) {
   SeqInfo s;
   if (p.cu_seqlens != nullptr) {
-    const long long a = clamp_cu(p, n);
-    long long e = clamp_cu(p, n + 1);
-    e = e < a ? a : e;
-    s.bos = a;
-    s.len = e - a;
-    s.slot0 = a / C + n;
+    seq_slots_varlen<C>(s, p, n);
   } else {
     s.bos = (long long)n * p.seq_len;
     s.len = p.seq_len;

@@ -59,12 +59,7 @@ __device__ __forceinline__ int swz16(int r, int c) { return r * 16 + ((((c >> 3)
 __device__ __forceinline__ SeqInfo seq_info(const KdaParams& p, int n) {
   SeqInfo s;
   if (p.cu_seqlens != nullptr) {
-    const long long a = clamp_cu(p, n);
-    long long e = clamp_cu(p, n + 1);
-    e = e < a ? a : e;
-    s.bos = a;
-    s.len = e - a;
-    s.slot0 = a / CH + n;
+    seq_slots_varlen<CH>(s, p, n);
   } else if (p.seg_chunks > 0) {
     // segment n of a fixed-length batch: same slots as the unsegmented layout
     const long long cps = (p.seq_len + CH - 1) / CH;
@@ -112,19 +107,7 @@ extern "C" __global__ void __launch_bounds__(KD) kda_prep(const KdaParams p) {
   const int h = blockIdx.y;
 #endif
 
-  // which sequence owns this slot
-  int n;
-  if (p.cu_seqlens != nullptr) {
-    int lo = 0, hi = p.num_seqs - 1;  // largest n with slot0(n) <= slot
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (clamp_cu(p, mid) / CH + mid <= slot) lo = mid; else hi = mid - 1;
-    }
-    n = lo;
-  } else {
-    const long long cps = (p.seq_len + CH - 1) / CH;
-    n = static_cast<int>(slot / cps);
-  }
+  const int n = slot_owner<CH>(p, slot);
   const SeqInfo si = seq_info(p, n);
   const long long c = slot - si.slot0;
   if (c < 0 || c * CH >= si.len) return;  // unused slot (block-uniform)
