@@ -274,6 +274,17 @@ __device__ __forceinline__ void prefetch_chunk(bf16 (*q)[RS], bf16 (*k)[RS], bf1
   cp_async_commit();
 }
 
+// This lane's 4 channels of the squared norm of a 128-channel bf16 row.
+__device__ __forceinline__ float lane_sq128(const bf16* row, int lane) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  float x = a.x * a.x;
+  x = fmaf(a.y, a.y, x);
+  x = fmaf(b2.x, b2.x, x);
+  return fmaf(b2.y, b2.y, x);
+}
+
 // Squared norms of the 16 q rows and 16 k rows (row_of(r): q row r < 16, else k row r - 16); warp w
 // of NW takes rows w, w + NW, ... (unrolled so the shuffle chains interleave); lane 0 stores
 // put(r, 1 / sqrt(|row|^2 + 1e-6)).
@@ -285,13 +296,7 @@ __device__ __forceinline__ void row_norms(Row row_of, Put put, int warp, int lan
   for (int rr = 0; rr < RPW; ++rr) {
     const bf16* row = row_of(warp + rr * NW);
 #if KD == 128
-    const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    float x = a.x * a.x;
-    x = fmaf(a.y, a.y, x);
-    x = fmaf(b2.x, b2.x, x);
-    ss[rr] = fmaf(b2.y, b2.y, x);
+    ss[rr] = lane_sq128(row, lane);
 #else
     const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + lane * 2));
     ss[rr] = fmaf(a.y, a.y, a.x * a.x);
