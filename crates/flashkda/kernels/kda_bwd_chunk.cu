@@ -228,10 +228,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
   bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + warp * DB * KD * 16;  // state staging
   bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + NW * DB * KD * 16 + warp * CH * 16;
   uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PS * sizeof(PassStage<VS>) + NW * (DB * KD + CH) * 16 * 2);
-  if (tid == 0) {
-    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&bars[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(bars, PS, tid);
   __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
@@ -370,10 +367,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + warp * DB * KD * 16;  // state staging
   bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + NW * DB * KD * 16 + warp * CH * 16;
   uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PS * sizeof(PassStage<VS>) + NW * (DB * KD + CH) * 16 * 2);
-  if (tid == 0) {
-    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&bars[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(bars, PS, tid);
   __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);

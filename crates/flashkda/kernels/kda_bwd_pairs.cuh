@@ -141,10 +141,7 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const PairLayout<PS, DB> L(bsm_raw, warp);
-  if (tid == 0) {
-    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&L.bars[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(L.bars, PS, tid);
   __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
@@ -271,10 +268,7 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const PairLayout<PS, DB> L(bsm_raw, warp);
-  if (tid == 0) {
-    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&L.bars[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(L.bars, PS, tid);
   __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);

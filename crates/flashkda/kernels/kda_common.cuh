@@ -98,8 +98,8 @@ __device__ __forceinline__ SeqInfo seq_slots(const P& p, int n) {
 }
 
 // The sequence whose slots hold `slot` (varlen: the largest n with slot0(n) <= slot).
-template <int C>
-__device__ __forceinline__ int slot_owner(const KdaParams& p, long long slot) {
+template <int C, class P>
+__device__ __forceinline__ int slot_owner(const P& p, long long slot) {
   if (p.cu_seqlens != nullptr) {
     int lo = 0, hi = p.num_seqs - 1;
     while (lo < hi) {
@@ -129,6 +129,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "=r"(done)
         : "r"(bar), "r"(parity)
         : "memory");
+  }
+}
+// Thread 0: the ns stage barriers (count 1) of a pass; the caller syncs the block before their use.
+__device__ __forceinline__ void mbar_init_stages(uint64_t* bars, int ns, int tid) {
+  if (tid == 0) {
+    for (int i = 0; i < ns; ++i) mbar_init(smem_u32(&bars[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
 }
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {

@@ -471,10 +471,7 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
       bulk_g2s(smem_u32(vs + (st * CH + r) * VS), p.v + (t0 + r) * hs + hoff + v0, VS * 2, bar);
   };
 
-  if (tid == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(smem_u32(&bars[s]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(bars, ST, tid);
   __syncthreads();
   if (tid == 0)
     for (int c = 0; c < ST && c < nchunks; ++c) issue(c);
