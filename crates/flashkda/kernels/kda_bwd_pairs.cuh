@@ -174,18 +174,7 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     // W^T partial = S kd^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
     float W[2][4] = {};
-    auto partial = [&]() {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t a0 = pack(S[2 * j][0], S[2 * j][1]), a1 = pack(S[2 * j][2], S[2 * j][3]);
-        const uint32_t a2 = pack(S[2 * j + 1][0], S[2 * j + 1][1]), a3 = pack(S[2 * j + 1][2], S[2 * j + 1][3]);
-        uint32_t bk[4];
-        // 16-byte unit 8 hf + 2 j + lhalf of row lrow xor lrow & 7 (< 8: bit 3 kept) = k0 + unit (2 j + lhalf) ^ ...
-        ldsm_x4(bk, kd + k0 + lrow * KD + (((2 * j + lhalf) ^ (lrow & 7)) << 3));
-        mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
-        mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
-      }
-    };
+    auto partial = [&]() { kd_product<4>(W, S, kd, k0, lrow, lhalf); };
     float* xo = L.xch + ((warp * 2) + (c & 1)) * PAIR_XCH;
     if (!PB) {
       partial();
@@ -209,53 +198,19 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
     float vb[2][4];
     {
       float x[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
-          x[nt][e] = tok < nv ? __bfloat162float(st.t[tok][vl + r]) - W[nt][e] : 0.f;
-          vb[nt][e] = x[nt][e] * b[tok];
-        }
+      wr_residual(x, nullptr, vb, st.t, W, b, nv, vl, gq, tq);
       if (hf == 0) {
         store_tile_t(x, L.tts, wr, KD, CH, lane);
       } else {
         float xl[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xl[nt][e] = lo_of(x[nt][e]);
+        lo_tile(xl, x);
         store_tile_t(xl, L.tts, wr + 3 * CH * KD, KD, CH, lane);
       }
     }
-    uint32_t vah[4], val[4];
-    split_tile(vah, val, vb, 1.f);
-    uint32_t bi[4];
-    ldsm_x4(bi, inv + lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3));
-    float U[2][4];
-    const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      mma(U[nt], vah[0], vah[1], vah[2], vah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
-      mma(U[nt], val[0], val[1], val[2], val[3], bi[2 * nt], bi[2 * nt + 1], U[nt]);
-    }
     uint32_t uah[4], ual[4];
-    split_tile(uah, ual, U, 1.f);
-    // S = S diag(E) + U^T kr, this warp's keys: step np covers keys k0 + 16 np + [0, 16) (tiles 2 np, 2 np + 1)
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t bk[4];
-      const int r = np * 16 + lrow;  // key k0 + r; the half swizzle (r >> 2) & 1 is the same for k0 + r
-      ldsm_x4(bk, krT + (k0 + r) * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int nt = 2 * np + j;
-        const float2 e01 = *reinterpret_cast<const float2*>(&E[k0 + nt * 8 + 2 * tq]);
-        const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
-        mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
-        mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
-      }
-    }
+    solve_u_split(uah, ual, vb, inv, lrow, lhalf);
+    // S = S diag(E) + U^T kr, this warp's keys
+    update_state_split<4>(S, uah, ual, krT, E, k0, lrow, lhalf, tq);
   }
   bulk_drain(lane);
 }
