@@ -515,34 +515,13 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
     const float* b = reinterpret_cast<const float*>(st.rec + R_B);
     // dU^T = dS kr^T + dO^T M (value rows x tokens)
     float dU[2][4] = {};
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const uint32_t a0 = pack(dS[2 * kb][0], dS[2 * kb][1]), a1 = pack(dS[2 * kb][2], dS[2 * kb][3]);
-      const uint32_t a2 = pack(dS[2 * kb + 1][0], dS[2 * kb + 1][1]);
-      const uint32_t a3 = pack(dS[2 * kb + 1][2], dS[2 * kb + 1][3]);
-      uint32_t bk[4];
-      ldsm_x4_t(bk, krT + swz16(16 * kb + lr, lc));
-      mma(dU[0], a0, a1, a2, a3, bk[0], bk[1], dU[0]);
-      mma(dU[1], a0, a1, a2, a3, bk[2], bk[3], dU[1]);
-    }
+    kr_product<8>(dU, dS, krT, 0, lr, lc);
     uint32_t oa[4];  // dO^T as an A operand (value rows x tokens)
-    oa[0] = pair_raw(st.t[2 * tq][vl + gq], st.t[2 * tq + 1][vl + gq]);
-    oa[1] = pair_raw(st.t[2 * tq][vl + gq + 8], st.t[2 * tq + 1][vl + gq + 8]);
-    oa[2] = pair_raw(st.t[2 * tq + 8][vl + gq], st.t[2 * tq + 9][vl + gq]);
-    oa[3] = pair_raw(st.t[2 * tq + 8][vl + gq + 8], st.t[2 * tq + 9][vl + gq + 8]);
-    {
-      uint32_t bm[4];
-      ldsm_x4_t(bm, mm + swz16(lr, lc));
-      mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
-      mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
-    }
+    dout_m(dU, oa, st.t, mm, vl, gq, tq, lr, lc);
     bf16* dus = p.wu + (sh * 4 + 1) * CH * KD + vw;
     {
       float dl[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dl[nt][e] = lo_of(dU[nt][e]);
+      lo_tile(dl, dU);
       store_tile_t(dU, tts, dus, KD, CH, lane);
       store_tile_t(dl, tts, dus + CH * KD, KD, CH, lane);
     }
@@ -553,12 +532,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
     {
       uint32_t bi[4];
       ldsm_x4_t(bi, inv + swz16(lr, lc));
-      const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma(dW[nt], dh[0], dh[1], dh[2], dh[3], bi[2 * nt], bi[2 * nt + 1], zero4);
-        mma(dW[nt], dl[0], dl[1], dl[2], dl[3], bi[2 * nt], bi[2 * nt + 1], dW[nt]);
-      }
+      mma_split16(dW, dh, dl, bi);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -584,21 +558,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
       }
     }
   }
-  if (p.dh0 != nullptr) {
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int col = nt * 8 + 2 * tq;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const size_t o = sbase + (size_t)(vw + gq + 8 * hr) * KD + col;
-        if (p.dh0_fp32)
-          *reinterpret_cast<float2*>(static_cast<float*>(p.dh0) + o) = make_float2(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
-        else
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dh0) + o) =
-              __floats2bfloat162_rn(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
-      }
-    }
-  }
+  if (p.dh0 != nullptr) store_dh0_rows(p, dS, sbase, vw + gq, 0, tq);
   bulk_drain(lane);
 }
 
