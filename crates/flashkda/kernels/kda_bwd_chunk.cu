@@ -65,22 +65,10 @@ static_assert(sizeof(KdaBwdParams) == 264 && offsetof(KdaBwdParams, flags) == 25
 #define PST 3               // stages of the state passes' cp.async pipeline (PST - 1 chunks ahead)
 
 __device__ __forceinline__ void bseq(const KdaBwdParams& p, int n, long long& bos, long long& len, long long& slot0) {
-  if (p.cu_seqlens != nullptr) {
-    auto cl = [&](int i) {
-      long long a = p.cu_seqlens[i];
-      return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
-    };
-    const long long a = cl(n);
-    long long e = cl(n + 1);
-    e = e < a ? a : e;
-    bos = a;
-    len = e - a;
-    slot0 = a / CH + n;
-  } else {
-    bos = (long long)n * p.seq_len;
-    len = p.seq_len;
-    slot0 = (long long)n * ((p.seq_len + CH - 1) / CH);
-  }
+  const SeqInfo s = seq_slots<CH>(p, n);
+  bos = s.bos;
+  len = s.len;
+  slot0 = s.slot0;
 }
 
 __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* ptr) {
@@ -208,18 +196,8 @@ __device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, uint32_t bar, c
   static_assert(R_KD == 0 && R_QD == 4096 && R_KR == 8192 && R_M + 512 == R_E && R_B + 64 == R_ML, "record layout");
   if (tid == 0) {
     const unsigned char* rs = p.rec + (size_t)(slot * p.num_heads + h) * REC_BYTES;
-    if (!REVERSE && p.flags != nullptr) {  // beside the prep: wait until this record is written
-      const unsigned int* f = p.flags + slot * p.num_heads + h;
-      // Bounded: a prep block that never runs traps after 2 s instead of hanging the stream.
-      unsigned long long w0, now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0));
-      while (flag_acquire(f) == 0) {
-        __nanosleep(100);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - w0 > 2000000000ull) __trap();
-      }
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the bulk copy reads it next
-    }
+    // beside the prep: wait until this record is written
+    if (!REVERSE && p.flags != nullptr) flag_wait_bounded(p.flags + slot * p.num_heads + h);
     if (REVERSE) {
       mbar_expect_tx(bar, R_ML);
       bulk_g2s(smem_u32(st.rec), rs, R_ML, bar);
@@ -240,6 +218,150 @@ __device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, uint32_t bar, c
   cp_async_commit();
 }
 
+// ---- Chunk-step pieces of the state passes: the w passes hold all keys (k0 = 0), the pair passes of
+// kda_bwd_pairs.cuh a warp's 64 keys from k0 (the swizzles keep their form at k0 = 64).
+
+// The lo parts of a 16 x 16 tile.
+__device__ __forceinline__ void lo_tile(float (&l)[2][4], const float (&x)[2][4]) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) l[nt][e] = lo_of(x[nt][e]);
+}
+
+// W^T += S kd^T over keys [k0, k0 + 16 KB) (value rows x tokens).
+template <int KB>
+__device__ __forceinline__ void kd_product(float (&W)[2][4], const float (&S)[2 * KB][4], const bf16* kd, int k0,
+                                           int lrow, int lhalf) {
+#pragma unroll
+  for (int kb = 0; kb < KB; ++kb) {
+    const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]), a1 = pack(S[2 * kb][2], S[2 * kb][3]);
+    const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]), a3 = pack(S[2 * kb + 1][2], S[2 * kb + 1][3]);
+    uint32_t bk[4];
+    // unit k0 / 8 + 2 kb + lhalf of row lrow, xor lrow & 7 (< 8: k0's bit 3 kept)
+    ldsm_x4(bk, kd + k0 + lrow * KD + (((2 * kb + lhalf) ^ (lrow & 7)) << 3));
+    mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
+    mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
+  }
+}
+
+// Wr = x = v - W (0 from token nv on), its lo part xl (if given), Vb = x b; t: the stage's v tile, vl:
+// the warp's first column.
+template <int W>
+__device__ __forceinline__ void wr_residual(float (&x)[2][4], float (*xl)[4], float (&vb)[2][4],
+                                            const bf16 (&t)[CH][W], const float (&Wt)[2][4], const float* b, int nv,
+                                            int vl, int gq, int tq) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
+      x[nt][e] = tok < nv ? __bfloat162float(t[tok][vl + r]) - Wt[nt][e] : 0.f;
+      if (xl != nullptr) xl[nt][e] = lo_of(x[nt][e]);
+      vb[nt][e] = x[nt][e] * b[tok];
+    }
+}
+
+// U = INV Vb (Vb split hi + lo), returned split hi + lo.
+__device__ __forceinline__ void solve_u_split(uint32_t (&uah)[4], uint32_t (&ual)[4], const float (&vb)[2][4],
+                                              const bf16* inv, int lrow, int lhalf) {
+  uint32_t vah[4], val[4];
+  split_tile(vah, val, vb, 1.f);
+  uint32_t bi[4];
+  ldsm_x4(bi, inv + lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3));
+  float U[2][4];
+  mma_split16(U, vah, val, bi);
+  split_tile(uah, ual, U, 1.f);
+}
+
+// dU^T += dS kr^T over keys [k0, k0 + 16 KB).
+template <int KB>
+__device__ __forceinline__ void kr_product(float (&dU)[2][4], const float (&dS)[2 * KB][4], const bf16* krT, int k0,
+                                           int lr, int lc) {
+#pragma unroll
+  for (int kb = 0; kb < KB; ++kb) {
+    const uint32_t a0 = pack(dS[2 * kb][0], dS[2 * kb][1]), a1 = pack(dS[2 * kb][2], dS[2 * kb][3]);
+    const uint32_t a2 = pack(dS[2 * kb + 1][0], dS[2 * kb + 1][1]);
+    const uint32_t a3 = pack(dS[2 * kb + 1][2], dS[2 * kb + 1][3]);
+    uint32_t bk[4];
+    ldsm_x4_t(bk, krT + k0 * 16 + swz16(16 * kb + lr, lc));  // rows k0 + 16 kb + lr (same half swizzle)
+    mma(dU[0], a0, a1, a2, a3, bk[0], bk[1], dU[0]);
+    mma(dU[1], a0, a1, a2, a3, bk[2], bk[3], dU[1]);
+  }
+}
+
+// oa = dO^T as an A operand (value rows x tokens) from the stage's dout tile t; dU^T += dO^T M.
+template <int W>
+__device__ __forceinline__ void dout_m(float (&dU)[2][4], uint32_t (&oa)[4], const bf16 (&t)[CH][W], const bf16* mm,
+                                       int vl, int gq, int tq, int lr, int lc) {
+  oa[0] = pair_raw(t[2 * tq][vl + gq], t[2 * tq + 1][vl + gq]);
+  oa[1] = pair_raw(t[2 * tq][vl + gq + 8], t[2 * tq + 1][vl + gq + 8]);
+  oa[2] = pair_raw(t[2 * tq + 8][vl + gq], t[2 * tq + 9][vl + gq]);
+  oa[3] = pair_raw(t[2 * tq + 8][vl + gq + 8], t[2 * tq + 9][vl + gq + 8]);
+  uint32_t bm[4];
+  ldsm_x4_t(bm, mm + swz16(lr, lc));
+  mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
+  mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
+}
+
+// dv^T = (dU^T INV) diag(b), dU split hi + lo.
+__device__ __forceinline__ void dv_tile(float (&dW)[2][4], const float (&dU)[2][4], const bf16* inv, const float* b,
+                                        int lr, int lc, int tq) {
+  uint32_t dh[4], dl[4];
+  split_tile(dh, dl, dU, 1.f);
+  {
+    uint32_t bi[4];
+    ldsm_x4_t(bi, inv + swz16(lr, lc));
+    mma_split16(dW, dh, dl, bi);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dW[nt][e] *= b[nt * 8 + 2 * tq + (e & 1)];
+}
+
+// dS = dS diag(E) + dO^T qd - dv^T kd over keys [k0, k0 + 16 NP) (w: -dv^T split hi + lo).
+template <int NP>
+__device__ __forceinline__ void update_dstate_split(float (&dS)[2 * NP][4], const uint32_t (&oa)[4],
+                                                    const uint32_t (&wh)[4], const uint32_t (&wl)[4], const bf16* qd,
+                                                    const bf16* kd, const float* E, int k0, int lr, int lc, int tq) {
+#pragma unroll
+  for (int np = 0; np < NP; ++np) {
+    uint32_t bq[4], bk[4];
+    // swz128(lr, k0 + 16 np + lc) = k0 + swz128(lr, 16 np + lc): unit k0 / 8 + u, u ^ (lr & 7) < 8
+    ldsm_x4_t(bq, qd + k0 + swz128(lr, 16 * np + lc));
+    ldsm_x4_t(bk, kd + k0 + swz128(lr, 16 * np + lc));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int nt = 2 * np + j;
+      const float2 e01 = *reinterpret_cast<const float2*>(&E[k0 + nt * 8 + 2 * tq]);
+      const float cin[4] = {dS[nt][0] * e01.x, dS[nt][1] * e01.y, dS[nt][2] * e01.x, dS[nt][3] * e01.y};
+      mma(dS[nt], oa[0], oa[1], oa[2], oa[3], bq[2 * j], bq[2 * j + 1], cin);
+      mma(dS[nt], wh[0], wh[1], wh[2], wh[3], bk[2 * j], bk[2 * j + 1], dS[nt]);
+      mma(dS[nt], wl[0], wl[1], wl[2], wl[3], bk[2 * j], bk[2 * j + 1], dS[nt]);
+    }
+  }
+}
+
+// dh0 = dS: rows r0, r0 + 8 of the (sequence, head) state at sbase, keys [k0, k0 + 8 NTL).
+template <int NTL>
+__device__ __forceinline__ void store_dh0_rows(const KdaBwdParams& p, const float (&dS)[NTL][4], size_t sbase, int r0,
+                                               int k0, int tq) {
+#pragma unroll
+  for (int nt = 0; nt < NTL; ++nt) {
+    const int col = k0 + nt * 8 + 2 * tq;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const size_t o = sbase + (size_t)(r0 + 8 * hr) * KD + col;
+      if (p.dh0_fp32)
+        *reinterpret_cast<float2*>(static_cast<float*>(p.dh0) + o) = make_float2(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
+      else
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dh0) + o) =
+            __floats2bfloat162_rn(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
+    }
+  }
+}
+
 // ---- 2. forward state pass, storing S0, Wr and U per chunk
 template <int NW, int PS, int DB>
 __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
@@ -250,10 +372,7 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
   bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + warp * DB * KD * 16;  // state staging
   bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + NW * DB * KD * 16 + warp * CH * 16;
   uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PS * sizeof(PassStage<VS>) + NW * (DB * KD + CH) * 16 * 2);
-  if (tid == 0) {
-    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&bars[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(bars, PS, tid);
   __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
@@ -324,60 +443,20 @@ __device__ __forceinline__ void states_body(const KdaBwdParams& p, int bid) {
     const float* b = reinterpret_cast<const float*>(st.rec + R_B);
     // W^T = S kd^T (value rows x tokens)
     float W[2][4] = {};
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const uint32_t a0 = pack(S[2 * kb][0], S[2 * kb][1]), a1 = pack(S[2 * kb][2], S[2 * kb][3]);
-      const uint32_t a2 = pack(S[2 * kb + 1][0], S[2 * kb + 1][1]), a3 = pack(S[2 * kb + 1][2], S[2 * kb + 1][3]);
-      uint32_t bk[4];
-      ldsm_x4(bk, kd + lrow * KD + (((2 * kb + lhalf) ^ (lrow & 7)) << 3));
-      mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
-      mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
-    }
+    kd_product<8>(W, S, kd, 0, lrow, lhalf);
     // Wr = v - W (stored hi + lo), Vb = Wr b split hi + lo; U = INV Vb
     bf16* wr = p.wu + sh * 4 * CH * KD + vw;
     float vb[2][4];
     {
       float x[2][4], xl[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
-          x[nt][e] = tok < nv ? __bfloat162float(st.t[tok][vl + r]) - W[nt][e] : 0.f;
-          xl[nt][e] = lo_of(x[nt][e]);
-          vb[nt][e] = x[nt][e] * b[tok];
-        }
+      wr_residual(x, xl, vb, st.t, W, b, nv, vl, gq, tq);
       store_tile_t(x, tts, wr, KD, CH, lane);
       store_tile_t(xl, tts, wr + 3 * CH * KD, KD, CH, lane);
     }
-    uint32_t vah[4], val[4];
-    split_tile(vah, val, vb, 1.f);
-    uint32_t bi[4];
-    ldsm_x4(bi, inv + lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3));
-    float U[2][4];
-    const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      mma(U[nt], vah[0], vah[1], vah[2], vah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
-      mma(U[nt], val[0], val[1], val[2], val[3], bi[2 * nt], bi[2 * nt + 1], U[nt]);
-    }
     uint32_t uah[4], ual[4];
-    split_tile(uah, ual, U, 1.f);
+    solve_u_split(uah, ual, vb, inv, lrow, lhalf);
     // S = S diag(E) + U^T kr
-#pragma unroll
-    for (int np = 0; np < 8; ++np) {
-      uint32_t bk[4];
-      const int r = np * 16 + lrow;
-      ldsm_x4(bk, krT + r * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int nt = 2 * np + j;
-        const float2 e01 = *reinterpret_cast<const float2*>(&E[nt * 8 + 2 * tq]);
-        const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
-        mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
-        mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
-      }
-    }
+    update_state_split<8>(S, uah, ual, krT, E, 0, lrow, lhalf, tq);
   }
   bulk_drain(lane);
 }
@@ -392,10 +471,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
   bf16* ots = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + warp * DB * KD * 16;  // state staging
   bf16* tts = reinterpret_cast<bf16*>(bsm_raw + PS * sizeof(PassStage<VS>)) + NW * DB * KD * 16 + warp * CH * 16;
   uint64_t* bars = reinterpret_cast<uint64_t*>(bsm_raw + PS * sizeof(PassStage<VS>) + NW * (DB * KD + CH) * 16 * 2);
-  if (tid == 0) {
-    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&bars[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(bars, PS, tid);
   __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
@@ -439,34 +515,13 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
     const float* b = reinterpret_cast<const float*>(st.rec + R_B);
     // dU^T = dS kr^T + dO^T M (value rows x tokens)
     float dU[2][4] = {};
-#pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      const uint32_t a0 = pack(dS[2 * kb][0], dS[2 * kb][1]), a1 = pack(dS[2 * kb][2], dS[2 * kb][3]);
-      const uint32_t a2 = pack(dS[2 * kb + 1][0], dS[2 * kb + 1][1]);
-      const uint32_t a3 = pack(dS[2 * kb + 1][2], dS[2 * kb + 1][3]);
-      uint32_t bk[4];
-      ldsm_x4_t(bk, krT + swz16(16 * kb + lr, lc));
-      mma(dU[0], a0, a1, a2, a3, bk[0], bk[1], dU[0]);
-      mma(dU[1], a0, a1, a2, a3, bk[2], bk[3], dU[1]);
-    }
+    kr_product<8>(dU, dS, krT, 0, lr, lc);
     uint32_t oa[4];  // dO^T as an A operand (value rows x tokens)
-    oa[0] = pair_raw(st.t[2 * tq][vl + gq], st.t[2 * tq + 1][vl + gq]);
-    oa[1] = pair_raw(st.t[2 * tq][vl + gq + 8], st.t[2 * tq + 1][vl + gq + 8]);
-    oa[2] = pair_raw(st.t[2 * tq + 8][vl + gq], st.t[2 * tq + 9][vl + gq]);
-    oa[3] = pair_raw(st.t[2 * tq + 8][vl + gq + 8], st.t[2 * tq + 9][vl + gq + 8]);
-    {
-      uint32_t bm[4];
-      ldsm_x4_t(bm, mm + swz16(lr, lc));
-      mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
-      mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
-    }
+    dout_m(dU, oa, st.t, mm, vl, gq, tq, lr, lc);
     bf16* dus = p.wu + (sh * 4 + 1) * CH * KD + vw;
     {
       float dl[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dl[nt][e] = lo_of(dU[nt][e]);
+      lo_tile(dl, dU);
       store_tile_t(dU, tts, dus, KD, CH, lane);
       store_tile_t(dl, tts, dus + CH * KD, KD, CH, lane);
     }
@@ -477,12 +532,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
     {
       uint32_t bi[4];
       ldsm_x4_t(bi, inv + swz16(lr, lc));
-      const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma(dW[nt], dh[0], dh[1], dh[2], dh[3], bi[2 * nt], bi[2 * nt + 1], zero4);
-        mma(dW[nt], dl[0], dl[1], dl[2], dl[3], bi[2 * nt], bi[2 * nt + 1], dW[nt]);
-      }
+      mma_split16(dW, dh, dl, bi);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -508,21 +558,7 @@ __device__ __forceinline__ void dstates_body(const KdaBwdParams& p, int bid) {
       }
     }
   }
-  if (p.dh0 != nullptr) {
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int col = nt * 8 + 2 * tq;
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const size_t o = sbase + (size_t)(vw + gq + 8 * hr) * KD + col;
-        if (p.dh0_fp32)
-          *reinterpret_cast<float2*>(static_cast<float*>(p.dh0) + o) = make_float2(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
-        else
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dh0) + o) =
-              __floats2bfloat162_rn(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
-      }
-    }
-  }
+  if (p.dh0 != nullptr) store_dh0_rows(p, dS, sbase, vw + gq, 0, tq);
   bulk_drain(lane);
 }
 

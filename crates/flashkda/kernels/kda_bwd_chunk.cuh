@@ -82,9 +82,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kdab_chunk(const KdaBwdPara
     int lo = 0, hi = p.num_seqs - 1;  // largest n with slot0(n) <= slot
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
-      long long a = p.cu_seqlens[mid];
-      a = a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
-      if (a / CH + mid <= slot) lo = mid; else hi = mid - 1;
+      if (clamp_cu(p, mid) / CH + mid <= slot) lo = mid; else hi = mid - 1;
     }
     n = lo;
   } else {

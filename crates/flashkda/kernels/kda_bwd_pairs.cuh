@@ -101,20 +101,7 @@ __device__ __forceinline__ void store_dh0_h(const KdaBwdParams& p, const float (
   const int warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3, H = p.num_heads;
   const int slice = bid % 2, h = (bid / 2) % H, n = bid / (2 * H);
   const int vw = slice * 64 + (warp >> 1) * 16, k0 = 64 * (warp & 1);
-  const size_t sbase = ((size_t)n * H + h) * KD * KD;
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const int col = k0 + nt * 8 + 2 * tq;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const size_t o = sbase + (size_t)(vw + gq + 8 * hr) * KD + col;
-      if (p.dh0_fp32)
-        *reinterpret_cast<float2*>(static_cast<float*>(p.dh0) + o) = make_float2(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
-      else
-        *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dh0) + o) =
-            __floats2bfloat162_rn(dS[nt][2 * hr], dS[nt][2 * hr + 1]);
-    }
-  }
+  store_dh0_rows(p, dS, ((size_t)n * H + h) * KD * KD, vw + gq, k0, tq);
 }
 
 // The shared-memory carve-up of a pair block (after the PS stages).
@@ -141,10 +128,7 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const PairLayout<PS, DB> L(bsm_raw, warp);
-  if (tid == 0) {
-    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&L.bars[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(L.bars, PS, tid);
   __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
@@ -177,18 +161,7 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     // W^T partial = S kd^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
     float W[2][4] = {};
-    auto partial = [&]() {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t a0 = pack(S[2 * j][0], S[2 * j][1]), a1 = pack(S[2 * j][2], S[2 * j][3]);
-        const uint32_t a2 = pack(S[2 * j + 1][0], S[2 * j + 1][1]), a3 = pack(S[2 * j + 1][2], S[2 * j + 1][3]);
-        uint32_t bk[4];
-        // 16-byte unit 8 hf + 2 j + lhalf of row lrow xor lrow & 7 (< 8: bit 3 kept) = k0 + unit (2 j + lhalf) ^ ...
-        ldsm_x4(bk, kd + k0 + lrow * KD + (((2 * j + lhalf) ^ (lrow & 7)) << 3));
-        mma(W[0], a0, a1, a2, a3, bk[0], bk[1], W[0]);
-        mma(W[1], a0, a1, a2, a3, bk[2], bk[3], W[1]);
-      }
-    };
+    auto partial = [&]() { kd_product<4>(W, S, kd, k0, lrow, lhalf); };
     float* xo = L.xch + ((warp * 2) + (c & 1)) * PAIR_XCH;
     if (!PB) {
       partial();
@@ -212,53 +185,19 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
     float vb[2][4];
     {
       float x[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = nt * 8 + 2 * tq + (e & 1), r = gq + 8 * (e >> 1);
-          x[nt][e] = tok < nv ? __bfloat162float(st.t[tok][vl + r]) - W[nt][e] : 0.f;
-          vb[nt][e] = x[nt][e] * b[tok];
-        }
+      wr_residual(x, nullptr, vb, st.t, W, b, nv, vl, gq, tq);
       if (hf == 0) {
         store_tile_t(x, L.tts, wr, KD, CH, lane);
       } else {
         float xl[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xl[nt][e] = lo_of(x[nt][e]);
+        lo_tile(xl, x);
         store_tile_t(xl, L.tts, wr + 3 * CH * KD, KD, CH, lane);
       }
     }
-    uint32_t vah[4], val[4];
-    split_tile(vah, val, vb, 1.f);
-    uint32_t bi[4];
-    ldsm_x4(bi, inv + lrow * 16 + ((lhalf ^ ((lrow >> 2) & 1)) << 3));
-    float U[2][4];
-    const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      mma(U[nt], vah[0], vah[1], vah[2], vah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
-      mma(U[nt], val[0], val[1], val[2], val[3], bi[2 * nt], bi[2 * nt + 1], U[nt]);
-    }
     uint32_t uah[4], ual[4];
-    split_tile(uah, ual, U, 1.f);
-    // S = S diag(E) + U^T kr, this warp's keys: step np covers keys k0 + 16 np + [0, 16) (tiles 2 np, 2 np + 1)
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t bk[4];
-      const int r = np * 16 + lrow;  // key k0 + r; the half swizzle (r >> 2) & 1 is the same for k0 + r
-      ldsm_x4(bk, krT + (k0 + r) * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int nt = 2 * np + j;
-        const float2 e01 = *reinterpret_cast<const float2*>(&E[k0 + nt * 8 + 2 * tq]);
-        const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
-        mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
-        mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
-      }
-    }
+    solve_u_split(uah, ual, vb, inv, lrow, lhalf);
+    // S = S diag(E) + U^T kr, this warp's keys
+    update_state_split<4>(S, uah, ual, krT, E, k0, lrow, lhalf, tq);
   }
   bulk_drain(lane);
 }
@@ -271,10 +210,7 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
   PassStage<VS>* stg = reinterpret_cast<PassStage<VS>*>(bsm_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const PairLayout<PS, DB> L(bsm_raw, warp);
-  if (tid == 0) {
-    for (int i = 0; i < PS; ++i) mbar_init(smem_u32(&L.bars[i]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(L.bars, PS, tid);
   __syncthreads();
   const int H = p.num_heads;
   const int slice = bid % SLICES, h = (bid / SLICES) % H, n = bid / (SLICES * H);
@@ -310,18 +246,7 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
     // dU^T partial = dS kr^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
     float dU[2][4] = {};
-    auto partial = [&]() {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t a0 = pack(dS[2 * j][0], dS[2 * j][1]), a1 = pack(dS[2 * j][2], dS[2 * j][3]);
-        const uint32_t a2 = pack(dS[2 * j + 1][0], dS[2 * j + 1][1]);
-        const uint32_t a3 = pack(dS[2 * j + 1][2], dS[2 * j + 1][3]);
-        uint32_t bk[4];
-        ldsm_x4_t(bk, krT + k0 * 16 + swz16(16 * j + lr, lc));  // rows k0 + 16 j + lr (same half swizzle)
-        mma(dU[0], a0, a1, a2, a3, bk[0], bk[1], dU[0]);
-        mma(dU[1], a0, a1, a2, a3, bk[2], bk[3], dU[1]);
-      }
-    };
+    auto partial = [&]() { kr_product<4>(dU, dS, krT, k0, lr, lc); };
     float* xo = L.xch + ((warp * 2) + (k & 1)) * PAIR_XCH;
     if (!PB) {
       partial();
@@ -342,66 +267,24 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
     const bf16* mm = reinterpret_cast<const bf16*>(st.rec + R_M);
     const float* E = reinterpret_cast<const float*>(st.rec + R_E);
     const float* b = reinterpret_cast<const float*>(st.rec + R_B);
-    uint32_t oa[4];  // dO^T as an A operand (value rows x tokens)
-    oa[0] = pair_raw(st.t[2 * tq][vl + gq], st.t[2 * tq + 1][vl + gq]);
-    oa[1] = pair_raw(st.t[2 * tq][vl + gq + 8], st.t[2 * tq + 1][vl + gq + 8]);
-    oa[2] = pair_raw(st.t[2 * tq + 8][vl + gq], st.t[2 * tq + 9][vl + gq]);
-    oa[3] = pair_raw(st.t[2 * tq + 8][vl + gq + 8], st.t[2 * tq + 9][vl + gq + 8]);
-    {  // dU^T += dO^T M
-      uint32_t bm[4];
-      ldsm_x4_t(bm, mm + swz16(lr, lc));
-      mma(dU[0], oa[0], oa[1], oa[2], oa[3], bm[0], bm[1], dU[0]);
-      mma(dU[1], oa[0], oa[1], oa[2], oa[3], bm[2], bm[3], dU[1]);
-    }
+    uint32_t oa[4];  // dO^T as an A operand (value rows x tokens); dU^T += dO^T M
+    dout_m(dU, oa, st.t, mm, vl, gq, tq, lr, lc);
     bf16* dus = p.wu + (sh * 4 + 1) * CH * KD + vw;
     if (hf == 0) {
       store_tile_t(dU, L.tts, dus, KD, CH, lane);
     } else {
       float dl[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dl[nt][e] = lo_of(dU[nt][e]);
+      lo_tile(dl, dU);
       store_tile_t(dl, L.tts, dus + CH * KD, KD, CH, lane);
     }
     // dv^T = (dU^T INV) diag(b)
-    uint32_t dh[4], dl[4];
-    split_tile(dh, dl, dU, 1.f);
     float dW[2][4];
-    {
-      uint32_t bi[4];
-      ldsm_x4_t(bi, inv + swz16(lr, lc));
-      const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        mma(dW[nt], dh[0], dh[1], dh[2], dh[3], bi[2 * nt], bi[2 * nt + 1], zero4);
-        mma(dW[nt], dl[0], dl[1], dl[2], dl[3], bi[2 * nt], bi[2 * nt + 1], dW[nt]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dW[nt][e] *= b[nt * 8 + 2 * tq + (e & 1)];
+    dv_tile(dW, dU, inv, b, lr, lc, tq);
     if (hf == 0) store_tile_t(dW, L.tts, p.dv + t0 * hs + (long long)h * KD + vw, (size_t)hs, nv, lane);
     uint32_t wh[4], wl[4];
     split_tile(wh, wl, dW, -1.f);
     // dS = dS diag(E) + dO^T qd - dv^T kd, this warp's keys: step np covers keys k0 + 16 np + [0, 16)
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t bq[4], bk[4];
-      // swz128(lr, k0 + 16 np + lc) = k0 + swz128(lr, 16 np + lc): unit 8 hf + u, u ^ (lr & 7) < 8
-      ldsm_x4_t(bq, qd + k0 + swz128(lr, 16 * np + lc));
-      ldsm_x4_t(bk, kd + k0 + swz128(lr, 16 * np + lc));
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int nt = 2 * np + j;
-        const float2 e01 = *reinterpret_cast<const float2*>(&E[k0 + nt * 8 + 2 * tq]);
-        const float cin[4] = {dS[nt][0] * e01.x, dS[nt][1] * e01.y, dS[nt][2] * e01.x, dS[nt][3] * e01.y};
-        mma(dS[nt], oa[0], oa[1], oa[2], oa[3], bq[2 * j], bq[2 * j + 1], cin);
-        mma(dS[nt], wh[0], wh[1], wh[2], wh[3], bk[2 * j], bk[2 * j + 1], dS[nt]);
-        mma(dS[nt], wl[0], wl[1], wl[2], wl[3], bk[2 * j], bk[2 * j + 1], dS[nt]);
-      }
-    }
+    update_dstate_split<4>(dS, oa, wh, wl, qd, kd, E, k0, lr, lc, tq);
   }
   if (p.dh0 != nullptr) store_dh0_h(p, dS);
   bulk_drain(lane);

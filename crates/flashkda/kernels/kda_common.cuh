@@ -46,6 +46,18 @@ __device__ __forceinline__ unsigned int flag_acquire(const unsigned int* f) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
   return v;
 }
+// Waits for flag f (a prep block that never runs traps after 2 s instead of hanging the stream; the
+// caller gets a CUDA error), then orders the record before the bulk copy that reads it next.
+__device__ __forceinline__ void flag_wait_bounded(const unsigned int* f) {
+  unsigned long long w0, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0));
+  while (flag_acquire(f) == 0) {
+    __nanosleep(100);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - w0 > 2000000000ull) __trap();
+  }
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
 
 // The slot space of C-token chunks (16: the workspace records, 64: the chunk-64 records). Sequence n:
 // fixed length -> slots from n * ceil(T / C); varlen -> from cu[n] / C + n (a sequence of len tokens
@@ -55,21 +67,28 @@ struct SeqInfo {
   long long bos, len, slot0;
 };
 
-__device__ __forceinline__ long long clamp_cu(const KdaParams& p, int n) {
+template <class P>
+__device__ __forceinline__ long long clamp_cu(const P& p, int n) {
   long long a = p.cu_seqlens[n];
   return a < 0 ? 0 : (a > p.total_tokens ? p.total_tokens : a);
 }
 
-template <int C>
-__device__ __forceinline__ SeqInfo seq_slots(const KdaParams& p, int n) {
+// The varlen case (cu_seqlens set); P: KdaParams or KdaBwdParams.
+template <int C, class P>
+__device__ __forceinline__ void seq_slots_varlen(SeqInfo& s, const P& p, int n) {
+  const long long a = clamp_cu(p, n);
+  long long e = clamp_cu(p, n + 1);
+  e = e < a ? a : e;
+  s.bos = a;
+  s.len = e - a;
+  s.slot0 = a / C + n;
+}
+
+template <int C, class P>
+__device__ __forceinline__ SeqInfo seq_slots(const P& p, int n) {
   SeqInfo s;
   if (p.cu_seqlens != nullptr) {
-    const long long a = clamp_cu(p, n);
-    long long e = clamp_cu(p, n + 1);
-    e = e < a ? a : e;
-    s.bos = a;
-    s.len = e - a;
-    s.slot0 = a / C + n;
+    seq_slots_varlen<C>(s, p, n);
   } else {
     s.bos = (long long)n * p.seq_len;
     s.len = p.seq_len;
@@ -79,8 +98,8 @@ __device__ __forceinline__ SeqInfo seq_slots(const KdaParams& p, int n) {
 }
 
 // The sequence whose slots hold `slot` (varlen: the largest n with slot0(n) <= slot).
-template <int C>
-__device__ __forceinline__ int slot_owner(const KdaParams& p, long long slot) {
+template <int C, class P>
+__device__ __forceinline__ int slot_owner(const P& p, long long slot) {
   if (p.cu_seqlens != nullptr) {
     int lo = 0, hi = p.num_seqs - 1;
     while (lo < hi) {
@@ -110,6 +129,13 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "=r"(done)
         : "r"(bar), "r"(parity)
         : "memory");
+  }
+}
+// Thread 0: the ns stage barriers (count 1) of a pass; the caller syncs the block before their use.
+__device__ __forceinline__ void mbar_init_stages(uint64_t* bars, int ns, int tid) {
+  if (tid == 0) {
+    for (int i = 0; i < ns; ++i) mbar_init(smem_u32(&bars[i]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
 }
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
@@ -255,6 +281,17 @@ __device__ __forceinline__ void prefetch_chunk(bf16 (*q)[RS], bf16 (*k)[RS], bf1
   cp_async_commit();
 }
 
+// This lane's 4 channels of the squared norm of a 128-channel bf16 row.
+__device__ __forceinline__ float lane_sq128(const bf16* row, int lane) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  float x = a.x * a.x;
+  x = fmaf(a.y, a.y, x);
+  x = fmaf(b2.x, b2.x, x);
+  return fmaf(b2.y, b2.y, x);
+}
+
 // Squared norms of the 16 q rows and 16 k rows (row_of(r): q row r < 16, else k row r - 16); warp w
 // of NW takes rows w, w + NW, ... (unrolled so the shuffle chains interleave); lane 0 stores
 // put(r, 1 / sqrt(|row|^2 + 1e-6)).
@@ -266,13 +303,7 @@ __device__ __forceinline__ void row_norms(Row row_of, Put put, int warp, int lan
   for (int rr = 0; rr < RPW; ++rr) {
     const bf16* row = row_of(warp + rr * NW);
 #if KD == 128
-    const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    float x = a.x * a.x;
-    x = fmaf(a.y, a.y, x);
-    x = fmaf(b2.x, b2.x, x);
-    ss[rr] = fmaf(b2.y, b2.y, x);
+    ss[rr] = lane_sq128(row, lane);
 #else
     const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(row + lane * 2));
     ss[rr] = fmaf(a.y, a.y, a.x * a.x);

@@ -113,13 +113,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) kda_prep64(const KdaParams 
   // norms of the 64 q and 64 k rows (warp w: rows w, w + 8, ...), sigmoid(beta)
   for (int r = warp; r < 2 * C64; r += 8) {
     const bf16* row = r < C64 ? &sm.q[r][0] : &sm.k[r - C64][0];
-    const uint2 raw = *reinterpret_cast<const uint2*>(row + lane * 4);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 b2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    float x = a.x * a.x;
-    x = fmaf(a.y, a.y, x);
-    x = fmaf(b2.x, b2.x, x);
-    x = fmaf(b2.y, b2.y, x);
+    float x = lane_sq128(row, lane);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     if (lane == 0) {

@@ -101,10 +101,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) kda_state64(const KdaParams
     bulk_g2s(dst + a, src + a, REC64_BYTES - a, bar);
   };
 
-  if (tid == 0) {
-    for (int s = 0; s < ST64; ++s) mbar_init(smem_u32(&bars[s]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(bars, ST64, tid);
   // the zero blocks the records leave out, once per stage (no copy ever writes them); the wgmma
   // read them through the async proxy
   for (int u = tid; u < ST64 * 3 * 8 * 64; u += 256) {

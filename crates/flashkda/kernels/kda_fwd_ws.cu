@@ -59,12 +59,7 @@ __device__ __forceinline__ int swz16(int r, int c) { return r * 16 + ((((c >> 3)
 __device__ __forceinline__ SeqInfo seq_info(const KdaParams& p, int n) {
   SeqInfo s;
   if (p.cu_seqlens != nullptr) {
-    const long long a = clamp_cu(p, n);
-    long long e = clamp_cu(p, n + 1);
-    e = e < a ? a : e;
-    s.bos = a;
-    s.len = e - a;
-    s.slot0 = a / CH + n;
+    seq_slots_varlen<CH>(s, p, n);
   } else if (p.seg_chunks > 0) {
     // segment n of a fixed-length batch: same slots as the unsegmented layout
     const long long cps = (p.seq_len + CH - 1) / CH;
@@ -112,19 +107,7 @@ extern "C" __global__ void __launch_bounds__(KD) kda_prep(const KdaParams p) {
   const int h = blockIdx.y;
 #endif
 
-  // which sequence owns this slot
-  int n;
-  if (p.cu_seqlens != nullptr) {
-    int lo = 0, hi = p.num_seqs - 1;  // largest n with slot0(n) <= slot
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (clamp_cu(p, mid) / CH + mid <= slot) lo = mid; else hi = mid - 1;
-    }
-    n = lo;
-  } else {
-    const long long cps = (p.seq_len + CH - 1) / CH;
-    n = static_cast<int>(slot / cps);
-  }
+  const int n = slot_owner<CH>(p, slot);
   const SeqInfo si = seq_info(p, n);
   const long long c = slot - si.slot0;
   if (c < 0 || c * CH >= si.len) return;  // unused slot (block-uniform)
@@ -300,6 +283,39 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* ptr) {
                : "r"(smem_u32(ptr)));
 }
 
+// D = (ah + al) B for a 16 x 16 B in ldmatrix fragments bi (fp32 accumulators from zero).
+__device__ __forceinline__ void mma_split16(float (&D)[2][4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                            const uint32_t (&bi)[4]) {
+  const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    mma(D[nt], ah[0], ah[1], ah[2], ah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
+    mma(D[nt], al[0], al[1], al[2], al[3], bi[2 * nt], bi[2 * nt + 1], D[nt]);
+  }
+}
+
+// S = S diag(E) + (U_hi + U_lo)^T kr over keys [k0, k0 + 16 NP) (S: those keys' tiles); krT rows are
+// key channels, 16 tokens each.
+template <int NP>
+__device__ __forceinline__ void update_state_split(float (&S)[2 * NP][4], const uint32_t (&uah)[4],
+                                                   const uint32_t (&ual)[4], const bf16* krT, const float* E, int k0,
+                                                   int lrow, int lhalf, int tq) {
+#pragma unroll
+  for (int np = 0; np < NP; ++np) {
+    uint32_t bk[4];
+    const int r = np * 16 + lrow;  // key k0 + r; the half swizzle (r >> 2) & 1 is the same for k0 + r
+    ldsm_x4(bk, krT + (k0 + r) * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int nt = 2 * np + j;
+      const float2 e01 = *reinterpret_cast<const float2*>(&E[k0 + nt * 8 + 2 * tq]);
+      const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
+      mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
+      mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
+    }
+  }
+}
+
 // One chunk of one warp's 16 state rows with split operands (the rounding of
 // `Rounding::SPLIT`): W^T = S kd^T and O1^T = S qd^T (S as bf16), Vb = (v - W) b as hi + lo,
 // U = INV Vb (fp32 accumulators), out = O1 + M U with M and U as hi + lo (the lo lo term
@@ -364,12 +380,7 @@ __device__ __forceinline__ void split_chunk(float (&S)[KD / 8][4], bf16 (*ow)[TS
   uint32_t bi[4];
   ldsm_x4(bi, inv + off16);
   float U[2][4];
-  const float zero4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-    mma(U[nt], vah[0], vah[1], vah[2], vah[3], bi[2 * nt], bi[2 * nt + 1], zero4);
-    mma(U[nt], val[0], val[1], val[2], val[3], bi[2 * nt], bi[2 * nt + 1], U[nt]);
-  }
+  mma_split16(U, vah, val, bi);
   float ulo[2][4];
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
@@ -397,21 +408,8 @@ __device__ __forceinline__ void split_chunk(float (&S)[KD / 8][4], bf16 (*ow)[TS
     }
   }
 
-  // S = S diag(E) + (U_hi + U_lo)^T kr; krT rows are key channels, 16 tokens each
-#pragma unroll
-  for (int np = 0; np < KD / 16; ++np) {
-    uint32_t bk[4];
-    const int r = np * 16 + lrow;
-    ldsm_x4(bk, krT + r * 16 + ((lhalf ^ ((r >> 2) & 1)) << 3));
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int nt = 2 * np + j;
-      const float2 e01 = *reinterpret_cast<const float2*>(&E[nt * 8 + 2 * tq]);
-      const float cin[4] = {S[nt][0] * e01.x, S[nt][1] * e01.y, S[nt][2] * e01.x, S[nt][3] * e01.y};
-      mma(S[nt], uah[0], uah[1], uah[2], uah[3], bk[2 * j], bk[2 * j + 1], cin);
-      mma(S[nt], ual[0], ual[1], ual[2], ual[3], bk[2 * j], bk[2 * j + 1], S[nt]);
-    }
-  }
+  // S = S diag(E) + (U_hi + U_lo)^T kr
+  update_state_split<KD / 16>(S, uah, ual, krT, E, 0, lrow, lhalf, tq);
 }
 #endif
 
@@ -477,19 +475,8 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
     const uint32_t bar = smem_u32(&bars[st]);
     const bool with_v = part == 0 && !WARP_V;
 #if KDA_SPLIT_OPERANDS
-    if (p.flags != nullptr) {  // overlapped with the prep: wait until its record is written
-      const unsigned int* f = p.flags + (si.slot0 + c) * H + h;
-      // Bounded: a prep block that never runs (the GPU shared with other work) traps after 2 s instead
-      // of hanging the stream; the caller gets a CUDA error.
-      unsigned long long w0, now;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(w0));
-      while (flag_acquire(f) == 0) {
-        __nanosleep(100);
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        if (now - w0 > 2000000000ull) __trap();
-      }
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the bulk copy reads it next
-    }
+    // overlapped with the prep: wait until its record is written
+    if (p.flags != nullptr) flag_wait_bounded(p.flags + (si.slot0 + c) * H + h);
 #endif
     mbar_expect_tx(bar, REC_BYTES + (with_v ? nv * VS * 2 : 0));
     bulk_g2s(smem_u32(recs + st * REC_BYTES), ws + (size_t)((si.slot0 + c) * H + h) * REC_BYTES, REC_BYTES, bar);
@@ -499,10 +486,7 @@ __device__ __forceinline__ void state_body(const KdaParams& p) {
       bulk_g2s(smem_u32(vs + (st * CH + r) * VS), p.v + (t0 + r) * hs + hoff + v0, VS * 2, bar);
   };
 
-  if (tid == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(smem_u32(&bars[s]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
+  mbar_init_stages(bars, ST, tid);
   __syncthreads();
   if (tid == 0)
     for (int c = 0; c < ST && c < nchunks; ++c) issue(c);
