@@ -52,6 +52,28 @@ __device__ __forceinline__ void xch_add(float (&X)[2][4], const float* xt, int l
   }
 }
 
+// One chained step's pair exchange: this warp's key-summed partial X (made by `partial`) goes to the
+// partner before (PB false) or after (PB true) the block barrier that publishes `store`'s state
+// rows and precedes `issue`'s next fetch; then the partner's partial (its slot `par` of `xch`) is added.
+template <bool PB, typename Partial, typename Store, typename Issue>
+__device__ __forceinline__ void pair_exchange(float (&X)[2][4], float* xch, int warp, int par, int pr,
+                                              int lane, Partial&& partial, Store&& store, Issue&& issue) {
+  float* xo = xch + ((warp * 2) + par) * PAIR_XCH;
+  if (!PB) {
+    partial();
+    xch_put(xo, X, lane);
+  }
+  store();
+  __syncthreads();
+  issue();
+  if (PB) {
+    partial();
+    xch_put(xo, X, lane);
+    pair_sync(pr);
+  }
+  xch_add(X, xch + (((warp ^ 1) * 2) + par) * PAIR_XCH, lane);
+}
+
 // d G_last of the last chunk from the fp32 start state S: sum over the pair's 16 value rows of dht S for
 // this warp's keys, into dgl[dbase + key]. The row pointer goes through an opaque move so that the 16
 // addresses are not hoisted out of the chunk loop (32 registers held for the last chunk only).
@@ -162,20 +184,10 @@ __device__ __forceinline__ void states_pair_body(const KdaBwdParams& p, int bid)
     // W^T partial = S kd^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
     float W[2][4] = {};
     auto partial = [&]() { kd_product<4>(W, S, kd, k0, lrow, lhalf); };
-    float* xo = L.xch + ((warp * 2) + (c & 1)) * PAIR_XCH;
-    if (!PB) {
-      partial();
-      xch_put(xo, W, lane);
-    }
-    store_rows_t<DB>(S, L.ots + (c % DB) * 64 * 16, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane);
-    __syncthreads();
-    issue(c + PS - 1);
-    if (PB) {
-      partial();
-      xch_put(xo, W, lane);
-      pair_sync(pr);
-    }
-    xch_add(W, L.xch + (((warp ^ 1) * 2) + (c & 1)) * PAIR_XCH, lane);
+    pair_exchange<PB>(
+        W, L.xch, warp, c & 1, pr, lane, partial,
+        [&]() { store_rows_t<DB>(S, L.ots + (c % DB) * 64 * 16, p.sst + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane); },
+        [&]() { issue(c + PS - 1); });
     const bf16* krT = reinterpret_cast<const bf16*>(st.rec + R_KR);
     const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
     const float* E = reinterpret_cast<const float*>(st.rec + R_E);
@@ -247,20 +259,10 @@ __device__ __forceinline__ void dstates_pair_body(const KdaBwdParams& p, int bid
     // dU^T partial = dS kr^T over this warp's keys: k-step j covers keys k0 + 16 j + [0, 16)
     float dU[2][4] = {};
     auto partial = [&]() { kr_product<4>(dU, dS, krT, k0, lr, lc); };
-    float* xo = L.xch + ((warp * 2) + (k & 1)) * PAIR_XCH;
-    if (!PB) {
-      partial();
-      xch_put(xo, dU, lane);
-    }
-    store_rows_t<DB>(dS, L.ots + (k % DB) * 64 * 16, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane);
-    __syncthreads();
-    issue(k + PS - 1);
-    if (PB) {
-      partial();
-      xch_put(xo, dU, lane);
-      pair_sync(pr);
-    }
-    xch_add(dU, L.xch + (((warp ^ 1) * 2) + (k & 1)) * PAIR_XCH, lane);
+    pair_exchange<PB>(
+        dU, L.xch, warp, k & 1, pr, lane, partial,
+        [&]() { store_rows_t<DB>(dS, L.ots + (k % DB) * 64 * 16, p.dss + sh * KD * KD + (size_t)(vw / 16) * KD * 16 + k0 * 16, lane); },
+        [&]() { issue(k + PS - 1); });
     const bf16* kd = reinterpret_cast<const bf16*>(st.rec + R_KD);
     const bf16* qd = reinterpret_cast<const bf16*>(st.rec + R_QD);
     const bf16* inv = reinterpret_cast<const bf16*>(st.rec + R_INV);
