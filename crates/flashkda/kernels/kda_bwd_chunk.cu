@@ -98,7 +98,7 @@ __device__ __forceinline__ void split_tile(uint32_t (&hi)[4], uint32_t (&lo)[4],
 }
 
 // State rows (fp32 fragments, the load_state layout) from a forward-side state tensor: keys
-// [k0, k0 + 8 NTL) (all 128 in the w passes, a warp's 64 in the pair passes of kda_bwd_pairs.cuh).
+// [k0, k0 + 8 NTL) (all 128 in the w passes: k0 = 0).
 template <int NTL>
 __device__ __forceinline__ void load_rows(float (&S)[NTL][4], const void* base, int fp32, size_t sbase, int r0, int tq,
                                           int k0 = 0) {
@@ -218,8 +218,8 @@ __device__ __forceinline__ void pass_prefetch(PassStage<VS>& st, uint32_t bar, c
   cp_async_commit();
 }
 
-// ---- Chunk-step pieces of the state passes: the w passes hold all keys (k0 = 0), the pair passes of
-// kda_bwd_pairs.cuh a warp's 64 keys from k0 (the swizzles keep their form at k0 = 64).
+// ---- Chunk-step pieces of the state passes: the w passes hold all keys (k0 = 0; the k0 parameter served
+// the warp-pair passes, 64 keys a warp, deleted after their device run lost to the w4 passes: bwd8).
 
 // The lo parts of a 16 x 16 tile.
 __device__ __forceinline__ void lo_tile(float (&l)[2][4], const float (&x)[2][4]) {
@@ -592,4 +592,3 @@ extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4t2(const Kda
 extern "C" __global__ void __launch_bounds__(128) kdab_states_w4t3(const KdaBwdParams p) { states_body<4, 3, 3>(p, blockIdx.x); }
 extern "C" __global__ void __launch_bounds__(128, 3) kdab_dstates_w4t3(const KdaBwdParams p) { dstates_body<4, 3, 3>(p, blockIdx.x); }
 #include "kda_bwd_chunk.cuh"
-#include "kda_bwd_pairs.cuh"

@@ -1,5 +1,5 @@
-// KDA forward with 64-token chunks on wgmma (issue 11, opt-in `Kernel::Chunk64`; NOT YET RUN ON A
-// GPU). Math: `reference::chunked64` (16-token sub-chunks keep every factor in range: see its
+// KDA forward with 64-token chunks on wgmma (issue 11, opt-in `Kernel::Chunk64`; correct on the GPU,
+// slower than the default, 2026-12-05). Math: `reference::chunked64` (16-token sub-chunks keep every factor in range: see its
 // module docs); rounding: `reference::emulated64::C64_KERNEL` (= `Rounding::SPLIT`: hi + lo bf16
 // pairs for the prep products, M, Vb and U; bf16 kd, qd, kr, INV and state operand; fp32 state).
 //

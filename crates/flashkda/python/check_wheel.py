@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""GPU check of the `flashkda` wheel: accuracy against a float64 torch recurrence (head dim 128, and
-64 opted in with FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1, set here), Python exceptions for bad arguments,
+"""GPU check of the `flashkda` wheel: accuracy against a float64 torch recurrence (head dims 128 and 64,
+no opt-in), Python exceptions for bad arguments,
 and the flash-linear-attention backend hookup (dispatch + opt-out).
 Prints one JSON object; exits non-zero on failure. Run on the GPU machine with the wheel (and
 fla >= 0.6 for the hookup part) on PYTHONPATH."""
@@ -10,8 +10,6 @@ import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-
-os.environ["FLASHKDA_EXPERIMENTAL_HEAD_DIM_64"] = "1"  # read once, at the first head-dim-64 call
 
 import torch  # noqa: E402
 
@@ -126,8 +124,10 @@ def main():
         except (ValueError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
     res["errors"] = errors
-    # head dim 64 (K = V = 64; workspace schedule only, not yet verified on a GPU before this check):
+    # head dim 64 (K = V = 64; workspace schedule only; enabled with no opt-in since 2026-12-05):
     # varlen with tails, fp32 initial and final state, bf16 and split operands against float64
+    res["head_dim_enabled_64"] = bool(flashkda.head_dim_enabled(64))
+    ok &= res["head_dim_enabled_64"]
     x64 = inputs([100, 37, 16], 4, 5, D=64)
     o64_ref, ht64_ref = reference(x64)
     for ops, tol in ((None, 6e-3), ("split", 4e-3)):

@@ -78,9 +78,8 @@ pub enum FlashKdaError {
     )]
     HeadDimBackward(usize),
     #[error(
-        "head dim {0} is built but not yet verified on a GPU, so its results are unchecked; set \
-         FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1 (read once per process) or call \
-         flashkda::allow_unverified_head_dim_64() to run it anyway"
+        "head dim {0} is not supported: the forward runs head dims 128 and 64 (K = V), the ones a GPU \
+         run has verified"
     )]
     HeadDimUnverified(usize),
     #[error("the backward state passes take 2 or 4 warps per block, not {0}")]
@@ -89,14 +88,6 @@ pub enum FlashKdaError {
         "no backward state-pass variant with {stages} cp.async stages and {staging} staging tiles"
     )]
     PassVariant { stages: usize, staging: usize },
-    #[error(
-        "no warp-pair state-pass variant with {stages} cp.async stages, {staging} staging tiles and pair_barrier = {pair_barrier}"
-    )]
-    PairVariant {
-        stages: usize,
-        staging: usize,
-        pair_barrier: bool,
-    },
     #[error("workspace of {have} bytes is too small: this call needs {need} bytes")]
     WorkspaceTooSmall { need: usize, have: usize },
     #[error(

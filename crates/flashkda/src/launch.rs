@@ -205,7 +205,7 @@ pub struct KdaKernels {
     /// `kda_fwd_ws_d64.cu`, `kda_fwd_ws_split_d64.cu`: the same at head dim 64.
     ws64_bf16: WorkspaceKernels,
     ws64_split: WorkspaceKernels,
-    /// `kda_fwd_c64.cu` (opt-in `KernelSchedule::Chunk64`, not yet run on a GPU): a failure to
+    /// `kda_fwd_c64.cu` (opt-in `KernelSchedule::Chunk64`, slower than the default): a failure to
     /// load them fails only the calls that ask for them, never the default kernels.
     c64: Result<Chunk64Kernels, String>,
     /// `kda_bwd_chunk.cu`.
@@ -326,8 +326,8 @@ impl KdaKernels {
     }
 
     /// [`call_plan`] of a validated call on this device (no device access), or
-    /// [`FlashKdaError::HeadDimUnverified`] for a head dim not yet verified on a GPU and not opted
-    /// in to ([`crate::head_dim`]).
+    /// [`FlashKdaError::HeadDimUnverified`] for a head dim no GPU run has verified
+    /// ([`crate::head_dim`]).
     pub fn call_plan(&self, plan: &FwdPlan, opts: &FwdOptions) -> Result<CallPlan, FlashKdaError> {
         check_head_dim_enabled(plan.head_dim)?;
         call_plan(plan, &opts.schedule_request(), self.sm_count)

@@ -24,7 +24,7 @@ pub mod schedule;
 pub mod validate;
 
 pub use error::FlashKdaError;
-pub use head_dim::{HEAD_DIM_64_OPT_IN, allow_unverified_head_dim_64, head_dim_enabled};
+pub use head_dim::head_dim_enabled;
 pub use launch::{
     BwdLayout, BwdOptions, FwdOptions, KdaKernels, PassSchedule, Workspace, bwd, bwd_layout,
     bwd_pass_warps, bwd_validated, bwd_workspace_bytes, fwd, fwd_planned, fwd_validated,

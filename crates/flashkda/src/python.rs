@@ -151,8 +151,7 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 }
 
 /// KDA chunked-prefill forward; writes `out` (and `final_state` when given) on torch's current
-/// stream of the tensors' device. Shapes: q, k, v, g, out `[B, T, H, D]` bf16 (D = 128, or 64 opted in
-/// with FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1); beta `[B, T, H]` bf16 logits; A_log `[H]`, dt_bias `[H, D]`
+/// stream of the tensors' device. Shapes: q, k, v, g, out `[B, T, H, D]` bf16 (D = 128 or 64); beta `[B, T, H]` bf16 logits; A_log `[H]`, dt_bias `[H, D]`
 /// fp32; states `[N, H, D, D]` (row = value channel) bf16 or fp32; cu_seqlens int64 `[N + 1]` with B = 1. `check_cu_seqlens=False` skips the
 /// host copy of cu_seqlens (it is skipped anyway while the stream is being captured);
 /// `value_split` is None, 1, 2, 4 or 8 (blocks per chain); `operands` None (automatic), "bf16" or "split" (hi + lo bf16
@@ -161,7 +160,7 @@ fn opt_view(name: &str, t: Option<&Bound<'_, PyAny>>) -> PyResult<Option<TensorV
 /// length in 16-token chunks; `workspace` a contiguous uint8 CUDA tensor of at least
 /// `workspace_bytes(...)` bytes (None: the stream's pooled one, or while capturing one from torch's
 /// allocator, i.e. the graph's private pool); `chunk` None or 16 (default) or 64 (the opt-in
-/// chunk-64 wgmma forward, not yet run on a GPU). The arguments are validated and the call planned
+/// chunk-64 wgmma forward: correct, slower than the default, see `KernelSchedule::Chunk64`). The arguments are validated and the call planned
 /// once, here.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None, cu_seqlens=None, check_cu_seqlens=true, value_split=None, segment_chunks=None, workspace=None, operands=None, overlap=None, chunk=None))]
@@ -307,7 +306,7 @@ fn bwd(
         None => crate::launch::PassSchedule::Auto,
         Some(s) => crate::launch::PassSchedule::parse(s).ok_or_else(|| {
             PyValueError::new_err(format!(
-                "passes={s:?}: expected auto, seq2, seq4, conc2, conc4, conc4o, conc4d2, conc4d3, conc4p4, conc4t2, conc4t3, pair2, pair3 or pair2n"
+                "passes={s:?}: expected auto, seq2, seq4, conc2, conc4, conc4o, conc4d2, conc4d3, conc4p4, conc4t2 or conc4t3"
             ))
         })?,
     };
@@ -407,7 +406,7 @@ fn workspace_bytes(
 }
 
 /// `chunk=` of the Python calls: None or 16 (the default schedules), 64 (the opt-in chunk-64
-/// forward, `KernelSchedule::Chunk64`, not yet run on a GPU).
+/// forward, `KernelSchedule::Chunk64`: correct, slower than the default).
 fn schedule_of(chunk: Option<usize>) -> PyResult<crate::KernelSchedule> {
     match chunk {
         None | Some(16) => Ok(crate::KernelSchedule::Auto),
@@ -446,8 +445,8 @@ fn kernels_built() -> bool {
     crate::launch::kernels_built()
 }
 
-/// Whether a forward call of head dim `head_dim` may run in this process (64: built but not yet
-/// verified on a GPU, only with FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1).
+/// Whether a forward call of head dim `head_dim` may run (128 and 64, the head dims a GPU run has
+/// verified).
 #[pyfunction]
 fn head_dim_enabled(head_dim: usize) -> bool {
     crate::head_dim::head_dim_enabled(head_dim)

@@ -85,10 +85,16 @@ pub enum KernelSchedule {
     /// tensors to a device workspace (13888 bytes per 16 tokens and head); the sequential pass only
     /// does the state matmuls, 2, 4 or 8 blocks per chain.
     Workspace,
-    /// `kda_fwd_c64.cu` (opt-in, never picked by `Auto`; NOT YET RUN ON A GPU): 64-token chunks
-    /// on wgmma, a parallel prep writing one 74496-byte record per 64 tokens and head, then one
-    /// block of two warpgroups per chain. Head dim 128, split operands, no context parallelism,
-    /// value split `Auto` or `One`; anything else is [`FlashKdaError::Chunk64Unsupported`].
+    /// `kda_fwd_c64.cu` (opt-in, never picked by `Auto`): 64-token chunks on wgmma, a parallel
+    /// prep writing one 74496-byte record per 64 tokens and head, then one block of two
+    /// warpgroups per chain. Head dim 128, split operands, no context parallelism, value split
+    /// `Auto` or `One`; anything else is [`FlashKdaError::Chunk64Unsupported`]. First device run
+    /// (H100, 2026-12-05, `bench-results/2026-12-05-c64/`): every GPU test passes (anchors 1.66e-3
+    /// against float64, worst 3.75e-3, sanitizers clean, graph replay bitwise), but it is
+    /// 0.52-0.65x the default on the six anchors: `kda_prep64` takes 1.05-1.64 ms (ncu at H=96
+    /// fixed: 1.55 ms, 25 % occupancy, 8.5 cycles per issue, a third of them at barriers, DRAM
+    /// 27 %) against the default's whole call of 0.78-1.31 ms, while `kda_state64` (0.31-0.46 ms,
+    /// DRAM 84 %) beats the default's state pass (0.41-0.71 ms). Opt-in until the prep is fast.
     Chunk64,
 }
 

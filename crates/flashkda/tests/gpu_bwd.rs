@@ -106,23 +106,8 @@ fn check(gpu: &(KdaKernels, Arc<CudaStream>), c: &Case<'_>) {
     }
 }
 
-/// The state-pass schedules every case runs under (the warp-pair ones first: opt-in, not yet run on a GPU).
-const SCHEDULES: [PassSchedule; 13] = [
-    PassSchedule::PairV {
-        stages: 2,
-        staging: 2,
-        pair_barrier: false,
-    },
-    PassSchedule::PairV {
-        stages: 3,
-        staging: 2,
-        pair_barrier: false,
-    },
-    PassSchedule::PairV {
-        stages: 2,
-        staging: 2,
-        pair_barrier: true,
-    },
+/// The state-pass schedules every case runs under.
+const SCHEDULES: [PassSchedule; 10] = [
     PassSchedule::ConcurrentV {
         stages: 2,
         staging: 3,
@@ -159,7 +144,7 @@ const SCHEDULES: [PassSchedule; 13] = [
     PassSchedule::Sequential { warps: 4 },
 ];
 
-/// The schedules of this run: `FLASHKDA_TEST_PASSES=pair2,pair3,...` (knobs of `PassSchedule::parse`)
+/// The schedules of this run: `FLASHKDA_TEST_PASSES=conc4d2,conc4d3,...` (knobs of `PassSchedule::parse`)
 /// picks some (e.g. for the sanitizers), default all of [`SCHEDULES`].
 fn schedules() -> Vec<PassSchedule> {
     match std::env::var("FLASHKDA_TEST_PASSES") {

@@ -1,8 +1,8 @@
 //! GPU accuracy tests at head dim 64 (K = V = 64, `kernels/kda_fwd_ws{,_split}_d64.cu`): every
 //! variant the schedule allows at 64 against the float64 recurrence (and the kernel-rounding
 //! emulation) on fresh random inputs, NaN-poisoned outputs and canaries, with the bars of
-//! `tests/gpu.rs`; the refusals (other schedules, `ValueSplit::Eight`) are typed. Head dim 64 is
-//! gated until verified on a GPU: these tests opt in themselves (`allow_unverified_head_dim_64`).
+//! `tests/gpu.rs`; the refusals (other schedules, `ValueSplit::Eight`) are typed. Their first device
+//! run (2026-12-05, `bench-results/2026-12-05-d64/`) lifted the head-dim-64 gate.
 //! Skipped, with the reason printed, where no Hopper GPU is. Run with `--test-threads=1`;
 //! `FLASHKDA_GPU_LOG=<file>` appends one JSON line per case, `FLASHKDA_TEST_KERNELS` picks variants.
 
@@ -135,9 +135,8 @@ fn options((_, schedule, value_split, segment_chunks, operands, overlap): Varian
     }
 }
 
-/// The device with head dim 64 opted in, or `None` (skip).
+/// The device, or `None` (skip). Head dim 64 needs no opt-in since its first device run (2026-12-05).
 fn gpu64() -> Option<(KdaKernels, Arc<CudaStream>)> {
-    flashkda::allow_unverified_head_dim_64();
     gpu()
 }
 

@@ -1,27 +1,23 @@
-//! The head-dim-64 gate (its own process: the opt-in is process-wide). Without
-//! FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1 in the environment, head dim 64 is refused with a typed error
-//! naming the opt-in until `allow_unverified_head_dim_64` is called; 128 always runs.
+//! The head-dim gate: 128 and 64 (verified on a GPU, 2026-12-05) run with no opt-in; any other head
+//! dim is refused with a typed invalid-argument error.
 
-use flashkda::head_dim::check_head_dim_enabled;
-use flashkda::{FlashKdaError, HEAD_DIM_64_OPT_IN, allow_unverified_head_dim_64, head_dim_enabled};
+use flashkda::head_dim::{VERIFIED_HEAD_DIMS, check_head_dim_enabled};
+use flashkda::{FlashKdaError, head_dim_enabled};
 
 #[test]
-fn head_dim_64_is_refused_until_opted_in() {
-    assert!(head_dim_enabled(128));
-    assert!(check_head_dim_enabled(128).is_ok());
-    assert!(!head_dim_enabled(96));
-    let env_opted_in = std::env::var(HEAD_DIM_64_OPT_IN).is_ok_and(|v| v == "1");
-    if !env_opted_in {
-        assert!(!head_dim_enabled(64));
-        let e = check_head_dim_enabled(64).unwrap_err();
-        assert!(matches!(e, FlashKdaError::HeadDimUnverified(64)), "{e}");
-        let msg = e.to_string();
-        assert!(msg.contains("not yet verified on a GPU"), "{msg}");
-        assert!(msg.contains(HEAD_DIM_64_OPT_IN), "{msg}");
+fn head_dims_128_and_64_run_others_are_refused() {
+    assert_eq!(VERIFIED_HEAD_DIMS, [128, 64]);
+    for d in [128, 64] {
+        assert!(head_dim_enabled(d));
+        assert!(check_head_dim_enabled(d).is_ok());
+    }
+    for d in [96, 32, 256] {
+        assert!(!head_dim_enabled(d));
+        let e = check_head_dim_enabled(d).unwrap_err();
+        assert!(
+            matches!(e, FlashKdaError::HeadDimUnverified(x) if x == d),
+            "{e}"
+        );
         assert!(e.is_invalid_argument());
     }
-    allow_unverified_head_dim_64();
-    assert!(head_dim_enabled(64));
-    assert!(check_head_dim_enabled(64).is_ok());
-    assert!(!head_dim_enabled(96));
 }

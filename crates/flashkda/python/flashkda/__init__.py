@@ -19,9 +19,8 @@ parallel (intra-card context parallelism) automatically.
 Training: ``o, ht = flashkda.chunk_kda(q, k, v, g, beta, A_log, dt_bias, ...)`` returns outputs with
 gradients (sm_90a backward kernels; see ``flashkda.autograd``).
 
-Head dim: K = V = 128, or 64 on the workspace schedule, forward only. Head dim 64 is built but not yet
-verified on a GPU: it raises ValueError unless ``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1`` is set (read
-once per process; ``flashkda.head_dim_enabled(64)`` tells).
+Head dim: K = V = 128, or 64 on the workspace schedule, forward only (``flashkda.head_dim_enabled(d)``
+tells; any other head dim raises ValueError).
 
 To make flash-linear-attention's ``chunk_kda`` use it: ``flashkda.register_fla_backend()``
 (opt out with ``FLASHKDA_FLA=0``).
@@ -47,8 +46,8 @@ def release_workspaces(device=None):
 
 def workspace_bytes(q, cu_seqlens=None, segment_chunks=None, v=None, operands=None, overlap=None, chunk=None):
     """Bytes of workspace a ``fwd`` call on these inputs needs (0 when it needs none); pass ``v``
-    when it has more heads than ``q`` (GVA), and the call's ``operands`` and ``chunk``. Head dim 64 raises like ``fwd``
-    unless opted in (``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1``)."""
+    when it has more heads than ``q`` (GVA), and the call's ``operands`` and ``chunk``. A head dim other than 128
+    or 64 raises like ``fwd``."""
     b, t, hq = int(q.shape[0]), int(q.shape[1]), int(q.shape[2])
     h = hq if v is None else int(v.shape[2])
     n = b if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
@@ -73,8 +72,8 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     is passed (the stream's pooled one; the graph's private pool while capturing). ``operands``: None (the measured default), ``"bf16"`` or
     ``"split"`` (hi + lo bf16 tensor-core operands: more accurate); ``overlap``: None (the measured
     default) or whether the prep and the state pass run at once where that is safe; ``chunk``: None or 16
-    (the default kernels) or 64 (the opt-in 64-token-chunk wgmma forward, head dim 128, not yet run on a
-    GPU)."""
+    (the default kernels) or 64 (the opt-in 64-token-chunk wgmma forward, head dim 128: correct, but
+    slower than the default)."""
     return _flashkda.fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                          cu_seqlens, check_cu_seqlens, value_split, segment_chunks, workspace, operands, overlap,
                          chunk)

@@ -74,9 +74,8 @@ def chunk_kda(q, k, v, g, beta, A_log, dt_bias, scale=None, lower_bound=-5.0, in
     """KDA forward returning ``(o, final_state)`` (``final_state`` None unless requested), with
     gradients through the sm_90a backward. bf16 q, k, v, g, beta; ``A_log [H]`` and ``dt_bias``
     (``[H, D]`` or ``[H * D]``) in any float dtype (used in fp32); states bf16 or fp32. Head dim
-    ``D`` (K = V) 128, or 64 without gradients (forward only, opted in with
-    ``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1``: the backward is 128-only, a call that needs gradients
-    raises NotImplementedError)."""
+    ``D`` (K = V) 128, or 64 without gradients (forward only: the backward is 128-only, a call that
+    needs gradients raises NotImplementedError)."""
     global _FUNCTION
     import torch
 

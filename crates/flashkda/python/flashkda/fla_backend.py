@@ -13,8 +13,8 @@ It takes precedence over fla's FlashKDA backend (priority 2 < 3) for the calls i
 function and the chunked sm_90a backward, 8.6 vs 12.7 ms forward+backward at H=96, T=8192 on an
 H200; ``FLASHKDA_FLA_TRAIN=0`` keeps training calls on fla's kernels; bf16, K = V = 128, GVA
 included, fused gate/norm/sigmoid, ``state_v_first=True``, ``lower_bound`` in [-5, 0)); K = V = 64
-only for calls without gradients and only with ``FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1`` (built, not
-yet verified on a GPU; the backward is 128-only, so head-dim-64 training stays on fla's Triton);
+only for calls without gradients (the backward is 128-only, so head-dim-64 training stays on fla's
+Triton);
 anything else falls through to the next backend or to Triton. Opt out with the environment variable
 ``FLASHKDA_FLA=0`` (read at every call).
 """
@@ -47,10 +47,6 @@ def _verify(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     if D == 64:
         if wants_grad:
             return False, "flashkda's backward supports K = V = 128 only: head-dim-64 training stays on fla"
-        from flashkda import head_dim_enabled
-        if not head_dim_enabled(64):
-            return False, ("flashkda's head dim 64 is built but not yet verified on a GPU "
-                           "(FLASHKDA_EXPERIMENTAL_HEAD_DIM_64=1 opts in)")
     if v.shape[2] % q.shape[2] != 0:
         return False, "GVA needs the value heads to be a multiple of the query/key heads"
     if not (use_gate_in_kernel and use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel and safe_gate):

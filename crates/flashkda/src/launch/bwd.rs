@@ -41,27 +41,6 @@ fn pass_variant(stages: usize, staging: usize) -> Option<usize> {
         .iter()
         .position(|&(_, ps, db)| (ps, db) == (stages, staging))
 }
-/// The warp-pair pass variants (`kdab_*states_<suffix>`, `kernels/kda_bwd_pairs.cuh`): knob, suffix,
-/// cp.async stages, state staging tiles per warp, pair barrier; `PassSchedule::PairV` names one.
-const PAIR_VARIANTS: [(&str, &str, usize, usize, bool); 3] = [
-    ("pair2", "p8d2", 2, 2, false),
-    ("pair3", "p8d3", 3, 2, false),
-    ("pair2n", "p8n2", 2, 2, true),
-];
-/// Index into `PAIR_VARIANTS` of the variant with `stages`, `staging` and `pair_barrier`.
-fn pair_variant(stages: usize, staging: usize, pair_barrier: bool) -> Option<usize> {
-    PAIR_VARIANTS
-        .iter()
-        .position(|&(_, _, ps, db, pb)| (ps, db, pb) == (stages, staging, pair_barrier))
-}
-/// `PAIR_SMEM(PS, DB)` of the 8-warp pair blocks: `ps` stages, `db` staging tiles (64 keys) per warp,
-/// a 16 x 16 bf16 tile per warp, two 16 x 16 fp32 exchange tiles per warp, `ps` mbarriers.
-const fn pair_smem_bytes(ps: usize, db: usize) -> u32 {
-    (ps * (SPLIT_RECORD_BYTES + CHUNK * (64 + 8) * 2)
-        + 8 * (db * 64 + 16) * 16 * 2
-        + 8 * 2 * 256 * 4
-        + ps * 8) as u32
-}
 /// `PASS_SMEM_V(NW, PS, DB)`: `ps` cp.async stages, `db` state staging tiles per warp.
 const fn pass_smem_bytes_v(nw: usize, ps: usize, db: usize) -> u32 {
     (ps * (SPLIT_RECORD_BYTES + CHUNK * (16 * nw + 8) * 2)
@@ -94,17 +73,6 @@ pub enum PassSchedule {
     /// At once, 4 warps, `stages` cp.async stages and `staging` state staging tiles per warp
     /// (one of `PASS_VARIANTS`: (2, 2), (3, 2), (4, 1), (2, 3), (3, 3)).
     ConcurrentV { stages: usize, staging: usize },
-    /// Opt-in, not yet run on a GPU: at once, 8-warp blocks (the same 64 value rows per block) where
-    /// a pair of warps shares 16 value rows, each holding 64 of the 128 keys (half the mma of a
-    /// chained chunk step), exchanging the key-summed 16 x 16 partials through shared memory;
-    /// `stages` cp.async stages, `staging` state staging tiles per warp; `pair_barrier`: the
-    /// exchange through a pair-scoped named barrier after the block barrier instead of riding the
-    /// block barrier. One of `PAIR_VARIANTS`: (2, 2, false), (3, 2, false), (2, 2, true).
-    PairV {
-        stages: usize,
-        staging: usize,
-        pair_barrier: bool,
-    },
 }
 
 /// Blocks of `warps` warps a multiprocessor holds at once in a state pass (shared memory).
@@ -132,18 +100,8 @@ pub fn prep_overlap_fits(chains: usize, warps: usize, sm_count: usize) -> bool {
 impl PassSchedule {
     /// `seq2`, `seq4`, `conc2`, `conc4`, `conc4o` (with the prep overlap), `conc4d2`, `conc4d3`
     /// (double-buffered staging, 2 or 3 stages), `conc4p4` (4 stages), `conc4t2`, `conc4t3` (three
-    /// staging tiles), `pair2`, `pair3` (warp pairs, double-buffered staging, 2 or 3 stages),
-    /// `pair2n` (`pair2` with the named pair barrier) or `auto` (benchmark knob of the Python call).
+    /// staging tiles) or `auto` (benchmark knob of the Python call).
     pub fn parse(s: &str) -> Option<Self> {
-        if let Some(&(_, _, stages, staging, pair_barrier)) =
-            PAIR_VARIANTS.iter().find(|v| v.0 == s)
-        {
-            return Some(PassSchedule::PairV {
-                stages,
-                staging,
-                pair_barrier,
-            });
-        }
         Some(match s {
             "auto" => PassSchedule::Auto,
             "seq2" => PassSchedule::Sequential { warps: 2 },
@@ -293,10 +251,9 @@ unsafe impl DeviceRepr for BwdKernelParams {}
 #[derive(Debug)]
 pub(super) struct BwdKernels {
     prep: CudaFunction,
-    /// `kdab_states_w2`, `_w4`, then `_w4<suffix>` of `PASS_VARIANTS`, then `_<suffix>` of
-    /// `PAIR_VARIANTS`.
+    /// `kdab_states_w2`, `_w4`, then `_w4<suffix>` of `PASS_VARIANTS`.
     states: Vec<CudaFunction>,
-    /// `kdab_dstates_w2`, `_w4`, then the variants, then the pair variants.
+    /// `kdab_dstates_w2`, `_w4`, then the variants.
     dstates: Vec<CudaFunction>,
     chunk: CudaFunction,
     reduce: CudaFunction,
@@ -306,16 +263,13 @@ pub(super) struct BwdKernels {
 impl BwdKernels {
     pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self, FlashKdaError> {
         let load = |name: &'static str, smem: u32| super::load_kernel(module, name, smem, name);
-        let pass_fns = |names: [&'static str; 10]| {
+        let pass_fns = |names: [&'static str; 7]| {
             let mut v = vec![
                 load(names[0], pass_smem_bytes(2))?,
                 load(names[1], pass_smem_bytes(4))?,
             ];
-            for (name, (_, ps, db)) in names[2..7].iter().zip(PASS_VARIANTS) {
+            for (name, (_, ps, db)) in names[2..].iter().zip(PASS_VARIANTS) {
                 v.push(load(name, pass_smem_bytes_v(4, ps, db))?);
-            }
-            for (name, (_, _, ps, db, _)) in names[7..].iter().zip(PAIR_VARIANTS) {
-                v.push(load(name, pair_smem_bytes(ps, db))?);
             }
             Ok::<_, FlashKdaError>(v)
         };
@@ -329,9 +283,6 @@ impl BwdKernels {
                 "kdab_states_w4p4",
                 "kdab_states_w4t2",
                 "kdab_states_w4t3",
-                "kdab_states_p8d2",
-                "kdab_states_p8d3",
-                "kdab_states_p8n2",
             ])?,
             dstates: pass_fns([
                 "kdab_dstates_w2",
@@ -341,9 +292,6 @@ impl BwdKernels {
                 "kdab_dstates_w4p4",
                 "kdab_dstates_w4t2",
                 "kdab_dstates_w4t3",
-                "kdab_dstates_p8d2",
-                "kdab_dstates_p8d3",
-                "kdab_dstates_p8n2",
             ])?,
             chunk: load("kdab_chunk", CHUNK_SMEM_BYTES)?,
             reduce: load("kdab_reduce", 0)?,
@@ -533,22 +481,6 @@ pub fn bwd_validated(
                 variant = Some((2 + v, pass_smem_bytes_v(4, stages, staging)));
                 (4, true, false)
             }
-            PassSchedule::PairV {
-                stages,
-                staging,
-                pair_barrier,
-            } => {
-                let Some(v) = pair_variant(stages, staging, pair_barrier) else {
-                    return Err(FlashKdaError::PairVariant {
-                        stages,
-                        staging,
-                        pair_barrier,
-                    });
-                };
-                let i = 2 + PASS_VARIANTS.len() + v;
-                variant = Some((i, pair_smem_bytes(stages, staging)));
-                (8, true, false)
-            }
             PassSchedule::Concurrent {
                 warps,
                 overlap_prep,
@@ -563,9 +495,8 @@ pub fn bwd_validated(
             return Err(FlashKdaError::PassWarps(nw));
         }
         let (i, smem) = variant.unwrap_or((usize::from(nw == 4), pass_smem_bytes(nw)));
-        // value rows per block: 16 per warp, 16 per pair in the 8-warp pair blocks
-        let rows = if nw == 8 { 64 } else { 16 * nw };
-        let blocks = (chains * HEAD_DIM / rows) as u32;
+        // value rows per block: 16 per warp
+        let blocks = (chains * HEAD_DIM / (16 * nw)) as u32;
         let cfg = |grid: u32| LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: ((32 * nw) as u32, 1, 1),
@@ -663,9 +594,6 @@ mod tests {
         assert_eq!(pass_smem_bytes_v(4, 4, 1), 85280);
         assert_eq!(pass_smem_bytes_v(4, 2, 3), 84624);
         assert_eq!(pass_smem_bytes_v(4, 3, 3), 101336);
-        // `PAIR_SMEM(PS, DB)` in kernels/kda_bwd_pairs.cuh (static_assert there)
-        assert_eq!(pair_smem_bytes(2, 2), 86672);
-        assert_eq!(pair_smem_bytes(3, 2), 103384);
         assert_eq!(ACC_W % 4, 0);
     }
 
@@ -754,20 +682,10 @@ mod tests {
             assert!(pass_variant(stages, staging).is_some(), "{k}");
         }
         assert_eq!(pass_variant(2, 1), None);
-        // the pair knobs name their compiled variants; two 8-warp blocks per SM (<= 128 registers)
-        for (k, _, stages, staging, pair_barrier) in PAIR_VARIANTS {
-            assert_eq!(
-                PassSchedule::parse(k),
-                Some(PassSchedule::PairV {
-                    stages,
-                    staging,
-                    pair_barrier
-                })
-            );
-            assert!(pair_variant(stages, staging, pair_barrier).is_some());
-            assert!(2 * (pair_smem_bytes(stages, staging) as usize + 1024) <= 233472);
+        // the warp-pair knobs are gone (bwd8: they lost to the w4 passes on every anchor)
+        for k in ["pair2", "pair3", "pair2n"] {
+            assert_eq!(PassSchedule::parse(k), None);
         }
-        assert_eq!(pair_variant(3, 2, true), None);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The opt-in chunk-64 forward (`KernelSchedule::Chunk64`, `kernels/kda_fwd_c64.cu`; NOT YET RUN ON
-//! A GPU): `kda_prep64` over all (64-token chunk slot, head), then `kda_state64`, one block of two
+//! The opt-in chunk-64 forward (`KernelSchedule::Chunk64`, `kernels/kda_fwd_c64.cu`; correct on the
+//! GPU, slower than the default: see there): `kda_prep64` over all (64-token chunk slot, head), then `kda_state64`, one block of two
 //! warpgroups per (sequence, head). Kernel-side sizes mirrored as constants and tested.
 
 use std::sync::Arc;
