@@ -4,6 +4,7 @@
 # Idempotent: a second run installs nothing and takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SETUP_START=$(date +%s)
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
@@ -85,6 +86,7 @@ fi
 export K3_CUDA_PIP_DIR="$CUDA_PIP_DIR" CUDA_HOME="$CUDA_PIP_DIR/nvidia/cu13"
 export PATH="$CUDA_HOME/bin:$PATH"
 
+log "ready in $(( $(date +%s) - SETUP_START )) s"
 if [ $# -gt 0 ]; then
   log "running: $*"
   exec "$@"

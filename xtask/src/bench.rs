@@ -117,6 +117,7 @@ pub fn run(args: &BenchArgs<'_>) -> anyhow::Result<()> {
         .filter(|j| systems.is_empty() || systems.iter().any(|s| s == j.system))
         .collect();
     let mut failures = Vec::new();
+    let mut phases: Vec<(String, std::time::Duration)> = Vec::new();
     for job in selected {
         let status = findings.status(job.tier);
         if !status.runs {
@@ -140,21 +141,19 @@ pub fn run(args: &BenchArgs<'_>) -> anyhow::Result<()> {
         let needs = prepare_needs(job, bin_dir);
         let mut cmd = match bin_dir {
             Some(dir) => Command::new(dir.join(job.bin)),
-            None => {
-                let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-                c.args([
-                    "run",
-                    "--quiet",
-                    "--release",
-                    "-p",
-                    job.package,
-                    "--bin",
-                    job.bin,
-                    "--",
-                ]);
-                c
-            }
+            None => match build_release(job.package, job.bin) {
+                Ok((path, took)) => {
+                    phases.push((format!("build {}", job.bin), took));
+                    Command::new(path)
+                }
+                Err(e) => {
+                    println!("FAIL {} on {}: {e:#}", job.system, job.tier);
+                    failures.push(format!("{} on {}: {e:#}", job.system, job.tier));
+                    continue;
+                }
+            },
         };
+        util::backtrace_only_when_asked(&mut cmd);
         cmd.args(["--tier", job.tier.as_str(), "--out"])
             .arg(&part)
             .envs(provenance.env());
@@ -177,8 +176,10 @@ pub fn run(args: &BenchArgs<'_>) -> anyhow::Result<()> {
             job.tier,
             log.display()
         ));
+        let started = std::time::Instant::now();
         let outcome = run_logged(&mut cmd, &log);
         pb.finish_and_clear();
+        phases.push((format!("{} on {}", job.system, job.tier), started.elapsed()));
         match outcome.and_then(|()| Report::read(&part).map_err(anyhow::Error::from)) {
             Ok(part_report) => {
                 let figures: usize = part_report.sections.iter().map(|s| s.figures.len()).sum();
@@ -207,6 +208,10 @@ pub fn run(args: &BenchArgs<'_>) -> anyhow::Result<()> {
         }
     }
     render::write_all(&report, out)?;
+    println!("\ntime per phase:");
+    for (name, took) in &phases {
+        println!("  {name:<28} {:>7.1} s", took.as_secs_f64());
+    }
     println!("report: {}/report.{{json,md,html}}", out.display());
     let entry = benchmarks_entry(&report, &command_line(), out);
     println!("\ndocs/benchmarks.md entry:\n{entry}");
@@ -242,29 +247,34 @@ fn prepare_needs(
         }
         let path = match bin_dir {
             Some(dir) => dir.join(bin),
-            None => {
-                let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-                let pb = util::spinner(format!("building {bin} (release)"));
-                let built = util::run_checked(Command::new(cargo).args([
-                    "build",
-                    "--quiet",
-                    "--release",
-                    "-p",
-                    package,
-                    "--bin",
-                    bin,
-                ]));
-                pb.finish_and_clear();
-                built?;
-                Path::new("target/release")
-                    .join(bin)
-                    .canonicalize()
-                    .with_context(|| format!("locating {bin}"))?
-            }
+            None => build_release(package, bin)?.0,
         };
         env.push((var, path));
     }
     Ok(env)
+}
+
+/// Builds `bin` of `package` in release mode (a spinner meanwhile); its path and the time it took.
+fn build_release(package: &str, bin: &str) -> anyhow::Result<(PathBuf, std::time::Duration)> {
+    let started = std::time::Instant::now();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let pb = util::spinner(format!("building {bin} (release)"));
+    let built = util::run_checked(Command::new(cargo).args([
+        "build",
+        "--quiet",
+        "--release",
+        "-p",
+        package,
+        "--bin",
+        bin,
+    ]));
+    pb.finish_and_clear();
+    built?;
+    let path = Path::new("target/release")
+        .join(bin)
+        .canonicalize()
+        .with_context(|| format!("locating {bin}"))?;
+    Ok((path, started.elapsed()))
 }
 
 fn run_logged(cmd: &mut Command, log: &PathBuf) -> anyhow::Result<()> {
@@ -277,11 +287,10 @@ fn run_logged(cmd: &mut Command, log: &PathBuf) -> anyhow::Result<()> {
         .with_context(|| format!("starting {cmd:?}"))?;
     if !status.success() {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(15).collect();
         bail!(
-            "{status}; last lines of {}:\n{}",
-            log.display(),
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            "{status}: {}\n  (whole log: {})",
+            util::failure_summary(&text, 5).join("\n  "),
+            log.display()
         );
     }
     Ok(())

@@ -75,7 +75,12 @@ enum Cmd {
         no_wheels: bool,
     },
     /// Run every check CI runs: fmt, clippy, kernels for sm_90a, all tests, simulator, e2b SDK tests.
-    Test,
+    Test {
+        /// Only the lib and bin unit tests of the whole workspace (fakes, no QEMU, etcd, S3 or GPU):
+        /// the fast lane, under two minutes warm.
+        #[arg(long)]
+        fast: bool,
+    },
     /// Check repository rules (file sizes, ARCHITECTURE.md coverage, no ignored tests).
     Tidy,
 }
@@ -98,7 +103,21 @@ enum ReportCmd {
     },
 }
 
-fn main() -> anyhow::Result<()> {
+/// Ends with the error chain, one cause a line (never a backtrace: the logs named above hold the rest).
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            for cause in e.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     k3_common::telemetry::init("info");
     let cli = Cli::parse();
     let root = util::repo_root()?;
@@ -129,7 +148,7 @@ fn main() -> anyhow::Result<()> {
             render::write_all(&report, &out)
         }
         Cmd::DeviceBundle { out, no_wheels } => bundle::build(&out, !no_wheels),
-        Cmd::Test => test::run(),
+        Cmd::Test { fast } => test::run(fast),
         Cmd::Tidy => {
             let problems = tidy::check(&root)?;
             let pending = tidy::refs::pending(&root);

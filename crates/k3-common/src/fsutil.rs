@@ -32,10 +32,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         f.sync_all()?;
     }
     std::fs::rename(&tmp, path)?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
+    let _ = sync_dir(dir);
     Ok(())
+}
+
+/// fsyncs folder `dir`, so renames and creations in it survive a crash.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// `create_dir_all` with mode 0700 for every folder it creates (existing ones are left as they are).
@@ -45,6 +48,37 @@ pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
         .recursive(true)
         .mode(0o700)
         .create(dir)
+}
+
+/// An exclusive `flock` on a file (created if missing), held until dropped: the one host-wide lock
+/// of the workspace (template builds, network slots, test networks).
+#[derive(Debug)]
+pub struct FileLock {
+    _file: std::fs::File,
+}
+
+impl FileLock {
+    /// Waits for the lock.
+    pub fn lock(path: &Path) -> std::io::Result<FileLock> {
+        Self::flock(path, libc::LOCK_EX)?.ok_or_else(std::io::Error::last_os_error)
+    }
+
+    /// The lock if nobody holds it now (`None` when another holder has it).
+    pub fn try_lock(path: &Path) -> std::io::Result<Option<FileLock>> {
+        Self::flock(path, libc::LOCK_EX | libc::LOCK_NB)
+    }
+
+    fn flock(path: &Path, op: libc::c_int) -> std::io::Result<Option<FileLock>> {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)?;
+        // SAFETY: flock on a file this function owns; released when it closes.
+        let ok = unsafe { libc::flock(file.as_raw_fd(), op) } == 0;
+        Ok(ok.then_some(FileLock { _file: file }))
+    }
 }
 
 /// The cache folder for downloaded or built artefacts (guest kernels, rootfs, toolchains):

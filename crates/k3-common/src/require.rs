@@ -6,6 +6,10 @@
 //! - `K3_REQUIRE_TIERS=cpu,sm90,...` requires the tiers it lists (any tier, `cpu` included).
 //!
 //! Values other than empty or `0` count as set.
+//!
+//! Tests that need an external part (QEMU, KVM, root, host networking, an S3 server, etcd, an OCI
+//! registry, a GPU) skip through [`skip_part`], which also appends the skip to `K3_SKIP_LOG` when set:
+//! `cargo xtask test` counts and prints them at the end.
 
 use crate::report::Tier;
 
@@ -110,13 +114,158 @@ fn which_var(tier: Tier) -> &'static str {
 #[track_caller]
 pub fn skip_or_fail(tier: Tier, reason: impl std::fmt::Display) {
     match decide(&Required::from_env(), tier, &reason.to_string()) {
-        Verdict::Skip(line) => println!("{line}"),
+        Verdict::Skip(line) => {
+            record_skip(tier.as_str(), &caller(), &line);
+            println!("{line}");
+        }
         Verdict::Fail(msg) => panic!("{msg}"),
+    }
+}
+
+/// Where skips are counted: one line per skip (`part<TAB>where<TAB>reason`), appended.
+pub const SKIP_LOG: &str = "K3_SKIP_LOG";
+
+/// An external part a test needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// A QEMU that boots guests (TCG is enough).
+    Qemu,
+    /// Guests under KVM.
+    Kvm,
+    /// Root (namespaces, other uids, nftables).
+    Root,
+    /// Sandbox networking on the host (`/dev/net/tun`, `ip`, `nft`) or the package mirror.
+    Network,
+    /// An S3 server (SeaweedFS).
+    S3,
+    /// etcd.
+    Etcd,
+    /// An OCI registry (the CNCF distribution server) and `openssl`.
+    Registry,
+    /// A CUDA device of compute capability 9.0.
+    Gpu,
+}
+
+impl Part {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Part::Qemu => "qemu",
+            Part::Kvm => "kvm",
+            Part::Root => "root",
+            Part::Network => "network",
+            Part::S3 => "s3",
+            Part::Etcd => "etcd",
+            Part::Registry => "registry",
+            Part::Gpu => "gpu",
+        }
+    }
+
+    /// The variable whose value `1` turns this part's skip into a failure.
+    pub fn variable(self) -> &'static str {
+        match self {
+            Part::Qemu | Part::Kvm | Part::Root | Part::Network => REQUIRE_KVM,
+            Part::S3 => "K3_REQUIRE_S3",
+            Part::Etcd => "K3_REQUIRE_CLUSTER",
+            Part::Registry => "K3_REQUIRE_REGISTRY",
+            Part::Gpu => REQUIRE_GPU,
+        }
+    }
+
+    /// Whether this environment requires the part.
+    pub fn required(self) -> bool {
+        let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.trim().is_empty() && v.trim() != "0");
+        set(self.variable()) || (self == Part::S3 && std::env::var("CI").is_ok_and(|v| v == "true"))
+    }
+}
+
+/// For a test whose external `part` is missing: records and prints `skip <part>: <test>: <reason>`
+/// and returns, or panics when the environment requires the part. Call it, then `return`.
+#[track_caller]
+pub fn skip_part(part: Part, test: &str, reason: impl std::fmt::Display) {
+    let log = std::env::var_os(SKIP_LOG).map(std::path::PathBuf::from);
+    if let Some(line) = part_skip(
+        part,
+        part.required(),
+        log.as_deref(),
+        test,
+        &reason.to_string(),
+    ) {
+        println!("{line}");
+    }
+}
+
+/// [`skip_part`] with the environment passed in; the printed line, or a panic when `required`.
+#[track_caller]
+fn part_skip(
+    part: Part,
+    required: bool,
+    log: Option<&std::path::Path>,
+    test: &str,
+    reason: &str,
+) -> Option<String> {
+    if required {
+        panic!(
+            "{test}: {} is required here ({}=1) but missing: {reason}",
+            part.as_str(),
+            part.variable()
+        );
+    }
+    let line = format!("skip {}: {test}: {reason}", part.as_str());
+    append_skip(log, part.as_str(), test, &line);
+    Some(line)
+}
+
+#[track_caller]
+fn caller() -> String {
+    let l = std::panic::Location::caller();
+    let thread = std::thread::current();
+    format!(
+        "{} ({}:{})",
+        thread.name().unwrap_or("?"),
+        l.file(),
+        l.line()
+    )
+}
+
+fn record_skip(part: &str, test: &str, line: &str) {
+    let log = std::env::var_os(SKIP_LOG).map(std::path::PathBuf::from);
+    append_skip(log.as_deref(), part, test, line);
+}
+
+fn append_skip(log: Option<&std::path::Path>, part: &str, test: &str, line: &str) {
+    use std::io::Write;
+    let Some(path) = log else {
+        return;
+    };
+    let one_line = |s: &str| s.replace(['\n', '\t'], " ");
+    let entry = format!("{part}\t{}\t{}\n", one_line(test), one_line(line));
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = f.write_all(entry.as_bytes());
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_part_skip_is_recorded_and_a_required_part_fails() {
+        let path = std::env::temp_dir().join(format!("k3-skips-{}", std::process::id()));
+        let line = part_skip(Part::Etcd, false, Some(&path), "t1", "no etcd\nbinary");
+        assert_eq!(line.as_deref(), Some("skip etcd: t1: no etcd\nbinary"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(text, "etcd\tt1\tskip etcd: t1: no etcd binary\n");
+        let r = std::panic::catch_unwind(|| part_skip(Part::Etcd, true, None, "t2", "none"));
+        let msg = *r.unwrap_err().downcast::<String>().unwrap();
+        assert!(
+            msg.contains("K3_REQUIRE_CLUSTER=1") && msg.contains("t2"),
+            "{msg}"
+        );
+    }
+
     use std::collections::HashMap;
 
     use super::*;

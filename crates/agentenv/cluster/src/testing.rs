@@ -21,7 +21,7 @@ pub fn find_etcd() -> Result<PathBuf, String> {
 
 /// Whether a missing etcd fails the test instead of skipping it.
 pub fn cluster_required() -> bool {
-    std::env::var("K3_REQUIRE_CLUSTER").is_ok_and(|v| v == "1")
+    k3_common::require::Part::Etcd.required()
 }
 
 /// One etcd process.
@@ -39,11 +39,10 @@ pub struct Etcd {
 pub fn etcd_or_skip(test: &str, parent: &Path) -> Option<Etcd> {
     match Etcd::start(parent) {
         Ok(e) => Some(e),
-        Err(e) if !cluster_required() => {
-            eprintln!("skip {test}: {e}");
+        Err(e) => {
+            k3_common::require::skip_part(k3_common::require::Part::Etcd, test, e);
             None
         }
-        Err(e) => panic!("{test}: etcd required (K3_REQUIRE_CLUSTER=1): {e}"),
     }
 }
 

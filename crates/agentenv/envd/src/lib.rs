@@ -6,13 +6,15 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// envd protocol version the guest agent implements (E2B `envdVersion`).
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = "0.6.2";
 /// Port the SDK addresses envd on (`E2b-Sandbox-Port`, `49983-<id>.<domain>`).
 pub const ENVD_PORT: u16 = 49983;
 /// Name of the virtio-serial port that carries the agent channel (guest: `/dev/virtio-ports/<name>`).
 pub const AGENT_CHANNEL: &str = "agentenv.0";
 
 /// envd's plain HTTP paths.
+pub mod signing;
+
 pub mod paths {
     /// `GET`: 204 once the agent serves.
     pub const HEALTH: &str = "/health";

@@ -9,8 +9,8 @@ use serde::de::{self, Deserializer};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-/// envd version this agent implements (docs/specs/e2b-compat.md §6.7).
-pub const ENVD_VERSION: &str = "0.5.7";
+/// envd version this agent implements (docs/specs/e2b-compat.md §6.7): the contract's.
+pub use agentenv_envd::ENVD_VERSION;
 
 /// Connect error codes (docs/specs/e2b-compat.md §6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -538,6 +538,9 @@ pub struct EntryInfo {
     pub symlink_target: Option<String>,
     /// True for symlinks.
     pub is_symlink: bool,
+    /// User metadata (`user.e2b.*` extended attributes), where it has any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// `filesystem.EventType`.

@@ -132,13 +132,17 @@ pub async fn upload(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         Err(r) => return *r,
     };
     let limit = agent.config.max_upload_bytes;
+    let meta = match crate::meta::from_headers(req.headers()) {
+        Ok(m) => m,
+        Err(e) => return http_error(StatusCode::BAD_REQUEST, e),
+    };
     let ctype = header(&req, http::header::CONTENT_TYPE);
     let gzip = header(&req, http::header::CONTENT_ENCODING).eq_ignore_ascii_case("gzip");
     let result = if ctype.starts_with("multipart/form-data") {
-        upload_multipart(&user, path, &ctype, req.into_body(), limit).await
+        upload_multipart(&user, path, &ctype, req.into_body(), limit, &meta).await
     } else {
         match path {
-            Some(p) => upload_raw(&user, &p, req.into_body(), gzip, limit)
+            Some(p) => upload_raw(&user, &p, req.into_body(), gzip, limit, &meta)
                 .await
                 .map(|e| vec![e]),
             None => Err(UploadError(StatusCode::BAD_REQUEST, "missing path".into())),
@@ -165,6 +169,7 @@ async fn upload_multipart(
     ctype: &str,
     body: Incoming,
     limit: u64,
+    meta: &Meta,
 ) -> Result<Vec<Value>, UploadError> {
     let boundary = multer::parse_boundary(ctype)
         .map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))?;
@@ -200,7 +205,7 @@ async fn upload_multipart(
         {
             sink.write(&chunk)?;
         }
-        written.push(sink.finish()?);
+        written.push(sink.finish(meta)?);
     }
     Ok(written)
 }
@@ -211,6 +216,7 @@ async fn upload_raw(
     body: Incoming,
     gzip: bool,
     limit: u64,
+    meta: &Meta,
 ) -> Result<Value, UploadError> {
     let mut stream = body.into_data_stream();
     let mut sink = Sink::create(user, dest, limit)?;
@@ -236,8 +242,11 @@ async fn upload_raw(
             .map_err(|e| UploadError(StatusCode::BAD_REQUEST, format!("gzip: {e}")))?;
         sink.write(&out)?;
     }
-    sink.finish()
+    sink.finish(meta)
 }
+
+/// An upload's user metadata.
+type Meta = std::collections::BTreeMap<String, String>;
 
 /// A destination file being written, with the size cap enforced as bytes arrive.
 struct Sink {
@@ -286,12 +295,22 @@ impl Sink {
             .map_err(|e| UploadError::io(e, &self.path))
     }
 
-    fn finish(self) -> Result<Value, UploadError> {
+    /// Ends the file with `meta` as its metadata (an empty map clears what an older file had).
+    fn finish(self, meta: &Meta) -> Result<Value, UploadError> {
         let name = self
             .path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        Ok(json!({"name": name, "type": "file", "path": self.path.display().to_string()}))
+        if let Err(e) = crate::meta::replace(&self.path, meta)
+            && !meta.is_empty()
+        {
+            return Err(UploadError::io(e, &self.path));
+        }
+        let mut v = json!({"name": name, "type": "file", "path": self.path.display().to_string()});
+        if !meta.is_empty() {
+            v["metadata"] = json!(meta);
+        }
+        Ok(v)
     }
 }

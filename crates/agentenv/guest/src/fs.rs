@@ -7,11 +7,6 @@ use std::path::{Component, Path, PathBuf};
 use crate::envd::{Code, EntryInfo, FileType, RpcError};
 use crate::users::{self, User};
 
-/// Go's `os.ModeDir` bit, set in `EntryInfo.mode` for directories.
-const GO_MODE_DIR: u32 = 1 << 31;
-/// Go's `os.ModeSymlink` bit.
-const GO_MODE_SYMLINK: u32 = 1 << 27;
-
 /// Linux's PATH_MAX and NAME_MAX.
 const MAX_PATH_BYTES: usize = 4095;
 const MAX_NAME_BYTES: usize = 255;
@@ -88,13 +83,8 @@ pub fn entry_info(path: &Path) -> std::io::Result<EntryInfo> {
         None => FileType::Symlink,
     };
     let m = meta.as_ref().unwrap_or(&lmeta);
-    let mut mode = m.permissions().mode() & 0o777;
-    if file_type == FileType::Directory {
-        mode |= GO_MODE_DIR;
-    }
-    if file_type == FileType::Symlink {
-        mode |= GO_MODE_SYMLINK;
-    }
+    // The permission bits only, as E2B's envd (Go's `Mode().Perm()`): the type is in `type`.
+    let mode = m.permissions().mode() & 0o777;
     Ok(EntryInfo {
         name: path
             .file_name()
@@ -110,6 +100,7 @@ pub fn entry_info(path: &Path) -> std::io::Result<EntryInfo> {
         modified_time: k3_common::time::rfc3339_from_unix(m.mtime().max(0) as u64),
         symlink_target,
         is_symlink,
+        metadata: Some(crate::meta::read(path)).filter(|m| !m.is_empty()),
     })
 }
 
@@ -224,7 +215,11 @@ pub fn move_entry(src: &Path, dst: &Path, user: &User) -> Result<EntryInfo, RpcE
 
 /// Remove a file, link or directory tree.
 pub fn remove(path: &Path) -> Result<(), RpcError> {
-    let meta = std::fs::symlink_metadata(path).map_err(|e| io_err(e, "remove", path))?;
+    // As E2B's envd: removing what is not there succeeds.
+    let meta = match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        r => r.map_err(|e| io_err(e, "remove", path))?,
+    };
     let r = if meta.is_dir() {
         std::fs::remove_dir_all(path)
     } else {
@@ -236,6 +231,32 @@ pub fn remove(path: &Path) -> Result<(), RpcError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn removing_what_is_not_there_succeeds() {
+        let d = tempfile::tempdir().unwrap();
+        assert!(remove(&d.path().join("missing")).is_ok());
+        let f = d.path().join("f");
+        std::fs::write(&f, b"x").unwrap();
+        remove(&f).unwrap();
+        assert!(!f.exists());
+    }
+
+    #[test]
+    fn entry_modes_are_the_permission_bits_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("sub");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let file = d.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o640)).unwrap();
+        std::os::unix::fs::symlink(&dir, d.path().join("l")).unwrap();
+        assert_eq!(entry_info(&dir).unwrap().mode, 0o755);
+        assert_eq!(entry_info(&file).unwrap().mode, 0o640);
+        assert_eq!(entry_info(&d.path().join("l")).unwrap().mode, 0o755);
+    }
 
     #[test]
     fn resolve_folds_relative_paths() {

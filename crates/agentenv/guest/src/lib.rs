@@ -19,9 +19,11 @@ pub mod files;
 pub mod fs;
 pub mod http;
 pub mod init;
+pub mod meta;
 pub mod net;
 pub mod port;
 pub mod process;
+pub mod router;
 pub mod rpc;
 pub mod tunnel;
 pub mod users;
@@ -128,7 +130,7 @@ impl Agent {
         let agent = self.clone();
         let svc = hyper::service::service_fn(move |req| {
             let agent = agent.clone();
-            async move { Ok::<_, std::convert::Infallible>(http::handle(agent, req).await) }
+            async move { Ok::<_, std::convert::Infallible>(router::handle(agent, req).await) }
         });
         hyper::server::conn::http1::Builder::new()
             .keep_alive(true)

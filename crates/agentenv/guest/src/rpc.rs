@@ -312,6 +312,8 @@ async fn stream_input(agent: &Agent, mut body: Incoming) -> Response<Body> {
 async fn unary_process(agent: &Agent, method: &str, body: &[u8]) -> Result<Value, RpcError> {
     match method {
         "List" => {
+            // No fields, but the body must still be a JSON object (Connect's invalid_argument).
+            let _: serde_json::Map<String, Value> = envd::parse(body)?;
             let procs: Vec<Value> = agent
                 .procs
                 .list()

@@ -95,10 +95,11 @@ async fn stat_list_mkdir_move_remove() {
         .await;
     assert_eq!(st, StatusCode::NOT_FOUND);
     assert_eq!(v["code"], "not_found");
+    // Removing what is not there succeeds, as in E2B (its SDK suite's `test_remove_non_existing_file`).
     let (st, _) = g
         .unary("/filesystem.Filesystem/Remove", json!({"path": root}))
         .await;
-    assert_eq!(st, StatusCode::NOT_FOUND);
+    assert_eq!(st, StatusCode::OK);
 }
 
 fn k3_owner() -> String {
@@ -282,4 +283,16 @@ async fn connect_calls_check_their_content_type() {
         .body(Full::new(Bytes::from(unary)))
         .unwrap();
     assert_eq!(g.send(req).await.status(), StatusCode::OK);
+    // A method without fields still wants a JSON object: anything else is invalid_argument (400).
+    for body in [&b"not json"[..], b"[1]", b"{\"x\""] {
+        let req = Request::post("/process.Process/List")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::copy_from_slice(body)))
+            .unwrap();
+        let resp = g.send(req).await;
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{body:?}");
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        assert_eq!(v["code"], "invalid_argument", "{v}");
+    }
 }

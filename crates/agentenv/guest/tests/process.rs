@@ -283,7 +283,11 @@ async fn user_from_basic_auth() {
     let g = Guest::start(&[]).await;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        k3_common::require::skip_or_fail(k3_common::Tier::Cpu, "switching users needs root");
+        k3_common::require::skip_part(
+            k3_common::require::Part::Root,
+            "user_from_basic_auth",
+            "switching users needs root",
+        );
         return;
     }
     let auth = format!("Basic {}", to_b64(b"nobody:"));

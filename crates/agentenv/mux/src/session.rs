@@ -6,10 +6,9 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, ReadHalf, WriteHalf};
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
 
 use crate::frame::{self, Frame, HEADER_LEN, Kind, MAX_PAYLOAD};
-use crate::stream::{Delivery, MuxStream, StreamShared};
+use crate::stream::{Delivery, Link, MuxStream, StreamShared, TaskGuard};
 use crate::{MAX_STREAMS, MuxError};
 
 /// How often the client repeats its HELLO until the server acknowledges it. A clean channel (the
@@ -45,41 +44,31 @@ pub(crate) struct Inner {
     accept_tx: Mutex<Option<mpsc::UnboundedSender<Arc<StreamShared>>>>,
 }
 
-/// Aborts the session tasks once the session and all its streams are dropped.
-pub(crate) struct TaskGuard {
-    tasks: Mutex<Vec<JoinHandle<()>>>,
-}
-
-impl Drop for TaskGuard {
-    fn drop(&mut self) {
-        for t in self
-            .tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
-            t.abort();
-        }
-    }
-}
-
 impl Inner {
     fn table(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Queues a frame for the writer; false when the session is gone.
-    pub(crate) fn send_frame(&self, f: Frame) -> bool {
+    fn send(&self, f: Frame) -> bool {
         self.tx.send(Outgoing::Frame(f)).is_ok()
     }
+}
 
-    pub(crate) fn forget_stream(&self, id: u32, shared: &Arc<StreamShared>) {
+impl Link for Inner {
+    fn send_frame(&self, f: Frame) -> bool {
+        self.send(f)
+    }
+
+    fn forget_stream(&self, id: u32, shared: &Arc<StreamShared>) {
         let mut t = self.table();
         if t.streams.get(&id).is_some_and(|s| Arc::ptr_eq(s, shared)) {
             t.streams.remove(&id);
         }
     }
+}
 
+impl Inner {
     fn reset_all(&self, reason: &str) {
         let old: Vec<_> = self.table().streams.drain().map(|(_, s)| s).collect();
         for s in old {

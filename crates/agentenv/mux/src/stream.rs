@@ -10,7 +10,32 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::INITIAL_WINDOW;
 use crate::frame::{Frame, Kind, MAX_DATA_CHUNK};
-use crate::session::{Inner, TaskGuard};
+use tokio::task::JoinHandle;
+
+/// What a stream needs of its session: sending a frame (`false` once the session is gone) and
+/// forgetting the stream.
+pub(crate) trait Link: Send + Sync {
+    fn send_frame(&self, f: Frame) -> bool;
+    fn forget_stream(&self, id: u32, shared: &Arc<StreamShared>);
+}
+
+/// Aborts the session tasks once the session and all its streams are dropped.
+pub(crate) struct TaskGuard {
+    pub(crate) tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for TaskGuard {
+    fn drop(&mut self) {
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+    }
+}
 
 /// Credit returned to the sender once this many bytes were consumed.
 const WINDOW_UPDATE_THRESHOLD: u32 = INITIAL_WINDOW / 4;
@@ -124,7 +149,7 @@ fn wake(w: &mut Option<Waker>) {
 pub struct MuxStream {
     id: u32,
     shared: Arc<StreamShared>,
-    inner: Arc<Inner>,
+    inner: Arc<dyn Link>,
     _guard: Arc<TaskGuard>,
 }
 
@@ -138,7 +163,7 @@ impl MuxStream {
     pub(crate) fn new(
         id: u32,
         shared: Arc<StreamShared>,
-        inner: Arc<Inner>,
+        inner: Arc<dyn Link>,
         guard: Arc<TaskGuard>,
     ) -> MuxStream {
         MuxStream {

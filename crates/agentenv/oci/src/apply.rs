@@ -307,6 +307,10 @@ impl Applier<'_> {
             return Ok(());
         }
         if let Some(hidden) = last_b.strip_prefix(WHITEOUT.as_bytes()) {
+            // `.wh..` and `.wh...` would name the folder itself or its parent.
+            if hidden == b"." || hidden == b".." {
+                return Err(self.escape(&name, "whiteout of `.` or `..`"));
+            }
             if !hidden.starts_with(WHITEOUT.as_bytes()) && !hidden.is_empty() {
                 if let Some(dir) = self.resolve_dir(&name, parents, false)? {
                     let rel = dir.join(OsStr::from_bytes(hidden));

@@ -44,6 +44,9 @@ pub struct RegistryOptions {
     pub stall_timeout: Duration,
     /// Slowest acceptable blob rate: a blob of `n` bytes gets `timeout + n / min_bytes_per_sec`.
     pub min_bytes_per_sec: u64,
+    /// Internal address ranges (loopback, private, link-local, CGNAT) this transfer may connect to;
+    /// by default none ([`crate::guard`]).
+    pub allow: Vec<crate::guard::AllowedNet>,
 }
 
 impl Default for RegistryOptions {
@@ -55,6 +58,7 @@ impl Default for RegistryOptions {
             timeout: Duration::from_secs(30),
             stall_timeout: Duration::from_secs(30),
             min_bytes_per_sec: 1 << 20,
+            allow: Vec::new(),
         }
     }
 }
@@ -126,8 +130,15 @@ impl Client {
                 .build();
             cfg = cfg.tls_config(tls);
         }
+        let resolver = crate::guard::GuardedResolver {
+            allow: opts.allow.clone(),
+        };
         Client {
-            agent: cfg.build().new_agent(),
+            agent: ureq::Agent::with_parts(
+                cfg.build(),
+                ureq::unversioned::transport::DefaultConnector::default(),
+                resolver,
+            ),
             base: format!("{scheme}://{}", image.api_host()),
             registry: image.registry.clone(),
             repository: image.repository.clone(),
@@ -396,7 +407,8 @@ pub(crate) fn read_document(
         })
 }
 
-/// The registry's `errors[].code: message` list, or the body text.
+/// The registry's `errors[].code` list, or the status: an upstream's error text is never passed on
+/// (it could carry what an internal service answered).
 pub(crate) fn error_detail(resp: Response<ureq::Body>) -> String {
     let status = resp.status();
     let body = resp
@@ -411,22 +423,19 @@ pub(crate) fn error_detail(resp: Response<ureq::Body>) -> String {
         let parts: Vec<String> = errs
             .iter()
             .map(|e| {
+                // The registry's code only (a short constant); its free text is not passed on.
                 let code = e.get("code").and_then(|c| c.as_str()).unwrap_or("");
-                let msg = e.get("message").and_then(|c| c.as_str()).unwrap_or("");
-                format!("{code}: {msg}")
+                code.chars()
+                    .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .take(64)
+                    .collect::<String>()
             })
             .collect();
         if !parts.is_empty() {
             return parts.join("; ");
         }
     }
-    let text = String::from_utf8_lossy(&body);
-    let text = text.trim();
-    if text.is_empty() {
-        status.to_string()
-    } else {
-        text.chars().take(500).collect()
-    }
+    status.to_string()
 }
 
 /// Parses `Bearer realm="...",service="...",scope="..."` into the scheme and its parameters.

@@ -25,6 +25,7 @@
 mod apply;
 mod client;
 mod error;
+pub mod guard;
 pub mod manifest;
 mod pull;
 pub mod push;
@@ -36,6 +37,7 @@ mod user;
 pub use apply::{ApplyOptions, ApplyStats, apply_layer};
 pub use client::{Credentials, RegistryOptions, Scheme};
 pub use error::OciError;
+pub use guard::AllowedNet;
 pub use manifest::{Compression, Platform};
 pub use pull::{
     ImageConfig, PullEvent, PullOptions, PulledImage, PulledLayer, ResolvedImage, pull, resolve,

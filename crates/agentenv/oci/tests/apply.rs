@@ -89,6 +89,25 @@ fn dotdot_and_absolute_names_are_refused() {
     }
 }
 
+/// Security: `.wh..` and `.wh...` name the folder itself and its parent: refused, and nothing beside
+/// or above the destination (or the destination itself) is deleted.
+#[test]
+fn whiteouts_of_dot_and_dotdot_are_refused() {
+    for name in [&b".wh.."[..], b".wh...", b"sub/.wh...", b"sub/.wh.."] {
+        let (t, dest) = scratch();
+        std::fs::create_dir_all(dest.join("sub")).unwrap();
+        std::fs::write(dest.join("sub/keep"), b"kept").unwrap();
+        std::fs::write(dest.join("keep"), b"kept").unwrap();
+        let tar = LayerBuilder::new()
+            .raw(EntryType::Regular, name, None, b"")
+            .tar();
+        assert_refused(apply(&dest, &tar), std::str::from_utf8(name).unwrap());
+        no_escape(t.path());
+        assert_eq!(read(&dest.join("keep")), b"kept");
+        assert_eq!(read(&dest.join("sub/keep")), b"kept");
+    }
+}
+
 #[test]
 fn symlink_parents_stay_inside() {
     // A relative symlink climbing out, then used as a parent: refused.

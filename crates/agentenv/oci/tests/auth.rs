@@ -2,7 +2,7 @@
 //! (registry in `auth: token` mode), https with a private root.
 
 use agentenv_oci::testing::{TestRegistry, read};
-use agentenv_oci::{Credentials, OciError, PullOptions, pull};
+use agentenv_oci::{Credentials, OciError, pull};
 
 mod common;
 use common::{arch_image, opts};
@@ -17,7 +17,10 @@ fn auth_required_without_and_with_credentials() {
     img.push(&image, &reg.options()).unwrap();
     let t = tempfile::tempdir().unwrap();
 
-    let anon = PullOptions::default();
+    // Anonymous: the registry's options (it is on loopback, which pulls reach only when allowed)
+    // without its credentials.
+    let mut anon = opts(&reg);
+    anon.registry.credentials = None;
     let err = pull(&image, &t.path().join("a"), &anon, &mut |_| {}).unwrap_err();
     assert!(
         matches!(
@@ -57,7 +60,7 @@ fn auth_required_without_and_with_credentials() {
 
     // Push without credentials is refused too.
     let err = img
-        .push(&reg.image("k3/private:v2"), &Default::default())
+        .push(&reg.image("k3/private:v2"), &anon.registry)
         .unwrap_err();
     assert!(
         matches!(
@@ -100,13 +103,9 @@ fn bearer_token_auth_anonymous_and_with_credentials() {
     };
     let image = reg.image("k3/tokened:v1");
     img.push(&image, &reg.options()).unwrap();
-    let err = pull(
-        &image,
-        &t.path().join("b"),
-        &PullOptions::default(),
-        &mut |_| {},
-    )
-    .unwrap_err();
+    let mut anon = opts(&reg);
+    anon.registry.credentials = None;
+    let err = pull(&image, &t.path().join("b"), &anon, &mut |_| {}).unwrap_err();
     assert!(
         matches!(
             &err,

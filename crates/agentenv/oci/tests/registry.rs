@@ -562,6 +562,7 @@ fn a_silent_registry_times_out() {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let image = ImageRef::parse(&format!("{}/k3/silent:v1", silent.local_addr().unwrap())).unwrap();
     let mut o = PullOptions::default();
+    o.registry.allow = vec![agentenv_oci::AllowedNet::parse("127.0.0.1").unwrap()];
     o.registry.timeout = std::time::Duration::from_millis(500);
     o.registry.stall_timeout = std::time::Duration::from_millis(500);
     let t = tempfile::tempdir().unwrap();

@@ -221,25 +221,62 @@ async fn send_on(
     Ok((resp, driver))
 }
 
-/// [`request_text`] on a stream already open.
+/// Longest answer body read from a guest for a short request (`/init`, metrics); the rest is not read.
+pub const MAX_ANSWER_BYTES: usize = 64 << 10;
+/// Longest line of an `/exec` event stream (envd's output chunks are far smaller).
+pub const MAX_EVENT_LINE: usize = 1 << 20;
+/// Deadline of a short request's whole answer.
+pub const ANSWER_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Reads at most `cap` bytes of `body`, then stops reading; never waits past the caller's deadline.
+async fn read_capped(mut body: hyper::body::Incoming, cap: usize) -> Vec<u8> {
+    use http_body_util::BodyExt;
+    let mut out = Vec::new();
+    while out.len() < cap {
+        let Some(Ok(frame)) = body.frame().await else {
+            break;
+        };
+        if let Ok(data) = frame.into_data() {
+            let take = data.len().min(cap - out.len());
+            out.extend_from_slice(&data[..take]);
+        }
+    }
+    out
+}
+
+/// [`request_text`] on a stream already open: the status and at most [`MAX_ANSWER_BYTES`] of the
+/// body, within [`ANSWER_DEADLINE`].
 pub async fn request_on(
     s: MuxStream,
     method: &str,
     path: &str,
     json_body: Option<&str>,
 ) -> Result<(u16, String), AgentError> {
-    use http_body_util::BodyExt;
-    let (resp, driver) = send_on(s, method, path, json_body.map(|b| b.as_bytes().to_vec())).await?;
-    let status = resp.status().as_u16();
-    let body = resp
-        .into_body()
-        .collect()
+    request_within(s, method, path, json_body, ANSWER_DEADLINE).await
+}
+
+/// [`request_on`] with its own deadline.
+pub async fn request_within(
+    s: MuxStream,
+    method: &str,
+    path: &str,
+    json_body: Option<&str>,
+    deadline: Duration,
+) -> Result<(u16, String), AgentError> {
+    let run = async {
+        let (resp, driver) =
+            send_on(s, method, path, json_body.map(|b| b.as_bytes().to_vec())).await?;
+        let status = resp.status().as_u16();
+        let body = read_capped(resp.into_body(), MAX_ANSWER_BYTES).await;
+        driver.abort();
+        Ok((status, String::from_utf8_lossy(&body).into_owned()))
+    };
+    tokio::time::timeout(deadline, run)
         .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
-    driver.abort();
-    let text = String::from_utf8_lossy(&body[..body.len().min(4096)]).into_owned();
-    Ok((status, text))
+        .map_err(|_| AgentError::Timeout {
+            what: path.into(),
+            secs: deadline.as_secs(),
+        })?
 }
 
 /// Runs `req` through envd `/exec` on stream `s`, handing each output event to `on_event`, within
@@ -263,11 +300,7 @@ pub async fn exec_on(
         let status = resp.status();
         let mut body = resp.into_body();
         if !status.is_success() {
-            let text = body
-                .collect()
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
+            let text = read_capped(body, MAX_ANSWER_BYTES).await;
             driver.abort();
             return Err(AgentError::Http {
                 what: path.into(),
@@ -284,6 +317,13 @@ pub async fn exec_on(
                 continue;
             };
             buf.extend_from_slice(&data);
+            if buf.len() > MAX_EVENT_LINE && !buf[..MAX_EVENT_LINE].contains(&b'\n') {
+                driver.abort();
+                return Err(http(
+                    "read",
+                    &format!("an event line over {MAX_EVENT_LINE} bytes"),
+                ));
+            }
             let mut done = None;
             while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
                 let lineb: Vec<u8> = buf.drain(..=nl).collect();
@@ -390,4 +430,123 @@ pub(crate) fn host_entropy() -> [u8; 32] {
         b[..16].copy_from_slice(&t.to_le_bytes());
     }
     b
+}
+
+#[cfg(test)]
+mod bounded_tests {
+    use std::time::Instant;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A host session whose guest side answers every stream with `answer` (a hostile agent).
+    async fn hostile_guest(
+        answer: impl Fn(MuxStream) -> tokio::task::JoinHandle<()> + Send + 'static,
+    ) -> Session {
+        let (host, guest) = tokio::io::duplex(1 << 16);
+        let guest = Session::server(guest);
+        tokio::spawn(async move {
+            while let Some(s) = guest.accept().await {
+                answer(s);
+            }
+        });
+        let host = Session::client(host);
+        host.ready().await.unwrap();
+        host
+    }
+
+    /// Reads the request head, then writes `head` and, forever, `chunk`.
+    fn endless(
+        head: &'static str,
+        chunk: &'static [u8],
+    ) -> impl Fn(MuxStream) -> tokio::task::JoinHandle<()> {
+        move |mut s| {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                if s.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                while s.write_all(chunk).await.is_ok() {}
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_endless_answer_is_read_only_up_to_its_cap() {
+        // A body that claims 100 GB and keeps coming.
+        let host = hostile_guest(endless(
+            "HTTP/1.1 200 OK\r\ncontent-length: 100000000000\r\n\r\n",
+            &[b'x'; 16384],
+        ))
+        .await;
+        let t = Instant::now();
+        let r = request_within(
+            host.open().await.unwrap(),
+            "GET",
+            "/metrics",
+            None,
+            Duration::from_secs(20),
+        )
+        .await;
+        let (status, text) = r.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(
+            text.len(),
+            MAX_ANSWER_BYTES,
+            "read up to the cap, then stopped"
+        );
+        assert!(t.elapsed() < Duration::from_secs(20));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_silent_or_dribbling_agent_hits_the_deadline() {
+        // Headers, then nothing: the body never ends.
+        let host = hostile_guest(|mut s| {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 1000000\r\n\r\nabc")
+                    .await;
+                std::future::pending::<()>().await;
+            })
+        })
+        .await;
+        let r = request_within(
+            host.open().await.unwrap(),
+            "GET",
+            "/metrics",
+            None,
+            Duration::from_millis(500),
+        )
+        .await;
+        assert!(matches!(r, Err(AgentError::Timeout { .. })), "{r:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_exec_stream_without_newlines_is_refused_at_its_line_cap() {
+        let host = hostile_guest(endless(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n\r\n",
+            &[b'y'; 8192],
+        ))
+        .await;
+        let req = agentenv_envd::ExecRequest::default();
+        let t = Instant::now();
+        let r = exec_on(
+            host.open().await.unwrap(),
+            &req,
+            Duration::from_secs(60),
+            |_| {},
+        )
+        .await;
+        match r {
+            Err(AgentError::Http { detail, .. }) => {
+                assert!(detail.contains("event line"), "{detail}")
+            }
+            other => panic!("expected the line cap, got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(60));
+    }
 }

@@ -20,7 +20,7 @@ pub enum Accel {
 /// `-accel` name).
 pub type AccelKind = k3_common::kvm::Accel;
 
-/// Whether disks this node lacks are served block by block from the chunk store ([`crate::lazy`]).
+/// Whether disks this node lacks are served block by block from the chunk store ([`crate::vmm::lazy`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum LazyDiskMode {
     /// A template imported from the chunk store keeps its disk there, served to QEMU over NBD.
@@ -50,15 +50,15 @@ pub struct RuntimeConfig {
     /// Where snapshots are kept as content-addressed chunks (and optionally an S3 bucket).
     /// `None`: a local store in `<state_dir>/chunks` bounded at [`DEFAULT_STORE_BYTES`].
     pub store: Option<agentenv_store::StoreConfig>,
-    /// uids to run QEMU processes as, one per VM ([`crate::uid`]); used only when this process is
+    /// uids to run QEMU processes as, one per VM ([`crate::vmm::uid`]); used only when this process is
     /// root. `None`: QEMU runs as this process.
-    pub qemu_uids: Option<crate::uid::UidRange>,
+    pub qemu_uids: Option<crate::vmm::uid::UidRange>,
     /// Sandbox networking ([`crate::net`]). `None`: sandboxes get no network.
     pub network: Option<crate::net::NetConfig>,
     /// VMs kept restored and stopped per image once it has been used, so a create only continues one
-    /// ([`crate::warm`]). 0: every create restores.
+    /// ([`crate::lifecycle::warm`]). 0: every create restores.
     pub warm_vms: usize,
-    /// Most warm VMs per image while its creates come in bursts ([`crate::warm`]); below `warm_vms`
+    /// Most warm VMs per image while its creates come in bursts ([`crate::lifecycle::warm`]); below `warm_vms`
     /// counts as `warm_vms`.
     pub warm_vms_max: usize,
     /// How long a paused sandbox's QEMU stays, stopped, so that a resume only continues it
@@ -66,6 +66,9 @@ pub struct RuntimeConfig {
     pub keep_paused: std::time::Duration,
     /// Lazy disks for templates imported from the chunk store.
     pub lazy_disks: LazyDiskMode,
+    /// Internal address ranges image pulls may reach (`--registry-allow`); by default none
+    /// (`agentenv_oci::guard`).
+    pub registry_allow: Vec<agentenv_oci::AllowedNet>,
 }
 
 /// Bound of the default local chunk store.
@@ -90,12 +93,24 @@ impl RuntimeConfig {
             qemu_img_bin: PathBuf::from("qemu-img"),
             ram_dir: None,
             store: None,
-            qemu_uids: Some(crate::uid::UidRange::default()),
+            qemu_uids: Some(crate::vmm::uid::UidRange::default()),
             network: None,
             warm_vms: 2,
             warm_vms_max: 8,
             keep_paused: std::time::Duration::from_secs(30),
             lazy_disks: LazyDiskMode::Auto,
+            registry_allow: Vec::new(),
         }
     }
+}
+
+/// Debian mirror used by debootstrap (override with env `AGENTENV_DEBIAN_MIRROR`).
+pub const MIRROR: &str = "http://deb.debian.org/debian";
+
+/// The Debian mirror: env `AGENTENV_DEBIAN_MIRROR`, else [`MIRROR`].
+pub fn mirror() -> String {
+    std::env::var("AGENTENV_DEBIAN_MIRROR")
+        .ok()
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| MIRROR.into())
 }

@@ -3,10 +3,10 @@
 use std::path::PathBuf;
 
 use crate::agent::AgentError;
-use crate::kernel::KernelError;
+use crate::image::rootfs::RootfsError;
 use crate::persist::PersistError;
-use crate::rootfs::RootfsError;
 use crate::vmm::VmmError;
+use crate::vmm::kernel::KernelError;
 
 /// [`crate::Runtime::open`] failed.
 #[derive(Debug, thiserror::Error)]

@@ -93,7 +93,7 @@ pub fn allocated_bytes(path: &Path) -> u64 {
 
 /// `qcow2` or `raw`, told apart by the file's magic (a lazy disk is raw).
 fn image_format(path: &Path) -> std::io::Result<&'static str> {
-    if crate::lazy::marker(path).is_some() {
+    if crate::vmm::lazy::marker(path).is_some() {
         return Ok("raw");
     }
     let mut magic = [0u8; 4];
@@ -136,7 +136,7 @@ const QCOW2_MAX_BACKING_NAME: usize = 1023;
 /// The virtual size of image `path`: a lazy disk's recorded length, a raw file's length, or a qcow2
 /// header's size field (the backing chain is never opened, so a chain ending in a lazy disk is fine).
 fn virtual_size(path: &Path, format: &str) -> std::io::Result<u64> {
-    if let Some(m) = crate::lazy::marker(path) {
+    if let Some(m) = crate::vmm::lazy::marker(path) {
         return Ok(m.len);
     }
     if format == "raw" {
@@ -249,7 +249,11 @@ mod tests {
     #[tokio::test]
     async fn overlays_are_valid_qcow2_images_on_raw_and_qcow2_bases() {
         if qemu_tool("qemu-img", &["--version"]).is_none_or(|o| !o.status.success()) {
-            eprintln!("skipped: qemu-img is not installed");
+            k3_common::require::skip_part(
+                k3_common::require::Part::Qemu,
+                "overlays_are_valid_qcow2_images_on_raw_and_qcow2_bases",
+                "qemu-img is not installed",
+            );
             return;
         }
         let dir = tempfile::tempdir().unwrap();

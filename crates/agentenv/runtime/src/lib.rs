@@ -12,99 +12,40 @@
 //!
 //! Invariant: this crate knows no HTTP routes or E2B JSON beyond the envd `/health` and `/init` probes.
 
-pub mod accel;
 pub mod agent;
 pub mod bench;
-pub mod cgroup;
 pub mod config;
 pub mod error;
 pub mod fsops;
-pub mod kernel;
-pub mod launch;
-pub mod lazy;
+pub mod image;
+pub mod lifecycle;
 pub mod net;
-pub mod network;
 pub mod persist;
-mod prepared;
-pub mod qemu;
-pub mod qmp;
-mod recover;
-mod remote;
-pub mod rootfs;
-mod sandbox;
-pub mod snapshot;
-pub mod template;
-mod template_store;
-pub mod uid;
+pub mod sync;
 pub mod vmm;
-mod warm;
 
+use crate::image::template;
+use crate::lifecycle::{prepared, sandbox, snapshot, warm};
+use crate::sync::template_store;
+use crate::vmm::{accel, kernel, lazy, qemu};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 
+pub(crate) use agentenv_vm::valid_id;
+pub use agentenv_vm::{CreateSpec, RecoveredVm, SandboxVm, VmState};
 pub use config::{Accel, AccelKind, LazyDiskMode, RuntimeConfig};
 pub use error::{
     ConnectError, CreateError, KillError, OpenError, PauseError, RecoverError, ResumeError,
     SnapshotError, TemplateError,
 };
+pub use image::template::{BuildProgress, BuildStep, TemplateSpec};
+pub use lifecycle::snapshot::{SnapshotInfo, SnapshotMode};
 pub use persist::TemplateInfo;
-pub use snapshot::{SnapshotInfo, SnapshotMode};
-pub use template::{BuildProgress, BuildStep, TemplateSpec};
 
-use crate::kernel::GuestKernel;
 use crate::persist::TemplateRecord;
 use crate::vmm::Vmm;
-
-/// Visible state of a sandbox VM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum VmState {
-    /// The guest runs and its agent answers.
-    Running,
-    /// Stopped with memory and processes kept on disk; no VMM process.
-    Paused,
-}
-
-/// What [`Runtime::create`] asks for.
-#[derive(Debug, Clone, Default)]
-pub struct CreateSpec {
-    /// Sandbox id chosen by the caller (`[A-Za-z0-9_.-]`, at most 64 characters).
-    pub sandbox_id: String,
-    /// Template id or alias, or snapshot id or `name[:tag]`.
-    pub template_id: String,
-    /// Environment variables for every process (sent to envd `POST /init`).
-    pub env_vars: BTreeMap<String, String>,
-    /// Egress policy; `None`: no network asked for (the NIC stays unplugged).
-    pub network: Option<net::EgressPolicy>,
-}
-
-/// A created sandbox VM.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SandboxVm {
-    /// Sandbox id.
-    pub id: String,
-    /// Template id (resolved from an alias).
-    pub template_id: String,
-    /// vCPUs.
-    pub vcpus: u32,
-    /// Guest RAM in MiB.
-    pub memory_mib: u64,
-    /// envd version of the template.
-    pub envd_version: String,
-}
-
-/// The outcome of [`Runtime::recover`] for one sandbox record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecoveredVm {
-    /// Sandbox id.
-    pub id: String,
-    /// Template id.
-    pub template_id: String,
-    /// `Some` when kept (re-attached running, or paused); `None` when it was dead or half-created and removed.
-    pub state: Option<VmState>,
-    /// What happened, for logs.
-    pub detail: String,
-}
+use crate::vmm::kernel::GuestKernel;
 
 /// The sandbox runtime. Cheap to clone; all clones share the same VMs.
 #[derive(Clone)]
@@ -193,12 +134,29 @@ impl Runtime {
             k3_common::fsutil::create_private_dir(r).map_err(state_err(r))?;
         }
         let cache = k3_common::fsutil::cache_dir().join("agentenv");
+        // 0700, also when it exists: unpacked image layers (setuid files, devices) and templates live here.
+        k3_common::fsutil::create_private_dir(&cache).map_err(state_err(&cache))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o700))
+                .map_err(state_err(&cache))?;
+        }
+        let c = cache.clone();
+        let orphans = tokio::task::spawn_blocking(move || template::sweep_stale_builds(&c))
+            .await
+            .unwrap_or(0);
+        if orphans > 0 {
+            tracing::warn!(
+                killed = orphans,
+                "killed the QEMUs of template builds whose server is gone"
+            );
+        }
         let c = cache.clone();
         let kernel = tokio::task::spawn_blocking(move || kernel::prepare(&c))
             .await
             .map_err(|e| OpenError::StateDir {
                 path: cache.clone(),
-                source: std::io::Error::other(e.to_string()),
+                source: std::io::Error::other(e),
             })??;
         let accel = accel::choose(&cfg, &kernel, &cache).await;
         let mut templates = BTreeMap::new();
@@ -292,7 +250,7 @@ impl Runtime {
         self.inner.vmm.accel()
     }
 
-    /// Warm VMs ready now for creates from template or snapshot `name` ([`crate::warm`]).
+    /// Warm VMs ready now for creates from template or snapshot `name` ([`crate::lifecycle::warm`]).
     pub fn warm_ready(&self, name: &str) -> usize {
         self.image(name)
             .map_or(0, |image| self.inner.warm.ready_for(&image.disk))
@@ -408,14 +366,4 @@ impl Runtime {
             })
             .cloned()
     }
-}
-
-/// True for ids of 1..=64 characters from `[A-Za-z0-9_.-]` that do not start with a dot.
-pub(crate) fn valid_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 64
-        && !id.starts_with('.')
-        && id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }

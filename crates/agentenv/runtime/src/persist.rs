@@ -2,7 +2,7 @@
 //!
 //! Layout under `state_dir`:
 //! - `templates/<id>/template.json` ([`TemplateRecord`]), `base.ext4`, `base.mem`, `base.state`
-//! - `sandboxes/<id>/sandbox.json` ([`SandboxRecord`]), `disk.qcow2`, `device.state` (while paused),
+//! - `sandboxes/<id>/sandbox.json` ([`VmRecord`]), `disk.qcow2`, `device.state` (while paused),
 //!   sockets and logs; RAM in `ram_dir/<id>.mem`
 
 use std::path::{Path, PathBuf};
@@ -35,27 +35,7 @@ pub enum PersistError {
     Version { path: PathBuf, found: u32 },
 }
 
-/// Public facts about a template.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TemplateInfo {
-    /// Template id (`base` for the default one).
-    pub id: String,
-    /// Other names the template answers to.
-    pub aliases: Vec<String>,
-    /// vCPUs of every sandbox created from it.
-    pub vcpus: u32,
-    /// Guest RAM in MiB.
-    pub memory_mib: u64,
-    /// Root disk size in MiB.
-    pub disk_mib: u64,
-    /// RFC 3339 build time.
-    pub built_at: String,
-    /// envd protocol version the guest agent implements (E2B `envdVersion`).
-    pub envd_version: String,
-    /// The OCI image it was built from (`reference@digest`), if any.
-    #[serde(default)]
-    pub from_image: Option<String>,
-}
+pub use agentenv_vm::TemplateInfo;
 
 /// The VM shape shared by a template's base snapshot and every sandbox restored from it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,7 +119,7 @@ pub enum SandboxPhase {
 
 /// One sandbox VM.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SandboxRecord {
+pub struct VmRecord {
     /// [`RECORD_VERSION`].
     pub version: u32,
     /// Sandbox id.
@@ -162,7 +142,7 @@ pub struct SandboxRecord {
     /// Lifecycle phase.
     pub phase: SandboxPhase,
     /// Folder of the VM's files (disk, sockets, console) when it is not the sandbox's own folder: a
-    /// warm VM the sandbox took ([`crate::warm`]).
+    /// warm VM the sandbox took ([`crate::lifecycle::warm`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm_dir: Option<PathBuf>,
 }
@@ -263,7 +243,7 @@ impl Versioned for TemplateRecord {
     }
 }
 
-impl Versioned for SandboxRecord {
+impl Versioned for VmRecord {
     fn version(&self) -> u32 {
         self.version
     }
@@ -278,7 +258,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sandbox.json");
         let pid = rand::random::<u32>();
-        let rec = SandboxRecord {
+        let rec = VmRecord {
             version: RECORD_VERSION,
             id: format!("sbx-{}", rand::random::<u32>()),
             template_id: "base".into(),
@@ -299,14 +279,14 @@ mod tests {
             vm_dir: Some(format!("/state/vms/w{}", rand::random::<u16>()).into()),
         };
         write(&path, &rec).unwrap();
-        assert_eq!(read::<SandboxRecord>(&path).unwrap(), rec);
-        let newer = SandboxRecord {
+        assert_eq!(read::<VmRecord>(&path).unwrap(), rec);
+        let newer = VmRecord {
             version: RECORD_VERSION + 1,
             ..rec
         };
         write(&path, &newer).unwrap();
         assert!(matches!(
-            read::<SandboxRecord>(&path),
+            read::<VmRecord>(&path),
             Err(PersistError::Version { .. })
         ));
     }

@@ -65,8 +65,15 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
         }
     }
     common::assert_private(&state.path().join("sandboxes"));
+    // The cache (unpacked layers, templates) is closed to other users.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let cache = k3_common::fsutil::cache_dir().join("agentenv");
+        let mode = std::fs::metadata(&cache).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{} is {mode:o}", cache.display());
+    }
     // Each QEMU sits in its own cgroup with a memory limit of guest RAM plus QEMU's headroom.
-    match agentenv_runtime::cgroup::Hierarchy::host() {
+    match agentenv_runtime::vmm::cgroup::Hierarchy::host() {
         None => eprintln!("cgroup check skipped: this host mounts no writable cgroup hierarchy"),
         Some(h) => {
             // Named after the VM's folder: the sandbox's own, or the warm VM's it took.
@@ -76,10 +83,10 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
             assert_eq!(pids.len(), 1, "{pids:?}");
             let own = std::fs::read_to_string(format!("/proc/{}/cgroup", pids[0])).unwrap();
             assert!(own.contains(&format!("agentenv/{name}")), "{own}");
-            let want = agentenv_runtime::cgroup::Limits::for_vm(256, 1).memory_bytes;
+            let want = agentenv_runtime::vmm::cgroup::Limits::for_vm(256, 1).memory_bytes;
             let file = match &h {
-                agentenv_runtime::cgroup::Hierarchy::V1 { .. } => "memory.limit_in_bytes",
-                agentenv_runtime::cgroup::Hierarchy::V2 { .. } => "memory.max",
+                agentenv_runtime::vmm::cgroup::Hierarchy::V1 { .. } => "memory.limit_in_bytes",
+                agentenv_runtime::vmm::cgroup::Hierarchy::V2 { .. } => "memory.max",
             };
             let limit = std::fs::read_to_string(h.groups(&name)[0].join(file)).unwrap();
             assert_eq!(limit.trim().parse::<u64>().unwrap(), want);
@@ -90,7 +97,7 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
     let name = vm_dir.file_name().unwrap().to_string_lossy().into_owned();
     rt.kill(&id).await.expect("kill");
     assert_eq!(rt.vm_state(&id), None);
-    if let Some(h) = agentenv_runtime::cgroup::Hierarchy::host() {
+    if let Some(h) = agentenv_runtime::vmm::cgroup::Hierarchy::host() {
         assert!(
             h.groups(&name).iter().all(|g| !g.exists()),
             "cgroups of {id} left"

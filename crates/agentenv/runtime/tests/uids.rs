@@ -8,8 +8,8 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 
-use agentenv_runtime::uid::UidRange;
 use agentenv_runtime::vmm::VmmError;
+use agentenv_runtime::vmm::uid::UidRange;
 use agentenv_runtime::{CreateError, Runtime, SnapshotMode, VmState};
 use common::{StateDir, run, runtime_with, spec, token};
 
@@ -25,8 +25,8 @@ fn vm_uid(state: &Path, id: &str, range: &UidRange) -> u32 {
         .as_u64()
         .expect("running pid");
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let uids = agentenv_runtime::uid::status_ids(&status, "Uid:").unwrap();
-    let gids = agentenv_runtime::uid::status_ids(&status, "Gid:").unwrap();
+    let uids = agentenv_runtime::vmm::uid::status_ids(&status, "Uid:").unwrap();
+    let gids = agentenv_runtime::vmm::uid::status_ids(&status, "Gid:").unwrap();
     let groups = status
         .lines()
         .find_map(|l| l.strip_prefix("Groups:"))
@@ -40,6 +40,40 @@ fn vm_uid(state: &Path, id: &str, range: &UidRange) -> u32 {
     assert_eq!(gids, [range.gid; 4], "{id}: gids");
     assert_eq!(groups.trim(), "", "{id}: supplementary groups");
     uids[0]
+}
+
+/// Checks that sandbox `id`'s QEMU runs in a network namespace of its own (not the host's, not another
+/// VM's) and, where this host has writable cgroups, in its own groups with a process limit.
+fn confined(state: &Path, id: &str) {
+    let pid = record(state, id)["phase"]["pid"].as_u64().unwrap();
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
+    assert_ne!(
+        ns(&pid.to_string()),
+        ns("self"),
+        "{id}: QEMU in the host's network namespace"
+    );
+    let links = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let devs: Vec<&str> = links
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .map(str::trim)
+        .collect();
+    assert_eq!(devs, ["lo"], "{id}: QEMU sees network devices");
+    if agentenv_runtime::vmm::cgroup::Hierarchy::host().is_none() {
+        return;
+    }
+    let groups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let mine = format!("/agentenv/{id}");
+    for c in ["memory", "pids"] {
+        if let Some(l) = groups.lines().find(|l| {
+            l.split(':')
+                .nth(1)
+                .is_some_and(|cs| cs.split(',').any(|x| x == c))
+        }) {
+            assert!(l.ends_with(&mine), "{id}: {c} group {l}");
+        }
+    }
 }
 
 fn ram_file(state: &Path, id: &str) -> PathBuf {
@@ -129,8 +163,12 @@ async fn open(state: &Path, range: UidRange) -> Runtime {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_qemu_runs_as_a_uid_of_its_own() {
-    if !agentenv_runtime::uid::running_as_root() {
-        eprintln!("skip: per-VM uids need root (QEMU runs as this user, already unprivileged)");
+    if !agentenv_runtime::vmm::uid::running_as_root() {
+        k3_common::require::skip_part(
+            k3_common::require::Part::Root,
+            "each_qemu_runs_as_a_uid_of_its_own",
+            "per-VM uids need root (QEMU runs as this user, already unprivileged)",
+        );
         return;
     }
     // Three uids of our own (parallel tests take other ranges).
@@ -154,6 +192,9 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
         vm_uid(s, "uc", &range),
     );
     assert!(ua != ub && ub != uc && ua != uc, "{ua} {ub} {uc}");
+    for id in ["ua", "ub", "uc"] {
+        confined(s, id);
+    }
     assert!(
         no_free_uid(rt.create(spec("ud")).await),
         "a fourth VM got a uid"
@@ -316,8 +357,12 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
 /// line) is re-attached after an upgrade, and moves to its own uid at its next pause and resume.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qemu_of_an_older_version_is_adopted_then_confined() {
-    if !agentenv_runtime::uid::running_as_root() {
-        eprintln!("skip: per-VM uids need root");
+    if !agentenv_runtime::vmm::uid::running_as_root() {
+        k3_common::require::skip_part(
+            k3_common::require::Part::Root,
+            "a_qemu_of_an_older_version_is_adopted_then_confined",
+            "per-VM uids need root",
+        );
         return;
     }
     let base = 3_100_000 + rand::random_range(0..10_000u32) * 8;
@@ -422,7 +467,7 @@ async fn a_qemu_of_an_older_version_is_adopted_then_confined() {
     assert_eq!(recovered.len(), 1, "{recovered:?}");
     assert_eq!(recovered[0].state, Some(VmState::Running), "{recovered:?}");
     // Still the old QEMU, as root; the agent answers once its cold boot is done.
-    assert_eq!(agentenv_runtime::uid::process_uid(qemu.id()), Some(0));
+    assert_eq!(agentenv_runtime::vmm::uid::process_uid(qemu.id()), Some(0));
     assert_eq!(run(&rt, "old", "echo up").await.0, "up\n");
     rt.pause("old").await.expect("pause the old QEMU");
     rt.resume("old").await.expect("resume confined");

@@ -70,15 +70,15 @@ enum KeysCommand {
     Create {
         /// Tenant name: 1-24 of [a-z0-9-], starting with a letter.
         name: String,
-        /// Most running sandboxes of this key at once (429 beyond).
-        #[arg(long)]
-        max_running: Option<usize>,
-        /// Most paused sandboxes of this key at once.
-        #[arg(long)]
-        max_paused: Option<usize>,
-        /// Most memory of this key's running sandboxes together, MiB.
-        #[arg(long)]
-        max_memory_mb: Option<u64>,
+        /// Most running sandboxes of this key at once (429 beyond; 0: no limit).
+        #[arg(long, default_value_t = agentenv_server::sandboxes::Quota::KEY_DEFAULT_RUNNING)]
+        max_running: usize,
+        /// Most paused sandboxes of this key at once (0: no limit).
+        #[arg(long, default_value_t = agentenv_server::sandboxes::Quota::KEY_DEFAULT_PAUSED)]
+        max_paused: usize,
+        /// Most memory of this key's running sandboxes together, MiB (0: no limit).
+        #[arg(long, default_value_t = agentenv_server::sandboxes::Quota::KEY_DEFAULT_MEMORY_MB)]
+        max_memory_mb: u64,
     },
     /// List the keys (names, prefixes, quotas; never the keys).
     Ls {
@@ -174,7 +174,7 @@ struct ServeArgs {
     #[arg(long, env = "AGENTENV_QEMU_UID_BASE", default_value = "1000000", value_parser = parse_uid_base)]
     qemu_uid_base: UidBase,
     /// Number of uids from `--qemu-uid-base` (at most this many VMs run at once).
-    #[arg(long, default_value_t = agentenv_runtime::uid::DEFAULT_UID_COUNT)]
+    #[arg(long, default_value_t = agentenv_runtime::vmm::uid::DEFAULT_UID_COUNT)]
     qemu_uid_count: u32,
     /// Sandbox networking: a namespace, tap and nftables rules per sandbox, NAT to the uplink.
     #[arg(long, value_enum, default_value = "auto")]
@@ -188,6 +188,14 @@ struct ServeArgs {
     /// Most concurrent connections a sandbox opens (0: no limit).
     #[arg(long, default_value_t = 1024)]
     net_max_connections: u32,
+    /// An internal range (loopback, private, link-local, CGNAT; CIDR, repeatable or comma-separated)
+    /// that `fromImage` pulls, their redirects and token realms may reach; by default none.
+    #[arg(long, env = "AGENTENV_REGISTRY_ALLOW", value_delimiter = ',')]
+    registry_allow: Vec<String>,
+    /// A private range sandboxes may reach (CIDR; repeatable or comma-separated). By default they
+    /// reach no RFC 1918 or CGNAT address and nothing on the uplink's own networks.
+    #[arg(long, value_delimiter = ',')]
+    net_allow_private: Vec<String>,
     /// Bandwidth of a sandbox each way, Mbit/s (0: no limit).
     #[arg(long, default_value_t = 0)]
     net_bandwidth_mbit: u64,
@@ -272,7 +280,16 @@ async fn main() -> anyhow::Result<()> {
         Some(Command::Serve(args)) => serve(*args).await,
         Some(Command::Gateway(args)) => gateway(args).await,
         Some(Command::Keys { state_dir, command }) => {
-            manage_keys(&state_dir.unwrap_or_else(default_state_dir), command)
+            // `agentenv --state-dir DIR keys ...` names the server's folder too: honour it.
+            let dir = match (state_dir, cli.serve.state_dir) {
+                (Some(a), Some(b)) if a != b => anyhow::bail!(
+                    "two state folders given: {} and {}",
+                    a.display(),
+                    b.display()
+                ),
+                (a, b) => a.or(b).unwrap_or_else(default_state_dir),
+            };
+            manage_keys(&dir, command)
         }
         None => serve(cli.serve).await,
     }
@@ -288,9 +305,9 @@ fn manage_keys(state_dir: &std::path::Path, command: KeysCommand) -> anyhow::Res
             max_memory_mb,
         } => {
             let quota = agentenv_server::sandboxes::Quota {
-                max_running,
-                max_paused,
-                max_memory_mb,
+                max_running: (max_running > 0).then_some(max_running),
+                max_paused: (max_paused > 0).then_some(max_paused),
+                max_memory_mb: (max_memory_mb > 0).then_some(max_memory_mb),
             };
             let (key, _) = tenants::create_key(state_dir, &name, quota)?;
             eprintln!("key {name:?} created; it is shown only this once:");
@@ -339,6 +356,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         k3_common::telemetry::LogFormat::Text
     };
     k3_common::telemetry::init_with("info", format);
+    raise_open_file_limit();
     let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating {}", state_dir.display()))?;
@@ -368,6 +386,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         LazyArg::Off => agentenv_runtime::LazyDiskMode::Off,
     };
     cfg.keep_paused = std::time::Duration::from_secs(args.keep_paused_s);
+    cfg.registry_allow = args
+        .registry_allow
+        .iter()
+        .map(|s| {
+            agentenv_oci::AllowedNet::parse(s).map_err(|e| anyhow::anyhow!("--registry-allow {e}"))
+        })
+        .collect::<anyhow::Result<_>>()?;
     if let (Some(endpoint), Some(bucket)) = (args.s3_endpoint, args.s3_bucket) {
         let env = |k: &str| std::env::var(k).with_context(|| format!("--s3-endpoint needs {k}"));
         let remote = agentenv_store::RemoteConfig {
@@ -396,7 +421,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 "--qemu-uid-base {base} with --qemu-uid-count {} leaves the uid space",
                 args.qemu_uid_count
             );
-            Some(agentenv_runtime::uid::UidRange {
+            Some(agentenv_runtime::vmm::uid::UidRange {
                 base,
                 count: args.qemu_uid_count,
                 gid: base,
@@ -413,6 +438,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         warm: args.net_warm,
         required: args.network == NetArg::On,
+        allow_private: args.net_allow_private,
     });
     let cfg_has_bucket = cfg.store.as_ref().is_some_and(|s| s.remote.is_some());
     let runtime = runtime_backend::open_with_default_template(cfg).await?;
@@ -435,7 +461,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
 
     let shared_store = cfg_has_bucket;
-    let backend: Arc<dyn agentenv_server::backend::VmBackend> = Arc::new(runtime);
+    let backend: Arc<dyn agentenv_server::backend::VmBackend> =
+        Arc::new(agentenv_server::runtime_backend::RuntimeBackend(runtime));
     let state = AppState::open(
         backend,
         ServerConfig {
@@ -564,4 +591,26 @@ async fn shutdown() {
         _ = term.recv() => {}
     }
     tracing::info!("shutting down: draining in-flight requests");
+}
+
+/// Raises this process's open-file limit to its hard limit (guests' streams, sockets and disks each
+/// hold descriptors; 1,024 is a common soft default), and says what it got.
+fn raise_open_file_limit() {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid resource and a pointer to a local rlimit.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) != 0 {
+            return;
+        }
+        let before = l.rlim_cur;
+        l.rlim_cur = l.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &l) == 0 {
+            tracing::info!(before, now = l.rlim_cur, "open-file limit raised");
+        } else {
+            tracing::warn!(limit = before, "could not raise the open-file limit");
+        }
+    }
 }

@@ -1,6 +1,11 @@
-//! [`VmBackend`] for the real runtime (`agentenv_runtime::Runtime`: QEMU microvm over QMP).
+//! [`VmBackend`] for the real runtime (`agentenv_runtime::Runtime`: QEMU microvm over QMP), and the one
+//! place that sorts the runtime's errors into the lifecycle's cases ([`VmError`]).
 
-use agentenv_runtime::{AccelKind, Runtime, RuntimeConfig};
+use agentenv_runtime::vmm::VmmError;
+use agentenv_runtime::{
+    AccelKind, ConnectError, CreateError, KillError, PauseError, RecoverError, ResumeError,
+    Runtime, RuntimeConfig, SnapshotError, TemplateError, error::NetworkError,
+};
 
 use crate::backend::*;
 
@@ -30,64 +35,144 @@ pub async fn open_with_default_template(cfg: RuntimeConfig) -> anyhow::Result<Ru
     Ok(rt)
 }
 
-impl VmBackend for Runtime {
+/// The runtime as the lifecycle's [`VmBackend`].
+#[derive(Clone)]
+pub struct RuntimeBackend(pub Runtime);
+
+fn failed(e: impl std::error::Error + Send + Sync + 'static) -> VmError {
+    VmError::Failed(Box::new(e))
+}
+
+fn template_err(e: TemplateError) -> VmError {
+    match e {
+        TemplateError::InvalidId(_) | TemplateError::InvalidSpec(_) | TemplateError::Image(_) => {
+            VmError::Invalid(Box::new(e))
+        }
+        e => failed(e),
+    }
+}
+
+fn create_err(e: CreateError) -> VmError {
+    match e {
+        CreateError::UnknownTemplate(t) => VmError::TemplateNotFound(t),
+        CreateError::InvalidId(_) => VmError::Invalid(Box::new(e)),
+        CreateError::NetworkUnavailable(_) => VmError::NetworkUnavailable(Box::new(e)),
+        CreateError::Vmm(VmmError::NoUid(_)) => VmError::NoCapacity(Box::new(e)),
+        e => failed(e),
+    }
+}
+
+fn pause_err(e: PauseError) -> VmError {
+    match e {
+        PauseError::NotFound(i) => VmError::SandboxNotFound(i),
+        PauseError::AlreadyPaused(i) => VmError::AlreadyPaused(i),
+        e => failed(e),
+    }
+}
+
+fn resume_err(e: ResumeError) -> VmError {
+    match e {
+        ResumeError::NotFound(i) => VmError::SandboxNotFound(i),
+        ResumeError::NotPaused(i) => VmError::NotPaused(i),
+        ResumeError::Vmm(VmmError::NoUid(_)) => VmError::NoCapacity(Box::new(e)),
+        e => failed(e),
+    }
+}
+
+fn kill_err(e: KillError) -> VmError {
+    match e {
+        KillError::NotFound(i) => VmError::SandboxNotFound(i),
+        e => failed(e),
+    }
+}
+
+fn connect_err(e: ConnectError) -> VmError {
+    match e {
+        ConnectError::NotFound(i) => VmError::SandboxNotFound(i),
+        ConnectError::Paused(i) => VmError::Paused(i),
+        e => failed(e),
+    }
+}
+
+fn recover_err(e: RecoverError) -> VmError {
+    failed(e)
+}
+
+fn snapshot_err(e: SnapshotError) -> VmError {
+    match e {
+        SnapshotError::SandboxNotFound(i) => VmError::SandboxNotFound(i),
+        SnapshotError::NotFound(i) => VmError::SnapshotNotFound(i),
+        SnapshotError::InvalidName(_) => VmError::Invalid(Box::new(e)),
+        e => failed(e),
+    }
+}
+
+fn network_err(e: NetworkError) -> VmError {
+    match e {
+        NetworkError::NotFound(i) => VmError::SandboxNotFound(i),
+        NetworkError::Unavailable { .. } => VmError::NetworkUnavailable(Box::new(e)),
+        e => failed(e),
+    }
+}
+
+impl VmBackend for RuntimeBackend {
     fn accel_name(&self) -> String {
-        accel_label(self).to_string()
+        accel_label(&self.0).to_string()
     }
 
     fn templates(&self) -> Vec<TemplateInfo> {
-        Runtime::templates(self)
+        self.0.templates()
     }
 
     fn build_template(
         &self,
         spec: TemplateSpec,
         progress: crate::backend::ProgressFn,
-    ) -> BoxFuture<'_, Result<TemplateInfo, TemplateError>> {
+    ) -> BoxFuture<'_, VmResult<TemplateInfo>> {
         Box::pin(async move {
             let id = spec.id.clone();
-            let report = move |p: agentenv_runtime::BuildProgress| {
+            let report = move |p: BuildProgress| {
                 if p.bytes.is_none() {
                     tracing::info!(template = %id, step = ?p.step, detail = %p.detail, "template build");
                 }
                 progress(p)
             };
-            Runtime::build_template(self, spec, &report).await
+            self.0
+                .build_template(spec, &report)
+                .await
+                .map_err(template_err)
         })
     }
 
-    fn create(&self, spec: CreateSpec) -> BoxFuture<'_, Result<SandboxVm, CreateError>> {
-        Box::pin(Runtime::create(self, spec))
+    fn create(&self, spec: CreateSpec) -> BoxFuture<'_, VmResult<SandboxVm>> {
+        Box::pin(async move { self.0.create(spec).await.map_err(create_err) })
     }
 
-    fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), PauseError>> {
-        Box::pin(Runtime::pause(self, id))
+    fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>> {
+        Box::pin(async move { self.0.pause(id).await.map_err(pause_err) })
     }
 
-    fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ResumeError>> {
-        Box::pin(Runtime::resume(self, id))
+    fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>> {
+        Box::pin(async move { self.0.resume(id).await.map_err(resume_err) })
     }
 
-    fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), KillError>> {
-        Box::pin(Runtime::kill(self, id))
+    fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>> {
+        Box::pin(async move { self.0.kill(id).await.map_err(kill_err) })
     }
 
-    fn open_agent_stream<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> BoxFuture<'a, Result<AgentStream, ConnectError>> {
+    fn open_agent_stream<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<AgentStream>> {
         Box::pin(async move {
-            let s = Runtime::open_agent_stream(self, id).await?;
+            let s = self.0.open_agent_stream(id).await.map_err(connect_err)?;
             Ok(Box::new(s) as AgentStream)
         })
     }
 
-    fn recover(&self) -> BoxFuture<'_, Result<Vec<RecoveredVm>, RecoverError>> {
-        Box::pin(Runtime::recover(self))
+    fn recover(&self) -> BoxFuture<'_, VmResult<Vec<RecoveredVm>>> {
+        Box::pin(async move { self.0.recover().await.map_err(recover_err) })
     }
 
     fn vm_state(&self, id: &str) -> Option<VmState> {
-        Runtime::vm_state(self, id)
+        self.0.vm_state(id)
     }
 
     fn snapshot<'a>(
@@ -96,52 +181,67 @@ impl VmBackend for Runtime {
         snapshot_id: &'a str,
         names: &'a [String],
         mode: SnapshotMode,
-    ) -> BoxFuture<'a, Result<SnapshotInfo, SnapshotError>> {
-        Box::pin(Runtime::snapshot(
-            self,
-            sandbox_id,
-            snapshot_id,
-            names,
-            mode,
-        ))
+    ) -> BoxFuture<'a, VmResult<SnapshotInfo>> {
+        Box::pin(async move {
+            self.0
+                .snapshot(sandbox_id, snapshot_id, names, mode)
+                .await
+                .map_err(snapshot_err)
+        })
     }
 
     fn snapshots(&self) -> Vec<SnapshotInfo> {
-        Runtime::snapshots(self)
+        self.0.snapshots()
     }
 
     fn import_snapshot<'a>(
         &'a self,
         id_or_name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<SnapshotInfo>, SnapshotError>> {
-        Box::pin(Runtime::import_snapshot(self, id_or_name))
+    ) -> BoxFuture<'a, VmResult<Option<SnapshotInfo>>> {
+        Box::pin(async move {
+            self.0
+                .import_snapshot(id_or_name)
+                .await
+                .map_err(snapshot_err)
+        })
     }
-    fn delete_snapshot(&self, id: &str) -> Result<(), SnapshotError> {
-        Runtime::delete_snapshot(self, id)
+
+    fn delete_snapshot(&self, id: &str) -> VmResult<()> {
+        self.0.delete_snapshot(id).map_err(snapshot_err)
+    }
+
+    fn rename_snapshot(
+        &self,
+        id: &str,
+        add: &[String],
+        remove: &[String],
+    ) -> VmResult<SnapshotInfo> {
+        self.0
+            .rename_snapshot(id, add, remove)
+            .map_err(snapshot_err)
     }
 
     fn fork<'a>(
         &'a self,
         sandbox_id: &'a str,
         ids: &'a [String],
-    ) -> BoxFuture<'a, Result<ForkResults, SnapshotError>> {
-        Box::pin(Runtime::fork(self, sandbox_id, ids))
+    ) -> BoxFuture<'a, VmResult<ForkResults>> {
+        Box::pin(async move {
+            let forks = self.0.fork(sandbox_id, ids).await.map_err(snapshot_err)?;
+            Ok(forks.into_iter().map(|r| r.map_err(create_err)).collect())
+        })
     }
 
-    fn set_network<'a>(
-        &'a self,
-        id: &'a str,
-        policy: EgressPolicy,
-    ) -> BoxFuture<'a, Result<(), NetworkError>> {
-        Box::pin(Runtime::set_network(self, id, policy))
+    fn set_network<'a>(&'a self, id: &'a str, policy: EgressPolicy) -> BoxFuture<'a, VmResult<()>> {
+        Box::pin(async move { self.0.set_network(id, policy).await.map_err(network_err) })
     }
 
     fn network<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Option<NetworkInfo>> {
-        Box::pin(Runtime::network(self, id))
+        Box::pin(self.0.network(id))
     }
 
     fn networking_off(&self) -> Option<String> {
-        Runtime::networking_off(self).map(str::to_owned)
+        self.0.networking_off().map(str::to_owned)
     }
 
     fn exec<'a>(
@@ -150,11 +250,16 @@ impl VmBackend for Runtime {
         req: ExecRequest,
         deadline: std::time::Duration,
         on_event: Box<dyn FnMut(ExecEvent) + Send + 'a>,
-    ) -> BoxFuture<'a, Result<(i32, String), ConnectError>> {
-        Box::pin(async move { Runtime::exec(self, id, &req, deadline, on_event).await })
+    ) -> BoxFuture<'a, VmResult<(i32, String)>> {
+        Box::pin(async move {
+            self.0
+                .exec(id, &req, deadline, on_event)
+                .await
+                .map_err(connect_err)
+        })
     }
 
-    fn sample<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Sample, ConnectError>> {
-        Box::pin(Runtime::sample(self, id))
+    fn sample<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<Sample>> {
+        Box::pin(async move { self.0.sample(id).await.map_err(connect_err) })
     }
 }

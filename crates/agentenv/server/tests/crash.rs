@@ -197,12 +197,9 @@ fn sandbox_path(id: &str, op: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_at_every_step_leaves_a_consistent_state() {
-    if !cfg!(debug_assertions) {
-        eprintln!("skipped: crash points exist in debug builds only");
+    let Some(dir) = debug_build_state_dir("crash points") else {
         return;
-    }
-    common::ensure_guest_binary();
-    let dir = common::state_dir();
+    };
     let dir = dir.path();
     let s = start(dir, None).await;
     let (a, secret) = sandbox_with_keep_snapshot(&s.api).await;
@@ -380,12 +377,9 @@ async fn sandbox_with_keep_snapshot(api: &Api) -> (String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qemu_kill_9_mid_snapshot_and_fork_leaves_a_consistent_state() {
-    if !cfg!(debug_assertions) {
-        eprintln!("skipped: VM kill points exist in debug builds only");
+    let Some(dir) = debug_build_state_dir("VM kill points") else {
         return;
-    }
-    common::ensure_guest_binary();
-    let dir = common::state_dir();
+    };
     let dir = dir.path();
     let s = start(dir, None).await;
     let (a, secret) = sandbox_with_keep_snapshot(&s.api).await;
@@ -484,4 +478,60 @@ async fn qemu_kill_9_mid_snapshot_and_fork_leaves_a_consistent_state() {
         common::qemu_pids_under(dir).is_empty(),
         "QEMU left after the test"
     );
+}
+
+/// A kill -9 of the server while it builds a template leaves that build's QEMU running in the cache's
+/// `.partial` folder; the next start kills it and removes the folder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_a_template_build_leaves_no_qemu() {
+    let Some(dir) = debug_build_state_dir("crash points") else {
+        return;
+    };
+    let dir = dir.path();
+    let point = "runtime:template:after-boot";
+    // The default template first (its build passes the same point).
+    start(dir, None).await.stop();
+    let s = start(dir, Some(point)).await;
+    // Its own size: a key no other test builds at the same time.
+    let mem = 202 + 2 * (rand::random::<u32>() % 26);
+    let body = json!({"templateID": format!("crashy-{mem}"), "memoryMB": mem});
+    s.crash_on(Method::POST, "/templates", Some(body), point)
+        .await;
+    let cache = k3_common::fsutil::cache_dir().join("agentenv/templates");
+    let orphans = || {
+        common::qemu_pids_under(&cache)
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                    let c = String::from_utf8_lossy(&c);
+                    c.contains(".partial/") && c.contains(&format!("{mem}M"))
+                })
+            })
+            .count()
+    };
+    assert!(
+        orphans() >= 1,
+        "the crashed build's QEMU should outlive its server"
+    );
+    let s = start(dir, None).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while orphans() > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the build's QEMU outlived the next start"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    s.close().await;
+}
+
+/// A state folder with the guest binary built, or `None` (said) in a release build, where the
+/// crash points (`what`) do not exist.
+fn debug_build_state_dir(what: &str) -> Option<tempfile::TempDir> {
+    if !cfg!(debug_assertions) {
+        eprintln!("skipped: {what} exist in debug builds only");
+        return None;
+    }
+    common::ensure_guest_binary();
+    Some(common::state_dir())
 }

@@ -13,7 +13,8 @@ use http_body_util::BodyExt;
 /// (start ms, id) of one stand-in node's sandboxes.
 type Listed = Arc<Vec<(i64, String)>>;
 
-/// `GET /v2/sandboxes` as the server pages it: sorted by (start, id), `limit`, after `nextToken`.
+/// `GET /v2/sandboxes` as the server pages it: by (start, id), newest first unless `order=asc`,
+/// `limit`, after `nextToken`.
 async fn list(State(items): State<Listed>, RawQuery(q): RawQuery) -> axum::response::Response {
     let q: Vec<(String, String)> = form_urlencoded::parse(q.unwrap_or_default().as_bytes())
         .into_owned()
@@ -24,9 +25,24 @@ async fn list(State(items): State<Listed>, RawQuery(q): RawQuery) -> axum::respo
         let (ms, id) = t.split_once('_').unwrap();
         (ms.parse::<i64>().unwrap(), id.to_string())
     });
-    let rest: Vec<&(i64, String)> = items
-        .iter()
-        .filter(|x| after.as_ref().is_none_or(|a| (x.0, &x.1) > (a.0, &a.1)))
+    let asc = get("order").as_deref() == Some("asc");
+    let mut sorted: Vec<&(i64, String)> = items.iter().collect();
+    sorted.sort();
+    if !asc {
+        sorted.reverse();
+    }
+    let rest: Vec<&(i64, String)> = sorted
+        .into_iter()
+        .filter(|x| {
+            after.as_ref().is_none_or(|a| {
+                let k = (x.0, &x.1);
+                if asc {
+                    k > (a.0, &a.1)
+                } else {
+                    k < (a.0, &a.1)
+                }
+            })
+        })
         .collect();
     let page: Vec<serde_json::Value> = rest
         .iter()
@@ -141,35 +157,43 @@ async fn paging_through_the_gateway_merges_both_nodes_in_order() {
 
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<http_body_util::Full<bytes::Bytes>>();
-    let mut seen = vec![];
-    let mut token: Option<String> = None;
-    for _ in 0..10 {
-        let q = match &token {
-            Some(t) => format!("limit=3&nextToken={t}"),
-            None => "limit=3".into(),
-        };
-        let req = hyper::Request::get(format!("{base}/v2/sandboxes?{q}"))
-            .header("x-api-key", &key)
-            .body(Default::default())
-            .unwrap();
-        let resp = client.request(req).await.unwrap();
-        assert_eq!(resp.status(), 200);
-        token = resp
-            .headers()
-            .get("x-next-token")
-            .map(|v| v.to_str().unwrap().to_string());
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        let page: Vec<serde_json::Value> = serde_json::from_slice(&body).unwrap();
-        assert!(page.len() <= 3);
-        seen.extend(
-            page.iter()
-                .map(|s| s["sandboxID"].as_str().unwrap().to_string()),
-        );
-        if token.is_none() {
-            break;
+    let want = ["a1", "b2", "a3", "b4", "a5", "b6", "a7", "b8", "b9"];
+    for order in ["", "&order=asc"] {
+        let mut seen = vec![];
+        let mut token: Option<String> = None;
+        for _ in 0..10 {
+            let q = match &token {
+                Some(t) => format!("limit=3{order}&nextToken={t}"),
+                None => format!("limit=3{order}"),
+            };
+            let req = hyper::Request::get(format!("{base}/v2/sandboxes?{q}"))
+                .header("x-api-key", &key)
+                .body(Default::default())
+                .unwrap();
+            let resp = client.request(req).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            token = resp
+                .headers()
+                .get("x-next-token")
+                .map(|v| v.to_str().unwrap().to_string());
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            let page: Vec<serde_json::Value> = serde_json::from_slice(&body).unwrap();
+            assert!(page.len() <= 3);
+            seen.extend(
+                page.iter()
+                    .map(|s| s["sandboxID"].as_str().unwrap().to_string()),
+            );
+            if token.is_none() {
+                break;
+            }
         }
+        // Newest first unless asked otherwise, as E2B lists.
+        let mut expected = want.to_vec();
+        if order.is_empty() {
+            expected.reverse();
+        }
+        assert_eq!(seen, expected, "order {order:?}");
     }
-    assert_eq!(seen, ["a1", "b2", "a3", "b4", "a5", "b6", "a7", "b8", "b9"]);
     for r in regs {
         r.leave().await;
     }

@@ -75,7 +75,11 @@ async fn template_from_an_oci_image_honours_its_config() {
         .push(&reference, &registry.options())
         .expect("push the test image");
     let dir = state_dir();
-    let server = TestServer::start(dir.path()).await;
+    // The test registry is on loopback, which pulls reach only where the operator allows it.
+    let server = TestServer::start_configured(dir.path(), true, |cfg| {
+        cfg.registry_allow = vec![agentenv_oci::AllowedNet::parse("127.0.0.0/8").unwrap()];
+    })
+    .await;
     let api = server.client();
 
     // Built with its progress streamed: the pull's bytes rise to every layer's size, then the template.
@@ -175,4 +179,30 @@ async fn template_from_an_oci_image_honours_its_config() {
     // No QEMU of this state folder outlives the test (its folder is deleted with it).
     let left = common::qemu_pids_under(dir.path());
     assert!(left.is_empty(), "QEMU left running: {left:?}");
+}
+
+/// Security: without `--registry-allow`, a `fromImage` on a loopback (or any internal) address is
+/// refused before any connection, with a 400 that says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_from_an_internal_address_is_refused_without_a_connection() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    let dir = state_dir();
+    let server = TestServer::start_with(dir.path(), false).await;
+    let api = server.client();
+    for reference in [
+        format!("127.0.0.1:{port}/internal/service:latest"),
+        format!("localhost:{port}/internal/service:latest"),
+    ] {
+        let body = json!({"templateID": "ssrf", "fromImage": reference});
+        let c = api.call(Method::POST, "/templates", Some(body)).await;
+        assert_eq!(c.status, StatusCode::BAD_REQUEST, "{}", c.json());
+        let msg = c.json()["message"].as_str().unwrap_or_default().to_string();
+        assert!(msg.contains("--registry-allow"), "{msg}");
+    }
+    assert!(
+        listener.accept().is_err(),
+        "the server connected to the internal address"
+    );
 }

@@ -76,19 +76,17 @@ fn free_ports(n: usize) -> Result<Vec<u16>, String> {
 
 /// Whether an absent S3 server fails a test instead of skipping it (`K3_REQUIRE_S3=1` or CI).
 pub fn s3_required() -> bool {
-    std::env::var("K3_REQUIRE_S3").is_ok_and(|v| v == "1")
-        || std::env::var("CI").is_ok_and(|v| v == "true")
+    k3_common::require::Part::S3.required()
 }
 
 /// Starts SeaweedFS, or prints why not and returns `None` (panics instead when [`s3_required`]).
 pub fn weed_or_skip(test: &str, parent: &Path) -> Option<Weed> {
     match Weed::start(parent) {
         Ok(w) => Some(w),
-        Err(e) if !s3_required() => {
-            eprintln!("skip {test}: {e}");
+        Err(e) => {
+            k3_common::require::skip_part(k3_common::require::Part::S3, test, e);
             None
         }
-        Err(e) => panic!("{test}: S3 server required: {e}"),
     }
 }
 

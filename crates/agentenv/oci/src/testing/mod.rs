@@ -147,10 +147,11 @@ impl TestRegistry {
             .output()
             .is_ok_and(|o| o.status.success());
         if !has_openssl {
-            if std::env::var("K3_REQUIRE_REGISTRY").is_ok_and(|v| v == "1") {
-                panic!("{test}: K3_REQUIRE_REGISTRY=1 but the openssl CLI is missing");
-            }
-            eprintln!("skipping {test}: the openssl CLI is missing (apt-get install openssl)");
+            k3_common::require::skip_part(
+                k3_common::require::Part::Registry,
+                test,
+                "the openssl CLI is missing (apt-get install openssl)",
+            );
             return false;
         }
         true
@@ -162,10 +163,7 @@ impl TestRegistry {
             return true;
         }
         let why = TestRegistryError::Missing(bin);
-        if std::env::var("K3_REQUIRE_REGISTRY").is_ok_and(|v| v == "1") {
-            panic!("{test}: K3_REQUIRE_REGISTRY=1 but {why}");
-        }
-        eprintln!("skipping {test}: {why}");
+        k3_common::require::skip_part(k3_common::require::Part::Registry, test, why);
         false
     }
 
@@ -300,6 +298,8 @@ impl TestRegistry {
                 Scheme::Auto
             },
             root_certificates: self.tls_cert.clone().map(|c| vec![c]),
+            // The test registry listens on loopback, which pulls refuse unless allowed.
+            allow: vec![crate::AllowedNet::parse("127.0.0.0/8").expect("a CIDR")],
             ..RegistryOptions::default()
         }
     }

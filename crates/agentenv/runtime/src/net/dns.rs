@@ -2,11 +2,14 @@
 //! (`deny_out`) lists put their IPv4 addresses into the namespace's `allow_dns` (`deny_dns`) set
 //! before the guest sees them, so a domain rule holds for the addresses the guest connects to.
 
+use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use tokio::net::UdpSocket;
+use tokio::sync::{OnceCell, Semaphore, oneshot};
 
 use super::policy::{EgressPolicy, TABLE};
 use super::slot::{self, SlotAddrs};
@@ -15,10 +18,20 @@ use super::slot::{self, SlotAddrs};
 const MAX_MSG: usize = 4096;
 /// Deadline of one upstream query.
 const UPSTREAM_DEADLINE: Duration = Duration::from_secs(3);
+/// When an unanswered upstream query is sent again (once).
+const RESEND_AFTER: Duration = Duration::from_secs(1);
 /// Shortest time an address learnt from an answer stays in a set.
 const MIN_TTL_S: u32 = 60;
 /// Longest.
 const MAX_TTL_S: u32 = 3600;
+/// Queries of one sandbox in flight at once; more are answered SERVFAIL at once.
+pub const MAX_IN_FLIGHT: usize = 32;
+/// Queries per second one sandbox may send, with bursts of twice as many; more are dropped.
+pub const QUERY_RATE: f64 = 200.0;
+/// Host sockets of the shared upstream pool (every sandbox's queries go out through these).
+const POOL_SOCKETS: usize = 4;
+/// Queries in flight upstream for the whole host; more are answered SERVFAIL.
+const MAX_PENDING: usize = 4096;
 
 /// A parsed response: the question's name and its IPv4 answers with TTLs.
 #[derive(Debug, PartialEq, Eq)]
@@ -127,30 +140,172 @@ pub fn handling(policy: &EgressPolicy, name: &str) -> Handling {
     }
 }
 
-async fn ask_upstream(query: &[u8], upstream: &[SocketAddr]) -> Option<Vec<u8>> {
-    for up in upstream {
-        let Ok(sock) = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await else {
-            continue;
-        };
-        if sock.send_to(query, up).await.is_err() {
-            continue;
-        }
-        let mut buf = vec![0u8; MAX_MSG];
-        let got = tokio::time::timeout(UPSTREAM_DEADLINE, async {
-            loop {
-                let (n, from) = sock.recv_from(&mut buf).await.ok()?;
-                if from == *up && n >= 2 && buf[..2] == query[..2] {
-                    return Some(n);
-                }
-            }
-        })
-        .await;
-        if let Ok(Some(n)) = got {
-            buf.truncate(n);
-            return Some(buf);
+/// The upstream resolvers and the host's few sockets to them, shared by every sandbox: a query goes
+/// out under a fresh random id (restored in the answer), and only an answer from the server asked,
+/// with that id, completes it.
+pub struct Upstream {
+    servers: Vec<SocketAddr>,
+    socks: OnceCell<Vec<Arc<UdpSocket>>>,
+    pending: Arc<Mutex<HashMap<(usize, u16), Pending>>>,
+    next: AtomicUsize,
+}
+
+struct Pending {
+    server: SocketAddr,
+    reply: oneshot::Sender<Vec<u8>>,
+}
+
+impl Upstream {
+    pub fn new(servers: Vec<SocketAddr>) -> Upstream {
+        Upstream {
+            servers,
+            socks: OnceCell::new(),
+            pending: Arc::new(Mutex::new(HashMap::new())),
+            next: AtomicUsize::new(0),
         }
     }
-    None
+
+    /// Queries in flight upstream now.
+    pub fn in_flight(&self) -> usize {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    async fn sockets(&self) -> Option<&Vec<Arc<UdpSocket>>> {
+        self.socks
+            .get_or_try_init(|| async {
+                let mut socks = Vec::with_capacity(POOL_SOCKETS);
+                for i in 0..POOL_SOCKETS {
+                    let s = Arc::new(UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).await?);
+                    tokio::spawn(read_answers(i, s.clone(), self.pending.clone()));
+                    socks.push(s);
+                }
+                Ok::<_, std::io::Error>(socks)
+            })
+            .await
+            .map_err(|e| tracing::warn!(error = %e, "the resolver's upstream sockets"))
+            .ok()
+    }
+
+    /// The answer to `query` from the first server that gives one in time.
+    pub async fn ask(&self, query: &[u8]) -> Option<Vec<u8>> {
+        if query.len() < 12 {
+            return None;
+        }
+        let socks = self.sockets().await?;
+        for server in &self.servers {
+            let i = self.next.fetch_add(1, Ordering::Relaxed) % socks.len();
+            let (tx, rx) = oneshot::channel();
+            let id = {
+                let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                if p.len() >= MAX_PENDING {
+                    return None;
+                }
+                let id = (0..8)
+                    .map(|_| rand_id())
+                    .find(|id| !p.contains_key(&(i, *id)))?;
+                p.insert(
+                    (i, id),
+                    Pending {
+                        server: *server,
+                        reply: tx,
+                    },
+                );
+                id
+            };
+            let mut q = query.to_vec();
+            q[..2].copy_from_slice(&id.to_be_bytes());
+            let got = ask_once(&socks[i], &q, *server, rx).await;
+            if let Some(mut r) = got {
+                r[..2].copy_from_slice(&query[..2]);
+                return Some(r);
+            }
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(i, id));
+        }
+        None
+    }
+}
+
+/// Sends `q` to `server` and waits for its answer on `rx`: UDP may drop a datagram on a busy host,
+/// so an unanswered query is sent once more after [`RESEND_AFTER`], all within [`UPSTREAM_DEADLINE`].
+async fn ask_once(
+    sock: &UdpSocket,
+    q: &[u8],
+    server: SocketAddr,
+    mut rx: oneshot::Receiver<Vec<u8>>,
+) -> Option<Vec<u8>> {
+    let deadline = tokio::time::Instant::now() + UPSTREAM_DEADLINE;
+    let mut sent = sock.send_to(q, server).await.is_ok();
+    if let Ok(r) = tokio::time::timeout(RESEND_AFTER, &mut rx).await {
+        return r.ok();
+    }
+    sent |= sock.send_to(q, server).await.is_ok();
+    if !sent {
+        return None;
+    }
+    tokio::time::timeout_at(deadline, rx).await.ok()?.ok()
+}
+
+fn rand_id() -> u16 {
+    let mut b = [0u8; 2];
+    // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != 2 {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        return (t as u16) ^ ((t >> 16) as u16);
+    }
+    u16::from_be_bytes(b)
+}
+
+/// Hands answers arriving on socket `i` of the pool to the queries waiting for them.
+async fn read_answers(
+    i: usize,
+    sock: Arc<UdpSocket>,
+    pending: Arc<Mutex<HashMap<(usize, u16), Pending>>>,
+) {
+    let mut buf = vec![0u8; MAX_MSG];
+    loop {
+        let Ok((n, from)) = sock.recv_from(&mut buf).await else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
+        if n < 12 {
+            continue;
+        }
+        let id = u16::from_be_bytes([buf[0], buf[1]]);
+        let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+        // Only the server asked may answer (others' datagrams leave the query waiting).
+        if p.get(&(i, id)).is_some_and(|w| w.server == from)
+            && let Some(w) = p.remove(&(i, id))
+        {
+            let _ = w.reply.send(buf[..n].to_vec());
+        }
+    }
+}
+
+/// A token bucket of one sandbox's queries.
+struct RateLimit {
+    tokens: f64,
+    last: Instant,
+}
+
+impl RateLimit {
+    fn take(&mut self) -> bool {
+        let now = Instant::now();
+        let burst = 2.0 * QUERY_RATE;
+        self.tokens =
+            (self.tokens + now.duration_since(self.last).as_secs_f64() * QUERY_RATE).min(burst);
+        self.last = now;
+        if self.tokens < 1.0 {
+            return false;
+        }
+        self.tokens -= 1.0;
+        true
+    }
 }
 
 /// Puts the addresses of `answer` into the set its name's verdict picks (none without a verdict).
@@ -179,31 +334,46 @@ fn learn(a: SlotAddrs, policy: &EgressPolicy, answer: &Answer) {
     }
 }
 
-/// Serves the guest's queries on `sock` until it is dropped (the slot is released).
+/// Serves the guest's queries on `sock` until it is dropped (the slot is released): at most
+/// [`QUERY_RATE`] a second (more are dropped) and [`MAX_IN_FLIGHT`] at once (more answer SERVFAIL),
+/// through the host's shared [`Upstream`].
 pub fn serve(
     a: SlotAddrs,
     sock: std::net::UdpSocket,
     policy: Arc<RwLock<EgressPolicy>>,
-    upstream: Arc<Vec<SocketAddr>>,
+    upstream: Arc<Upstream>,
 ) -> Result<tokio::task::JoinHandle<()>, std::io::Error> {
     let sock = Arc::new(UdpSocket::from_std(sock)?);
+    let in_flight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let mut rate = RateLimit {
+        tokens: 2.0 * QUERY_RATE,
+        last: Instant::now(),
+    };
     Ok(tokio::spawn(async move {
         let mut buf = vec![0u8; MAX_MSG];
         loop {
             let Ok((n, from)) = sock.recv_from(&mut buf).await else {
                 return;
             };
+            if !rate.take() {
+                continue;
+            }
             let query = buf[..n].to_vec();
             let Some(name) = question(&query) else {
                 continue;
             };
+            let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                let _ = sock.send_to(&empty_answer(&query, SERVFAIL), from).await;
+                continue;
+            };
             let (sock, policy, upstream) = (sock.clone(), policy.clone(), upstream.clone());
             tokio::spawn(async move {
+                let _permit = permit;
                 let p = policy.read().unwrap_or_else(|e| e.into_inner()).clone();
                 let how = handling(&p, &name);
                 let reply = match how {
                     Handling::Refuse => empty_answer(&query, REFUSED),
-                    _ => match ask_upstream(&query, &upstream).await {
+                    _ => match upstream.ask(&query).await {
                         Some(r) => {
                             if let Some(ans) = parse_response(&r) {
                                 let _ =
@@ -307,5 +477,189 @@ mod tests {
         let open = p(true, &[], &["*.bad.test"]);
         assert_eq!(handling(&open, "x.bad.test"), Handling::ForwardAndRefuse);
         assert_eq!(handling(&open, "fine.test"), Handling::Forward);
+    }
+
+    /// A loopback "upstream" that answers each query with its id and question after `delay`, plus
+    /// a spoofed answer from another socket first.
+    async fn upstream_server(delay: Duration) -> (SocketAddr, Arc<UdpSocket>) {
+        let s = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let spoofer = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let addr = s.local_addr().unwrap();
+        let srv = s.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; MAX_MSG];
+            loop {
+                let (n, from) = srv.recv_from(&mut buf).await.unwrap();
+                let mut r = buf[..n].to_vec();
+                r[2] |= 0x80;
+                let (srv, spoofer) = (srv.clone(), spoofer.clone());
+                tokio::spawn(async move {
+                    let mut fake = r.clone();
+                    fake.push(0xee);
+                    let _ = spoofer.send_to(&fake, from).await;
+                    tokio::time::sleep(delay).await;
+                    let _ = srv.send_to(&r, from).await;
+                });
+            }
+        });
+        (addr, s)
+    }
+
+    fn query(id: u16, name: &str) -> Vec<u8> {
+        let mut m = id.to_be_bytes().to_vec();
+        m.extend_from_slice(&[1, 0, 0, 1, 0, 0, 0, 0, 0, 0]);
+        for l in name.split('.') {
+            m.push(l.len() as u8);
+            m.extend_from_slice(l.as_bytes());
+        }
+        m.extend_from_slice(&[0, 0, 1, 0, 1]);
+        m
+    }
+
+    /// Whether this is the process that should run test `name`: tests that count the process's
+    /// descriptors run alone in a child (the test binary again, that test only), so no other test's
+    /// descriptors are counted. In the parent it runs the child, asserts it passed and returns false.
+    fn alone(name: &str) -> bool {
+        const CHILD: &str = "K3_DNS_FD_CHILD";
+        if std::env::var(CHILD).is_ok_and(|v| v == name) {
+            return true;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                &format!("net::dns::tests::{name}"),
+                "--test-threads=1",
+            ])
+            .env(CHILD, name)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "{name} in its own process:\n{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        false
+    }
+
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").unwrap().count()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_shared_upstream_matches_answers_to_queries_and_ignores_spoofs() {
+        if !alone("the_shared_upstream_matches_answers_to_queries_and_ignores_spoofs") {
+            return;
+        }
+        let (addr, _srv) = upstream_server(Duration::from_millis(20)).await;
+        let up = Arc::new(Upstream::new(vec![addr]));
+        let fds = open_fds();
+        let mut tasks = Vec::new();
+        for i in 0..300u16 {
+            let up = up.clone();
+            tasks.push(tokio::spawn(async move {
+                let q = query(i, &format!("n{i}.test"));
+                (q.clone(), up.ask(&q).await)
+            }));
+        }
+        for t in tasks {
+            let (q, r) = t.await.unwrap();
+            let r = r.expect("an answer");
+            assert_eq!(&r[..2], &q[..2], "the guest's id comes back");
+            assert_eq!(r.len(), q.len(), "the spoofed (longer) answer was ignored");
+            assert_eq!(question(&r), question(&q));
+        }
+        assert_eq!(up.in_flight(), 0);
+        assert!(
+            open_fds() <= fds + POOL_SOCKETS + 2,
+            "{} fds after, {fds} before",
+            open_fds()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dropped_query_is_sent_again_within_the_deadline() {
+        // An upstream that drops the first datagram of every query id.
+        let srv = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = srv.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(std::collections::HashSet::new()));
+        let counted = seen.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; MAX_MSG];
+            loop {
+                let (n, from) = srv.recv_from(&mut buf).await.unwrap();
+                if counted.lock().unwrap().insert([buf[0], buf[1]]) {
+                    continue;
+                }
+                buf[2] |= 0x80;
+                let _ = srv.send_to(&buf[..n], from).await;
+            }
+        });
+        let up = Upstream::new(vec![addr]);
+        let id = rand_id();
+        let q = query(id, "again.test");
+        let t = Instant::now();
+        let r = up.ask(&q).await.expect("the resent query is answered");
+        assert_eq!(&r[..2], &id.to_be_bytes());
+        assert_eq!(question(&r), question(&q));
+        assert!(
+            t.elapsed() >= RESEND_AFTER,
+            "answered only after the resend"
+        );
+        assert_eq!(
+            seen.lock().unwrap().len(),
+            1,
+            "the resend keeps its upstream id"
+        );
+        assert_eq!(up.in_flight(), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_query_flood_is_rate_limited_and_bounded_in_flight() {
+        if !alone("a_query_flood_is_rate_limited_and_bounded_in_flight") {
+            return;
+        }
+        // An upstream that answers late: queries pile up in flight.
+        let (addr, _srv) = upstream_server(Duration::from_secs(2)).await;
+        let up = Arc::new(Upstream::new(vec![addr]));
+        let guest_side = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        guest_side.set_nonblocking(true).unwrap();
+        let resolver = guest_side.local_addr().unwrap();
+        let policy = Arc::new(RwLock::new(EgressPolicy::default()));
+        let task = serve(SlotAddrs::of(0), guest_side, policy, up.clone()).unwrap();
+        let guest = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let fds = open_fds();
+        let sent = 5000u16;
+        for i in 0..sent {
+            guest
+                .send_to(&query(i, &format!("r{i}.flood.test")), resolver)
+                .await
+                .unwrap();
+        }
+        let mut servfail_now = 0;
+        let mut answered = 0;
+        let mut buf = vec![0u8; MAX_MSG];
+        let deadline = Instant::now() + Duration::from_secs(6);
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match tokio::time::timeout(left, guest.recv_from(&mut buf)).await {
+                Ok(Ok((n, _))) if n >= 4 && buf[3] & 0x0f == SERVFAIL => servfail_now += 1,
+                Ok(Ok(_)) => answered += 1,
+                _ => break,
+            }
+        }
+        task.abort();
+        // At most a burst (plus what the rate refills meanwhile) is handled; the rest is dropped.
+        let handled = servfail_now + answered;
+        assert!(
+            handled <= (2.0 * QUERY_RATE) as usize + 50,
+            "{handled} handled of {sent}"
+        );
+        assert!(answered <= MAX_IN_FLIGHT, "{answered} in flight at once");
+        assert!(servfail_now > 0);
+        assert!(
+            open_fds() <= fds + POOL_SOCKETS + 2,
+            "{} fds after, {fds} before",
+            open_fds()
+        );
     }
 }

@@ -10,6 +10,7 @@
 pub mod dns;
 pub mod policy;
 pub mod slot;
+pub mod testnet;
 
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
@@ -71,6 +72,9 @@ pub struct NetConfig {
     pub warm: usize,
     /// Fail [`crate::Runtime::open`] when networking cannot start (else sandboxes get none).
     pub required: bool,
+    /// Private ranges (CIDRs) sandboxes may reach; by default none of [`policy::PRIVATE`] nor the
+    /// uplink's own networks.
+    pub allow_private: Vec<String>,
 }
 
 /// A blocking task that did not finish (panicked or cancelled), as a [`NetError`].
@@ -88,6 +92,42 @@ pub fn default_route_interface() -> Option<String> {
         let f: Vec<&str> = l.split_whitespace().collect();
         (f.len() > 2 && f[1] == "00000000").then(|| f[0].to_owned())
     })
+}
+
+/// [`policy::PRIVATE`] and the networks on `uplink` (the host's LAN), less `allow` (CIDRs).
+fn blocked_ranges(
+    uplink: &str,
+    allow: &[String],
+) -> Result<Vec<(std::net::Ipv4Addr, u8)>, NetError> {
+    let bad = |e: String| NetError::Unavailable(format!("--net-allow-private: {e}"));
+    let allowed = allow
+        .iter()
+        .map(|s| {
+            policy::Target::parse(s)
+                .ok()
+                .and_then(|t| policy::cidr(&t))
+                .ok_or_else(|| bad(format!("{s:?} is not an IPv4 CIDR")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut nets: Vec<_> = policy::PRIVATE
+        .iter()
+        .filter_map(|s| policy::Target::parse(s).ok().and_then(|t| policy::cidr(&t)))
+        .collect();
+    nets.extend(ipv4_nets(Some(uplink))?);
+    Ok(policy::subtract(&nets, &allowed))
+}
+
+/// The IPv4 networks (masked CIDRs) of the host's addresses, of one interface or all.
+pub(crate) fn ipv4_nets(dev: Option<&str>) -> Result<Vec<(std::net::Ipv4Addr, u8)>, NetError> {
+    let mut args = vec!["-4", "-o", "addr", "show"];
+    args.extend(dev.map(|d| ["dev", d]).into_iter().flatten());
+    let out = slot::run_tool("ip", &args, "")?;
+    Ok(out
+        .lines()
+        .filter_map(|l| l.split_whitespace().skip_while(|w| *w != "inet").nth(1))
+        .filter_map(|c| policy::Target::parse(c).ok())
+        .filter_map(|t| policy::cidr(&t))
+        .collect())
 }
 
 fn host_rules() -> String {
@@ -155,16 +195,7 @@ impl Attachment {
     }
 }
 
-/// Byte and drop counts of a sandbox's network.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct NetStats {
-    /// Guest to outside.
-    pub tx_bytes: u64,
-    /// Outside to guest.
-    pub rx_bytes: u64,
-    /// Packets dropped by policy, invariants or limits.
-    pub dropped_packets: u64,
-}
+pub use agentenv_vm::NetStats;
 
 /// A slot's marker: `<pid> <owner>`, the process managing the slot and the sandbox folder holding
 /// it (`<state folder>/warm` for a warm one). Other processes delete a slot only once that process
@@ -211,7 +242,9 @@ fn is_stale(m: &str, me: u32, state: &str, known: Option<&[String]>) -> bool {
 /// Networking of one runtime.
 pub struct Network {
     cfg: NetConfig,
-    upstream: Arc<Vec<SocketAddr>>,
+    /// Private ranges and the uplink's networks, less `allow_private`: dropped for every sandbox.
+    blocked: Vec<(std::net::Ipv4Addr, u8)>,
+    upstream: Arc<dns::Upstream>,
     /// This runtime's state folder: the owners in its slot markers start with it.
     state: String,
     warm: Mutex<Vec<slot::Slot>>,
@@ -233,6 +266,7 @@ impl Network {
             .ok_or_else(|| {
                 NetError::Unavailable("no uplink: the host has no default route".into())
             })?;
+        let blocked = blocked_ranges(&uplink, &cfg.allow_private)?;
         slot::run_tool("nft", &["-f", "-"], &host_rules())?;
         let fwd = format!("/proc/sys/net/ipv4/conf/{uplink}/forwarding");
         std::fs::write(&fwd, "1").map_err(|e| NetError::io("write", Path::new(&fwd), e))?;
@@ -241,9 +275,11 @@ impl Network {
             false => cfg.dns_upstream.clone(),
         };
         tracing::info!(%uplink, upstream = ?upstream, "sandbox networking on");
+        tracing::info!(blocked = blocked.len(), allowed = ?cfg.allow_private, "private ranges and the uplink's networks blocked for sandboxes");
         let net = Arc::new(Network {
             cfg,
-            upstream: Arc::new(upstream),
+            blocked,
+            upstream: Arc::new(dns::Upstream::new(upstream)),
             state: state_dir.display().to_string(),
             warm: Mutex::new(Vec::new()),
             filling: Default::default(),
@@ -262,7 +298,12 @@ impl Network {
     fn new_slot(&self) -> Result<slot::Slot, NetError> {
         let warm = self.warm_marker();
         let s = slot::create(&warm)?;
-        let rules = policy::ruleset(&s.addrs, &EgressPolicy::default(), self.cfg.limits);
+        let rules = policy::ruleset(
+            &s.addrs,
+            &EgressPolicy::default(),
+            self.cfg.limits,
+            &self.blocked,
+        );
         if let Err(e) = slot::load_rules(&s.addrs, rules) {
             self.forget(s.addrs, &warm);
             return Err(e);
@@ -316,7 +357,10 @@ impl Network {
             slot::set_marker(s.addrs.index, &mark);
             let done = (|| {
                 if policy != EgressPolicy::default() {
-                    slot::load_rules(&s.addrs, policy::ruleset(&s.addrs, &policy, me.cfg.limits))?;
+                    slot::load_rules(
+                        &s.addrs,
+                        policy::ruleset(&s.addrs, &policy, me.cfg.limits, &me.blocked),
+                    )?;
                 }
                 slot::open_tap(&s.addrs)
             })();
@@ -367,7 +411,7 @@ impl Network {
         let (p, m) = (policy.clone(), mark.clone());
         let dns = tokio::task::spawn_blocking(move || {
             slot::set_marker(index, &m);
-            slot::load_rules(&a, policy::ruleset(&a, &p, me.cfg.limits))?;
+            slot::load_rules(&a, policy::ruleset(&a, &p, me.cfg.limits, &me.blocked))?;
             slot::bind_resolver(&a)
         })
         .await
@@ -378,9 +422,12 @@ impl Network {
     /// Replaces the policy of a running attachment (new connections follow it at once).
     pub async fn update(&self, att: &Attachment, policy: EgressPolicy) -> Result<(), NetError> {
         let (a, limits, p) = (att.addrs, self.cfg.limits, policy.clone());
-        tokio::task::spawn_blocking(move || slot::load_rules(&a, policy::ruleset(&a, &p, limits)))
-            .await
-            .map_err(|e| joined("update", e))??;
+        let blocked = self.blocked.clone();
+        tokio::task::spawn_blocking(move || {
+            slot::load_rules(&a, policy::ruleset(&a, &p, limits, &blocked))
+        })
+        .await
+        .map_err(|e| joined("update", e))??;
         *att.policy.write().unwrap_or_else(|e| e.into_inner()) = policy;
         Ok(())
     }

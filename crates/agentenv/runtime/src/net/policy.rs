@@ -9,171 +9,11 @@
 use std::fmt::Write;
 use std::net::Ipv4Addr;
 
-use serde::{Deserialize, Serialize};
-
 use super::slot::{SANDBOX_NET, SlotAddrs, TAP, VETH};
 
-/// Most entries of `allow_out` plus `deny_out`.
-pub const MAX_RULES: usize = 256;
-/// `0.0.0.0/0`, E2B's `ALL_TRAFFIC`.
-pub const ALL_TRAFFIC: &str = "0.0.0.0/0";
-
-/// One `allow_out`/`deny_out` entry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(into = "String", try_from = "String")]
-pub enum Target {
-    /// An address or CIDR block.
-    Net { addr: Ipv4Addr, prefix: u8 },
-    /// A host name, or `*.suffix` for every name under it.
-    Domain(String),
-}
-
-impl Target {
-    /// Parses `1.2.3.4`, `10.0.0.0/8` or a host name (`*.example.com` for its subdomains).
-    pub fn parse(s: &str) -> Result<Target, String> {
-        let s = s.trim();
-        if let Some((a, p)) = s.split_once('/') {
-            let addr: Ipv4Addr = a.parse().map_err(|_| format!("{s:?}: not an IPv4 CIDR"))?;
-            let prefix: u8 = p
-                .parse()
-                .ok()
-                .filter(|p| *p <= 32)
-                .ok_or_else(|| format!("{s:?}: prefix must be 0..=32"))?;
-            let masked = mask(addr, prefix);
-            return Ok(Target::Net {
-                addr: masked,
-                prefix,
-            });
-        }
-        if let Ok(addr) = s.parse::<Ipv4Addr>() {
-            return Ok(Target::Net { addr, prefix: 32 });
-        }
-        if s.contains(':') {
-            return Err(format!(
-                "{s:?}: IPv6 is not supported (sandboxes have IPv4 only)"
-            ));
-        }
-        let name = s.trim_end_matches('.').to_ascii_lowercase();
-        let labels = name.strip_prefix("*.").unwrap_or(&name);
-        let ok = !labels.is_empty()
-            && name.len() <= 253
-            && labels.split('.').all(|l| {
-                !l.is_empty()
-                    && l.len() <= 63
-                    && !l.starts_with('-')
-                    && !l.ends_with('-')
-                    && l.bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-            });
-        if !ok {
-            return Err(format!("{s:?}: not an IPv4 address, CIDR or host name"));
-        }
-        Ok(Target::Domain(name))
-    }
-
-    /// True when the domain target covers `name` (lower case, no trailing dot).
-    pub fn matches_name(&self, name: &str) -> bool {
-        match self {
-            Target::Domain(d) => match d.strip_prefix("*.") {
-                Some(suffix) => name.len() > suffix.len() && name.ends_with(&format!(".{suffix}")),
-                None => name == d,
-            },
-            Target::Net { .. } => false,
-        }
-    }
-}
-
-impl From<Target> for String {
-    fn from(t: Target) -> String {
-        match t {
-            Target::Net { addr, prefix: 32 } => addr.to_string(),
-            Target::Net { addr, prefix } => format!("{addr}/{prefix}"),
-            Target::Domain(d) => d,
-        }
-    }
-}
-
-impl TryFrom<String> for Target {
-    type Error = String;
-    fn try_from(s: String) -> Result<Target, String> {
-        Target::parse(&s)
-    }
-}
-
-fn mask(addr: Ipv4Addr, prefix: u8) -> Ipv4Addr {
-    let m = if prefix == 0 {
-        0
-    } else {
-        u32::MAX << (32 - u32::from(prefix))
-    };
-    Ipv4Addr::from(u32::from(addr) & m)
-}
-
-/// Per-sandbox limits (0 = none).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NetLimits {
-    /// Concurrent connections the guest may open.
-    pub max_connections: u32,
-    /// Bytes per second each way; packets above it are dropped.
-    pub bandwidth_bytes_per_s: u64,
-}
-
-/// What a sandbox may reach; the default is internet on, as in E2B.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EgressPolicy {
-    /// `allow_out`: reachable even where `deny_out` matches.
-    pub allow_out: Vec<Target>,
-    /// `deny_out`; `allow_internet_access=false` is `deny_out = [0.0.0.0/0]`.
-    pub deny_out: Vec<Target>,
-}
-
-impl EgressPolicy {
-    /// From E2B's fields; a bad entry or too many fail with the reason.
-    pub fn from_e2b(
-        allow_internet_access: bool,
-        allow_out: &[String],
-        deny_out: &[String],
-    ) -> Result<EgressPolicy, String> {
-        if allow_out.len() + deny_out.len() > MAX_RULES {
-            return Err(format!(
-                "at most {MAX_RULES} allow_out and deny_out entries"
-            ));
-        }
-        let parse = |v: &[String]| {
-            v.iter()
-                .map(|s| Target::parse(s))
-                .collect::<Result<Vec<_>, _>>()
-        };
-        let mut p = EgressPolicy {
-            allow_out: parse(allow_out)?,
-            deny_out: parse(deny_out)?,
-        };
-        let all = Target::parse(ALL_TRAFFIC)?;
-        if !allow_internet_access && !p.deny_out.contains(&all) {
-            p.deny_out.push(all);
-        }
-        Ok(p)
-    }
-
-    /// True when no egress is possible except `allow_out` (deny covers everything).
-    pub fn internet_blocked(&self) -> bool {
-        self.deny_out
-            .iter()
-            .any(|t| matches!(t, Target::Net { prefix: 0, .. }))
-    }
-
-    /// The verdict for an answer of the resolver: `Some(true)` allow, `Some(false)` deny, `None` no
-    /// domain rule names it.
-    pub fn name_verdict(&self, name: &str) -> Option<bool> {
-        if self.allow_out.iter().any(|t| t.matches_name(name)) {
-            return Some(true);
-        }
-        self.deny_out
-            .iter()
-            .any(|t| t.matches_name(name))
-            .then_some(false)
-    }
-}
+pub use agentenv_vm::egress::{
+    ALL_TRAFFIC, EgressPolicy, MAX_RULES, NetLimits, PRIVATE, Target, cidr, mask,
+};
 
 fn nets(v: &[Target]) -> Vec<String> {
     v.iter()
@@ -182,11 +22,43 @@ fn nets(v: &[Target]) -> Vec<String> {
         .collect()
 }
 
-/// Name of the sandbox namespace's nftables table (`inet`).
-pub const TABLE: &str = "sandbox";
+/// Whether CIDR `(net, len)` (masked) holds CIDR `(other, olen)`.
+pub(crate) fn contains((net, len): (Ipv4Addr, u8), (other, olen): (Ipv4Addr, u8)) -> bool {
+    olen >= len && mask(other, len) == net
+}
+
+/// `nets` less every range of `allowed`, as CIDRs (a net split in halves where an allowed range
+/// lies inside it).
+pub fn subtract(nets: &[(Ipv4Addr, u8)], allowed: &[(Ipv4Addr, u8)]) -> Vec<(Ipv4Addr, u8)> {
+    let mut out = Vec::new();
+    let mut todo: Vec<(Ipv4Addr, u8)> = nets.iter().map(|(a, l)| (mask(*a, *l), *l)).collect();
+    while let Some(n) = todo.pop() {
+        if allowed.iter().any(|a| contains(*a, n)) {
+            continue;
+        }
+        if !allowed.iter().any(|a| contains(n, *a)) || n.1 == 32 {
+            out.push(n);
+            continue;
+        }
+        let half = 1u32 << (31 - u32::from(n.1));
+        todo.push((n.0, n.1 + 1));
+        todo.push((Ipv4Addr::from(u32::from(n.0) | half), n.1 + 1));
+    }
+    out.sort();
+    out
+}
+
+pub use super::slot::TABLE;
 
 /// The complete ruleset of a sandbox namespace, replacing any earlier one in one transaction.
-pub fn ruleset(a: &SlotAddrs, p: &EgressPolicy, limits: NetLimits) -> String {
+/// `blocked` (private ranges and the host's LAN, less what the operator allows) is dropped before any
+/// of the sandbox's own rules, so no `allow_out` opens it.
+pub fn ruleset(
+    a: &SlotAddrs,
+    p: &EgressPolicy,
+    limits: NetLimits,
+    blocked: &[(Ipv4Addr, u8)],
+) -> String {
     let mut s = String::new();
     let set = |s: &mut String, name: &str, elems: &[String]| {
         let _ = write!(
@@ -222,26 +94,40 @@ pub fn ruleset(a: &SlotAddrs, p: &EgressPolicy, limits: NetLimits) -> String {
     };
     let rate_in = rate(&format!("iifname \"{VETH}\" oifname \"{TAP}\" "));
     let rate_out = rate("");
-    let gw = a.gateway;
+    let (gw, guest) = (a.gateway, a.guest);
+    // The guest sends from its own address only (no forged sources), checked before anything else.
     let _ = write!(
         s,
         "  chain input {{
     type filter hook input priority 0; policy drop;
     iif lo accept
+    iifname \"{TAP}\" ip saddr != {guest} counter name dropped drop
     ct state established,related accept
     iifname \"{TAP}\" ip daddr {gw} udp dport 53 accept
     counter name dropped
   }}
   chain forward {{
     type filter hook forward priority 0; policy drop;
+    iifname \"{TAP}\" ip saddr != {guest} counter name dropped drop
     {rate_in}iifname \"{VETH}\" oifname \"{TAP}\" ct state established,related counter name rx accept
     iifname \"{TAP}\" oifname \"{VETH}\" meta nfproto ipv4 jump egress
     counter name dropped
   }}
   chain egress {{
     ip daddr {{ 0.0.0.0/8, 127.0.0.0/8, 169.254.0.0/16, 224.0.0.0/3, {SANDBOX_NET} }} counter name dropped drop
-    {rate_out}ct state established,related counter name tx accept
 "
+    );
+    if !blocked.is_empty() {
+        let b: Vec<String> = blocked.iter().map(|(a, l)| format!("{a}/{l}")).collect();
+        let _ = writeln!(
+            s,
+            "    ip daddr {{ {} }} counter name dropped drop",
+            b.join(", ")
+        );
+    }
+    let _ = writeln!(
+        s,
+        "    {rate_out}ct state established,related counter name tx accept"
     );
     if limits.max_connections > 0 {
         let _ = writeln!(
@@ -330,7 +216,7 @@ mod tests {
             &["5.6.7.8".into()],
         )
         .unwrap();
-        let r = ruleset(
+        let r = ruleset_open(
             &a,
             &p,
             NetLimits {
@@ -355,7 +241,36 @@ mod tests {
             );
         }
         assert!(r.contains(&format!("ip daddr {} udp dport 53", a.gateway)));
-        let open = ruleset(&a, &EgressPolicy::default(), NetLimits::default());
+        let open = ruleset_open(&a, &EgressPolicy::default(), NetLimits::default());
         assert!(!open.contains("ct count") && !open.contains("limit rate"));
+    }
+
+    fn ruleset_open(a: &SlotAddrs, p: &EgressPolicy, l: NetLimits) -> String {
+        ruleset(a, p, l, &[])
+    }
+
+    #[test]
+    fn private_ranges_less_the_operators_allowances() {
+        let n = |s: &str| cidr(&Target::parse(s).unwrap()).unwrap();
+        let private: Vec<_> = PRIVATE.iter().map(|s| n(s)).collect();
+        assert_eq!(subtract(&private, &[]).len(), 4);
+        // Allowing one /24 inside 192.168/16 leaves the rest of it blocked, in 8 pieces.
+        let left = subtract(&[n("192.168.0.0/16")], &[n("192.168.253.0/24")]);
+        assert_eq!(left.len(), 8);
+        assert!(left.iter().all(|c| !contains(*c, n("192.168.253.7"))));
+        assert!(left.iter().any(|c| contains(*c, n("192.168.252.1"))));
+        assert!(left.iter().any(|c| contains(*c, n("192.168.0.1"))));
+        // Allowing all of one range removes it; allowing a wider one removes what it covers.
+        assert_eq!(subtract(&private, &[n("10.0.0.0/8")]).len(), 3);
+        assert_eq!(subtract(&private, &[n("0.0.0.0/0")]), vec![]);
+        let a = SlotAddrs::of(3);
+        let r = ruleset(&a, &EgressPolicy::default(), NetLimits::default(), &left);
+        let drop = r
+            .find("192.168.0.0/17")
+            .expect("blocked ranges in the ruleset");
+        assert!(
+            drop < r.find("@allow").unwrap(),
+            "blocked before the sandbox's own allow"
+        );
     }
 }

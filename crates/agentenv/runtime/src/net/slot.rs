@@ -17,6 +17,9 @@ use std::time::Duration;
 
 use super::NetError;
 
+/// Name of the sandbox namespace's nftables table (`inet`).
+pub const TABLE: &str = "sandbox";
+
 /// Every sandbox address comes from here.
 pub const SANDBOX_NET: &str = "10.200.0.0/16";
 const NET_BASE: u32 = 0x0ac8_0000;
@@ -157,19 +160,12 @@ pub struct Slot {
 /// Where slot markers live: file `<index>` says who holds the slot (see `Network`).
 const OWNERS_DIR: &str = "/run/agentenv-net";
 
-/// The host-wide lock over slot numbers and markers; held while the returned file is open.
-fn host_lock() -> Result<File, NetError> {
+/// The host-wide lock over slot numbers and markers; held while the returned lock lives.
+fn host_lock() -> Result<k3_common::fsutil::FileLock, NetError> {
     std::fs::create_dir_all(OWNERS_DIR)
         .map_err(|e| NetError::io("create", Path::new(OWNERS_DIR), e))?;
-    let lock = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(HOST_LOCK)
-        .map_err(|e| NetError::io("open", Path::new(HOST_LOCK), e))?;
-    // SAFETY: flock on an open fd; released when `lock` closes.
-    unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
-    Ok(lock)
+    k3_common::fsutil::FileLock::lock(Path::new(HOST_LOCK))
+        .map_err(|e| NetError::io("lock", Path::new(HOST_LOCK), e))
 }
 
 fn marker_path(index: u32) -> PathBuf {
@@ -320,14 +316,7 @@ pub fn counters(a: &SlotAddrs) -> Result<(u64, u64, u64), NetError> {
     let out = in_netns(&a.netns(), || {
         run_tool(
             "nft",
-            &[
-                "-j",
-                "list",
-                "counters",
-                "table",
-                "inet",
-                super::policy::TABLE,
-            ],
+            &["-j", "list", "counters", "table", "inet", TABLE],
             "",
         )
     })?;

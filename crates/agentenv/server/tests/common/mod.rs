@@ -63,9 +63,18 @@ impl TestServer {
         with_template: bool,
         store: Option<agentenv_store::StoreConfig>,
     ) -> TestServer {
+        Self::start_configured(state_dir, with_template, |cfg| cfg.store = store).await
+    }
+
+    /// [`Self::start_with`] after `configure` had its say on the runtime's configuration.
+    pub async fn start_configured(
+        state_dir: &Path,
+        with_template: bool,
+        configure: impl FnOnce(&mut agentenv_runtime::RuntimeConfig),
+    ) -> TestServer {
         let (api_key, _) = keys::load_or_create_api_key(state_dir).unwrap();
         let mut cfg = agentenv_runtime::RuntimeConfig::new(state_dir.join("runtime"));
-        cfg.store = store;
+        configure(&mut cfg);
         cfg.accel = match std::env::var("AGENTENV_ACCEL").as_deref() {
             Ok("tcg") => agentenv_runtime::Accel::Tcg,
             Ok("kvm") => agentenv_runtime::Accel::Kvm,
@@ -81,7 +90,8 @@ impl TestServer {
         };
         let accel = runtime_backend::accel_label(&rt).to_string();
         let runtime = rt.clone();
-        let backend: Arc<dyn agentenv_server::backend::VmBackend> = Arc::new(rt);
+        let backend: Arc<dyn agentenv_server::backend::VmBackend> =
+            Arc::new(agentenv_server::runtime_backend::RuntimeBackend(rt));
         let state = AppState::open(
             backend,
             ServerConfig {

@@ -536,6 +536,12 @@ def test_a_node_keeps_auto_pause_and_auto_resume_in_the_cluster(cluster):
         cluster.wait_nodes(2)
         status, info = _http("GET", f"{g1.url}/sandboxes/{sid}", cluster.key)
         assert status == 200 and info["state"] == "paused", info
+        # Security: data-plane traffic without its token neither reaches nor moves it.
+        for wrong in ("", "not-" + token):
+            status, body = _envd(g1.url, sid, wrong, "GET", "/tmp/auto.txt")
+            assert status == 401, (status, body)
+        e = _entry(cluster, sid)
+        assert e["state"] == "paused" and e["node"] == second["node"], e
         # Moved on data-plane traffic (autoResume), with its file.
         assert _envd(g1.url, sid, token, "GET", "/tmp/auto.txt") == (200, secret)
         assert cluster.node_of(sid) is not node

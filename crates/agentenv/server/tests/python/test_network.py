@@ -1,7 +1,11 @@
 """Sandbox networking through the stock e2b SDK, against a test "internet": a network namespace with
 an HTTP server on several addresses, a DNS server and a fake link-local metadata address. No test
 touches a real outside address. Needs root, iproute2 and nftables (skips with the reason otherwise;
-fails instead under K3_REQUIRE_KVM=1, as the QEMU tests do)."""
+fails instead under K3_REQUIRE_KVM=1, as the QEMU tests do).
+
+The namespace, its veth and routes are made by the Rust harness (`tests/python_sdk.rs`, which picks a
+range the host does not use) and named by K3_TESTNET_NS, K3_TESTNET_UPLINK and K3_TESTNET_PREFIX;
+this file starts the servers inside it."""
 
 import json
 import os
@@ -16,11 +20,14 @@ import pytest
 
 from conftest import Server
 
-WEB = "203.0.113.10"  # allowed.test, www.allowed.test
-WEB2 = "203.0.113.11"  # denied.test
-WEB3 = "203.0.113.12"  # other.test
-DNS = "203.0.113.53"
-METADATA = "169.254.169.254"
+PREFIX = os.environ.get("K3_TESTNET_PREFIX", "")
+WEB = f"{PREFIX}.10"  # allowed.test, www.allowed.test
+WEB2 = f"{PREFIX}.11"  # denied.test
+WEB3 = f"{PREFIX}.12"  # other.test
+DNS = f"{PREFIX}.53"
+METADATA = "169.254.169.254"  # routed into the namespace for sandbox traffic only
+PRIVATE = os.environ.get("K3_TESTNET_PRIVATE", "")  # a private address, routed likewise
+LINK_PEER = os.environ.get("K3_TESTNET_LINK_PEER", "")  # the namespace on the uplink's own network
 
 DNS_SERVER = r"""
 import socket, struct, sys
@@ -33,6 +40,8 @@ while True:
         while q[i]:
             labels.append(q[i + 1:i + 1 + q[i]].decode()); i += 1 + q[i]
         name, qend = ".".join(labels).lower(), i + 5
+        if name.endswith(".flood.test"):  # never answered: each query waits out its deadline
+            continue
         ip = ANS.get(name)
         r = q[:2] + struct.pack(">HHHHH", 0x8180 if ip else 0x8183, 1, 1 if ip else 0, 0, 0) + q[12:qend]
         if ip:
@@ -48,29 +57,19 @@ def sh(*args, check=True):
 
 
 class Internet:
-    """The test internet: namespace `k3inet-<r>`, reached from the host by veth `k3t<r>` (the uplink
-    the server is given), routes to 203.0.113.0/24 and 169.254.169.254 through it."""
+    """The servers of the harness's test internet: namespace K3_TESTNET_NS, reached from the host by
+    veth K3_TESTNET_UPLINK (the uplink the server is given); the host routes its range through it, and
+    the metadata address for sandbox traffic only."""
 
     def __init__(self):
-        r = uuid.uuid4().hex[:6]
-        self.ns, self.host_if, self.peer = f"k3inet-{r}", f"k3t{r}", f"k3p{r}"
+        self.ns, self.host_if = os.environ["K3_TESTNET_NS"], os.environ["K3_TESTNET_UPLINK"]
         self.procs = []
         self.tmp = tempfile.mkdtemp(prefix="k3inet-")
 
     def up(self):
         n = self.ns
-        sh("ip", "netns", "add", n)
-        sh("ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.peer, "netns", n)
-        sh("ip", "addr", "add", "198.18.0.1/30", "dev", self.host_if)
-        sh("ip", "link", "set", self.host_if, "up")
-        sh("ip", "-n", n, "addr", "add", "198.18.0.2/30", "dev", self.peer)
-        sh("ip", "-n", n, "link", "set", self.peer, "up")
-        sh("ip", "-n", n, "link", "set", "lo", "up")
-        for a in (WEB, WEB2, WEB3, DNS, METADATA):
+        for a in (METADATA, PRIVATE):
             sh("ip", "-n", n, "addr", "add", f"{a}/32", "dev", "lo")
-        sh("ip", "-n", n, "route", "add", "default", "via", "198.18.0.1")
-        sh("ip", "route", "replace", "203.0.113.0/24", "via", "198.18.0.2")
-        sh("ip", "route", "replace", f"{METADATA}/32", "via", "198.18.0.2")
         www = os.path.join(self.tmp, "www")
         os.makedirs(www)
         with open(os.path.join(www, "index.html"), "w") as f:
@@ -94,9 +93,8 @@ class Internet:
     def down(self):
         for p in self.procs:
             p.kill()
-        sh("ip", "route", "del", "203.0.113.0/24", check=False)
-        sh("ip", "route", "del", f"{METADATA}/32", check=False)
-        sh("ip", "netns", "del", self.ns, check=False)
+        for a in (METADATA, PRIVATE):
+            sh("ip", "-n", self.ns, "addr", "del", f"{a}/32", "dev", "lo", check=False)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -108,6 +106,8 @@ def _skip_reason():
             return f"`{tool}` is missing (apt-get install iproute2 nftables curl)"
     if not os.path.exists("/dev/net/tun"):
         return "/dev/net/tun is missing"
+    if not os.environ.get("K3_TESTNET_NS"):
+        return "no test internet: run through `cargo test -p agentenv-server --test python_sdk`"
     return None
 
 
@@ -117,6 +117,9 @@ def net():
     if why:
         if os.environ.get("K3_REQUIRE_KVM") == "1":
             pytest.fail(why)
+        if os.environ.get("K3_SKIP_LOG"):  # counted by `cargo xtask test`, as k3_common::require does
+            with open(os.environ["K3_SKIP_LOG"], "a") as f:
+                f.write(f"network\ttest_network.py\tskip network: test_network.py: {why}\n")
         pytest.skip(why)
     inet = Internet()
     inet.up()
@@ -327,8 +330,12 @@ def test_isolation_holds_also_after_pause_resume_and_fork(net):
     from conftest import pause
 
     # The host API answers on every host address (it listens on 0.0.0.0), and the metadata address
-    # answers from the host: only the sandbox's rules keep the guests out.
-    assert sh("curl", "-s", "-m", "2", f"http://{METADATA}/", check=False).returncode == 0
+    # is routed into the test internet for sandbox sources, where it answers: only the sandbox's
+    # rules keep the guests out.
+    assert sh("ip", "netns", "exec", net.inet.ns, "curl", "-s", "-m", "2", f"http://{METADATA}/",
+              check=False).returncode == 0
+    rules = sh("ip", "rule").stdout
+    assert f"to {METADATA}" in rules, rules
     a, b = create(net), create(net)
     try:
         b.commands.run("cd /tmp && python3 -m http.server 8000 >/dev/null 2>&1", background=True)
@@ -392,3 +399,138 @@ def test_connection_limit_holds_and_drops_are_counted(net):
             assert json.load(r)[0]["netDroppedPackets"] >= 16
     finally:
         sbx.kill()
+
+
+DNS_FLOOD = r"""
+import os, random, socket, string, sys, time
+ns = [l.split()[1] for l in open("/etc/resolv.conf") if l.startswith("nameserver")][0]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setblocking(False)
+n = int(sys.argv[1])
+for i in range(n):
+    name = "".join(random.choices(string.ascii_lowercase, k=12)) + ".flood.test"
+    q = os.urandom(2) + b"\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00"
+    q += b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\x00\x00\x01\x00\x01"
+    try:
+        s.sendto(q, (ns, 53))
+    except BlockingIOError:
+        time.sleep(0.001)
+print("sent", n)
+"""
+
+
+def test_a_dns_flood_from_a_guest_leaves_the_server_and_other_sandboxes_alone(net):
+    """Security: 20,000 queries for random names from one guest. The server's descriptors stay
+    bounded (one shared upstream socket pool, a per-sandbox rate and in-flight limit), its API answers,
+    and another sandbox still resolves names."""
+    a, b = create(net), create(net)
+    pid = net.proc.pid
+
+    def fds():
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    try:
+        a.files.write("/tmp/flood.py", DNS_FLOOD)
+        before = fds()
+        flood = a.commands.run("python3 /tmp/flood.py 20000", background=True)
+        peak, until = before, time.monotonic() + 10
+        resolved = []
+        while time.monotonic() < until:  # while the flood runs
+            peak = max(peak, fds())
+            assert urllib.request.urlopen(f"http://127.0.0.1:{net.port}/health", timeout=5).status == 204
+            r = b.commands.run("getent hosts allowed.test || true", timeout=30)
+            resolved.append(WEB in r.stdout)
+            peak = max(peak, fds())
+        assert "sent 20000" in flood.wait().stdout
+        peak = max(peak, fds())
+        assert peak - before < 200, f"server descriptors grew from {before} to {peak}"
+        assert resolved and all(resolved), resolved
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_private_ranges_and_the_lan_are_closed_unless_the_operator_opens_one(net):
+    """Security: a default sandbox reaches the internet but no private address and nothing on the
+    uplink's own network, whatever its allow_out says; `--net-allow-private CIDR` opens that range
+    only (a second server with it)."""
+    sbx = create(net, network={"allow_out": [f"{PRIVATE}/32", f"{LINK_PEER}/32"]})
+    try:
+        assert reaches(sbx, f"http://{WEB}/")
+        assert reached(sbx, [f"http://{PRIVATE}/", f"http://{LINK_PEER}/"]) == []
+    finally:
+        sbx.kill()
+    state = tempfile.mkdtemp(prefix="agentenv-pytest-private-")
+    srv = Server(os.environ["AGENTENV_BIN"], state, listen_host="0.0.0.0", extra_args=[
+        "--network", "on", "--net-uplink", net.inet.host_if, "--net-dns", DNS,
+        "--net-allow-private", f"{PRIVATE.rsplit('.', 1)[0]}.0/24"])
+    srv.start()
+    try:
+        from e2b import Sandbox
+
+        url = f"http://127.0.0.1:{srv.port}"
+        s2 = Sandbox.create("base", timeout=300, api_key=srv.api_key, api_url=url, sandbox_url=url)
+        try:
+            assert reached(s2, [f"http://{PRIVATE}/", f"http://{LINK_PEER}/"]) == [f"http://{PRIVATE}/"]
+        finally:
+            s2.kill()
+    finally:
+        srv.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+UDP_LOG = r"""
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 5353))
+with open(sys.argv[2], "a", buffering=1) as f:
+    while True:
+        data, (src, _) = s.recvfrom(512)
+        f.write(f"{src} {data.decode(errors='replace')}\n")
+"""
+
+SPOOF = r"""
+import socket, struct, sys
+dst, forged, tag = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+def csum(b):
+    b += b"\0" * (len(b) % 2)
+    s = sum(struct.unpack(f"!{len(b)//2}H", b)); s = (s >> 16) + (s & 0xffff); s += s >> 16
+    return ~s & 0xffff
+udp = struct.pack("!HHHH", 40000, 5353, 8 + len(tag), 0) + tag
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                 socket.inet_aton(forged), socket.inet_aton(dst))
+ip = ip[:10] + struct.pack("!H", csum(ip)) + ip[12:]
+s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+for _ in range(5):
+    s.sendto(ip + udp, (dst, 0))
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(5):
+    u.sendto(b"honest", (dst, 5353))
+print("sent")
+"""
+
+
+def test_a_guest_cannot_send_with_a_forged_source_address(net):
+    """Security: packets a guest sends with a source other than its own address are dropped in its
+    namespace (the control: its honest datagrams arrive)."""
+    log = os.path.join(net.inet.tmp, "udp.log")
+    listener = subprocess.Popen(["ip", "netns", "exec", net.inet.ns, "python3", "-c", UDP_LOG, WEB, log],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sbx = create(net)
+    try:
+        time.sleep(0.5)
+        sbx.files.write("/tmp/spoof.py", SPOOF)
+        forged = f"{PREFIX}.77"  # an address of the test internet's range, outside every sandbox
+        out = sbx.commands.run(f"python3 /tmp/spoof.py {WEB} {forged} forged", user="root", timeout=60)
+        assert "sent" in out.stdout
+        def logged():
+            return open(log).read() if os.path.exists(log) else ""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "honest" not in logged():
+            time.sleep(0.2)
+        time.sleep(0.5)  # the forged ones were sent first; give stragglers a moment
+        lines = logged().splitlines()
+        assert any(l.endswith("honest") for l in lines), lines
+        assert not any("forged" in l for l in lines), lines
+    finally:
+        sbx.kill()
+        listener.kill()

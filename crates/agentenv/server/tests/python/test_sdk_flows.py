@@ -85,6 +85,57 @@ def test_files(sandbox):
     assert not sandbox.files.exists(name)
 
 
+def _sdk_writes_file_metadata():
+    import inspect
+
+    from e2b.sandbox_sync.filesystem.filesystem import Filesystem
+
+    return "metadata" in inspect.signature(Filesystem.write).parameters
+
+
+@pytest.mark.skipif(
+    not _sdk_writes_file_metadata(),
+    reason="this e2b SDK has no file metadata (envd 0.6.2; the SDK floor 2.7 predates it)",
+)
+def test_file_metadata_is_kept_listed_moved_and_replaced(sandbox):
+    d = f"/home/user/meta-{secrets.token_hex(4)}"
+    meta = {"owner": secrets.token_hex(6), "Stage": "draft one"}
+    info = sandbox.files.write(f"{d}/a.txt", "x", metadata=meta)
+    want = {"owner": meta["owner"], "stage": "draft one"}  # keys are lowercased
+    assert info.metadata == want
+    assert sandbox.files.get_info(f"{d}/a.txt").metadata == want
+    listed = {e.name: e.metadata for e in sandbox.files.list(d)}
+    assert listed == {"a.txt": want}
+    sandbox.files.rename(f"{d}/a.txt", f"{d}/b.txt")
+    assert sandbox.files.get_info(f"{d}/b.txt").metadata == want
+    # An overwrite without metadata clears it; one set in the sandbox shows.
+    sandbox.files.write(f"{d}/b.txt", "y")
+    assert not sandbox.files.get_info(f"{d}/b.txt").metadata
+    r = sandbox.commands.run(f"python3 -c \"import os; os.setxattr('{d}/b.txt', 'user.e2b.k', b'v')\"")
+    assert r.exit_code == 0, r.stderr
+    assert sandbox.files.get_info(f"{d}/b.txt").metadata == {"k": "v"}
+    with pytest.raises(Exception):
+        sandbox.files.write(f"{d}/c.txt", "z", metadata={"bad key": "v"})
+
+
+def test_signed_file_urls_need_no_headers(sandbox):
+    p = f"/home/user/signed-{secrets.token_hex(4)}.txt"
+    text = secrets.token_hex(16)
+    sandbox.files.write(p, text)
+    url = sandbox.download_url(p, use_signature_expiration=60)
+    assert "signature=" in url
+    r = httpx.get(url)
+    assert r.status_code == 200 and r.text == text, r.text
+    assert httpx.get(url.replace("signature=v1_", "signature=v1_x")).status_code == 401
+    name = p.rsplit("/", 1)[1]
+    other = url.replace(name, name + "x")
+    assert other != url
+    assert httpx.get(other).status_code == 401, "another file"
+    expired = httpx.get(sandbox.download_url(p, use_signature_expiration=-120))
+    assert expired.status_code == 401
+    assert expired.json() == {"code": 401, "message": "signature is already expired"}
+
+
 def test_pause_resume_keeps_files_and_processes(server):
     sbx = Sandbox.create("base", timeout=600)
     try:
@@ -149,6 +200,7 @@ def test_list_filters_and_paging(server):
             seen.extend(i.sandbox_id for i in pager.next_items())
             pages += 1
         assert sorted(seen) == sorted(b.sandbox_id for b in boxes)
+        assert seen == [b.sandbox_id for b in reversed(boxes)], "newest first, as E2B"
         assert pages == 2
         running = Sandbox.list(query=SandboxQuery(metadata={"tag": tag}, state=[SandboxState.RUNNING])).next_items()
         assert sorted(i.sandbox_id for i in running) == sorted(b.sandbox_id for b in boxes[:2])

@@ -79,6 +79,51 @@ def test_a_key_sees_and_controls_only_its_own(server):
     assert b_name in listing and b[:12] in listing
 
 
+def _post(server, path, key, body):
+    """(status, JSON body) of a raw POST to the server's API."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{server.url}{path}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"X-API-Key": key, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def test_no_key_can_take_over_the_base_template_or_an_unnamed_snapshot(server):
+    """Security: a named key cannot rebuild the shared `base` (it used to answer 201 and give every
+    tenant its machine), and starting from another key's unnamed snapshot id neither works nor moves
+    the snapshot to another owner."""
+    (_, a), (_, b) = _new_key(server), _new_key(server)
+    status, body = _post(server, "/templates", b, {"templateID": "base", "memoryMB": 192})
+    assert status == 403, body
+    status, body = _post(server, "/templates", b, {"templateID": "bogus", "aliases": ["base"]})
+    assert status == 403, body
+    sbx = Sandbox.create("base", timeout=300, api_key=a)
+    try:
+        mem_kib = int(sbx.commands.run("awk '/MemTotal/ {print $2}' /proc/meminfo").stdout)
+        assert mem_kib > 200 * 1024, f"base came up with {mem_kib} KiB"
+        if not hasattr(sbx, "create_snapshot"):  # e2b < 2.x: no snapshots
+            return
+        snap = sbx.create_snapshot()
+        with pytest.raises(Exception) as refused:
+            Sandbox.create(snap.snapshot_id, timeout=60, api_key=b)
+        assert "not found" in str(refused.value).lower(), refused.value
+        pager = Sandbox.list_snapshots(api_key=a)
+        mine = []
+        while pager.has_next:
+            mine.extend(x.snapshot_id for x in pager.next_items())
+        assert snap.snapshot_id in mine, "the maker still owns its unnamed snapshot"
+        other = Sandbox.create(snap.snapshot_id, timeout=300, api_key=a)
+        other.kill()
+    finally:
+        sbx.kill()
+
+
 def test_a_key_quota_holds_only_that_key(server):
     _, capped = _new_key(server, "--max-running", "1")
     first = Sandbox.create("base", timeout=120, api_key=capped)

@@ -75,12 +75,12 @@ pub fn qemu_tool(test: &str, name: &str) -> Option<PathBuf> {
             .map(|d| d.join(name))
             .find(|p| p.is_file())
     });
-    match found {
-        Some(p) => Some(p),
-        None if !required() => {
-            eprintln!("skip {test}: {name} not on PATH (apt qemu-utils)");
-            None
+    if found.is_none() {
+        let why = format!("{name} not on PATH (apt qemu-utils)");
+        if required() {
+            panic!("{test}: {why}");
         }
-        None => panic!("{test}: {name} required (apt qemu-utils)"),
+        k3_common::require::skip_part(k3_common::require::Part::Qemu, test, why);
     }
+    found
 }

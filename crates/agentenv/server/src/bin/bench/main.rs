@@ -254,7 +254,9 @@ async fn serve_runtime(
     rt: agentenv_runtime::Runtime,
     dir: &std::path::Path,
 ) -> anyhow::Result<(Http, tokio::task::JoinHandle<()>)> {
-    serve(Arc::new(rt), dir).await.map(|(h, t, _)| (h, t))
+    serve(Arc::new(runtime_backend::RuntimeBackend(rt)), dir)
+        .await
+        .map(|(h, t, _)| (h, t))
 }
 
 /// The notes of a section run on its own: the command line, `notes`, and the machine caveat.
@@ -286,7 +288,7 @@ fn cdf(name: &str, samples: &[f64]) -> Series {
 /// Why the kvm tier cannot run here, from the host-level KVM verdict (cached by k3-common).
 async fn kvm_skip_reason() -> String {
     let verdict = tokio::task::spawn_blocking(|| {
-        kvm::cached_check(false, agentenv_runtime::accel::PROBE_TIMEOUT)
+        kvm::cached_check(false, agentenv_runtime::vmm::accel::PROBE_TIMEOUT)
     })
     .await;
     let why = match verdict {
@@ -354,12 +356,14 @@ async fn main() -> anyhow::Result<()> {
         cfg.qemu_uids = None;
     }
     cfg.ram_dir = args.ram_dir.clone();
-    let internet = match args.network {
-        true => Some(net::Internet::up().context("the test internet")?),
+    // Namespace and veth only: the host routes nothing to the test internet until the default
+    // template (whose build fetches from the package mirror) is built.
+    let mut internet = match args.network {
+        true => Some(net::up().context("the test internet")?),
         false => None,
     };
     cfg.network = internet.as_ref().map(|i| agentenv_runtime::net::NetConfig {
-        uplink: Some(i.uplink.clone()),
+        uplink: Some(i.uplink().to_owned()),
         warm: 2,
         required: true,
         ..Default::default()
@@ -382,11 +386,17 @@ async fn main() -> anyhow::Result<()> {
     }
     let progress =
         |p: agentenv_runtime::BuildProgress| tracing::info!(progress = ?p, "default template");
+    let template_started = Instant::now();
     rt.ensure_default_template(&progress)
         .await
         .context("default template")?;
+    let template_s = template_started.elapsed().as_secs_f64();
+    println!("default template ready in {template_s:.1} s");
+    if let Some(i) = internet.as_mut() {
+        i.route(&[]).context("routing the test internet")?;
+    }
     let warm_rt = rt.clone();
-    let backend: Arc<dyn VmBackend> = Arc::new(rt);
+    let backend: Arc<dyn VmBackend> = Arc::new(runtime_backend::RuntimeBackend(rt));
     let (http, server, app_state) = serve(backend.clone(), state.path()).await?;
     let sandboxes = app_state.sandboxes.clone();
     let cmd: Vec<String> = std::env::args().collect();
@@ -503,9 +513,9 @@ async fn main() -> anyhow::Result<()> {
         kill.push(ms(t));
     }
     let mut v2 = snapshots::snapshot_figures(&http, args.iterations, &warm_rt).await?;
-    if internet.is_some() {
+    if let Some(i) = internet.as_ref() {
         let (id, token) = http.create(json!({"templateID": "base"})).await?;
-        v2.extend(net::throughput(&http, &id, &token).await?);
+        v2.extend(net::throughput(&http, i, &id, &token).await?);
         http.kill(&id).await?;
     }
     let mut s3_note = None;
@@ -629,9 +639,14 @@ async fn main() -> anyhow::Result<()> {
         notes: [
             format!("command: {}", cmd.join(" ")),
             format!("backend: QEMU -M microvm, accelerator {accel_name}; create restores the template's base snapshot"),
+            format!("default template ready in {template_s:.1} s (built in the run when the cache had none)"),
             format!("QEMU users: {}", if args.no_qemu_uids { "the bench's own (--no-qemu-uids)" } else { "one uid per VM" }),
             format!("guest RAM files: {}", args.ram_dir.as_ref().map_or("in the state folder (ext4)".into(), |d| d.display().to_string())),
             format!("network: {}", if args.network { "on (namespace, tap and nftables per sandbox; NAT to the bench's test internet namespace)" } else { "off" }),
+            match internet.as_ref() {
+                Some(i) => format!("test internet: {} (picked at run time: no host address, route, resolver or mirror answer uses it)", i.range()),
+                None => "test internet: none".into(),
+            },
             "client: HTTP/1.1 on loopback to an in-process agentenv server; one sandbox at a time".into(),
             format!("{} sandboxes, {} command round trips each; medians quoted, stats hold p99", args.iterations, args.commands),
             CAVEAT.into(),

@@ -4,82 +4,36 @@
 use std::io::{Read, Write};
 use std::net::TcpListener;
 
+use agentenv_runtime::net::NetError;
+use agentenv_runtime::net::testnet::TestInternet;
 use anyhow::bail;
 use k3_common::report::Figure;
 use k3_common::stats;
 
-/// Address of the source (port 9000: sends the byte count it reads) and sink (9001: reads to EOF).
-pub const SERVER: &str = "203.0.113.10";
+/// Last octet of the source (port 9000: sends the byte count it reads) and sink (9001: reads to EOF)
+/// in the test internet's range.
+const SERVER: u8 = 10;
 const MIB: usize = 64;
 
-fn ip(args: &[&str]) -> anyhow::Result<()> {
-    agentenv_runtime::net::slot::run_tool("ip", args, "")?;
-    Ok(())
-}
-
-/// The test internet; removed on drop.
-pub struct Internet {
-    ns: String,
-    /// The host end of its veth: the server's `--net-uplink`.
-    pub uplink: String,
-}
-
-impl Internet {
-    pub fn up() -> anyhow::Result<Internet> {
-        let tag = std::process::id() % 100_000;
-        let (ns, uplink, peer) = (
-            format!("k3bench-{tag}"),
-            format!("k3b{tag}"),
-            format!("k3c{tag}"),
-        );
-        let me = Internet {
-            ns: ns.clone(),
-            uplink: uplink.clone(),
-        };
-        ip(&["netns", "add", &ns])?;
-        ip(&[
-            "link", "add", &uplink, "type", "veth", "peer", "name", &peer, "netns", &ns,
-        ])?;
-        ip(&["addr", "add", "198.18.0.1/30", "dev", &uplink])?;
-        ip(&["link", "set", &uplink, "up"])?;
-        ip(&["-n", &ns, "addr", "add", "198.18.0.2/30", "dev", &peer])?;
-        ip(&["-n", &ns, "link", "set", &peer, "up"])?;
-        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
-        ip(&[
-            "-n",
-            &ns,
-            "addr",
-            "add",
-            &format!("{SERVER}/32"),
-            "dev",
-            "lo",
-        ])?;
-        ip(&["-n", &ns, "route", "add", "default", "via", "198.18.0.1"])?;
-        ip(&["route", "replace", "203.0.113.0/24", "via", "198.18.0.2"])?;
-        for (port, serve) in [(9000u16, source as fn(std::net::TcpStream)), (9001, sink)] {
-            let l = agentenv_runtime::net::slot::in_netns(&ns, move || {
-                TcpListener::bind((SERVER, port)).map_err(|e| {
-                    agentenv_runtime::net::NetError::Tool {
-                        program: "bind".into(),
-                        detail: e.to_string(),
-                    }
-                })
-            })?;
-            std::thread::spawn(move || {
-                for c in l.incoming().flatten() {
-                    std::thread::spawn(move || serve(c));
-                }
-            });
-        }
-        Ok(me)
+/// The test internet with the byte source and sink, not yet routed from the host
+/// ([`TestInternet::route`] once the default template is built).
+pub fn up() -> anyhow::Result<TestInternet> {
+    let inet = TestInternet::up(&[SERVER])?;
+    let addr = inet.addr(SERVER);
+    for (port, serve) in [(9000u16, source as fn(std::net::TcpStream)), (9001, sink)] {
+        let l = inet.in_ns(move || {
+            TcpListener::bind((addr, port)).map_err(|e| NetError::Tool {
+                program: "bind".into(),
+                detail: e.to_string(),
+            })
+        })?;
+        std::thread::spawn(move || {
+            for c in l.incoming().flatten() {
+                std::thread::spawn(move || serve(c));
+            }
+        });
     }
-}
-
-impl Drop for Internet {
-    fn drop(&mut self) {
-        let _ = ip(&["route", "del", "203.0.113.0/24"]);
-        let _ = ip(&["netns", "del", &self.ns]);
-    }
+    Ok(inet)
 }
 
 fn source(mut c: std::net::TcpStream) {
@@ -113,13 +67,13 @@ fn sink(mut c: std::net::TcpStream) {
 }
 
 /// Guest-side Python: three timed downloads and uploads of 64 MiB; prints `down MB/s` and `up MB/s`.
-fn script() -> String {
+fn script(server: std::net::Ipv4Addr) -> String {
     format!(
         r#"python3 - <<'PY'
 import socket, time
 N = {MIB} << 20
 for _ in range(3):
-    s = socket.create_connection(("{SERVER}", 9000)); s.sendall(b"%d\n" % N)
+    s = socket.create_connection(("{server}", 9000)); s.sendall(b"%d\n" % N)
     t, got = time.monotonic(), 0
     while True:
         b = s.recv(1 << 16)
@@ -128,7 +82,7 @@ for _ in range(3):
     dt = time.monotonic() - t
     assert got == N, got
     print("down", N / dt / 1e6)
-    s = socket.create_connection(("{SERVER}", 9001)); chunk = b"z" * (1 << 16)
+    s = socket.create_connection(("{server}", 9001)); chunk = b"z" * (1 << 16)
     t = time.monotonic()
     for _ in range(N >> 16): s.sendall(chunk)
     s.shutdown(socket.SHUT_WR); ack = s.recv(64)
@@ -140,8 +94,13 @@ PY"#
 }
 
 /// Throughput figures of a sandbox (`id`, `token`) to the test internet.
-pub async fn throughput(http: &super::Http, id: &str, token: &str) -> anyhow::Result<Vec<Figure>> {
-    let out = http.run(id, token, &script()).await?;
+pub async fn throughput(
+    http: &super::Http,
+    inet: &TestInternet,
+    id: &str,
+    token: &str,
+) -> anyhow::Result<Vec<Figure>> {
+    let out = http.run(id, token, &script(inet.addr(SERVER))).await?;
     let pick = |dir: &str| -> Vec<f64> {
         out.lines()
             .filter_map(|l| l.strip_prefix(dir)?.trim().parse().ok())

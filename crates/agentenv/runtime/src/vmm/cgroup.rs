@@ -1,0 +1,254 @@
+//! Per-VM cgroups: a memory, CPU and process-count limit for every QEMU process, in a group
+//! `agentenv/<vm>` nested under this process's own group. cgroup v2 (unified) or the v1 `memory`,
+//! `cpu` (and `pids`, where mounted) controllers, whichever this host mounts writable; without either,
+//! VMs run unconfined and a warning says so. A root runtime places each QEMU in its groups before it
+//! execs ([`Hierarchy::prepare`], then the child writes itself in), and refuses to start one it
+//! cannot place.
+
+use std::path::{Path, PathBuf};
+
+/// Limits of one VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    /// CPU time per 100 ms period, microseconds.
+    pub cpu_quota_us: u64,
+    /// Tasks (threads included) the VM's QEMU may have at once.
+    pub pids_max: u64,
+}
+
+/// Tasks of one QEMU: a thread per vCPU, its I/O and RCU threads, and headroom; far below what
+/// exhausts a host (QEMU's seccomp refuses fork anyway).
+const PIDS_MAX: u64 = 512;
+
+/// Headroom above guest RAM for QEMU itself (TCG's translation cache above all).
+const QEMU_OVERHEAD: u64 = 1 << 30;
+const CPU_PERIOD_US: u64 = 100_000;
+
+impl Limits {
+    /// Guest RAM plus QEMU's own headroom; one CPU per vCPU plus one for QEMU's I/O threads.
+    pub fn for_vm(memory_mib: u64, vcpus: u32) -> Limits {
+        Limits {
+            memory_bytes: (memory_mib << 20) + QEMU_OVERHEAD,
+            cpu_quota_us: (u64::from(vcpus) + 1) * CPU_PERIOD_US,
+            pids_max: PIDS_MAX,
+        }
+    }
+}
+
+/// Where groups are made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hierarchy {
+    /// The unified hierarchy: `<base>/agentenv/<vm>` with `memory.max`, `cpu.max` and `pids.max`
+    /// (where the base offers the `pids` controller).
+    V2 { base: PathBuf },
+    /// v1: `<memory>/agentenv/<vm>` (`memory.limit_in_bytes`), `<cpu>/agentenv/<vm>` (`cpu.cfs_*`) and,
+    /// where mounted, `<pids>/agentenv/<vm>` (`pids.max`).
+    V1 {
+        memory: PathBuf,
+        cpu: PathBuf,
+        pids: Option<PathBuf>,
+    },
+}
+
+impl Hierarchy {
+    /// The hierarchy under `root` (normally `/sys/fs/cgroup`) for this process, as `/proc/self/cgroup`
+    /// (`self_cgroup`) places it; `None` when no writable one is there.
+    pub fn detect(root: &Path, self_cgroup: &str) -> Option<Hierarchy> {
+        let own = |controller: &str| {
+            self_cgroup.lines().find_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let (_, ctrls, path) = (f.next()?, f.next()?, f.next()?);
+                ctrls
+                    .split(',')
+                    .any(|c| c == controller)
+                    .then(|| path.trim_start_matches('/').to_string())
+            })
+        };
+        let v1 = |c: &str| {
+            let mount = root.join(c);
+            let dir = mount.join(own(c)?);
+            (dir.join("cgroup.procs").exists() && writable(&dir)).then_some(dir)
+        };
+        if let (Some(memory), Some(cpu)) = (v1("memory"), v1("cpu")) {
+            let pids = v1("pids");
+            return Some(Hierarchy::V1 { memory, cpu, pids });
+        }
+        let unified = self_cgroup
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .map(|p| p.trim_start_matches('/').to_string())?;
+        let base = root.join(unified);
+        let controllers = std::fs::read_to_string(base.join("cgroup.controllers")).ok()?;
+        let has = |c| controllers.split_whitespace().any(|x| x == c);
+        (has("memory") && has("cpu") && writable(&base)).then_some(Hierarchy::V2 { base })
+    }
+
+    /// This host's hierarchy, if any.
+    pub fn host() -> Option<Hierarchy> {
+        let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        Hierarchy::detect(Path::new("/sys/fs/cgroup"), &own)
+    }
+
+    /// The `agentenv` folders that hold the VMs' groups (v1: memory first, then cpu).
+    fn parents(&self) -> Vec<PathBuf> {
+        match self {
+            Hierarchy::V2 { base } => vec![base.join("agentenv")],
+            Hierarchy::V1 { memory, cpu, pids } => [Some(memory), Some(cpu), pids.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|p| p.join("agentenv"))
+                .collect(),
+        }
+    }
+
+    /// The group folders of VM `vm`.
+    pub fn groups(&self, vm: &str) -> Vec<PathBuf> {
+        self.parents().into_iter().map(|p| p.join(vm)).collect()
+    }
+
+    /// Creates the groups of `vm` with `limits` and moves `pid` into them.
+    pub fn confine(&self, vm: &str, pid: u32, limits: Limits) -> std::io::Result<()> {
+        use std::io::Write;
+        for mut procs in self.prepare(vm, limits)? {
+            procs.write_all(pid.to_string().as_bytes())?;
+        }
+        Ok(())
+    }
+
+    /// Creates the groups of `vm` with `limits` and opens their `cgroup.procs` for writing: a child
+    /// that writes `0` to each (before it execs) is in every group.
+    pub fn prepare(&self, vm: &str, limits: Limits) -> std::io::Result<Vec<std::fs::File>> {
+        let write = |dir: &Path, file: &str, value: String| {
+            std::fs::write(dir.join(file), value).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("{}: {e}", dir.join(file).display()))
+            })
+        };
+        let procs = |dir: &Path| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(dir.join("cgroup.procs"))
+        };
+        let groups = self.groups(vm);
+        match self {
+            Hierarchy::V2 { base } => {
+                let g = &groups[0];
+                let parent = g.parent().unwrap_or(base);
+                std::fs::create_dir_all(parent)?;
+                let offered = std::fs::read_to_string(base.join("cgroup.controllers"))?;
+                let pids = offered.split_whitespace().any(|c| c == "pids");
+                let ctrl = if pids {
+                    "+memory +cpu +pids"
+                } else {
+                    "+memory +cpu"
+                };
+                // Controllers must be enabled on the way down; the base may already allow them.
+                let _ = std::fs::write(base.join("cgroup.subtree_control"), ctrl);
+                write(parent, "cgroup.subtree_control", ctrl.into())?;
+                std::fs::create_dir_all(g)?;
+                write(g, "memory.max", limits.memory_bytes.to_string())?;
+                write(
+                    g,
+                    "cpu.max",
+                    format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
+                )?;
+                if pids {
+                    write(g, "pids.max", limits.pids_max.to_string())?;
+                }
+                Ok(vec![procs(g)?])
+            }
+            Hierarchy::V1 { pids, .. } => {
+                let (m, c) = (&groups[0], &groups[1]);
+                std::fs::create_dir_all(m)?;
+                std::fs::create_dir_all(c)?;
+                write(m, "memory.limit_in_bytes", limits.memory_bytes.to_string())?;
+                write(c, "cpu.cfs_period_us", CPU_PERIOD_US.to_string())?;
+                write(c, "cpu.cfs_quota_us", limits.cpu_quota_us.to_string())?;
+                let mut files = vec![procs(m)?, procs(c)?];
+                if pids.is_some() {
+                    let p = &groups[2];
+                    std::fs::create_dir_all(p)?;
+                    write(p, "pids.max", limits.pids_max.to_string())?;
+                    files.push(procs(p)?);
+                }
+                Ok(files)
+            }
+        }
+    }
+
+    /// Removes every empty group a previous process left (VMs it lost, or killed as orphans).
+    pub fn sweep(&self) {
+        for p in self.parents() {
+            for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+                // rmdir fails on a group that still has processes: those stay.
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
+
+    /// Removes the groups of `vm` (they must be empty: call after its QEMU exited).
+    pub fn release(&self, vm: &str) {
+        for g in self.groups(vm) {
+            let _ = std::fs::remove_dir(&g);
+        }
+    }
+}
+
+fn writable(dir: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: access(2) on a NUL-terminated path.
+    unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_cover_guest_ram_and_qemu() {
+        let mib = rand::random_range(128..16_384u64);
+        let l = Limits::for_vm(mib, 2);
+        assert_eq!(l.memory_bytes, (mib << 20) + QEMU_OVERHEAD);
+        assert_eq!(l.cpu_quota_us, 300_000);
+        assert_eq!(l.pids_max, PIDS_MAX);
+    }
+
+    #[test]
+    fn detects_v1_and_v2_layouts_under_our_own_group() {
+        let root = tempfile::tempdir().unwrap();
+        let own = format!("p{}", rand::random::<u32>());
+        for c in ["memory", "cpu"] {
+            let d = root.path().join(c).join("svc").join(&own);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("cgroup.procs"), "").unwrap();
+        }
+        let v1 = format!("4:memory:/svc/{own}\n1:cpu:/svc/{own}\n0::/\n");
+        assert_eq!(
+            Hierarchy::detect(root.path(), &v1),
+            Some(Hierarchy::V1 {
+                memory: root.path().join("memory/svc").join(&own),
+                cpu: root.path().join("cpu/svc").join(&own),
+                pids: None,
+            })
+        );
+        let v2root = tempfile::tempdir().unwrap();
+        let base = v2root.path().join("user.slice").join(&own);
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::write(base.join("cgroup.controllers"), "cpuset cpu io memory pids").unwrap();
+        let v2 = format!("0::/user.slice/{own}\n");
+        assert_eq!(
+            Hierarchy::detect(v2root.path(), &v2),
+            Some(Hierarchy::V2 { base: base.clone() })
+        );
+        std::fs::write(base.join("cgroup.controllers"), "cpuset io pids").unwrap();
+        assert_eq!(
+            Hierarchy::detect(v2root.path(), &v2),
+            None,
+            "no memory controller"
+        );
+        assert_eq!(Hierarchy::detect(root.path(), "0::/\n"), None);
+    }
+}
