@@ -14,6 +14,7 @@
 
 pub mod agent;
 pub mod bench;
+mod catalog;
 pub mod config;
 pub mod error;
 pub mod fsops;
@@ -28,9 +29,9 @@ use crate::image::template;
 use crate::lifecycle::{prepared, sandbox, snapshot, warm};
 use crate::sync::template_store;
 use crate::vmm::{accel, kernel, lazy, qemu};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
 pub(crate) use agentenv_vm::valid_id;
 pub use agentenv_vm::{CreateSpec, RecoveredVm, SandboxVm, VmState};
@@ -59,13 +60,11 @@ pub(crate) struct Inner {
     pub(crate) kernel: GuestKernel,
     /// `cache_dir()/agentenv`.
     pub(crate) cache: PathBuf,
-    pub(crate) templates: RwLock<BTreeMap<String, TemplateRecord>>,
-    pub(crate) snapshots: RwLock<BTreeMap<String, persist::SnapshotRecord>>,
-    /// Imports of snapshots from the shared chunk store, one at a time.
-    pub(crate) imports: tokio::sync::Mutex<()>,
+    /// Template and snapshot records.
+    pub(crate) catalog: catalog::Catalog,
     /// Snapshots as content-addressed chunks (incremental, shared, optionally in S3).
     pub(crate) store: Arc<agentenv_store::ChunkStore>,
-    pub(crate) sandboxes: Mutex<HashMap<String, Arc<sandbox::Slot>>>,
+    pub(crate) sandboxes: sandbox::Slots,
     /// Sandbox networking; `None` with the reason in `net_off`.
     pub(crate) net: Option<Arc<net::Network>>,
     pub(crate) net_off: String,
@@ -85,13 +84,7 @@ fn spawn_console_rotation(inner: std::sync::Weak<Inner>) {
         loop {
             tick.tick().await;
             let Some(inner) = inner.upgrade() else { return };
-            let ids: Vec<String> = inner
-                .sandboxes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .keys()
-                .cloned()
-                .collect();
+            let ids = inner.sandboxes.ids();
             for id in ids {
                 let log = inner.sandbox_dir(&id).join(vmm::CONSOLE_LOG);
                 if let Err(e) = vmm::rotate_console_log(&log, vmm::CONSOLE_LOG_MAX) {
@@ -171,8 +164,8 @@ impl Runtime {
                 templates.insert(rec.info.id.clone(), rec);
             }
         }
-        let snapshots =
-            snapshot::load_all(&cfg.state_dir.join("snapshots"), cfg.ram_dir.as_deref())?;
+        let snapshots_dir = cfg.state_dir.join("snapshots");
+        let snapshots = snapshot::load_all(&snapshots_dir, cfg.ram_dir.as_deref())?;
         let store_cfg = cfg.store.clone().unwrap_or_else(|| {
             let mut c = agentenv_store::StoreConfig::local(
                 cfg.state_dir.join("chunks"),
@@ -220,11 +213,9 @@ impl Runtime {
             vmm,
             kernel,
             cache,
-            templates: RwLock::new(templates),
-            snapshots: RwLock::new(snapshots),
-            imports: tokio::sync::Mutex::new(()),
+            catalog: catalog::Catalog::new(templates, snapshots, snapshots_dir),
             store,
-            sandboxes: Mutex::new(HashMap::new()),
+            sandboxes: sandbox::Slots::default(),
             net,
             net_off,
             prepared,
@@ -250,21 +241,15 @@ impl Runtime {
         self.inner.vmm.accel()
     }
 
-    /// Warm VMs ready now for creates from template or snapshot `name` ([`crate::lifecycle::warm`]).
-    pub fn warm_ready(&self, name: &str) -> usize {
-        self.image(name)
+    /// Warm VMs ready now for creates from template or snapshot `id` ([`crate::lifecycle::warm`]).
+    pub fn warm_ready(&self, id: &str) -> usize {
+        self.image(id)
             .map_or(0, |image| self.inner.warm.ready_for(&image.disk))
     }
 
     /// All installed templates, by id.
     pub fn templates(&self) -> Vec<TemplateInfo> {
-        self.inner
-            .templates
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .map(|t| t.info.clone())
-            .collect()
+        self.inner.catalog.template_infos()
     }
 
     /// Builds the template described by `spec` (reusing a cached build with identical inputs) and installs it,
@@ -303,13 +288,7 @@ impl Runtime {
 
     /// Makes an installed template's record the one creates use (replacing an older one of its id).
     pub(crate) fn install_template(&self, rec: persist::TemplateRecord) -> TemplateInfo {
-        let info = rec.info.clone();
-        self.inner
-            .templates
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(info.id.clone(), rec);
-        info
+        self.inner.catalog.put_template(rec)
     }
 
     /// Returns the default template `base`, building it first if it is not installed.
@@ -317,14 +296,8 @@ impl Runtime {
         &self,
         progress: &(dyn Fn(BuildProgress) + Send + Sync),
     ) -> Result<TemplateInfo, TemplateError> {
-        if let Some(t) = self
-            .inner
-            .templates
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get("base")
-        {
-            return Ok(t.info.clone());
+        if let Some(t) = self.inner.catalog.template("base") {
+            return Ok(t.info);
         }
         // Not published here: a server publishes it in the background (a bucket down at start-up
         // must not keep the server from starting).
@@ -334,13 +307,7 @@ impl Runtime {
 
     /// Current state of a sandbox, or `None` if unknown.
     pub fn vm_state(&self, id: &str) -> Option<VmState> {
-        let slot = self
-            .inner
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned()?;
+        let slot = self.inner.sandboxes.get(id)?;
         let state = slot.visible_state();
         // A running sandbox whose VMM died (killed from outside, OOM, crash) has no VM any more. An
         // operation in flight holds the lock; it finds out itself.
@@ -351,19 +318,5 @@ impl Runtime {
             return None;
         }
         Some(state)
-    }
-
-    pub(crate) fn template_record(&self, id_or_alias: &str) -> Option<TemplateRecord> {
-        let t = self
-            .inner
-            .templates
-            .read()
-            .unwrap_or_else(|e| e.into_inner());
-        t.get(id_or_alias)
-            .or_else(|| {
-                t.values()
-                    .find(|r| r.info.aliases.iter().any(|a| a == id_or_alias))
-            })
-            .cloned()
     }
 }

@@ -1,5 +1,5 @@
-//! A sandbox's egress policy (E2B's `allow_internet_access`, `allow_out`, `deny_out`), and what its
-//! network looks like and counts.
+//! A sandbox's egress policy (internet on or off, targets always allowed, targets denied), and what
+//! its network looks like and counts. The E2B fields that express it are mapped in `agentenv-api`.
 
 use std::net::Ipv4Addr;
 
@@ -7,8 +7,15 @@ use serde::{Deserialize, Serialize};
 
 /// Most entries of `allow_out` plus `deny_out`.
 pub const MAX_RULES: usize = 256;
-/// `0.0.0.0/0`, E2B's `ALL_TRAFFIC`.
-pub const ALL_TRAFFIC: &str = "0.0.0.0/0";
+
+/// Why a target or a policy is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EgressError {
+    #[error("{entry:?}: {why}")]
+    BadTarget { entry: String, why: &'static str },
+    #[error("at most {max} allow_out and deny_out entries")]
+    TooManyRules { max: usize },
+}
 
 /// One `allow_out`/`deny_out` entry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,15 +29,19 @@ pub enum Target {
 
 impl Target {
     /// Parses `1.2.3.4`, `10.0.0.0/8` or a host name (`*.example.com` for its subdomains).
-    pub fn parse(s: &str) -> Result<Target, String> {
+    pub fn parse(s: &str) -> Result<Target, EgressError> {
         let s = s.trim();
+        let bad = |why| EgressError::BadTarget {
+            entry: s.to_string(),
+            why,
+        };
         if let Some((a, p)) = s.split_once('/') {
-            let addr: Ipv4Addr = a.parse().map_err(|_| format!("{s:?}: not an IPv4 CIDR"))?;
+            let addr: Ipv4Addr = a.parse().map_err(|_| bad("not an IPv4 CIDR"))?;
             let prefix: u8 = p
                 .parse()
                 .ok()
                 .filter(|p| *p <= 32)
-                .ok_or_else(|| format!("{s:?}: prefix must be 0..=32"))?;
+                .ok_or_else(|| bad("prefix must be 0..=32"))?;
             let masked = mask(addr, prefix);
             return Ok(Target::Net {
                 addr: masked,
@@ -41,9 +52,7 @@ impl Target {
             return Ok(Target::Net { addr, prefix: 32 });
         }
         if s.contains(':') {
-            return Err(format!(
-                "{s:?}: IPv6 is not supported (sandboxes have IPv4 only)"
-            ));
+            return Err(bad("IPv6 is not supported (sandboxes have IPv4 only)"));
         }
         let name = s.trim_end_matches('.').to_ascii_lowercase();
         let labels = name.strip_prefix("*.").unwrap_or(&name);
@@ -58,7 +67,7 @@ impl Target {
                         .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
             });
         if !ok {
-            return Err(format!("{s:?}: not an IPv4 address, CIDR or host name"));
+            return Err(bad("not an IPv4 address, CIDR or host name"));
         }
         Ok(Target::Domain(name))
     }
@@ -86,8 +95,8 @@ impl From<Target> for String {
 }
 
 impl TryFrom<String> for Target {
-    type Error = String;
-    fn try_from(s: String) -> Result<Target, String> {
+    type Error = EgressError;
+    fn try_from(s: String) -> Result<Target, EgressError> {
         Target::parse(&s)
     }
 }
@@ -121,31 +130,27 @@ pub struct EgressPolicy {
 }
 
 impl EgressPolicy {
-    /// From E2B's fields; a bad entry or too many fail with the reason.
-    pub fn from_e2b(
-        allow_internet_access: bool,
-        allow_out: &[String],
-        deny_out: &[String],
-    ) -> Result<EgressPolicy, String> {
+    /// `allow_out` reachable always; `deny_out` closed unless allowed; with `internet` off,
+    /// everything else closed too. More than [`MAX_RULES`] targets are refused.
+    pub fn new(
+        internet: bool,
+        allow_out: Vec<Target>,
+        mut deny_out: Vec<Target>,
+    ) -> Result<EgressPolicy, EgressError> {
         if allow_out.len() + deny_out.len() > MAX_RULES {
-            return Err(format!(
-                "at most {MAX_RULES} allow_out and deny_out entries"
-            ));
+            return Err(EgressError::TooManyRules { max: MAX_RULES });
         }
-        let parse = |v: &[String]| {
-            v.iter()
-                .map(|s| Target::parse(s))
-                .collect::<Result<Vec<_>, _>>()
+        let all = Target::Net {
+            addr: Ipv4Addr::UNSPECIFIED,
+            prefix: 0,
         };
-        let mut p = EgressPolicy {
-            allow_out: parse(allow_out)?,
-            deny_out: parse(deny_out)?,
-        };
-        let all = Target::parse(ALL_TRAFFIC)?;
-        if !allow_internet_access && !p.deny_out.contains(&all) {
-            p.deny_out.push(all);
+        if !internet && !deny_out.contains(&all) {
+            deny_out.push(all);
         }
-        Ok(p)
+        Ok(EgressPolicy {
+            allow_out,
+            deny_out,
+        })
     }
 
     /// True when no egress is possible except `allow_out` (deny covers everything).

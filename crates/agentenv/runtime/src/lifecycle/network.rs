@@ -224,9 +224,8 @@ impl Runtime {
         let known: Vec<String> = self
             .inner
             .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
+            .ids()
+            .iter()
             .map(|id| self.inner.sandbox_dir(id).display().to_string())
             .collect();
         let n = net.remove_stale(Some(&known));

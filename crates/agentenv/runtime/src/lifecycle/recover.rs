@@ -23,14 +23,7 @@ impl Runtime {
         let mut keep_pids = Vec::new();
         for e in entries.flatten() {
             let id = e.file_name().to_string_lossy().into_owned();
-            if let Some(slot) = self
-                .inner
-                .sandboxes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&id)
-                .cloned()
-            {
+            if let Some(slot) = self.inner.sandboxes.get(&id) {
                 if let Ok(live) = slot.live.try_lock()
                     && let Some(vm) = &live.vm
                 {
@@ -57,9 +50,8 @@ impl Runtime {
         let held: std::collections::HashSet<std::path::PathBuf> = self
             .inner
             .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
+            .ids()
+            .iter()
             .filter_map(|id| persist::read::<VmRecord>(&self.inner.record_path(id)).ok())
             .filter_map(|r| r.vm_dir)
             .collect();
@@ -67,13 +59,7 @@ impl Runtime {
         // After the warm VMs' folders are gone, so that their slots count as stale.
         self.remove_stale_nets();
         for (pid, id) in crate::vmm::qemu::vm_processes_under(&dir) {
-            let slot = self
-                .inner
-                .sandboxes
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&id)
-                .cloned();
+            let slot = self.inner.sandboxes.get(&id);
             // A busy slot belongs to an operation of this process (for example a create in flight).
             let busy = slot.is_some_and(|s| s.live.try_lock().is_err());
             if !busy && !keep_pids.contains(&pid) {
@@ -162,11 +148,7 @@ impl Runtime {
     }
 
     fn insert(&self, id: &str, slot: std::sync::Arc<Slot>) {
-        self.inner
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id.to_owned(), slot);
+        self.inner.sandboxes.insert(id, slot);
     }
 
     fn remove_files(&self, id: &str) {

@@ -22,6 +22,45 @@ const HEALTH_DEADLINE: Duration = Duration::from_secs(60);
 const BOOT_ATTEMPT: Duration = Duration::from_secs(5);
 const BOOT_DEADLINE: Duration = Duration::from_secs(120);
 
+/// The sandboxes this runtime holds, by id.
+#[derive(Default)]
+pub(crate) struct Slots(std::sync::Mutex<std::collections::HashMap<String, Arc<Slot>>>);
+
+impl Slots {
+    fn map(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Arc<Slot>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn get(&self, id: &str) -> Option<Arc<Slot>> {
+        self.map().get(id).cloned()
+    }
+    pub(crate) fn ids(&self) -> Vec<String> {
+        self.map().keys().cloned().collect()
+    }
+    pub(crate) fn all(&self) -> Vec<Arc<Slot>> {
+        self.map().values().cloned().collect()
+    }
+    pub(crate) fn insert(&self, id: &str, slot: Arc<Slot>) {
+        self.map().insert(id.to_owned(), slot);
+    }
+    /// Inserts `slot` unless `id` is held here or `taken()` (checked under the same lock).
+    pub(crate) fn insert_new(
+        &self,
+        id: &str,
+        slot: Arc<Slot>,
+        taken: impl FnOnce() -> bool,
+    ) -> bool {
+        let mut map = self.map();
+        if map.contains_key(id) || taken() {
+            return false;
+        }
+        map.insert(id.to_owned(), slot);
+        true
+    }
+    pub(crate) fn remove(&self, id: &str) {
+        self.map().remove(id);
+    }
+}
+
 /// One sandbox: its record and live handles, behind a lock that serialises its operations.
 pub(crate) struct Slot {
     pub(crate) live: tokio::sync::Mutex<Live>,
@@ -101,8 +140,7 @@ impl Inner {
     }
     /// Every sandbox's slot, at this moment.
     pub(crate) fn slots(&self) -> Vec<Arc<Slot>> {
-        let map = self.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-        map.values().cloned().collect()
+        self.sandboxes.all()
     }
     pub(crate) fn spec_of(&self, rec: &VmRecord) -> VmSpec {
         let dir = rec
@@ -157,7 +195,11 @@ impl Runtime {
             }
             .ok_or_else(|| CreateError::UnknownTemplate(spec.template_id.clone()))?,
         };
-        if let Some(rec) = image.parent.as_ref().and_then(|p| self.snapshot_record(p)) {
+        if let Some(rec) = image
+            .parent
+            .as_ref()
+            .and_then(|p| self.inner.catalog.snapshot(p))
+        {
             self.ensure_local(&rec).await.map_err(|e| CreateError::Io {
                 what: "snapshot files",
                 path: PathBuf::from(&rec.id),
@@ -220,12 +262,11 @@ impl Runtime {
             },
             VmState::Running,
         );
+        if !inner
+            .sandboxes
+            .insert_new(&id, slot.clone(), || inner.sandbox_dir(&id).exists())
         {
-            let mut map = inner.sandboxes.lock().unwrap_or_else(|e| e.into_inner());
-            if map.contains_key(&id) || inner.sandbox_dir(&id).exists() {
-                return Err(CreateError::AlreadyExists(id));
-            }
-            map.insert(id.clone(), slot.clone());
+            return Err(CreateError::AlreadyExists(id));
         }
         if reused {
             let (weak, image) = (Arc::downgrade(&self.inner), image.clone());
@@ -250,11 +291,7 @@ impl Runtime {
                 }
                 self.release_net(&mut live);
                 live.gone = true;
-                inner
-                    .sandboxes
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&id);
+                inner.sandboxes.remove(&id);
                 let _ = std::fs::remove_dir_all(inner.sandbox_dir(&id));
                 let _ = std::fs::remove_file(inner.ram_file(&id));
                 remove_vm_dir(&live.record);
@@ -419,9 +456,9 @@ impl Runtime {
         Ok(image.vm(id))
     }
 
-    /// The template (id or alias) or live snapshot (id or name) called `name`.
-    pub(crate) fn image(&self, name: &str) -> Option<Image> {
-        if let Some(tpl) = self.template_record(name) {
+    /// The template or live snapshot with id `id` (names and aliases are resolved by the caller).
+    pub(crate) fn image(&self, id: &str) -> Option<Image> {
+        if let Some(tpl) = self.inner.catalog.template(id) {
             return Some(Image {
                 template_id: tpl.info.id.clone(),
                 machine: tpl.machine.clone(),
@@ -434,16 +471,11 @@ impl Runtime {
                 envd_version: tpl.info.envd_version.clone(),
             });
         }
-        self.snapshot_record(name).map(|s| s.image())
+        self.inner.catalog.snapshot(id).map(|s| s.image())
     }
 
     pub(crate) fn slot(&self, id: &str) -> Option<Arc<Slot>> {
-        self.inner
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned()
+        self.inner.sandboxes.get(id)
     }
 
     /// Pauses a running sandbox: stop, save the device state (RAM is already in its file), commit the
@@ -655,11 +687,7 @@ impl Runtime {
             let _ = h.await;
         }
         self.release_net(&mut live);
-        self.inner
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(id);
+        self.inner.sandboxes.remove(id);
         let dir = self.inner.sandbox_dir(id);
         // The record goes first, so a crash mid-removal leaves no record pointing at half-removed files.
         let _ = std::fs::remove_file(self.inner.record_path(id));

@@ -83,7 +83,7 @@ impl SnapshotRecord {
 
 impl Inner {
     pub(crate) fn snapshots_dir(&self) -> PathBuf {
-        self.cfg.state_dir.join("snapshots")
+        self.catalog.snapshots_dir().to_path_buf()
     }
     pub(crate) fn snapshot_ram(&self, id: &str, dir: &Path) -> PathBuf {
         match &self.cfg.ram_dir {
@@ -173,29 +173,16 @@ impl Runtime {
     /// Live (not deleted) snapshots.
     pub fn snapshots(&self) -> Vec<SnapshotInfo> {
         self.inner
-            .snapshots
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter(|s| !s.deleted)
+            .catalog
+            .live_snapshots()
+            .iter()
             .map(|s| s.info(0.0))
             .collect()
     }
 
     /// The live snapshot with id `name`, or named `name[:tag]`.
     pub(crate) fn snapshot_record(&self, name: &str) -> Option<SnapshotRecord> {
-        let map = self
-            .inner
-            .snapshots
-            .read()
-            .unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = map.get(name).filter(|s| !s.deleted) {
-            return Some(s.clone());
-        }
-        let n = normalize_name(name)?;
-        map.values()
-            .find(|s| !s.deleted && s.names.contains(&n))
-            .cloned()
+        self.inner.catalog.snapshot_named(name)
     }
 
     /// Captures sandbox `sandbox_id` as snapshot `snapshot_id` with `names` (moved from any older
@@ -335,18 +322,7 @@ impl Runtime {
         std::fs::rename(&partial, &final_dir).map_err(io("rename", &partial))?;
         // The commit is the rename: make it durable before the snapshot is reported.
         k3_common::fsutil::sync_dir(&inner.snapshots_dir()).map_err(io("fsync", &final_dir))?;
-        let mut map = inner.snapshots.write().unwrap_or_else(|e| e.into_inner());
-        for other in map.values_mut() {
-            if other.names.iter().any(|n| names.contains(n)) {
-                other.names.retain(|n| !names.contains(n));
-                persist::write(
-                    &inner.snapshots_dir().join(&other.id).join("snapshot.json"),
-                    &*other,
-                )?;
-            }
-        }
-        map.insert(snap.id.clone(), snap.clone());
-        drop(map);
+        inner.catalog.put_snapshot(snap.clone())?;
         // A fork's capture is made durable and stored once its forks run (see `fork`).
         if !hidden {
             self.spawn_ingest(snap.clone(), false);
@@ -375,53 +351,21 @@ impl Runtime {
                 .collect::<Result<Vec<_>, _>>()
         };
         let (add, remove) = (norm(add)?, norm(remove)?);
-        let dir = self.inner.snapshots_dir();
-        let mut map = self
-            .inner
-            .snapshots
-            .write()
-            .unwrap_or_else(|e| e.into_inner());
-        if map.get(id).is_none_or(|s| s.deleted) {
-            return Err(SnapshotError::NotFound(id.into()));
+        match self.inner.catalog.rename(id, add, &remove)? {
+            Some(s) => Ok(s.info(0.0)),
+            None => Err(SnapshotError::NotFound(id.into())),
         }
-        for other in map.values_mut().filter(|o| o.id != id) {
-            if other.names.iter().any(|n| add.contains(n)) {
-                other.names.retain(|n| !add.contains(n));
-                persist::write(&dir.join(&other.id).join("snapshot.json"), &*other)?;
-            }
-        }
-        let s = map.get_mut(id).expect("checked above");
-        s.names.retain(|n| !remove.contains(n));
-        for n in add {
-            if !s.names.contains(&n) {
-                s.names.push(n);
-            }
-        }
-        persist::write(&dir.join(id).join("snapshot.json"), &*s)?;
-        Ok(s.info(0.0))
     }
 
     /// Deletes a snapshot: it disappears at once; its files go once nothing depends on them.
     pub fn delete_snapshot(&self, id: &str) -> Result<(), SnapshotError> {
-        {
-            let mut map = self
-                .inner
-                .snapshots
-                .write()
-                .unwrap_or_else(|e| e.into_inner());
-            let s = map
-                .get_mut(id)
-                .filter(|s| !s.deleted)
-                .ok_or_else(|| SnapshotError::NotFound(id.into()))?;
-            s.deleted = true;
-            s.names.clear();
-            self.inner.prepared.forget(&s.image().disk);
-            self.inner.warm.forget(&s.image().disk, &self.inner);
-            persist::write(
-                &self.inner.snapshots_dir().join(id).join("snapshot.json"),
-                &*s,
-            )?;
-        }
+        let s = self
+            .inner
+            .catalog
+            .mark_deleted(id)?
+            .ok_or_else(|| SnapshotError::NotFound(id.into()))?;
+        self.inner.prepared.forget(&s.image().disk);
+        self.inner.warm.forget(&s.image().disk, &self.inner);
         // Other machines sharing the store must not import it any more.
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             let (store, key) = (self.inner.store.clone(), crate::sync::remote::meta_key(id));
@@ -502,7 +446,9 @@ impl Runtime {
         let store = self.inner.store.clone();
         let inner = self.inner.clone();
         let template_build = self
-            .template_record(&rec.template_id)
+            .inner
+            .catalog
+            .template(&rec.template_id)
             .map(|t| crate::sync::remote::template_build(&t));
         let dir = self.inner.snapshots_dir().join(&rec.id);
         tokio::spawn(async move {
@@ -564,12 +510,7 @@ impl Runtime {
                 stored: out.clone(),
                 template_build: template_build.unwrap_or_default(),
             };
-            let live = inner
-                .snapshots
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&rec.id)
-                .is_some_and(|s| !s.deleted);
+            let live = inner.catalog.snapshot(&rec.id).is_some();
             if live && let Ok(meta) = serde_json::to_vec(&shared) {
                 let _ = store
                     .put_meta(&crate::sync::remote::meta_key(&rec.id), &meta)
@@ -625,32 +566,20 @@ impl Runtime {
                     needed.extend(r.parent_snapshot);
                 }
             }
-            let mut map = self
-                .inner
-                .snapshots
-                .write()
-                .unwrap_or_else(|e| e.into_inner());
-            needed.extend(map.values().filter_map(|s| s.parent.clone()));
-            let dead: Vec<String> = map
-                .values()
-                .filter(|s| s.deleted && !needed.contains(&s.id))
-                .map(|s| s.id.clone())
-                .collect();
+            let dead = self.inner.catalog.collect(needed);
             if dead.is_empty() {
                 return;
             }
-            for id in dead {
-                if let Some(s) = map.remove(&id) {
-                    let dir = self.inner.snapshots_dir().join(&id);
-                    // The record goes first: a crash mid-removal leaves no record pointing at missing files.
-                    let _ = std::fs::remove_file(dir.join("snapshot.json"));
-                    if let Some(r) = &s.ram {
-                        let _ = std::fs::remove_file(r);
-                    }
-                    self.release_chunks(&id, &dir);
-                    let _ = std::fs::remove_dir_all(&dir);
-                    tracing::info!(snapshot = %id, "snapshot files removed");
+            for s in dead {
+                let dir = self.inner.snapshots_dir().join(&s.id);
+                // The record goes first: a crash mid-removal leaves no record pointing at missing files.
+                let _ = std::fs::remove_file(dir.join("snapshot.json"));
+                if let Some(r) = &s.ram {
+                    let _ = std::fs::remove_file(r);
                 }
+                self.release_chunks(&s.id, &dir);
+                let _ = std::fs::remove_dir_all(&dir);
+                tracing::info!(snapshot = %s.id, "snapshot files removed");
             }
         }
     }
@@ -716,4 +645,4 @@ async fn capture_files(
 
 #[cfg(test)]
 #[path = "snapshot_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -13,7 +13,7 @@ fn names_normalise_with_a_default_tag() {
     assert_eq!(normalize_name(&long), None);
 }
 
-fn record(dir: &Path, boot: Option<&str>) -> SnapshotRecord {
+pub(crate) fn record(dir: &Path, boot: Option<&str>) -> SnapshotRecord {
     SnapshotRecord {
         version: RECORD_VERSION,
         id: "s1".into(),

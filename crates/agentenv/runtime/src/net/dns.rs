@@ -467,10 +467,7 @@ mod tests {
 
     #[test]
     fn without_internet_only_allowed_names_resolve() {
-        let p = |i, a: &[&str], d: &[&str]| {
-            let v = |x: &[&str]| x.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-            EgressPolicy::from_e2b(i, &v(a), &v(d)).unwrap()
-        };
+        let p = crate::net::policy::tests::policy;
         let closed = p(false, &["ok.test"], &[]);
         assert_eq!(handling(&closed, "ok.test"), Handling::Forward);
         assert_eq!(handling(&closed, "exfil.evil.test"), Handling::Refuse);

@@ -12,7 +12,7 @@ use std::net::Ipv4Addr;
 use super::slot::{SANDBOX_NET, SlotAddrs, TAP, VETH};
 
 pub use agentenv_vm::egress::{
-    ALL_TRAFFIC, EgressPolicy, MAX_RULES, NetLimits, PRIVATE, Target, cidr, mask,
+    EgressError, EgressPolicy, MAX_RULES, NetLimits, PRIVATE, Target, cidr, mask,
 };
 
 fn nets(v: &[Target]) -> Vec<String> {
@@ -150,7 +150,7 @@ pub fn ruleset(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -191,31 +191,37 @@ mod tests {
         assert!(e.matches_name("example.com") && !e.matches_name("a.example.com"));
     }
 
+    /// The policy of `internet`, `allow` and `deny` (each parsed; panics on a bad one).
+    pub(crate) fn policy(internet: bool, allow: &[&str], deny: &[&str]) -> EgressPolicy {
+        let t = |v: &[&str]| v.iter().map(|s| Target::parse(s).unwrap()).collect();
+        EgressPolicy::new(internet, t(allow), t(deny)).unwrap()
+    }
+
     #[test]
-    fn e2b_fields_map_to_a_policy_and_allow_wins() {
-        let p = EgressPolicy::from_e2b(false, &["api.test".into()], &[]).unwrap();
+    fn internet_off_denies_all_but_allow_and_allow_wins() {
+        let p = policy(false, &["api.test"], &[]);
         assert!(p.internet_blocked());
         assert_eq!(p.name_verdict("api.test"), Some(true));
         assert_eq!(p.name_verdict("other.test"), None);
-        let p = EgressPolicy::from_e2b(true, &[], &["*.bad.test".into()]).unwrap();
+        let p = policy(true, &[], &["*.bad.test"]);
         assert!(!p.internet_blocked());
         assert_eq!(p.name_verdict("x.bad.test"), Some(false));
-        let many: Vec<String> = (0..=MAX_RULES)
-            .map(|i| format!("10.0.{}.{}", i / 256, i % 256))
+        let many: Vec<Target> = (0..=MAX_RULES as u32)
+            .map(|i| Target::Net {
+                addr: Ipv4Addr::from(0x0a00_0000 + i),
+                prefix: 32,
+            })
             .collect();
-        assert!(EgressPolicy::from_e2b(true, &many, &[]).is_err());
-        assert!(EgressPolicy::from_e2b(true, &["bad name!".into()], &[]).is_err());
+        assert_eq!(
+            EgressPolicy::new(true, many, vec![]),
+            Err(EgressError::TooManyRules { max: MAX_RULES })
+        );
     }
 
     #[test]
     fn rulesets_keep_the_invariants_first_and_list_only_addresses_in_sets() {
         let a = SlotAddrs::of(3);
-        let p = EgressPolicy::from_e2b(
-            true,
-            &["1.2.3.0/24".into(), "a.test".into()],
-            &["5.6.7.8".into()],
-        )
-        .unwrap();
+        let p = policy(true, &["1.2.3.0/24", "a.test"], &["5.6.7.8"]);
         let r = ruleset_open(
             &a,
             &p,

@@ -67,7 +67,7 @@ impl Runtime {
         if let Some(r) = self.snapshot_record(id_or_name) {
             return Ok(Some(r.info(0.0)));
         }
-        let _one_at_a_time = self.inner.imports.lock().await;
+        let _one_at_a_time = self.inner.catalog.import_lock().await;
         if let Some(r) = self.snapshot_record(id_or_name) {
             return Ok(Some(r.info(0.0)));
         }
@@ -80,12 +80,7 @@ impl Runtime {
 
     /// The local record of snapshot `id`, deleted (hidden) ones included.
     fn snapshot_record_any(&self, id: &str) -> Option<SnapshotRecord> {
-        self.inner
-            .snapshots
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned()
+        self.inner.catalog.snapshot_any(id)
     }
 
     /// The stored record of `id_or_name` in the chunk store's metadata.
@@ -148,7 +143,11 @@ impl Runtime {
             )));
         }
         // A template published to the shared store is imported first (the import lock is held).
-        if self.template_record(&shared.record.template_id).is_none()
+        if self
+            .inner
+            .catalog
+            .template(&shared.record.template_id)
+            .is_none()
             && let Err(e) = self
                 .import_template_locked(&shared.record.template_id)
                 .await
@@ -156,7 +155,9 @@ impl Runtime {
             tracing::warn!(snapshot = %id, error = %e, "importing its template failed");
         }
         let template = self
-            .template_record(&shared.record.template_id)
+            .inner
+            .catalog
+            .template(&shared.record.template_id)
             .ok_or_else(|| {
                 SnapshotError::NotFound(format!(
                     "{id} (it needs template {}, which this machine lacks)",
@@ -199,11 +200,7 @@ impl Runtime {
             }
         };
         std::fs::rename(&partial, &final_dir).map_err(io("rename", &partial))?;
-        self.inner
-            .snapshots
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id.clone(), rec.clone());
+        let rec = self.inner.catalog.put_imported(&rec)?;
         let holder = format!("snapshot-{id}");
         for hex in shared.stored.manifests.values() {
             if let Some(m) = agentenv_store::ManifestId::from_hex(hex) {

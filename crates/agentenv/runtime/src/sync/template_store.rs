@@ -59,7 +59,9 @@ impl Runtime {
     /// already published with the same build is left as it is.
     pub async fn publish_template(&self, id: &str) -> Result<(), TemplateError> {
         let rec = self
-            .template_record(id)
+            .inner
+            .catalog
+            .template(id)
             .ok_or_else(|| TemplateError::NotFound(id.into()))?;
         let store = self.inner.store.clone();
         if store.config().remote.is_none() {
@@ -125,10 +127,10 @@ impl Runtime {
         &self,
         id_or_alias: &str,
     ) -> Result<Option<TemplateInfo>, TemplateError> {
-        if let Some(t) = self.template_record(id_or_alias) {
+        if let Some(t) = self.inner.catalog.template_named(id_or_alias) {
             return Ok(Some(t.info));
         }
-        let _one_at_a_time = self.inner.imports.lock().await;
+        let _one_at_a_time = self.inner.catalog.import_lock().await;
         self.import_template_locked(id_or_alias).await
     }
 
@@ -137,7 +139,7 @@ impl Runtime {
         &self,
         id_or_alias: &str,
     ) -> Result<Option<TemplateInfo>, TemplateError> {
-        if let Some(t) = self.template_record(id_or_alias) {
+        if let Some(t) = self.inner.catalog.template_named(id_or_alias) {
             return Ok(Some(t.info));
         }
         let Some(shared) = self.find_shared_template(id_or_alias).await? else {
