@@ -42,7 +42,10 @@ pub enum TemplateError {
     InvalidSpec(String),
     /// The OCI image could not be resolved or pulled (bad reference, auth, platform, size, digest).
     #[error("image: {0}")]
-    Image(String),
+    Image(#[from] agentenv_oci::OciError),
+    /// The pull's worker thread ended without an answer.
+    #[error("image pull worker: {0}")]
+    PullWorker(#[from] tokio::task::JoinError),
     /// The root filesystem could not be built.
     #[error(transparent)]
     Rootfs(#[from] RootfsError),
@@ -65,9 +68,19 @@ pub enum TemplateError {
     /// No installed template has this id or alias.
     #[error("unknown template {0:?}")]
     NotFound(String),
-    /// The chunk store failed or lacks a template's files (publish, import).
-    #[error("chunk store: {0}")]
-    Store(String),
+    /// The chunk store failed (publish, import).
+    #[error("chunk store: {what}: {source}")]
+    Store {
+        what: &'static str,
+        #[source]
+        source: Box<agentenv_store::StoreError>,
+    },
+    /// Publishing needs a chunk store with a bucket.
+    #[error("the chunk store has no bucket to publish templates to")]
+    NoBucket,
+    /// A published template's metadata names no manifest for one of its files.
+    #[error("template {id} lacks its {file} manifest")]
+    MissingManifest { id: String, file: String },
     /// A published template cannot run on this machine (another guest kernel, initramfs or CPU model).
     #[error("{0}")]
     Incompatible(String),
@@ -254,4 +267,18 @@ pub enum SnapshotError {
     /// A record could not be written.
     #[error(transparent)]
     Record(#[from] PersistError),
+}
+
+impl CreateError {
+    /// True when the host is at capacity (no uid free to start another VM): retry later or elsewhere.
+    pub fn no_capacity(&self) -> bool {
+        matches!(self, CreateError::Vmm(VmmError::NoUid(_)))
+    }
+}
+
+impl ResumeError {
+    /// True when the host is at capacity (no uid free to start another VM): retry later or elsewhere.
+    pub fn no_capacity(&self) -> bool {
+        matches!(self, ResumeError::Vmm(VmmError::NoUid(_)))
+    }
 }

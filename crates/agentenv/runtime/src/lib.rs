@@ -1,14 +1,16 @@
-//! agentenv sandbox runtime: microVMs for agent sandboxes.
+//! agentenv sandbox runtime: microVMs for agent sandboxes. Rooms, lowest first (a room never uses a
+//! higher one):
 //!
-//! - [`vmm`]: the VMM traits ([`vmm::Vmm`], [`vmm::Pausable`], [`vmm::Snapshottable`]); [`qemu`] implements them
-//!   with QEMU `-M microvm` over QMP ([`qmp`]), KVM where a probe guest boots ([`accel`]), TCG otherwise.
-//! - [`kernel`], [`rootfs`], [`template`]: Debian kernel + initramfs, debootstrap userland + guest agent as ext4,
-//!   booted once into a ready-to-resume base snapshot (RAM file + device state).
-//! - [`Runtime`]: sandbox lifecycle. `create` restores the base snapshot (no cold boot): the RAM file is copied
-//!   sparsely and mapped shared, the disk is a qcow2 overlay. `pause` stops the VM and saves only the device
-//!   state (RAM is already in the sandbox's file), then QEMU exits; `resume` restores it.
-//! - [`persist`]: versioned records written atomically; [`Runtime::recover`] reconciles them after a restart.
-//! - [`agent`]: the host side of the `agentenv.0` virtio-serial port (mux client, fresh HELLO after restores).
+//! - [`net`]: a network namespace, tap and nftables rules per sandbox, and its resolver.
+//! - [`vmm`]: the VMM traits; [`vmm::qemu`] implements them with QEMU `-M microvm` over QMP, KVM where a
+//!   probe guest boots, TCG otherwise; per-VM uids, cgroups, the guest kernel, lazily served disks.
+//! - [`image`]: debootstrap userland + guest agent as ext4, booted once into a base snapshot.
+//! - [`sync`]: publishing templates and snapshots to the chunk store's bucket, and importing them.
+//! - [`lifecycle`]: sandboxes on [`Runtime`]: `create` restores a snapshot (no cold boot), `pause` saves
+//!   the device state, snapshots, forks, warm VMs, recovery after a restart.
+//!
+//! Beside them: [`persist`] (versioned records written atomically), the template and snapshot records
+//! (`catalog`), and [`agent`] (the host side of the guest agent's port).
 //!
 //! Invariant: this crate knows no HTTP routes or E2B JSON beyond the envd `/health` and `/init` probes.
 

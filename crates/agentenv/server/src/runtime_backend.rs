@@ -1,7 +1,6 @@
 //! [`VmBackend`] for the real runtime (`agentenv_runtime::Runtime`: QEMU microvm over QMP), and the one
 //! place that sorts the runtime's errors into the lifecycle's cases ([`VmError`]).
 
-use agentenv_runtime::vmm::VmmError;
 use agentenv_runtime::{
     AccelKind, ConnectError, CreateError, KillError, PauseError, RecoverError, ResumeError,
     Runtime, RuntimeConfig, SnapshotError, TemplateError, error::NetworkError,
@@ -57,7 +56,7 @@ fn create_err(e: CreateError) -> VmError {
         CreateError::UnknownTemplate(t) => VmError::TemplateNotFound(t),
         CreateError::InvalidId(_) => VmError::Invalid(Box::new(e)),
         CreateError::NetworkUnavailable(_) => VmError::NetworkUnavailable(Box::new(e)),
-        CreateError::Vmm(VmmError::NoUid(_)) => VmError::NoCapacity(Box::new(e)),
+        e if e.no_capacity() => VmError::NoCapacity(Box::new(e)),
         e => failed(e),
     }
 }
@@ -74,7 +73,7 @@ fn resume_err(e: ResumeError) -> VmError {
     match e {
         ResumeError::NotFound(i) => VmError::SandboxNotFound(i),
         ResumeError::NotPaused(i) => VmError::NotPaused(i),
-        ResumeError::Vmm(VmmError::NoUid(_)) => VmError::NoCapacity(Box::new(e)),
+        e if e.no_capacity() => VmError::NoCapacity(Box::new(e)),
         e => failed(e),
     }
 }

@@ -461,10 +461,7 @@ async fn resolve_image(
     })?;
     let options = pull_options(src, allow);
     let (i, o) = (image.clone(), options.clone());
-    let resolved = tokio::task::spawn_blocking(move || agentenv_oci::resolve(&i, &o))
-        .await
-        .map_err(|e| TemplateError::Image(e.to_string()))?
-        .map_err(|e| TemplateError::Image(e.to_string()))?;
+    let resolved = tokio::task::spawn_blocking(move || agentenv_oci::resolve(&i, &o)).await??;
     Ok(ResolvedSource {
         reference: src.reference.clone(),
         digest: resolved.digest.to_string(),
@@ -504,9 +501,7 @@ async fn pull_image(
     while let Ok(p) = rx.try_recv() {
         progress(p);
     }
-    let pulled = pulled
-        .map_err(|e| TemplateError::Image(e.to_string()))?
-        .map_err(|e| TemplateError::Image(e.to_string()))?;
+    let pulled = pulled??;
     progress(BuildProgress {
         step: BuildStep::Pull,
         detail: format!(

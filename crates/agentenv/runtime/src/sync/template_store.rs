@@ -37,7 +37,10 @@ fn meta_key(id: &str) -> String {
 }
 
 fn store_err(what: &'static str) -> impl Fn(agentenv_store::StoreError) -> TemplateError {
-    move |e| TemplateError::Store(format!("{what}: {e}"))
+    move |source| TemplateError::Store {
+        what,
+        source: Box::new(source),
+    }
 }
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError {
@@ -65,9 +68,7 @@ impl Runtime {
             .ok_or_else(|| TemplateError::NotFound(id.into()))?;
         let store = self.inner.store.clone();
         if store.config().remote.is_none() {
-            return Err(TemplateError::Store(
-                "the chunk store has no bucket to publish templates to".into(),
-            ));
+            return Err(TemplateError::NoBucket);
         }
         let build = crate::sync::remote::template_build(&rec);
         let key = meta_key(&rec.info.id);
@@ -211,8 +212,9 @@ impl Runtime {
             s.manifests
                 .get(name)
                 .and_then(|h| agentenv_store::ManifestId::from_hex(h))
-                .ok_or_else(|| {
-                    TemplateError::Store(format!("template {id} lacks its {name} manifest"))
+                .ok_or_else(|| TemplateError::MissingManifest {
+                    id: id.clone(),
+                    file: name.into(),
                 })
         };
         let tdir = inner.cfg.state_dir.join("templates").join(&id);

@@ -115,8 +115,8 @@ pub enum VmmError {
     #[error("socket path too long ({len} bytes, max 107): {path}")]
     SocketPath { path: PathBuf, len: usize },
     /// No uid is free to start another QEMU as.
-    #[error("{0}")]
-    NoUid(String),
+    #[error(transparent)]
+    NoUid(#[from] uid::Exhausted),
     /// The process to re-attach is gone or is not this VM.
     #[error("VM process {pid} is not running")]
     NotRunning { pid: u32 },

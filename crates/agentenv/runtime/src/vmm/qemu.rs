@@ -223,11 +223,7 @@ impl QemuVmm {
 
     async fn spawn(&self, spec: &VmSpec, incoming: bool) -> Result<QemuVm, VmmError> {
         let lease = match &self.uids {
-            Some(u) => Some(
-                u.pool
-                    .allocate()
-                    .map_err(|e| VmmError::NoUid(e.to_string()))?,
-            ),
+            Some(u) => Some(u.pool.allocate()?),
             None => None,
         };
         let owner = lease.as_ref().zip(self.uids.as_ref()).map(|(l, u)| Owner {
