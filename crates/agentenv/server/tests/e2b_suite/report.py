@@ -1,0 +1,56 @@
+"""One table of E2B suite results: the server-facing tests (folders api_*, sandbox_*, template_*) that
+failed, each matched against expected.tsv. Usage: report.py EXPECTED.tsv LABEL JUNIT.xml... Exit 1 when a
+failure is not expected."""
+
+import sys
+import xml.etree.ElementTree as ET
+
+SERVER_FACING = ("api", "sandbox", "template")
+
+
+def expected(path):
+    rows = []
+    for line in open(path, encoding="utf-8"):
+        if line.strip() and not line.startswith("#"):
+            name, kind, why = line.rstrip("\n").split("\t")
+            rows.append((name, kind, why))
+    return rows
+
+
+def main():
+    table, label, xmls = expected(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    counts = {"passed": 0, "skipped": 0, "environment": 0, "open": 0, "unexpected": 0}
+    lines = []
+    for xml in xmls:
+        suite = xml.rsplit("/", 1)[-1].removesuffix(".xml")
+        try:
+            cases = list(ET.parse(xml).iter("testcase"))
+        except (OSError, ET.ParseError) as e:
+            print(f"{suite}: no results ({e})")
+            counts["unexpected"] += 1
+            continue
+        for tc in cases:
+            parts = (tc.get("classname") or "").split(".")
+            folder = next((p for p in parts if p.split("_")[0] in SERVER_FACING), None)
+            if folder is None:
+                continue
+            tags = {c.tag for c in tc}
+            name = tc.get("name", "")
+            if "skipped" in tags:
+                counts["skipped"] += 1
+            elif not tags & {"failure", "error"}:
+                counts["passed"] += 1
+            else:
+                hit = next((r for r in table if name.startswith(r[0])), None)
+                kind, why = (hit[1], hit[2]) if hit else ("unexpected", "")
+                counts[kind] += 1
+                lines.append(f"| {suite} | {parts[-1]}::{name} | {kind} | {why} |")
+    print(f"E2B Python suite, {label}: failing server-facing tests")
+    print("| suite | test | kind | why |\n|---|---|---|---|")
+    print("\n".join(sorted(lines)) or "| - | none | | |")
+    print(", ".join(f"{v} {k}" for k, v in counts.items()))
+    return 1 if counts["unexpected"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
