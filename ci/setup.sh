@@ -9,10 +9,11 @@ log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 
 # apt: QEMU + guest kernel + userland tools for agentenv, protoc (with the well-known protos that
-# etcd-client's build needs), busybox for the KVM probe, etcd for the agentenv cluster tests.
+# etcd-client's build needs), busybox for the KVM probe, etcd for the agentenv cluster tests (openssl makes
+# their throwaway certificates).
 APT_PKGS=(build-essential pkg-config curl ca-certificates git python3 python3-venv python3-pip
   qemu-system-x86 qemu-utils busybox-static debootstrap e2fsprogs cpio xz-utils binutils
-  protobuf-compiler libprotobuf-dev linux-image-amd64 iproute2 nftables etcd-server)
+  protobuf-compiler libprotobuf-dev linux-image-amd64 iproute2 nftables etcd-server openssl)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -12,6 +12,16 @@ pub enum ClusterError {
     /// An argument no etcd call can take.
     #[error("{0}")]
     Invalid(String),
+    /// etcd refused the call: this client's user (its certificate's CN) may not do it.
+    #[error("etcd refused {what}: {why}")]
+    Denied { what: &'static str, why: String },
+    /// A TLS file (`--etcd-ca`, `--etcd-cert`, `--etcd-key`) cannot be read.
+    #[error("etcd TLS file {path}: {source}")]
+    Tls {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl ClusterError {

@@ -6,16 +6,20 @@
 //! - [`store`]: [`ClusterStore`], etcd reads and transactional writes, each under a deadline.
 //! - [`node`]: [`Registration`], a node's lease, record and keepalives.
 //! - [`watch`]: [`ViewCache`], the nodes and claims kept by a watch, for placements without reads.
+//! - [`tls`]: [`EtcdTls`], etcd over mutual TLS; [`auth`]: etcd users and roles, one per node and
+//!   one for the gateways, so a node writes only its own record and the sandbox map.
 //!
 //! Boundary: this crate knows etcd and the cluster's records; it knows no HTTP, no E2B JSON and no
 //! VMs. The gateway (HTTP) and the node's side live in `agentenv-server`.
 
+pub mod auth;
 pub mod error;
 pub mod node;
 pub mod placement;
 pub mod schema;
 pub mod store;
 pub mod testing;
+pub mod tls;
 pub mod watch;
 
 pub use error::ClusterError;
@@ -26,4 +30,5 @@ pub use schema::{
     SnapshotEntry,
 };
 pub use store::{ClaimOutcome, ClusterStore, ClusterView, StateChange, Versioned};
+pub use tls::EtcdTls;
 pub use watch::ViewCache;

@@ -129,13 +129,26 @@ impl ClusterStore {
     /// Connects to `endpoints` (e.g. `http://127.0.0.1:2379`); the first connection has the deadline too,
     /// later ones are re-made by the client on demand.
     pub async fn connect(endpoints: &[String], prefix: &str, deadline: Duration) -> Result<Self> {
+        Self::connect_with(endpoints, None, prefix, deadline).await
+    }
+
+    /// [`ClusterStore::connect`], over mutual TLS with `tls` (`https://` endpoints).
+    pub async fn connect_with(
+        endpoints: &[String],
+        tls: Option<&crate::tls::EtcdTls>,
+        prefix: &str,
+        deadline: Duration,
+    ) -> Result<Self> {
         if endpoints.is_empty() {
             return Err(ClusterError::Invalid("no etcd endpoint given".into()));
         }
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_connect_timeout(deadline)
             .with_timeout(deadline)
             .with_keep_alive(Duration::from_secs(5), deadline);
+        if let Some(t) = tls {
+            opts = opts.with_tls(t.options()?);
+        }
         let client = tokio::time::timeout(deadline, Client::connect(endpoints, Some(opts)))
             .await
             .map_err(|_| ClusterError::unavailable("connect", "deadline passed"))?
@@ -158,12 +171,23 @@ impl ClusterStore {
     }
 
     /// Runs one etcd call under the deadline.
-    async fn call<T, F>(&self, what: &'static str, f: F) -> Result<T>
+    pub(crate) async fn call<T, F>(&self, what: &'static str, f: F) -> Result<T>
     where
         F: std::future::Future<Output = Result<T, etcd_client::Error>>,
     {
         match tokio::time::timeout(self.deadline, f).await {
             Ok(Ok(v)) => Ok(v),
+            Ok(Err(etcd_client::Error::GRpcStatus(s)))
+                if matches!(
+                    s.code(),
+                    tonic::Code::PermissionDenied | tonic::Code::Unauthenticated
+                ) =>
+            {
+                Err(ClusterError::Denied {
+                    what,
+                    why: s.message().to_string(),
+                })
+            }
             Ok(Err(e)) => Err(ClusterError::unavailable(what, e)),
             Err(_) => Err(ClusterError::unavailable(
                 what,

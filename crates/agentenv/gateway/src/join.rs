@@ -17,6 +17,10 @@ use agentenv_control::sandboxes::{Caller, Sandboxes, Transition};
 /// What `--join` needs.
 pub struct JoinConfig {
     pub etcd: Vec<String>,
+    /// etcd over mutual TLS (the certificate's common name must be the node's id).
+    pub tls: Option<agentenv_cluster::EtcdTls>,
+    /// The node's id; else the one kept in the state folder, or a new random one.
+    pub node_id: Option<String>,
     pub prefix: String,
     /// Base URL gateways reach this server at.
     pub advertise: String,
@@ -33,9 +37,10 @@ pub async fn join(
     sandboxes: Arc<Sandboxes>,
     cfg: JoinConfig,
 ) -> anyhow::Result<Registration> {
-    let id = node_id(state_dir)?;
-    let store = ClusterStore::connect(
+    let id = node_id(state_dir, cfg.node_id.as_deref())?;
+    let store = ClusterStore::connect_with(
         &cfg.etcd,
+        cfg.tls.as_ref(),
         &cfg.prefix,
         agentenv_cluster::store::DEFAULT_DEADLINE,
     )
@@ -318,8 +323,24 @@ enum FollowError {
 }
 
 /// This node's id, made once and kept in `<state>/server/node_id`.
-fn node_id(state_dir: &Path) -> anyhow::Result<String> {
+/// The node's id: `given` (checked, then kept), else the kept one, else a new random one (kept).
+fn node_id(state_dir: &Path, given: Option<&str>) -> anyhow::Result<String> {
     let path = state_dir.join("server/node_id");
+    if let Some(id) = given {
+        anyhow::ensure!(
+            !id.is_empty()
+                && id.len() <= 63
+                && id
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'),
+            "node id {id:?}: 1-63 of [a-z0-9-]"
+        );
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        k3_common::fsutil::write_atomic(&path, id.as_bytes())?;
+        return Ok(id.to_string());
+    }
     if let Ok(id) = std::fs::read_to_string(&path) {
         let id = id.trim();
         if !id.is_empty() {

@@ -32,6 +32,11 @@ enum Command {
     /// One E2B endpoint in front of the nodes of a cluster (state in etcd; run as many as you like).
     Gateway(GatewayArgs),
     /// Named API keys (tenants): each sees and controls only its own sandboxes, snapshots and templates.
+    /// Set up etcd's users and roles for a cluster, then turn etcd's auth on. Run as `root` (the
+    /// common name of --etcd-cert); a user is a certificate's common name: each node (CN = its
+    /// --node-id) writes only its own record and the sandbox map, gateways the cluster's prefix.
+    /// Run again to add nodes or gateways.
+    EtcdAuth(EtcdAuthArgs),
     Keys {
         /// State folder of the server.
         #[arg(long, env = "AGENTENV_STATE_DIR")]
@@ -41,11 +46,55 @@ enum Command {
     },
 }
 
+/// etcd over mutual TLS (`https://` endpoints): all three or none.
+#[derive(clap::Args, Clone, Default)]
+struct EtcdTlsArgs {
+    /// CA certificate (PEM) that signed etcd's certificate.
+    #[arg(long, env = "AGENTENV_ETCD_CA")]
+    etcd_ca: Option<PathBuf>,
+    /// This process's client certificate (PEM); its common name is its etcd user.
+    #[arg(long, env = "AGENTENV_ETCD_CERT")]
+    etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "AGENTENV_ETCD_KEY")]
+    etcd_key: Option<PathBuf>,
+}
+
+impl EtcdTlsArgs {
+    fn tls(&self) -> anyhow::Result<Option<agentenv_cluster::EtcdTls>> {
+        Ok(agentenv_cluster::EtcdTls::from_flags(
+            self.etcd_ca.clone(),
+            self.etcd_cert.clone(),
+            self.etcd_key.clone(),
+        )?)
+    }
+}
+
+#[derive(clap::Args, Clone)]
+struct EtcdAuthArgs {
+    /// etcd endpoints (comma-separated), e.g. https://127.0.0.1:2379.
+    #[arg(long, env = "AGENTENV_ETCD", value_delimiter = ',', required = true)]
+    etcd: Vec<String>,
+    #[command(flatten)]
+    tls: EtcdTlsArgs,
+    /// Key prefix of the cluster in etcd.
+    #[arg(long, default_value = agentenv_cluster::schema::DEFAULT_PREFIX)]
+    etcd_prefix: String,
+    /// A node's id (its certificate's common name); repeat for each.
+    #[arg(long = "node")]
+    nodes: Vec<String>,
+    /// A gateway's certificate common name; repeat for each.
+    #[arg(long = "gateway")]
+    gateways: Vec<String>,
+}
+
 #[derive(clap::Args, Clone)]
 struct GatewayArgs {
     /// etcd endpoints (comma-separated), e.g. http://127.0.0.1:2379.
     #[arg(long, env = "AGENTENV_ETCD", value_delimiter = ',', required = true)]
     etcd: Vec<String>,
+    #[command(flatten)]
+    tls: EtcdTlsArgs,
     /// Address to listen on.
     #[arg(long, env = "AGENTENV_LISTEN", default_value = "127.0.0.1:3000")]
     listen: SocketAddr,
@@ -229,6 +278,12 @@ struct ServeArgs {
     /// Key prefix of the cluster in etcd (with `--join`).
     #[arg(long, default_value = agentenv_cluster::schema::DEFAULT_PREFIX)]
     etcd_prefix: String,
+    #[command(flatten)]
+    etcd_tls: EtcdTlsArgs,
+    /// This node's id in the cluster (with `--join`; over TLS, its certificate's common name); kept in
+    /// the state folder. A random one is made and kept when none is given.
+    #[arg(long, env = "AGENTENV_NODE_ID")]
+    node_id: Option<String>,
     /// Lease TTL of the node's record, seconds: a node that stops refreshing leaves after this long.
     #[arg(long, default_value_t = agentenv_cluster::node::DEFAULT_TTL.as_secs())]
     join_ttl_s: u64,
@@ -279,6 +334,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Some(Command::Serve(args)) => serve(*args).await,
         Some(Command::Gateway(args)) => gateway(args).await,
+        Some(Command::EtcdAuth(args)) => etcd_auth(args).await,
         Some(Command::Keys { state_dir, command }) => {
             // `agentenv --state-dir DIR keys ...` names the server's folder too: honour it.
             let dir = match (state_dir, cli.serve.state_dir) {
@@ -395,16 +451,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     if let (Some(endpoint), Some(bucket)) = (args.s3_endpoint, args.s3_bucket) {
         let env = |k: &str| std::env::var(k).with_context(|| format!("--s3-endpoint needs {k}"));
-        let remote = agentenv_store::RemoteConfig {
-            allow_http: endpoint.starts_with("http://"),
-            endpoint,
-            bucket,
-            region: args.s3_region,
-            access_key_id: env("AWS_ACCESS_KEY_ID")?,
-            secret_access_key: env("AWS_SECRET_ACCESS_KEY")?,
-            prefix: args.s3_prefix,
-            timeout: std::time::Duration::from_secs(60),
-        };
+        let mut remote = agentenv_store::RemoteConfig::new(
+            &endpoint,
+            &bucket,
+            &env("AWS_ACCESS_KEY_ID")?,
+            &env("AWS_SECRET_ACCESS_KEY")?,
+        )
+        // Metadata in the bucket carries a MAC under a key of the servers' own (they share the API
+        // key): S3 credentials alone cannot forge a snapshot or template record.
+        .with_meta_secret(api_key.as_bytes());
+        remote.allow_http = endpoint.starts_with("http://");
+        remote.region = args.s3_region;
+        remote.prefix = args.s3_prefix;
+        remote.timeout = std::time::Duration::from_secs(60);
         tracing::info!(endpoint = %remote.endpoint, bucket = %remote.bucket, "snapshot chunks kept in S3");
         let mut store = agentenv_store::StoreConfig::local(
             state_dir.join("runtime/chunks"),
@@ -497,6 +556,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             let ttl = std::time::Duration::from_secs(args.join_ttl_s.max(1));
             let join = agentenv_server::join::JoinConfig {
                 etcd: args.join,
+                tls: args.etcd_tls.tls()?,
+                node_id: args.node_id,
                 prefix: args.etcd_prefix,
                 advertise,
                 ttl,
@@ -559,8 +620,9 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
         Default::default(),
         rate_limit,
     ));
-    let store = agentenv_cluster::ClusterStore::connect(
+    let store = agentenv_cluster::ClusterStore::connect_with(
         &args.etcd,
+        args.tls.tls()?.as_ref(),
         &args.etcd_prefix,
         agentenv_cluster::store::DEFAULT_DEADLINE,
     )
@@ -577,6 +639,36 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     axum::serve(listener, agentenv_server::gateway::app(gw))
         .with_graceful_shutdown(shutdown())
         .await?;
+    Ok(())
+}
+
+async fn etcd_auth(args: EtcdAuthArgs) -> anyhow::Result<()> {
+    let Some(tls) = args.tls.tls()? else {
+        anyhow::bail!(
+            "etcd-auth needs --etcd-ca, --etcd-cert and --etcd-key: etcd users are certificate names"
+        );
+    };
+    let root = agentenv_cluster::ClusterStore::connect_with(
+        &args.etcd,
+        Some(&tls),
+        &args.etcd_prefix,
+        agentenv_cluster::store::DEFAULT_DEADLINE,
+    )
+    .await
+    .context("connecting to etcd")?;
+    let members = agentenv_cluster::auth::Members {
+        nodes: args.nodes,
+        gateways: args.gateways,
+    };
+    agentenv_cluster::auth::provision(&root, &members)
+        .await
+        .context("setting up etcd's users and roles")?;
+    println!(
+        "etcd auth on for {}: {} node(s), {} gateway(s)",
+        args.etcd_prefix,
+        members.nodes.len(),
+        members.gateways.len()
+    );
     Ok(())
 }
 

@@ -31,6 +31,11 @@ pub struct RemoteConfig {
     pub allow_http: bool,
     /// Deadline of every single remote call.
     pub timeout: Duration,
+    /// Key of the MAC (keyed BLAKE3) over each metadata blob in the bucket ([`crate::ChunkStore::put_meta`]):
+    /// a blob without a valid one, so one written by anyone without the key, reads as absent. Every
+    /// server sharing the bucket needs the same; [`RemoteConfig::new`] derives one from the secret key,
+    /// [`RemoteConfig::with_meta_secret`] from a secret of the servers' own.
+    pub meta_key: [u8; 32],
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -44,6 +49,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("prefix", &self.prefix)
             .field("allow_http", &self.allow_http)
             .field("timeout", &self.timeout)
+            .field("meta_key", &"<redacted>")
             .finish()
     }
 }
@@ -64,7 +70,61 @@ impl RemoteConfig {
             prefix: String::new(),
             allow_http: loopback,
             timeout: Duration::from_secs(30),
+            meta_key: blake3::derive_key(META_KEY_CONTEXT, secret_access_key.as_bytes()),
         }
+    }
+
+    /// This config with the metadata MAC key derived from `secret` (e.g. the servers' API key), so
+    /// that the bucket's credentials alone cannot forge metadata.
+    pub fn with_meta_secret(mut self, secret: &[u8]) -> Self {
+        self.meta_key = blake3::derive_key(META_KEY_CONTEXT, secret);
+        self
+    }
+}
+
+const META_KEY_CONTEXT: &str = "k3-stack agentenv-store 2026-12-05 bucket metadata MAC";
+const SEAL: &[u8] = b"k3-mac-v1 ";
+
+/// `body` under the MAC of `key` over the blob's name and bytes: `k3-mac-v1 <64 hex>\n<body>`.
+pub(crate) fn seal(key: &[u8; 32], name: &str, body: &[u8]) -> Vec<u8> {
+    let mac = mac(key, name, body);
+    [SEAL, mac.to_hex().as_bytes(), b"\n", body].concat()
+}
+
+/// The body of a blob [`seal`]ed with `key` under `name`; `None` if it is not, or was changed.
+pub(crate) fn open<'a>(key: &[u8; 32], name: &str, sealed: &'a [u8]) -> Option<&'a [u8]> {
+    let rest = sealed.strip_prefix(SEAL)?;
+    let (hex, body) = (rest.get(..64)?, rest.get(65..)?);
+    let got = blake3::Hash::from_hex(hex).ok()?;
+    // blake3::Hash compares in constant time.
+    (rest.get(64) == Some(&b'\n') && got == mac(key, name, body)).then_some(body)
+}
+
+fn mac(key: &[u8; 32], name: &str, body: &[u8]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(name.as_bytes()).update(&[0]).update(body);
+    h.finalize()
+}
+
+#[cfg(test)]
+mod seal_tests {
+    use super::*;
+
+    #[test]
+    fn a_sealed_blob_opens_only_with_its_key_name_and_bytes() {
+        let (k, other) = ([7u8; 32], [8u8; 32]);
+        let s = seal(&k, "snapshots/a", b"{\"x\":1}");
+        assert_eq!(open(&k, "snapshots/a", &s), Some(&b"{\"x\":1}"[..]));
+        assert_eq!(open(&other, "snapshots/a", &s), None, "another key");
+        assert_eq!(open(&k, "snapshots/b", &s), None, "moved to another name");
+        let mut changed = s.clone();
+        *changed.last_mut().unwrap() ^= 1;
+        assert_eq!(open(&k, "snapshots/a", &changed), None, "a changed byte");
+        assert_eq!(open(&k, "snapshots/a", b"{\"x\":1}"), None, "unsealed");
+        for cut in 0..s.len() {
+            assert_eq!(open(&k, "snapshots/a", &s[..cut]), None, "cut at {cut}");
+        }
+        assert_eq!(open(&k, "e", &seal(&k, "e", b"")), Some(&b""[..]));
     }
 }
 

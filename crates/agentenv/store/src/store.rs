@@ -336,9 +336,20 @@ impl ChunkStore {
     }
 
     /// Stores a metadata blob under `key` (remote first, then locally), replacing an older one.
+    /// The MAC key of metadata blobs: the remote's ([`RemoteConfig::meta_key`]); none without a remote.
+    fn meta_key(&self) -> Option<&[u8; 32]> {
+        self.inner.cfg.remote.as_ref().map(|r| &r.meta_key)
+    }
+
     pub async fn put_meta(&self, key: &str, bytes: &[u8]) -> Result<()> {
         check_user_key(key)?;
-        self.put_meta_raw(key, bytes).await
+        match self.meta_key() {
+            Some(k) => {
+                self.put_meta_raw(key, &crate::remote::seal(k, key, bytes))
+                    .await
+            }
+            None => self.put_meta_raw(key, bytes).await,
+        }
     }
 
     pub(crate) async fn put_meta_raw(&self, key: &str, bytes: &[u8]) -> Result<()> {
@@ -373,7 +384,14 @@ impl ChunkStore {
                 Ok(())
             })
             .await?;
-            return Ok(b);
+            let key_mac = self.meta_key().expect("a remote has a MAC key");
+            return Ok(b.and_then(|b| match crate::remote::open(key_mac, key, &b) {
+                Some(body) => Some(body.to_vec()),
+                None => {
+                    tracing::warn!(key, "bucket metadata without a valid MAC: ignored");
+                    None
+                }
+            }));
         }
         match std::fs::read(&p) {
             Ok(b) => Ok(Some(b)),

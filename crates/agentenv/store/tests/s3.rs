@@ -191,3 +191,64 @@ async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
     cold.materialize(&mg, &out).await.unwrap();
     assert_eq!(file_hash(&out), file_hash(&g));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_written_without_the_mac_key_reads_as_absent() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(weed) = common::weed("s3-meta-mac", dir.path()) else {
+        return;
+    };
+    let s = seed("s3-meta-mac");
+    let b = bucket("metamac", s);
+    let open = |name: &str, secret: &[u8]| {
+        ChunkStore::open(
+            StoreConfig::local(dir.path().join(name), 1 << 40)
+                .with_remote(weed.remote(&b).with_meta_secret(secret)),
+        )
+    };
+    let (a, peer) = (
+        open("a", b"cluster").await.unwrap(),
+        open("p", b"cluster").await.unwrap(),
+    );
+    let body = format!("{{\"id\":\"snap-{s}\"}}");
+    a.put_meta("snapshots/x", body.as_bytes()).await.unwrap();
+    assert_eq!(
+        peer.get_meta("snapshots/x").await.unwrap().as_deref(),
+        Some(body.as_bytes()),
+        "a server with the same key reads it"
+    );
+    // Someone with only the bucket's credentials: a store keyed otherwise, and raw writes.
+    let outsider = open("o", b"guess").await.unwrap();
+    assert_eq!(outsider.get_meta("snapshots/x").await.unwrap(), None);
+    outsider
+        .put_meta("snapshots/y", b"{\"forged\":1}")
+        .await
+        .unwrap();
+    let raw = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(&weed.endpoint)
+        .with_bucket_name(&b)
+        .with_region("us-east-1")
+        .with_access_key_id(agentenv_store::testing::ACCESS_KEY)
+        .with_secret_access_key(agentenv_store::testing::SECRET_KEY)
+        .with_allow_http(true)
+        .build()
+        .unwrap();
+    let z = object_store::path::Path::from("meta/snapshots/z");
+    raw.put(&z, b"{\"forged\":2}".to_vec().into())
+        .await
+        .unwrap();
+    // The good blob with one byte of its body changed.
+    let x = object_store::path::Path::from("meta/snapshots/x");
+    let mut bytes = raw.get(&x).await.unwrap().bytes().await.unwrap().to_vec();
+    *bytes.last_mut().unwrap() ^= 1;
+    let w = object_store::path::Path::from("meta/snapshots/w");
+    raw.put(&w, bytes.into()).await.unwrap();
+    assert_eq!(
+        peer.list_meta("snapshots/").await.unwrap(),
+        ["snapshots/w", "snapshots/x", "snapshots/y", "snapshots/z"]
+    );
+    for forged in ["snapshots/w", "snapshots/y", "snapshots/z"] {
+        assert_eq!(peer.get_meta(forged).await.unwrap(), None, "{forged}");
+    }
+    assert!(peer.get_meta("snapshots/x").await.unwrap().is_some());
+}

@@ -1,17 +1,21 @@
 """agentenv on many machines, on loopback: etcd and a real S3 server (SeaweedFS `weed`), three nodes
 (`agentenv serve --join`, separate state folders and ports, one shared bucket) and two gateways
-(`agentenv gateway`), driven by the stock e2b SDK through the gateways.
+(`agentenv gateway`), driven by the stock e2b SDK through the gateways. etcd runs as in production:
+mutual TLS, a certificate per node and gateway (from a throwaway CA, the `openssl` command), and auth
+on (`agentenv etcd-auth`), so each node writes only its own record.
 
 Skipped with the reason when `etcd` or `weed` is missing; under K3_REQUIRE_CLUSTER=1 (CI) that fails.
 Tests run in file order and share the cluster: the later ones kill parts of it.
 """
 
+import base64
 import json
 import os
 import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -142,22 +146,56 @@ def _http(method, url, key=None, body=None, headers=None, timeout=60):
             return e.code, raw.decode(errors="replace")
 
 
+class Pki:
+    """A throwaway CA (the `openssl` command): certificates for server and client use on 127.0.0.1."""
+
+    def __init__(self, d):
+        self.d = d
+        os.makedirs(d)
+        with open(f"{d}/ext", "w") as f:
+            f.write("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+        self._openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                      "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=k3-test-ca")
+        self.ca = f"{d}/ca.pem"
+
+    def _openssl(self, *args):
+        subprocess.run(["openssl", *args], cwd=self.d, check=True, capture_output=True)
+
+    def issue(self, cn, subject=None):
+        """(cert, key) paths of a certificate with common name `cn` (or, named `cn`, of `subject`)."""
+        self._openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                      "-keyout", f"{cn}.key", "-out", f"{cn}.csr", "-subj", subject or f"/CN={cn}")
+        self._openssl("x509", "-req", "-in", f"{cn}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                      "-CAcreateserial", "-out", f"{cn}.pem", "-days", "1", "-extfile", "ext")
+        return f"{self.d}/{cn}.pem", f"{self.d}/{cn}.key"
+
+    def flags(self, cn):
+        cert, key = self.issue(cn)
+        return ["--etcd-ca", self.ca, "--etcd-cert", cert, "--etcd-key", key]
+
+
 class Cluster:
     def __init__(self, binary, root, etcd_bin, weed_bin):
         self.root = root
         self.binary = binary
         self.key = "e2b_" + secrets.token_hex(20)
         self.bucket = f"k3-cluster-{secrets.token_hex(4)}"
-        # etcd
-        self.etcd_port, peer = _free_port(), _free_port()
-        self.etcd_url = f"http://127.0.0.1:{self.etcd_port}"
+        # etcd over mutual TLS; /health on a plain metrics port
+        self.pki = Pki(f"{root}/pki")
+        etcd_cert, etcd_key = self.pki.issue("etcd")
+        self.etcd_port, peer, self.etcd_metrics = _free_port(), _free_port(), _free_port()
+        self.etcd_url = f"https://127.0.0.1:{self.etcd_port}"
         self.etcd = Proc([
             etcd_bin, f"--data-dir={root}/etcd", "--name=k3",
             f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
             f"--listen-peer-urls=http://127.0.0.1:{peer}",
             f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
             f"--initial-cluster=k3=http://127.0.0.1:{peer}",
+            f"--listen-metrics-urls=http://127.0.0.1:{self.etcd_metrics}",
+            f"--cert-file={etcd_cert}", f"--key-file={etcd_key}", f"--trusted-ca-file={self.pki.ca}",
+            "--client-cert-auth",
         ], f"{root}/etcd.log")
+        self.inspector = "pw-" + secrets.token_hex(8)
         # S3 (the same flags as agentenv_store::testing::Weed)
         ports = _weed_ports(4)
         weed_dir = f"{root}/weed"
@@ -181,13 +219,15 @@ class Cluster:
             n.extra_args = [
                 "--join", self.etcd_url, "--advertise", n.url, "--join-ttl-s", str(TTL_S),
                 "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--network", "off",
+                "--node-id", f"node{i}", *self.pki.flags(f"node{i}"),
             ]
             self.nodes.append(n)
         self.gateways = []
         for i in range(2):
             port = _free_port()
             g = Proc([binary, "gateway", "--etcd", self.etcd_url, "--listen", f"127.0.0.1:{port}",
-                      "--state-dir", self._state_dir(f"gw{i}")], f"{root}/gw{i}.log")
+                      "--state-dir", self._state_dir(f"gw{i}"), *self.pki.flags(f"gw{i}")],
+                     f"{root}/gw{i}.log")
             g.url = f"http://127.0.0.1:{port}"
             g.state = os.path.join(root, f"gw{i}")
             self.gateways.append(g)
@@ -209,10 +249,40 @@ class Cluster:
             return True
         _wait("weed S3 answers", up, 60)
 
+    def etcd_json(self, path, body, token=None):
+        """One call of etcd's JSON gateway: (status, body). Its certificate has no common name (the
+        gateway refuses one once auth is on); the user is the token's."""
+        ctx = ssl.create_default_context(cafile=self.pki.ca)
+        ctx.load_cert_chain(*self.pki.issue("json-client", "/O=k3-test"))
+        h = {"Content-Type": "application/json"}
+        if token:
+            h["Authorization"] = token
+        req = urllib.request.Request(f"{self.etcd_url}{path}", data=json.dumps(body).encode(),
+                                     method="POST", headers=h)
+        try:
+            with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
     def start(self):
         self.etcd.start()
         self.weed.start()
-        _wait("etcd is healthy", lambda: _http("GET", f"{self.etcd_url}/health")[1].get("health") == "true", 30)
+        _wait("etcd is healthy",
+              lambda: _http("GET", f"http://127.0.0.1:{self.etcd_metrics}/health")[1].get("health") == "true", 30)
+        # A read-only user with a password for the tests' look into etcd (its JSON gateway ignores
+        # certificate names), made before auth is on; then the cluster's users and roles, as root.
+        for path, body in [("/v3/auth/role/add", {"name": "inspector"}),
+                           ("/v3/auth/role/grant", {"name": "inspector", "perm": {
+                               "permType": "READ", "key": base64.b64encode(b"/agentenv/v1/").decode(),
+                               "range_end": base64.b64encode(b"/agentenv/v10").decode()}}),
+                           ("/v3/auth/user/add", {"name": "inspector", "password": self.inspector}),
+                           ("/v3/auth/user/grant", {"user": "inspector", "role": "inspector"})]:
+            status, answer = self.etcd_json(path, body)
+            assert status == 200, (path, answer)
+        subprocess.run([self.binary, "etcd-auth", "--etcd", self.etcd_url, *self.pki.flags("root"),
+                        "--node", "node0", "--node", "node1", "--node", "node2",
+                        "--gateway", "gw0", "--gateway", "gw1"], check=True, timeout=60)
         self.wait_s3()
         for n in self.nodes:
             n.start()
@@ -413,6 +483,37 @@ def test_bad_input_and_keys_at_the_gateway(cluster):
     assert status == 404 and body["code"] == 404
 
 
+def test_etcd_holds_each_node_to_its_own_record(cluster):
+    """A node started as node1 with node0's certificate is refused by etcd and exits; a client without a
+    certificate gets nothing from etcd; node1's record keeps node1's URL."""
+    before = cluster.live_nodes()
+    state = cluster._state_dir("impostor")
+    log_path = os.path.join(state, "server.log")
+    cert, key = f"{cluster.pki.d}/node0.pem", f"{cluster.pki.d}/node0.key"
+    with open(log_path, "ab") as log:
+        p = subprocess.Popen([cluster.binary, "serve", "--listen", f"127.0.0.1:{_free_port()}",
+                              "--state-dir", state, "--network", "off", "--join", cluster.etcd_url,
+                              "--advertise", "http://127.0.0.1:9/evil", "--node-id", "node1",
+                              "--etcd-ca", cluster.pki.ca, "--etcd-cert", cert, "--etcd-key", key],
+                             stdout=log, stderr=subprocess.STDOUT)
+    try:
+        code = p.wait(timeout=WAIT_S)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    with open(log_path, "rb") as f:
+        out = f.read().decode(errors="replace")
+    assert code != 0 and "etcd refused" in out, out[-2000:]
+    assert cluster.live_nodes() == before
+    assert "http://127.0.0.1:9/evil" not in cluster.live_nodes()
+    # Without a client certificate the TLS handshake fails: no answer at all.
+    ctx = ssl.create_default_context(cafile=cluster.pki.ca)
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(urllib.request.Request(f"{cluster.etcd_url}/v3/kv/range", data=b"{}"),
+                               timeout=10, context=ctx).read()
+
+
 def test_tenants_see_only_their_own_sandboxes_through_the_gateway(cluster):
     team = cluster.named_key("team-b")
     g0, g1 = cluster.gateways[0].url, cluster.gateways[1].url
@@ -476,11 +577,11 @@ def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
 
 
 def _entry(cluster, sandbox_id):
-    """The sandbox's entry in etcd (through etcd's JSON gateway), or None."""
-    import base64
-
+    """The sandbox's entry in etcd (through etcd's JSON gateway, as the read-only inspector), or None."""
+    status, auth = cluster.etcd_json("/v3/auth/authenticate", {"name": "inspector", "password": cluster.inspector})
+    assert status == 200, auth
     key = base64.b64encode(f"/agentenv/v1/sandboxes/{sandbox_id}".encode()).decode()
-    status, body = _http("POST", f"{cluster.etcd_url}/v3/kv/range", body={"key": key})
+    status, body = cluster.etcd_json("/v3/kv/range", {"key": key}, token=auth["token"])
     assert status == 200, body
     kvs = body.get("kvs") or []
     return json.loads(base64.b64decode(kvs[0]["value"])) if kvs else None

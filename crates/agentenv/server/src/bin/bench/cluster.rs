@@ -40,6 +40,8 @@ pub async fn run(
     let endpoints = vec![etcd.endpoint.clone()];
     let join = agentenv_server::join::JoinConfig {
         etcd: endpoints.clone(),
+        tls: None,
+        node_id: None,
         prefix: "/bench/gw/".into(),
         advertise: node.base.clone(),
         ttl: Duration::from_secs(6),
