@@ -4,17 +4,18 @@
 //! and the template id, so `Sandbox.create(name)` restores it as fast as any snapshot.
 //!
 //! Builds live in memory (their result, the snapshot, is durable); uploaded COPY archives live under
-//! `<state>/server/build-files/<template>/<hash>`.
+//! `<state>/server/build-files/<template>/<hash>`, bounded (`build_files.rs`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Caller, LifecycleError, Result, Sandboxes, internal};
+use super::{Caller, LifecycleError, Result, Sandboxes};
 use crate::backend::{ExecEvent, ExecRequest};
 use crate::tenants;
 
+use super::build_files::BuildFiles;
 use super::build_script::{copy_script, sh};
 
 mod run;
@@ -50,14 +51,14 @@ struct TemplateEntry {
 
 /// The builds of this server.
 pub(super) struct Builds {
-    files: PathBuf,
+    files: BuildFiles,
     templates: Mutex<HashMap<String, TemplateEntry>>,
 }
 
 impl Builds {
     pub(super) fn new(state_dir: &std::path::Path) -> Builds {
         Builds {
-            files: state_dir.join("server").join("build-files"),
+            files: BuildFiles::open(state_dir.join("server").join("build-files")),
             templates: Mutex::new(HashMap::new()),
         }
     }
@@ -167,7 +168,7 @@ impl Sandboxes {
     }
 
     fn file_path(&self, template_id: &str, hash: &str) -> PathBuf {
-        self.builds.files.join(template_id).join(hash)
+        self.builds.files.path(template_id, hash)
     }
 
     /// Whether COPY archive `hash` of template `template_id` is uploaded.
@@ -183,7 +184,7 @@ impl Sandboxes {
                 "the files hash is 64 hex digits".into(),
             ));
         }
-        Ok(self.file_path(template_id, hash).is_file())
+        Ok(self.builds.files.present(template_id, hash))
     }
 
     /// Stores COPY archive `hash` of template `template_id`.
@@ -200,11 +201,9 @@ impl Sandboxes {
                 "the archive exceeds {MAX_BUILD_FILE_BYTES} bytes"
             )));
         }
-        let path = self.file_path(template_id, hash);
-        if let Some(dir) = path.parent() {
-            k3_common::fsutil::create_private_dir(dir).map_err(internal)?;
-        }
-        k3_common::fsutil::write_atomic(&path, data).map_err(internal)
+        let owner = caller.owner();
+        let owned = |t: &str| self.builds.lock().get(t).is_some_and(|e| e.owner == owner);
+        self.builds.files.put(template_id, hash, data, owned)
     }
 
     /// `POST /v2/templates/{id}/builds/{build}`: checks `plan` and runs it in the background.

@@ -23,6 +23,7 @@ const IDEMPOTENCY_WINDOW: Duration = Duration::from_secs(300);
 /// Forks per call (E2B's bound).
 pub const MAX_FORKS: u32 = 20;
 
+mod build_files;
 mod build_log;
 mod build_script;
 mod build_view;

@@ -30,7 +30,7 @@ key=""
 for _ in $(seq 1 1800); do  # the first start builds the default template (minutes)
   kill -0 "$server" 2>/dev/null || { tail -20 "$work/server.log" >&2; echo "the server exited" >&2; exit 2; }
   key=$(cat "$work/state/server/api_key" 2>/dev/null || true)
-  if [ -n "$key" ] && curl -fsS -o /dev/null "http://127.0.0.1:$port/health"; then break; fi
+  if [ -n "$key" ] && curl -fs -o /dev/null "http://127.0.0.1:$port/health"; then break; fi
   sleep 1
 done
 [ -n "$key" ] || { echo "the server did not answer within 30 min ($work/server.log)" >&2; exit 2; }
