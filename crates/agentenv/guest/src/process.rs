@@ -39,6 +39,8 @@ pub enum ProcEvent {
         exited: bool,
         /// Go-style status text (`exit status 3`, `signal: killed`).
         status: String,
+        /// Killed at its deadline (`SpawnSpec::timeout`).
+        timed_out: bool,
     },
 }
 
@@ -361,10 +363,12 @@ impl ProcessTable {
         tokio::spawn(async move {
             let outputs = readers.spawn(p.clone());
             let deadline = spec.timeout;
+            let mut timed_out = false;
             let status = match deadline {
                 Some(d) => match tokio::time::timeout(d, child.wait()).await {
                     Ok(s) => s,
                     Err(_) => {
+                        timed_out = true;
                         let _ = p.signal(libc::SIGKILL);
                         child.wait().await
                     }
@@ -384,6 +388,7 @@ impl ProcessTable {
                 exit_code,
                 exited,
                 status,
+                timed_out,
             };
             for tx in last.unwrap_or_default() {
                 let _ = tx.send(end.clone()).await;

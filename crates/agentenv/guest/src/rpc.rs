@@ -56,7 +56,7 @@ pub async fn dispatch(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
                     agent.network_settled().await;
                     start(&agent, &user, &msg, &headers, ka)
                 }
-                (Service::Process, _) => connect(&agent, &msg, ka),
+                (Service::Process, _) => connect(&agent, &msg, &headers, ka),
                 _ => watch_dir(&user, &msg, ka),
             };
             r.unwrap_or_else(|e| rpc_error(&e))
@@ -171,19 +171,34 @@ fn start(
     };
     let (proc, rx) = agent.procs.spawn(spec)?;
     let (tx, resp) = stream_response();
-    tokio::spawn(pump_process(proc.pid, rx, tx, ka));
+    // The deadline kills the process (SpawnSpec::timeout); its end then ends the stream.
+    tokio::spawn(pump_process(proc.pid, rx, tx, ka, None));
     Ok(resp)
 }
 
-fn connect(agent: &Agent, msg: &[u8], ka: Duration) -> Result<Response<Body>, RpcError> {
+fn connect(
+    agent: &Agent,
+    msg: &[u8],
+    h: &HeaderMap,
+    ka: Duration,
+) -> Result<Response<Body>, RpcError> {
     let req: envd::SelectorRequest = envd::parse(msg)?;
     let proc = agent.procs.find(&req.process)?;
     let rx = proc
         .subscribe()
         .ok_or_else(|| RpcError::new(Code::NotFound, format!("process {} has ended", proc.pid)))?;
     let (tx, resp) = stream_response();
-    tokio::spawn(pump_process(proc.pid, rx, tx, ka));
+    // The stream's deadline ends the stream only: the process keeps running.
+    tokio::spawn(pump_process(proc.pid, rx, tx, ka, timeout_header(h)));
     Ok(resp)
+}
+
+/// The end of a stream cut by its Connect-Timeout-Ms, as envd ends it.
+fn deadline_exceeded() -> Bytes {
+    envd::end_stream(Some(&RpcError::new(
+        Code::DeadlineExceeded,
+        "the request ran past its Connect-Timeout-Ms",
+    )))
 }
 
 async fn send(tx: &mpsc::Sender<Bytes>, v: &Value) -> bool {
@@ -191,26 +206,43 @@ async fn send(tx: &mpsc::Sender<Bytes>, v: &Value) -> bool {
 }
 
 /// Forwards process events as Connect envelopes; stops quietly when the client goes away
-/// (the process keeps running).
+/// (the process keeps running). A process killed at its deadline, or a stream past `deadline`,
+/// ends with `deadline_exceeded`.
 async fn pump_process(
     pid: u32,
     mut rx: mpsc::Receiver<ProcEvent>,
     tx: mpsc::Sender<Bytes>,
     ka: Duration,
+    deadline: Option<Duration>,
 ) {
     if !send(&tx, &envd::start_event(pid)).await {
         return;
     }
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + ka, ka);
+    let expire = async {
+        match deadline {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(expire);
     loop {
         tokio::select! {
+            () = &mut expire => {
+                let _ = tx.send(deadline_exceeded()).await;
+                return;
+            }
             ev = rx.recv() => match ev {
                 Some(ProcEvent::Data(stream, bytes)) => {
                     if !send(&tx, &envd::data_event(stream, &bytes)).await {
                         return;
                     }
                 }
-                Some(ProcEvent::End { exit_code, exited, status }) => {
+                Some(ProcEvent::End { timed_out: true, .. }) => {
+                    let _ = tx.send(deadline_exceeded()).await;
+                    return;
+                }
+                Some(ProcEvent::End { exit_code, exited, status, .. }) => {
                     if send(&tx, &envd::end_event(exit_code, exited, &status, None)).await {
                         let _ = tx.send(envd::end_stream(None)).await;
                     }

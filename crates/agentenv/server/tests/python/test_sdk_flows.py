@@ -64,6 +64,31 @@ def test_background_list_kill_connect_stdin(sandbox):
     cat.wait()
 
 
+def test_a_command_past_its_timeout_raises_timeout_and_a_cut_connect_leaves_it_running(sandbox):
+    """As envd: a command killed at its `timeout` ends its stream with `deadline_exceeded`, so the SDK
+    raises TimeoutException (sync and async; the async SDK has no deadline of its own here); a
+    `connect` cut at its own timeout leaves the process running."""
+    import asyncio
+
+    from e2b import AsyncSandbox, TimeoutException
+
+    with pytest.raises(TimeoutException):
+        sandbox.commands.run("sleep 30", timeout=2)
+
+    async def run_async():
+        a = await AsyncSandbox.connect(sandbox.sandbox_id)
+        with pytest.raises(TimeoutException):
+            await a.commands.run("sleep 30", timeout=2)
+
+    asyncio.run(run_async())
+    h = sandbox.commands.run("sleep 600", background=True)
+    attached = sandbox.commands.connect(h.pid, timeout=2)
+    with pytest.raises(TimeoutException):
+        attached.wait()
+    assert h.pid in [p.pid for p in sandbox.commands.list()], "the process outlives the cut connect"
+    assert sandbox.commands.kill(h.pid) is True
+
+
 def test_files(sandbox):
     name = f"/home/user/dir-{secrets.token_hex(4)}"
     text = secrets.token_hex(64)
