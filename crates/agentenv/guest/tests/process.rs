@@ -204,8 +204,17 @@ async fn background_process_outlives_its_stream_and_is_killed() {
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
 }
 
+async fn listed(g: &Guest, pid: u32) -> bool {
+    let (_, list) = g.unary("/process.Process/List", json!({})).await;
+    list["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["pid"] == pid)
+}
+
 #[tokio::test]
-async fn connect_timeout_kills_the_process() {
+async fn connect_timeout_kills_the_process_and_ends_the_stream_deadline_exceeded() {
     let g = Guest::start(&[]).await;
     let mut s = g
         .stream(
@@ -214,10 +223,39 @@ async fn connect_timeout_kills_the_process() {
             &[("connect-timeout-ms", "300")],
         )
         .await;
-    expect_start(&mut s).await;
-    let end = s.collect_process().await.end.unwrap();
-    assert_eq!(end["exited"], false);
-    assert_eq!(end["status"], "signal: killed");
+    let pid = expect_start(&mut s).await;
+    let out = s.collect_process().await;
+    assert!(out.end.is_none(), "no end event, as envd: {out:?}");
+    assert_eq!(out.eos.unwrap()["error"]["code"], "deadline_exceeded");
+    assert!(!listed(&g, pid).await, "the process was killed");
+}
+
+#[tokio::test]
+async fn a_connect_past_its_timeout_ends_while_the_process_runs_on() {
+    let g = Guest::start(&[]).await;
+    let mut started = g
+        .stream("/process.Process/Start", bash("sleep 60"), &[])
+        .await;
+    let pid = expect_start(&mut started).await;
+    let mut s = g
+        .stream(
+            "/process.Process/Connect",
+            json!({"process": {"pid": pid}}),
+            &[("connect-timeout-ms", "300")],
+        )
+        .await;
+    assert_eq!(expect_start(&mut s).await, pid);
+    let out = s.collect_process().await;
+    assert!(out.end.is_none(), "{out:?}");
+    assert_eq!(out.eos.unwrap()["error"]["code"], "deadline_exceeded");
+    assert!(listed(&g, pid).await, "the process runs on");
+    let (st, _) = g
+        .unary(
+            "/process.Process/SendSignal",
+            json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGKILL"}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK);
 }
 
 #[tokio::test]
