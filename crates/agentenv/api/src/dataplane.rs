@@ -76,10 +76,8 @@ pub const HOP_HEADERS: [&str; 7] = [
 /// The client's credentials for us, never for the guest.
 const CREDENTIAL_HEADERS: [&str; 3] = ["x-api-key", "cookie", "proxy-authorization"];
 
-/// Removes hop-by-hop headers (and those `Connection` names) and the client's credentials.
-/// `Authorization: Basic` keeps only its user name, which envd reads as the acting user; any
-/// password or other scheme is dropped. `X-Access-Token` stays: envd checks it too.
-pub fn strip_for_guest(h: &mut HeaderMap) {
+/// Removes hop-by-hop headers (and those `Connection` names): what every proxy hop drops.
+pub fn strip_hop(h: &mut HeaderMap) {
     let named: Vec<String> = h
         .get_all(header::CONNECTION)
         .iter()
@@ -91,8 +89,18 @@ pub fn strip_for_guest(h: &mut HeaderMap) {
     for n in named {
         h.remove(n.as_str());
     }
-    for n in HOP_HEADERS.iter().chain(&CREDENTIAL_HEADERS) {
-        h.remove(*n);
+    for n in HOP_HEADERS {
+        h.remove(n);
+    }
+}
+
+/// [`strip_hop`], and the client's credentials. `Authorization: Basic` keeps only its user name,
+/// which envd reads as the acting user; any password or other scheme is dropped. `X-Access-Token`
+/// stays: envd checks it too.
+pub fn strip_for_guest(h: &mut HeaderMap) {
+    strip_hop(h);
+    for n in CREDENTIAL_HEADERS {
+        h.remove(n);
     }
     let user = h
         .get(header::AUTHORIZATION)

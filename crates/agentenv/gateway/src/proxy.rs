@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::Request;
-use axum::http::{HeaderMap, Uri, Version, header};
+use axum::http::{Uri, Version, header};
 use axum::response::Response;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -26,24 +26,6 @@ pub fn client() -> HttpClient {
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .build(c)
-}
-
-/// Removes hop-by-hop headers (and those `Connection` names).
-fn strip_hop(h: &mut HeaderMap) {
-    let named: Vec<String> = h
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|n| n.trim().to_ascii_lowercase())
-        .filter(|n| !n.is_empty())
-        .collect();
-    for n in named {
-        h.remove(n.as_str());
-    }
-    for n in agentenv_api::dataplane::HOP_HEADERS {
-        h.remove(n);
-    }
 }
 
 /// Sends `req` to the node at `base` (e.g. `http://10.0.0.5:3000`) and streams its answer back;
@@ -67,7 +49,7 @@ pub async fn forward(
             why: format!("bad node URL {base:?}: {e}"),
         })?;
     parts.version = Version::HTTP_11;
-    strip_hop(&mut parts.headers);
+    agentenv_api::dataplane::strip_hop(&mut parts.headers);
     if let Some(protocol) = upgrade {
         agentenv_api::upgrade::keep(&mut parts.headers, protocol);
     }
@@ -98,7 +80,7 @@ pub async fn forward(
         return Ok(resp.map(Body::new));
     }
     let (mut parts, body) = resp.into_parts();
-    strip_hop(&mut parts.headers);
+    agentenv_api::dataplane::strip_hop(&mut parts.headers);
     Ok(Response::from_parts(parts, Body::new(body)))
 }
 

@@ -11,6 +11,19 @@ use object_store::{ObjectStore, ObjectStoreExt};
 
 const MIB: u64 = 1 << 20;
 
+/// The bucket `b` of `weed` without the store: what anyone holding its credentials can write.
+fn raw_bucket(weed: &agentenv_store::testing::Weed, b: &str) -> object_store::aws::AmazonS3 {
+    object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(&weed.endpoint)
+        .with_bucket_name(b)
+        .with_region("us-east-1")
+        .with_access_key_id(agentenv_store::testing::ACCESS_KEY)
+        .with_secret_access_key(agentenv_store::testing::SECRET_KEY)
+        .with_allow_http(true)
+        .build()
+        .unwrap()
+}
+
 fn bucket(tag: &str, s: u64) -> String {
     format!("k3-{tag}-{}", s % 1_000_000_000)
 }
@@ -144,15 +157,7 @@ async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
     let (mg, _) = a.ingest(&g).await.unwrap();
 
     // Tamper with one of f's objects behind the store's back.
-    let raw = object_store::aws::AmazonS3Builder::new()
-        .with_endpoint(&weed.endpoint)
-        .with_bucket_name(&b)
-        .with_region("us-east-1")
-        .with_access_key_id(agentenv_store::testing::ACCESS_KEY)
-        .with_secret_access_key(agentenv_store::testing::SECRET_KEY)
-        .with_allow_http(true)
-        .build()
-        .unwrap();
+    let raw = raw_bucket(&weed, &b);
     let victim = mf.chunks[(s % 64) as usize].1;
     let key = object_store::path::Path::from(format!("chunks/{}", victim.to_hex()));
     let mut bytes = raw.get(&key).await.unwrap().bytes().await.unwrap().to_vec();
@@ -224,15 +229,7 @@ async fn metadata_written_without_the_mac_key_reads_as_absent() {
         .put_meta("snapshots/y", b"{\"forged\":1}")
         .await
         .unwrap();
-    let raw = object_store::aws::AmazonS3Builder::new()
-        .with_endpoint(&weed.endpoint)
-        .with_bucket_name(&b)
-        .with_region("us-east-1")
-        .with_access_key_id(agentenv_store::testing::ACCESS_KEY)
-        .with_secret_access_key(agentenv_store::testing::SECRET_KEY)
-        .with_allow_http(true)
-        .build()
-        .unwrap();
+    let raw = raw_bucket(&weed, &b);
     let z = object_store::path::Path::from("meta/snapshots/z");
     raw.put(&z, b"{\"forged\":2}".to_vec().into())
         .await
