@@ -28,6 +28,8 @@ pub struct FakeBackend {
     pub execs: Mutex<Vec<(String, ExecRequest)>>,
     /// What `networking_off` answers.
     pub net_off: Mutex<Option<String>>,
+    /// Snapshots report their chunks stored at once (a shared bucket that is never slow).
+    pub store_snapshots: std::sync::atomic::AtomicBool,
 }
 
 fn template() -> TemplateInfo {
@@ -220,7 +222,10 @@ impl VmBackend for FakeBackend {
                 vcpus: 1,
                 memory_mib: 256,
                 paused_ms: 0.0,
-                stored: None,
+                stored: self
+                    .store_snapshots
+                    .load(Ordering::Relaxed)
+                    .then(Default::default),
             };
             snaps.push(info.clone());
             Ok(info)

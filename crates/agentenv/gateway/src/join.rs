@@ -29,7 +29,13 @@ pub struct JoinConfig {
     pub max_running: Option<usize>,
     /// Whether snapshots go to a shared bucket (`--s3-endpoint`).
     pub shared_store: bool,
+    /// How often this node's cluster entries are checked against its sandboxes ([`RECONCILE_EVERY`]).
+    pub reconcile_every: Duration,
 }
+
+/// How often a node checks its cluster entries against its sandboxes and repairs an entry a lost or
+/// failed transition left wrong.
+pub const RECONCILE_EVERY: Duration = Duration::from_secs(5);
 
 /// Registers this node; the registration refreshes itself until it is dropped or leaves.
 pub async fn join(
@@ -96,6 +102,7 @@ pub async fn join(
         me: id,
         sandboxes: sandboxes_for_reconcile,
         shared_store,
+        every: cfg.reconcile_every,
     };
     tokio::spawn(node.follow());
     Ok(reg)
@@ -181,17 +188,27 @@ const TRANSITION_RETRY: Duration = Duration::from_secs(1);
 /// sandbox is handed off (with a shared bucket) and recorded paused, so it resumes elsewhere if the
 /// node dies; an auto-resumed one is recorded running (its handoff dropped); an expired one is
 /// forgotten. Without this, the cluster would still think them running (lost with the node) or
-/// paused (moved from a stale snapshot).
+/// paused (moved from a stale snapshot). A transition that is lost or fails for good is repaired by
+/// [`Follower::reconcile`].
 struct Follower {
     store: ClusterStore,
     me: String,
     sandboxes: Arc<Sandboxes>,
     shared_store: bool,
+    every: Duration,
+}
+
+/// What an out-of-date entry needs: recorded paused (handed off with a shared bucket) or running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Repair {
+    Paused,
+    Running,
 }
 
 impl Follower {
     async fn follow(self) {
         let this = Arc::new(self);
+        tokio::spawn(this.clone().reconcile());
         let mut rx = this.sandboxes.transitions();
         while let Some(t) = rx.recv().await {
             let this = this.clone();
@@ -213,6 +230,63 @@ impl Follower {
                 }
             });
         }
+    }
+
+    /// Every [`JoinConfig::reconcile_every`], compares this node's entries with its sandboxes: one that
+    /// disagrees in two checks in a row, unchanged in between and with no operation on the sandbox in
+    /// flight, is repaired as its transition would have. (A gateway's own pause or resume records its
+    /// result within one check, so only a lost or failed transition is repaired.)
+    async fn reconcile(self: Arc<Self>) {
+        let mut seen = std::collections::HashMap::new();
+        loop {
+            tokio::time::sleep(self.every).await;
+            if let Err(e) = self.reconcile_once(&mut seen).await {
+                tracing::debug!(error = %e, "checking this node's cluster entries failed");
+            }
+        }
+    }
+
+    async fn reconcile_once(
+        &self,
+        seen: &mut std::collections::HashMap<String, (Repair, i64)>,
+    ) -> Result<(), FollowError> {
+        let mut still = std::collections::HashMap::new();
+        for e in self.store.sandboxes().await? {
+            if e.node != self.me {
+                continue;
+            }
+            let Some(here) = self.sandboxes.get(&e.sandbox_id) else {
+                continue;
+            };
+            let repair = match (here.state, e.state) {
+                (SandboxState::Paused, EntryState::Running) => Repair::Paused,
+                (SandboxState::Paused, EntryState::Paused)
+                    if self.shared_store && e.handoff.is_none() =>
+                {
+                    Repair::Paused
+                }
+                (SandboxState::Running, EntryState::Paused) => Repair::Running,
+                _ => continue,
+            };
+            if self.sandboxes.busy(&e.sandbox_id) {
+                continue;
+            }
+            let mark = (repair, e.updated_at_ms);
+            if seen.get(&e.sandbox_id) != Some(&mark) {
+                still.insert(e.sandbox_id, mark);
+                continue;
+            }
+            tracing::warn!(sandbox = %e.sandbox_id, ?repair, "its cluster entry stayed out of date; repairing");
+            let t = match repair {
+                Repair::Paused => Transition::AutoPaused(e.sandbox_id),
+                Repair::Running => Transition::AutoResumed(e.sandbox_id),
+            };
+            if let Err(err) = self.apply(&t).await {
+                tracing::warn!(transition = ?t, error = %err, "repairing a cluster entry failed");
+            }
+        }
+        *seen = still;
+        Ok(())
     }
 
     async fn apply(&self, t: &Transition) -> Result<(), FollowError> {

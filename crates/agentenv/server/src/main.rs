@@ -564,6 +564,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 interval: ttl / 3,
                 max_running: args.max_running,
                 shared_store,
+                reconcile_every: agentenv_server::join::RECONCILE_EVERY,
             };
             Some(agentenv_server::join::join(&state_dir, state.sandboxes.clone(), join).await?)
         }

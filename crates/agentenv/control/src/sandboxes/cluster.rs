@@ -79,6 +79,11 @@ impl Sandboxes {
         }
     }
 
+    /// Whether an operation (pause, resume, snapshot, handoff, ...) on `id` is in flight now.
+    pub fn busy(&self, id: &str) -> bool {
+        self.op_lock(id).try_lock().is_err()
+    }
+
     /// Runs `step` with `id`'s record while its operation lock is held and it is in `state`, so no
     /// pause or resume comes between the check and what `step` does; `None` if it is not.
     pub async fn while_in<T>(

@@ -23,6 +23,11 @@ pub use agentenv_vm::{DEFAULT_TAG, normalize_name};
 
 pub(crate) use crate::sync::remote::CHUNKS_FILE;
 
+/// A snapshot's ingest is tried this often, `INGEST_RETRY` x attempt apart (a bucket that is briefly
+/// away or slow), before it is left unstored.
+const INGEST_TRIES: u32 = 3;
+const INGEST_RETRY: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The `chunks.json` of the snapshot folder `dir`, once its ingest finished.
 pub(crate) fn read_stored(dir: &Path) -> Option<StoredChunks> {
     let bytes = std::fs::read(dir.join(CHUNKS_FILE)).ok()?;
@@ -469,14 +474,25 @@ impl Runtime {
             let mut out = StoredChunks::default();
             let holder = format!("snapshot-{}", rec.id);
             for (name, path) in files {
-                // Page chunks only without a bucket: with one, each chunk is a request on a restore.
-                let ingested = match name {
-                    "ram.mem" if store.config().remote.is_none() => {
-                        store
-                            .ingest_chunked(&path, crate::config::RAM_CHUNK_BYTES)
-                            .await
+                let mut attempt = 1;
+                let ingested = loop {
+                    // Page chunks only without a bucket: with one, each chunk is a request on a restore.
+                    let r = match name {
+                        "ram.mem" if store.config().remote.is_none() => {
+                            store
+                                .ingest_chunked(&path, crate::config::RAM_CHUNK_BYTES)
+                                .await
+                        }
+                        _ => store.ingest(&path).await,
+                    };
+                    match r {
+                        Err(e) if attempt < INGEST_TRIES && dir.exists() => {
+                            tracing::warn!(snapshot = %rec.id, file = name, error = %e, attempt, "chunk store ingest failed; retrying");
+                            tokio::time::sleep(INGEST_RETRY * attempt).await;
+                            attempt += 1;
+                        }
+                        r => break r,
                     }
-                    _ => store.ingest(&path).await,
                 };
                 match ingested {
                     Ok((m, st)) => {

@@ -372,7 +372,7 @@ def cluster():
         yield c
     finally:
         c.stop()
-        for name in ["etcd.log", "gw0.log", "gw1.log"]:
+        for name in ["etcd.log", "gw0.log", "gw1.log", *(f"node{i}/server.log" for i in range(3))]:
             try:
                 with open(os.path.join(root, name), "rb") as f:
                     print(f"--- {name}\n" + b"\n".join(f.read().splitlines()[-40:]).decode(errors="replace"))

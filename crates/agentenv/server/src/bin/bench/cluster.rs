@@ -48,6 +48,7 @@ pub async fn run(
         interval: Duration::from_secs(2),
         max_running: None,
         shared_store: false,
+        reconcile_every: agentenv_server::join::RECONCILE_EVERY,
     };
     let reg = agentenv_server::join::join(state_dir, sandboxes, join).await?;
     let store = ClusterStore::connect(
