@@ -13,7 +13,8 @@ SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
 # their throwaway certificates).
 APT_PKGS=(build-essential pkg-config curl ca-certificates git python3 python3-venv python3-pip
   qemu-system-x86 qemu-utils busybox-static debootstrap e2fsprogs cpio xz-utils binutils
-  protobuf-compiler libprotobuf-dev linux-image-amd64 iproute2 nftables etcd-server openssl)
+  protobuf-compiler libprotobuf-dev linux-image-amd64 iproute2 nftables etcd-server openssl
+  bindfs)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

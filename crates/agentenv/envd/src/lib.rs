@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// envd protocol version the guest agent implements (E2B `envdVersion`).
-pub const ENVD_VERSION: &str = "0.6.2";
+pub const ENVD_VERSION: &str = "0.6.4";
 /// Port the SDK addresses envd on (`E2b-Sandbox-Port`, `49983-<id>.<domain>`).
 pub const ENVD_PORT: u16 = 49983;
 /// Name of the virtio-serial port that carries the agent channel (guest: `/dev/virtio-ports/<name>`).

@@ -474,7 +474,7 @@ pub struct WatchRequest {
     /// Attach an `entry` to each event.
     #[serde(rename = "includeEntry", alias = "include_entry")]
     pub include_entry: bool,
-    /// Accepted and ignored.
+    /// Allow a directory on a network filesystem (refused otherwise).
     #[serde(rename = "allowNetworkMounts", alias = "allow_network_mounts")]
     pub allow_network_mounts: bool,
 }

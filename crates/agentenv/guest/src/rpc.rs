@@ -267,7 +267,7 @@ async fn pump_process(
 fn watch_dir(user: &User, msg: &[u8], ka: Duration) -> Result<Response<Body>, RpcError> {
     let req: envd::WatchRequest = envd::parse(msg)?;
     let dir = fs::resolve(user, &req.path)?;
-    let w = watch::watch_dir(&dir, req.recursive, req.include_entry)?;
+    let w = watch::watch_dir(&dir, &req)?;
     let (tx, resp) = stream_response();
     tokio::spawn(async move {
         let mut w = w; // move the whole watch (not just `rx`) so inotify stays registered
@@ -418,11 +418,7 @@ fn unary_fs(agent: &Agent, user: &User, method: &str, body: &[u8]) -> Result<Val
         }
         "CreateWatcher" => {
             let r: envd::WatchRequest = envd::parse(body)?;
-            let id = agent.watchers.create(
-                &fs::resolve(user, &r.path)?,
-                r.recursive,
-                r.include_entry,
-            )?;
+            let id = agent.watchers.create(&fs::resolve(user, &r.path)?, &r)?;
             Ok(json!({"watcherId": id}))
         }
         "GetWatcherEvents" => {

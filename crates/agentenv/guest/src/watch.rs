@@ -23,8 +23,35 @@ pub struct DirWatch {
     pub rx: mpsc::UnboundedReceiver<Value>,
 }
 
-/// Starts watching `dir`.
-pub fn watch_dir(dir: &Path, recursive: bool, include_entry: bool) -> Result<DirWatch, RpcError> {
+/// Network filesystems by `statfs` magic (NFS, SMB, CIFS, SMB2, FUSE): inotify misses changes made
+/// elsewhere on them, so a watch there needs `allowNetworkMounts` (envd 0.6.4).
+const NETWORK_FS: [(i64, &str); 5] = [
+    (0x6969, "nfs"),
+    (0x517B, "smb"),
+    (0xFF53_4D42, "cifs"),
+    (0xFE53_4D42, "smb2"),
+    (0x6573_5546, "fuse"),
+];
+
+/// The network filesystem `dir` is on, if it is on one.
+fn network_fs(dir: &Path) -> Option<&'static str> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a zeroed statfs the call fills.
+    if unsafe { libc::statfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)]
+    let magic = st.f_type as i64;
+    NETWORK_FS
+        .iter()
+        .find(|(m, _)| *m == magic)
+        .map(|(_, n)| *n)
+}
+
+/// Starts watching `dir` as `req` asks (its `path` is already resolved to `dir`).
+pub fn watch_dir(dir: &Path, req: &envd::WatchRequest) -> Result<DirWatch, RpcError> {
     let meta = std::fs::metadata(dir)
         .map_err(|e| RpcError::from_io(&e, &format!("watch '{}'", dir.display())))?;
     if !meta.is_dir() {
@@ -33,6 +60,18 @@ pub fn watch_dir(dir: &Path, recursive: bool, include_entry: bool) -> Result<Dir
             format!("'{}' is not a directory", dir.display()),
         ));
     }
+    if !req.allow_network_mounts
+        && let Some(fs) = network_fs(dir)
+    {
+        return Err(RpcError::new(
+            Code::FailedPrecondition,
+            format!(
+                "'{}' is on a network filesystem ({fs}): watching it needs allowNetworkMounts",
+                dir.display()
+            ),
+        ));
+    }
+    let (recursive, include_entry) = (req.recursive, req.include_entry);
     let (tx, rx) = mpsc::unbounded_channel();
     let root: PathBuf = dir.to_path_buf();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
@@ -108,13 +147,8 @@ impl Watchers {
     }
 
     /// CreateWatcher: returns the new watcher id.
-    pub fn create(
-        &self,
-        dir: &Path,
-        recursive: bool,
-        include_entry: bool,
-    ) -> Result<String, RpcError> {
-        let w = watch_dir(dir, recursive, include_entry)?;
+    pub fn create(&self, dir: &Path, req: &envd::WatchRequest) -> Result<String, RpcError> {
+        let w = watch_dir(dir, req)?;
         let events = Arc::new(Mutex::new(Vec::new()));
         let sink = events.clone();
         let task = tokio::spawn(async move {

@@ -130,6 +130,98 @@ async fn relative_paths_resolve_to_home() {
     assert_eq!(v["entry"]["type"], "FILE_TYPE_DIRECTORY");
 }
 
+/// A FUSE mount (`bindfs`) of a temporary folder, unmounted on drop.
+struct FuseMount {
+    _src: tempfile::TempDir,
+    at: tempfile::TempDir,
+}
+
+impl FuseMount {
+    /// `None` (after the skip is recorded) where bindfs or root is missing.
+    fn new(test: &str) -> Option<FuseMount> {
+        use k3_common::require::{Part, skip_part};
+        let (src, at) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let out = std::process::Command::new("bindfs")
+            .arg(src.path())
+            .arg(at.path())
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(FuseMount { _src: src, at }),
+            Ok(o) => {
+                let why = String::from_utf8_lossy(&o.stderr).trim().to_string();
+                skip_part(Part::Root, test, format!("bindfs (FUSE) failed: {why}"));
+                None
+            }
+            Err(e) => {
+                skip_part(
+                    Part::Root,
+                    test,
+                    format!("no bindfs ({e}); ci/setup.sh installs it"),
+                );
+                None
+            }
+        }
+    }
+}
+
+impl Drop for FuseMount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("fusermount")
+            .arg("-u")
+            .arg(self.at.path())
+            .status();
+    }
+}
+
+#[tokio::test]
+async fn a_watch_on_a_network_mount_needs_allow_network_mounts() {
+    let Some(mount) = FuseMount::new("a_watch_on_a_network_mount_needs_allow_network_mounts")
+    else {
+        return;
+    };
+    let g = Guest::start(&[]).await;
+    let dir = mount.at.path().to_path_buf();
+    // Refused by default, streamed or polled, with a message that names the flag.
+    let resp = g
+        .stream_raw("/filesystem.Filesystem/WatchDir", json!({"path": dir}), &[])
+        .await;
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    let (st, v) = g
+        .unary(
+            "/filesystem.Filesystem/CreateWatcher",
+            json!({"path": dir, "recursive": true}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    assert_eq!(v["code"], "failed_precondition", "{v}");
+    let msg = v["message"].as_str().unwrap();
+    assert!(
+        msg.contains("fuse") && msg.contains("allowNetworkMounts"),
+        "{msg}"
+    );
+    // Allowed: events of changes made through the mount arrive.
+    let mut s = g
+        .stream(
+            "/filesystem.Filesystem/WatchDir",
+            json!({"path": dir, "allowNetworkMounts": true}),
+            &[],
+        )
+        .await;
+    assert_eq!(s.message().await, json!({"start": {}}));
+    let name = format!("{}.txt", token());
+    std::fs::write(dir.join(&name), b"x").unwrap();
+    let m = s.message().await;
+    assert_eq!(m["filesystem"]["name"], name.as_str(), "{m}");
+    // A local folder needs no flag.
+    let (st, v) = g
+        .unary(
+            "/filesystem.Filesystem/CreateWatcher",
+            json!({"path": g.dir.path()}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+}
+
 #[tokio::test]
 async fn watch_dir_streams_events() {
     let g = Guest::start(&[]).await;

@@ -143,6 +143,46 @@ def test_file_metadata_is_kept_listed_moved_and_replaced(sandbox):
         sandbox.files.write(f"{d}/c.txt", "z", metadata={"bad key": "v"})
 
 
+def _sdk_watch_takes(param):
+    import inspect
+
+    from e2b.sandbox_sync.filesystem.filesystem import Filesystem
+
+    return param in inspect.signature(Filesystem.watch_dir).parameters
+
+
+@pytest.mark.skipif(
+    not _sdk_watch_takes("include_entry"),
+    reason="this e2b SDK has no entry info in watch events (envd 0.6.3; the SDK floor 2.7 predates it)",
+)
+def test_watch_events_carry_their_entry_only_when_asked(sandbox):
+    from e2b import FileType, FilesystemEventType
+
+    d = f"/home/user/watch-{secrets.token_hex(4)}"
+    sandbox.files.make_dir(d)
+    handle = sandbox.files.watch_dir(d, include_entry=True)
+    sandbox.files.write(f"{d}/a.txt", "x" * 10)
+    deadline = time.monotonic() + 30
+    writes = []
+    while not writes and time.monotonic() < deadline:
+        writes = [e for e in handle.get_new_events() if e.type == FilesystemEventType.WRITE and e.name == "a.txt"]
+        time.sleep(0.2)
+    handle.stop()
+    assert writes, "no WRITE event for a.txt"
+    entry = writes[-1].entry
+    assert entry is not None and entry.path == f"{d}/a.txt" and entry.type == FileType.FILE, entry
+    # Without the flag, events carry no entry.
+    handle = sandbox.files.watch_dir(d)
+    sandbox.files.write(f"{d}/a.txt", "y")
+    deadline = time.monotonic() + 30
+    events = []
+    while not events and time.monotonic() < deadline:
+        events = handle.get_new_events()
+        time.sleep(0.2)
+    handle.stop()
+    assert events and all(e.entry is None for e in events), events
+
+
 def test_signed_file_urls_need_no_headers(sandbox):
     p = f"/home/user/signed-{secrets.token_hex(4)}.txt"
     text = secrets.token_hex(16)
