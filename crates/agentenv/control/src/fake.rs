@@ -30,6 +30,8 @@ pub struct FakeBackend {
     pub net_off: Mutex<Option<String>>,
     /// Snapshots report their chunks stored at once (a shared bucket that is never slow).
     pub store_snapshots: std::sync::atomic::AtomicBool,
+    /// Snapshots report that storing them failed, with this reason.
+    pub store_failure: Mutex<Option<String>>,
 }
 
 fn template() -> TemplateInfo {
@@ -226,6 +228,7 @@ impl VmBackend for FakeBackend {
                     .store_snapshots
                     .load(Ordering::Relaxed)
                     .then(Default::default),
+                store_failed: self.store_failure.lock().unwrap().clone(),
             };
             snaps.push(info.clone());
             Ok(info)

@@ -572,3 +572,20 @@ async fn tags_move_between_builds_of_a_name_and_stay_in_their_tenant() {
     assert!(matches!(e, LifecycleError::TemplateNotFound(_)), "{e:?}");
     assert_eq!(named("app:prod"), [v2.id]);
 }
+
+#[tokio::test]
+async fn a_handoff_whose_snapshot_cannot_be_stored_fails_at_once_and_leaves_no_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = Arc::new(FakeBackend::default());
+    *fake.store_failure.lock().unwrap() = Some("bucket: 500 Internal Server Error".into());
+    let s = open(dir.path(), fake.clone()).await;
+    let id = s.create(&me(), req("base"), None).await.unwrap().sandbox_id;
+    s.pause(&me(), &id).await.unwrap();
+    // Well inside the snapshot deadline (300 s): the failure ends the wait.
+    let wait = std::time::Duration::from_secs(30);
+    let r = tokio::time::timeout(wait, s.handoff(&Caller::Server, &id)).await;
+    assert!(matches!(r, Ok(Err(LifecycleError::Store(_)))), "{r:?}");
+    assert!(fake.snaps.lock().unwrap().is_empty(), "its snapshot stays");
+    // Still paused here, and it resumes.
+    assert!(s.connect(&me(), &id, None).await.unwrap().1);
+}

@@ -36,6 +36,8 @@ pub struct JoinConfig {
 /// How often a node checks its cluster entries against its sandboxes and repairs an entry a lost or
 /// failed transition left wrong.
 pub const RECONCILE_EVERY: Duration = Duration::from_secs(5);
+/// How long after a failed repair a sandbox's entry is left alone.
+const REPAIR_BACKOFF: Duration = Duration::from_secs(60);
 
 /// Registers this node; the registration refreshes itself until it is dropped or leaves.
 pub async fn join(
@@ -238,18 +240,24 @@ impl Follower {
     /// result within one check, so only a lost or failed transition is repaired.)
     async fn reconcile(self: Arc<Self>) {
         let mut seen = std::collections::HashMap::new();
+        let mut failed = std::collections::HashMap::new();
         loop {
             tokio::time::sleep(self.every).await;
-            if let Err(e) = self.reconcile_once(&mut seen).await {
+            if let Err(e) = self.reconcile_once(&mut seen, &mut failed).await {
                 tracing::debug!(error = %e, "checking this node's cluster entries failed");
             }
         }
     }
 
+    /// One check. `seen`: mismatches of the previous check; `failed`: when a repair last failed, so a
+    /// sandbox whose repair keeps failing (a bucket that refuses writes) is tried again only after
+    /// [`REPAIR_BACKOFF`].
     async fn reconcile_once(
         &self,
         seen: &mut std::collections::HashMap<String, (Repair, i64)>,
+        failed: &mut std::collections::HashMap<String, std::time::Instant>,
     ) -> Result<(), FollowError> {
+        failed.retain(|_, at| at.elapsed() < REPAIR_BACKOFF);
         let mut still = std::collections::HashMap::new();
         for e in self.store.sandboxes().await? {
             if e.node != self.me {
@@ -268,7 +276,7 @@ impl Follower {
                 (SandboxState::Running, EntryState::Paused) => Repair::Running,
                 _ => continue,
             };
-            if self.sandboxes.busy(&e.sandbox_id) {
+            if self.sandboxes.busy(&e.sandbox_id) || failed.contains_key(&e.sandbox_id) {
                 continue;
             }
             let mark = (repair, e.updated_at_ms);
@@ -283,6 +291,11 @@ impl Follower {
             };
             if let Err(err) = self.apply(&t).await {
                 tracing::warn!(transition = ?t, error = %err, "repairing a cluster entry failed");
+                let id = match t {
+                    Transition::AutoPaused(id) | Transition::AutoResumed(id) => id,
+                    Transition::Expired { id, .. } => id,
+                };
+                failed.insert(id, std::time::Instant::now());
             }
         }
         *seen = still;

@@ -36,6 +36,8 @@ pub struct SnapshotInfo {
     pub paused_ms: f64,
     /// What the chunk store holds of it, once its background ingest finished.
     pub stored: Option<StoredChunks>,
+    /// Why its ingest gave up (it will not be stored), if it did.
+    pub store_failed: Option<String>,
 }
 
 /// A snapshot's files in the chunk store (`snapshots/<id>/chunks.json`, written when the ingest is done).

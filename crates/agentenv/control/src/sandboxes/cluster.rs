@@ -133,26 +133,10 @@ impl Sandboxes {
         )
         .await?;
         let network = self.backend.network(id).await.map(|n| n.policy);
-        let deadline = std::time::Instant::now() + self.cfg.deadlines.snapshot;
-        loop {
-            let stored = self
-                .backend
-                .snapshots()
-                .into_iter()
-                .find(|s| s.id == sid)
-                .map(|s| s.stored.is_some());
-            match stored {
-                Some(true) => break,
-                None => return Err(LifecycleError::SnapshotNotFound(sid)),
-                Some(false) if std::time::Instant::now() > deadline => {
-                    return Err(LifecycleError::DeadlineExceeded {
-                        op: "snapshot store",
-                        id: id.into(),
-                        secs: self.cfg.deadlines.snapshot.as_secs_f64(),
-                    });
-                }
-                Some(false) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
-            }
+        if let Err(e) = self.wait_stored(id, &sid).await {
+            // Nothing refers to it: it goes.
+            let _ = self.drop_handoff(&sid);
+            return Err(e);
         }
         tracing::info!(sandbox = %id, snapshot = %sid, "paused sandbox handed off to the shared store");
         let handoff = HandoffRecord {
@@ -161,6 +145,35 @@ impl Sandboxes {
         };
         let done = then(&sid, &handoff).await;
         Ok((sid, handoff, done))
+    }
+
+    /// Waits until snapshot `sid` (of sandbox `id`) is in the chunk store: an error once its ingest gave
+    /// up, or past the snapshot deadline.
+    async fn wait_stored(&self, id: &str, sid: &str) -> Result<()> {
+        let deadline = std::time::Instant::now() + self.cfg.deadlines.snapshot;
+        loop {
+            let info = self.backend.snapshots().into_iter().find(|s| s.id == sid);
+            match info {
+                Some(s) if s.stored.is_some() => return Ok(()),
+                None => return Err(LifecycleError::SnapshotNotFound(sid.into())),
+                Some(crate::backend::SnapshotInfo {
+                    store_failed: Some(why),
+                    ..
+                }) => {
+                    return Err(internal(std::io::Error::other(format!(
+                        "storing snapshot {sid} failed: {why}"
+                    ))));
+                }
+                Some(_) if std::time::Instant::now() > deadline => {
+                    return Err(LifecycleError::DeadlineExceeded {
+                        op: "snapshot store",
+                        id: id.into(),
+                        secs: self.cfg.deadlines.snapshot.as_secs_f64(),
+                    });
+                }
+                Some(_) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+            }
+        }
     }
 
     /// Continues a sandbox another node handed off: the same id, owner, access token and metadata,

@@ -23,6 +23,9 @@ pub use agentenv_vm::{DEFAULT_TAG, normalize_name};
 
 pub(crate) use crate::sync::remote::CHUNKS_FILE;
 
+/// Written into a snapshot's folder (with the error) when its ingest gives up.
+const STORE_FAILED_FILE: &str = "chunks.failed";
+
 /// A snapshot's ingest is tried this often, `INGEST_RETRY` x attempt apart (a bucket that is briefly
 /// away or slow), before it is left unstored.
 const INGEST_TRIES: u32 = 3;
@@ -66,8 +69,13 @@ impl SnapshotRecord {
 
     pub(crate) fn info(&self, paused_ms: f64) -> SnapshotInfo {
         let stored = self.disk.parent().and_then(read_stored);
+        let store_failed = self
+            .disk
+            .parent()
+            .and_then(|d| std::fs::read_to_string(d.join(STORE_FAILED_FILE)).ok());
         SnapshotInfo {
             stored,
+            store_failed,
             id: self.id.clone(),
             names: self.names.clone(),
             source_sandbox: self.source_sandbox.clone(),
@@ -507,6 +515,11 @@ impl Runtime {
                     }
                     Err(e) => {
                         tracing::warn!(snapshot = %rec.id, file = name, error = %e, "chunk store ingest failed");
+                        let why = format!("{name}: {e}");
+                        let _ = k3_common::fsutil::write_atomic(
+                            &dir.join(STORE_FAILED_FILE),
+                            why.as_bytes(),
+                        );
                         return;
                     }
                 }
