@@ -15,8 +15,8 @@ pub enum ClusterError {
     /// etcd refused the call: this client's user (its certificate's CN) may not do it.
     #[error("etcd refused {what}: {why}")]
     Denied { what: &'static str, why: String },
-    /// A TLS file (`--etcd-ca`, `--etcd-cert`, `--etcd-key`) cannot be read.
-    #[error("etcd TLS file {path}: {source}")]
+    /// A TLS file (`--etcd-*`, `--tls-*`, `--node-ca`) cannot be read or used.
+    #[error("TLS file {path}: {source}")]
     Tls {
         path: std::path::PathBuf,
         #[source]

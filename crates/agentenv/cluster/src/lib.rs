@@ -8,6 +8,7 @@
 //! - [`watch`]: [`ViewCache`], the nodes and claims kept by a watch, for placements without reads.
 //! - [`tls`]: [`EtcdTls`], etcd over mutual TLS; [`auth`]: etcd users and roles, one per node and
 //!   one for the gateways, so a node writes only its own record and the sandbox map.
+//! - [`node_tls`]: gateway-to-node HTTPS, each node's certificate named by its node id.
 //!
 //! Boundary: this crate knows etcd and the cluster's records; it knows no HTTP, no E2B JSON and no
 //! VMs. The gateway (HTTP) and the node's side live in `agentenv-server`.
@@ -15,6 +16,7 @@
 pub mod auth;
 pub mod error;
 pub mod node;
+pub mod node_tls;
 pub mod placement;
 pub mod schema;
 pub mod store;

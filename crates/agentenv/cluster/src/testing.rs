@@ -74,12 +74,15 @@ impl Pki {
         Ok(())
     }
 
-    /// A certificate with common name `cn` for server and client use on 127.0.0.1, and the CA.
+    /// A certificate with common name `cn` for server and client use on 127.0.0.1 and as DNS name
+    /// `cn` (a node's id, see [`crate::node_tls`]), and the CA.
     pub fn issue(&self, cn: &str) -> Result<crate::EtcdTls, String> {
         let ext = self.dir.join(format!("{cn}.ext"));
         std::fs::write(
             &ext,
-            "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+            format!(
+                "subjectAltName=IP:127.0.0.1,DNS:{cn}\nextendedKeyUsage=serverAuth,clientAuth\n"
+            ),
         )
         .map_err(|e| e.to_string())?;
         let (key, csr, pem) = (

@@ -40,7 +40,7 @@ impl EtcdTls {
 }
 
 /// A PEM file, at most 1 MiB.
-fn read(path: &Path) -> Result<Vec<u8>, ClusterError> {
+pub(crate) fn read(path: &Path) -> Result<Vec<u8>, ClusterError> {
     use std::io::Read;
     let tls = |source| ClusterError::Tls {
         path: path.to_owned(),

@@ -90,14 +90,20 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    /// A gateway over `store`; starts its view watch, so it needs a Tokio runtime.
-    pub fn new(store: ClusterStore, keys: Arc<KeyRing>, server_key: String) -> Gateway {
+    /// A gateway over `store`; starts its view watch, so it needs a Tokio runtime. `node_tls`: reach
+    /// nodes over HTTPS only, checked against the cluster's CA (`agentenv_cluster::node_tls`).
+    pub fn new(
+        store: ClusterStore,
+        keys: Arc<KeyRing>,
+        server_key: String,
+        node_tls: Option<Arc<rustls::ClientConfig>>,
+    ) -> Gateway {
         Gateway {
             views: ViewCache::start(store.clone()),
             store,
             keys,
             server_key,
-            http: proxy::client(),
+            http: proxy::client(node_tls),
         }
     }
 }

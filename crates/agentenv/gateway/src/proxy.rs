@@ -1,34 +1,183 @@
 //! Forwarding one request to a node, streaming both bodies (Connect streams, file transfers) and
 //! upgraded connections (`agentenv_api::upgrade`), with a deadline on the connection and on the response head.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::{Uri, Version, header};
 use axum::response::Response;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::TokioExecutor;
 
 use super::GatewayError;
 
-/// The HTTP/1.1 client gateways reach nodes with (pooled keep-alive connections).
-pub type HttpClient = Client<HttpConnector, Body>;
-
 /// Longest wait for a TCP connection to a node.
 pub const CONNECT_DEADLINE: Duration = Duration::from_secs(3);
 
-pub fn client() -> HttpClient {
-    let mut c = HttpConnector::new();
-    c.set_connect_timeout(Some(CONNECT_DEADLINE));
-    c.set_nodelay(true);
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(90))
-        .build(c)
+type TlsClient = Client<HttpsConnector<HttpConnector<NodeHosts>>, Body>;
+
+/// How gateways reach nodes: pooled HTTP/1.1 keep-alive connections. With a node CA
+/// ([`agentenv_cluster::node_tls`]) only HTTPS, each node's certificate checked against its node id;
+/// without one only plain HTTP.
+#[derive(Clone)]
+pub struct HttpClient {
+    plain: Client<HttpConnector, Body>,
+    tls: Option<(TlsClient, NodeHosts)>,
 }
 
-/// Sends `req` to the node at `base` (e.g. `http://10.0.0.5:3000`) and streams its answer back;
+/// Node id -> the host its record names. A TLS request goes to `https://<node id>:<port>` (the name
+/// its certificate must carry); this resolves that name to the record's host.
+#[derive(Clone, Default)]
+pub struct NodeHosts(Arc<RwLock<HashMap<String, String>>>);
+
+impl tower_service::Service<Name> for NodeHosts {
+    type Response = std::vec::IntoIter<SocketAddr>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        let host = self
+            .0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name.as_str())
+            .cloned();
+        Box::pin(async move {
+            let host = host.ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("no node {:?} routed", name.as_str()),
+                )
+            })?;
+            let host = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string();
+            Ok(tokio::net::lookup_host((host.as_str(), 0))
+                .await?
+                .collect::<Vec<_>>()
+                .into_iter())
+        })
+    }
+}
+
+fn http_connector<R>(mut c: HttpConnector<R>) -> HttpConnector<R> {
+    c.set_connect_timeout(Some(CONNECT_DEADLINE));
+    c.set_nodelay(true);
+    c.enforce_http(false);
+    c
+}
+
+/// A client for nodes; `node_tls` is the client side of `agentenv_cluster::node_tls`.
+pub fn client(node_tls: Option<Arc<rustls::ClientConfig>>) -> HttpClient {
+    let builder = || {
+        let mut b = Client::builder(TokioExecutor::new());
+        b.pool_idle_timeout(Duration::from_secs(90));
+        b
+    };
+    let tls = node_tls.map(|cfg| {
+        let hosts = NodeHosts::default();
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config((*cfg).clone())
+            .https_only()
+            .enable_http1()
+            .wrap_connector(http_connector(HttpConnector::new_with_resolver(
+                hosts.clone(),
+            )));
+        (builder().build(https), hosts)
+    });
+    HttpClient {
+        plain: builder().build(http_connector(HttpConnector::new())),
+        tls,
+    }
+}
+
+impl HttpClient {
+    /// Sends `parts` (path and query already set) and `body` to node `node` at `base`.
+    async fn send(
+        &self,
+        node: &str,
+        base: &str,
+        mut parts: axum::http::request::Parts,
+        body: Body,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, GatewayError> {
+        let bad = |why: String| GatewayError::Node {
+            node: node.into(),
+            why,
+        };
+        let base_uri = base
+            .parse::<Uri>()
+            .map_err(|e| bad(format!("bad node URL {base:?}: {e}")))?;
+        let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let target = match (&self.tls, base_uri.scheme_str(), base_uri.host()) {
+            (None, Some("http"), Some(_)) => format!("{}{pq}", base.trim_end_matches('/')),
+            (Some((_, hosts)), Some("https"), Some(host)) => {
+                // The node id is the name its certificate must carry.
+                if node.is_empty()
+                    || node.len() > 63
+                    || !node
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                {
+                    return Err(bad(format!("node id {node:?} is no certificate name")));
+                }
+                hosts
+                    .0
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(node.to_string(), host.to_string());
+                let port = base_uri.port_u16().unwrap_or(443);
+                format!("https://{node}:{port}{pq}")
+            }
+            (Some(_), _, _) => {
+                return Err(bad(format!(
+                    "node URL {base:?} is not HTTPS; this gateway checks nodes against --node-ca"
+                )));
+            }
+            (None, _, _) => {
+                return Err(bad(format!(
+                    "node URL {base:?}: only http:// without --node-ca"
+                )));
+            }
+        };
+        parts.uri = target
+            .parse::<Uri>()
+            .map_err(|e| bad(format!("bad node URL {base:?}: {e}")))?;
+        let req = Request::from_parts(parts, body);
+        let call = match &self.tls {
+            Some((client, _)) => client.request(req).await,
+            None => self.plain.request(req).await,
+        };
+        call.map_err(|e| {
+            use std::error::Error;
+            let mut why = e.to_string();
+            let mut src = e.source();
+            while let Some(s) = src {
+                why = format!("{why}: {s}");
+                src = s.source();
+            }
+            bad(why)
+        })
+    }
+}
+
+/// Sends `req` to the node at `base` (e.g. `https://10.0.0.5:3000`) and streams its answer back;
 /// `deadline` bounds the wait for the answer's head.
 pub async fn forward(
     client: &HttpClient,
@@ -41,20 +190,13 @@ pub async fn forward(
     let upgrade = agentenv_api::upgrade::requested(req.headers());
     let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
-    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    parts.uri = format!("{}{pq}", base.trim_end_matches('/'))
-        .parse::<Uri>()
-        .map_err(|e| GatewayError::Node {
-            node: node.into(),
-            why: format!("bad node URL {base:?}: {e}"),
-        })?;
     parts.version = Version::HTTP_11;
     agentenv_api::dataplane::strip_hop(&mut parts.headers);
     if let Some(protocol) = upgrade {
         agentenv_api::upgrade::keep(&mut parts.headers, protocol);
     }
     parts.headers.remove(header::HOST);
-    let call = client.request(Request::from_parts(parts, body));
+    let call = client.send(node, base, parts, body);
     let resp = match tokio::time::timeout(deadline, call).await {
         Err(_) => {
             return Err(GatewayError::NodeTimeout {
@@ -62,13 +204,7 @@ pub async fn forward(
                 secs: deadline.as_secs(),
             });
         }
-        Ok(Err(e)) => {
-            return Err(GatewayError::Node {
-                node: node.into(),
-                why: e.to_string(),
-            });
-        }
-        Ok(Ok(r)) => r,
+        Ok(r) => r?,
     };
     let mut resp = resp;
     if let Some(client) = client_side

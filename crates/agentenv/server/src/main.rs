@@ -108,6 +108,10 @@ struct GatewayArgs {
     /// Control-plane requests per second of each key at this gateway (0: unlimited).
     #[arg(long, default_value_t = agentenv_server::ratelimit::DEFAULT_RATE_LIMIT.per_second)]
     rate_limit: f64,
+    /// CA (PEM) of the nodes' certificates: nodes are reached over HTTPS only, each certificate
+    /// checked against the node id of its record; plain-HTTP nodes are refused.
+    #[arg(long, env = "AGENTENV_NODE_CA")]
+    node_ca: Option<PathBuf>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -272,9 +276,16 @@ struct ServeArgs {
         requires = "advertise"
     )]
     join: Vec<String>,
-    /// URL gateways reach this server at (with `--join`).
+    /// URL gateways reach this server at (with `--join`): `https://` with `--tls-cert`.
     #[arg(long, env = "AGENTENV_ADVERTISE")]
     advertise: Option<String>,
+    /// Serve HTTPS with this certificate (PEM; for a cluster node, one of the cluster's CA naming the
+    /// node id as DNS name, checked by gateways with `--node-ca`).
+    #[arg(long, env = "AGENTENV_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The `--tls-cert` certificate's private key (PEM).
+    #[arg(long, env = "AGENTENV_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Key prefix of the cluster in etcd (with `--join`).
     #[arg(long, default_value = agentenv_cluster::schema::DEFAULT_PREFIX)]
     etcd_prefix: String,
@@ -544,12 +555,25 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(agentenv_cluster::node_tls::server_config(cert, key)?),
+        _ => None,
+    };
+    if let Some(adv) = &args.advertise {
+        let want = if tls.is_some() { "https://" } else { "http://" };
+        anyhow::ensure!(
+            adv.starts_with(want),
+            "--advertise {adv}: must start with {want} (TLS is {})",
+            if tls.is_some() { "on" } else { "off" }
+        );
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
     println!(
-        "agentenv listening on http://{addr}  (E2B_API_URL = E2B_SANDBOX_URL = http://{addr})"
+        "agentenv listening on {scheme}://{addr}  (E2B_API_URL = E2B_SANDBOX_URL = {scheme}://{addr})"
     );
     let registration = match (args.join.is_empty(), args.advertise) {
         (false, Some(advertise)) => {
@@ -575,10 +599,25 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // writes under them) finish. Open Connect streams would hold the drain forever, so it has a deadline.
     let signalled = Arc::new(tokio::sync::Notify::new());
     let on_signal = signalled.clone();
-    let serve = axum::serve(listener, app::app(state)).with_graceful_shutdown(async move {
+    let drained = async move {
         shutdown().await;
         on_signal.notify_one();
-    });
+    };
+    let serve = async move {
+        match tls {
+            Some(cfg) => {
+                let listener = agentenv_server::tls_listener::TlsListener::new(listener, cfg)?;
+                axum::serve(listener, app::app(state))
+                    .with_graceful_shutdown(drained)
+                    .await
+            }
+            None => {
+                axum::serve(listener, app::app(state))
+                    .with_graceful_shutdown(drained)
+                    .await
+            }
+        }
+    };
     tokio::select! {
         res = serve => res?,
         () = async {
@@ -629,7 +668,12 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     )
     .await
     .context("connecting to etcd")?;
-    let gw = agentenv_server::gateway::Gateway::new(store, ring, api_key);
+    let node_tls = args
+        .node_ca
+        .as_deref()
+        .map(agentenv_cluster::node_tls::client_config)
+        .transpose()?;
+    let gw = agentenv_server::gateway::Gateway::new(store, ring, api_key, node_tls);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;

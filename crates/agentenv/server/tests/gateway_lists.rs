@@ -152,7 +152,7 @@ async fn paging_through_the_gateway_merges_both_nodes_in_order() {
         Default::default(),
         None,
     ));
-    let gw = agentenv_server::gateway::Gateway::new(store, ring, key.clone());
+    let gw = agentenv_server::gateway::Gateway::new(store, ring, key.clone(), None);
     let base = serve(agentenv_server::gateway::app(gw)).await;
 
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())

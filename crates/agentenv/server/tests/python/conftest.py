@@ -8,6 +8,7 @@ Environment:
 
 import os
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -28,13 +29,17 @@ def _free_port() -> int:
 class Server:
     """One agentenv process on a fixed port and state folder; restartable."""
 
-    def __init__(self, binary: str, state_dir: str, extra_args=(), listen_host: str = "127.0.0.1"):
+    def __init__(self, binary: str, state_dir: str, extra_args=(), listen_host: str = "127.0.0.1",
+                 tls_ca=None):
+        """`tls_ca`: the server is started with `--tls-cert`/`--tls-key` (in `extra_args`) and its
+        certificate is checked against this CA."""
         self.binary = binary
         self.extra_args = list(extra_args)
         self.listen_host = listen_host
         self.state_dir = state_dir
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ssl = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
+        self.url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
         self.proc = None
         self.log_path = os.path.join(state_dir, "server.log")
 
@@ -54,7 +59,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"agentenv exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2, context=self.ssl) as r:
                     if r.status == 204:
                         break
             except OSError:

@@ -124,8 +124,12 @@ class Proc:
                 self.proc.wait()
 
 
+# The cluster's CA while one runs: nodes serve HTTPS with certificates it signed.
+_TRUST = {"ctx": None}
+
+
 def _http(method, url, key=None, body=None, headers=None, timeout=60):
-    """(status, parsed JSON or None) of one request."""
+    """(status, parsed JSON or None) of one request (an https:// one checked against the cluster's CA)."""
     h = dict(headers or {})
     if key:
         h["X-API-Key"] = key
@@ -135,7 +139,8 @@ def _http(method, url, key=None, body=None, headers=None, timeout=60):
         h["Content-Type"] = "application/json"
     req = urllib.request.Request(url, data=data, method=method, headers=h)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        ctx = _TRUST["ctx"] if url.startswith("https://") else None
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
             raw = r.read()
             return r.status, (json.loads(raw) if raw else None)
     except urllib.error.HTTPError as e:
@@ -152,8 +157,6 @@ class Pki:
     def __init__(self, d):
         self.d = d
         os.makedirs(d)
-        with open(f"{d}/ext", "w") as f:
-            f.write("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
         self._openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
                       "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=k3-test-ca")
         self.ca = f"{d}/ca.pem"
@@ -162,11 +165,14 @@ class Pki:
         subprocess.run(["openssl", *args], cwd=self.d, check=True, capture_output=True)
 
     def issue(self, cn, subject=None):
-        """(cert, key) paths of a certificate with common name `cn` (or, named `cn`, of `subject`)."""
+        """(cert, key) paths of a certificate with common name `cn` (or, named `cn`, of `subject`), also
+        valid for 127.0.0.1 and DNS name `cn` (a node's id: gateways check it)."""
+        with open(f"{self.d}/{cn}.ext", "w") as f:
+            f.write(f"subjectAltName=IP:127.0.0.1,DNS:{cn}\nextendedKeyUsage=serverAuth,clientAuth\n")
         self._openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
                       "-keyout", f"{cn}.key", "-out", f"{cn}.csr", "-subj", subject or f"/CN={cn}")
         self._openssl("x509", "-req", "-in", f"{cn}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                      "-CAcreateserial", "-out", f"{cn}.pem", "-days", "1", "-extfile", "ext")
+                      "-CAcreateserial", "-out", f"{cn}.pem", "-days", "1", "-extfile", f"{cn}.ext")
         return f"{self.d}/{cn}.pem", f"{self.d}/{cn}.key"
 
     def flags(self, cn):
@@ -208,25 +214,32 @@ class Cluster:
             weed_bin, "-logtostderr", "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={weed_dir}",
             f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}",
             "-s3", f"-s3.port={ports[3]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.volumeSizeLimitMB=256", f"-s3.config={weed_dir}/s3.json",
+            # Volume slots from the free disk space: the default 8 run out (each growth takes 7) once the
+            # nodes publish templates and hand sandboxes off, and every PUT then answers 500.
+            "-master.volumeSizeLimitMB=256", "-volume.max=0", f"-s3.config={weed_dir}/s3.json",
             f"-filer.localSocket={weed_dir}/filer.sock", f"-s3.localSocket={weed_dir}/s3.sock",
         ], f"{weed_dir}/weed.log")
         os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = "k3access", "k3secret"
         self.nodes = []
+        # Nodes serve HTTPS with their etcd certificate (named by their id); gateways check it.
+        _TRUST["ctx"] = ssl.create_default_context(cafile=self.pki.ca)
         for i in range(3):
             state = self._state_dir(f"node{i}")
-            n = Server(binary, state)
+            n = Server(binary, state, tls_ca=self.pki.ca)
+            etcd_flags = self.pki.flags(f"node{i}")
             n.extra_args = [
                 "--join", self.etcd_url, "--advertise", n.url, "--join-ttl-s", str(TTL_S),
                 "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--network", "off",
-                "--node-id", f"node{i}", *self.pki.flags(f"node{i}"),
+                "--node-id", f"node{i}", *etcd_flags,
+                "--tls-cert", etcd_flags[3], "--tls-key", etcd_flags[5],
             ]
             self.nodes.append(n)
         self.gateways = []
         for i in range(2):
             port = _free_port()
             g = Proc([binary, "gateway", "--etcd", self.etcd_url, "--listen", f"127.0.0.1:{port}",
-                      "--state-dir", self._state_dir(f"gw{i}"), *self.pki.flags(f"gw{i}")],
+                      "--state-dir", self._state_dir(f"gw{i}"), *self.pki.flags(f"gw{i}"),
+                      "--node-ca", self.pki.ca],
                      f"{root}/gw{i}.log")
             g.url = f"http://127.0.0.1:{port}"
             g.state = os.path.join(root, f"gw{i}")
@@ -372,7 +385,8 @@ def cluster():
         yield c
     finally:
         c.stop()
-        for name in ["etcd.log", "gw0.log", "gw1.log", *(f"node{i}/server.log" for i in range(3))]:
+        for name in ["etcd.log", "gw0.log", "gw1.log", "weed/weed.log",
+                     *(f"node{i}/server.log" for i in range(3))]:
             try:
                 with open(os.path.join(root, name), "rb") as f:
                     print(f"--- {name}\n" + b"\n".join(f.read().splitlines()[-40:]).decode(errors="replace"))

@@ -63,7 +63,7 @@ pub async fn run(
         Default::default(),
         None,
     ));
-    let gw = agentenv_server::gateway::Gateway::new(store, ring, node.key.clone());
+    let gw = agentenv_server::gateway::Gateway::new(store, ring, node.key.clone(), None);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server =
