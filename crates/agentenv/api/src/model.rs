@@ -30,6 +30,9 @@ pub struct NewSandbox {
     /// On timeout pause instead of kill.
     #[serde(default)]
     pub auto_pause: Option<bool>,
+    /// `false`: that pause keeps only the filesystem (a resume cold-boots; not with `autoResume`).
+    #[serde(default)]
+    pub auto_pause_memory: Option<bool>,
     /// `{"enabled": true}`: data-plane traffic to a paused sandbox resumes it.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
@@ -231,7 +234,7 @@ pub struct ConnectRequest {
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PauseRequest {
-    /// `false` asks for a filesystem-only snapshot; memory is always kept here.
+    /// `false`: keep only the filesystem (processes end; a resume cold-boots). Default `true`.
     #[serde(default)]
     pub memory: Option<bool>,
 }

@@ -63,6 +63,7 @@ pub fn create_request(req: NewSandbox) -> Result<CreateRequest, ApiError> {
         metadata: req.metadata.unwrap_or_default(),
         env_vars: req.env_vars.unwrap_or_default(),
         auto_pause: req.auto_pause.unwrap_or(false),
+        auto_pause_filesystem: req.auto_pause_memory == Some(false),
         auto_resume,
         network,
         network_asked,
@@ -281,6 +282,8 @@ mod tests {
             envd_version: "0.5.7".into(),
             paused_at_ms: None,
             owner: crate::tenants::DEFAULT_TENANT.into(),
+            auto_pause_memory: true,
+            paused_filesystem: false,
         }
     }
 

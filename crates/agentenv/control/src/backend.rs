@@ -86,8 +86,15 @@ pub trait VmBackend: Send + Sync + 'static {
     ) -> BoxFuture<'_, VmResult<TemplateInfo>>;
     /// Returns once envd in the guest answers. `spec.template_id` names a template or a snapshot.
     fn create(&self, spec: CreateSpec) -> BoxFuture<'_, VmResult<SandboxVm>>;
-    fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>>;
-    fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>>;
+    /// Pauses a running VM: with `memory`, its memory and processes are kept (a resume continues
+    /// them); without, only its disk (a resume cold-boots it).
+    fn pause<'a>(&'a self, id: &'a str, memory: bool) -> BoxFuture<'a, VmResult<()>>;
+    /// Resumes a paused VM; one paused without memory cold-boots and then takes `env_vars`.
+    fn resume<'a>(
+        &'a self,
+        id: &'a str,
+        env_vars: &'a std::collections::BTreeMap<String, String>,
+    ) -> BoxFuture<'a, VmResult<()>>;
     fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>>;
     fn open_agent_stream<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<AgentStream>>;
     /// After a restart: every VM record of the previous process, kept (with its state) or removed.

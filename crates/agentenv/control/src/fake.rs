@@ -32,6 +32,8 @@ pub struct FakeBackend {
     pub store_snapshots: std::sync::atomic::AtomicBool,
     /// Snapshots report that storing them failed, with this reason.
     pub store_failure: Mutex<Option<String>>,
+    /// Sandboxes paused without memory, with the environment their last cold boot got.
+    pub boots: Mutex<BTreeMap<String, BTreeMap<String, String>>>,
 }
 
 fn template() -> TemplateInfo {
@@ -134,7 +136,7 @@ impl VmBackend for FakeBackend {
             Ok(vm(&spec.sandbox_id))
         })
     }
-    fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>> {
+    fn pause<'a>(&'a self, id: &'a str, memory: bool) -> BoxFuture<'a, VmResult<()>> {
         Box::pin(async move {
             self.hang_if_wedged(id).await;
             match self.state(id) {
@@ -142,18 +144,31 @@ impl VmBackend for FakeBackend {
                 Some(VmState::Paused) => Err(VmError::AlreadyPaused(id.into())),
                 Some(VmState::Running) => {
                     self.vms.lock().unwrap().insert(id.into(), VmState::Paused);
+                    if !memory {
+                        self.boots
+                            .lock()
+                            .unwrap()
+                            .insert(id.into(), BTreeMap::new());
+                    }
                     Ok(())
                 }
             }
         })
     }
-    fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>> {
+    fn resume<'a>(
+        &'a self,
+        id: &'a str,
+        env_vars: &'a BTreeMap<String, String>,
+    ) -> BoxFuture<'a, VmResult<()>> {
         Box::pin(async move {
             self.hang_if_wedged(id).await;
             match self.state(id) {
                 None => Err(VmError::SandboxNotFound(id.into())),
                 Some(VmState::Running) => Err(VmError::NotPaused(id.into())),
                 Some(VmState::Paused) => {
+                    if let Some(e) = self.boots.lock().unwrap().get_mut(id) {
+                        *e = env_vars.clone();
+                    }
                     self.vms.lock().unwrap().insert(id.into(), VmState::Running);
                     Ok(())
                 }

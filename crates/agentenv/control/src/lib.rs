@@ -16,6 +16,8 @@ mod build_tests;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
 pub mod keys;
+#[cfg(test)]
+mod pause_tests;
 pub mod ratelimit;
 pub mod sandboxes;
 pub mod store;

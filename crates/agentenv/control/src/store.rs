@@ -58,6 +58,16 @@ pub struct SandboxRecord {
     /// The tenant (API key name) whose sandbox this is.
     #[serde(default = "default_owner")]
     pub owner: String,
+    /// An auto-pause keeps memory (`autoPauseMemory`); false: only the filesystem.
+    #[serde(default = "yes")]
+    pub auto_pause_memory: bool,
+    /// Paused without memory: a resume cold-boots it from its disk.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused_filesystem: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_owner() -> String {
@@ -283,6 +293,8 @@ mod tests {
             envd_version: "0.5.7".into(),
             paused_at_ms: None,
             owner: format!("t{}", rng.random_range(0..9)),
+            auto_pause_memory: rng.random(),
+            paused_filesystem: rng.random(),
         }
     }
 

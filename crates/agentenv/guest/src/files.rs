@@ -94,12 +94,16 @@ pub async fn download(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
             format!("path '{}' is a directory", path.display()),
         );
     }
-    let mut file = match tokio::fs::File::open(&path).await {
+    let file = match tokio::fs::File::open(&path).await {
         Ok(f) => f,
         Err(e) => {
             return http_error(io_status(&e), format!("open '{}': {e}", path.display()));
         }
     };
+    // Files that report no size (`/proc`, `/sys`) are read to their end and sent chunked; others
+    // send exactly the size they had when opened.
+    let size = (meta.len() > 0).then_some(meta.len());
+    let mut file = file.take(size.unwrap_or(u64::MAX));
     let (tx, body) = channel_body();
     tokio::spawn(async move {
         let mut buf = vec![0u8; CHUNK];
@@ -113,16 +117,18 @@ pub async fn download(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         .file_name()
         .map(|n| n.to_string_lossy().replace('"', ""))
         .unwrap_or_default();
-    Response::builder()
+    let mut resp = Response::builder()
         .status(StatusCode::OK)
-        .header(http::header::CONTENT_TYPE, "application/octet-stream")
-        .header(http::header::CONTENT_LENGTH, meta.len())
-        .header(
-            http::header::CONTENT_DISPOSITION,
-            format!("attachment; filename=\"{name}\""),
-        )
-        .body(body)
-        .unwrap_or_else(|_| http_error(StatusCode::INTERNAL_SERVER_ERROR, "building response"))
+        .header(http::header::CONTENT_TYPE, "application/octet-stream");
+    if let Some(n) = size {
+        resp = resp.header(http::header::CONTENT_LENGTH, n);
+    }
+    resp.header(
+        http::header::CONTENT_DISPOSITION,
+        format!("attachment; filename=\"{name}\""),
+    )
+    .body(body)
+    .unwrap_or_else(|_| http_error(StatusCode::INTERNAL_SERVER_ERROR, "building response"))
 }
 
 /// POST /files: returns `[{"name","type","path"}]` for every written file.

@@ -129,6 +129,19 @@ async fn octet_stream_and_gzip_uploads() {
 }
 
 #[tokio::test]
+async fn files_that_report_no_size_download_whole() {
+    let g = Guest::start(&[]).await;
+    // `/proc` files stat as 0 bytes; their content is read to its end.
+    let (st, body) = get(&g, "/files?path=/proc/sys/kernel/random/boot_id", &[]).await;
+    assert_eq!(st, StatusCode::OK);
+    let want = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    assert_eq!(String::from_utf8(body.to_vec()).unwrap(), want);
+    let (st, body) = get(&g, "/files?path=/proc/self/status", &[]).await;
+    assert_eq!(st, StatusCode::OK);
+    assert!(String::from_utf8(body.to_vec()).unwrap().contains("\nPid:"));
+}
+
+#[tokio::test]
 async fn download_errors_and_upload_limit() {
     let g = Guest::start(&["--max-upload-bytes", "1000"]).await;
     let (st, body) = get(

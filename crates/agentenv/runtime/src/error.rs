@@ -154,6 +154,9 @@ pub enum PauseError {
     /// Stopping or saving the VM failed.
     #[error(transparent)]
     Vmm(#[from] VmmError),
+    /// The guest agent did not flush the guest's writes (a filesystem-only pause).
+    #[error("flushing the guest's disk: {0}")]
+    Agent(#[from] AgentError),
     /// Committing the snapshot failed.
     #[error(transparent)]
     Record(#[from] PersistError),
@@ -251,6 +254,9 @@ pub enum SnapshotError {
     /// A snapshot id or name that is not allowed.
     #[error("invalid snapshot name {0:?}: use [A-Za-z0-9_.-] (at most 64), optionally :tag")]
     InvalidName(String),
+    /// A memory snapshot of a sandbox paused without memory.
+    #[error("sandbox {0} is paused without memory: only a filesystem snapshot of it can be taken")]
+    NoMemory(String),
     /// The VMM failed while capturing.
     #[error("snapshot capture: {0}")]
     Vmm(#[from] VmmError),

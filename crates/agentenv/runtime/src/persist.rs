@@ -145,6 +145,10 @@ pub struct VmRecord {
     /// warm VM the sandbox took ([`crate::lifecycle::warm`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm_dir: Option<PathBuf>,
+    /// Paused without memory (filesystem only): no device state or RAM is kept, and a resume
+    /// cold-boots from the disk.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub boot_on_resume: bool,
 }
 
 fn yes() -> bool {
@@ -277,6 +281,7 @@ mod tests {
             created_at: "2026-11-29T00:00:00Z".into(),
             phase: SandboxPhase::Running { pid },
             vm_dir: Some(format!("/state/vms/w{}", rand::random::<u16>()).into()),
+            boot_on_resume: rand::random(),
         };
         write(&path, &rec).unwrap();
         assert_eq!(read::<VmRecord>(&path).unwrap(), rec);

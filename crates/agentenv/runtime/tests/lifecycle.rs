@@ -239,6 +239,78 @@ async fn pause_and_resume_keep_files_and_processes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_without_memory_keeps_the_disk_and_cold_boots_on_resume_also_after_a_restart() {
+    let state = StateDir::new();
+    let id = format!("fs-{}", &token()[..8]);
+    let (disk_tok, env_tok) = (token(), token());
+    let boot_before = {
+        let rt = runtime(state.path()).await;
+        rt.create(spec(&id)).await.expect("create");
+        // No `sync`: the pause flushes the guest's writes itself.
+        let (out, code) = run(
+            &rt,
+            &id,
+            &format!("echo {disk_tok} > /home/user/d; sleep 100000 >/dev/null 2>&1 & cat /proc/sys/kernel/random/boot_id"),
+        )
+        .await;
+        assert_eq!(code, 0);
+        let rec = state
+            .path()
+            .join("sandboxes")
+            .join(&id)
+            .join("sandbox.json");
+        let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(rec).unwrap()).unwrap();
+        let pid = rec["phase"]["pid"].as_u64().expect("running pid") as u32;
+        let ram = std::path::PathBuf::from(rec["ram_file"].as_str().unwrap());
+        // A RAM file of its own goes; a snapshot's it mapped copy-on-write stays.
+        let own_ram = rec["ram_shared"].as_bool().unwrap_or(true);
+        rt.pause_filesystem(&id)
+            .await
+            .expect("pause without memory");
+        assert_eq!(rt.vm_state(&id), Some(VmState::Paused));
+        assert!(matches!(
+            rt.pause_filesystem(&id).await,
+            Err(PauseError::AlreadyPaused(_))
+        ));
+        // Its QEMU is gone and its RAM with it.
+        assert!(!common::qemu_pids_under(state.path()).contains(&pid));
+        assert_eq!(ram.exists(), !own_ram, "{}", ram.display());
+        out
+        // The server goes away here; the next one finds it paused.
+    };
+    let rt = runtime(state.path()).await;
+    let recovered = rt.recover().await.expect("recover");
+    assert!(
+        recovered
+            .iter()
+            .any(|r| r.id == id && r.state == Some(VmState::Paused)),
+        "{recovered:?}"
+    );
+    let env = std::collections::BTreeMap::from([("AENV_TEST".to_string(), env_tok.clone())]);
+    rt.resume_with(&id, &env).await.expect("cold boot");
+    assert_eq!(rt.vm_state(&id), Some(VmState::Running));
+    let (out, _) = run(
+        &rt,
+        &id,
+        "cat /home/user/d; echo $AENV_TEST; pgrep -x sleep || echo none; cat /proc/sys/kernel/random/boot_id",
+    )
+    .await;
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        &lines[..3],
+        [disk_tok.as_str(), env_tok.as_str(), "none"],
+        "{out}"
+    );
+    assert_ne!(lines[3], boot_before.trim(), "a new boot");
+    // Paused with memory after that, it continues as usual.
+    rt.pause(&id).await.expect("pause");
+    rt.resume(&id).await.expect("resume");
+    let (out, _) = run(&rt, &id, "cat /home/user/d").await;
+    assert_eq!(out, format!("{disk_tok}\n"));
+    rt.kill(&id).await.expect("kill");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_keeps_running_and_paused_and_cleans_dead() {
     let state = StateDir::new();
     let (run_id, pause_id, dead_id, half_id) = ("keep-run", "keep-paused", "dies", "half");

@@ -101,7 +101,7 @@ fn snapshot_err(e: SnapshotError) -> VmError {
     match e {
         SnapshotError::SandboxNotFound(i) => VmError::SandboxNotFound(i),
         SnapshotError::NotFound(i) => VmError::SnapshotNotFound(i),
-        SnapshotError::InvalidName(_) => VmError::Invalid(Box::new(e)),
+        SnapshotError::InvalidName(_) | SnapshotError::NoMemory(_) => VmError::Invalid(Box::new(e)),
         e => failed(e),
     }
 }
@@ -147,12 +147,22 @@ impl VmBackend for RuntimeBackend {
         Box::pin(async move { self.0.create(spec).await.map_err(create_err) })
     }
 
-    fn pause<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>> {
-        Box::pin(async move { self.0.pause(id).await.map_err(pause_err) })
+    fn pause<'a>(&'a self, id: &'a str, memory: bool) -> BoxFuture<'a, VmResult<()>> {
+        Box::pin(async move {
+            match memory {
+                true => self.0.pause(id).await,
+                false => self.0.pause_filesystem(id).await,
+            }
+            .map_err(pause_err)
+        })
     }
 
-    fn resume<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>> {
-        Box::pin(async move { self.0.resume(id).await.map_err(resume_err) })
+    fn resume<'a>(
+        &'a self,
+        id: &'a str,
+        env_vars: &'a std::collections::BTreeMap<String, String>,
+    ) -> BoxFuture<'a, VmResult<()>> {
+        Box::pin(async move { self.0.resume_with(id, env_vars).await.map_err(resume_err) })
     }
 
     fn kill<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<()>> {

@@ -241,9 +241,10 @@ pub async fn pause(
     State(s): State<AppState>,
     Who(who): Who,
     Path(id): Path<String>,
-    E2bJson(_req): E2bJson<PauseRequest>,
+    E2bJson(req): E2bJson<PauseRequest>,
 ) -> ApiResult<StatusCode> {
-    s.sandboxes.pause(&who, &id).await?;
+    let memory = req.memory.unwrap_or(true);
+    s.sandboxes.pause_keeping(&who, &id, memory).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

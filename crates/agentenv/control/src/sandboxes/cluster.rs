@@ -125,11 +125,16 @@ impl Sandboxes {
         self.owners
             .set_snapshot(&sid, HANDOFF_TENANT)
             .map_err(internal)?;
+        // One paused without memory has only its disk to hand off.
+        let mode = match rec.paused_filesystem {
+            true => SnapshotMode::Filesystem,
+            false => SnapshotMode::Full,
+        };
         self.within(
             "snapshot",
             id,
             self.cfg.deadlines.snapshot,
-            self.backend.snapshot(id, &sid, &[], SnapshotMode::Full),
+            self.backend.snapshot(id, &sid, &[], mode),
         )
         .await?;
         let network = self.backend.network(id).await.map(|n| n.policy);

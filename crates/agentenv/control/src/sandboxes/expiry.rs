@@ -40,9 +40,10 @@ impl Sandboxes {
                     .get(&id)
                     .is_some_and(|r| this.due(&r, now_ms()).is_some());
                 let token = this.get(&id).map(|r| r.access_token);
+                let memory = this.get(&id).is_none_or(|r| r.auto_pause_memory);
                 let res = match what {
                     _ if !still_due => Ok(()),
-                    Expiry::Pause => match this.pause(&Caller::Server, &id).await {
+                    Expiry::Pause => match this.pause_keeping(&Caller::Server, &id, memory).await {
                         Err(LifecycleError::QuotaExceeded(why)) => {
                             tracing::warn!(sandbox = %id, %why, "auto-pause over the paused quota: killing instead");
                             this.kill(&Caller::Server, &id).await

@@ -63,6 +63,7 @@ impl Sandboxes {
                         state: SandboxState::Running,
                         access_token: keys::generate_access_token(),
                         paused_at_ms: None,
+                        paused_filesystem: false,
                         ..src.clone()
                     };
                     match self.put(rec.clone()) {

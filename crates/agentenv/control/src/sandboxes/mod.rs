@@ -295,6 +295,12 @@ impl Sandboxes {
             }
         }
         let timeout = checked_timeout(req.timeout_s)?;
+        if req.auto_pause_filesystem && req.auto_resume {
+            // Traffic cannot wake a sandbox that has to boot: it is resumed by connect.
+            return Err(LifecycleError::Invalid(
+                "autoResume needs autoPauseMemory: a sandbox paused without memory cold-boots, so only connect resumes it".into(),
+            ));
+        }
         // Without networking here, only an explicit ask for the internet is refused (400).
         let network =
             (req.network_asked || self.backend.networking_off().is_none()).then_some(req.network);
@@ -344,6 +350,8 @@ impl Sandboxes {
             envd_version: ENVD_VERSION.to_string(),
             paused_at_ms: None,
             owner,
+            auto_pause_memory: !req.auto_pause_filesystem,
+            paused_filesystem: false,
         };
         if let Err(e) = self.put(rec.clone()) {
             let _ = self.backend.kill(&id).await;

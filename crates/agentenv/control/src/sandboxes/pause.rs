@@ -5,6 +5,12 @@ use super::*;
 impl Sandboxes {
     /// Pauses a running sandbox (memory and processes kept). 409 when already paused.
     pub async fn pause(&self, caller: &Caller, id: &str) -> Result<()> {
+        self.pause_keeping(caller, id, true).await
+    }
+
+    /// Pauses a running sandbox: with `memory` its memory and processes are kept; without, only its
+    /// filesystem (its processes end; a resume cold-boots it). 409 when already paused.
+    pub async fn pause_keeping(&self, caller: &Caller, id: &str, memory: bool) -> Result<()> {
         self.get_as(caller, id)?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
@@ -24,10 +30,11 @@ impl Sandboxes {
             "pause",
             id,
             self.cfg.deadlines.pause,
-            self.backend.pause(id),
+            self.backend.pause(id, memory),
         )
         .await?;
         rec.state = SandboxState::Paused;
+        rec.paused_filesystem = !memory;
         rec.paused_at_ms = Some(now_ms());
         self.put(rec)?;
         tracing::info!(sandbox = %id, "paused sandbox");
@@ -63,10 +70,11 @@ impl Sandboxes {
                 "resume",
                 id,
                 self.cfg.deadlines.resume,
-                self.backend.resume(id),
+                self.backend.resume(id, &rec.env_vars),
             )
             .await?;
             rec.state = SandboxState::Running;
+            rec.paused_filesystem = false;
             rec.paused_at_ms = None;
             rec.end_at_ms = until;
             tracing::info!(sandbox = %id, "resumed sandbox");
@@ -96,8 +104,12 @@ impl Sandboxes {
         Ok(rec)
     }
 
-    /// Resumes a paused sandbox on data-plane traffic when it asked for `autoResume`.
+    /// Resumes a paused sandbox on data-plane traffic when it asked for `autoResume` (one paused
+    /// without memory stays paused: it needs a connect).
     pub async fn auto_resume(&self, id: &str) -> Result<()> {
+        if self.get(id).is_some_and(|r| r.paused_filesystem) {
+            return Err(LifecycleError::Paused(id.into()));
+        }
         let (_, resumed) = self.connect(&Caller::Server, id, None).await?;
         if resumed {
             self.report(Transition::AutoResumed(id.into()));

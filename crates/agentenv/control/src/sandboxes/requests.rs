@@ -29,6 +29,8 @@ pub struct CreateRequest {
     pub env_vars: BTreeMap<String, String>,
     /// On timeout pause instead of kill.
     pub auto_pause: bool,
+    /// That pause keeps only the filesystem (`autoPauseMemory: false`; a resume cold-boots).
+    pub auto_pause_filesystem: bool,
     /// Data-plane traffic to it while paused resumes it.
     pub auto_resume: bool,
     /// Its egress policy.

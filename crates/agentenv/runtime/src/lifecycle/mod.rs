@@ -2,6 +2,7 @@
 //! recovery after a restart.
 
 pub mod network;
+pub(crate) mod pause_fs;
 pub(crate) mod prepared;
 pub(crate) mod recover;
 pub(crate) mod sandbox;

@@ -84,8 +84,10 @@ impl Runtime {
                 None,
             ),
             SandboxPhase::Paused => {
-                if !self.inner.device_state_path(id).exists()
-                    || (rec.ram_shared && !rec.ram_file.exists())
+                // Paused without memory, only the disk matters.
+                if !rec.boot_on_resume
+                    && (!self.inner.device_state_path(id).exists()
+                        || (rec.ram_shared && !rec.ram_file.exists()))
                 {
                     return (
                         None,

@@ -1,5 +1,6 @@
 //! Sandbox lifecycle: create (restore from the template's base snapshot), pause, resume, kill, agent streams.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,12 +16,12 @@ use crate::vmm::{DiskFormat, VmInstance, VmSpec};
 use crate::{CreateSpec, Inner, Runtime, SandboxVm, VmState, valid_id};
 
 /// How long one `/health` attempt may take before the runtime reconnects with a fresh session.
-const HEALTH_ATTEMPT: Duration = Duration::from_secs(3);
+pub(crate) const HEALTH_ATTEMPT: Duration = Duration::from_secs(3);
 /// How long the agent may take to answer after a restore.
-const HEALTH_DEADLINE: Duration = Duration::from_secs(60);
+pub(crate) const HEALTH_DEADLINE: Duration = Duration::from_secs(60);
 /// A cold boot (filesystem snapshots) under TCG takes seconds.
-const BOOT_ATTEMPT: Duration = Duration::from_secs(5);
-const BOOT_DEADLINE: Duration = Duration::from_secs(120);
+pub(crate) const BOOT_ATTEMPT: Duration = Duration::from_secs(5);
+pub(crate) const BOOT_DEADLINE: Duration = Duration::from_secs(120);
 
 /// The sandboxes this runtime holds, by id.
 #[derive(Default)]
@@ -123,7 +124,7 @@ impl Slot {
     pub(crate) fn visible_state(&self) -> VmState {
         *self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
-    fn set_state(&self, s: VmState) {
+    pub(crate) fn set_state(&self, s: VmState) {
         *self.state.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
 }
@@ -249,6 +250,7 @@ impl Runtime {
             created_at: k3_common::time::now_rfc3339(),
             phase: SandboxPhase::Starting,
             vm_dir: None,
+            boot_on_resume: false,
         };
         let slot = Slot::new(
             Live {
@@ -572,8 +574,18 @@ impl Runtime {
         }
     }
 
-    /// Resumes a paused sandbox from its device state and RAM file; returns when the agent answers.
+    /// Resumes a paused sandbox from its device state and RAM file (see [`Self::resume_with`]).
     pub async fn resume(&self, id: &str) -> Result<(), ResumeError> {
+        self.resume_with(id, &BTreeMap::new()).await
+    }
+
+    /// Resumes a paused sandbox from its device state and RAM file, or, paused without memory, by a
+    /// cold boot from its disk that then takes `env_vars` (`/init`); returns when the agent answers.
+    pub async fn resume_with(
+        &self,
+        id: &str,
+        env_vars: &BTreeMap<String, String>,
+    ) -> Result<(), ResumeError> {
         let slot = self
             .slot(id)
             .ok_or_else(|| ResumeError::NotFound(id.into()))?;
@@ -595,6 +607,9 @@ impl Runtime {
         }
         let mut spec = self.inner.spec_of(&live.record);
         spec.tap = live.net.as_ref().map(|n| n.tap()).transpose()?;
+        if live.record.boot_on_resume {
+            return self.resume_boot(&slot, &mut live, &spec, env_vars).await;
+        }
         if !spec.ram_shared {
             let size = spec.memory_mib << 20;
             std::fs::File::create(&spec.ram_file)

@@ -281,6 +281,7 @@ impl Runtime {
                 tracing::debug!(?t_stop, ?t_state, ?t_files, t_cont = ?t0.elapsed(), "capture phases");
                 r.and(resumed.map_err(SnapshotError::from))
             }
+            None if full && rec.boot_on_resume => Err(SnapshotError::NoMemory(sandbox_id.into())),
             None => {
                 if full {
                     let src = inner.device_state_path(sandbox_id);

@@ -7,6 +7,7 @@ Environment:
 """
 
 import os
+import shutil
 import socket
 import ssl
 import subprocess
@@ -114,6 +115,8 @@ def server():
     finally:
         srv.stop()
         print(srv.log_tail(200))
+        # Its state folder holds a template's images (GiBs): CI's disk is small.
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture

@@ -152,6 +152,7 @@ def net():
         srv.stop()
         inet.down()
         print(srv.log_tail(80))
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def conn(srv):

@@ -228,6 +228,57 @@ def test_pause_resume_keeps_files_and_processes(server):
         sbx.kill()
 
 
+def test_a_pause_without_memory_keeps_files_and_cold_boots_on_connect(server):
+    key = {"X-API-KEY": server.api_key}
+    body = {"templateID": "base", "timeout": 3, "autoPause": True, "autoPauseMemory": False,
+            "autoResume": {"enabled": True}}
+    refused = httpx.post(f"{server.url}/v2/sandboxes", headers=key, json=body)
+    assert refused.status_code == 400 and "autoPauseMemory" in refused.json()["message"], refused.text
+    secret = secrets.token_hex(8)
+    body = {**body, "autoResume": {"enabled": False}, "envVars": {"K3_SECRET": secret}}
+    created = httpx.post(f"{server.url}/v2/sandboxes", headers=key, json=body)
+    assert created.status_code == 201, created.text
+    sid = created.json()["sandboxID"]
+    envd = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": created.json()["envdAccessToken"]}
+
+    def envd_file(path, data=None):
+        """A file through envd's /files (no connect: that would move the timeout)."""
+        if data is None:
+            r = httpx.get(f"{server.url}/files", params={"path": path}, headers=envd)
+        else:
+            r = httpx.post(f"{server.url}/files", params={"path": path}, content=data,
+                           headers={**envd, "Content-Type": "application/octet-stream"})
+        assert r.status_code == 200, r.text
+        return r.text
+
+    try:
+        content = secrets.token_hex(16)
+        envd_file("/home/user/keep.txt", content.encode())
+        boots = [envd_file("/proc/sys/kernel/random/boot_id").strip()]
+        assert len(boots[0]) == 36, boots
+        deadline = time.monotonic() + 60
+        while Sandbox.get_info(sid).state != SandboxState.PAUSED:
+            assert time.monotonic() < deadline, "sandbox did not auto-pause within 60 s"
+            time.sleep(0.5)
+        # Traffic does not wake it: it has to boot, and only connect does that.
+        r = httpx.get(f"{server.url}/files", params={"path": "/home/user/keep.txt"}, headers=envd)
+        assert r.status_code >= 400, r.text
+        assert Sandbox.get_info(sid).state == SandboxState.PAUSED
+        for _ in range(2):
+            back = Sandbox.connect(sid, timeout=600)
+            assert back.files.read("/home/user/keep.txt") == content
+            assert back.commands.run("echo $K3_SECRET").stdout == f"{secret}\n"
+            boots.append(back.commands.run("cat /proc/sys/kernel/random/boot_id").stdout.strip())
+            # Then paused by hand, without memory.
+            r = httpx.post(f"{server.url}/sandboxes/{sid}/pause", headers=key, json={"memory": False})
+            assert r.status_code == 204, r.text
+            assert Sandbox.get_info(sid).state == SandboxState.PAUSED
+        assert len(set(boots)) == 3, boots
+    finally:
+        Sandbox.kill(sid)
+
+
 def test_set_timeout_moves_end_at(sandbox):
     before = sandbox.get_info().end_at
     sandbox.set_timeout(30)
