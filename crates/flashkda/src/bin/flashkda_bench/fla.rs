@@ -170,15 +170,24 @@ impl FlaRequest {
     }
 
     fn spawn(&self, script: &Path, args: &[String], mode: &'static str) -> Result<(), FlaError> {
-        let status = Command::new(&self.python)
-            .arg(script)
-            .args(args)
-            .status()
-            .map_err(|source| FlaError::Spawn {
-                python: self.python.clone(),
-                script: script.to_path_buf(),
-                source,
-            })?;
+        // ETXTBSY: an interpreter just written is briefly held open for writing by a child another
+        // thread forks meanwhile (the fork-exec race); it passes within milliseconds.
+        let mut tries = 0;
+        let status = loop {
+            let r = Command::new(&self.python).arg(script).args(args).status();
+            match r {
+                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 20 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                r => break r,
+            }
+        }
+        .map_err(|source| FlaError::Spawn {
+            python: self.python.clone(),
+            script: script.to_path_buf(),
+            source,
+        })?;
         if !status.success() {
             return Err(FlaError::Script {
                 python: self.python.clone(),
