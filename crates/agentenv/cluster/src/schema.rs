@@ -225,6 +225,16 @@ pub fn encode<T: Serialize>(record: &T) -> Vec<u8> {
     serde_json::to_vec(record).expect("records serialize")
 }
 
+/// Whether `id` is a valid node id: 1-63 of `[a-z0-9-]`, so also a DNS label (a node's certificate
+/// names it, see [`crate::node_tls`]).
+pub fn valid_node_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

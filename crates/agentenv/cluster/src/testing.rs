@@ -312,6 +312,21 @@ pub fn idle_node(id: &str, url: &str) -> crate::NodeRecord {
     }
 }
 
+/// Registers a node that always reports `rec` (a 30 s lease, refreshed every 10 s), as the node's
+/// own path does: a lease, then its record.
+pub async fn register(
+    store: &crate::ClusterStore,
+    rec: crate::NodeRecord,
+) -> Result<crate::Registration, crate::ClusterError> {
+    crate::Registration::start(
+        store.clone(),
+        Duration::from_secs(30),
+        Duration::from_secs(10),
+        std::sync::Arc::new(move || rec.clone()),
+    )
+    .await
+}
+
 /// Polls `f` every 100 ms until it is true; panics naming `what` after 30 s.
 pub async fn eventually<F, Fut>(what: &str, mut f: F)
 where

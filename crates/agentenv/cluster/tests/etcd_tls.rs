@@ -19,14 +19,7 @@ async fn as_user(endpoint: &str, tls: Option<&EtcdTls>) -> Result<ClusterStore, 
 
 /// Registers `id` at `url` through `store` (the node's own path: a lease, then its record).
 async fn register(store: &ClusterStore, id: &str, url: &str) -> Result<Registration, ClusterError> {
-    let rec = idle_node(id, url);
-    Registration::start(
-        store.clone(),
-        Duration::from_secs(30),
-        Duration::from_secs(10),
-        std::sync::Arc::new(move || rec.clone()),
-    )
-    .await
+    agentenv_cluster::testing::register(store, idle_node(id, url)).await
 }
 
 fn denied<T: std::fmt::Debug>(r: Result<T, ClusterError>, what: &str) {

@@ -286,16 +286,12 @@ impl Follower {
             }
             tracing::warn!(sandbox = %e.sandbox_id, ?repair, "its cluster entry stayed out of date; repairing");
             let t = match repair {
-                Repair::Paused => Transition::AutoPaused(e.sandbox_id),
-                Repair::Running => Transition::AutoResumed(e.sandbox_id),
+                Repair::Paused => Transition::AutoPaused(e.sandbox_id.clone()),
+                Repair::Running => Transition::AutoResumed(e.sandbox_id.clone()),
             };
             if let Err(err) = self.apply(&t).await {
                 tracing::warn!(transition = ?t, error = %err, "repairing a cluster entry failed");
-                let id = match t {
-                    Transition::AutoPaused(id) | Transition::AutoResumed(id) => id,
-                    Transition::Expired { id, .. } => id,
-                };
-                failed.insert(id, std::time::Instant::now());
+                failed.insert(e.sandbox_id, std::time::Instant::now());
             }
         }
         *seen = still;
@@ -415,11 +411,7 @@ fn node_id(state_dir: &Path, given: Option<&str>) -> anyhow::Result<String> {
     let path = state_dir.join("server/node_id");
     if let Some(id) = given {
         anyhow::ensure!(
-            !id.is_empty()
-                && id.len() <= 63
-                && id
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'),
+            agentenv_cluster::schema::valid_node_id(id),
             "node id {id:?}: 1-63 of [a-z0-9-]"
         );
         if let Some(dir) = path.parent() {

@@ -129,12 +129,7 @@ impl HttpClient {
             (None, Some("http"), Some(_)) => format!("{}{pq}", base.trim_end_matches('/')),
             (Some((_, hosts)), Some("https"), Some(host)) => {
                 // The node id is the name its certificate must carry.
-                if node.is_empty()
-                    || node.len() > 63
-                    || !node
-                        .bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                {
+                if !agentenv_cluster::schema::valid_node_id(node) {
                     return Err(bad(format!("node id {node:?} is no certificate name")));
                 }
                 hosts

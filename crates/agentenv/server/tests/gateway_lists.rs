@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use agentenv_cluster::{ClusterStore, EntryState, Registration, SCHEMA_VERSION, SandboxEntry};
+use agentenv_cluster::{ClusterStore, EntryState, SCHEMA_VERSION, SandboxEntry};
 use axum::extract::{RawQuery, State};
 use axum::response::IntoResponse;
 use http_body_util::BodyExt;
@@ -121,16 +121,10 @@ async fn paging_through_the_gateway_merges_both_nodes_in_order() {
     let mut regs = vec![];
     for (id, url) in [("a", url_a), ("b", url_b)] {
         let rec = node(id, &url);
-        let report: agentenv_cluster::node::Report = Arc::new(move || rec.clone());
         regs.push(
-            Registration::start(
-                store.clone(),
-                Duration::from_secs(30),
-                Duration::from_secs(10),
-                report,
-            )
-            .await
-            .unwrap(),
+            agentenv_cluster::testing::register(&store, rec)
+                .await
+                .unwrap(),
         );
     }
     let moved = SandboxEntry {

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use agentenv_cluster::testing::idle_node;
-use agentenv_cluster::{ClusterStore, EntryState, Registration, SCHEMA_VERSION, SandboxEntry};
+use agentenv_cluster::{ClusterStore, EntryState, SCHEMA_VERSION, SandboxEntry};
 use http_body_util::BodyExt;
 
 /// A stand-in node's `GET /sandboxes/{id}`: counts calls and answers with the id.
@@ -66,16 +66,10 @@ async fn a_gateway_reaches_only_the_node_its_certificate_names() {
     let mut regs = vec![];
     for (id, url) in [("node-a", &url_a), ("node-b", &url_b), ("node-c", &url_c)] {
         let rec = idle_node(id, url);
-        let report: agentenv_cluster::node::Report = Arc::new(move || rec.clone());
         regs.push(
-            Registration::start(
-                store.clone(),
-                Duration::from_secs(30),
-                Duration::from_secs(10),
-                report,
-            )
-            .await
-            .unwrap(),
+            agentenv_cluster::testing::register(&store, rec)
+                .await
+                .unwrap(),
         );
         let entry = SandboxEntry {
             version: SCHEMA_VERSION,

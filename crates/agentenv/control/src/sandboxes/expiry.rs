@@ -39,8 +39,9 @@ impl Sandboxes {
                 let still_due = this
                     .get(&id)
                     .is_some_and(|r| this.due(&r, now_ms()).is_some());
-                let token = this.get(&id).map(|r| r.access_token);
-                let memory = this.get(&id).is_none_or(|r| r.auto_pause_memory);
+                let rec = this.get(&id);
+                let memory = rec.as_ref().is_none_or(|r| r.auto_pause_memory);
+                let token = rec.map(|r| r.access_token);
                 let res = match what {
                     _ if !still_due => Ok(()),
                     Expiry::Pause => match this.pause_keeping(&Caller::Server, &id, memory).await {

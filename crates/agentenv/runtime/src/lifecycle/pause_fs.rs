@@ -5,9 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::agent;
 use crate::error::{PauseError, ResumeError};
-use crate::lifecycle::sandbox::{
-    BOOT_ATTEMPT, BOOT_DEADLINE, HEALTH_ATTEMPT, HEALTH_DEADLINE, Live, Slot,
-};
+use crate::lifecycle::sandbox::{BOOT_ATTEMPT, BOOT_DEADLINE, Live, Slot};
 use crate::persist::{self, SandboxPhase};
 use crate::vmm::VmSpec;
 use crate::{Runtime, VmState};
@@ -29,11 +27,7 @@ impl Runtime {
         // A guest that cannot flush is not paused: it runs on.
         let link = match live.agent.clone().filter(|l| l.is_alive()) {
             Some(l) => l,
-            None => {
-                let spec = self.inner.spec_of(&live.record);
-                agent::connect_healthy(&spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE)
-                    .await?
-            }
+            None => self.inner.reconnect(&live.record).await?,
         };
         agent::sync(&link).await?;
         let vm = live.vm.take().expect("checked above");

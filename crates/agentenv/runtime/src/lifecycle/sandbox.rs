@@ -16,9 +16,9 @@ use crate::vmm::{DiskFormat, VmInstance, VmSpec};
 use crate::{CreateSpec, Inner, Runtime, SandboxVm, VmState, valid_id};
 
 /// How long one `/health` attempt may take before the runtime reconnects with a fresh session.
-pub(crate) const HEALTH_ATTEMPT: Duration = Duration::from_secs(3);
+const HEALTH_ATTEMPT: Duration = Duration::from_secs(3);
 /// How long the agent may take to answer after a restore.
-pub(crate) const HEALTH_DEADLINE: Duration = Duration::from_secs(60);
+const HEALTH_DEADLINE: Duration = Duration::from_secs(60);
 /// A cold boot (filesystem snapshots) under TCG takes seconds.
 pub(crate) const BOOT_ATTEMPT: Duration = Duration::from_secs(5);
 pub(crate) const BOOT_DEADLINE: Duration = Duration::from_secs(120);
@@ -747,11 +747,17 @@ impl Runtime {
         {
             return Ok(s);
         }
-        let spec = self.inner.spec_of(&live.record);
-        let link =
-            agent::connect_healthy(&spec.agent_socket(), HEALTH_ATTEMPT, HEALTH_DEADLINE).await?;
+        let link = self.inner.reconnect(&live.record).await?;
         let s = link.open().await.map_err(agent::AgentError::from)?;
         live.agent = Some(link);
         Ok(s)
+    }
+}
+
+impl Inner {
+    /// A fresh session with the agent of running sandbox `rec` once it answers `/health`.
+    pub(crate) async fn reconnect(&self, rec: &VmRecord) -> Result<AgentLink, agent::AgentError> {
+        let sock = self.spec_of(rec).agent_socket();
+        agent::connect_healthy(&sock, HEALTH_ATTEMPT, HEALTH_DEADLINE).await
     }
 }

@@ -68,11 +68,10 @@ impl SnapshotRecord {
     }
 
     pub(crate) fn info(&self, paused_ms: f64) -> SnapshotInfo {
-        let stored = self.disk.parent().and_then(read_stored);
-        let store_failed = self
-            .disk
-            .parent()
-            .and_then(|d| std::fs::read_to_string(d.join(STORE_FAILED_FILE)).ok());
+        let dir = self.disk.parent();
+        let stored = dir.and_then(read_stored);
+        let store_failed =
+            dir.and_then(|d| std::fs::read_to_string(d.join(STORE_FAILED_FILE)).ok());
         SnapshotInfo {
             stored,
             store_failed,

@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agentenv_cluster::placement::{Demand, place};
-use agentenv_cluster::{
-    Claim, ClaimOutcome, ClusterStore, NodeRecord, Registration, SCHEMA_VERSION, ViewCache,
-};
+use agentenv_cluster::{Claim, ClaimOutcome, ClusterStore, NodeRecord, SCHEMA_VERSION, ViewCache};
 use anyhow::Context;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -181,16 +179,10 @@ async fn placements_per_second(
             sizes: Default::default(),
         };
         // Refreshed like a real node's (every DEFAULT_INTERVAL), so claims count until the next refresh.
-        let report: agentenv_cluster::node::Report = Arc::new(move || rec.clone());
         regs.push(
-            Registration::start(
-                store.clone(),
-                Duration::from_secs(30),
-                Duration::from_secs(10),
-                report,
-            )
-            .await
-            .context("registering a simulated node")?,
+            agentenv_cluster::testing::register(&store, rec)
+                .await
+                .context("registering a simulated node")?,
         );
     }
     let views = ViewCache::start(store.clone());
