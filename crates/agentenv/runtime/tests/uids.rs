@@ -60,6 +60,7 @@ fn confined(state: &Path, id: &str) {
         .map(str::trim)
         .collect();
     assert_eq!(devs, ["lo"], "{id}: QEMU sees network devices");
+    in_its_own_view(state, id, pid);
     if agentenv_runtime::vmm::cgroup::Hierarchy::host().is_none() {
         return;
     }
@@ -72,6 +73,55 @@ fn confined(state: &Path, id: &str) {
                 .is_some_and(|cs| cs.split(',').any(|x| x == c))
         }) {
             assert!(l.ends_with(&mine), "{id}: {c} group {l}");
+        }
+    }
+}
+
+/// Checks that QEMU `pid` of sandbox `id` sees only what it needs of the host's files: its root (read
+/// as root through `/proc/<pid>/root`) has `/usr` and its devices but neither the state folder, nor a
+/// world-readable file the test leaves on the host, nor `/etc/passwd`; other users' processes are
+/// hidden from it.
+fn in_its_own_view(state: &Path, id: &str, pid: u64) {
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/mnt")).unwrap();
+    assert_ne!(
+        ns(&pid.to_string()),
+        ns("self"),
+        "{id}: QEMU in the host's mounts"
+    );
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let inside = |p: &Path| root.join(p.strip_prefix("/").unwrap());
+    let bait = std::env::temp_dir().join(format!("k3-jail-bait-{}", rand::random::<u64>()));
+    std::fs::write(&bait, "host secret").unwrap();
+    std::fs::set_permissions(&bait, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let seen = |p: &Path| std::fs::symlink_metadata(inside(p)).is_ok();
+    let (bait_seen, state_seen) = (seen(&bait), seen(state));
+    std::fs::remove_file(&bait).unwrap();
+    assert!(!bait_seen, "{id}: QEMU sees a world-readable host file");
+    assert!(!state_seen, "{id}: QEMU sees the state folder");
+    assert!(
+        !seen(Path::new("/etc/passwd")),
+        "{id}: QEMU sees /etc/passwd"
+    );
+    assert!(
+        seen(Path::new("/usr/bin")) && seen(Path::new("/dev/null")),
+        "{id}: an empty view"
+    );
+    let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
+    let proc_line = mounts
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some("/proc"))
+        .unwrap_or_else(|| panic!("{id}: no /proc: {mounts}"));
+    assert!(
+        proc_line.contains("hidepid=2") || proc_line.contains("hidepid=invisible"),
+        "{id}: other users' processes visible: {proc_line}"
+    );
+    for l in mounts.lines() {
+        let point = l.split(' ').nth(4).unwrap_or("");
+        if point != "/proc" {
+            assert!(
+                l.split(' ').nth(5).is_some_and(|o| o.starts_with("ro")),
+                "{id}: writable {l}"
+            );
         }
     }
 }

@@ -278,12 +278,18 @@ pub unsafe fn inherit_in_child(fds: &[RawFd]) -> std::io::Result<()> {
 }
 
 /// For `pre_exec` of a root runtime's QEMU: joins its cgroups (writes `0` to each `cgroup.procs`
-/// descriptor), moves to an empty network namespace of its own (its tap arrives as a descriptor), then
-/// drops to `uid`:`gid` with no supplementary groups. Any step that fails fails the spawn.
+/// descriptor), moves to an empty network namespace of its own (its tap arrives as a descriptor) and
+/// into `jail`, then drops to `uid`:`gid` with no supplementary groups. Any step that fails fails the
+/// spawn.
 ///
 /// # Safety
 /// For `pre_exec`: runs between fork and exec and only makes async-signal-safe system calls.
-pub unsafe fn confine_in_child(procs: &[RawFd], uid: u32, gid: u32) -> std::io::Result<()> {
+pub unsafe fn confine_in_child(
+    procs: &[RawFd],
+    jail: &crate::vmm::jail::Jail,
+    uid: u32,
+    gid: u32,
+) -> std::io::Result<()> {
     let check = |r: libc::c_int| {
         if r == 0 {
             Ok(())
@@ -298,9 +304,10 @@ pub unsafe fn confine_in_child(procs: &[RawFd], uid: u32, gid: u32) -> std::io::
         }
     }
     // SAFETY: unshare(2), setgroups(2), setgid(2), setuid(2): plain system calls with no pointers
-    // but setgroups' empty list.
+    // but setgroups' empty list; `Jail::enter` has the same contract as this function.
     unsafe {
         check(libc::unshare(libc::CLONE_NEWNET))?;
+        jail.enter()?;
         check(libc::setgroups(0, std::ptr::null()))?;
         check(libc::setgid(gid))?;
         check(libc::setuid(uid))?;

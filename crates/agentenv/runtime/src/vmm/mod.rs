@@ -7,6 +7,7 @@
 
 pub mod accel;
 pub mod cgroup;
+pub mod jail;
 pub mod kernel;
 pub mod launch;
 pub mod lazy;
@@ -203,6 +204,8 @@ pub trait Vmm: Send + Sync {
 
 /// The folder of a VM's sockets, in its folder: the only part of it the VM's uid owns.
 pub const SOCKET_DIR: &str = "qemu";
+/// Folder inside a VM's folder that a root runtime's QEMU gets as its root ([`jail`]); empty on the host.
+pub const JAIL_DIR: &str = "root";
 /// File name of a VM's serial console log, in its folder.
 pub const CONSOLE_LOG: &str = "console.log";
 /// A console log above this many bytes is rotated (the previous part is kept as `console.log.1`).

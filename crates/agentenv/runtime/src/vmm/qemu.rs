@@ -12,11 +12,14 @@ use tokio::sync::Mutex;
 
 use crate::config::AccelKind;
 use crate::vmm::cgroup::{Hierarchy, Limits};
+use crate::vmm::jail::Jail;
 use crate::vmm::launch::{LazyBacking, Owner, VmFiles};
 use crate::vmm::lazy::{Export, LazyDisks};
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::uid::{Lease, UidPool, UidRange};
-use crate::vmm::{BoxFuture, Pausable, Restored, Snapshottable, VmInstance, VmSpec, Vmm, VmmError};
+use crate::vmm::{
+    BoxFuture, JAIL_DIR, Pausable, Restored, Snapshottable, VmInstance, VmSpec, Vmm, VmmError,
+};
 
 /// Name of the virtio-serial port that carries the guest agent channel.
 pub const AGENT_PORT_NAME: &str = agentenv_envd::AGENT_CHANNEL;
@@ -307,14 +310,28 @@ impl QemuVmm {
             use std::os::fd::AsRawFd;
             procs.iter().map(|f| f.as_raw_fd()).collect()
         };
-        let ids = owner.map(|o| (o.uid, o.gid));
-        // SAFETY: the closure only calls fcntl(2), write(2), unshare(2) and the set*id calls on
-        // descriptors this process holds open.
+        // A root runtime's QEMU sees only the files it needs (`crate::vmm::jail`).
+        let confine = match owner {
+            Some(o) => {
+                let root = spec.dir.join(JAIL_DIR);
+                let jail = Jail::new(&root, &self.bin).map_err(|e| VmmError::Io {
+                    what: "plan the mount namespace of",
+                    path: root,
+                    source: e,
+                })?;
+                Some((jail, o.uid, o.gid))
+            }
+            None => None,
+        };
+        // SAFETY: the closure only calls fcntl(2), write(2), unshare(2), mount(2) and the set*id
+        // calls on descriptors this process holds open and strings prepared above.
         unsafe {
             cmd.pre_exec(move || {
                 crate::vmm::launch::inherit_in_child(&fds)?;
-                match ids {
-                    Some((uid, gid)) => crate::vmm::launch::confine_in_child(&procs_fds, uid, gid),
+                match &confine {
+                    Some((jail, uid, gid)) => {
+                        crate::vmm::launch::confine_in_child(&procs_fds, jail, *uid, *gid)
+                    }
                     None => Ok(()),
                 }
             });
