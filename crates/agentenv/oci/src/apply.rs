@@ -6,20 +6,21 @@
 //! means the destination's root, as the guest sees it), and one whose target climbs above the root is
 //! refused. The final component is never followed: an existing symlink there is replaced, not written
 //! through. Hard-link targets obey the same rules.
+//!
+//! As root these rules run inside [`crate::jail`] (the kernel's barrier under them); see [`apply_layer`].
 
 use std::collections::{HashSet, VecDeque};
 use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest as _, Sha256};
-
 use crate::error::{OciError, io};
 use crate::manifest::Compression;
 use crate::reference::Digest;
+use crate::stream::decoder;
 
 const WHITEOUT: &str = ".wh.";
 const OPAQUE: &str = ".wh..wh..opq";
@@ -56,31 +57,50 @@ pub struct ApplyOptions {
 }
 
 /// Applies one layer read from `blob` on top of `dest` (an existing directory).
+///
+/// As root, the extraction runs in a [`jail`](crate::jail::run_in): a fresh thread whose root is
+/// `dest`, bind-mounted `nosuid,nodev` in a mount namespace of its own, holding only the capabilities
+/// unpacking needs (no chroot, no mount). The path rules (relative names without `..`, parents
+/// resolved inside `dest`) are then not the only barrier: even past a bug in them (or a race with
+/// another writer of `dest`) nothing outside `dest` can be reached, and the device nodes and setuid
+/// files the layer creates are inert through that mount. A jail step that fails fails the apply
+/// ([`OciError::Jail`]); there is no fallback to the unjailed path.
+///
+/// Without root there are no privileges to contain: the layer is applied in the calling thread, as
+/// the calling user, with the path rules alone (devices are skipped, owners kept as ours).
 pub fn apply_layer(
     dest: &Path,
-    blob: impl Read,
+    blob: impl Read + Send,
     opts: &ApplyOptions,
 ) -> Result<ApplyStats, OciError> {
     let root = dest.canonicalize().map_err(io("open", dest))?;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return extract(&root, blob, opts);
+    }
+    crate::jail::run_in(&root, || extract(Path::new("/"), blob, opts))?.map_err(|e| match e {
+        // Paths in the jail are relative to its root: name them as the host sees them.
+        OciError::Io { what, path, source } => OciError::Io {
+            what,
+            path: root.join(path.strip_prefix("/").unwrap_or(&path)),
+            source,
+        },
+        e => e,
+    })
+}
+
+/// Applies the layer to `root` (canonical: `/` inside the jail).
+fn extract(root: &Path, blob: impl Read, opts: &ApplyOptions) -> Result<ApplyStats, OciError> {
     let bad = |e: io::Error| OciError::BadLayer {
         layer: opts.layer.clone(),
         reason: e.to_string(),
     };
-    let buffered = BufReader::with_capacity(256 << 10, blob);
-    let tar: Box<dyn Read> = match opts.compression {
-        Compression::None => Box::new(buffered),
-        Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(buffered)),
-        Compression::Zstd => Box::new(ZstdFrames::new(buffered).map_err(bad)?),
-    };
-    let mut hashed = HashingReader {
-        inner: tar,
-        hash: Sha256::new(),
-    };
+    let mut hashed = decoder(blob, opts.compression).map_err(bad)?;
     let mut stats = ApplyStats::default();
     {
         let mut archive = tar::Archive::new(&mut hashed);
         let mut a = Applier {
-            root: &root,
+            root,
             layer: &opts.layer,
             written: HashSet::new(),
             dirs: Vec::new(),
@@ -104,7 +124,7 @@ pub fn apply_layer(
     }
     // The end-of-archive blocks and padding are part of the diff_id.
     io::copy(&mut hashed, &mut io::sink()).map_err(bad)?;
-    let actual = Digest::from_hasher(hashed.hash);
+    let actual = hashed.digest();
     if let Some(expected) = &opts.diff_id
         && *expected != actual
     {
@@ -116,54 +136,6 @@ pub fn apply_layer(
     }
     stats.diff_id = Some(actual);
     Ok(stats)
-}
-
-struct HashingReader<R> {
-    inner: R,
-    hash: Sha256,
-}
-
-impl<R: Read> Read for HashingReader<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.hash.update(&buf[..n]);
-        Ok(n)
-    }
-}
-
-/// A zstd stream of one or more frames.
-struct ZstdFrames<R: BufRead> {
-    dec: Option<ruzstd::decoding::StreamingDecoder<R, ruzstd::decoding::FrameDecoder>>,
-}
-
-impl<R: BufRead> ZstdFrames<R> {
-    fn new(src: R) -> io::Result<Self> {
-        let dec = ruzstd::decoding::StreamingDecoder::new(src)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e.to_string()))?;
-        Ok(ZstdFrames { dec: Some(dec) })
-    }
-}
-
-impl<R: BufRead> Read for ZstdFrames<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            let Some(dec) = self.dec.as_mut() else {
-                return Ok(0);
-            };
-            let n = dec.read(buf)?;
-            if n > 0 || buf.is_empty() {
-                return Ok(n);
-            }
-            let Some(dec) = self.dec.take() else {
-                return Ok(0);
-            };
-            let mut src = dec.into_inner();
-            if src.fill_buf()?.is_empty() {
-                return Ok(0);
-            }
-            *self = ZstdFrames::new(src)?;
-        }
-    }
 }
 
 struct Applier<'a> {

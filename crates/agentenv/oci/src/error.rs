@@ -198,6 +198,16 @@ pub enum OciError {
         /// What is wrong.
         reason: String,
     },
+    /// A step of the layer jail (mount namespace, chroot, capabilities) failed; nothing was applied.
+    #[error("layer jail for {path}: {step}: {source}")]
+    Jail {
+        /// The step: `unshare`, `bind-mount`, `chroot`, `capset`, ...
+        step: &'static str,
+        /// The destination folder.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// The config's `User` names a user or group the image does not have.
     #[error("image user {user:?}: {reason}")]
     UnknownUser {

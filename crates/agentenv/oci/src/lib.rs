@@ -15,7 +15,9 @@
 //!   downloaded, anonymous / basic / bearer-token auth, a deadline on every request; plain http only
 //!   for loopback registries unless [`RegistryOptions::scheme`] says otherwise.
 //! - [`apply_layer`]: tar / gzip / zstd layers with whiteouts, opaque directories, links, devices,
-//!   modes, owners and xattrs; no entry can land outside the destination.
+//!   modes, owners and xattrs; no entry can land outside the destination. As root the extraction
+//!   runs jailed (`jail`): a thread of its own chrooted into the destination, mounted nosuid,nodev
+//!   in a mount namespace of its own, with only the capabilities unpacking needs.
 //! - [`resolve_user`]: the config's `User` against the image's own passwd and group files.
 //! - [`push`]: blob, manifest and index upload (tests, and `aenv` later).
 //! - `testing` (feature `testing`): a real `docker-registry` on loopback and test image builders.
@@ -26,10 +28,13 @@ mod apply;
 mod client;
 mod error;
 pub mod guard;
+#[doc(hidden)]
+pub mod jail;
 pub mod manifest;
 mod pull;
 pub mod push;
 mod reference;
+mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod user;

@@ -292,9 +292,9 @@ fn devices_types_and_replacements() {
         .file("x", b"file", 0o644)
         .tar();
     let stats = apply(&dest, &tar).unwrap();
-    let m = std::fs::symlink_metadata(dest.join("dev/null")).unwrap();
     let root = unsafe { libc::geteuid() } == 0;
     if root && stats.devices_skipped == 0 {
+        let m = std::fs::symlink_metadata(dest.join("dev/null")).unwrap();
         assert!(m.file_type().is_char_device());
         assert_eq!(m.rdev(), libc::makedev(1, 3));
     } else {
