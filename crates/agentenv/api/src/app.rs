@@ -121,9 +121,14 @@ pub fn app(state: AppState) -> Router {
         .with_state(state)
 }
 
-async fn dispatch(State(state): State<AppState>, req: Request, next: Next) -> Response {
+async fn dispatch(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     let method = req.method().to_string();
-    let plane = dataplane::classify(req.uri().path(), req.uri().query(), req.headers());
+    let by_host = state
+        .sandbox_domain
+        .as_deref()
+        .and_then(|d| dataplane::route_by_host(&mut req, d));
+    let plane = by_host
+        .unwrap_or_else(|| dataplane::classify(req.uri().path(), req.uri().query(), req.headers()));
     let data = plane != Plane::Control;
     let resp = if data {
         dataplane::serve(&state, plane, req)

@@ -133,6 +133,42 @@ fn basic_user(v: &str) -> Option<String> {
 
 /// Whether the request names a user port: a port header that is not envd's number (an unparsable one
 /// counts, so the proxy answers it with a 400).
+/// The sandbox id and port that `host` names in E2B's form `<port>-<sandbox id>.<domain>`, for the
+/// server's sandbox domain `domain` (without case; a domain without a port also matches a host with
+/// one).
+pub fn host_route(host: &str, domain: &str) -> Option<(String, u16)> {
+    let (host, domain) = (host.to_ascii_lowercase(), domain.to_ascii_lowercase());
+    let suffix = format!(".{domain}");
+    let label = match host.strip_suffix(&suffix) {
+        Some(l) => l,
+        None if !domain.contains(':') => host.rsplit_once(':')?.0.strip_suffix(&suffix)?,
+        None => return None,
+    };
+    let (port, id) = label.split_once('-')?;
+    let digits = !port.is_empty() && port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit());
+    let port = port.parse::<u16>().ok().filter(|p| digits && *p > 0)?;
+    let id_ok = !id.is_empty()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    id_ok.then(|| (id.to_string(), port))
+}
+
+/// Routes a request by its `Host` (or HTTP/2 authority) when it names a sandbox port under `domain`:
+/// the sandbox id and port headers are set from it, whatever the client sent.
+pub fn route_by_host(req: &mut Request, domain: &str) -> Option<Plane> {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| req.uri().authority().map(|a| a.as_str()))?;
+    let (id, port) = host_route(host, domain)?;
+    let h = req.headers_mut();
+    h.insert("e2b-sandbox-id", id.parse().ok()?);
+    h.insert("e2b-sandbox-port", port.into());
+    Some(Plane::SandboxById(id))
+}
+
 fn user_port(headers: &HeaderMap) -> bool {
     headers
         .get("e2b-sandbox-port")
@@ -141,17 +177,20 @@ fn user_port(headers: &HeaderMap) -> bool {
         .is_some_and(|p| p.parse::<u16>() != Ok(agentenv_envd::ENVD_PORT))
 }
 
-/// Whether the request carries the sandbox's access token (`X-Access-Token`), or for a user port its
-/// traffic token (the code interpreter sends only that). The one check of a data-plane request's
-/// right to a sandbox named by id: the node's proxy and the gateway (before it moves one) use it.
-pub fn token_ok(headers: &HeaderMap, access_token: &str) -> bool {
+/// Whether the request may reach sandbox `rec`: it carries the sandbox's access token
+/// (`X-Access-Token`), or it is for a user port and the sandbox's user ports are public
+/// (`allowPublicTraffic`) or it carries their traffic token (the code interpreter sends only that).
+/// The one check of a data-plane request's right to a sandbox named by id: the node's proxy and the
+/// gateway (before it moves one) use it.
+pub fn request_ok(headers: &HeaderMap, rec: &SandboxRecord) -> bool {
     let header = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
-    crate::keys::secret_eq(header("x-access-token"), access_token)
+    crate::keys::secret_eq(header("x-access-token"), &rec.access_token)
         || (user_port(headers)
-            && crate::keys::secret_eq(
-                header("e2b-traffic-access-token"),
-                &crate::keys::traffic_token(access_token),
-            ))
+            && (rec.public_traffic
+                || crate::keys::secret_eq(
+                    header("e2b-traffic-access-token"),
+                    &crate::keys::traffic_token(&rec.access_token),
+                )))
 }
 
 /// Serves one data-plane request for `plane`.
@@ -162,7 +201,7 @@ pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Respo
                 .sandboxes
                 .get(id)
                 .ok_or_else(|| ApiError::bad_gateway(format!("The sandbox {id} was not found")))?;
-            if !token_ok(req.headers(), &rec.access_token) {
+            if !request_ok(req.headers(), &rec) {
                 return Err(ApiError::unauthorized(if user_port(req.headers()) {
                     "missing or wrong E2B-Traffic-Access-Token (or X-Access-Token) for this sandbox"
                 } else {
@@ -392,6 +431,51 @@ mod tests {
             h.insert(*k, HeaderValue::from_str(v).unwrap());
         }
         h
+    }
+
+    #[test]
+    fn hosts_of_e2b_form_name_a_sandbox_port() {
+        let id = format!("i{:x}", rand::random::<u64>());
+        let port = rand::random_range(1..=u16::MAX);
+        for (host, domain) in [
+            (format!("{port}-{id}.sbx.test"), "sbx.test"),
+            (format!("{port}-{id}.SBX.test:8443"), "sbx.test"),
+            (format!("{port}-{id}.sbx.test:8443"), "sbx.test:8443"),
+        ] {
+            assert_eq!(
+                host_route(&host, domain),
+                Some((id.clone(), port)),
+                "{host}"
+            );
+        }
+        for host in [
+            format!("{port}-{id}.other.test"),
+            format!("{port}-{id}.sbx.test:1"),
+            format!("+80-{id}.sbx.test:8443"),
+            format!("0-{id}.sbx.test:8443"),
+            format!("99999-{id}.sbx.test:8443"),
+            format!("{port}-.sbx.test:8443"),
+            format!("{port}-a.b.sbx.test:8443"),
+            format!("{port}-{id}sbx.test:8443"),
+            "sbx.test:8443".to_string(),
+            "localhost:8443".to_string(),
+        ] {
+            assert_eq!(host_route(&host, "sbx.test:8443"), None, "{host}");
+        }
+        // The headers follow the host, whatever the client sent.
+        let mut req = Request::builder()
+            .uri("/files")
+            .header(header::HOST, format!("8080-{id}.sbx.test"))
+            .header("e2b-sandbox-id", "someone-else")
+            .header("e2b-sandbox-port", "49983")
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(
+            route_by_host(&mut req, "sbx.test"),
+            Some(Plane::SandboxById(id.clone()))
+        );
+        assert_eq!(req.headers()["e2b-sandbox-id"], id.as_str());
+        assert_eq!(req.headers()["e2b-sandbox-port"], "8080");
     }
 
     #[test]

@@ -65,7 +65,8 @@ pub struct NetworkConfig {
     /// Resolvers allowed when `allowOut` names a domain (the sandbox's own resolver always is).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dns_servers: Option<Vec<String>>,
-    /// Accepted; a sandbox's user ports always need its `trafficAccessToken` (or its envd token) here.
+    /// Whether its user ports answer requests without its `trafficAccessToken` (default true, as in
+    /// E2B); false: they need that token (or the envd access token). envd's port always needs a token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allow_public_traffic: Option<bool>,
     /// Accepted and ignored.

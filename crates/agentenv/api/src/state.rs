@@ -22,6 +22,9 @@ pub struct AppState {
     /// The accepted API keys: the server's own and the named ones.
     pub keys: Arc<KeyRing>,
     pub max_upload_bytes: u64,
+    /// E2B's sandbox domain: answers name it as `domain`, and a request for
+    /// `<port>-<sandbox id>.<domain>` goes to that port of that sandbox (`--sandbox-domain`).
+    pub sandbox_domain: Option<String>,
 }
 
 /// What [`AppState::open`] needs.
@@ -54,6 +57,7 @@ impl AppState {
             metrics,
             keys,
             max_upload_bytes: cfg.max_upload_bytes,
+            sandbox_domain: None,
         })
     }
 }

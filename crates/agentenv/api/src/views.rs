@@ -16,7 +16,8 @@ pub const CLIENT_ID: &str = "local";
 /// Default page size of `GET /v2/sandboxes`.
 pub const DEFAULT_PAGE: usize = 100;
 
-pub fn created(rec: &SandboxRecord) -> CreatedSandbox {
+/// The create/connect answer of `rec`; `domain`: the server's sandbox domain (`--sandbox-domain`).
+pub fn created(rec: &SandboxRecord, domain: Option<&str>) -> CreatedSandbox {
     CreatedSandbox {
         template_id: rec.template_id.clone(),
         sandbox_id: rec.sandbox_id.clone(),
@@ -24,7 +25,7 @@ pub fn created(rec: &SandboxRecord) -> CreatedSandbox {
         envd_version: rec.envd_version.clone(),
         envd_access_token: rec.access_token.clone(),
         alias: rec.alias.clone(),
-        domain: None,
+        domain: domain.map(str::to_string),
         traffic_access_token: Some(crate::keys::traffic_token(&rec.access_token)),
     }
 }
@@ -67,6 +68,7 @@ pub fn create_request(req: NewSandbox) -> Result<CreateRequest, ApiError> {
         auto_resume,
         network,
         network_asked,
+        public_traffic: req.network.as_ref().and_then(|n| n.allow_public_traffic) != Some(false),
     })
 }
 
@@ -99,11 +101,15 @@ pub fn metric(s: &Sample) -> SandboxMetric {
     }
 }
 
-pub fn detail(rec: &SandboxRecord, net: Option<&NetworkInfo>) -> SandboxDetail {
+pub fn detail(
+    rec: &SandboxRecord,
+    net: Option<&NetworkInfo>,
+    domain: Option<&str>,
+) -> SandboxDetail {
     SandboxDetail {
         listed: listed(rec),
         envd_access_token: rec.access_token.clone(),
-        domain: None,
+        domain: domain.map(str::to_string),
         allow_internet_access: net.is_some_and(|n| !n.policy.internet_blocked()),
         network: net.map(crate::egress::view),
         lifecycle: Lifecycle {
@@ -284,6 +290,7 @@ mod tests {
             owner: crate::tenants::DEFAULT_TENANT.into(),
             auto_pause_memory: true,
             paused_filesystem: false,
+            public_traffic: false,
         }
     }
 

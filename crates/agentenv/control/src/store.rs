@@ -64,6 +64,10 @@ pub struct SandboxRecord {
     /// Paused without memory: a resume cold-boots it from its disk.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub paused_filesystem: bool,
+    /// Its user ports answer without its traffic token (E2B's `allowPublicTraffic`, true unless the
+    /// create said false); records of older servers say no.
+    #[serde(default)]
+    pub public_traffic: bool,
 }
 
 fn yes() -> bool {
@@ -295,6 +299,7 @@ mod tests {
             owner: format!("t{}", rng.random_range(0..9)),
             auto_pause_memory: rng.random(),
             paused_filesystem: rng.random(),
+            public_traffic: rng.random(),
         }
     }
 

@@ -229,7 +229,7 @@ pub async fn data_plane(
     let headers = req.headers().clone();
     let bad_token = std::sync::atomic::AtomicBool::new(false);
     let may_move = |r: &HandoffRecord| {
-        let ok = by_token || agentenv_api::dataplane::token_ok(&headers, &r.sandbox.access_token);
+        let ok = by_token || agentenv_api::dataplane::request_ok(&headers, &r.sandbox);
         bad_token.store(!ok, std::sync::atomic::Ordering::Relaxed);
         r.sandbox.auto_resume && ok
     };

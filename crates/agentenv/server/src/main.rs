@@ -185,6 +185,12 @@ struct ServeArgs {
     /// Largest accepted data-plane request body (file upload) in bytes.
     #[arg(long, default_value_t = DEFAULT_MAX_UPLOAD_BYTES)]
     max_upload_bytes: u64,
+    /// E2B's sandbox domain (`E2B_DOMAIN` of clients): answers name it, so the SDK's `get_host(port)` is
+    /// `<port>-<sandbox id>.<domain>`, and requests for such a host reach that port of that sandbox.
+    /// Needs a wildcard DNS name `*.<domain>` for this server (a port, `host:port`, when it listens
+    /// elsewhere than 443/80).
+    #[arg(long, env = "AGENTENV_SANDBOX_DOMAIN", value_parser = parse_sandbox_domain)]
+    sandbox_domain: Option<String>,
     /// Most running sandboxes at once (429 beyond).
     #[arg(long)]
     max_running: Option<usize>,
@@ -555,6 +561,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
     )
     .await?;
+    state.sandbox_domain = args.sandbox_domain.clone();
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(agentenv_cluster::node_tls::server_config(cert, key)?),
         _ => None,
@@ -749,5 +756,25 @@ fn raise_open_file_limit() {
         } else {
             tracing::warn!(limit = before, "could not raise the open-file limit");
         }
+    }
+}
+
+/// `--sandbox-domain`: a DNS name, optionally with `:port`, as hosts name it.
+fn parse_sandbox_domain(s: &str) -> Result<String, String> {
+    let (name, port) = s.rsplit_once(':').map_or((s, None), |(n, p)| (n, Some(p)));
+    let name_ok = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        });
+    let port_ok = port.is_none_or(|p| {
+        p.parse::<u16>().is_ok_and(|n| n > 0) && p.bytes().all(|b| b.is_ascii_digit())
+    });
+    if name_ok && port_ok {
+        Ok(s.to_ascii_lowercase())
+    } else {
+        Err(format!("{s:?}: not a domain name (optionally with :port)"))
     }
 }

@@ -91,7 +91,7 @@ pub async fn fork(
         .into_iter()
         .map(|r| match r {
             Ok(rec) => ForkResult {
-                sandbox: Some(views::created(&rec)),
+                sandbox: Some(views::created(&rec, s.sandbox_domain.as_deref())),
                 error: None,
             },
             Err(e) => {
@@ -153,7 +153,8 @@ pub async fn cluster_adopt(
     server_key_only(&who)?;
     let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let rec = s.sandboxes.adopt(body.handoff, &body.snapshot_id).await?;
-    Ok((StatusCode::CREATED, Json(views::created(&rec))))
+    let domain = s.sandbox_domain.as_deref();
+    Ok((StatusCode::CREATED, Json(views::created(&rec, domain))))
 }
 
 /// Whether a snapshot's chunks are durable in the store yet (`GET /cluster/snapshots/{id}`), so a

@@ -54,7 +54,8 @@ async fn create(
         })
         .map(str::to_string);
     let rec = state.sandboxes.create(&who, req, key).await?;
-    Ok((StatusCode::CREATED, Json(views::created(&rec))))
+    let domain = state.sandbox_domain.as_deref();
+    Ok((StatusCode::CREATED, Json(views::created(&rec, domain))))
 }
 
 /// Create a sandbox (SDK >= 2.51). Returns once envd in the sandbox answers.
@@ -149,7 +150,8 @@ pub async fn get_sandbox(
 ) -> ApiResult<Json<SandboxDetail>> {
     let rec = s.sandboxes.get_as(&who, &id)?;
     let net = s.sandboxes.network_view(&id).await;
-    Ok(Json(views::detail(&rec, net.as_ref())))
+    let domain = s.sandbox_domain.as_deref();
+    Ok(Json(views::detail(&rec, net.as_ref(), domain)))
 }
 
 /// The sandbox's current CPU, memory, disk and network use (an empty list while paused).
@@ -260,7 +262,10 @@ async fn connect(
     } else {
         StatusCode::OK
     };
-    Ok((status, Json(views::created(&rec))))
+    Ok((
+        status,
+        Json(views::created(&rec, s.sandbox_domain.as_deref())),
+    ))
 }
 
 /// Connect (SDK >= 2.51): running → 200 and `endAt` only extends; paused → resumed, 201.
@@ -306,7 +311,8 @@ pub async fn resume(
         .sandboxes
         .resume_legacy(&who, &id, req.timeout, req.auto_pause)
         .await?;
-    Ok((StatusCode::CREATED, Json(views::created(&rec))))
+    let domain = s.sandbox_domain.as_deref();
+    Ok((StatusCode::CREATED, Json(views::created(&rec, domain))))
 }
 
 /// Templates this server can create sandboxes from.

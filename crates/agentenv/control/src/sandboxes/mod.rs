@@ -352,6 +352,7 @@ impl Sandboxes {
             owner,
             auto_pause_memory: !req.auto_pause_filesystem,
             paused_filesystem: false,
+            public_traffic: req.public_traffic,
         };
         if let Err(e) = self.put(rec.clone()) {
             let _ = self.backend.kill(&id).await;

@@ -35,6 +35,8 @@ pub struct CreateRequest {
     pub auto_resume: bool,
     /// Its egress policy.
     pub network: EgressPolicy,
+    /// Its user ports answer without its traffic token (E2B's `allowPublicTraffic`).
+    pub public_traffic: bool,
     /// Whether the caller asked for a network explicitly (refused where sandboxes get none);
     /// otherwise such a host creates it without one.
     pub network_asked: bool,

@@ -271,7 +271,9 @@ async fn by_id_inner(gw: &Gateway, req: Request) -> Result<Response> {
                 .ok_or_else(|| GatewayError::SandboxNotFound(id.clone()))?;
             let mut sandbox = rec.sandbox;
             sandbox.state = agentenv_control::sandboxes::SandboxState::Paused;
-            return Ok(axum::Json(agentenv_api::views::detail(&sandbox, None)).into_response());
+            return Ok(
+                axum::Json(agentenv_api::views::detail(&sandbox, None, None)).into_response(),
+            );
         }
         Err(e) => return Err(e),
     };

@@ -1,5 +1,6 @@
 """A server in the sandbox is reachable through the data plane on its port (`E2b-Sandbox-Port`), as the SDK's
-`get_sandbox_url`/`get_host` and the code interpreter address it; a closed port is a 502 naming it."""
+`get_sandbox_url` and the code interpreter address it (by host, `get_host`: test_host_routing.py); a closed port
+is a 502 naming it."""
 
 import secrets
 import time
@@ -35,9 +36,11 @@ def test_a_guest_port_is_reachable_through_the_data_plane(server, sandbox):
     assert closed.status_code == 502 and "port is not open" in closed.json()["message"]
     bad = httpx.get(f"{server.url}/", headers={**headers, "E2b-Sandbox-Port": "99999"}, timeout=30)
     assert bad.status_code == 400
-    # Without the sandbox's token: refused.
-    r = httpx.get(f"{server.url}/index.html", headers={**headers, "X-Access-Token": "nope"}, timeout=30)
-    assert r.status_code == 401
+    # User ports are public unless the create said `allowPublicTraffic: false`, as in E2B (a private one:
+    # test_host_routing.py): no token, or a wrong one, still reaches them.
+    public = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8765", "X-Access-Token": "nope"}
+    r = httpx.get(f"{server.url}/index.html", headers=public, timeout=30)
+    assert r.status_code == 200 and r.text == f"hello {token}"
     # The traffic token of the create answer opens user ports (as the code interpreter sends it), not envd.
     traffic = sandbox.traffic_access_token
     assert traffic and traffic != detail["envdAccessToken"]
@@ -66,6 +69,6 @@ def test_an_http_upgrade_reaches_a_guest_port(server, sandbox):
     # envd's port takes no upgrade: the request goes on as plain HTTP, without the upgrade.
     status, _ = upgrade_roundtrip(server.url, {**headers, "E2b-Sandbox-Port": "49983"}, b"x")
     assert not status.startswith("HTTP/1.1 101"), status
-    # Without the sandbox's token: refused before any upgrade.
-    status, _ = upgrade_roundtrip(server.url, {**headers, "X-Access-Token": "nope"}, b"x")
+    # envd's port without the sandbox's token: refused before any upgrade.
+    status, _ = upgrade_roundtrip(server.url, {**headers, "E2b-Sandbox-Port": "49983", "X-Access-Token": "nope"}, b"x")
     assert status.startswith("HTTP/1.1 401"), status

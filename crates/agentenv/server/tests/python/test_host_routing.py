@@ -1,0 +1,126 @@
+"""E2B's host routing: with `--sandbox-domain`, answers name the domain, so the SDK's `get_host(port)` is
+`<port>-<sandbox id>.<domain>`, and a request for that host reaches that port of that sandbox with no header
+of ours. User ports are public unless the create said `allowPublicTraffic: false` (as in E2B); envd's port
+always needs the access token and keeps its host-only paths.
+
+The wildcard DNS name a deployment gives `*.<domain>` is stood in for by resolving `*.sbx.test` to loopback
+inside this process."""
+
+import os
+import secrets
+import socket
+import tempfile
+import shutil
+import time
+
+import httpx
+import pytest
+
+from conftest import Server
+
+DOMAIN_NAME = "sbx.test"
+
+
+@pytest.fixture(scope="module")
+def routed(server):
+    state = tempfile.mkdtemp(prefix="agentenv-pytest-")
+    srv = Server(os.environ["AGENTENV_BIN"], state)
+    domain = f"{DOMAIN_NAME}:{srv.port}"
+    srv.extra_args += ["--sandbox-domain", domain.upper()]
+    srv.start()
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=srv.api_key)
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):
+        if isinstance(host, str) and host.endswith("." + DOMAIN_NAME):
+            host = "127.0.0.1"
+        return real(host, *args, **kwargs)
+
+    socket.getaddrinfo = resolve
+    try:
+        yield srv, domain
+    finally:
+        socket.getaddrinfo = real
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        srv.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def get_until_up(url, **kw):
+    deadline = time.time() + 60
+    while True:
+        r = httpx.get(url, timeout=30, **kw)
+        if r.status_code != 502 or time.time() > deadline:
+            return r
+        time.sleep(0.5)
+
+
+def test_get_host_names_a_sandbox_port_that_answers_by_host_alone(routed):
+    from e2b import Sandbox
+
+    srv, domain = routed
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        port = 8000 + secrets.randbelow(900)
+        host = sbx.get_host(port)
+        assert host == f"{port}-{sbx.sandbox_id}.{domain}"
+        token = secrets.token_hex(8)
+        sbx.files.write("/home/user/www/index.html", f"hello {token}")
+        sbx.commands.run(f"cd /home/user/www && python3 -m http.server {port}", background=True)
+        # Public by default: no token, no header of ours, only the host.
+        r = get_until_up(f"http://{host}/index.html")
+        assert r.status_code == 200 and r.text == f"hello {token}", r.text
+        # Whatever sandbox headers a client adds, the host decides.
+        r = httpx.get(f"http://{host}/index.html", timeout=30,
+                      headers={"E2b-Sandbox-Id": "someone-else", "E2b-Sandbox-Port": "49983"})
+        assert r.status_code == 200 and r.text == f"hello {token}"
+        # A closed port of it is a 502 naming the port.
+        closed = httpx.get(f"http://{port + 1}-{sbx.sandbox_id}.{domain}/", timeout=30)
+        assert closed.status_code == 502 and "port is not open" in closed.json()["message"]
+        # envd's port needs the access token, and its host-only paths stay closed.
+        envd = f"http://49983-{sbx.sandbox_id}.{domain}"
+        detail = httpx.get(f"{srv.url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": srv.api_key}).json()
+        assert detail["domain"] == domain
+        assert httpx.get(f"{envd}/health", timeout=30).status_code == 401
+        ok = httpx.get(f"{envd}/health", headers={"X-Access-Token": detail["envdAccessToken"]}, timeout=30)
+        assert ok.status_code in (200, 204), ok.text
+        init = httpx.post(f"{envd}/init", json={}, headers={"X-Access-Token": detail["envdAccessToken"]}, timeout=30)
+        assert init.status_code == 403
+        # A sandbox that does not exist, and the server's own API on its own host.
+        gone = httpx.get(f"http://{port}-nosuchsandbox.{domain}/", timeout=30)
+        assert gone.status_code == 502 and "not found" in gone.json()["message"]
+        assert httpx.get(f"{srv.url}/sandboxes", headers={"X-API-KEY": srv.api_key}).status_code == 200
+    finally:
+        sbx.kill()
+
+
+def test_a_sandbox_without_public_traffic_needs_its_traffic_token(routed):
+    from e2b import Sandbox
+
+    srv, domain = routed
+    created = httpx.post(f"{srv.url}/sandboxes", headers={"X-API-KEY": srv.api_key}, timeout=300,
+                         json={"templateID": "base", "timeout": 300, "network": {"allowPublicTraffic": False}})
+    assert created.status_code == 201, created.text
+    info = created.json()
+    sbx = Sandbox.connect(info["sandboxID"])
+    try:
+        port = 8000 + secrets.randbelow(900)
+        sbx.commands.run(f"cd /tmp && echo private > p.txt && python3 -m http.server {port}", background=True)
+        url = f"http://{port}-{info['sandboxID']}.{domain}/p.txt"
+        deadline = time.time() + 60
+        while True:
+            r = httpx.get(url, headers={"E2B-Traffic-Access-Token": info["trafficAccessToken"]}, timeout=30)
+            if r.status_code == 200 or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert r.status_code == 200 and r.text == "private\n", r.text
+        assert httpx.get(url, timeout=30).status_code == 401
+        wrong = httpx.get(url, headers={"E2B-Traffic-Access-Token": "nope"}, timeout=30)
+        assert wrong.status_code == 401
+    finally:
+        sbx.kill()
