@@ -72,6 +72,7 @@ impl From<LifecycleError> for ApiError {
             L::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
             L::DeadlineExceeded { .. } => StatusCode::GATEWAY_TIMEOUT,
             L::QuotaExceeded(_) => StatusCode::TOO_MANY_REQUESTS,
+            L::StorageFull(_) => StatusCode::INSUFFICIENT_STORAGE,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             // The cause names host paths and internals: it goes to the log, not to the client.
@@ -216,6 +217,7 @@ mod tests {
             (L::from(VmError::NotPaused("x".into())), S::CONFLICT),
             (L::from(VmError::SnapshotNotFound("x".into())), S::NOT_FOUND),
             (L::QuotaExceeded(why()), S::TOO_MANY_REQUESTS),
+            (L::StorageFull(why()), S::INSUFFICIENT_STORAGE),
             (
                 L::DeadlineExceeded {
                     op: "pause",

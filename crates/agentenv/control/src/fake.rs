@@ -30,6 +30,8 @@ pub struct FakeBackend {
     pub net_off: Mutex<Option<String>>,
     /// Snapshots report their chunks stored at once (a shared bucket that is never slow).
     pub store_snapshots: std::sync::atomic::AtomicBool,
+    /// Bytes each new snapshot occupies on disk (`SnapshotInfo::bytes`).
+    pub snapshot_bytes: std::sync::atomic::AtomicU64,
     /// Snapshots report that storing them failed, with this reason.
     pub store_failure: Mutex<Option<String>>,
     /// Sandboxes paused without memory, with the environment their last cold boot got.
@@ -235,7 +237,7 @@ impl VmBackend for FakeBackend {
                 template_id: "base".into(),
                 mode,
                 created_at: format!("2026-12-01T00:00:{:02}Z", snaps.len()),
-                bytes: 0,
+                bytes: self.snapshot_bytes.load(Ordering::Relaxed),
                 vcpus: 1,
                 memory_mib: 256,
                 paused_ms: 0.0,

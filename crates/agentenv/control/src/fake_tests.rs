@@ -11,7 +11,7 @@ pub(crate) async fn open(dir: &std::path::Path, fake: Arc<FakeBackend>) -> Arc<S
     open_with(dir, fake, LifecycleConfig::default()).await
 }
 
-async fn open_with(
+pub(crate) async fn open_with(
     dir: &std::path::Path,
     fake: Arc<FakeBackend>,
     cfg: LifecycleConfig,
@@ -479,6 +479,7 @@ async fn quotas_answer_429_and_hold_under_concurrency() {
             max_running: Some(max_running),
             max_paused: Some(1),
             max_memory_mb: None,
+            ..Default::default()
         },
         ..Default::default()
     };

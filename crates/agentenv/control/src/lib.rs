@@ -18,6 +18,8 @@ pub mod fake;
 pub mod keys;
 #[cfg(test)]
 mod pause_tests;
+#[cfg(test)]
+mod quota_tests;
 pub mod ratelimit;
 pub mod sandboxes;
 pub mod store;

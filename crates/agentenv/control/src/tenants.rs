@@ -20,21 +20,28 @@ use crate::keys::{self, KeyError};
 use crate::ratelimit::{Bucket, RateLimit};
 
 /// Limits on what may be held at once (`None`: no limit): by the whole server, or by one key.
-/// Exceeding one answers 429.
+/// Exceeding one answers 429. A field missing from `keys.json` (a key made before it existed) reads
+/// as `None`, as every field here does.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Quota {
     pub max_running: Option<usize>,
     pub max_paused: Option<usize>,
     /// Total memory of running sandboxes, MiB.
     pub max_memory_mb: Option<u64>,
+    /// Snapshots held at once (an API-built template is one too).
+    pub max_snapshots: Option<usize>,
+    /// What those snapshots occupy on this node's disk together, GiB.
+    pub max_snapshot_gb: Option<u64>,
 }
 
 impl Quota {
     /// A new named key's limits unless `agentenv keys create` is told otherwise: 20 running and 100
-    /// paused sandboxes, 16 GiB of running memory.
+    /// paused sandboxes, 16 GiB of running memory, 100 snapshots of 50 GiB together.
     pub const KEY_DEFAULT_RUNNING: usize = 20;
     pub const KEY_DEFAULT_PAUSED: usize = 100;
     pub const KEY_DEFAULT_MEMORY_MB: u64 = 16 << 10;
+    pub const KEY_DEFAULT_SNAPSHOTS: usize = 100;
+    pub const KEY_DEFAULT_SNAPSHOT_GB: u64 = 50;
 }
 
 /// The tenant of the key in `<state>/server/api_key`.

@@ -61,6 +61,11 @@ pub struct RuntimeConfig {
     /// Most warm VMs per image while its creates come in bursts ([`crate::lifecycle::warm`]); below `warm_vms`
     /// counts as `warm_vms`.
     pub warm_vms_max: usize,
+    /// Most warm VMs of all images together (the server's, counted against no key): the least recently
+    /// used images' pools are drained first to stay within it. 0: none are kept.
+    pub max_warm_vms: usize,
+    /// An image with no create for this long keeps no warm VM.
+    pub warm_idle: std::time::Duration,
     /// How long a paused sandbox's QEMU stays, stopped, so that a resume only continues it
     /// ([`crate::Runtime::pause`]). Zero: it exits at once.
     pub keep_paused: std::time::Duration,
@@ -71,6 +76,10 @@ pub struct RuntimeConfig {
     pub registry_allow: Vec<agentenv_oci::AllowedNet>,
 }
 
+/// Default of [`RuntimeConfig::max_warm_vms`].
+pub const DEFAULT_MAX_WARM_VMS: usize = 16;
+/// Default of [`RuntimeConfig::warm_idle`]: 10 minutes.
+pub const DEFAULT_WARM_IDLE: std::time::Duration = std::time::Duration::from_secs(600);
 /// Bound of the default local chunk store.
 pub const DEFAULT_STORE_BYTES: u64 = 32 << 30;
 /// Chunk size of RAM files in a store without a bucket: a guest page. A guest's RAM changes in scattered
@@ -97,6 +106,8 @@ impl RuntimeConfig {
             network: None,
             warm_vms: 2,
             warm_vms_max: 8,
+            max_warm_vms: DEFAULT_MAX_WARM_VMS,
+            warm_idle: DEFAULT_WARM_IDLE,
             keep_paused: std::time::Duration::from_secs(30),
             lazy_disks: LazyDiskMode::Auto,
             registry_allow: Vec::new(),

@@ -209,7 +209,15 @@ impl Runtime {
             },
             prepared::Prepared::PER_IMAGE,
         ));
-        let warm = warm::WarmPool::new(cfg.state_dir.join("vms"), cfg.warm_vms, cfg.warm_vms_max);
+        let warm = warm::WarmPool::new(
+            cfg.state_dir.join("vms"),
+            warm::Sizes {
+                per_image: cfg.warm_vms,
+                max_per_image: cfg.warm_vms_max,
+                max_total: cfg.max_warm_vms,
+                idle: cfg.warm_idle,
+            },
+        );
         let inner = Arc::new(Inner {
             cfg,
             vmm,

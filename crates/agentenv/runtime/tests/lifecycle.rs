@@ -189,6 +189,43 @@ async fn warm_vms_serve_creates_as_distinct_machines() {
     );
 }
 
+/// The warm VMs of all images stay within the server-wide budget (`max_warm_vms`, here below the
+/// per-image floor), and an image idle for `warm_idle` keeps none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_vms_stay_within_their_budget_and_go_when_their_image_is_idle() {
+    use std::time::{Duration, Instant};
+    let state = StateDir::new();
+    let idle = Duration::from_secs(20);
+    let rt = common::runtime_with(state.path(), |c| {
+        (c.warm_vms, c.max_warm_vms, c.warm_idle) = (2, 1, idle);
+    })
+    .await;
+    let id = format!("wb-{}", &token()[..8]);
+    let before = Instant::now();
+    rt.create(spec(&id)).await.expect("create");
+    let used = Instant::now();
+    let vms = state.path().join("vms");
+    while common::qemu_pids_under(&vms).is_empty() {
+        assert!(used.elapsed() < idle, "no warm VM made");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A second one (the image's floor is 2) would have come by now: the budget holds it back.
+    while used.elapsed() < idle / 2 {
+        let n = common::qemu_pids_under(&vms).len();
+        assert_eq!(n, 1, "{n} warm VMs with a budget of 1");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // No create since: once the image is idle, its warm VM goes.
+    while !common::qemu_pids_under(&vms).is_empty() {
+        assert!(used.elapsed() < 2 * idle, "the idle image kept its warm VM");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(before.elapsed() >= idle, "went before the image was idle");
+    rt.kill(&id).await.expect("kill");
+    rt.close().await;
+    assert!(common::qemu_pids_under(state.path()).is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pause_and_resume_keep_files_and_processes() {
     let state = StateDir::new();

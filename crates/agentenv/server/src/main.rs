@@ -10,6 +10,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use agentenv_server::app::{self, AppState, DEFAULT_MAX_UPLOAD_BYTES, ServerConfig};
 use agentenv_server::{keys, openapi, runtime_backend};
 
+mod keys_cli;
+use keys_cli::{KeysCommand, manage_keys};
+
 #[derive(Parser)]
 #[command(
     name = "agentenv",
@@ -117,32 +120,6 @@ struct GatewayArgs {
     log_json: bool,
 }
 
-#[derive(Subcommand)]
-enum KeysCommand {
-    /// Make a key; it is printed once and stored only as its SHA-256.
-    Create {
-        /// Tenant name: 1-24 of [a-z0-9-], starting with a letter.
-        name: String,
-        /// Most running sandboxes of this key at once (429 beyond; 0: no limit).
-        #[arg(long, default_value_t = agentenv_server::sandboxes::Quota::KEY_DEFAULT_RUNNING)]
-        max_running: usize,
-        /// Most paused sandboxes of this key at once (0: no limit).
-        #[arg(long, default_value_t = agentenv_server::sandboxes::Quota::KEY_DEFAULT_PAUSED)]
-        max_paused: usize,
-        /// Most memory of this key's running sandboxes together, MiB (0: no limit).
-        #[arg(long, default_value_t = agentenv_server::sandboxes::Quota::KEY_DEFAULT_MEMORY_MB)]
-        max_memory_mb: u64,
-    },
-    /// List the keys (names, prefixes, quotas; never the keys).
-    Ls {
-        /// As JSON.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Revoke a key; a running server refuses it from its next request on.
-    Revoke { name: String },
-}
-
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
 enum LazyArg {
     /// Imported template disks stay in the chunk store, served over NBD.
@@ -200,6 +177,10 @@ struct ServeArgs {
     /// Most memory of running sandboxes together, MiB (429 beyond).
     #[arg(long)]
     max_memory_mb: Option<u64>,
+    /// Most disk all snapshots on this node occupy together, GiB: past it, new snapshots are refused
+    /// (507). Unset: no budget.
+    #[arg(long, env = "AGENTENV_MAX_STORED_GB")]
+    max_stored_gb: Option<u64>,
     /// Control-plane requests per second of the API key (0: unlimited); bursts of twice as many.
     #[arg(long, default_value_t = agentenv_server::ratelimit::DEFAULT_RATE_LIMIT.per_second)]
     rate_limit: f64,
@@ -269,6 +250,13 @@ struct ServeArgs {
     /// last 5 minutes sets the pool's size, between --warm-vms and this).
     #[arg(long, env = "AGENTENV_WARM_VMS_MAX", default_value_t = 8)]
     warm_vms_max: usize,
+    /// Most warm VMs of all templates and snapshots together; the least recently used ones' VMs are
+    /// stopped first to stay within it (0: none are kept).
+    #[arg(long, env = "AGENTENV_MAX_WARM_VMS", default_value_t = agentenv_runtime::config::DEFAULT_MAX_WARM_VMS)]
+    max_warm_vms: usize,
+    /// Seconds without a create after which a template or snapshot keeps no warm VM.
+    #[arg(long, default_value_t = agentenv_runtime::config::DEFAULT_WARM_IDLE.as_secs())]
+    warm_idle_s: u64,
     /// Seconds a paused sandbox's QEMU stays, stopped, so that a resume only continues it (0: it
     /// exits at once; the pause is committed to disk either way).
     #[arg(long, default_value_t = 30)]
@@ -368,60 +356,6 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-fn manage_keys(state_dir: &std::path::Path, command: KeysCommand) -> anyhow::Result<()> {
-    use agentenv_server::tenants;
-    match command {
-        KeysCommand::Create {
-            name,
-            max_running,
-            max_paused,
-            max_memory_mb,
-        } => {
-            let quota = agentenv_server::sandboxes::Quota {
-                max_running: (max_running > 0).then_some(max_running),
-                max_paused: (max_paused > 0).then_some(max_paused),
-                max_memory_mb: (max_memory_mb > 0).then_some(max_memory_mb),
-            };
-            let (key, _) = tenants::create_key(state_dir, &name, quota)?;
-            eprintln!("key {name:?} created; it is shown only this once:");
-            println!("{key}");
-        }
-        KeysCommand::Ls { json } => {
-            let keys = tenants::list_keys(state_dir)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&keys)?);
-                return Ok(());
-            }
-            let limit = |v: Option<String>| v.unwrap_or_else(|| "-".into());
-            println!(
-                "{:<24} {:<14} {:<24} {:<8} {:>7} {:>6} {:>8}",
-                "NAME", "PREFIX", "CREATED", "STATE", "RUNNING", "PAUSED", "MEM MiB"
-            );
-            for k in keys {
-                println!(
-                    "{:<24} {:<14} {:<24} {:<8} {:>7} {:>6} {:>8}",
-                    k.name,
-                    format!("{}…", k.prefix),
-                    k.created_at,
-                    if k.revoked_at.is_some() {
-                        "revoked"
-                    } else {
-                        "active"
-                    },
-                    limit(k.quota.max_running.map(|v| v.to_string())),
-                    limit(k.quota.max_paused.map(|v| v.to_string())),
-                    limit(k.quota.max_memory_mb.map(|v| v.to_string())),
-                );
-            }
-        }
-        KeysCommand::Revoke { name } => {
-            tenants::revoke_key(state_dir, &name)?;
-            println!("key {name:?} revoked");
-        }
-    }
-    Ok(())
-}
-
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let format = if args.log_json {
         k3_common::telemetry::LogFormat::Json
@@ -454,6 +388,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     cfg.ram_dir = args.ram_dir;
     cfg.warm_vms = args.warm_vms;
     cfg.warm_vms_max = args.warm_vms_max;
+    cfg.max_warm_vms = args.max_warm_vms;
+    cfg.warm_idle = std::time::Duration::from_secs(args.warm_idle_s);
     cfg.lazy_disks = match args.lazy_disks {
         LazyArg::Auto => agentenv_runtime::LazyDiskMode::Auto,
         LazyArg::Off => agentenv_runtime::LazyDiskMode::Off,
@@ -539,7 +475,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shared_store = cfg_has_bucket;
     let backend: Arc<dyn agentenv_server::backend::VmBackend> =
         Arc::new(agentenv_server::runtime_backend::RuntimeBackend(runtime));
-    let state = AppState::open(
+    let mut state = AppState::open(
         backend,
         ServerConfig {
             state_dir: state_dir.clone(),
@@ -551,7 +487,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     max_running: args.max_running,
                     max_paused: args.max_paused,
                     max_memory_mb: args.max_memory_mb,
+                    ..Default::default()
                 },
+                max_stored_gb: args.max_stored_gb,
                 ..Default::default()
             },
             rate_limit: (args.rate_limit > 0.0).then_some(agentenv_server::ratelimit::RateLimit {

@@ -64,6 +64,10 @@ fn a_new_key_has_limits_unless_told_otherwise() {
             "0",
             "--max-memory-mb",
             "0",
+            "--max-snapshots",
+            "0",
+            "--max-snapshot-gb",
+            "0",
         ],
     ] {
         let out = agentenv(t.path(), &args);
@@ -85,10 +89,16 @@ fn a_new_key_has_limits_unless_told_otherwise() {
     };
     assert_eq!(
         quota("plain"),
-        serde_json::json!({"max_running": 20, "max_paused": 100, "max_memory_mb": 16384})
+        serde_json::json!({"max_running": 20, "max_paused": 100, "max_memory_mb": 16384,
+            "max_snapshots": 100, "max_snapshot_gb": 50})
     );
     assert_eq!(
         quota("open"),
-        serde_json::json!({"max_running": null, "max_paused": null, "max_memory_mb": null})
+        serde_json::json!({"max_running": null, "max_paused": null, "max_memory_mb": null,
+            "max_snapshots": null, "max_snapshot_gb": null})
     );
+    let out = agentenv(t.path(), &["keys", "--state-dir", d, "ls"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    let row = table.lines().find(|l| l.starts_with("plain ")).unwrap();
+    assert!(row.ends_with("  100       50"), "{table}");
 }

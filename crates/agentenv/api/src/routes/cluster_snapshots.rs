@@ -5,7 +5,9 @@ use super::*;
 #[utoipa::path(post, path = "/sandboxes/{sandboxID}/snapshots", tag = "snapshots", request_body = SnapshotRequest,
     params(("sandboxID" = String, Path)),
     responses((status = 201, body = SnapshotView), (status = 400, body = ErrorBody), (status = 401, body = ErrorBody),
-        (status = 404, body = ErrorBody)),
+        (status = 404, body = ErrorBody),
+        (status = 429, body = ErrorBody, description = "past the key's snapshot quota (count or bytes)"),
+        (status = 507, body = ErrorBody, description = "past the server's budget for stored snapshots")),
     security(("ApiKeyAuth" = [])))]
 pub async fn create_snapshot(
     State(s): State<AppState>,

@@ -15,6 +15,7 @@ use crate::sandboxes::{LifecycleConfig, Quota};
 use crate::tenants;
 
 mod matrix;
+mod quotas;
 mod uploads;
 
 struct Api {

@@ -221,6 +221,7 @@ impl Sandboxes {
                 running: 1,
                 paused: 0,
                 memory_mb: u64::from(rec.memory_mb),
+                ..Usage::default()
             },
         )?;
         let network = handoff

@@ -1,4 +1,4 @@
-//! Lifecycle settings: deadlines of runtime calls, paused retention, quotas.
+//! Lifecycle settings: deadlines of runtime calls, paused retention, quotas, the stored-bytes budget.
 
 use std::time::Duration;
 
@@ -37,6 +37,9 @@ pub struct LifecycleConfig {
     /// A paused sandbox is deleted this long after it was paused.
     pub paused_retention: Duration,
     pub quota: Quota,
+    /// What all snapshots on this node's disk may occupy together, GiB (`None`: no budget): past it,
+    /// new snapshots are refused ([`crate::LifecycleError::StorageFull`]).
+    pub max_stored_gb: Option<u64>,
 }
 
 /// Default retention of paused sandboxes: 30 days.
@@ -48,6 +51,7 @@ impl Default for LifecycleConfig {
             deadlines: Deadlines::default(),
             paused_retention: DEFAULT_PAUSED_RETENTION,
             quota: Quota::default(),
+            max_stored_gb: None,
         }
     }
 }

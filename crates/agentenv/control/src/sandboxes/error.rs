@@ -31,6 +31,9 @@ pub enum LifecycleError {
     /// The operation would take the key over one of its quotas.
     #[error("quota exceeded: {0}")]
     QuotaExceeded(String),
+    /// The server's budget for snapshots on its disk is spent (`LifecycleConfig::max_stored_gb`).
+    #[error("{0}")]
+    StorageFull(String),
     /// A runtime call missed its deadline; the VM was killed and the sandbox is gone.
     #[error("{op} of sandbox {id} missed its {secs:.0} s deadline; the VM was killed")]
     DeadlineExceeded {

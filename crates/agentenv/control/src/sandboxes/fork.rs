@@ -29,6 +29,7 @@ impl Sandboxes {
                 running: count as usize,
                 paused: 0,
                 memory_mb: u64::from(count) * u64::from(src.memory_mb),
+                ..Usage::default()
             },
         )?;
         let ids: Vec<String> = (0..count).map(|_| keys::generate_sandbox_id()).collect();

@@ -311,6 +311,7 @@ impl Sandboxes {
                 running: 1,
                 paused: 0,
                 memory_mb: u64::from(source.memory_mb),
+                ..Usage::default()
             },
         )?;
         let id = keys::generate_sandbox_id();

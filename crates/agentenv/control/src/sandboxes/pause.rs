@@ -24,6 +24,7 @@ impl Sandboxes {
                 running: 0,
                 paused: 1,
                 memory_mb: 0,
+                ..Usage::default()
             },
         )?;
         self.within(
@@ -64,6 +65,7 @@ impl Sandboxes {
                     running: 1,
                     paused: 0,
                     memory_mb: u64::from(rec.memory_mb),
+                    ..Usage::default()
                 },
             )?;
             self.within(

@@ -1,5 +1,7 @@
-//! Quotas: what running and paused sandboxes (and operations in flight) hold, checked before each
-//! operation that adds to them.
+//! Quotas: what running and paused sandboxes, snapshots (and operations in flight) hold, checked
+//! before each operation that adds to them. A snapshot's bytes are known only once it is taken: a
+//! snapshot is refused when its key's snapshots (or all of this node's) already fill their bytes, and
+//! undone when it takes them over ([`Sandboxes::check_stored`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -8,13 +10,18 @@ use super::{LifecycleError, Quota, Result, Sandboxes};
 use crate::sandboxes::SandboxState;
 use crate::store::SandboxRecord;
 
-/// Running and paused sandboxes, and the memory of the running ones (MiB).
+/// Running and paused sandboxes, the memory of the running ones (MiB), and snapshots with their bytes
+/// on this node's disk (bytes only of snapshots taken: one in flight counts as 0).
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Usage {
     pub(super) running: usize,
     pub(super) paused: usize,
     pub(super) memory_mb: u64,
+    pub(super) snapshots: usize,
+    pub(super) snapshot_bytes: u64,
 }
+
+const GIB: u64 = 1 << 30;
 
 /// What operations in flight will add: in all, and per tenant.
 #[derive(Debug, Default)]
@@ -36,6 +43,8 @@ impl Usage {
             running: self.running + o.running,
             paused: self.paused + o.paused,
             memory_mb: self.memory_mb + o.memory_mb,
+            snapshots: self.snapshots + o.snapshots,
+            snapshot_bytes: self.snapshot_bytes + o.snapshot_bytes,
         }
     }
     fn minus(self, o: Usage) -> Usage {
@@ -43,20 +52,28 @@ impl Usage {
             running: self.running - o.running,
             paused: self.paused - o.paused,
             memory_mb: self.memory_mb - o.memory_mb,
+            snapshots: self.snapshots - o.snapshots,
+            snapshot_bytes: self.snapshot_bytes - o.snapshot_bytes,
         }
     }
     fn of(r: &SandboxRecord) -> Usage {
         match r.state {
             SandboxState::Running => Usage {
                 running: 1,
-                paused: 0,
                 memory_mb: u64::from(r.memory_mb),
+                ..Usage::default()
             },
             SandboxState::Paused => Usage {
-                running: 0,
                 paused: 1,
-                memory_mb: 0,
+                ..Usage::default()
             },
+        }
+    }
+    /// One more snapshot (its bytes unknown until it is taken).
+    pub(super) fn snapshot() -> Usage {
+        Usage {
+            snapshots: 1,
+            ..Usage::default()
         }
     }
 }
@@ -93,6 +110,12 @@ fn over(who: &str, quota: &Quota, used: Usage, add: Usage) -> Option<String> {
             add.memory_mb,
             quota.max_memory_mb,
         ),
+        (
+            "snapshots",
+            used.snapshots as u64,
+            add.snapshots as u64,
+            limit(quota.max_snapshots),
+        ),
     ];
     checks
         .into_iter()
@@ -102,6 +125,33 @@ fn over(who: &str, quota: &Quota, used: Usage, add: Usage) -> Option<String> {
             )),
             _ => None,
         })
+        .or_else(|| match quota.max_snapshot_gb {
+            // A new snapshot's size is known only once it is taken: refused when the others fill the bytes.
+            Some(gb) if add.snapshots > 0 && used.snapshot_bytes >= gb.saturating_mul(GIB) => {
+                Some(bytes_over(who, used.snapshot_bytes, gb))
+            }
+            _ => None,
+        })
+}
+
+fn bytes_over(who: &str, used: u64, gb: u64) -> String {
+    format!(
+        "{who}snapshots on this node's disk: {:.2} GiB stored, the limit is {gb} GiB",
+        used as f64 / GIB as f64
+    )
+}
+
+/// Why snapshots holding `used` bytes pass the server's stored-bytes budget of `gb` GiB (with room for
+/// none more when `full` holds), if they do.
+fn storage_over(max_gb: Option<u64>, used: u64, full: bool) -> Option<String> {
+    let max = max_gb?.saturating_mul(GIB);
+    (used > max || (full && used >= max)).then(|| {
+        format!(
+            "this server's snapshot storage is full: {:.2} GiB stored, the budget is {} GiB",
+            used as f64 / GIB as f64,
+            max / GIB
+        )
+    })
 }
 
 impl Sandboxes {
@@ -110,12 +160,32 @@ impl Sandboxes {
         self.reserved.lock().expect("reservations").total
     }
 
-    /// Reserves `add` for tenant `owner`: records plus operations in flight plus `add` must fit both the
-    /// server's quota and the tenant's.
+    /// Snapshots of this node and their bytes: in all, and `owner`'s.
+    fn stored(&self, owner: &str) -> (Usage, Usage) {
+        self.backend.snapshots().into_iter().fold(
+            (Usage::default(), Usage::default()),
+            |(all, own), s| {
+                let u = Usage {
+                    snapshots: 1,
+                    snapshot_bytes: s.bytes,
+                    ..Usage::default()
+                };
+                let own = match self.owners.snapshot_owner(&s.id) == owner {
+                    true => own.plus(u),
+                    false => own,
+                };
+                (all.plus(u), own)
+            },
+        )
+    }
+
+    /// Reserves `add` for tenant `owner`: records (and, for a snapshot, the snapshots there are) plus
+    /// operations in flight plus `add` must fit both the server's quota and the tenant's, and a snapshot
+    /// the server's stored-bytes budget.
     pub(super) fn reserve(&self, owner: &str, add: Usage) -> Result<Reservation> {
         let tenant_quota = self.ring.quota_of(owner);
         let records = self.records.lock().expect("records");
-        let (all, own) =
+        let (mut all, mut own) =
             records
                 .values()
                 .fold((Usage::default(), Usage::default()), |(all, own), r| {
@@ -124,6 +194,15 @@ impl Sandboxes {
                     (all.plus(u), own)
                 });
         let mut reserved = self.reserved.lock().expect("reservations");
+        if add.snapshots > 0 {
+            // Listed under the reservations' lock: a snapshot just taken is listed before its
+            // reservation goes, so it is counted at least once.
+            let (s_all, s_own) = self.stored(owner);
+            (all, own) = (all.plus(s_all), own.plus(s_own));
+            if let Some(why) = storage_over(self.cfg.max_stored_gb, all.snapshot_bytes, true) {
+                return Err(LifecycleError::StorageFull(why));
+            }
+        }
         let own_reserved = reserved.by_owner.get(owner).copied().unwrap_or_default();
         let why = over("", &self.cfg.quota, all.plus(reserved.total), add).or_else(|| {
             over(
@@ -144,5 +223,28 @@ impl Sandboxes {
             owner: owner.to_string(),
             pool: self.reserved.clone(),
         })
+    }
+
+    /// After a snapshot of `owner` was taken: an error when the bytes of `owner`'s snapshots or of all
+    /// this node's now pass their limit (the caller undoes the snapshot).
+    pub(super) fn check_stored(&self, owner: &str) -> Result<()> {
+        let (all, own) = self.stored(owner);
+        if let Some(why) = storage_over(self.cfg.max_stored_gb, all.snapshot_bytes, false) {
+            return Err(LifecycleError::StorageFull(why));
+        }
+        let (key, tenant) = (format!("key {owner}: "), self.ring.quota_of(owner));
+        for (who, quota, used) in [("", &self.cfg.quota, all), (key.as_str(), &tenant, own)] {
+            match quota.max_snapshot_gb {
+                Some(gb) if used.snapshot_bytes > gb.saturating_mul(GIB) => {
+                    return Err(LifecycleError::QuotaExceeded(bytes_over(
+                        who,
+                        used.snapshot_bytes,
+                        gb,
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 }

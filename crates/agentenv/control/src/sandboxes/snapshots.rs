@@ -1,13 +1,15 @@
 //! Snapshots and templates as tenants see them: capture, list, import from a shared store, delete, build.
 
-use super::{Caller, LifecycleError, Result, Sandboxes, internal};
+use super::{Caller, LifecycleError, Result, Sandboxes, Usage, internal};
 use crate::backend::{SnapshotInfo, SnapshotMode, TemplateInfo, TemplateSpec, VmError};
 use crate::keys;
 use crate::tenants::{self, DEFAULT_TENANT};
 
 impl Sandboxes {
     /// Snapshots a sandbox. It keeps running (stopped only for the capture), with its id and expiry.
-    /// The snapshot is the sandbox owner's, and outlives the sandbox.
+    /// The snapshot is the sandbox owner's, and outlives the sandbox. Refused past the owner's
+    /// snapshot quota (count or bytes: [`LifecycleError::QuotaExceeded`]) or the server's stored-bytes
+    /// budget ([`LifecycleError::StorageFull`]); one whose bytes take either over is undone.
     pub async fn snapshot(
         &self,
         caller: &Caller,
@@ -33,10 +35,21 @@ impl Sandboxes {
             .iter()
             .map(|n| tenants::scoped_name(&owner, n).map_err(LifecycleError::Invalid))
             .collect::<Result<Vec<_>>>()?;
+        let _held = self.reserve(&owner, Usage::snapshot())?;
         let lock = self.op_lock(id);
         let _guard = lock.lock().await;
         self.get_as(caller, id)?;
         let sid = keys::generate_snapshot_id();
+        // Who holds each name now, to give it back should the new snapshot be undone.
+        let holders: Vec<(String, String)> = self
+            .backend
+            .snapshots()
+            .into_iter()
+            .flat_map(|s| {
+                let held: Vec<String> = s.names.into_iter().filter(|n| names.contains(n)).collect();
+                held.into_iter().map(move |n| (n, s.id.clone()))
+            })
+            .collect();
         let mode = if memory {
             SnapshotMode::Full
         } else {
@@ -55,7 +68,28 @@ impl Sandboxes {
         if r.is_err() && self.backend.snapshots().iter().all(|s| s.id != sid) {
             let _ = self.owners.forget_snapshot(&sid);
         }
-        r.map(|info| self.as_seen_by(&owner, info))
+        let info = r?;
+        if let Err(e) = self.check_stored(&owner) {
+            self.undo_snapshot(&sid, &holders);
+            return Err(e);
+        }
+        Ok(self.as_seen_by(&owner, info))
+    }
+
+    /// Undoes snapshot `sid` just taken: its names go back to the snapshots that held them, then it goes.
+    fn undo_snapshot(&self, sid: &str, holders: &[(String, String)]) {
+        for (name, holder) in holders {
+            if let Err(e) = self
+                .backend
+                .rename_snapshot(holder, std::slice::from_ref(name), &[])
+            {
+                tracing::warn!(snapshot = %holder, name = %name, error = %e, "giving a name back failed");
+            }
+        }
+        if let Err(e) = self.backend.delete_snapshot(sid) {
+            tracing::warn!(snapshot = %sid, error = %e, "deleting a snapshot over its limit failed");
+        }
+        let _ = self.owners.forget_snapshot(sid);
     }
 
     /// `info` with only the names of `owner`, as that tenant wrote them.

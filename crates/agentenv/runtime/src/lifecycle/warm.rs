@@ -4,8 +4,11 @@
 //! env and network: no process start, no state load and no mux handshake on its critical path.
 //!
 //! The pool of an image follows its demand: at least `warm_vms`, and up to `warm_vms_max` when creates
-//! of it come in bursts (the largest burst of the last [`PEAK_TTL`], counted over [`BURST_WINDOW`]).
-//! VMs above the demand are stopped once the peak has aged out.
+//! of it come in bursts (the largest burst of the last [`PEAK_TTL`], counted over [`BURST_WINDOW`]);
+//! none once the image has had no create for `warm_idle`. All pools together hold at most
+//! `max_warm_vms` ([`shares`]): the most recently used images are served first, so the least recently
+//! used ones are drained when another image needs room. VMs above the demand or the budget are stopped
+//! by a sweep ([`Runtime::trim_warm_later`]) or before a refill makes room for another.
 //!
 //! A warm VM's files live in `<state>/vms/w<n>/`; the sandbox that takes it records that folder
 //! (`VmRecord::vm_dir`). Warm VMs nobody took are killed when the runtime closes, and by the next
@@ -69,6 +72,8 @@ pub(crate) struct Demand {
     recent: std::collections::VecDeque<Instant>,
     peak: usize,
     peak_at: Instant,
+    /// The last create.
+    last: Instant,
 }
 
 impl Demand {
@@ -77,6 +82,7 @@ impl Demand {
             recent: Default::default(),
             peak: 0,
             peak_at: now,
+            last: now,
         }
     }
 
@@ -90,6 +96,7 @@ impl Demand {
             self.recent.pop_front();
         }
         self.recent.push_back(now);
+        self.last = self.last.max(now);
         let burst = self.recent.len();
         if burst >= self.peak || now.duration_since(self.peak_at) > PEAK_TTL {
             self.peak = burst;
@@ -97,8 +104,12 @@ impl Demand {
         }
     }
 
-    /// The pool size for this demand at `now`, between `floor` and `max`.
-    pub(crate) fn target(&self, now: Instant, floor: usize, max: usize) -> usize {
+    /// The pool size for this demand at `now`, between `floor` and `max`; 0 once the image has had no
+    /// create for `idle`.
+    pub(crate) fn target(&self, now: Instant, floor: usize, max: usize, idle: Duration) -> usize {
+        if now.saturating_duration_since(self.last) > idle {
+            return 0;
+        }
         let peak = if now.duration_since(self.peak_at) > PEAK_TTL {
             0
         } else {
@@ -108,16 +119,48 @@ impl Demand {
     }
 }
 
+/// Each image's share of a budget of `cap` warm VMs, from `wants` (image, last create, own target):
+/// by last create, newest first, each gets its own target while the budget lasts, so the least
+/// recently used get what is left, often none.
+pub(crate) fn shares<K: Clone + Eq + std::hash::Hash>(
+    mut wants: Vec<(K, Instant, usize)>,
+    cap: usize,
+) -> HashMap<K, usize> {
+    wants.sort_by_key(|w| std::cmp::Reverse(w.1));
+    let mut left = cap;
+    wants
+        .into_iter()
+        .map(|(k, _, want)| {
+            let got = want.min(left);
+            left -= got;
+            (k, got)
+        })
+        .collect()
+}
+
+/// How a [`WarmPool`] is sized (`RuntimeConfig::{warm_vms, warm_vms_max, max_warm_vms, warm_idle}`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sizes {
+    pub(crate) per_image: usize,
+    pub(crate) max_per_image: usize,
+    pub(crate) max_total: usize,
+    pub(crate) idle: Duration,
+}
+
 /// The warm VMs of one runtime.
 pub(crate) struct WarmPool {
     dir: PathBuf,
     per_image: usize,
     max_per_image: usize,
+    /// Warm VMs of all images together.
+    max_total: usize,
+    /// An image with no create for this long keeps none.
+    idle: Duration,
     demand: Mutex<HashMap<Key, Demand>>,
     ready: Mutex<HashMap<Key, Vec<WarmVm>>>,
     filling: Mutex<HashSet<Key>>,
-    /// Images with a trim scheduled.
-    trimming: Mutex<HashSet<Key>>,
+    /// Whether a sweep is scheduled.
+    trimming: std::sync::atomic::AtomicBool,
     /// One warm VM is made at a time: creates keep the cores.
     work: tokio::sync::Semaphore,
     next: AtomicU64,
@@ -128,16 +171,19 @@ pub(crate) struct WarmPool {
 const WARM_DEADLINE: Duration = Duration::from_secs(60);
 
 impl WarmPool {
-    /// A pool keeping `per_image` VMs per used image, up to `max_per_image` while creates come in bursts.
-    pub(crate) fn new(dir: PathBuf, per_image: usize, max_per_image: usize) -> WarmPool {
+    /// A pool keeping `per_image` VMs per recently used image, up to `max_per_image` while creates come
+    /// in bursts, and `max_total` in all.
+    pub(crate) fn new(dir: PathBuf, sizes: Sizes) -> WarmPool {
         WarmPool {
             dir,
-            per_image,
-            max_per_image: max_per_image.max(per_image),
+            per_image: sizes.per_image,
+            max_per_image: sizes.max_per_image.max(sizes.per_image),
+            max_total: sizes.max_total,
+            idle: sizes.idle,
             demand: Mutex::new(HashMap::new()),
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(HashSet::new()),
-            trimming: Mutex::new(HashSet::new()),
+            trimming: Default::default(),
             work: tokio::sync::Semaphore::new(1),
             next: AtomicU64::new(0),
             closed: Default::default(),
@@ -163,19 +209,33 @@ impl WarmPool {
             .record(now);
     }
 
-    /// How many warm VMs `key` should have now.
-    fn target(&self, key: &Key) -> usize {
+    /// How many warm VMs each image should have now (images missing: none), within the budget; images
+    /// idle past [`PEAK_TTL`] and `idle` are forgotten.
+    fn targets(&self) -> HashMap<Key, usize> {
         if self.per_image == 0 {
-            return 0;
+            return HashMap::new();
         }
         let now = Instant::now();
-        self.demand
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(key)
-            .map_or(self.per_image, |d| {
-                d.target(now, self.per_image, self.max_per_image)
+        let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+        demand.retain(|_, d| now.saturating_duration_since(d.last) <= self.idle.max(PEAK_TTL));
+        let wants = demand
+            .iter()
+            .map(|(k, d)| {
+                let want = d.target(now, self.per_image, self.max_per_image, self.idle);
+                (k.clone(), d.last, want)
             })
+            .collect();
+        shares(wants, self.max_total)
+    }
+
+    /// How many warm VMs `key` should have now.
+    fn target(&self, key: &Key) -> usize {
+        self.targets().get(key).copied().unwrap_or(0)
+    }
+
+    /// Warm VMs ready now, of all images.
+    fn total(&self) -> usize {
+        self.lock().values().map(Vec::len).sum()
     }
 
     /// Warm VMs ready now for the image on `disk` (with and without a network).
@@ -187,14 +247,21 @@ impl WarmPool {
             .sum()
     }
 
-    /// Takes out the warm VMs of `key` above its current target (the burst that sized it has aged out).
-    fn surplus(&self, key: &Key) -> Vec<WarmVm> {
-        let target = self.target(key);
+    /// Takes out the warm VMs above their image's current target (the burst that sized it aged out, the
+    /// image went idle, or images used more recently need the budget), oldest first.
+    fn surplus(&self) -> Vec<WarmVm> {
+        let targets = self.targets();
         let mut map = self.lock();
-        match map.get_mut(key) {
-            Some(v) if v.len() > target => v.drain(target..).collect(),
-            _ => vec![],
-        }
+        let out = map
+            .iter_mut()
+            .flat_map(|(k, v)| {
+                let keep = targets.get(k).copied().unwrap_or(0);
+                let over = v.len().saturating_sub(keep);
+                v.drain(..over).collect::<Vec<_>>()
+            })
+            .collect();
+        map.retain(|_, v| !v.is_empty());
+        out
     }
 
     /// A warm VM of `key` whose QEMU still runs.
@@ -305,7 +372,15 @@ impl Runtime {
                 let Ok(_permit) = pool.work.acquire().await else {
                     break;
                 };
-                if pool.closed.load(Ordering::SeqCst) {
+                // Room first: the VMs over their images' shares (the least recently used) go.
+                for w in pool.surplus() {
+                    rt.discard_warm(w).await;
+                }
+                let have = pool.lock().get(&key).map_or(0, Vec::len);
+                if pool.closed.load(Ordering::SeqCst)
+                    || have >= pool.target(&key)
+                    || pool.total() >= pool.max_total
+                {
                     break;
                 }
                 match rt.make_warm(&image, network).await {
@@ -324,43 +399,34 @@ impl Runtime {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&key);
-                if inner.warm.lock().get(&key).map_or(0, Vec::len) > inner.warm.per_image {
-                    Runtime { inner }.trim_warm_later(key);
-                }
+                Runtime { inner }.trim_warm_later();
             }
         });
     }
 
-    /// Once the burst that grew `key`'s pool has aged out, stops the VMs above its target (re-armed while
-    /// the pool stays above the floor).
-    fn trim_warm_later(&self, key: Key) {
-        if !self
-            .inner
-            .warm
-            .trimming
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key.clone())
-        {
+    /// While any warm VM is kept, sweeps the pools now and then: VMs above their image's target (a burst
+    /// aged out, the image went idle, the budget went to images used since) are stopped.
+    pub(crate) fn trim_warm_later(&self) {
+        let pool = &self.inner.warm;
+        if pool.total() == 0 || pool.trimming.swap(true, Ordering::SeqCst) {
             return;
         }
+        let every = (PEAK_TTL / 4)
+            .min(pool.idle / 4)
+            .max(Duration::from_millis(200));
         let weak = Arc::downgrade(&self.inner);
         tokio::spawn(async move {
             loop {
-                tokio::time::sleep(PEAK_TTL / 4).await;
+                tokio::time::sleep(every).await;
                 let Some(inner) = weak.upgrade() else { return };
                 let rt = Runtime { inner };
-                for w in rt.inner.warm.surplus(&key) {
+                let pool = &rt.inner.warm;
+                let _permit = pool.work.acquire().await;
+                for w in pool.surplus() {
                     rt.discard_warm(w).await;
                 }
-                let pool = &rt.inner.warm;
-                if pool.closed.load(Ordering::SeqCst)
-                    || pool.lock().get(&key).map_or(0, Vec::len) <= pool.per_image
-                {
-                    pool.trimming
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&key);
+                if pool.closed.load(Ordering::SeqCst) || pool.total() == 0 {
+                    pool.trimming.store(false, Ordering::SeqCst);
                     return;
                 }
             }
@@ -518,33 +584,112 @@ struct WarmVmParts {
 mod tests {
     use super::*;
 
+    const IDLE: Duration = Duration::from_secs(600);
+
     #[test]
     fn the_pool_follows_bursts_and_shrinks_once_they_age_out() {
         let t0 = Instant::now();
         let mut d = Demand::new(t0);
-        assert_eq!(d.target(t0, 2, 8), 2, "no creates: the floor");
+        assert_eq!(d.target(t0, 2, 8, IDLE), 2, "no creates: the floor");
         for i in 0..8 {
             d.record(t0 + Duration::from_millis(10 * i));
         }
         assert_eq!(
-            d.target(t0 + Duration::from_secs(1), 2, 8),
+            d.target(t0 + Duration::from_secs(1), 2, 8, IDLE),
             8,
             "a burst of 8"
         );
         // Spread-out creates afterwards keep the peak until it ages out.
         let later = t0 + Duration::from_secs(60);
         d.record(later);
-        assert_eq!(d.target(later, 2, 8), 8);
+        assert_eq!(d.target(later, 2, 8, IDLE), 8);
         let aged = t0 + PEAK_TTL + Duration::from_secs(1);
-        assert_eq!(d.target(aged, 2, 8), 2, "the burst aged out");
+        assert_eq!(d.target(aged, 2, 8, IDLE), 2, "the burst aged out");
         d.record(aged);
-        assert_eq!(d.target(aged, 2, 8), 2, "one create is no burst");
+        assert_eq!(d.target(aged, 2, 8, IDLE), 2, "one create is no burst");
         // A burst above the maximum is capped; the maximum is never below the floor.
         for i in 0..20 {
             d.record(aged + Duration::from_millis(i));
         }
-        assert_eq!(d.target(aged, 2, 8), 8);
-        assert_eq!(d.target(aged, 4, 3), 4);
-        assert_eq!(d.target(aged, 0, 0), 0);
+        assert_eq!(d.target(aged, 2, 8, IDLE), 8);
+        assert_eq!(d.target(aged, 4, 3, IDLE), 4);
+        assert_eq!(d.target(aged, 0, 0, IDLE), 0);
+    }
+
+    #[test]
+    fn an_image_idle_for_a_while_keeps_no_warm_vm() {
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(rand::random_range(60..1200));
+        let mut d = Demand::new(t0);
+        d.record(t0);
+        assert_eq!(d.target(t0 + idle, 2, 8, idle), 2, "not idle yet");
+        let later = t0 + idle + Duration::from_secs(1);
+        assert_eq!(d.target(later, 2, 8, idle), 0, "idle: none");
+        d.record(later);
+        assert_eq!(d.target(later, 2, 8, idle), 2, "used again: the floor");
+    }
+
+    #[test]
+    fn the_budget_goes_to_the_most_recently_used_images_first() {
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        // Used last: a, then c, then b.
+        let wants = || vec![("a", at(30), 2), ("b", at(10), 8), ("c", at(20), 8)];
+        let got = shares(wants(), 16);
+        assert_eq!((got["a"], got["c"], got["b"]), (2, 8, 6));
+        let cap = rand::random_range(0..20);
+        let got = shares(wants(), cap);
+        let a = cap.min(2);
+        let c = (cap - a).min(8);
+        assert_eq!((got["a"], got["c"], got["b"]), (a, c, (cap - a - c).min(8)));
+        assert!(got.values().sum::<usize>() <= cap);
+    }
+
+    #[test]
+    fn a_pool_within_its_budget_serves_the_image_used_last() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = |n: &str| Key {
+            disk: dir.path().join(n),
+            state: dir.path().join("state"),
+            ram: dir.path().join("ram"),
+            network: false,
+        };
+        let (k1, k2, k3) = (key("1"), key("2"), key("3"));
+        let pool = WarmPool::new(
+            dir.path().join("vms"),
+            Sizes {
+                per_image: 2,
+                max_per_image: 8,
+                max_total: 3,
+                idle: IDLE,
+            },
+        );
+        let pause = || std::thread::sleep(Duration::from_millis(2));
+        pool.record_create(&k1);
+        pause();
+        pool.record_create(&k2);
+        assert_eq!((pool.target(&k2), pool.target(&k1)), (2, 1));
+        assert_eq!(pool.target(&k3), 0, "never used: none");
+        pause();
+        pool.record_create(&k1);
+        assert_eq!((pool.target(&k1), pool.target(&k2)), (2, 1));
+        pause();
+        pool.record_create(&k3);
+        assert_eq!(
+            (pool.target(&k3), pool.target(&k1), pool.target(&k2)),
+            (2, 1, 0),
+            "the least recently used image is drained first"
+        );
+        let off = WarmPool::new(
+            dir.path().join("vms"),
+            Sizes {
+                per_image: 0,
+                max_per_image: 8,
+                max_total: 3,
+                idle: IDLE,
+            },
+        );
+        off.record_create(&k1);
+        assert_eq!(off.target(&k1), 0);
     }
 }
