@@ -328,6 +328,10 @@ async fn forward(
     // Upgrades (WebSocket) go to user ports only; envd speaks none.
     let upgrade = port.and(crate::upgrade::requested(req.headers()));
     let client_side = upgrade.is_some().then(|| hyper::upgrade::on(&mut req));
+    let client_conn = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<crate::conn::Conn>>()
+        .map(|c| c.0.clone());
     let (mut parts, body) = req.into_parts();
     let limit = state.max_upload_bytes;
     let declared = parts
@@ -406,7 +410,8 @@ async fn forward(
         let what = format!("sandbox {id} port {}", port.unwrap_or_default());
         crate::upgrade::splice(client, guest, what);
     }
-    Ok(resp.map(Body::new))
+    // A body cut by the sandbox's end resets the client's connection (`crate::conn`).
+    Ok(resp.map(|b| crate::conn::cut_on_error(Body::new(b), client_conn)))
 }
 
 fn error_chain_has_limit(e: &(dyn std::error::Error + 'static)) -> bool {

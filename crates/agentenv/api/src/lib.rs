@@ -19,6 +19,7 @@
 
 pub mod app;
 pub mod build_routes;
+pub mod conn;
 pub mod dataplane;
 pub mod egress;
 pub mod error;

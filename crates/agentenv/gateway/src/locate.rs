@@ -245,7 +245,13 @@ pub async fn data_plane(
         }
         r => r?,
     };
-    proxy::forward(&gw.http, &node.id, &node.url, req, DATA_DEADLINE).await
+    let client_conn = req
+        .extensions()
+        .get::<axum::extract::ConnectInfo<agentenv_api::conn::Conn>>()
+        .map(|c| c.0.clone());
+    let resp = proxy::forward(&gw.http, &node.id, &node.url, req, DATA_DEADLINE).await?;
+    // A body the node cut (its sandbox died under it) resets the client's connection too.
+    Ok(resp.map(|b| agentenv_api::conn::cut_on_error(b, client_conn)))
 }
 
 impl Gateway {

@@ -549,15 +549,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         on_signal.notify_one();
     };
     let serve = async move {
+        // Handlers see each connection (`ConnectInfo<Conn>`), to reset one whose answer was cut.
+        let app = app::app(state).into_make_service_with_connect_info::<agentenv_api::conn::Conn>();
         match tls {
             Some(cfg) => {
                 let listener = agentenv_server::tls_listener::TlsListener::new(listener, cfg)?;
-                axum::serve(listener, app::app(state))
+                axum::serve(listener, app)
                     .with_graceful_shutdown(drained)
                     .await
             }
             None => {
-                axum::serve(listener, app::app(state))
+                axum::serve(agentenv_api::conn::Listener::new(listener), app)
                     .with_graceful_shutdown(drained)
                     .await
             }
@@ -626,7 +628,9 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     println!(
         "agentenv gateway listening on http://{addr}  (E2B_API_URL = E2B_SANDBOX_URL = http://{addr})"
     );
-    axum::serve(listener, agentenv_server::gateway::app(gw))
+    let app = agentenv_server::gateway::app(gw)
+        .into_make_service_with_connect_info::<agentenv_api::conn::Conn>();
+    axum::serve(agentenv_api::conn::Listener::new(listener), app)
         .with_graceful_shutdown(shutdown())
         .await?;
     Ok(())

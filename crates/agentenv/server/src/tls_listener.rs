@@ -7,7 +7,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use agentenv_api::conn::{Conn, CutStream};
+use tokio::net::TcpListener;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
@@ -19,7 +20,7 @@ pub const MAX_HANDSHAKES: usize = 256;
 
 /// Connections of `tcp`, each once its handshake with `cfg` is done.
 pub struct TlsListener {
-    ready: mpsc::Receiver<(TlsStream<TcpStream>, SocketAddr)>,
+    ready: mpsc::Receiver<(TlsStream<CutStream>, Conn)>,
     local: SocketAddr,
 }
 
@@ -44,12 +45,13 @@ impl TlsListener {
                     }
                 };
                 let _ = sock.set_nodelay(true);
+                let (sock, conn) = CutStream::new(sock, peer);
                 let (tx, acceptor) = (tx.clone(), acceptor.clone());
                 tokio::spawn(async move {
                     let _slot = slot;
                     match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(sock)).await {
                         Ok(Ok(s)) => {
-                            let _ = tx.send((s, peer)).await;
+                            let _ = tx.send((s, conn)).await;
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
@@ -62,8 +64,8 @@ impl TlsListener {
 }
 
 impl axum::serve::Listener for TlsListener {
-    type Io = TlsStream<TcpStream>;
-    type Addr = SocketAddr;
+    type Io = TlsStream<CutStream>;
+    type Addr = Conn;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         match self.ready.recv().await {
@@ -72,7 +74,9 @@ impl axum::serve::Listener for TlsListener {
         }
     }
 
-    fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        Ok(self.local)
+    fn local_addr(&self) -> std::io::Result<Conn> {
+        Ok(Conn::local(self.local))
     }
 }
+
+impl agentenv_api::conn::ConnListener for TlsListener {}

@@ -206,3 +206,44 @@ def upgrade_roundtrip(url, headers, payload, timeout=30):
                 break
             got += d
         return status.decode(errors="replace"), got
+
+
+def end_of_a_stream_whose_sandbox_is_killed(base_url: str, api_key: str, sandbox_id: str) -> str:
+    """Starts `sleep 60` in the sandbox over a raw HTTP/1.1 Connect stream (envd's `process.Process/Start`)
+    through `base_url`, kills the sandbox once the start event arrived, and says how the stream ended:
+    "reset" (a TCP reset, as E2B's proxy resets its stream) or "clean close"."""
+    import json
+    import struct
+    from urllib.parse import urlparse
+
+    import httpx
+
+    key = {"X-API-KEY": api_key}
+    token = httpx.get(f"{base_url}/sandboxes/{sandbox_id}", headers=key).json()["envdAccessToken"]
+    msg = json.dumps({"process": {"cmd": "/bin/sleep", "args": ["60"]}}).encode()
+    body = struct.pack(">BI", 0, len(msg)) + msg
+    u = urlparse(base_url)
+    s = socket.create_connection((u.hostname, u.port), timeout=60)
+    s.sendall(
+        (f"POST /process.Process/Start HTTP/1.1\r\nHost: {u.netloc}\r\n"
+         "Content-Type: application/connect+json\r\nConnect-Protocol-Version: 1\r\n"
+         f"E2b-Sandbox-Id: {sandbox_id}\r\nX-Access-Token: {token}\r\n"
+         f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+    got = b""
+    while b'"start"' not in got:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before the start event: {got!r}"
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got
+    assert httpx.delete(f"{base_url}/sandboxes/{sandbox_id}", headers=key).status_code == 204
+    deadline = time.time() + 60
+    try:
+        while time.time() < deadline:
+            try:
+                if not s.recv(65536):
+                    return "clean close"
+            except ConnectionResetError:
+                return "reset"
+        return "still open"
+    finally:
+        s.close()

@@ -24,7 +24,13 @@ import urllib.request
 
 import pytest
 
-from conftest import Server, pause, start_upgrade_echo, upgrade_roundtrip
+from conftest import (
+    Server,
+    end_of_a_stream_whose_sandbox_is_killed,
+    pause,
+    start_upgrade_echo,
+    upgrade_roundtrip,
+)
 
 TTL_S = 3  # node lease TTL: a killed node leaves the cluster this long after its last refresh
 WAIT_S = 120  # longest wait for any state change below
@@ -480,6 +486,15 @@ def test_an_http_upgrade_through_the_gateway(cluster):
         assert got == payload.upper()
     finally:
         s.kill()
+
+
+def test_a_stream_cut_by_a_kill_resets_the_client_through_the_gateway(cluster):
+    """A sandbox killed under a streaming command: the node resets the gateway's connection and the
+    gateway the client's, so the SDK probes the sandbox and says it was killed."""
+    g = cluster.gateways[0]
+    cluster.use(g)
+    s = _create("base")
+    assert end_of_a_stream_whose_sandbox_is_killed(g.url, cluster.key, s.sandbox_id) == "reset"
 
 
 def test_bad_input_and_keys_at_the_gateway(cluster):
