@@ -149,6 +149,11 @@ pub struct VmRecord {
     /// cold-boots from the disk.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub boot_on_resume: bool,
+    /// Paused with its (shared) RAM file not yet flushed to the disk: the host boot of that pause. A
+    /// recovery in the same boot flushes it; after a reboot (a power loss could have torn it) the
+    /// sandbox resumes by a cold boot from its disk instead. `None`: flushed (older records too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_boot_id: Option<String>,
 }
 
 fn yes() -> bool {
@@ -282,6 +287,7 @@ mod tests {
             phase: SandboxPhase::Running { pid },
             vm_dir: Some(format!("/state/vms/w{}", rand::random::<u16>()).into()),
             boot_on_resume: rand::random(),
+            ram_boot_id: None,
         };
         write(&path, &rec).unwrap();
         assert_eq!(read::<VmRecord>(&path).unwrap(), rec);

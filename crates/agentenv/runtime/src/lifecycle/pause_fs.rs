@@ -6,9 +6,9 @@ use std::collections::BTreeMap;
 use crate::agent;
 use crate::error::{PauseError, ResumeError};
 use crate::lifecycle::sandbox::{BOOT_ATTEMPT, BOOT_DEADLINE, Live, Slot};
-use crate::persist::{self, SandboxPhase};
+use crate::persist::{self, SandboxPhase, VmRecord};
 use crate::vmm::VmSpec;
-use crate::{Runtime, VmState};
+use crate::{Inner, Runtime, VmState};
 
 impl Runtime {
     /// Pauses sandbox `id` keeping only its disk (E2B's filesystem-only pause): the guest's writes are
@@ -36,21 +36,30 @@ impl Runtime {
             live.vm = Some(vm);
             return Err(e.into());
         }
-        let own_ram = self.inner.ram_file(id);
-        if live.record.ram_shared || live.record.ram_file == own_ram {
-            let _ = std::fs::remove_file(&live.record.ram_file);
-        }
-        let _ = std::fs::remove_file(self.inner.device_state_path(id));
-        // A cold boot makes a RAM file of its own (never the snapshot's it may have mapped).
-        live.record.ram_file = own_ram;
-        live.record.ram_shared = true;
-        live.record.boot_on_resume = true;
+        drop_memory(&self.inner, id, &mut live.record);
         live.record.phase = SandboxPhase::Paused;
         persist::write(&self.inner.record_path(id), &live.record)?;
         slot.set_state(VmState::Paused);
         Ok(())
     }
+}
 
+/// Keeps only the disk of stopped sandbox `id`: its RAM (when its own) and device state go, and its
+/// next resume cold-boots.
+pub(crate) fn drop_memory(inner: &Inner, id: &str, rec: &mut VmRecord) {
+    let own_ram = inner.ram_file(id);
+    if rec.ram_shared || rec.ram_file == own_ram {
+        let _ = std::fs::remove_file(&rec.ram_file);
+    }
+    let _ = std::fs::remove_file(inner.device_state_path(id));
+    // A cold boot makes a RAM file of its own (never the snapshot's it may have mapped).
+    rec.ram_file = own_ram;
+    rec.ram_shared = true;
+    rec.boot_on_resume = true;
+    rec.ram_boot_id = None;
+}
+
+impl Runtime {
     /// Resumes a sandbox paused without memory: a cold boot from its disk, then `/init`.
     pub(crate) async fn resume_boot(
         &self,

@@ -72,10 +72,13 @@ impl Runtime {
     }
 
     async fn recover_one(&self, id: &str) -> (Option<VmState>, String, Option<u32>) {
-        let rec: VmRecord = match persist::read(&self.inner.record_path(id)) {
+        let mut rec: VmRecord = match persist::read(&self.inner.record_path(id)) {
             Ok(r) => r,
             Err(e) => return (None, format!("unreadable record: {e}"), None),
         };
+        if rec.phase == SandboxPhase::Paused && rec.ram_boot_id.is_some() {
+            self.settle_unflushed_ram(id, &mut rec);
+        }
         let spec = self.inner.spec_of(&rec);
         match rec.phase {
             SandboxPhase::Starting => (
@@ -162,5 +165,27 @@ impl Runtime {
         }
         let _ = std::fs::remove_file(self.inner.ram_file(id));
         let _ = std::fs::remove_dir_all(self.inner.sandbox_dir(id));
+    }
+}
+
+impl Runtime {
+    /// A sandbox paused while its RAM file was not yet flushed: in the same host boot the file is whole
+    /// (the page cache outlives processes) and is flushed now; after a reboot it may be torn, so the
+    /// sandbox keeps only its disk and its next resume cold-boots (as a filesystem-only pause).
+    fn settle_unflushed_ram(&self, id: &str, rec: &mut VmRecord) {
+        let same_boot = rec.ram_boot_id == k3_common::machine::boot_id();
+        if same_boot
+            && std::fs::File::open(&rec.ram_file)
+                .and_then(|f| f.sync_data())
+                .is_ok()
+        {
+            rec.ram_boot_id = None;
+        } else {
+            tracing::warn!(sandbox = %id, "the host restarted before this paused sandbox's memory reached the disk: it resumes by a cold boot from its disk");
+            crate::lifecycle::pause_fs::drop_memory(&self.inner, id, rec);
+        }
+        if let Err(e) = persist::write(&self.inner.record_path(id), rec) {
+            tracing::warn!(sandbox = %id, error = %e, "recording a settled RAM file failed");
+        }
     }
 }

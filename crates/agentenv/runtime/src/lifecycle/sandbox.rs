@@ -251,6 +251,7 @@ impl Runtime {
             phase: SandboxPhase::Starting,
             vm_dir: None,
             boot_on_resume: false,
+            ram_boot_id: None,
         };
         let slot = Slot::new(
             Live {
@@ -503,15 +504,13 @@ impl Runtime {
             vm.save_device_state(&tmp).await?;
             k3_common::crash::point("runtime:pause:after-save");
             live.agent = None;
-            if live.record.ram_shared {
-                std::fs::File::open(&live.record.ram_file)
-                    .and_then(|f| f.sync_data())
-                    .map_err(|e| PauseError::Io {
-                        what: "fsync",
-                        path: live.record.ram_file.clone(),
-                        source: e,
-                    })?;
-            }
+            // The RAM file is the paused state: safe from a crash of this process (and of QEMU) once
+            // the record says paused; flushed to the disk after the answer ([`flush_paused_ram`]).
+            live.record.ram_boot_id = live
+                .record
+                .ram_shared
+                .then(k3_common::machine::boot_id)
+                .flatten();
             std::fs::rename(&tmp, &state).map_err(|e| PauseError::Io {
                 what: "rename",
                 path: state.clone(),
@@ -530,6 +529,9 @@ impl Runtime {
         match r {
             Ok(()) => {
                 slot.set_state(VmState::Paused);
+                if live.record.ram_boot_id.is_some() {
+                    flush_paused_ram(self.inner.clone(), slot.clone(), id.to_string());
+                }
                 let keep = self.inner.cfg.keep_paused;
                 match link {
                     Some(link) if !keep.is_zero() => {
@@ -760,4 +762,43 @@ impl Inner {
         let sock = self.spec_of(rec).agent_socket();
         agent::connect_healthy(&sock, HEALTH_ATTEMPT, HEALTH_DEADLINE).await
     }
+}
+
+/// How long a paused sandbox's RAM file waits for its flush: a resume within it needs none (and would
+/// otherwise wait on pages being written back).
+const RAM_FLUSH_DELAY: Duration = Duration::from_secs(2);
+
+/// Flushes the RAM file of paused sandbox `id` to the disk after [`RAM_FLUSH_DELAY`] unless it resumed,
+/// then records it flushed (while the sandbox is still paused on that file). Until then a host power
+/// loss could tear it: recovery after a reboot cold-boots such a sandbox from its disk.
+pub(crate) fn flush_paused_ram(inner: Arc<Inner>, slot: Arc<Slot>, id: String) {
+    tokio::spawn(async move {
+        tokio::time::sleep(RAM_FLUSH_DELAY).await;
+        let ram = {
+            let live = slot.live.lock().await;
+            if live.gone || live.record.phase != SandboxPhase::Paused {
+                return;
+            }
+            live.record.ram_file.clone()
+        };
+        let path = ram.clone();
+        let synced =
+            tokio::task::spawn_blocking(move || std::fs::File::open(&path)?.sync_data()).await;
+        if let Err(e) = synced.map_err(std::io::Error::other).and_then(|r| r) {
+            tracing::warn!(sandbox = %id, error = %e, "flushing a paused sandbox's RAM file failed");
+            return;
+        }
+        let mut live = slot.live.lock().await;
+        if live.gone
+            || live.record.phase != SandboxPhase::Paused
+            || live.record.ram_file != ram
+            || live.record.ram_boot_id.is_none()
+        {
+            return;
+        }
+        live.record.ram_boot_id = None;
+        if let Err(e) = persist::write(&inner.record_path(&id), &live.record) {
+            tracing::warn!(sandbox = %id, error = %e, "recording a flushed RAM file failed");
+        }
+    });
 }
