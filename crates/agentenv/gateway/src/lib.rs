@@ -87,6 +87,9 @@ pub struct Gateway {
     /// The server key, for node-to-node calls (handoff, adopt, merged lists of snapshots).
     pub server_key: String,
     pub http: proxy::HttpClient,
+    /// E2B's sandbox domain: a request for `<port>-<sandbox id>.<domain>` goes to that port of that
+    /// sandbox, as on a node (`--sandbox-domain`; the nodes' answers name it).
+    pub sandbox_domain: Option<String>,
 }
 
 impl Gateway {
@@ -104,6 +107,7 @@ impl Gateway {
             keys,
             server_key,
             http: proxy::client(node_tls),
+            sandbox_domain: None,
         }
     }
 }
@@ -119,8 +123,14 @@ pub fn app(gw: Gateway) -> Router {
         .with_state(gw)
 }
 
-async fn dispatch(State(gw): State<Gateway>, req: Request, next: Next) -> Response {
-    match dataplane::classify(req.uri().path(), req.uri().query(), req.headers()) {
+async fn dispatch(State(gw): State<Gateway>, mut req: Request, next: Next) -> Response {
+    let by_host = gw
+        .sandbox_domain
+        .as_deref()
+        .and_then(|d| dataplane::route_by_host(&mut req, d));
+    let plane = by_host
+        .unwrap_or_else(|| dataplane::classify(req.uri().path(), req.uri().query(), req.headers()));
+    match plane {
         Plane::Control => next.run(req).await,
         plane => locate::data_plane(&gw, plane, req)
             .await

@@ -115,6 +115,10 @@ struct GatewayArgs {
     /// checked against the node id of its record; plain-HTTP nodes are refused.
     #[arg(long, env = "AGENTENV_NODE_CA")]
     node_ca: Option<PathBuf>,
+    /// E2B's sandbox domain, as the nodes' `--sandbox-domain`: requests for `<port>-<sandbox id>.<domain>`
+    /// go to that port of that sandbox.
+    #[arg(long, env = "AGENTENV_SANDBOX_DOMAIN", value_parser = parse_sandbox_domain)]
+    sandbox_domain: Option<String>,
     /// Log as JSON lines.
     #[arg(long)]
     log_json: bool,
@@ -620,7 +624,8 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(agentenv_cluster::node_tls::client_config)
         .transpose()?;
-    let gw = agentenv_server::gateway::Gateway::new(store, ring, api_key, node_tls);
+    let mut gw = agentenv_server::gateway::Gateway::new(store, ring, api_key, node_tls);
+    gw.sandbox_domain = args.sandbox_domain;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;

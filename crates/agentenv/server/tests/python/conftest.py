@@ -247,3 +247,24 @@ def end_of_a_stream_whose_sandbox_is_killed(base_url: str, api_key: str, sandbox
         return "still open"
     finally:
         s.close()
+
+
+class names_to_loopback:
+    """Resolves every name under `domain` to 127.0.0.1 in this process while in effect: the stand-in for the
+    wildcard DNS name (`*.<domain>`) a deployment gives its sandbox domain."""
+
+    def __init__(self, domain: str):
+        self.suffix = "." + domain
+        self.real = socket.getaddrinfo
+
+    def __enter__(self):
+        def resolve(host, *args, **kwargs):
+            if isinstance(host, str) and host.endswith(self.suffix):
+                host = "127.0.0.1"
+            return self.real(host, *args, **kwargs)
+
+        socket.getaddrinfo = resolve
+        return self
+
+    def __exit__(self, *exc):
+        socket.getaddrinfo = self.real

@@ -27,6 +27,7 @@ import pytest
 from conftest import (
     Server,
     end_of_a_stream_whose_sandbox_is_killed,
+    names_to_loopback,
     pause,
     start_upgrade_echo,
     upgrade_roundtrip,
@@ -34,6 +35,7 @@ from conftest import (
 
 TTL_S = 3  # node lease TTL: a killed node leaves the cluster this long after its last refresh
 WAIT_S = 120  # longest wait for any state change below
+SANDBOX_DOMAIN = "sbx.test"  # nodes and gateways route `<port>-<id>.sbx.test` (resolved to loopback here)
 
 
 def _free_port() -> int:
@@ -238,6 +240,7 @@ class Cluster:
                 "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--network", "off",
                 "--node-id", f"node{i}", *etcd_flags,
                 "--tls-cert", etcd_flags[3], "--tls-key", etcd_flags[5],
+                "--sandbox-domain", SANDBOX_DOMAIN,
             ]
             self.nodes.append(n)
         self.gateways = []
@@ -245,7 +248,7 @@ class Cluster:
             port = _free_port()
             g = Proc([binary, "gateway", "--etcd", self.etcd_url, "--listen", f"127.0.0.1:{port}",
                       "--state-dir", self._state_dir(f"gw{i}"), *self.pki.flags(f"gw{i}"),
-                      "--node-ca", self.pki.ca],
+                      "--node-ca", self.pki.ca, "--sandbox-domain", SANDBOX_DOMAIN],
                      f"{root}/gw{i}.log")
             g.url = f"http://127.0.0.1:{port}"
             g.state = os.path.join(root, f"gw{i}")
@@ -495,6 +498,33 @@ def test_a_stream_cut_by_a_kill_resets_the_client_through_the_gateway(cluster):
     cluster.use(g)
     s = _create("base")
     assert end_of_a_stream_whose_sandbox_is_killed(g.url, cluster.key, s.sandbox_id) == "reset"
+
+
+def test_get_host_routes_through_either_gateway(cluster):
+    """E2B's host routing through gateways: `get_host(port)` names the cluster's sandbox domain, and either
+    gateway takes a request for that host (at its own port) to the sandbox's node and port."""
+    cluster.use(cluster.gateways[0])
+    s = _create("base")
+    try:
+        port = 8000 + secrets.randbelow(900)
+        host = s.get_host(port)
+        assert host == f"{port}-{s.sandbox_id}.{SANDBOX_DOMAIN}"
+        s.files.write("/tmp/www/index.html", f"hi {s.sandbox_id}")
+        s.commands.run(f"cd /tmp/www && python3 -m http.server {port}", background=True)
+        with names_to_loopback(SANDBOX_DOMAIN):
+            for g in cluster.gateways:
+                gw_port = g.url.rsplit(":", 1)[1]
+                got = _wait("the sandbox's server by host", lambda: _get_text(f"http://{host}:{gw_port}/index.html"))
+                assert got == f"hi {s.sandbox_id}"
+    finally:
+        s.kill()
+
+
+def _get_text(url):
+    import httpx
+
+    r = httpx.get(url, timeout=30)
+    return r.text if r.status_code == 200 else None
 
 
 def test_bad_input_and_keys_at_the_gateway(cluster):

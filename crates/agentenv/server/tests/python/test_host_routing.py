@@ -4,19 +4,18 @@ of ours. User ports are public unless the create said `allowPublicTraffic: false
 always needs the access token and keeps its host-only paths.
 
 The wildcard DNS name a deployment gives `*.<domain>` is stood in for by resolving `*.sbx.test` to loopback
-inside this process."""
+inside this process (`conftest.names_to_loopback`); through gateways: test_cluster.py."""
 
 import os
 import secrets
-import socket
-import tempfile
 import shutil
+import tempfile
 import time
 
 import httpx
 import pytest
 
-from conftest import Server
+from conftest import Server, names_to_loopback
 
 DOMAIN_NAME = "sbx.test"
 
@@ -30,18 +29,10 @@ def routed(server):
     srv.start()
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
     os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=srv.api_key)
-    real = socket.getaddrinfo
-
-    def resolve(host, *args, **kwargs):
-        if isinstance(host, str) and host.endswith("." + DOMAIN_NAME):
-            host = "127.0.0.1"
-        return real(host, *args, **kwargs)
-
-    socket.getaddrinfo = resolve
     try:
-        yield srv, domain
+        with names_to_loopback(DOMAIN_NAME):
+            yield srv, domain
     finally:
-        socket.getaddrinfo = real
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
