@@ -12,6 +12,11 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> std::io::Result<u64> {
         .write(true)
         .truncate(true)
         .open(dst)?;
+    sparse_copy_files(&from, &to)
+}
+
+/// [`sparse_copy`] between open files (`to` empty, written at the same offsets, set to `from`'s length).
+pub fn sparse_copy_files(from: &std::fs::File, to: &std::fs::File) -> std::io::Result<u64> {
     let len = from.metadata()?.len();
     to.set_len(len)?;
     let (fi, fo) = (from.as_raw_fd(), to.as_raw_fd());
@@ -46,7 +51,7 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> std::io::Result<u64> {
                     return Err(e);
                 }
                 // Another filesystem (e.g. a tmpfs RAM folder): plain positioned copy.
-                let n = copy_range(&from, &to, off_in as u64, want.min(1 << 20))?;
+                let n = copy_range(from, to, off_in as u64, want.min(1 << 20))?;
                 off_in += n as i64;
                 off_out += n as i64;
                 n as isize

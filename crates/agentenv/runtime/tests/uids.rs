@@ -309,8 +309,9 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
     assert_eq!(vm_uid(s, "ua", &range), ua);
     assert_eq!(run(&rt, "ua", "echo ok").await.0, "ok\n");
 
-    // Snapshot and fork: the fork maps its capture's RAM copy-on-write (QEMU 8.2+: `readonly=on,rom=off`),
-    // a file that stays root's and that it can read but not write; an older QEMU gets a copy of its own.
+    // Snapshot and fork: the fork maps its capture's RAM copy-on-write, so forks share its pages: QEMU
+    // 8.2+ the file itself (`readonly=on,rom=off`), root's, which it can read but not write; an older
+    // QEMU (which opens a private RAM file for writing) a sealed memfd of it (`launch::ram_base`).
     let snap = rt
         .snapshot("ub", "snap-ub", &[], SnapshotMode::Full)
         .await
@@ -325,36 +326,41 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
         format!("{tok}\n")
     );
     let fork_ram = ram_file(s, "uf");
+    assert!(
+        fork_ram.starts_with(s.join("snapshots")),
+        "{}",
+        fork_ram.display()
+    );
+    assert_eq!(
+        mode_and_owner(&fork_ram).1,
+        0,
+        "the capture's RAM stays root's"
+    );
+    assert_opens(uf, range.gid, &fork_ram, "4>>", false);
     if qemu_maps_read_only_files_private() {
-        assert!(
-            fork_ram.starts_with(s.join("snapshots")),
-            "{}",
-            fork_ram.display()
-        );
         assert_eq!(mode_and_owner(&fork_ram), (0o640, 0));
         assert_eq!(std::fs::metadata(&fork_ram).unwrap().gid(), range.gid);
         assert_opens(uf, range.gid, &fork_ram, "4<", true);
-        assert_opens(uf, range.gid, &fork_ram, "4>>", false);
-        // The fork's memory writes stay its own.
-        let before = std::fs::read(&fork_ram).unwrap();
-        run(
-            &rt,
-            "uf",
-            "head -c 8388608 /dev/urandom > /dev/shm/blob && sync",
-        )
-        .await;
-        assert!(
-            std::fs::read(&fork_ram).unwrap() == before,
-            "a fork's memory write reached its capture's RAM file"
-        );
     } else {
+        let pid = record(s, "uf")["phase"]["pid"].as_u64().unwrap();
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
         assert!(
-            fork_ram.starts_with(s.join("sandboxes/uf")),
-            "{}",
-            fork_ram.display()
+            maps.contains("/memfd:agentenv-ram"),
+            "the fork does not map its capture's RAM memfd"
         );
-        assert_eq!(mode_and_owner(&fork_ram), (0o600, uf));
     }
+    // The fork's memory writes stay its own.
+    let before = std::fs::read(&fork_ram).unwrap();
+    run(
+        &rt,
+        "uf",
+        "head -c 8388608 /dev/urandom > /dev/shm/blob && sync",
+    )
+    .await;
+    assert!(
+        std::fs::read(&fork_ram).unwrap() == before,
+        "a fork's memory write reached its capture's RAM file"
+    );
     theirs.extend([
         s.join("snapshots").join(&snap.id).join("disk.qcow2"),
         s.join("snapshots").join(&snap.id).join("ram.mem"),

@@ -530,7 +530,7 @@ impl Runtime {
             Ok(()) => {
                 slot.set_state(VmState::Paused);
                 if live.record.ram_boot_id.is_some() {
-                    flush_paused_ram(self.inner.clone(), slot.clone(), id.to_string());
+                    flush_paused_ram(&self.inner, &slot, id.to_string());
                 }
                 let keep = self.inner.cfg.keep_paused;
                 match link {
@@ -770,10 +770,15 @@ const RAM_FLUSH_DELAY: Duration = Duration::from_secs(2);
 
 /// Flushes the RAM file of paused sandbox `id` to the disk after [`RAM_FLUSH_DELAY`] unless it resumed,
 /// then records it flushed (while the sandbox is still paused on that file). Until then a host power
-/// loss could tear it: recovery after a reboot cold-boots such a sandbox from its disk.
-pub(crate) fn flush_paused_ram(inner: Arc<Inner>, slot: Arc<Slot>, id: String) {
+/// loss could tear it: recovery after a reboot cold-boots such a sandbox from its disk. A runtime
+/// dropped meanwhile writes nothing (the next one settles it).
+pub(crate) fn flush_paused_ram(inner: &Arc<Inner>, slot: &Arc<Slot>, id: String) {
+    let (inner, slot) = (Arc::downgrade(inner), Arc::downgrade(slot));
     tokio::spawn(async move {
         tokio::time::sleep(RAM_FLUSH_DELAY).await;
+        let (Some(inner), Some(slot)) = (inner.upgrade(), slot.upgrade()) else {
+            return;
+        };
         let ram = {
             let live = slot.live.lock().await;
             if live.gone || live.record.phase != SandboxPhase::Paused {

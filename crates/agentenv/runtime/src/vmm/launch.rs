@@ -18,7 +18,6 @@
 //! Every `-add-fd` carries the real path as its `opaque` string, so the command line still names the
 //! VM's folder (recovery finds a sandbox's QEMU by it).
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::ffi::OsStringExt;
@@ -98,11 +97,12 @@ fn opt(s: &str) -> String {
 impl VmFiles {
     /// Opens every file of `spec` for a QEMU running as `owner` (`None`: as this process), prepares
     /// its socket folder and hands it and the RAM file to `owner`. Disks of the chain named in `lazy`
-    /// are read over NBD.
+    /// are read over NBD. `ram_via_memfd`: a private RAM file goes in as its [`ram_base`] memfd.
     pub fn open(
         spec: &VmSpec,
         owner: Option<Owner>,
         lazy: &[LazyBacking],
+        ram_via_memfd: bool,
     ) -> Result<VmFiles, VmmError> {
         let mut f = VmFiles {
             held: Vec::new(),
@@ -141,9 +141,12 @@ impl VmFiles {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&spec.ram_file)
             .map_err(io("open", &spec.ram_file))?;
+        let ram_via_memfd = ram_via_memfd && !spec.ram_shared;
         if let Some(o) = owner {
             std::os::unix::fs::fchown(&dir, Some(o.uid), Some(o.gid))
                 .map_err(io("chown", &sock_dir))?;
+        }
+        if let Some(o) = owner.filter(|_| !ram_via_memfd) {
             // A RAM file of its own is the VM's alone; a snapshot's, mapped copy-on-write by several
             // VMs (`readonly=on,rom=off`), stays root's and is only readable by the VMs' group.
             let (uid, mode) = match spec.ram_shared {
@@ -158,7 +161,10 @@ impl VmFiles {
         let d = f.inherit(dir);
         f.qmp_socket = format!("/proc/self/fd/{d}/qmp.sock");
         f.agent_socket = format!("/proc/self/fd/{d}/agent.sock");
-        f.ram = format!("/proc/self/fd/{}", f.inherit(ram));
+        f.ram = match ram_via_memfd {
+            true => f.share(ram_base(&spec.ram_file)?),
+            false => format!("/proc/self/fd/{}", f.inherit(ram)),
+        };
 
         match owner {
             Some(_) => {
@@ -386,25 +392,47 @@ fn qcow2_backing(path: &Path) -> std::io::Result<Option<PathBuf>> {
 
 /// Identity of a file's content: device, inode, size, modification time.
 type FileKey = (u64, u64, u64, i64, i64);
-/// Boot files made into memfds, by path.
-type BootFiles = HashMap<PathBuf, (FileKey, Arc<File>)>;
+/// Files made into sealed memfds, newest first.
+type Sealed = Vec<(PathBuf, FileKey, Arc<File>)>;
 
 /// `path` as a sealed memfd (no writes, no size change, ever), made once per file and process.
 /// Its inode is a memfd's (mode 0777): any VM uid may reopen it through `/proc/self/fd`, none can change
 /// it. The file's own permissions stay as they are.
 pub fn boot_file(path: &Path) -> Result<Arc<File>, VmmError> {
-    static CACHE: Mutex<Option<BootFiles>> = Mutex::new(None);
-    let mut src = File::open(path).map_err(io("open", path))?;
+    static CACHE: Mutex<Sealed> = Mutex::new(Vec::new());
+    sealed_copy(path, c"agentenv-boot", &CACHE, usize::MAX)
+}
+
+/// How many private RAM files [`ram_base`] keeps as memfds for later VMs (each holds the file's data in
+/// memory while kept; VMs that map one hold it on their own).
+pub const RAM_BASES_KEPT: usize = 4;
+
+/// A private RAM file (a snapshot's, mapped copy-on-write by its forks) as a sealed memfd, made once
+/// and mapped by every VM restored from it, so their untouched pages are one copy in memory. QEMU older
+/// than 8.2 opens a `share=off` RAM file for writing, which a VM uid may not do to the snapshot's file
+/// (root's, `0640`), but may to a memfd whose seals refuse every write and size change; its private
+/// mapping still takes the guest's writes. Holes stay holes.
+pub fn ram_base(path: &Path) -> Result<Arc<File>, VmmError> {
+    static CACHE: Mutex<Sealed> = Mutex::new(Vec::new());
+    sealed_copy(path, c"agentenv-ram", &CACHE, RAM_BASES_KEPT)
+}
+
+fn sealed_copy(
+    path: &Path,
+    name: &std::ffi::CStr,
+    cache: &Mutex<Sealed>,
+    keep: usize,
+) -> Result<Arc<File>, VmmError> {
+    let src = File::open(path).map_err(io("open", path))?;
     let m = src.metadata().map_err(io("stat", path))?;
     let key = (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec());
-    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    let cache = cache.get_or_insert_with(HashMap::new);
-    if let Some((k, f)) = cache.get(path)
-        && *k == key
-    {
-        return Ok(f.clone());
+    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = cache.iter().position(|(p, k, _)| p == path && *k == key) {
+        let hit = cache.remove(i);
+        let f = hit.2.clone();
+        cache.insert(0, hit);
+        return Ok(f);
     }
-    let name = c"agentenv-boot";
     // SAFETY: memfd_create with a NUL-terminated name; the fd is owned by the File below.
     let fd =
         unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
@@ -412,15 +440,17 @@ pub fn boot_file(path: &Path) -> Result<Arc<File>, VmmError> {
         return Err(io("memfd_create for", path)(std::io::Error::last_os_error()));
     }
     // SAFETY: fd was just created and is owned by nobody else.
-    let mut mem = unsafe { File::from_raw_fd(fd) };
-    std::io::copy(&mut src, &mut mem).map_err(io("copy", path))?;
+    let mem = unsafe { File::from_raw_fd(fd) };
+    crate::fsops::sparse_copy_files(&src, &mem).map_err(io("copy", path))?;
     let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
     // SAFETY: fcntl on the memfd owned by `mem`.
     if unsafe { libc::fcntl(mem.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
         return Err(io("seal", path)(std::io::Error::last_os_error()));
     }
     let mem = Arc::new(mem);
-    cache.insert(path.to_owned(), (key, mem.clone()));
+    cache.retain(|(p, _, _)| p != path);
+    cache.insert(0, (path.to_owned(), key, mem.clone()));
+    cache.truncate(keep);
     Ok(mem)
 }
 
@@ -538,7 +568,7 @@ mod tests {
             socket_dir: socks,
             export: "disk".into(),
         };
-        let f = VmFiles::open(&spec, None, &[lazy]).unwrap();
+        let f = VmFiles::open(&spec, None, &[lazy], false).unwrap();
         assert!(f.drive.ends_with(",backing=lazy0"), "{}", f.drive);
         assert!(
             f.drive
@@ -559,7 +589,43 @@ mod tests {
             "driver=raw,node-name=lazy0,file=lazy0-nbd,read-only=on"
         );
         // Without the export the same chain cannot start (the base is not here).
-        assert!(VmFiles::open(&spec, None, &[]).is_err());
+        assert!(VmFiles::open(&spec, None, &[], false).is_err());
+    }
+
+    #[test]
+    fn ram_bases_are_sealed_sparse_copies_kept_for_the_newest_files() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let mk = |i: usize| {
+            let p = dir.path().join(format!("ram{i}.mem"));
+            let f = File::create(&p).unwrap();
+            f.set_len(64 << 20).unwrap();
+            let off = rand::random_range(0..60u64) << 20;
+            f.write_all_at(&rand::random::<[u8; 4096]>(), off).unwrap();
+            p
+        };
+        let first = mk(0);
+        let a = ram_base(&first).unwrap();
+        assert!(Arc::ptr_eq(&a, &ram_base(&first).unwrap()), "made once");
+        let link = format!("/proc/self/fd/{}", a.as_raw_fd());
+        assert_eq!(
+            std::fs::read(&link).unwrap(),
+            std::fs::read(&first).unwrap()
+        );
+        let held = a.metadata().unwrap().blocks() * 512;
+        assert!(held < 1 << 20, "holes were filled: {held} bytes");
+        let w = File::options().write(true).open(&link).unwrap();
+        assert!(
+            w.write_all_at(b"x", 0).is_err(),
+            "the memfd is write-sealed"
+        );
+        for i in 1..=RAM_BASES_KEPT {
+            ram_base(&mk(i)).unwrap();
+        }
+        assert!(
+            !Arc::ptr_eq(&a, &ram_base(&first).unwrap()),
+            "an evicted file is made again"
+        );
     }
 
     #[test]

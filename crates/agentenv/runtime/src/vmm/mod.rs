@@ -173,8 +173,7 @@ pub trait Vmm: Send + Sync {
         false
     }
     /// Whether VMs can map a snapshot's RAM file copy-on-write (`VmSpec::ram_shared` false), so that
-    /// forks share it instead of copying it: always without per-VM uids, else only where the VMM
-    /// opens such a file read-only.
+    /// forks share it instead of copying it.
     fn cow_ram(&self) -> bool {
         !self.per_vm_uids()
     }

@@ -104,11 +104,7 @@ impl QemuVmm {
             .unwrap_or_default()
             .to_string();
         let private_ro_ram = probe(&bin, &["-object", "memory-backend-file,help"]).contains("rom=");
-        tracing::info!(
-            %version,
-            forks_share_ram = private_ro_ram || uids.is_none(),
-            "QEMU"
-        );
+        tracing::info!(%version, private_ro_ram, "QEMU");
         QemuVmm {
             bin,
             accel,
@@ -264,7 +260,9 @@ impl QemuVmm {
             let _ = std::fs::remove_file(spec.dir.join(old));
         }
         let (lazy, exports): (Vec<_>, Vec<_>) = self.exports(spec).await?.into_iter().unzip();
-        let files = VmFiles::open(spec, owner, &lazy)?;
+        // QEMU before 8.2 opens a private RAM file for writing: a VM uid gets a sealed memfd of it.
+        let ram_via_memfd = owner.is_some() && !self.private_ro_ram;
+        let files = VmFiles::open(spec, owner, &lazy, ram_via_memfd)?;
         for sock in [spec.qmp_socket(), spec.agent_socket()] {
             let len = sock.as_os_str().len();
             if len > 107 {
@@ -396,7 +394,8 @@ impl Vmm for QemuVmm {
     }
 
     fn cow_ram(&self) -> bool {
-        self.uids.is_none() || self.private_ro_ram
+        // With uids of their own, QEMUs before 8.2 map a sealed memfd of the file (`launch::ram_base`).
+        true
     }
 
     fn version(&self) -> &str {
