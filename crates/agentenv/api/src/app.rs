@@ -123,12 +123,7 @@ pub fn app(state: AppState) -> Router {
 
 async fn dispatch(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     let method = req.method().to_string();
-    let by_host = state
-        .sandbox_domain
-        .as_deref()
-        .and_then(|d| dataplane::route_by_host(&mut req, d));
-    let plane = by_host
-        .unwrap_or_else(|| dataplane::classify(req.uri().path(), req.uri().query(), req.headers()));
+    let plane = dataplane::plane_of(&mut req, state.sandbox_domain.as_deref());
     let data = plane != Plane::Control;
     let resp = if data {
         dataplane::serve(&state, plane, req)

@@ -169,6 +169,14 @@ pub fn route_by_host(req: &mut Request, domain: &str) -> Option<Plane> {
     Some(Plane::SandboxById(id))
 }
 
+/// Which plane `req` is for: by its host under `sandbox_domain` ([`route_by_host`]), else by path and
+/// headers ([`classify`]). The one decision of nodes and gateways alike.
+pub fn plane_of(req: &mut Request, sandbox_domain: Option<&str>) -> Plane {
+    sandbox_domain
+        .and_then(|d| route_by_host(req, d))
+        .unwrap_or_else(|| classify(req.uri().path(), req.uri().query(), req.headers()))
+}
+
 fn user_port(headers: &HeaderMap) -> bool {
     headers
         .get("e2b-sandbox-port")

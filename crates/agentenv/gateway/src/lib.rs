@@ -124,13 +124,7 @@ pub fn app(gw: Gateway) -> Router {
 }
 
 async fn dispatch(State(gw): State<Gateway>, mut req: Request, next: Next) -> Response {
-    let by_host = gw
-        .sandbox_domain
-        .as_deref()
-        .and_then(|d| dataplane::route_by_host(&mut req, d));
-    let plane = by_host
-        .unwrap_or_else(|| dataplane::classify(req.uri().path(), req.uri().query(), req.headers()));
-    match plane {
+    match dataplane::plane_of(&mut req, gw.sandbox_domain.as_deref()) {
         Plane::Control => next.run(req).await,
         plane => locate::data_plane(&gw, plane, req)
             .await

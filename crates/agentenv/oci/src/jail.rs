@@ -170,27 +170,48 @@ fn drop_capabilities() -> Result<(), Step> {
             }
         }
     }
+    let (_, permitted) = thread_caps().map_err(|e| ("capget", e))?;
+    set_thread_caps(permitted & keep).map_err(|e| ("capset", e))
+}
+
+/// This thread's (effective, permitted) capabilities, as bit masks.
+#[doc(hidden)]
+pub fn thread_caps() -> io::Result<(u64, u64)> {
     let mut hdr = CapHeader {
         version: CAPABILITY_VERSION_3,
         pid: 0, // this thread
     };
-    let mut data = [CapData::default(); 2];
-    // SAFETY: a version-3 header and the two-element data array that version reads and writes.
-    check("capget", unsafe {
-        libc::syscall(
-            libc::SYS_capget,
-            &mut hdr as *mut CapHeader,
-            data.as_mut_ptr(),
-        )
-    })?;
-    for (i, d) in data.iter_mut().enumerate() {
-        let k = (keep >> (32 * i)) as u32;
-        d.permitted &= k;
-        d.effective = d.permitted;
-        d.inheritable = 0;
+    let mut d = [CapData::default(); 2];
+    // SAFETY: a version-3 header and the two-element data array that version writes.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut hdr as *mut CapHeader, d.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
     }
-    // SAFETY: as for capget; pid 0 is the calling thread only (the raw syscall, no broadcast).
-    check("capset", unsafe {
-        libc::syscall(libc::SYS_capset, &hdr as *const CapHeader, data.as_ptr())
-    })
+    let join = |f: fn(&CapData) -> u32| u64::from(f(&d[0])) | (u64::from(f(&d[1])) << 32);
+    Ok((join(|x| x.effective), join(|x| x.permitted)))
+}
+
+/// Sets this thread's effective and permitted capabilities to `mask`, none inheritable (the raw
+/// syscall: no other thread changes).
+#[doc(hidden)]
+pub fn set_thread_caps(mask: u64) -> io::Result<()> {
+    let hdr = CapHeader {
+        version: CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let d = [0, 1].map(|i| {
+        let m = (mask >> (32 * i)) as u32;
+        CapData {
+            effective: m,
+            permitted: m,
+            inheritable: 0,
+        }
+    });
+    // SAFETY: a version-3 header and the two-element data array that version reads; pid 0 is the
+    // calling thread only.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &hdr as *const CapHeader, d.as_ptr()) };
+    match rc {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
 }

@@ -55,51 +55,14 @@ fn errno(rc: libc::c_int) -> Option<i32> {
     (rc != 0).then(|| io::Error::last_os_error().raw_os_error().unwrap())
 }
 
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: libc::c_int,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
 /// This thread's (effective, permitted) capabilities.
 fn caps() -> (u64, u64) {
-    let mut hdr = CapHeader {
-        version: 0x2008_0522,
-        pid: 0,
-    };
-    let mut d = [CapData::default(); 2];
-    // SAFETY: a version-3 header and the two-element array it fills.
-    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut hdr as *mut CapHeader, d.as_mut_ptr()) };
-    assert_eq!(rc, 0, "capget: {}", io::Error::last_os_error());
-    let join = |f: fn(&CapData) -> u32| u64::from(f(&d[0])) | u64::from(f(&d[1])) << 32;
-    (join(|x| x.effective), join(|x| x.permitted))
+    agentenv_oci::jail::thread_caps().expect("capget")
 }
 
 /// Sets this thread's effective and permitted capabilities.
 fn set_caps(mask: u64) {
-    let hdr = CapHeader {
-        version: 0x2008_0522,
-        pid: 0,
-    };
-    let d = [0, 1].map(|i| {
-        let m = (mask >> (32 * i)) as u32;
-        CapData {
-            effective: m,
-            permitted: m,
-            inheritable: 0,
-        }
-    });
-    // SAFETY: a version-3 header and the two-element array it reads; this thread only.
-    let rc = unsafe { libc::syscall(libc::SYS_capset, &hdr as *const CapHeader, d.as_ptr()) };
-    assert_eq!(rc, 0, "capset: {}", io::Error::last_os_error());
+    agentenv_oci::jail::set_thread_caps(mask).expect("capset");
 }
 
 fn thread_view() -> (PathBuf, PathBuf) {
