@@ -24,6 +24,7 @@ pub mod image;
 pub mod lifecycle;
 pub mod net;
 pub mod persist;
+pub(crate) mod sparse;
 pub mod sync;
 pub mod vmm;
 

@@ -1,7 +1,10 @@
-//! Filesystem-only pauses (E2B's `pause(keep_memory=False)`): only the disk is kept, and the next
-//! resume cold-boots the sandbox from it.
+//! What a pause keeps on the disk: filesystem-only pauses (E2B's `pause(keep_memory=False)`: only the
+//! disk is kept, and the next resume cold-boots the sandbox from it), and the delayed flush of a memory
+//! pause's RAM file.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
 
 use crate::agent;
 use crate::error::{PauseError, ResumeError};
@@ -86,4 +89,54 @@ impl Runtime {
         live.agent = Some(link);
         Ok(())
     }
+}
+
+/// How long a paused sandbox's RAM file waits for its flush: a resume within it needs none (and would
+/// otherwise wait on pages being written back).
+const RAM_FLUSH_DELAY: Duration = Duration::from_secs(2);
+
+/// Flushes the RAM file of paused sandbox `id` to the disk after [`RAM_FLUSH_DELAY`] unless it resumed,
+/// then records it flushed (while the sandbox is still paused on that file). Until then a host power
+/// loss could tear it: recovery after a reboot cold-boots such a sandbox from its disk. A runtime
+/// dropped meanwhile writes nothing (the next one settles it).
+impl Runtime {
+    pub(crate) fn flush_paused_ram(&self, slot: &Arc<Slot>, id: String) {
+        flush_paused_ram(&self.inner, slot, id);
+    }
+}
+
+fn flush_paused_ram(inner: &Arc<Inner>, slot: &Arc<Slot>, id: String) {
+    let (inner, slot) = (Arc::downgrade(inner), Arc::downgrade(slot));
+    tokio::spawn(async move {
+        tokio::time::sleep(RAM_FLUSH_DELAY).await;
+        let (Some(inner), Some(slot)) = (inner.upgrade(), slot.upgrade()) else {
+            return;
+        };
+        let ram = {
+            let live = slot.live.lock().await;
+            if live.gone || live.record.phase != SandboxPhase::Paused {
+                return;
+            }
+            live.record.ram_file.clone()
+        };
+        let path = ram.clone();
+        let synced =
+            tokio::task::spawn_blocking(move || std::fs::File::open(&path)?.sync_data()).await;
+        if let Err(e) = synced.map_err(std::io::Error::other).and_then(|r| r) {
+            tracing::warn!(sandbox = %id, error = %e, "flushing a paused sandbox's RAM file failed");
+            return;
+        }
+        let mut live = slot.live.lock().await;
+        if live.gone
+            || live.record.phase != SandboxPhase::Paused
+            || live.record.ram_file != ram
+            || live.record.ram_boot_id.is_none()
+        {
+            return;
+        }
+        live.record.ram_boot_id = None;
+        if let Err(e) = persist::write(&inner.record_path(&id), &live.record) {
+            tracing::warn!(sandbox = %id, error = %e, "recording a flushed RAM file failed");
+        }
+    });
 }

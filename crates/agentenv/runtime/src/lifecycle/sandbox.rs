@@ -505,7 +505,8 @@ impl Runtime {
             k3_common::crash::point("runtime:pause:after-save");
             live.agent = None;
             // The RAM file is the paused state: safe from a crash of this process (and of QEMU) once
-            // the record says paused; flushed to the disk after the answer ([`flush_paused_ram`]).
+            // the record says paused; flushed to the disk after the answer
+            // ([`Runtime::flush_paused_ram`]).
             live.record.ram_boot_id = live
                 .record
                 .ram_shared
@@ -530,7 +531,7 @@ impl Runtime {
             Ok(()) => {
                 slot.set_state(VmState::Paused);
                 if live.record.ram_boot_id.is_some() {
-                    flush_paused_ram(&self.inner, &slot, id.to_string());
+                    self.flush_paused_ram(&slot, id.to_string());
                 }
                 let keep = self.inner.cfg.keep_paused;
                 match link {
@@ -762,48 +763,4 @@ impl Inner {
         let sock = self.spec_of(rec).agent_socket();
         agent::connect_healthy(&sock, HEALTH_ATTEMPT, HEALTH_DEADLINE).await
     }
-}
-
-/// How long a paused sandbox's RAM file waits for its flush: a resume within it needs none (and would
-/// otherwise wait on pages being written back).
-const RAM_FLUSH_DELAY: Duration = Duration::from_secs(2);
-
-/// Flushes the RAM file of paused sandbox `id` to the disk after [`RAM_FLUSH_DELAY`] unless it resumed,
-/// then records it flushed (while the sandbox is still paused on that file). Until then a host power
-/// loss could tear it: recovery after a reboot cold-boots such a sandbox from its disk. A runtime
-/// dropped meanwhile writes nothing (the next one settles it).
-pub(crate) fn flush_paused_ram(inner: &Arc<Inner>, slot: &Arc<Slot>, id: String) {
-    let (inner, slot) = (Arc::downgrade(inner), Arc::downgrade(slot));
-    tokio::spawn(async move {
-        tokio::time::sleep(RAM_FLUSH_DELAY).await;
-        let (Some(inner), Some(slot)) = (inner.upgrade(), slot.upgrade()) else {
-            return;
-        };
-        let ram = {
-            let live = slot.live.lock().await;
-            if live.gone || live.record.phase != SandboxPhase::Paused {
-                return;
-            }
-            live.record.ram_file.clone()
-        };
-        let path = ram.clone();
-        let synced =
-            tokio::task::spawn_blocking(move || std::fs::File::open(&path)?.sync_data()).await;
-        if let Err(e) = synced.map_err(std::io::Error::other).and_then(|r| r) {
-            tracing::warn!(sandbox = %id, error = %e, "flushing a paused sandbox's RAM file failed");
-            return;
-        }
-        let mut live = slot.live.lock().await;
-        if live.gone
-            || live.record.phase != SandboxPhase::Paused
-            || live.record.ram_file != ram
-            || live.record.ram_boot_id.is_none()
-        {
-            return;
-        }
-        live.record.ram_boot_id = None;
-        if let Err(e) = persist::write(&inner.record_path(&id), &live.record) {
-            tracing::warn!(sandbox = %id, error = %e, "recording a flushed RAM file failed");
-        }
-    });
 }

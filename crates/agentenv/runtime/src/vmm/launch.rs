@@ -441,7 +441,7 @@ fn sealed_copy(
     }
     // SAFETY: fd was just created and is owned by nobody else.
     let mem = unsafe { File::from_raw_fd(fd) };
-    crate::fsops::sparse_copy_files(&src, &mem).map_err(io("copy", path))?;
+    crate::sparse::copy_files(&src, &mem).map_err(io("copy", path))?;
     let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
     // SAFETY: fcntl on the memfd owned by `mem`.
     if unsafe { libc::fcntl(mem.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
