@@ -27,16 +27,12 @@ pub struct Conn {
 }
 
 impl Conn {
-    fn new(remote: SocketAddr) -> Conn {
+    /// The connection of the client at `remote` (a listener's own address, for `local_addr`).
+    pub fn new(remote: SocketAddr) -> Conn {
         Conn {
             remote,
             cut: Arc::new(AtomicBool::new(false)),
         }
-    }
-
-    /// A listener's own address, as [`axum::serve::Listener::local_addr`] gives it.
-    pub fn local(addr: SocketAddr) -> Conn {
-        Conn::new(addr)
     }
 
     /// Ends the connection with a reset once its server lets go of it.
@@ -185,7 +181,7 @@ impl axum::serve::Listener for Listener {
     }
 
     fn local_addr(&self) -> std::io::Result<Conn> {
-        self.tcp.local_addr().map(Conn::local)
+        self.tcp.local_addr().map(Conn::new)
     }
 }
 

@@ -75,7 +75,7 @@ impl axum::serve::Listener for TlsListener {
     }
 
     fn local_addr(&self) -> std::io::Result<Conn> {
-        Ok(Conn::local(self.local))
+        Ok(Conn::new(self.local))
     }
 }
 

@@ -95,48 +95,44 @@ impl Runtime {
 /// otherwise wait on pages being written back).
 const RAM_FLUSH_DELAY: Duration = Duration::from_secs(2);
 
-/// Flushes the RAM file of paused sandbox `id` to the disk after [`RAM_FLUSH_DELAY`] unless it resumed,
-/// then records it flushed (while the sandbox is still paused on that file). Until then a host power
-/// loss could tear it: recovery after a reboot cold-boots such a sandbox from its disk. A runtime
-/// dropped meanwhile writes nothing (the next one settles it).
 impl Runtime {
+    /// Flushes the RAM file of paused sandbox `id` to the disk after [`RAM_FLUSH_DELAY`] unless it
+    /// resumed, then records it flushed (while the sandbox is still paused on that file). Until then a
+    /// host power loss could tear it: recovery after a reboot cold-boots such a sandbox from its disk. A
+    /// runtime dropped meanwhile writes nothing (the next one settles it).
     pub(crate) fn flush_paused_ram(&self, slot: &Arc<Slot>, id: String) {
-        flush_paused_ram(&self.inner, slot, id);
-    }
-}
-
-fn flush_paused_ram(inner: &Arc<Inner>, slot: &Arc<Slot>, id: String) {
-    let (inner, slot) = (Arc::downgrade(inner), Arc::downgrade(slot));
-    tokio::spawn(async move {
-        tokio::time::sleep(RAM_FLUSH_DELAY).await;
-        let (Some(inner), Some(slot)) = (inner.upgrade(), slot.upgrade()) else {
-            return;
-        };
-        let ram = {
-            let live = slot.live.lock().await;
-            if live.gone || live.record.phase != SandboxPhase::Paused {
+        let (inner, slot) = (Arc::downgrade(&self.inner), Arc::downgrade(slot));
+        tokio::spawn(async move {
+            tokio::time::sleep(RAM_FLUSH_DELAY).await;
+            let (Some(inner), Some(slot)) = (inner.upgrade(), slot.upgrade()) else {
+                return;
+            };
+            let ram = {
+                let live = slot.live.lock().await;
+                if live.gone || live.record.phase != SandboxPhase::Paused {
+                    return;
+                }
+                live.record.ram_file.clone()
+            };
+            let path = ram.clone();
+            let synced =
+                tokio::task::spawn_blocking(move || std::fs::File::open(&path)?.sync_data()).await;
+            if let Err(e) = synced.map_err(std::io::Error::other).and_then(|r| r) {
+                tracing::warn!(sandbox = %id, error = %e, "flushing a paused sandbox's RAM file failed");
                 return;
             }
-            live.record.ram_file.clone()
-        };
-        let path = ram.clone();
-        let synced =
-            tokio::task::spawn_blocking(move || std::fs::File::open(&path)?.sync_data()).await;
-        if let Err(e) = synced.map_err(std::io::Error::other).and_then(|r| r) {
-            tracing::warn!(sandbox = %id, error = %e, "flushing a paused sandbox's RAM file failed");
-            return;
-        }
-        let mut live = slot.live.lock().await;
-        if live.gone
-            || live.record.phase != SandboxPhase::Paused
-            || live.record.ram_file != ram
-            || live.record.ram_boot_id.is_none()
-        {
-            return;
-        }
-        live.record.ram_boot_id = None;
-        if let Err(e) = persist::write(&inner.record_path(&id), &live.record) {
-            tracing::warn!(sandbox = %id, error = %e, "recording a flushed RAM file failed");
-        }
-    });
+            let mut live = slot.live.lock().await;
+            if live.gone
+                || live.record.phase != SandboxPhase::Paused
+                || live.record.ram_file != ram
+                || live.record.ram_boot_id.is_none()
+            {
+                return;
+            }
+            live.record.ram_boot_id = None;
+            if let Err(e) = persist::write(&inner.record_path(&id), &live.record) {
+                tracing::warn!(sandbox = %id, error = %e, "recording a flushed RAM file failed");
+            }
+        });
+    }
 }

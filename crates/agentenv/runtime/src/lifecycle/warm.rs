@@ -141,21 +141,21 @@ pub(crate) fn shares<K: Clone + Eq + std::hash::Hash>(
 /// How a [`WarmPool`] is sized (`RuntimeConfig::{warm_vms, warm_vms_max, max_warm_vms, warm_idle}`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sizes {
+    /// Warm VMs of each recently used image.
     pub(crate) per_image: usize,
+    /// Most of one image while its creates come in bursts.
     pub(crate) max_per_image: usize,
+    /// Warm VMs of all images together.
     pub(crate) max_total: usize,
+    /// An image with no create for this long keeps none.
     pub(crate) idle: Duration,
 }
 
 /// The warm VMs of one runtime.
 pub(crate) struct WarmPool {
     dir: PathBuf,
-    per_image: usize,
-    max_per_image: usize,
-    /// Warm VMs of all images together.
-    max_total: usize,
-    /// An image with no create for this long keeps none.
-    idle: Duration,
+    /// Its sizes (`max_per_image` at least `per_image`).
+    sizes: Sizes,
     demand: Mutex<HashMap<Key, Demand>>,
     ready: Mutex<HashMap<Key, Vec<WarmVm>>>,
     filling: Mutex<HashSet<Key>>,
@@ -176,10 +176,10 @@ impl WarmPool {
     pub(crate) fn new(dir: PathBuf, sizes: Sizes) -> WarmPool {
         WarmPool {
             dir,
-            per_image: sizes.per_image,
-            max_per_image: sizes.max_per_image.max(sizes.per_image),
-            max_total: sizes.max_total,
-            idle: sizes.idle,
+            sizes: Sizes {
+                max_per_image: sizes.max_per_image.max(sizes.per_image),
+                ..sizes
+            },
             demand: Mutex::new(HashMap::new()),
             ready: Mutex::new(HashMap::new()),
             filling: Mutex::new(HashSet::new()),
@@ -197,7 +197,7 @@ impl WarmPool {
 
     /// Counts a create of `key` (taken from the pool or not) towards the pool's size.
     pub(crate) fn record_create(&self, key: &Key) {
-        if self.per_image == 0 {
+        if self.sizes.per_image == 0 {
             return;
         }
         let now = Instant::now();
@@ -212,20 +212,26 @@ impl WarmPool {
     /// How many warm VMs each image should have now (images missing: none), within the budget; images
     /// idle past [`PEAK_TTL`] and `idle` are forgotten.
     fn targets(&self) -> HashMap<Key, usize> {
-        if self.per_image == 0 {
+        if self.sizes.per_image == 0 {
             return HashMap::new();
         }
         let now = Instant::now();
         let mut demand = self.demand.lock().unwrap_or_else(|e| e.into_inner());
-        demand.retain(|_, d| now.saturating_duration_since(d.last) <= self.idle.max(PEAK_TTL));
+        demand
+            .retain(|_, d| now.saturating_duration_since(d.last) <= self.sizes.idle.max(PEAK_TTL));
         let wants = demand
             .iter()
             .map(|(k, d)| {
-                let want = d.target(now, self.per_image, self.max_per_image, self.idle);
+                let want = d.target(
+                    now,
+                    self.sizes.per_image,
+                    self.sizes.max_per_image,
+                    self.sizes.idle,
+                );
                 (k.clone(), d.last, want)
             })
             .collect();
-        shares(wants, self.max_total)
+        shares(wants, self.sizes.max_total)
     }
 
     /// How many warm VMs `key` should have now.
@@ -349,7 +355,7 @@ impl Runtime {
         let Some(key) = Key::of(image, network) else {
             return;
         };
-        if inner.warm.per_image == 0
+        if inner.warm.sizes.per_image == 0
             || inner.warm.closed.load(Ordering::SeqCst)
             || !inner
                 .warm
@@ -379,7 +385,7 @@ impl Runtime {
                 let have = pool.lock().get(&key).map_or(0, Vec::len);
                 if pool.closed.load(Ordering::SeqCst)
                     || have >= pool.target(&key)
-                    || pool.total() >= pool.max_total
+                    || pool.total() >= pool.sizes.max_total
                 {
                     break;
                 }
@@ -412,7 +418,7 @@ impl Runtime {
             return;
         }
         let every = (PEAK_TTL / 4)
-            .min(pool.idle / 4)
+            .min(pool.sizes.idle / 4)
             .max(Duration::from_millis(200));
         let weak = Arc::downgrade(&self.inner);
         tokio::spawn(async move {

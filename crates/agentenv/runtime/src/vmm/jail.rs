@@ -6,7 +6,7 @@
 //! Its VM files arrive as descriptors ([`crate::vmm::launch`]), so it names no host path: the state
 //! folder, other sandboxes' files and everything world-readable elsewhere on the host are out of view.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -154,24 +154,13 @@ impl Jail {
                 Err(io::Error::last_os_error())
             }
         };
-        let null = std::ptr::null::<libc::c_char>();
         // SAFETY: plain system calls on NUL-terminated strings that outlive them.
         unsafe {
             check(libc::unshare(libc::CLONE_NEWNS))?;
-            check(libc::mount(
-                null,
-                c"/".as_ptr(),
-                null,
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ))?;
-            check(libc::mount(
-                c"tmpfs".as_ptr(),
-                self.root.as_ptr(),
-                c"tmpfs".as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                c"mode=0755,size=64k".as_ptr().cast(),
-            ))?;
+            mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None)?;
+            let inert = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC; // no suid, devices or exec
+            let tmpfs = Some(c"tmpfs");
+            mount(tmpfs, &self.root, tmpfs, inert, Some(c"mode=0755,size=64k"))?;
             for d in &self.dirs {
                 check(libc::mkdir(d.as_ptr(), 0o755))?;
             }
@@ -187,31 +176,20 @@ impl Jail {
                 libc::close(fd);
             }
             for b in &self.binds {
-                check(libc::mount(
-                    b.src.as_ptr(),
-                    b.dst.as_ptr(),
-                    null,
-                    libc::MS_BIND,
-                    std::ptr::null(),
-                ))?;
-                check(libc::mount(
-                    null,
-                    b.dst.as_ptr(),
-                    null,
+                mount(Some(&b.src), &b.dst, None, libc::MS_BIND, None)?;
+                mount(
+                    None,
+                    &b.dst,
+                    None,
                     libc::MS_BIND | libc::MS_REMOUNT | b.flags,
-                    std::ptr::null(),
-                ))?;
+                    None,
+                )?;
             }
             for (target, at) in &self.links {
                 check(libc::symlink(target.as_ptr(), at.as_ptr()))?;
             }
-            check(libc::mount(
-                c"proc".as_ptr(),
-                self.proc_dir.as_ptr(),
-                c"proc".as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                c"hidepid=2".as_ptr().cast(),
-            ))?;
+            let proc = Some(c"proc");
+            mount(proc, &self.proc_dir, proc, inert, Some(c"hidepid=2"))?;
             // pivot_root(".", "."): the old root ends up on top of the new one, then goes.
             check(libc::chdir(self.root.as_ptr()))?;
             if libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) != 0 {
@@ -219,19 +197,29 @@ impl Jail {
             }
             check(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
             check(libc::chdir(c"/".as_ptr()))?;
-            check(libc::mount(
-                null,
-                c"/".as_ptr(),
-                null,
-                libc::MS_REMOUNT
-                    | libc::MS_RDONLY
-                    | libc::MS_NOSUID
-                    | libc::MS_NODEV
-                    | libc::MS_NOEXEC,
-                std::ptr::null(),
-            ))?;
+            let flags = libc::MS_REMOUNT | libc::MS_RDONLY | inert;
+            mount(None, c"/", None, flags, None)?;
         }
         Ok(())
+    }
+}
+
+/// mount(2), async-signal-safe: `None` is a NULL source, type or data.
+///
+/// # Safety
+/// A plain system call on NUL-terminated strings that outlive it.
+unsafe fn mount(
+    src: Option<&CStr>,
+    dst: &CStr,
+    fstype: Option<&CStr>,
+    flags: libc::c_ulong,
+    data: Option<&CStr>,
+) -> io::Result<()> {
+    let p = |c: Option<&CStr>| c.map_or(std::ptr::null(), CStr::as_ptr);
+    // SAFETY: see the function's contract.
+    match unsafe { libc::mount(p(src), dst.as_ptr(), p(fstype), flags, p(data).cast()) } {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
     }
 }
 

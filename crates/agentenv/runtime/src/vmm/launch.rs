@@ -135,35 +135,35 @@ impl VmFiles {
             .create(&sock_dir)
             .map_err(io("create", &sock_dir))?;
         let dir = File::open(&sock_dir).map_err(io("open", &sock_dir))?;
-        let ram = File::options()
-            .read(true)
-            .write(spec.ram_shared)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&spec.ram_file)
-            .map_err(io("open", &spec.ram_file))?;
-        let ram_via_memfd = ram_via_memfd && !spec.ram_shared;
         if let Some(o) = owner {
             std::os::unix::fs::fchown(&dir, Some(o.uid), Some(o.gid))
                 .map_err(io("chown", &sock_dir))?;
         }
-        if let Some(o) = owner.filter(|_| !ram_via_memfd) {
-            // A RAM file of its own is the VM's alone; a snapshot's, mapped copy-on-write by several
-            // VMs (`readonly=on,rom=off`), stays root's and is only readable by the VMs' group.
-            let (uid, mode) = match spec.ram_shared {
-                true => (Some(o.uid), 0o600),
-                false => (None, 0o640),
-            };
-            std::os::unix::fs::fchown(&ram, uid, Some(o.gid))
-                .map_err(io("chown", &spec.ram_file))?;
-            ram.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
-                .map_err(io("chmod", &spec.ram_file))?;
-        }
         let d = f.inherit(dir);
         f.qmp_socket = format!("/proc/self/fd/{d}/qmp.sock");
         f.agent_socket = format!("/proc/self/fd/{d}/agent.sock");
-        f.ram = match ram_via_memfd {
-            true => f.share(ram_base(&spec.ram_file)?),
-            false => format!("/proc/self/fd/{}", f.inherit(ram)),
+        f.ram = if ram_via_memfd && !spec.ram_shared {
+            f.share(ram_base(&spec.ram_file)?)
+        } else {
+            let ram = File::options()
+                .read(true)
+                .write(spec.ram_shared)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&spec.ram_file)
+                .map_err(io("open", &spec.ram_file))?;
+            if let Some(o) = owner {
+                // A RAM file of its own is the VM's alone; a snapshot's, mapped copy-on-write by several
+                // VMs (`readonly=on,rom=off`), stays root's and is only readable by the VMs' group.
+                let (uid, mode) = match spec.ram_shared {
+                    true => (Some(o.uid), 0o600),
+                    false => (None, 0o640),
+                };
+                std::os::unix::fs::fchown(&ram, uid, Some(o.gid))
+                    .map_err(io("chown", &spec.ram_file))?;
+                ram.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
+                    .map_err(io("chmod", &spec.ram_file))?;
+            }
+            format!("/proc/self/fd/{}", f.inherit(ram))
         };
 
         match owner {

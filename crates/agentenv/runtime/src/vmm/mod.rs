@@ -167,8 +167,8 @@ pub struct Restored {
 pub trait Vmm: Send + Sync {
     /// The accelerator this backend runs guests with.
     fn accel(&self) -> AccelKind;
-    /// Whether every VM runs as a uid of its own. Such a VM can open only RAM files it owns, so a
-    /// snapshot's RAM is copied per sandbox rather than mapped copy-on-write by several VMs.
+    /// Whether every VM runs as a uid of its own. Such a VM can open only RAM files it owns (or is
+    /// handed read-only), so creates that may be repeated get a copy of a snapshot's RAM of their own.
     fn per_vm_uids(&self) -> bool {
         false
     }
