@@ -7,6 +7,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 
 use crate::build_routes;
+use crate::conn::TENANT_HEADER;
 use crate::dataplane::{self, Plane};
 use crate::error::ApiError;
 use crate::routes;
@@ -138,10 +139,29 @@ async fn dispatch(State(state): State<AppState>, mut req: Request, next: Next) -
     resp
 }
 
-/// Resolves the key to its [`crate::tenants::Tenant`] (put in the request's extensions) and spends one of
-/// its requests.
+/// Resolves the key (or a gateway's [`TENANT_HEADER`]) to its [`crate::tenants::Tenant`] (put in the
+/// request's extensions) and spends one of its requests (a gateway spent it already).
 async fn require_api_key(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     if req.uri().path() == "/health" {
+        return next.run(req).await;
+    }
+    if let Some(asserted) = req.headers().get(TENANT_HEADER) {
+        let gateway = req
+            .extensions()
+            .get::<axum::extract::ConnectInfo<crate::conn::Conn>>()
+            .is_some_and(|c| c.0.gateway);
+        if !gateway {
+            return ApiError::unauthorized(
+                "X-Agentenv-Tenant is taken only from a gateway's certificate",
+            )
+            .into_response();
+        }
+        let tenant = asserted.to_str().ok().and_then(|n| state.keys.named(n));
+        let Some(tenant) = tenant else {
+            return ApiError::unauthorized("the gateway asserted an unknown tenant")
+                .into_response();
+        };
+        req.extensions_mut().insert(tenant);
         return next.run(req).await;
     }
     let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());

@@ -19,10 +19,17 @@ use http_body_util::BodyExt;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 
+/// The tenant a gateway asserts for a request it forwards (its name), in place of the client's key:
+/// taken only on a connection with a gateway's certificate ([`Conn::gateway`]).
+pub const TENANT_HEADER: &str = "x-agentenv-tenant";
+
 /// One client connection, as handlers see it (`ConnectInfo<Conn>`).
 #[derive(Debug, Clone)]
 pub struct Conn {
     pub remote: SocketAddr,
+    /// The client showed a gateway's certificate (`agentenv_cluster::node_tls::is_gateway`): it may
+    /// assert the tenant of its requests ([`TENANT_HEADER`]).
+    pub gateway: bool,
     cut: Arc<AtomicBool>,
 }
 
@@ -31,6 +38,7 @@ impl Conn {
     pub fn new(remote: SocketAddr) -> Conn {
         Conn {
             remote,
+            gateway: false,
             cut: Arc::new(AtomicBool::new(false)),
         }
     }

@@ -8,6 +8,7 @@ use axum::response::Response;
 use hyper_util::rt::TokioIo;
 
 use crate::backend::{AgentStream, VmError};
+use crate::conn::TENANT_HEADER;
 use crate::error::ApiError;
 use crate::sandboxes::SandboxState;
 use crate::state::AppState;
@@ -73,8 +74,8 @@ pub const HOP_HEADERS: [&str; 7] = [
     "trailer",
 ];
 
-/// The client's credentials for us, never for the guest.
-const CREDENTIAL_HEADERS: [&str; 3] = ["x-api-key", "cookie", "proxy-authorization"];
+/// The client's (or a gateway's) credentials for us, never for the guest.
+const CREDENTIAL_HEADERS: [&str; 4] = ["x-api-key", TENANT_HEADER, "cookie", "proxy-authorization"];
 
 /// Removes hop-by-hop headers (and those `Connection` names): what every proxy hop drops.
 pub fn strip_hop(h: &mut HeaderMap) {

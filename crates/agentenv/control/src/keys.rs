@@ -9,19 +9,21 @@ use rand::Rng;
 /// Key file failures.
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
-    #[error("reading API key {path}: {source}")]
+    #[error("reading key file {path}: {source}")]
     Read {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("writing API key {path}: {source}")]
+    #[error("writing key file {path}: {source}")]
     Write {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("API key file {path} does not hold a key of the form e2b_<40 hex>")]
+    #[error(
+        "key file {path} does not hold a key of its form (API key: e2b_<40 hex>; bucket key: 64 hex)"
+    )]
     Malformed { path: PathBuf },
-    #[error("API key file {path} has mode {mode:o}; it must not be readable by group or others")]
+    #[error("key file {path} has mode {mode:o}; it must not be readable by group or others")]
     Permissions { path: PathBuf, mode: u32 },
 }
 
@@ -92,8 +94,39 @@ pub fn is_api_key(key: &str) -> bool {
 
 /// Loads `<state>/server/api_key`, or creates it (mode 0600). Returns the key and whether it is new.
 pub fn load_or_create_api_key(state_dir: &Path) -> Result<(String, bool), KeyError> {
-    let dir = state_dir.join("server");
-    let path = dir.join("api_key");
+    load_or_create(
+        &state_dir.join("server/api_key"),
+        is_api_key,
+        generate_api_key,
+    )
+}
+
+/// Loads `<state>/server/bucket_key`, the key of the MAC over metadata in the shared bucket (64 hex,
+/// the same on every node of a cluster, and apart from the API key so that nodes need no API key), or
+/// creates it from `make` (mode 0600).
+pub fn load_or_create_bucket_key(
+    state_dir: &Path,
+    make: impl FnOnce() -> [u8; 32],
+) -> Result<[u8; 32], KeyError> {
+    let path = state_dir.join("server/bucket_key");
+    let valid = |k: &str| k.len() == 64 && k.bytes().all(|b| b.is_ascii_hexdigit());
+    let (text, _) = load_or_create(&path, valid, || hex(&make()))?;
+    let mut key = [0u8; 32];
+    for (i, b) in key.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&text[2 * i..2 * i + 2], 16)
+            .map_err(|_| KeyError::Malformed { path: path.clone() })?;
+    }
+    Ok(key)
+}
+
+/// The secret in `path` (its first line, checked by `valid`; the file must be 0600), or a new one from
+/// `make`, written with mode 0600. Returns it and whether it is new.
+fn load_or_create(
+    path: &Path,
+    valid: impl Fn(&str) -> bool,
+    make: impl FnOnce() -> String,
+) -> Result<(String, bool), KeyError> {
+    let path = path.to_owned();
     match std::fs::read_to_string(&path) {
         Ok(text) => {
             let mode = std::fs::metadata(&path)
@@ -108,17 +141,18 @@ pub fn load_or_create_api_key(state_dir: &Path) -> Result<(String, bool), KeyErr
                 return Err(KeyError::Permissions { path, mode });
             }
             let key = text.trim().to_string();
-            if !is_api_key(&key) {
+            if !valid(&key) {
                 return Err(KeyError::Malformed { path });
             }
             Ok((key, false))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let dir = path.parent().unwrap_or(Path::new("/")).to_owned();
             std::fs::create_dir_all(&dir).map_err(|source| KeyError::Write {
                 path: dir.clone(),
                 source,
             })?;
-            let key = generate_api_key();
+            let key = make();
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
@@ -171,6 +205,32 @@ pub fn secret_eq(a: &str, b: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bucket_key_is_made_once_kept_private_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let first: [u8; 32] = rand::random();
+        assert_eq!(
+            load_or_create_bucket_key(dir.path(), || first).unwrap(),
+            first
+        );
+        let path = dir.path().join("server/bucket_key");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let again = load_or_create_bucket_key(dir.path(), || panic!("made again")).unwrap();
+        assert_eq!(again, first);
+        std::fs::write(&path, "not hex\n").unwrap();
+        assert!(matches!(
+            load_or_create_bucket_key(dir.path(), rand::random),
+            Err(KeyError::Malformed { .. })
+        ));
+        std::fs::write(&path, format!("{}\n", hex(&first))).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(
+            load_or_create_bucket_key(dir.path(), rand::random),
+            Err(KeyError::Permissions { .. })
+        ));
+    }
 
     #[test]
     fn key_is_created_once_with_0600() {

@@ -377,7 +377,6 @@ impl KeyRing {
             .unwrap_or_default()
     }
 
-    /// The tenant of `presented`, or `None` for an unknown or revoked key.
     /// Signs an upload of COPY archive `hash` of template `tid` by `tenant`, valid until `expires`
     /// (Unix seconds): the query of a URL that needs no key ([`KeyRing::check_upload`]).
     pub fn sign_upload(&self, tenant: &str, tid: &str, hash: &str, expires: i64) -> String {
@@ -394,13 +393,17 @@ impl KeyRing {
         query: &std::collections::HashMap<String, String>,
         now: i64,
     ) -> Option<Tenant> {
-        let tenant = query.get("tenant")?;
+        let (tenant, sig) = (query.get("tenant")?, query.get("signature")?);
         let expires: i64 = query.get("expires")?.parse().ok()?;
-        let sig = query.get("signature")?;
         if now > expires || !keys::secret_eq(sig, &self.upload_mac(tenant, tid, hash, expires)) {
             return None;
         }
-        if &**tenant == DEFAULT_TENANT {
+        self.named(tenant)
+    }
+
+    /// The tenant called `name` (the operator's is [`DEFAULT_TENANT`]), while its key exists.
+    pub fn named(&self, name: &str) -> Option<Tenant> {
+        if name == DEFAULT_TENANT {
             return Some(self.default.clone());
         }
         self.refresh();
@@ -409,7 +412,7 @@ impl KeyRing {
             .tenants
             .as_ref()?
             .iter()
-            .find(|(_, t)| &*t.name == tenant.as_str())
+            .find(|(_, t)| &*t.name == name)
             .map(|(_, t)| t.clone())
     }
 
@@ -422,6 +425,7 @@ impl KeyRing {
         )
     }
 
+    /// The tenant of `presented`, or `None` for an unknown or revoked key.
     pub fn authenticate(&self, presented: &str) -> Option<Tenant> {
         if keys::secret_eq(presented, &self.default_key) {
             return Some(self.default.clone());

@@ -255,7 +255,7 @@ pub async fn data_plane(
 }
 
 impl Gateway {
-    /// A call of the gateway's own to a node, with the server key.
+    /// A call of the gateway's own to a node, as the operator (by certificate, or with the server key).
     pub async fn node_call(
         &self,
         node: &NodeRecord,
@@ -270,9 +270,12 @@ impl Gateway {
         if json.is_some() {
             b = b.header(header::CONTENT_TYPE, "application/json");
         }
-        let req = b
+        let mut req = b
             .body(json.map_or_else(Body::empty, Body::from))
             .map_err(|e| GatewayError::Invalid(e.to_string()))?;
+        if let Some(operator) = self.keys.named(agentenv_control::tenants::DEFAULT_TENANT) {
+            req.extensions_mut().insert(operator);
+        }
         proxy::forward(&self.http, &node.id, &node.url, req, CONTROL_DEADLINE).await
     }
 }

@@ -16,6 +16,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::TokioExecutor;
 
+use agentenv_control::tenants::Tenant;
+
 use super::GatewayError;
 
 /// Longest wait for a TCP connection to a node.
@@ -30,6 +32,9 @@ type TlsClient = Client<HttpsConnector<HttpConnector<NodeHosts>>, Body>;
 pub struct HttpClient {
     plain: Client<HttpConnector, Body>,
     tls: Option<(TlsClient, NodeHosts)>,
+    /// The TLS client shows a gateway's certificate: requests carry the tenant the gateway
+    /// authenticated ([`agentenv_api::conn::TENANT_HEADER`]), never a key.
+    asserts_tenant: bool,
 }
 
 /// Node id -> the host its record names. A TLS request goes to `https://<node id>:<port>` (the name
@@ -91,6 +96,9 @@ pub fn client(node_tls: Option<Arc<rustls::ClientConfig>>) -> HttpClient {
         b.pool_idle_timeout(Duration::from_secs(90));
         b
     };
+    let asserts_tenant = node_tls
+        .as_ref()
+        .is_some_and(|c| c.client_auth_cert_resolver.has_certs());
     let tls = node_tls.map(|cfg| {
         let hosts = NodeHosts::default();
         let https = hyper_rustls::HttpsConnectorBuilder::new()
@@ -105,6 +113,7 @@ pub fn client(node_tls: Option<Arc<rustls::ClientConfig>>) -> HttpClient {
     HttpClient {
         plain: builder().build(http_connector(HttpConnector::new())),
         tls,
+        asserts_tenant,
     }
 }
 
@@ -191,6 +200,7 @@ pub async fn forward(
         agentenv_api::upgrade::keep(&mut parts.headers, protocol);
     }
     parts.headers.remove(header::HOST);
+    present_tenant(client, &mut parts)?;
     let call = client.send(node, base, parts, body);
     let resp = match tokio::time::timeout(deadline, call).await {
         Err(_) => {
@@ -213,6 +223,27 @@ pub async fn forward(
     let (mut parts, body) = resp.into_parts();
     agentenv_api::dataplane::strip_hop(&mut parts.headers);
     Ok(Response::from_parts(parts, Body::new(body)))
+}
+
+/// Credentials for the node: a client never asserts a tenant; a gateway with a certificate asserts the
+/// one it authenticated (a [`Tenant`] in the extensions) and drops the client's key, so nodes never see
+/// keys; without one, the client's key goes on as it came.
+fn present_tenant(
+    client: &HttpClient,
+    parts: &mut axum::http::request::Parts,
+) -> Result<(), GatewayError> {
+    use agentenv_api::conn::TENANT_HEADER;
+    parts.headers.remove(TENANT_HEADER);
+    if !client.asserts_tenant {
+        return Ok(());
+    }
+    parts.headers.remove("x-api-key");
+    if let Some(t) = parts.extensions.get::<Tenant>() {
+        let v = header::HeaderValue::from_str(&t.name)
+            .map_err(|_| GatewayError::Invalid(format!("tenant name {:?}", t.name)))?;
+        parts.headers.insert(TENANT_HEADER, v);
+    }
+    Ok(())
 }
 
 /// Reads a (small, control-plane) body whole, at most `limit` bytes.

@@ -115,6 +115,14 @@ struct GatewayArgs {
     /// checked against the node id of its record; plain-HTTP nodes are refused.
     #[arg(long, env = "AGENTENV_NODE_CA")]
     node_ca: Option<PathBuf>,
+    /// This gateway's client certificate for nodes (PEM, of the CA nodes take with `--gateway-ca`,
+    /// naming `gateway.agentenv.internal`): the gateway then asserts each request's tenant instead
+    /// of forwarding keys, and nodes need no API key of the operator's.
+    #[arg(long, env = "AGENTENV_CLIENT_CERT", requires_all = ["client_key", "node_ca"])]
+    client_cert: Option<PathBuf>,
+    /// The `--client-cert` certificate's private key (PEM).
+    #[arg(long, env = "AGENTENV_CLIENT_KEY", requires = "client_cert")]
+    client_key: Option<PathBuf>,
     /// E2B's sandbox domain, as the nodes' `--sandbox-domain`: requests for `<port>-<sandbox id>.<domain>`
     /// go to that port of that sandbox.
     #[arg(long, env = "AGENTENV_SANDBOX_DOMAIN", value_parser = parse_sandbox_domain)]
@@ -284,6 +292,11 @@ struct ServeArgs {
     /// The `--tls-cert` certificate's private key (PEM).
     #[arg(long, env = "AGENTENV_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// CA (PEM) of the gateways' client certificates (with `--tls-cert`): a connection whose
+    /// certificate of this CA names `gateway.agentenv.internal` acts for the tenant its gateway
+    /// asserts, so gateways forward no API keys.
+    #[arg(long, env = "AGENTENV_GATEWAY_CA", requires = "tls_cert")]
+    gateway_ca: Option<PathBuf>,
     /// Key prefix of the cluster in etcd (with `--join`).
     #[arg(long, default_value = agentenv_cluster::schema::DEFAULT_PREFIX)]
     etcd_prefix: String,
@@ -414,9 +427,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             &env("AWS_ACCESS_KEY_ID")?,
             &env("AWS_SECRET_ACCESS_KEY")?,
         )
-        // Metadata in the bucket carries a MAC under a key of the servers' own (they share the API
-        // key): S3 credentials alone cannot forge a snapshot or template record.
-        .with_meta_secret(api_key.as_bytes());
+        // Metadata in the bucket carries a MAC under the nodes' shared bucket key: S3 credentials
+        // alone cannot forge a snapshot or template record. A state folder from before the bucket key
+        // keeps the key its API key gave (records in the bucket stay readable).
+        .with_meta_key(keys::load_or_create_bucket_key(&state_dir, || {
+            if fresh {
+                rand::random()
+            } else {
+                agentenv_store::meta_key_from_secret(api_key.as_bytes())
+            }
+        })?);
         remote.allow_http = endpoint.starts_with("http://");
         remote.region = args.s3_region;
         remote.prefix = args.s3_prefix;
@@ -505,7 +525,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     .await?;
     state.sandbox_domain = args.sandbox_domain.clone();
     let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(agentenv_cluster::node_tls::server_config(cert, key)?),
+        (Some(cert), Some(key)) => Some(agentenv_cluster::node_tls::server_config(
+            cert,
+            key,
+            args.gateway_ca.as_deref(),
+        )?),
         _ => None,
     };
     if let Some(adv) = &args.advertise {
@@ -597,7 +621,7 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let (api_key, fresh) = keys::load_or_create_api_key(&state_dir)?;
     if fresh {
         println!(
-            "New API key (shown once; copy {} to every node's state folder):\n  {api_key}",
+            "New API key (shown once; copy {} to every gateway's state folder, and to nodes only when gateways have no --client-cert):\n  {api_key}",
             state_dir.join("server/api_key").display()
         );
     }
@@ -619,10 +643,11 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     )
     .await
     .context("connecting to etcd")?;
+    let client = args.client_cert.as_deref().zip(args.client_key.as_deref());
     let node_tls = args
         .node_ca
         .as_deref()
-        .map(agentenv_cluster::node_tls::client_config)
+        .map(|ca| agentenv_cluster::node_tls::client_config(ca, client))
         .transpose()?;
     let mut gw = agentenv_server::gateway::Gateway::new(store, ring, api_key, node_tls);
     gw.sandbox_domain = args.sandbox_domain;

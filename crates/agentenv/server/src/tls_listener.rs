@@ -45,12 +45,13 @@ impl TlsListener {
                     }
                 };
                 let _ = sock.set_nodelay(true);
-                let (sock, conn) = CutStream::new(sock, peer);
+                let (sock, mut conn) = CutStream::new(sock, peer);
                 let (tx, acceptor) = (tx.clone(), acceptor.clone());
                 tokio::spawn(async move {
                     let _slot = slot;
                     match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(sock)).await {
                         Ok(Ok(s)) => {
+                            conn.gateway = agentenv_cluster::node_tls::is_gateway(s.get_ref().1);
                             let _ = tx.send((s, conn)).await;
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),

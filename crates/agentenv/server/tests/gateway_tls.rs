@@ -30,7 +30,7 @@ async fn stand_in(tls: Option<&agentenv_cluster::EtcdTls>) -> (String, Arc<Atomi
     let addr = l.local_addr().unwrap();
     match tls {
         Some(t) => {
-            let cfg = agentenv_cluster::node_tls::server_config(&t.cert, &t.key).unwrap();
+            let cfg = agentenv_cluster::node_tls::server_config(&t.cert, &t.key, None).unwrap();
             let l = agentenv_server::tls_listener::TlsListener::new(l, cfg).unwrap();
             tokio::spawn(axum::serve(l, router).into_future());
             (format!("https://{addr}"), hits)
@@ -95,7 +95,7 @@ async fn a_gateway_reaches_only_the_node_its_certificate_names() {
         Default::default(),
         None,
     ));
-    let ca = agentenv_cluster::node_tls::client_config(&tls_b.ca).unwrap();
+    let ca = agentenv_cluster::node_tls::client_config(&tls_b.ca, None).unwrap();
     let gw = agentenv_server::gateway::Gateway::new(store, ring, key.clone(), Some(ca));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", l.local_addr().unwrap());
@@ -158,4 +158,162 @@ async fn a_gateway_reaches_only_the_node_its_certificate_names() {
     for r in regs {
         r.leave().await;
     }
+}
+
+/// One request to `addr` over TLS as `cfg`'s client (its certificate or none), the node's name
+/// `node-a`: its status, or `None` when the handshake fails.
+async fn call_as(
+    cfg: Arc<rustls::ClientConfig>,
+    addr: std::net::SocketAddr,
+    req: hyper::Request<http_body_util::Full<bytes::Bytes>>,
+) -> Option<(u16, serde_json::Value)> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("node-a").unwrap();
+    let tls = tokio_rustls::TlsConnector::from(cfg)
+        .connect(name, tcp)
+        .await
+        .ok()?;
+    let io = hyper_util::rt::TokioIo::new(tls);
+    let (mut send, conn) = hyper::client::conn::http1::handshake(io).await.ok()?;
+    tokio::spawn(conn);
+    // TLS 1.3 reports a refused client certificate only on the first read.
+    let resp = send.send_request(req).await.ok()?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.ok()?.to_bytes();
+    Some((status, serde_json::from_slice(&body).unwrap_or_default()))
+}
+
+/// A node given the gateways' CA (`--gateway-ca`) takes the tenant a gateway asserts only on a
+/// connection whose certificate (of that CA) names `gateway.agentenv.internal`: no certificate, a
+/// node's certificate of the same CA, or a gateway-named one of another CA gets no tenant, while a
+/// client with a key of the node's is still served. The asserted tenant is the one acted for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_takes_an_asserted_tenant_only_from_a_gateways_certificate() {
+    use agentenv_cluster::node_tls::{GATEWAY_NAME, client_config, server_config};
+    let dir = tempfile::tempdir().unwrap();
+    let Ok(pki) = agentenv_cluster::testing::Pki::new(&dir.path().join("pki")) else {
+        assert!(
+            !agentenv_cluster::testing::cluster_required(),
+            "openssl is missing (ci/setup.sh installs it)"
+        );
+        eprintln!("skipping: no openssl");
+        return;
+    };
+    let other = agentenv_cluster::testing::Pki::new(&dir.path().join("other")).unwrap();
+    let (node, node_b, gw) = (
+        pki.issue("node-a").unwrap(),
+        pki.issue("node-b").unwrap(),
+        pki.issue(GATEWAY_NAME).unwrap(),
+    );
+    let forged = other.issue(GATEWAY_NAME).unwrap();
+
+    let state_dir = dir.path().join("node");
+    let node_key = agentenv_server::keys::generate_api_key();
+    let tenant = format!("t{:06x}", rand::random::<u32>() & 0xff_ffff);
+    agentenv_server::tenants::create_key(&state_dir, &tenant, Default::default()).unwrap();
+    let state = agentenv_api::app::AppState::open(
+        Arc::new(agentenv_control::fake::FakeBackend::default()),
+        agentenv_api::app::ServerConfig {
+            state_dir: state_dir.clone(),
+            api_key: node_key.clone(),
+            max_upload_bytes: 1 << 20,
+            lifecycle: Default::default(),
+            rate_limit: None,
+        },
+    )
+    .await
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let cfg = server_config(&node.cert, &node.key, Some(&node.ca)).unwrap();
+    let l = agentenv_server::tls_listener::TlsListener::new(l, cfg).unwrap();
+    let app = agentenv_api::app::app(state)
+        .into_make_service_with_connect_info::<agentenv_api::conn::Conn>();
+    tokio::spawn(axum::serve(l, app).into_future());
+
+    let as_gateway = client_config(&node.ca, Some((&gw.cert, &gw.key))).unwrap();
+    let as_node_b = client_config(&node.ca, Some((&node_b.cert, &node_b.key))).unwrap();
+    let as_forged = client_config(&node.ca, Some((&forged.cert, &forged.key))).unwrap();
+    let anonymous = client_config(&node.ca, None).unwrap();
+    let req = |method: &str, path: &str, headers: &[(&str, &str)], body: &str| {
+        let mut b = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "node-a")
+            .header("content-type", "application/json");
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_owned(),
+        )))
+        .unwrap()
+    };
+    let list = |h: &[(&str, &str)]| req("GET", "/v2/sandboxes", h, "");
+    let t = tenant.as_str();
+
+    // The gateway acts for the tenant: a create as it is listed for it, not for the operator.
+    let (st, made) = call_as(
+        as_gateway.clone(),
+        addr,
+        req(
+            "POST",
+            "/sandboxes",
+            &[("x-agentenv-tenant", t)],
+            r#"{"templateID":"base"}"#,
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(st, 201, "{made}");
+    let id = made["sandboxID"].as_str().unwrap().to_string();
+    let ids = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["sandboxID"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (st, mine) = call_as(as_gateway.clone(), addr, list(&[("x-agentenv-tenant", t)]))
+        .await
+        .unwrap();
+    assert_eq!((st, ids(&mine)), (200, vec![id.clone()]));
+    let (st, ops) = call_as(
+        as_gateway.clone(),
+        addr,
+        list(&[("x-agentenv-tenant", "default")]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(st, 200, "{ops}");
+    assert!(
+        ids(&ops).is_empty(),
+        "the operator's list is its own: {ops}"
+    );
+    // An unknown tenant, or no assertion and no key: 401.
+    for h in [&[("x-agentenv-tenant", "nobody")][..], &[][..]] {
+        let (st, body) = call_as(as_gateway.clone(), addr, list(h)).await.unwrap();
+        assert_eq!(st, 401, "{h:?}: {body}");
+    }
+    // Not a gateway: no certificate, a node's, a gateway-named one of another CA.
+    for (who, cfg) in [("anonymous", &anonymous), ("node-b", &as_node_b)] {
+        let (st, body) = call_as(cfg.clone(), addr, list(&[("x-agentenv-tenant", t)]))
+            .await
+            .unwrap();
+        assert_eq!(st, 401, "{who}: {body}");
+        assert!(
+            body["message"].as_str().unwrap().contains("gateway"),
+            "{body}"
+        );
+    }
+    assert_eq!(
+        call_as(as_forged, addr, list(&[("x-agentenv-tenant", t)])).await,
+        None,
+        "a certificate of another CA fails the handshake"
+    );
+    // A client with a key of the node's own is still served (and sees the operator's list).
+    let (st, body) = call_as(anonymous, addr, list(&[("x-api-key", &node_key)]))
+        .await
+        .unwrap();
+    assert_eq!(st, 200, "{body}");
 }

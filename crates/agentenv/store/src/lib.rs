@@ -41,5 +41,5 @@ pub use error::{Result, StoreError};
 pub use ingest::IngestStats;
 pub use manifest::{MANIFEST_VERSION, Manifest, ManifestId};
 pub use materialize::MaterializeStats;
-pub use remote::RemoteConfig;
+pub use remote::{RemoteConfig, meta_key_from_secret};
 pub use store::{ChunkStore, GcStats, LocalStats, MANIFEST_PREFIX, StoreConfig, VerifyReport};

@@ -34,7 +34,7 @@ pub struct RemoteConfig {
     /// Key of the MAC (keyed BLAKE3) over each metadata blob in the bucket ([`crate::ChunkStore::put_meta`]):
     /// a blob without a valid one, so one written by anyone without the key, reads as absent. Every
     /// server sharing the bucket needs the same; [`RemoteConfig::new`] derives one from the secret key,
-    /// [`RemoteConfig::with_meta_secret`] from a secret of the servers' own.
+    /// [`RemoteConfig::with_meta_key`] takes one of the servers' own.
     pub meta_key: [u8; 32],
 }
 
@@ -74,12 +74,18 @@ impl RemoteConfig {
         }
     }
 
-    /// This config with the metadata MAC key derived from `secret` (e.g. the servers' API key), so
-    /// that the bucket's credentials alone cannot forge metadata.
-    pub fn with_meta_secret(mut self, secret: &[u8]) -> Self {
-        self.meta_key = blake3::derive_key(META_KEY_CONTEXT, secret);
+    /// This config with metadata MAC key `key` (a secret of the servers' own, see
+    /// [`meta_key_from_secret`]), so that the bucket's credentials alone cannot forge metadata.
+    pub fn with_meta_key(mut self, key: [u8; 32]) -> Self {
+        self.meta_key = key;
         self
     }
+}
+
+/// The metadata MAC key derived from `secret` (a key of any length; servers before the bucket key
+/// derived theirs from the API key this way).
+pub fn meta_key_from_secret(secret: &[u8]) -> [u8; 32] {
+    blake3::derive_key(META_KEY_CONTEXT, secret)
 }
 
 const META_KEY_CONTEXT: &str = "k3-stack agentenv-store 2026-12-05 bucket metadata MAC";

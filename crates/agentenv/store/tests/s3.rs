@@ -207,8 +207,10 @@ async fn metadata_written_without_the_mac_key_reads_as_absent() {
     let b = bucket("metamac", s);
     let open = |name: &str, secret: &[u8]| {
         ChunkStore::open(
-            StoreConfig::local(dir.path().join(name), 1 << 40)
-                .with_remote(weed.remote(&b).with_meta_secret(secret)),
+            StoreConfig::local(dir.path().join(name), 1 << 40).with_remote(
+                weed.remote(&b)
+                    .with_meta_key(agentenv_store::meta_key_from_secret(secret)),
+            ),
         )
     };
     let (a, peer) = (

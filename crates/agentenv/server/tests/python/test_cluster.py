@@ -24,6 +24,7 @@ import urllib.request
 
 import pytest
 
+from pki import GATEWAY_NAME, Pki
 from conftest import (
     Server,
     end_of_a_stream_whose_sandbox_is_killed,
@@ -159,35 +160,6 @@ def _http(method, url, key=None, body=None, headers=None, timeout=60):
             return e.code, raw.decode(errors="replace")
 
 
-class Pki:
-    """A throwaway CA (the `openssl` command): certificates for server and client use on 127.0.0.1."""
-
-    def __init__(self, d):
-        self.d = d
-        os.makedirs(d)
-        self._openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                      "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=k3-test-ca")
-        self.ca = f"{d}/ca.pem"
-
-    def _openssl(self, *args):
-        subprocess.run(["openssl", *args], cwd=self.d, check=True, capture_output=True)
-
-    def issue(self, cn, subject=None):
-        """(cert, key) paths of a certificate with common name `cn` (or, named `cn`, of `subject`), also
-        valid for 127.0.0.1 and DNS name `cn` (a node's id: gateways check it)."""
-        with open(f"{self.d}/{cn}.ext", "w") as f:
-            f.write(f"subjectAltName=IP:127.0.0.1,DNS:{cn}\nextendedKeyUsage=serverAuth,clientAuth\n")
-        self._openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                      "-keyout", f"{cn}.key", "-out", f"{cn}.csr", "-subj", subject or f"/CN={cn}")
-        self._openssl("x509", "-req", "-in", f"{cn}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                      "-CAcreateserial", "-out", f"{cn}.pem", "-days", "1", "-extfile", f"{cn}.ext")
-        return f"{self.d}/{cn}.pem", f"{self.d}/{cn}.key"
-
-    def flags(self, cn):
-        cert, key = self.issue(cn)
-        return ["--etcd-ca", self.ca, "--etcd-cert", cert, "--etcd-key", key]
-
-
 class Cluster:
     def __init__(self, binary, root, etcd_bin, weed_bin):
         self.root = root
@@ -229,17 +201,21 @@ class Cluster:
         ], f"{weed_dir}/weed.log")
         os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = "k3access", "k3secret"
         self.nodes = []
-        # Nodes serve HTTPS with their etcd certificate (named by their id); gateways check it.
+        # Nodes serve HTTPS with their etcd certificate (named by their id); gateways check it. Gateways
+        # show nodes a certificate naming gateway.agentenv.internal and assert each request's tenant, so
+        # nodes hold no key of the operator's: each has its own API key, and they share the bucket key.
         _TRUST["ctx"] = ssl.create_default_context(cafile=self.pki.ca)
+        self.bucket_key = secrets.token_hex(32)
+        gw_cert, gw_key = self.pki.issue(GATEWAY_NAME)
         for i in range(3):
-            state = self._state_dir(f"node{i}")
+            state = self._state_dir(f"node{i}", node=True)
             n = Server(binary, state, tls_ca=self.pki.ca)
             etcd_flags = self.pki.flags(f"node{i}")
             n.extra_args = [
                 "--join", self.etcd_url, "--advertise", n.url, "--join-ttl-s", str(TTL_S),
                 "--s3-endpoint", self.s3_url, "--s3-bucket", self.bucket, "--network", "off",
                 "--node-id", f"node{i}", *etcd_flags,
-                "--tls-cert", etcd_flags[3], "--tls-key", etcd_flags[5],
+                "--tls-cert", etcd_flags[3], "--tls-key", etcd_flags[5], "--gateway-ca", self.pki.ca,
                 "--sandbox-domain", SANDBOX_DOMAIN,
             ]
             self.nodes.append(n)
@@ -248,17 +224,20 @@ class Cluster:
             port = _free_port()
             g = Proc([binary, "gateway", "--etcd", self.etcd_url, "--listen", f"127.0.0.1:{port}",
                       "--state-dir", self._state_dir(f"gw{i}"), *self.pki.flags(f"gw{i}"),
-                      "--node-ca", self.pki.ca, "--sandbox-domain", SANDBOX_DOMAIN],
+                      "--node-ca", self.pki.ca, "--client-cert", gw_cert, "--client-key", gw_key,
+                      "--sandbox-domain", SANDBOX_DOMAIN],
                      f"{root}/gw{i}.log")
             g.url = f"http://127.0.0.1:{port}"
             g.state = os.path.join(root, f"gw{i}")
             self.gateways.append(g)
 
-    def _state_dir(self, name):
+    def _state_dir(self, name, node=False):
+        """A state folder: a gateway's holds the operator's key, a node's the cluster's bucket key."""
         d = os.path.join(self.root, name)
         os.makedirs(os.path.join(d, "server"), mode=0o700)
-        fd = os.open(os.path.join(d, "server", "api_key"), os.O_WRONLY | os.O_CREAT, 0o600)
-        os.write(fd, (self.key + "\n").encode())
+        name, secret = ("bucket_key", self.bucket_key) if node else ("api_key", self.key)
+        fd = os.open(os.path.join(d, "server", name), os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, (secret + "\n").encode())
         os.close(fd)
         return d
 
@@ -325,7 +304,7 @@ class Cluster:
     def node_of(self, sandbox_id):
         """The node (Server) whose own API has the sandbox."""
         found = [n for n in self.nodes if n.proc and n.proc.poll() is None
-                 and _http("GET", f"{n.url}/sandboxes/{sandbox_id}", self.key)[0] == 200]
+                 and _http("GET", f"{n.url}/sandboxes/{sandbox_id}", n.api_key)[0] == 200]
         assert len(found) == 1, f"{sandbox_id} is on {len(found)} nodes"
         return found[0]
 
@@ -365,9 +344,9 @@ class Cluster:
                 except Exception as e:  # noqa: BLE001
                     print(f"restarting {n.url} for cleanup failed: {e}")
         for n in self.nodes:
-            status, listed = _http("GET", f"{n.url}/v2/sandboxes?state=running,paused&limit=1000", self.key)
+            status, listed = _http("GET", f"{n.url}/v2/sandboxes?state=running,paused&limit=1000", n.api_key)
             for s in listed if status == 200 else []:
-                _http("DELETE", f"{n.url}/sandboxes/{s['sandboxID']}", self.key)
+                _http("DELETE", f"{n.url}/sandboxes/{s['sandboxID']}", n.api_key)
             n.stop()
         for p in self.gateways + [self.weed, self.etcd]:
             p.stop()
@@ -542,11 +521,31 @@ def test_bad_input_and_keys_at_the_gateway(cluster):
     assert status == 404 and body["code"] == 404
 
 
+def test_nodes_hold_no_key_of_the_operators_and_take_tenants_only_from_gateways(cluster):
+    """Gateways assert tenants by certificate (every SDK call of this module goes that way), so nodes
+    are started without the operator's key and refuse it; a tenant asserted without a gateway's
+    certificate (none, or a node's) is refused too."""
+    node = cluster.nodes[0]
+    status, body = _http("GET", f"{node.url}/v2/sandboxes", cluster.key)
+    assert status == 401, body
+    assert _http("GET", f"{node.url}/v2/sandboxes", node.api_key)[0] == 200
+    as_node = ssl.create_default_context(cafile=cluster.pki.ca)
+    as_node.load_cert_chain(f"{cluster.pki.d}/node1.pem", f"{cluster.pki.d}/node1.key")
+    for ctx in (_TRUST["ctx"], as_node):
+        req = urllib.request.Request(f"{node.url}/v2/sandboxes", headers={"X-Agentenv-Tenant": "default"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30, context=ctx)
+        assert e.value.code == 401
+        assert "gateway" in json.loads(e.value.read())["message"]
+    with open(os.path.join(node.state_dir, "server", "api_key")) as f:
+        assert f.read().strip() != cluster.key
+
+
 def test_etcd_holds_each_node_to_its_own_record(cluster):
     """A node started as node1 with node0's certificate is refused by etcd and exits; a client without a
     certificate gets nothing from etcd; node1's record keeps node1's URL."""
     before = cluster.live_nodes()
-    state = cluster._state_dir("impostor")
+    state = cluster._state_dir("impostor", node=True)
     log_path = os.path.join(state, "server.log")
     cert, key = f"{cluster.pki.d}/node0.pem", f"{cluster.pki.d}/node0.key"
     with open(log_path, "ab") as log:
@@ -709,7 +708,7 @@ def test_a_node_keeps_auto_pause_and_auto_resume_in_the_cluster(cluster):
         node.start()
         cluster.wait_nodes(3)
         _wait("the returning node drops its copy of the moved sandbox",
-              lambda: _http("GET", f"{node.url}/sandboxes/{sid}", cluster.key)[0] == 404)
+              lambda: _http("GET", f"{node.url}/sandboxes/{sid}", node.api_key)[0] == 404)
     finally:
         _http("DELETE", f"{g0.url}/sandboxes/{sid}", cluster.key)
 
@@ -754,9 +753,9 @@ def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(clus
     node.start()
     cluster.wait_nodes(3)
     _wait("the returning node drops its copy of the moved sandbox",
-          lambda: _http("GET", f"{node.url}/sandboxes/{paused.sandbox_id}", cluster.key)[0] == 404)
+          lambda: _http("GET", f"{node.url}/sandboxes/{paused.sandbox_id}", node.api_key)[0] == 404)
     _wait("the returning node kills the sandbox killed while it was away",
-          lambda: _http("GET", f"{node.url}/sandboxes/{running.sandbox_id}", cluster.key)[0] == 404)
+          lambda: _http("GET", f"{node.url}/sandboxes/{running.sandbox_id}", node.api_key)[0] == 404)
     assert running.sandbox_id not in cluster.listed(cluster.gateways[0])
     assert back.files.read("/home/user/keep.txt") == secret
     back.kill()
