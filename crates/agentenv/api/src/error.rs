@@ -73,6 +73,7 @@ impl From<LifecycleError> for ApiError {
             L::DeadlineExceeded { .. } => StatusCode::GATEWAY_TIMEOUT,
             L::QuotaExceeded(_) => StatusCode::TOO_MANY_REQUESTS,
             L::StorageFull(_) => StatusCode::INSUFFICIENT_STORAGE,
+            L::Building(_) => StatusCode::SERVICE_UNAVAILABLE,
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             // The cause names host paths and internals: it goes to the log, not to the client.
@@ -218,6 +219,7 @@ mod tests {
             (L::from(VmError::SnapshotNotFound("x".into())), S::NOT_FOUND),
             (L::QuotaExceeded(why()), S::TOO_MANY_REQUESTS),
             (L::StorageFull(why()), S::INSUFFICIENT_STORAGE),
+            (L::Building(why()), S::SERVICE_UNAVAILABLE),
             (
                 L::DeadlineExceeded {
                     op: "pause",

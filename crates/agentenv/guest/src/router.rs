@@ -151,6 +151,9 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
             s.default_workdir = Some(w.into());
         }
     });
+    if agent.config.set_clock {
+        write_envs(&agent.settings().env_vars);
+    }
     if let Some(argv) = start.filter(|a| !a.is_empty()) {
         agent.network_settled().await;
         let settings = agent.settings();
@@ -192,6 +195,30 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
         .status(StatusCode::NO_CONTENT)
         .body(full(Bytes::new()))
         .unwrap_or_else(|_| Response::new(full(Bytes::new())))
+}
+
+/// The sandbox's environment variables for servers started before the create (the code
+/// interpreter's kernels read them): root's alone, replaced whole.
+const ENVS_FILE: &str = "/run/agentenv/envs.json";
+
+fn write_envs(envs: &std::collections::HashMap<String, String>) {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let tmp = format!("{ENVS_FILE}.tmp");
+    let r = std::fs::create_dir_all("/run/agentenv")
+        .and_then(|()| {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(&serde_json::to_vec(envs).unwrap_or_default())
+        })
+        .and_then(|()| std::fs::rename(&tmp, ENVS_FILE));
+    if let Err(e) = r {
+        tracing::warn!(error = %e, path = ENVS_FILE, "writing the environment failed");
+    }
 }
 
 /// Unix seconds from a number or an RFC 3339 string (`2026-01-02T03:04:05.123Z`, millisecond precision).

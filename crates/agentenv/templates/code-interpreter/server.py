@@ -1,11 +1,14 @@
 """agentenv's code-interpreter server: the HTTP API `e2b_code_interpreter` calls on port 49999, on Jupyter
-kernels (`jupyter_client` + `ipykernel`).
+kernels (`jupyter_client`; `ipykernel` for Python, `bash_kernel` for bash).
 
 - `POST /execute` {code, context_id, language, env_vars}: the cell's output as JSON lines (`stdout`, `stderr`,
   `result`, `error`, `number_of_executions`), streamed while it runs. A client that goes away interrupts it.
+  Results read as E2B's do: a quoted `text/plain` loses its quotes, a pandas DataFrame comes with `data`
+  (its columns) and a matplotlib figure with `chart` (the `e2b_charts` package's description of it).
 - `GET|POST /contexts`, `DELETE /contexts/{id}`, `POST /contexts/{id}/restart`: kernels with their own state.
 - `GET /health`.
 
+The agentenv server embeds this file and builds `code-interpreter-v1` with it (control's `builtin.rs`).
 The default Python context's kernel is started before the port opens, so a template snapshot taken once the
 port answers holds a warm kernel.
 """
@@ -24,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from jupyter_client.manager import KernelManager
 
 PORT = int(os.environ.get("CODE_INTERPRETER_PORT", "49999"))
-DEFAULT_CWD = "/home/user"
+DEFAULT_CWD = os.environ.get("CODE_INTERPRETER_CWD", "/home/user")
 KERNEL_READY_S = 120
 # MIME type -> Result field of the SDK.
 FORMATS = {
@@ -38,13 +41,83 @@ FORMATS = {
     "text/latex": "latex",
     "application/json": "json",
     "application/javascript": "javascript",
+    "e2b/data": "data",
+    "e2b/chart": "chart",
 }
-LANGUAGES = {"python": "python3"}
+# Language -> kernel name; E2B's short names map onto them.
+LANGUAGES = {"python": "python3", "bash": "bash"}
+ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash"}
+# Environment variables given at create, as envd keeps them (read once per context).
+ENVS_FILE = os.environ.get("CODE_INTERPRETER_ENVS_FILE", "/run/agentenv/envs.json")
+# Registered in every Python kernel: E2B's `data` (a DataFrame's columns) and `chart` (a matplotlib figure's
+# description) result formats.
+PYTHON_SETUP = """
+def __k3_setup():
+    import sys
+    from IPython import get_ipython
+    from IPython.core.formatters import BaseFormatter
+    from traitlets import ObjectName, Unicode
+
+    class DataFormatter(BaseFormatter):
+        format_type = Unicode("e2b/data")
+        print_method = ObjectName("_repr_e2b_data_")
+        _return_type = (dict, str)
+
+        def __call__(self, obj):
+            pd = sys.modules.get("pandas")
+            if pd is None or not isinstance(obj, pd.DataFrame):
+                return super().__call__(obj)
+            cols = obj.to_dict(orient="list")
+            return {k: [v.isoformat() if isinstance(v, pd.Timestamp) else v for v in vs] for k, vs in cols.items()}
+
+    class ChartFormatter(BaseFormatter):
+        format_type = Unicode("e2b/chart")
+        print_method = ObjectName("_repr_e2b_chart_")
+        _return_type = (dict, str)
+
+        def __call__(self, obj):
+            mpl = sys.modules.get("matplotlib.figure")
+            if mpl is None or not isinstance(obj, mpl.Figure):
+                return super().__call__(obj)
+            try:
+                from e2b_charts import chart_figure_to_dict
+                return chart_figure_to_dict(obj)
+            except Exception:
+                return {}
+
+    f = get_ipython().display_formatter
+    f.formatters["e2b/data"] = DataFormatter(parent=f)
+    f.formatters["e2b/chart"] = ChartFormatter(parent=f)
+
+__k3_setup()
+del __k3_setup
+"""
 MAX_BODY = 16 << 20
 
 
 def now():
     return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+def shell_quote(v):
+    return "'" + v.replace("'", "'\\''") + "'"
+
+
+def set_env_code(language, envs):
+    """Code that sets (value a str) or removes (None) variables in a kernel of `language`."""
+    if language == "python":
+        return f"import os as __k3_os\n[__k3_os.environ.pop(__k, None) if __v is None else __k3_os.environ.__setitem__(__k, __v) for __k, __v in {envs!r}.items()]\ndel __k3_os\n"
+    return "\n".join(f"unset {k}" if v is None else f"export {k}={shell_quote(v)}" for k, v in envs.items())
+
+
+def create_envs():
+    """The sandbox's environment variables given at create (envd writes them on each start)."""
+    try:
+        with open(ENVS_FILE) as f:
+            envs = json.load(f)
+        return {k: str(v) for k, v in envs.items() if isinstance(k, str) and k.isidentifier()}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 class Context:
@@ -54,10 +127,17 @@ class Context:
         self.cwd = cwd
         self.lock = threading.Lock()
         self.km = KernelManager(kernel_name=LANGUAGES[language])
-        self.km.start_kernel(cwd=cwd)
+        self.kc = None
+        self.globals = None  # create-time envs, once set in the kernel
+        self._start()
+
+    def _start(self):
+        self.km.start_kernel(cwd=self.cwd)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=KERNEL_READY_S)
+        if self.language == "python":
+            self.silent(PYTHON_SETUP)
 
     def view(self):
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -65,10 +145,9 @@ class Context:
     def restart(self):
         with self.lock:
             self.kc.stop_channels()
-            self.km.restart_kernel(now=True)
-            self.kc = self.km.client()
-            self.kc.start_channels()
-            self.kc.wait_for_ready(timeout=KERNEL_READY_S)
+            self.km.shutdown_kernel(now=True)
+            self.globals = None
+            self._start()
 
     def shutdown(self):
         try:
@@ -85,23 +164,20 @@ class Context:
                 return
 
     def execute(self, code, env_vars, emit, gone):
-        """Runs a cell, handing each output line to `emit`; `gone()` says the client left (interrupt)."""
+        """Runs a cell, handing each output line to `emit`; `gone()` says the client left (interrupt).
+        `env_vars` apply to this cell only; then the create-time value (or none) is back."""
         with self.lock:
+            if self.globals is None:
+                self.globals = create_envs()
+                if self.globals:
+                    self.silent(set_env_code(self.language, self.globals))
             if env_vars:
-                self.silent(
-                    "import os as __k3_os\n"
-                    f"__k3_saved = {{k: __k3_os.environ.get(k) for k in {list(env_vars)!r}}}\n"
-                    f"__k3_os.environ.update({dict(env_vars)!r})\n"
-                )
+                self.silent(set_env_code(self.language, {k: str(v) for k, v in env_vars.items()}))
             try:
                 self._run(code, emit, gone)
             finally:
                 if env_vars:
-                    self.silent(
-                        "for __k, __v in __k3_saved.items():\n"
-                        "    __k3_os.environ.pop(__k, None) if __v is None else __k3_os.environ.__setitem__(__k, __v)\n"
-                        "del __k3_saved, __k, __v\n"
-                    )
+                    self.silent(set_env_code(self.language, {k: self.globals.get(k) for k in env_vars}))
 
     def _interrupt(self, msg_id):
         """Interrupts cell `msg_id` and waits until the kernel is idle again, so the next cell is not
@@ -132,17 +208,7 @@ class Context:
             if kind == "stream":
                 emit({"type": "stdout" if c["name"] == "stdout" else "stderr", "text": c["text"], "timestamp": now()})
             elif kind in ("execute_result", "display_data"):
-                result = {"type": "result", "is_main_result": kind == "execute_result"}
-                extra = {}
-                for mime, value in c.get("data", {}).items():
-                    field = FORMATS.get(mime)
-                    if field:
-                        result[field] = value
-                    else:
-                        extra[mime] = value
-                if extra:
-                    result["extra"] = extra
-                emit(result)
+                emit(result_line(c.get("data", {}), kind == "execute_result"))
             elif kind == "error":
                 emit({"type": "error", "name": c["ename"], "value": c["evalue"], "traceback": "\n".join(c["traceback"])})
             elif kind == "execute_input":
@@ -153,6 +219,30 @@ class Context:
                 return self._interrupt(msg_id)
 
 
+def result_line(data, is_main):
+    """A `result` line from a Jupyter MIME bundle, as E2B's server writes it."""
+    result = {"type": "result", "is_main_result": is_main}
+    extra = {}
+    for mime, value in data.items():
+        field = FORMATS.get(mime)
+        if field is None:
+            extra[mime] = value
+        elif field == "text" and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            result[field] = value[1:-1]  # a str's repr: E2B gives the string
+        elif field in ("data", "chart") and not value:
+            continue
+        else:
+            result[field] = value
+    if extra:
+        result["extra"] = extra
+    return result
+
+
+def normalize_language(language):
+    language = (language or "python").strip().lower()
+    return ALIASES.get(language, language)
+
+
 class Contexts:
     def __init__(self):
         self.lock = threading.Lock()
@@ -160,6 +250,7 @@ class Contexts:
         self.default = {}
 
     def create(self, language, cwd):
+        language = normalize_language(language)
         if language not in LANGUAGES:
             raise ValueError(f"language {language!r} is not supported (supported: {', '.join(LANGUAGES)})")
         ctx = Context(language, cwd or DEFAULT_CWD)
@@ -171,7 +262,7 @@ class Contexts:
         if context_id:
             with self.lock:
                 return self.all.get(context_id)
-        language = language or "python"
+        language = normalize_language(language)
         with self.lock:
             ctx = self.default.get(language)
         if ctx is None:

@@ -53,6 +53,8 @@ async fn create(
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         })
         .map(str::to_string);
+    // `code-interpreter-v1` is built on its first create.
+    state.sandboxes.ensure_builtin(&who, &req.template).await?;
     let rec = state.sandboxes.create(&who, req, key).await?;
     let domain = state.sandbox_domain.as_deref();
     Ok((StatusCode::CREATED, Json(views::created(&rec, domain))))

@@ -53,6 +53,8 @@ struct TemplateEntry {
 pub(super) struct Builds {
     files: BuildFiles,
     templates: Mutex<HashMap<String, TemplateEntry>>,
+    /// Per tenant, the build of a built-in template started on first use (`builtin.rs`).
+    pub(super) builtin: Mutex<HashMap<String, (String, String)>>,
 }
 
 impl Builds {
@@ -60,6 +62,7 @@ impl Builds {
         Builds {
             files: BuildFiles::open(state_dir.join("server").join("build-files")),
             templates: Mutex::new(HashMap::new()),
+            builtin: Mutex::new(HashMap::new()),
         }
     }
 

@@ -34,6 +34,9 @@ pub enum LifecycleError {
     /// The server's budget for snapshots on its disk is spent (`LifecycleConfig::max_stored_gb`).
     #[error("{0}")]
     StorageFull(String),
+    /// A built-in template is being built on first use (or its build failed); a later create gets it.
+    #[error("{0}")]
+    Building(String),
     /// A runtime call missed its deadline; the VM was killed and the sandbox is gone.
     #[error("{op} of sandbox {id} missed its {secs:.0} s deadline; the VM was killed")]
     DeadlineExceeded {

@@ -28,6 +28,7 @@ mod build_log;
 mod build_script;
 mod build_view;
 mod builds;
+mod builtin;
 mod cluster;
 mod config;
 mod error;

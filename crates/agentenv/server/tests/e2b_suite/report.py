@@ -1,6 +1,6 @@
 """One table of E2B suite results: the server-facing tests (folders api_*, sandbox_*, template_*) that
-failed, each matched against expected.tsv. Usage: report.py EXPECTED.tsv LABEL JUNIT.xml... Exit 1 when a
-failure is not expected."""
+failed, each matched against expected.tsv. Usage: report.py [--all] EXPECTED.tsv LABEL JUNIT.xml... (--all: every
+test, whatever its folder: the code-interpreter suite). Exit 1 when a failure is not expected."""
 
 import sys
 import xml.etree.ElementTree as ET
@@ -18,7 +18,10 @@ def expected(path):
 
 
 def main():
-    table, label, xmls = expected(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    args = sys.argv[1:]
+    every = args[:1] == ["--all"]
+    args = args[1:] if every else args
+    table, label, xmls = expected(args[0]), args[1], args[2:]
     counts = {"passed": 0, "skipped": 0, "environment": 0, "open": 0, "unexpected": 0}
     lines = []
     for xml in xmls:
@@ -32,7 +35,7 @@ def main():
         for tc in cases:
             parts = (tc.get("classname") or "").split(".")
             folder = next((p for p in parts if p.split("_")[0] in SERVER_FACING), None)
-            if folder is None:
+            if folder is None and not every:
                 continue
             tags = {c.tag for c in tc}
             name = tc.get("name", "")
@@ -41,11 +44,11 @@ def main():
             elif not tags & {"failure", "error"}:
                 counts["passed"] += 1
             else:
-                hit = next((r for r in table if name.startswith(r[0])), None)
+                hit = next((r for r in table if name.startswith(r[0]) or f"{parts[-1]}::{name}".startswith(r[0])), None)
                 kind, why = (hit[1], hit[2]) if hit else ("unexpected", "")
                 counts[kind] += 1
                 lines.append(f"| {suite} | {parts[-1]}::{name} | {kind} | {why} |")
-    print(f"E2B Python suite, {label}: failing server-facing tests")
+    print(f"{label}: failing tests" if every else f"E2B Python suite, {label}: failing server-facing tests")
     print("| suite | test | kind | why |\n|---|---|---|---|")
     print("\n".join(sorted(lines)) or "| - | none | | |")
     print(", ".join(f"{v} {k}" for k, v in counts.items()))

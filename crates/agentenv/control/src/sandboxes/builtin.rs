@@ -1,0 +1,204 @@
+//! Templates the server builds itself on first use: `code-interpreter-v1`, the template that
+//! `e2b_code_interpreter` creates by default (its sources: `crates/agentenv/templates/code-interpreter`).
+//! A create that names it before the caller's tenant has it starts its build (one at a time per
+//! tenant; its log goes to the server log) and waits for it up to [`FIRST_USE_WAIT`]; past that it
+//! answers 503 saying the build goes on, and a create after the build gets the template at once.
+//! The build is tagged with a digest of its plan: a server whose plan changed rebuilds the template
+//! in the background on its next create (the old one serves meanwhile); a `code-interpreter-v1` the
+//! tenant built itself (no such tag) is left alone.
+
+use super::*;
+
+/// The code interpreter's template name.
+pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
+/// How long a create waits for a build it started or found running (E2B's SDKs give a create 60 s).
+pub const FIRST_USE_WAIT: Duration = Duration::from_secs(50);
+/// Our execution server (Jupyter kernels behind E2B's HTTP API on port 49999).
+const SERVER_PY: &str = include_str!("../../../templates/code-interpreter/server.py");
+const VENV: &str = "/opt/code-interpreter";
+const PORT: u16 = 49999;
+/// From PyPI at build time, in the guest. `e2b-charts` is E2B's chart extraction (the `chart` result).
+const PACKAGES: &str = "jupyter_client==8.6.3 ipykernel==6.29.5 bash_kernel==0.10.0 \
+     matplotlib==3.10.3 pandas==2.2.3 e2b-charts==1.0.0";
+/// Kernels with numpy, pandas and matplotlib loaded need more than the base's 256 MiB.
+const SIZE: BuildSize = BuildSize {
+    vcpus: Some(1),
+    memory_mib: Some(1024),
+};
+
+/// The build of `code-interpreter-v1`: `base`, a venv with Jupyter's Python and bash kernels, and
+/// the server started as root (as E2B's runs) with a warm Python kernel before the snapshot.
+fn code_interpreter_plan() -> BuildPlan {
+    use base64::Engine as _;
+    let server = base64::engine::general_purpose::STANDARD.encode(SERVER_PY);
+    let root = Some("root".to_string());
+    BuildPlan {
+        steps: vec![
+            // --no-compile: byte-compiling every module under TCG takes minutes; imports compile
+            // what they use.
+            Step::Run {
+                cmd: format!(
+                    "python3 -m venv {VENV} && {VENV}/bin/pip install --no-compile --no-cache-dir \
+                     --progress-bar off {PACKAGES} && {VENV}/bin/python -m bash_kernel.install --sys-prefix"
+                ),
+                user: root.clone(),
+            },
+            Step::Run {
+                cmd: format!("echo {server} | base64 -d > {VENV}/server.py"),
+                user: root,
+            },
+            Step::User("root".into()),
+            Step::Workdir("/home/user".into()),
+        ],
+        start_cmd: Some(format!("{VENV}/bin/python {VENV}/server.py")),
+        ready_cmd: Some(format!("ss -tuln | grep :{PORT}")),
+        ..BuildPlan::default()
+    }
+}
+
+/// `builtin-` and the plan's digest: the tag that says which plan a build ran.
+fn plan_tag(plan: &BuildPlan) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(format!("{plan:?}"));
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("builtin-{hex}")
+}
+
+fn is_builtin(name: &str) -> bool {
+    agentenv_vm::normalize_name(name)
+        .is_some_and(|n| n == format!("{CODE_INTERPRETER}:{}", agentenv_vm::DEFAULT_TAG))
+}
+
+impl Sandboxes {
+    /// Makes sure built-in template `name` exists for `caller` before a create from it: nothing for
+    /// other names or one already built; else starts its build (or joins the one running) and waits
+    /// up to [`FIRST_USE_WAIT`].
+    pub async fn ensure_builtin(self: &Arc<Self>, caller: &Caller, name: &str) -> Result<()> {
+        if !is_builtin(name) {
+            return Ok(());
+        }
+        let plan = code_interpreter_plan();
+        let tag = plan_tag(&plan);
+        if let Some(s) = self.find_snapshot(caller, name) {
+            let ours = s.names.iter().find(|n| {
+                n.strip_prefix(CODE_INTERPRETER)
+                    .is_some_and(|t| t.starts_with(":builtin-"))
+            });
+            match ours {
+                Some(n) if *n != format!("{CODE_INTERPRETER}:{tag}") => {
+                    self.builtin_build(caller, plan, tag)?;
+                }
+                _ => {}
+            }
+            return Ok(());
+        }
+        let (template_id, build_id, started) = self.builtin_build(caller, plan, tag)?;
+        loop {
+            let v = self.build_status(caller, &template_id, &build_id, usize::MAX)?;
+            match v.status {
+                BuildStatus::Ready => return Ok(()),
+                BuildStatus::Error => {
+                    let why = v.failure.map(|f| f.message).unwrap_or_default();
+                    return Err(LifecycleError::Building(format!(
+                        "building {CODE_INTERPRETER} on first use failed ({why}); the next create tries again"
+                    )));
+                }
+                BuildStatus::Waiting | BuildStatus::Building => {}
+            }
+            if started.elapsed() > FIRST_USE_WAIT {
+                return Err(LifecycleError::Building(format!(
+                    "{CODE_INTERPRETER} is being built on first use ({} s so far; about 5 minutes under \
+                     TCG, progress in the server log): create it again when the build is done",
+                    started.elapsed().as_secs()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// The caller's running build of the built-in template, or a new one with its log followed into
+    /// the server log. The time is when this call started waiting.
+    fn builtin_build(
+        self: &Arc<Self>,
+        caller: &Caller,
+        plan: BuildPlan,
+        tag: String,
+    ) -> Result<(String, String, Instant)> {
+        let now = Instant::now();
+        let mut running = self
+            .builds
+            .builtin
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some((t, b)) = running.get(caller.owner()) {
+            let status = self
+                .build_status(caller, t, b, usize::MAX)
+                .map(|v| v.status);
+            if matches!(status, Ok(BuildStatus::Building | BuildStatus::Waiting)) {
+                return Ok((t.clone(), b.clone(), now));
+            }
+        }
+        let tags = [agentenv_vm::DEFAULT_TAG.to_string(), tag];
+        let built = self.request_build(caller, CODE_INTERPRETER, &tags, SIZE)?;
+        let (t, b) = (built.template_id, built.build_id);
+        self.start_build(caller, &t, &b, plan)?;
+        tracing::info!(template = %t, build = %b, "building {CODE_INTERPRETER} on first use");
+        running.insert(caller.owner().to_string(), (t.clone(), b.clone()));
+        let (me, who, t2, b2) = (self.clone(), caller.clone(), t.clone(), b.clone());
+        tokio::spawn(async move {
+            let mut offset = 0;
+            while let Ok(v) = me.build_status(&who, &t2, &b2, offset) {
+                for l in &v.logs {
+                    let step = l.step.as_deref().unwrap_or("");
+                    tracing::info!(template = CODE_INTERPRETER, step, "{}", l.message);
+                }
+                offset += v.logs.len();
+                if !matches!(v.status, BuildStatus::Building | BuildStatus::Waiting) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        Ok((t, b, now))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_default_tag_of_the_name_is_built_in() {
+        assert!(is_builtin(CODE_INTERPRETER));
+        assert!(is_builtin("code-interpreter-v1:default"));
+        assert!(!is_builtin("code-interpreter-v1:other"));
+        assert!(!is_builtin("code-interpreter"));
+    }
+
+    #[test]
+    fn the_plan_carries_the_server_byte_for_byte() {
+        use base64::Engine as _;
+        let plan = code_interpreter_plan();
+        let Step::Run { cmd, .. } = &plan.steps[1] else {
+            panic!("step 2 writes the server");
+        };
+        let b64 = cmd
+            .strip_prefix("echo ")
+            .and_then(|c| c.split(' ').next())
+            .expect("echo <base64>");
+        let decoded = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .expect("base64");
+        assert_eq!(decoded, SERVER_PY.as_bytes());
+        assert!(
+            plan.start_cmd
+                .as_deref()
+                .is_some_and(|c| c.ends_with("server.py"))
+        );
+        let tag = plan_tag(&plan);
+        assert!(agentenv_vm::valid_id(&tag) && tag.starts_with("builtin-"));
+        let mut other = plan.clone();
+        other.steps.pop();
+        assert_ne!(plan_tag(&other), tag, "the tag follows the plan");
+    }
+}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# E2B's code-interpreter SDK suite (Python) against `code-interpreter-v1` on a fresh agentenv server, which builds
+# the template on its first create. Fetches nothing at run time but packages from PyPI (the SDK, pytest; the
+# template's own packages inside its build).
+#   crates/agentenv/server/tests/e2b_suite/run_code_interpreter.sh CHECKOUT
+# CHECKOUT: a checkout (or `git archive`) of github.com/e2b-dev/code-interpreter holding python/tests.
+# Env: CI_SDK_VERSION (e2b-code-interpreter; default: the checkout's python/pyproject.toml), E2B_SDK_VERSION (e2b;
+# default: the version python/poetry.lock pins: newer e2b releases break older code-interpreter SDKs), SUITES ("sync charts timeout async"), WORK (a new temporary folder by default;
+# kept), TEST_TIMEOUT_S (180).
+# Prints one table of the tests that failed, each expected (with why: expected-code-interpreter.tsv) or not, and
+# exits 1 if one was not expected.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../../../../.." && pwd)
+checkout=$(cd "${1:?usage: run_code_interpreter.sh CHECKOUT}" && pwd)
+py="$checkout/python"
+[ -d "$py/tests" ] || { echo "no $py/tests: not a checkout of e2b-dev/code-interpreter" >&2; exit 2; }
+version=${CI_SDK_VERSION:-$(sed -n 's/^version = "\(.*\)"/\1/p' "$py/pyproject.toml" | head -1)}
+e2b_version=${E2B_SDK_VERSION:-$(sed -n '/^name = "e2b"$/{n;s/^version = "\(.*\)"/\1/p}' "$py/poetry.lock")}
+suites=${SUITES:-sync charts timeout async}
+work=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/ci-suite.XXXXXX")}
+mkdir -p "$work"
+log() { printf '[ci-suite] %s\n' "$*" >&2; }
+log "e2b-code-interpreter $version, work folder $work"
+
+if [ ! -x "$work/venv/bin/python" ]; then
+  python3 -m venv "$work/venv"
+  "$work/venv/bin/pip" install -q "e2b-code-interpreter==$version" ${e2b_version:+"e2b==$e2b_version"} \
+    "pytest>=8,<10" python-dotenv pytest-dotenv "pytest-asyncio>=1.3,<2" pytest-timeout
+fi
+sdks=$("$work/venv/bin/pip" list 2>/dev/null | awk '$1 == "e2b" || $1 == "e2b-code-interpreter" {print $1 " " $2}' \
+  | paste -sd, -)
+
+log "building the server and the guest agent"
+(cd "$root" && cargo build -q -p agentenv-server --bins -p agentenv-guest)
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+AGENTENV_GUEST_BIN="$root/target/debug/agentenv-guest" "$root/target/debug/agentenv" \
+  --state-dir "$work/state" --listen "127.0.0.1:$port" >"$work/server.log" 2>&1 &
+server=$!
+trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true' EXIT
+key=""
+for _ in $(seq 1 1800); do  # the first start builds the default template (minutes)
+  kill -0 "$server" 2>/dev/null || { tail -20 "$work/server.log" >&2; echo "the server exited" >&2; exit 2; }
+  key=$(cat "$work/state/server/api_key" 2>/dev/null || true)
+  if [ -n "$key" ] && curl -fs -o /dev/null "http://127.0.0.1:$port/health"; then break; fi
+  sleep 1
+done
+[ -n "$key" ] || { echo "the server did not answer within 30 min ($work/server.log)" >&2; exit 2; }
+log "server on 127.0.0.1:$port; the first create of code-interpreter-v1 builds it (minutes)"
+
+# Creates until one succeeds: each waits up to 50 s for the build, then answers 503 while it goes on.
+created=""
+for _ in $(seq 1 60); do
+  out=$(curl -s -w '\n%{http_code}' -X POST "http://127.0.0.1:$port/sandboxes" -H "X-API-Key: $key" \
+    -H 'Content-Type: application/json' -d '{"templateID": "code-interpreter-v1", "timeout": 60}')
+  case ${out##*$'\n'} in
+    201) created=$(sed -n 's/.*"sandboxID": *"\([^"]*\)".*/\1/p' <<<"${out%$'\n'*}"); break ;;
+    503) log "building: $(sed 's/\x1b\[[0-9;]*m//g' "$work/server.log" | grep 'template="code-interpreter-v1"' \
+      | tail -1 | sed 's/.*builtin: *\(.\{0,100\}\).*/\1/')" ;;
+    *) echo "create of code-interpreter-v1 answered: $out" >&2; exit 2 ;;
+  esac
+done
+[ -n "$created" ] || { echo "code-interpreter-v1 was not built within an hour ($work/server.log)" >&2; exit 2; }
+curl -s -o /dev/null -X DELETE "http://127.0.0.1:$port/sandboxes/$created" -H "X-API-Key: $key"
+log "code-interpreter-v1 is built"
+
+export E2B_API_URL="http://127.0.0.1:$port" E2B_SANDBOX_URL="http://127.0.0.1:$port" E2B_API_KEY="$key"
+unset E2B_DEBUG
+rm -rf "$work/python" && cp -r "$py" "$work/python"
+xmls=()
+for suite in $suites; do
+  log "$suite"
+  case $suite in timeout) paths=tests/test_execute_timeout.py ;; *) paths=tests/$suite ;; esac
+  (cd "$work/python" && timeout 5400 "$work/venv/bin/python" -m pytest -o addopts=--import-mode=importlib \
+    -o "timeout=${TEST_TIMEOUT_S:-180}" -p no:cacheprovider -q --junitxml="$work/$suite.xml" $paths \
+    >"$work/$suite.log" 2>&1) || true
+  xmls+=("$work/$suite.xml")
+done
+python3 "$here/report.py" --all "$here/expected-code-interpreter.tsv" "E2B code-interpreter suite, $sdks" "${xmls[@]}"
