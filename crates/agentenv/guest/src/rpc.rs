@@ -48,7 +48,7 @@ pub async fn dispatch(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
         (Service::Process, "Start" | "Connect") | (Service::Filesystem, "WatchDir") => {
             let msg = match read_stream_request(req.into_body()).await {
                 Ok(m) => m,
-                Err(e) => return rpc_error(&e),
+                Err(e) => return stream_error(&e),
             };
             let ka = keepalive_interval(&headers);
             let r = match (service, method.as_str()) {
@@ -59,7 +59,7 @@ pub async fn dispatch(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
                 (Service::Process, _) => connect(&agent, &msg, &headers, ka),
                 _ => watch_dir(&user, &msg, ka),
             };
-            r.unwrap_or_else(|e| rpc_error(&e))
+            r.unwrap_or_else(|e| stream_error(&e))
         }
         _ => {
             let body = match read_body(req.into_body(), MAX_JSON_BODY).await {
@@ -135,6 +135,16 @@ async fn read_stream_request(body: Incoming) -> Result<Bytes, RpcError> {
         Ok(Some((_, msg))) if raw.first().is_some_and(|b| *b == 0) => Ok(msg.into()),
         _ => Ok(raw),
     }
+}
+
+/// A server-streaming call's error, as connect-go sends it: HTTP 200 and one end-of-stream message
+/// carrying the error (connect-es reads any other status as a bare HTTP code, 404 as `unimplemented`).
+fn stream_error(e: &RpcError) -> Response<Body> {
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(http::header::CONTENT_TYPE, "application/connect+json")
+        .body(full(envd::end_stream(Some(e))))
+        .unwrap_or_else(|_| rpc_error(e))
 }
 
 fn stream_response() -> (mpsc::Sender<Bytes>, Response<Body>) {

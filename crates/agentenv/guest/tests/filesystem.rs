@@ -182,10 +182,10 @@ async fn a_watch_on_a_network_mount_needs_allow_network_mounts() {
     let g = Guest::start(&[]).await;
     let dir = mount.at.path().to_path_buf();
     // Refused by default, streamed or polled, with a message that names the flag.
-    let resp = g
-        .stream_raw("/filesystem.Filesystem/WatchDir", json!({"path": dir}), &[])
+    let err = g
+        .stream_error("/filesystem.Filesystem/WatchDir", json!({"path": dir}))
         .await;
-    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(err["code"], "failed_precondition", "{err}");
     let (st, v) = g
         .unary(
             "/filesystem.Filesystem/CreateWatcher",
@@ -255,14 +255,14 @@ async fn watch_dir_streams_events() {
     }
     assert!(seen.contains(&"EVENT_TYPE_WRITE".to_string()), "{seen:?}");
 
-    let resp = g
-        .stream_raw(
+    // As connect-go ends a failed stream; connect-es (E2B's JS SDK) then raises FileNotFoundError.
+    let err = g
+        .stream_error(
             "/filesystem.Filesystem/WatchDir",
             json!({"path": dir.join("missing")}),
-            &[],
         )
         .await;
-    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    assert_eq!(err["code"], "not_found", "{err}");
 }
 
 #[tokio::test]

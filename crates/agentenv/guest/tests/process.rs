@@ -64,8 +64,8 @@ async fn env_cwd_and_missing_cwd() {
     );
 
     let req = json!({"process": {"cmd": "/bin/true", "cwd": format!("/nonexistent-{t}")}});
-    let resp = g.stream_raw("/process.Process/Start", req, &[]).await;
-    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    let err = g.stream_error("/process.Process/Start", req).await;
+    assert_eq!(err["code"], "invalid_argument", "{err}");
 }
 
 #[tokio::test]
@@ -194,14 +194,10 @@ async fn background_process_outlives_its_stream_and_is_killed() {
         .await;
     assert_eq!(st, StatusCode::NOT_FOUND);
     assert_eq!(err["code"], "not_found");
-    let resp = g
-        .stream_raw(
-            "/process.Process/Connect",
-            json!({"process": {"pid": pid}}),
-            &[],
-        )
+    let err = g
+        .stream_error("/process.Process/Connect", json!({"process": {"pid": pid}}))
         .await;
-    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    assert_eq!(err["code"], "not_found", "{err}");
 }
 
 async fn listed(g: &Guest, pid: u32) -> bool {

@@ -127,6 +127,18 @@ impl Guest {
         }
     }
 
+    /// A server-streaming call that fails: HTTP 200 and one end-of-stream message; its `error`.
+    pub async fn stream_error(&self, path: &str, body: Value) -> Value {
+        let resp = self.stream_raw(path, body, &[]).await;
+        assert_eq!(resp.status(), StatusCode::OK, "stream {path}");
+        assert_eq!(resp.headers()["content-type"], "application/connect+json");
+        let mut r = EnvelopeReader::new(resp.into_body());
+        let (flags, v) = r.next().await.expect("no end of stream");
+        assert_eq!(flags, 2, "{v}");
+        assert!(r.next().await.is_none(), "data after end of stream");
+        v["error"].clone()
+    }
+
     pub async fn stream_raw(
         &self,
         path: &str,
