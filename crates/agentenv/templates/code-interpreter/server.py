@@ -85,7 +85,9 @@ def __k3_setup():
             except Exception:
                 return {}
 
-    f = get_ipython().display_formatter
+    ip = get_ipython()
+    ip.run_line_magic("colors", "nocolor")  # plain tracebacks, as E2B's kernels give them
+    f = ip.display_formatter
     f.formatters["e2b/data"] = DataFormatter(parent=f)
     f.formatters["e2b/chart"] = ChartFormatter(parent=f)
 
@@ -126,12 +128,13 @@ class Context:
         self.language = language
         self.cwd = cwd
         self.lock = threading.Lock()
-        self.km = KernelManager(kernel_name=LANGUAGES[language])
-        self.kc = None
+        self.km = self.kc = None
         self.globals = None  # create-time envs, once set in the kernel
         self._start()
 
     def _start(self):
+        # A fresh manager each time: shutting a kernel down ends its manager's ZMQ context.
+        self.km = KernelManager(kernel_name=LANGUAGES[self.language])
         self.km.start_kernel(cwd=self.cwd)
         self.kc = self.km.client()
         self.kc.start_channels()
@@ -341,13 +344,18 @@ class Handler(BaseHTTPRequestHandler):
                 ctx = CONTEXTS.create(req.get("language") or "python", req.get("cwd"))
             except ValueError as e:
                 return self.fail(400, str(e))
+            except Exception as e:  # e.g. a cwd the kernel cannot start in
+                return self.fail(500, f"starting the kernel failed: {e}")
             return self.send_json(200, ctx.view())
         if len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart":
             with CONTEXTS.lock:
                 ctx = CONTEXTS.all.get(parts[1])
             if ctx is None:
                 return self.fail(404, f"context {parts[1]} not found")
-            ctx.restart()
+            try:
+                ctx.restart()
+            except Exception as e:
+                return self.fail(500, f"restarting the kernel failed: {e}")
             return self.send_json(200, ctx.view())
         self.fail(404, f"no route {self.path}")
 
