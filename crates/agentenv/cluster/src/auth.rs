@@ -2,13 +2,13 @@
 //! job needs. A user is a client certificate's common name (etcd's `--client-cert-auth`):
 //! - a gateway (role `<prefix>gateway`) reads and writes the whole prefix;
 //! - node `<id>` (role `<prefix>node-<id>`) reads the prefix and writes its own record `nodes/<id>`
-//!   and the sandbox map (`sandboxes/`, `tokens/`), never another node's record, claims or keys
-//!   outside the prefix;
+//!   and its own sandboxes' entries (`sandboxes/<id>/`), never another node's record or entries,
+//!   where a sandbox is placed (`placed/`), tokens, claims or keys outside the prefix;
 //! - `root` provisions (the CN of the operator's certificate).
 //!
 //! [`provision`] is idempotent: run it again to add nodes or gateways.
 
-use etcd_client::{Client, Permission};
+use etcd_client::{Client, Permission, RoleRevokePermissionOptions};
 
 use crate::schema::Keys;
 use crate::{ClusterError, ClusterStore};
@@ -60,12 +60,26 @@ pub async fn provision(root: &ClusterStore, members: &Members) -> Result<(), Clu
         let perms = [
             Permission::read(keys.prefix()).with_prefix(),
             Permission::read_write(keys.node(n)),
-            Permission::read_write(keys.sandboxes()).with_prefix(),
-            Permission::read_write(keys.token("")).with_prefix(),
+            Permission::read_write(keys.sandboxes_on(n)).with_prefix(),
         ];
         for p in perms {
             root.call("grant a node", c.role_grant_permission(&role, p))
                 .await?;
+        }
+        // Earlier versions let nodes write the whole sandbox map and the tokens: taken back.
+        for legacy in [keys.sandboxes(), keys.token("")] {
+            let opts = RoleRevokePermissionOptions::new().with_prefix();
+            let revoked = root
+                .call(
+                    "revoke a node's earlier grant",
+                    c.role_revoke_permission(role.as_str(), legacy, Some(opts)),
+                )
+                .await;
+            if let Err(e) = revoked
+                && !e.to_string().contains("not granted")
+            {
+                return Err(e);
+            }
         }
         ensure_user(root, &mut c, n).await?;
         root.call("grant a node", c.user_grant_role(n.as_str(), role.as_str()))

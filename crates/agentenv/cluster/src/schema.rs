@@ -5,7 +5,9 @@
 //!   refreshing it.
 //! - `claims/<node>/<random>`: [`Claim`], one per placement in flight or not yet in the node's record,
 //!   on a short lease of the gateway's.
-//! - `sandboxes/<sandbox>`: [`SandboxEntry`], which node holds the sandbox, and the handoff of a paused one.
+//! - `placed/<sandbox>`: the node that holds the sandbox (gateways write it; see [`crate::map`]).
+//! - `sandboxes/<node>/<sandbox>`: [`SandboxEntry`], its state and the handoff of a paused one; a node
+//!   writes only under its own `sandboxes/<node>/`.
 //! - `tokens/<sha256 of access token>`: the sandbox id (data-plane routing by access token).
 //! - `idempotency/<tenant>/<key>`: [`IdempotencyEntry`] of a create with an `Idempotency-Key`, leased.
 //! - `snapshots/<snapshot>`: [`SnapshotEntry`], where a snapshot was taken (locality before the node's
@@ -58,8 +60,23 @@ impl Keys {
     pub fn sandboxes(&self) -> String {
         format!("{}sandboxes/", self.prefix)
     }
-    pub fn sandbox(&self, id: &str) -> String {
-        format!("{}sandboxes/{id}", self.prefix)
+    /// The entries of the sandboxes on `node`: the only map keys that node writes.
+    pub fn sandboxes_on(&self, node: &str) -> String {
+        format!("{}sandboxes/{node}/", self.prefix)
+    }
+    pub fn sandbox(&self, node: &str, id: &str) -> String {
+        format!("{}sandboxes/{node}/{id}", self.prefix)
+    }
+    /// `(node, id)` of a [`Keys::sandbox`] key.
+    pub fn parse_sandbox<'a>(&self, key: &'a str) -> Option<(&'a str, &'a str)> {
+        let (node, id) = key.strip_prefix(&self.sandboxes())?.split_once('/')?;
+        (!node.is_empty() && !id.is_empty() && !id.contains('/')).then_some((node, id))
+    }
+    pub fn placements(&self) -> String {
+        format!("{}placed/", self.prefix)
+    }
+    pub fn placed(&self, id: &str) -> String {
+        format!("{}placed/{id}", self.prefix)
     }
     pub fn token(&self, token_sha256: &str) -> String {
         format!("{}tokens/{token_sha256}", self.prefix)
@@ -245,7 +262,11 @@ mod tests {
         assert_eq!(k.node("n1"), "/t/x/nodes/n1");
         assert!(k.node("n1").starts_with(&k.nodes()));
         assert!(k.claim("n1", "c").starts_with(&k.claims()));
-        assert!(k.sandbox("s").starts_with(&k.sandboxes()));
+        assert!(k.sandbox("n", "s").starts_with(&k.sandboxes_on("n")));
+        assert!(k.sandboxes_on("n").starts_with(&k.sandboxes()));
+        assert_eq!(k.parse_sandbox(&k.sandbox("n-1", "s")), Some(("n-1", "s")));
+        assert_eq!(k.parse_sandbox(&format!("{}s", k.sandboxes())), None);
+        assert!(!k.sandboxes_on("n1").starts_with(&k.sandboxes_on("n")));
         assert_eq!(k.idempotency("team", "abc"), "/t/x/idempotency/team/abc");
     }
 

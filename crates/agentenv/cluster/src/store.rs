@@ -12,8 +12,8 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOpt
 
 use crate::error::ClusterError;
 use crate::schema::{
-    Claim, EntryState, Handoff, IdempotencyEntry, Keys, NodeRecord, SCHEMA_VERSION, SandboxEntry,
-    SnapshotEntry, decode, encode,
+    Claim, Handoff, IdempotencyEntry, Keys, NodeRecord, SCHEMA_VERSION, SnapshotEntry, decode,
+    encode,
 };
 
 type Result<T, E = ClusterError> = std::result::Result<T, E>;
@@ -196,7 +196,7 @@ impl ClusterStore {
         }
     }
 
-    fn decode_all<T: serde::de::DeserializeOwned>(
+    pub(crate) fn decode_all<T: serde::de::DeserializeOwned>(
         kvs: &[etcd_client::KeyValue],
     ) -> Vec<Versioned<T>> {
         kvs.iter().filter_map(Self::decode_kv).collect()
@@ -286,7 +286,10 @@ impl ClusterStore {
             .map(|v| v.value))
     }
 
-    async fn get<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<Versioned<T>>> {
+    pub(crate) async fn get<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<Versioned<T>>> {
         let mut kv = self.client.kv_client();
         let resp = self.call("get", kv.get(key, None)).await?;
         match resp.kvs().first() {
@@ -318,7 +321,7 @@ impl ClusterStore {
         *self.idempotency_lease.current.lock().await = None;
     }
 
-    async fn lease(&self, ttl: Duration) -> Result<i64> {
+    pub(crate) async fn lease(&self, ttl: Duration) -> Result<i64> {
         let mut lease = self.client.lease_client();
         let secs = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         Ok(self
@@ -401,158 +404,6 @@ impl ClusterStore {
             }
             None => Ok((ClaimOutcome::NodeGone, None)),
         }
-    }
-
-    /// Records a new sandbox (and its access token's hash) unless an entry for its id exists; false
-    /// if one did.
-    pub async fn insert_sandbox(&self, entry: &SandboxEntry, token_sha256: &str) -> Result<bool> {
-        let key = self.keys.sandbox(&entry.sandbox_id);
-        let entry = SandboxEntry {
-            token_sha256: Some(token_sha256.to_string()),
-            ..entry.clone()
-        };
-        let txn = Txn::new()
-            .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-            .and_then([
-                TxnOp::put(key, encode(&entry), None),
-                TxnOp::put(
-                    self.keys.token(token_sha256),
-                    entry.sandbox_id.as_bytes().to_vec(),
-                    None,
-                ),
-            ]);
-        let mut kv = self.client.kv_client();
-        Ok(self
-            .call("record a sandbox", kv.txn(txn))
-            .await?
-            .succeeded())
-    }
-
-    pub async fn sandbox(&self, id: &str) -> Result<Option<Versioned<SandboxEntry>>> {
-        self.get(&self.keys.sandbox(id)).await
-    }
-
-    /// Every sandbox entry (list merges).
-    pub async fn sandboxes(&self) -> Result<Vec<SandboxEntry>> {
-        let mut kv = self.client.kv_client();
-        let opts = GetOptions::new().with_prefix();
-        let resp = self
-            .call("list sandboxes", kv.get(self.keys.sandboxes(), Some(opts)))
-            .await?;
-        Ok(Self::decode_all(resp.kvs())
-            .into_iter()
-            .map(|v| v.value)
-            .collect())
-    }
-
-    /// Replaces a sandbox's entry if it is still at `mod_revision`, returning its new revision; `None`
-    /// if another writer came first.
-    pub async fn update_sandbox(
-        &self,
-        entry: &SandboxEntry,
-        mod_revision: i64,
-    ) -> Result<Option<i64>> {
-        let key = self.keys.sandbox(&entry.sandbox_id);
-        let txn = Txn::new()
-            .when([Compare::mod_revision(
-                key.clone(),
-                CompareOp::Equal,
-                mod_revision,
-            )])
-            .and_then([TxnOp::put(key, encode(entry), None)]);
-        let mut kv = self.client.kv_client();
-        let resp = self.call("update a sandbox", kv.txn(txn)).await?;
-        Ok(resp
-            .succeeded()
-            .then(|| resp.header().map_or(0, |h| h.revision())))
-    }
-
-    /// Sets sandbox `id`'s state and handoff by compare-and-put, read again after a concurrent write.
-    /// With `on_node`, only while its entry names that node. `updated_at_ms` is the caller's clock.
-    pub async fn set_state(
-        &self,
-        id: &str,
-        on_node: Option<&str>,
-        state: EntryState,
-        handoff: Option<Handoff>,
-        updated_at_ms: i64,
-    ) -> Result<StateChange> {
-        for _ in 0..3 {
-            let Some(cur) = self.sandbox(id).await? else {
-                return Ok(StateChange::Skipped);
-            };
-            if on_node.is_some_and(|n| n != cur.value.node) || cur.value.state == EntryState::Killed
-            {
-                return Ok(StateChange::Skipped);
-            }
-            let mut next = cur.value.clone();
-            next.state = state;
-            next.handoff = handoff.clone();
-            next.updated_at_ms = updated_at_ms;
-            if self
-                .update_sandbox(&next, cur.mod_revision)
-                .await?
-                .is_some()
-            {
-                return Ok(StateChange::Written {
-                    replaced: cur.value.handoff,
-                });
-            }
-        }
-        Ok(StateChange::Skipped)
-    }
-
-    /// Forgets a sandbox and its token (`token_sha256`, else the one its entry names).
-    pub async fn remove_sandbox(&self, id: &str, token_sha256: Option<&str>) -> Result<()> {
-        let token = match token_sha256 {
-            Some(t) => Some(t.to_string()),
-            None => self.sandbox(id).await?.and_then(|e| e.value.token_sha256),
-        };
-        let mut ops = vec![TxnOp::delete(self.keys.sandbox(id), None)];
-        if let Some(t) = token {
-            ops.push(TxnOp::delete(self.keys.token(&t), None));
-        }
-        let mut kv = self.client.kv_client();
-        self.call("forget a sandbox", kv.txn(Txn::new().and_then(ops)))
-            .await
-            .map(drop)
-    }
-
-    /// Marks a sandbox killed while its node is away (the entry then lives [`KILLED_TTL`], so the node
-    /// can kill its copy when it returns) and forgets its token.
-    pub async fn mark_killed(
-        &self,
-        entry: &SandboxEntry,
-        token_sha256: Option<&str>,
-    ) -> Result<()> {
-        let lease = self.lease(KILLED_TTL).await?;
-        let mut e = entry.clone();
-        e.state = crate::schema::EntryState::Killed;
-        e.handoff = None;
-        let mut ops = vec![TxnOp::put(
-            self.keys.sandbox(&e.sandbox_id),
-            encode(&e),
-            Some(PutOptions::new().with_lease(lease)),
-        )];
-        if let Some(t) = token_sha256.or(entry.token_sha256.as_deref()) {
-            ops.push(TxnOp::delete(self.keys.token(t), None));
-        }
-        let mut kv = self.client.kv_client();
-        self.call("mark a sandbox killed", kv.txn(Txn::new().and_then(ops)))
-            .await
-            .map(drop)
-    }
-
-    /// The sandbox whose access token has this SHA-256.
-    pub async fn sandbox_by_token(&self, token_sha256: &str) -> Result<Option<String>> {
-        let mut kv = self.client.kv_client();
-        let resp = self
-            .call("find a token", kv.get(self.keys.token(token_sha256), None))
-            .await?;
-        Ok(resp
-            .kvs()
-            .first()
-            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
     }
 
     /// Records where a snapshot was taken.

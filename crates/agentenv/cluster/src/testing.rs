@@ -341,3 +341,17 @@ where
     }
     panic!("{what}: not within 30 s");
 }
+
+/// Puts `value` at `key` under the store's prefix as is (what a hostile member could write).
+pub async fn put_raw(
+    store: &crate::ClusterStore,
+    key: &str,
+    value: &[u8],
+) -> Result<(), crate::ClusterError> {
+    let mut kv = store.client().kv_client();
+    let key = format!("{}{key}", store.keys().prefix());
+    store
+        .call("put", kv.put(key, value.to_vec(), None))
+        .await
+        .map(drop)
+}

@@ -1,14 +1,15 @@
 //! etcd over mutual TLS with a user per certificate (a real etcd, certificates from a throwaway CA):
-//! a client without a certificate is refused, a node writes its own record but not another node's,
-//! claims or keys outside the cluster's prefix, and a gateway writes what placement needs.
+//! a client without a certificate is refused, a node writes its own record and its own sandboxes'
+//! entries but not another node's, placements, claims or keys outside the cluster's prefix, and a
+//! gateway writes what placement needs.
 
 use std::time::Duration;
 
 use agentenv_cluster::auth::{Members, provision};
-use agentenv_cluster::testing::{idle_node, secure_etcd_or_skip};
+use agentenv_cluster::testing::{idle_node, put_raw, secure_etcd_or_skip};
 use agentenv_cluster::{
     Claim, ClusterError, ClusterStore, EntryState, EtcdTls, Registration, SCHEMA_VERSION,
-    SandboxEntry,
+    SandboxEntry, StateChange,
 };
 
 const PREFIX: &str = "/tls-test/";
@@ -104,7 +105,7 @@ async fn each_certificate_writes_only_what_its_job_needs() {
     .unwrap();
     denied(outside.view().await, "a node read outside its prefix");
 
-    // The gateway places and records a sandbox; the node updates and removes it.
+    // The gateway places and records a sandbox; its node updates and releases it; the gateway sweeps.
     let sg = as_user(&etcd.endpoint, Some(&gw)).await.unwrap();
     assert!(sg.view().await.unwrap().node(&node_a).is_some());
     sg.claim(&claim, None).await.unwrap();
@@ -119,11 +120,69 @@ async fn each_certificate_writes_only_what_its_job_needs() {
         token_sha256: None,
     };
     assert!(sg.insert_sandbox(&entry, "tok").await.unwrap());
-    sa.remove_sandbox("sbx1", Some("tok")).await.unwrap();
+    let paused = sa
+        .set_state("sbx1", Some(&node_a), EntryState::Paused, None, 1)
+        .await
+        .unwrap();
+    assert!(matches!(paused, StateChange::Written { .. }), "{paused:?}");
+
+    // Node B can neither change, move, kill nor drop node A's sandbox, nor place one.
+    let sb = as_user(&etcd.endpoint, Some(&b)).await.unwrap();
+    let seen = sg.sandbox("sbx1").await.unwrap().unwrap();
+    let to_b = SandboxEntry {
+        node: "node-b".into(),
+        state: EntryState::Running,
+        ..seen.value.clone()
+    };
+    denied(
+        sb.update_sandbox(&to_b, seen.mod_revision).await,
+        "node B moved A's sandbox",
+    );
+    denied(
+        sb.release_sandbox(&node_a, "sbx1").await,
+        "node B dropped it",
+    );
+    denied(sb.mark_killed(&seen.value, None).await, "node B killed it");
+    denied(sb.remove_sandbox("sbx1", None).await, "node B forgot it");
+    let theirs = SandboxEntry {
+        sandbox_id: "sbx2".into(),
+        ..to_b.clone()
+    };
+    denied(
+        sb.insert_sandbox(&theirs, "tok2").await,
+        "node B placed one",
+    );
+    // Its own prefix it may write: an entry there for A's sandbox counts for nothing.
+    let forged = serde_json::to_vec(&to_b).unwrap();
+    put_raw(&sb, "sandboxes/node-b/sbx1", &forged)
+        .await
+        .unwrap();
+    let read = sg.sandbox("sbx1").await.unwrap().unwrap().value;
+    assert_eq!(
+        (read.node.as_str(), read.state),
+        (node_a.as_str(), EntryState::Paused)
+    );
+    let listed = sg.sandboxes().await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].node, node_a);
+    let skipped = sb
+        .set_state("sbx1", Some("node-b"), EntryState::Running, None, 2)
+        .await
+        .unwrap();
+    assert_eq!(skipped, StateChange::Skipped);
+
+    sa.release_sandbox(&node_a, "sbx1").await.unwrap();
     assert!(sg.sandbox("sbx1").await.unwrap().is_none());
+    assert_eq!(
+        sg.sandbox_by_token("tok").await.unwrap().as_deref(),
+        Some("sbx1")
+    );
+    denied(sa.sweep().await.map(drop), "a node swept");
+    let swept = sg.sweep().await.unwrap();
+    assert_eq!((swept.placements, swept.tokens), (1, 1));
+    assert_eq!(sg.sandbox_by_token("tok").await.unwrap(), None);
 
     // Node B cannot take over node A's record either, and the record is still A's.
-    let sb = as_user(&etcd.endpoint, Some(&b)).await.unwrap();
     denied(
         register(&sb, &node_a, "http://evil").await.map(drop),
         "node B wrote node A's record",

@@ -152,7 +152,7 @@ async fn drop_moved(
                     }
                 }
             }
-            store.remove_sandbox(&entry.sandbox_id, None).await?;
+            store.release_sandbox(me, &entry.sandbox_id).await?;
             continue;
         }
         if entry.node == me {
@@ -303,11 +303,11 @@ impl Follower {
             Transition::AutoPaused(id) if self.shared_store => self.hand_off(id).await,
             Transition::AutoPaused(id) => self.record(id, SandboxState::Paused).await,
             Transition::AutoResumed(id) => self.record(id, SandboxState::Running).await,
-            Transition::Expired { id, access_token } => {
+            Transition::Expired { id, .. } => {
                 let entry = self.store.sandbox(id).await?;
                 if entry.as_ref().is_some_and(|e| e.value.node == self.me) {
-                    let token = crate::locate::token_hash(access_token);
-                    self.store.remove_sandbox(id, Some(&token)).await?;
+                    // Its placement and token go at a gateway's next sweep.
+                    self.store.release_sandbox(&self.me, id).await?;
                     if let Some(h) = entry.and_then(|e| e.value.handoff) {
                         self.drop_handoff(&h.snapshot_id);
                     }

@@ -101,6 +101,7 @@ impl Gateway {
         server_key: String,
         node_tls: Option<Arc<rustls::ClientConfig>>,
     ) -> Gateway {
+        tokio::spawn(sweep(store.clone()));
         Gateway {
             views: ViewCache::start(store.clone()),
             store,
@@ -108,6 +109,22 @@ impl Gateway {
             server_key,
             http: proxy::client(node_tls),
             sandbox_domain: None,
+        }
+    }
+}
+
+/// How often a gateway sweeps the sandbox map ([`ClusterStore::sweep`]).
+pub const SWEEP_EVERY: Duration = Duration::from_secs(30);
+
+/// Removes, every [`SWEEP_EVERY`], placements and tokens of sandboxes their nodes released.
+async fn sweep(store: ClusterStore) {
+    let mut every = tokio::time::interval(SWEEP_EVERY);
+    loop {
+        every.tick().await;
+        match store.sweep().await {
+            Ok(s) if s != Default::default() => tracing::debug!(?s, "swept the sandbox map"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "sweeping the sandbox map failed"),
         }
     }
 }

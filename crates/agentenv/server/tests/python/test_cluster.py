@@ -635,14 +635,20 @@ def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
 
 
 def _entry(cluster, sandbox_id):
-    """The sandbox's entry in etcd (through etcd's JSON gateway, as the read-only inspector), or None."""
+    """The sandbox's entry in etcd (`placed/<id>` names its node, `sandboxes/<node>/<id>` is the entry;
+    through etcd's JSON gateway, as the read-only inspector), or None."""
     status, auth = cluster.etcd_json("/v3/auth/authenticate", {"name": "inspector", "password": cluster.inspector})
     assert status == 200, auth
-    key = base64.b64encode(f"/agentenv/v1/sandboxes/{sandbox_id}".encode()).decode()
-    status, body = cluster.etcd_json("/v3/kv/range", {"key": key}, token=auth["token"])
-    assert status == 200, body
-    kvs = body.get("kvs") or []
-    return json.loads(base64.b64decode(kvs[0]["value"])) if kvs else None
+
+    def get(key):
+        status, body = cluster.etcd_json("/v3/kv/range", {"key": base64.b64encode(key.encode()).decode()},
+                                         token=auth["token"])
+        assert status == 200, body
+        kvs = body.get("kvs") or []
+        return base64.b64decode(kvs[0]["value"]) if kvs else None
+    node = get(f"/agentenv/v1/placed/{sandbox_id}")
+    entry = node and get(f"/agentenv/v1/sandboxes/{node.decode()}/{sandbox_id}")
+    return json.loads(entry) if entry else None
 
 
 def _envd(url, sandbox_id, token, method, path, data=None):
