@@ -83,7 +83,7 @@ async fn sandbox_from_base_template_runs_commands_in_debian() {
             assert_eq!(pids.len(), 1, "{pids:?}");
             let own = std::fs::read_to_string(format!("/proc/{}/cgroup", pids[0])).unwrap();
             assert!(own.contains(&format!("agentenv/{name}")), "{own}");
-            let want = agentenv_runtime::vmm::cgroup::Limits::for_vm(256, 1).memory_bytes;
+            let want = agentenv_runtime::vmm::cgroup::Limits::for_vm(256, 1, None).memory_bytes;
             let file = match &h {
                 agentenv_runtime::vmm::cgroup::Hierarchy::V1 { .. } => "memory.limit_in_bytes",
                 agentenv_runtime::vmm::cgroup::Hierarchy::V2 { .. } => "memory.max",

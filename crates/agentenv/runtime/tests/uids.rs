@@ -43,7 +43,7 @@ fn vm_uid(state: &Path, id: &str, range: &UidRange) -> u32 {
 }
 
 /// Checks that sandbox `id`'s QEMU runs in a network namespace of its own (not the host's, not another
-/// VM's) and, where this host has writable cgroups, in its own groups with a process limit.
+/// VM's) and, where this host has writable cgroups, in its own groups with a process and I/O limit.
 fn confined(state: &Path, id: &str) {
     let pid = record(state, id)["phase"]["pid"].as_u64().unwrap();
     let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
@@ -66,13 +66,29 @@ fn confined(state: &Path, id: &str) {
     }
     let groups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     let mine = format!("/agentenv/{id}");
-    for c in ["memory", "pids"] {
+    for c in ["memory", "pids", "blkio"] {
         if let Some(l) = groups.lines().find(|l| {
             l.split(':')
                 .nth(1)
                 .is_some_and(|cs| cs.split(',').any(|x| x == c))
         }) {
             assert!(l.ends_with(&mine), "{id}: {c} group {l}");
+            // Its disk I/O is limited on the disk of its files.
+            if c == "blkio"
+                && let Some(d) = agentenv_runtime::vmm::cgroup::disk_of(state)
+            {
+                let group = l.splitn(3, ':').nth(2).unwrap().trim_start_matches('/');
+                let f = Path::new("/sys/fs/cgroup/blkio")
+                    .join(group)
+                    .join("blkio.throttle.write_bps_device");
+                let want = format!(
+                    "{}:{} {}",
+                    d.major,
+                    d.minor,
+                    agentenv_runtime::vmm::cgroup::IO_BPS
+                );
+                assert_eq!(std::fs::read_to_string(&f).unwrap().trim(), want, "{id}");
+            }
         }
     }
 }

@@ -1,6 +1,6 @@
-//! Per-VM cgroups: a memory, CPU and process-count limit for every QEMU process, in a group
+//! Per-VM cgroups: a memory, CPU, process-count and disk I/O limit for every QEMU process, in a group
 //! `agentenv/<vm>` nested under this process's own group. cgroup v2 (unified) or the v1 `memory`,
-//! `cpu` (and `pids`, where mounted) controllers, whichever this host mounts writable; without either,
+//! `cpu` (and `pids` and `blkio`, where mounted) controllers, whichever this host mounts writable; without either,
 //! VMs run unconfined and a warning says so. A root runtime places each QEMU in its groups before it
 //! execs ([`Hierarchy::prepare`], then the child writes itself in), and refuses to start one it
 //! cannot place.
@@ -15,6 +15,44 @@ pub struct Limits {
     pub cpu_quota_us: u64,
     /// Tasks (threads included) the VM's QEMU may have at once.
     pub pids_max: u64,
+    /// The disk its files are on: QEMU's own reads and writes there are held to [`IO_BPS`] and
+    /// [`IO_IOPS`] each way (the guest's disk is throttled below that by QEMU itself).
+    pub io: Option<Disk>,
+}
+
+/// A whole block device (`major:minor`), as cgroups' I/O limits name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Disk {
+    pub major: u32,
+    pub minor: u32,
+}
+
+/// Bytes a second one QEMU may read, and write, on its disk: twice the guest disk's throttle burst.
+pub const IO_BPS: u64 = 1 << 30;
+/// Operations a second one QEMU may issue each way on its disk.
+pub const IO_IOPS: u64 = 16_000;
+
+/// The whole disk holding `path` (the parent of a partition); `None` for a filesystem on no block
+/// device (tmpfs, overlay) or one sysfs does not show.
+pub fn disk_of(path: &Path) -> Option<Disk> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(path).ok()?.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    if major == 0 {
+        return None;
+    }
+    let sys = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).ok()?;
+    let whole = if sys.join("partition").exists() {
+        sys.parent()?.to_path_buf()
+    } else {
+        sys
+    };
+    let text = std::fs::read_to_string(whole.join("dev")).ok()?;
+    let (ma, mi) = text.trim().split_once(':')?;
+    Some(Disk {
+        major: ma.parse().ok()?,
+        minor: mi.parse().ok()?,
+    })
 }
 
 /// Tasks of one QEMU: a thread per vCPU, its I/O and RCU threads, and headroom; far below what
@@ -26,12 +64,14 @@ const QEMU_OVERHEAD: u64 = 1 << 30;
 const CPU_PERIOD_US: u64 = 100_000;
 
 impl Limits {
-    /// Guest RAM plus QEMU's own headroom; one CPU per vCPU plus one for QEMU's I/O threads.
-    pub fn for_vm(memory_mib: u64, vcpus: u32) -> Limits {
+    /// Guest RAM plus QEMU's own headroom; one CPU per vCPU plus one for QEMU's I/O threads; I/O on
+    /// `disk` limited.
+    pub fn for_vm(memory_mib: u64, vcpus: u32, disk: Option<Disk>) -> Limits {
         Limits {
             memory_bytes: (memory_mib << 20) + QEMU_OVERHEAD,
             cpu_quota_us: (u64::from(vcpus) + 1) * CPU_PERIOD_US,
             pids_max: PIDS_MAX,
+            io: disk,
         }
     }
 }
@@ -39,15 +79,17 @@ impl Limits {
 /// Where groups are made.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Hierarchy {
-    /// The unified hierarchy: `<base>/agentenv/<vm>` with `memory.max`, `cpu.max` and `pids.max`
-    /// (where the base offers the `pids` controller).
+    /// The unified hierarchy: `<base>/agentenv/<vm>` with `memory.max`, `cpu.max`, and `pids.max` and
+    /// `io.max` where the base offers those controllers.
     V2 { base: PathBuf },
     /// v1: `<memory>/agentenv/<vm>` (`memory.limit_in_bytes`), `<cpu>/agentenv/<vm>` (`cpu.cfs_*`) and,
-    /// where mounted, `<pids>/agentenv/<vm>` (`pids.max`).
+    /// where mounted, `<pids>/agentenv/<vm>` (`pids.max`) and `<blkio>/agentenv/<vm>`
+    /// (`blkio.throttle.*`).
     V1 {
         memory: PathBuf,
         cpu: PathBuf,
         pids: Option<PathBuf>,
+        blkio: Option<PathBuf>,
     },
 }
 
@@ -71,8 +113,13 @@ impl Hierarchy {
             (dir.join("cgroup.procs").exists() && writable(&dir)).then_some(dir)
         };
         if let (Some(memory), Some(cpu)) = (v1("memory"), v1("cpu")) {
-            let pids = v1("pids");
-            return Some(Hierarchy::V1 { memory, cpu, pids });
+            let (pids, blkio) = (v1("pids"), v1("blkio"));
+            return Some(Hierarchy::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            });
         }
         let unified = self_cgroup
             .lines()
@@ -90,11 +137,16 @@ impl Hierarchy {
         Hierarchy::detect(Path::new("/sys/fs/cgroup"), &own)
     }
 
-    /// The `agentenv` folders that hold the VMs' groups (v1: memory first, then cpu).
+    /// The `agentenv` folders that hold the VMs' groups (v1: memory, cpu, pids, blkio).
     fn parents(&self) -> Vec<PathBuf> {
         match self {
             Hierarchy::V2 { base } => vec![base.join("agentenv")],
-            Hierarchy::V1 { memory, cpu, pids } => [Some(memory), Some(cpu), pids.as_ref()]
+            Hierarchy::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => [Some(memory), Some(cpu), pids.as_ref(), blkio.as_ref()]
                 .into_iter()
                 .flatten()
                 .map(|p| p.join("agentenv"))
@@ -136,15 +188,17 @@ impl Hierarchy {
                 let parent = g.parent().unwrap_or(base);
                 std::fs::create_dir_all(parent)?;
                 let offered = std::fs::read_to_string(base.join("cgroup.controllers"))?;
-                let pids = offered.split_whitespace().any(|c| c == "pids");
-                let ctrl = if pids {
-                    "+memory +cpu +pids"
-                } else {
-                    "+memory +cpu"
-                };
+                let has = |c: &str| offered.split_whitespace().any(|x| x == c);
+                let (pids, io) = (has("pids"), limits.io.filter(|_| has("io")));
+                let mut ctrl = String::from("+memory +cpu");
+                for (on, c) in [(pids, " +pids"), (io.is_some(), " +io")] {
+                    if on {
+                        ctrl.push_str(c);
+                    }
+                }
                 // Controllers must be enabled on the way down; the base may already allow them.
-                let _ = std::fs::write(base.join("cgroup.subtree_control"), ctrl);
-                write(parent, "cgroup.subtree_control", ctrl.into())?;
+                let _ = std::fs::write(base.join("cgroup.subtree_control"), &ctrl);
+                write(parent, "cgroup.subtree_control", ctrl)?;
                 std::fs::create_dir_all(g)?;
                 write(g, "memory.max", limits.memory_bytes.to_string())?;
                 write(
@@ -155,21 +209,49 @@ impl Hierarchy {
                 if pids {
                     write(g, "pids.max", limits.pids_max.to_string())?;
                 }
+                if let Some(Disk { major, minor }) = io {
+                    let max = format!(
+                        "{major}:{minor} rbps={IO_BPS} wbps={IO_BPS} riops={IO_IOPS} wiops={IO_IOPS}"
+                    );
+                    write(g, "io.max", max)?;
+                }
                 Ok(vec![procs(g)?])
             }
-            Hierarchy::V1 { pids, .. } => {
-                let (m, c) = (&groups[0], &groups[1]);
-                std::fs::create_dir_all(m)?;
-                std::fs::create_dir_all(c)?;
-                write(m, "memory.limit_in_bytes", limits.memory_bytes.to_string())?;
-                write(c, "cpu.cfs_period_us", CPU_PERIOD_US.to_string())?;
-                write(c, "cpu.cfs_quota_us", limits.cpu_quota_us.to_string())?;
-                let mut files = vec![procs(m)?, procs(c)?];
-                if pids.is_some() {
-                    let p = &groups[2];
-                    std::fs::create_dir_all(p)?;
-                    write(p, "pids.max", limits.pids_max.to_string())?;
-                    files.push(procs(p)?);
+            Hierarchy::V1 {
+                memory,
+                cpu,
+                pids,
+                blkio,
+            } => {
+                let group = |base: &PathBuf| {
+                    let g = base.join("agentenv").join(vm);
+                    std::fs::create_dir_all(&g).map(|()| g)
+                };
+                let (m, c) = (group(memory)?, group(cpu)?);
+                write(&m, "memory.limit_in_bytes", limits.memory_bytes.to_string())?;
+                write(&c, "cpu.cfs_period_us", CPU_PERIOD_US.to_string())?;
+                write(&c, "cpu.cfs_quota_us", limits.cpu_quota_us.to_string())?;
+                let mut files = vec![procs(&m)?, procs(&c)?];
+                if let Some(p) = pids {
+                    let p = group(p)?;
+                    write(&p, "pids.max", limits.pids_max.to_string())?;
+                    files.push(procs(&p)?);
+                }
+                if let (Some(b), Some(Disk { major, minor })) = (blkio, limits.io) {
+                    let b = group(b)?;
+                    for (file, v) in [
+                        ("read_bps_device", IO_BPS),
+                        ("write_bps_device", IO_BPS),
+                        ("read_iops_device", IO_IOPS),
+                        ("write_iops_device", IO_IOPS),
+                    ] {
+                        write(
+                            &b,
+                            &format!("blkio.throttle.{file}"),
+                            format!("{major}:{minor} {v}"),
+                        )?;
+                    }
+                    files.push(procs(&b)?);
                 }
                 Ok(files)
             }
@@ -210,10 +292,19 @@ mod tests {
     #[test]
     fn limits_cover_guest_ram_and_qemu() {
         let mib = rand::random_range(128..16_384u64);
-        let l = Limits::for_vm(mib, 2);
+        let l = Limits::for_vm(mib, 2, None);
         assert_eq!(l.memory_bytes, (mib << 20) + QEMU_OVERHEAD);
         assert_eq!(l.cpu_quota_us, 300_000);
         assert_eq!(l.pids_max, PIDS_MAX);
+    }
+
+    #[test]
+    fn io_limits_name_the_whole_disk_of_a_path() {
+        assert_eq!(disk_of(Path::new("/dev/shm")), None, "tmpfs has no disk");
+        if let Some(Disk { major, minor }) = disk_of(&std::env::temp_dir()) {
+            let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+            assert!(sys.exists() && !sys.join("partition").exists(), "{sys:?}");
+        }
     }
 
     #[test]
@@ -232,6 +323,7 @@ mod tests {
                 memory: root.path().join("memory/svc").join(&own),
                 cpu: root.path().join("cpu/svc").join(&own),
                 pids: None,
+                blkio: None,
             })
         );
         let v2root = tempfile::tempdir().unwrap();

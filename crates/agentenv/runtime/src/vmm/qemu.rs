@@ -11,7 +11,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::Mutex;
 
 use crate::config::AccelKind;
-use crate::vmm::cgroup::{Hierarchy, Limits};
+use crate::vmm::cgroup::{Hierarchy, Limits, disk_of};
 use crate::vmm::jail::Jail;
 use crate::vmm::launch::{LazyBacking, Owner, VmFiles};
 use crate::vmm::lazy::{Export, LazyDisks};
@@ -291,7 +291,7 @@ impl QemuVmm {
             use std::os::fd::AsRawFd;
             fds.push(tap.as_raw_fd());
         }
-        let limits = Limits::for_vm(spec.memory_mib, spec.vcpus);
+        let limits = Limits::for_vm(spec.memory_mib, spec.vcpus, disk_of(&spec.dir));
         // A root runtime's QEMU is in its cgroups and an empty network namespace before it execs, and
         // is not started where that fails.
         let procs = match (owner, &self.cgroups) {
