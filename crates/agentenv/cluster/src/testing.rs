@@ -12,11 +12,7 @@ pub fn find_etcd() -> Result<PathBuf, String> {
     if let Some(p) = std::env::var_os("K3_ETCD") {
         return Ok(PathBuf::from(p));
     }
-    std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .map(|d| d.join("etcd"))
-        .find(|p| p.is_file())
+    k3_common::fsutil::which("etcd")
         .ok_or_else(|| "no etcd binary ($K3_ETCD, PATH); ci/setup.sh installs etcd-server".into())
 }
 

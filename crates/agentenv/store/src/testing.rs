@@ -25,9 +25,7 @@ pub fn find_weed() -> Result<PathBuf, String> {
         .map(|v| PathBuf::from(v).join("bin/weed"))
         .collect();
     cands.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../.venv/bin/weed"));
-    if let Some(path) = std::env::var_os("PATH") {
-        cands.extend(std::env::split_paths(&path).map(|d| d.join("weed")));
-    }
+    cands.extend(k3_common::fsutil::which("weed"));
     cands
         .into_iter()
         .find(|p| p.is_file())

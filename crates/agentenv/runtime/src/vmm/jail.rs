@@ -43,11 +43,7 @@ fn resolve(bin: &Path) -> io::Result<PathBuf> {
     let found = if bin.components().count() > 1 {
         Some(bin.to_path_buf())
     } else {
-        std::env::var_os("PATH").and_then(|p| {
-            std::env::split_paths(&p)
-                .map(|d| d.join(bin))
-                .find(|c| c.is_file())
-        })
+        bin.to_str().and_then(k3_common::fsutil::which)
     };
     found
         .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("{}", bin.display())))?

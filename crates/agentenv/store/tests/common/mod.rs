@@ -70,11 +70,7 @@ pub fn weed(test: &str, parent: &Path) -> Option<agentenv_store::testing::Weed> 
 
 /// `qemu-img`/`qemu-io` path, or prints why not and returns `None` (panics instead when [`required`]).
 pub fn qemu_tool(test: &str, name: &str) -> Option<PathBuf> {
-    let found = std::env::var_os("PATH").and_then(|p| {
-        std::env::split_paths(&p)
-            .map(|d| d.join(name))
-            .find(|p| p.is_file())
-    });
+    let found = k3_common::fsutil::which(name);
     if found.is_none() {
         let why = format!("{name} not on PATH (apt qemu-utils)");
         if required() {
