@@ -42,7 +42,7 @@ async fn create(
     who: Caller,
     headers: HeaderMap,
     req: NewSandbox,
-) -> ApiResult<(StatusCode, Json<CreatedSandbox>)> {
+) -> ApiResult<Response> {
     let req = views::create_request(req)?;
     let key = headers
         .get("idempotency-key")
@@ -53,11 +53,17 @@ async fn create(
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         })
         .map(str::to_string);
-    // `code-interpreter-v1` is built on its first create.
-    state.sandboxes.ensure_builtin(&who, &req.template).await?;
+    // `code-interpreter-v1` is built on its first create. Retries within the SDK's deadline cannot
+    // outlast the build: `Should-Retry: false` lets the client show why at once.
+    if let Err(e) = state.sandboxes.ensure_builtin(&who, &req.template).await {
+        let mut r = ApiError::from(e).into_response();
+        r.headers_mut()
+            .insert("should-retry", HeaderValue::from_static("false"));
+        return Ok(r);
+    }
     let rec = state.sandboxes.create(&who, req, key).await?;
     let domain = state.sandbox_domain.as_deref();
-    Ok((StatusCode::CREATED, Json(views::created(&rec, domain))))
+    Ok((StatusCode::CREATED, Json(views::created(&rec, domain))).into_response())
 }
 
 /// Create a sandbox (SDK >= 2.51). Returns once envd in the sandbox answers.
