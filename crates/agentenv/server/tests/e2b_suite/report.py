@@ -22,15 +22,18 @@ def main():
     every = args[:1] == ["--all"]
     args = args[1:] if every else args
     table, label, xmls = expected(args[0]), args[1], args[2:]
-    counts = {"passed": 0, "skipped": 0, "environment": 0, "open": 0, "unexpected": 0}
+    kinds = ("passed", "skipped", "environment", "skew", "open", "unexpected")
+    counts, per_suite = dict.fromkeys(kinds, 0), {}
     lines = []
     for xml in xmls:
         suite = xml.rsplit("/", 1)[-1].removesuffix(".xml")
+        mine = per_suite.setdefault(suite, dict.fromkeys(kinds, 0))
         try:
             cases = list(ET.parse(xml).iter("testcase"))
         except (OSError, ET.ParseError) as e:
             print(f"{suite}: no results ({e})")
             counts["unexpected"] += 1
+            mine["unexpected"] += 1
             continue
         for tc in cases:
             parts = (tc.get("classname") or "").split(".")
@@ -40,17 +43,21 @@ def main():
             tags = {c.tag for c in tc}
             name = tc.get("name", "")
             if "skipped" in tags:
-                counts["skipped"] += 1
+                kind = "skipped"
             elif not tags & {"failure", "error"}:
-                counts["passed"] += 1
+                kind = "passed"
             else:
                 hit = next((r for r in table if name.startswith(r[0]) or f"{parts[-1]}::{name}".startswith(r[0])), None)
                 kind, why = (hit[1], hit[2]) if hit else ("unexpected", "")
-                counts[kind] += 1
                 lines.append(f"| {suite} | {parts[-1]}::{name} | {kind} | {why} |")
-    print(f"{label}: failing tests" if every else f"E2B Python suite, {label}: failing server-facing tests")
+            counts[kind] += 1
+            mine[kind] += 1
+    print(f"{label}: failing tests" if every else f"E2B SDK suites, {label}: failing server-facing tests")
     print("| suite | test | kind | why |\n|---|---|---|---|")
     print("\n".join(sorted(lines)) or "| - | none | | |")
+    if len(per_suite) > 1:
+        for suite, c in per_suite.items():
+            print(f"{suite}: " + ", ".join(f"{v} {k}" for k, v in c.items()))
     print(", ".join(f"{v} {k}" for k, v in counts.items()))
     return 1 if counts["unexpected"] else 0
 

@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# E2B's own Python SDK suite (sync and async) against a fresh agentenv server. Fetches nothing at run time but
-# the SDK and pytest from PyPI.
+# E2B's own SDK suites, Python (sync and async) and JavaScript, against a fresh agentenv server. Fetches nothing at
+# run time but packages: the Python SDK and pytest from PyPI, the JS SDK's dependencies and vitest from npm.
 #   crates/agentenv/server/tests/e2b_suite/run.sh E2B_CHECKOUT
-# E2B_CHECKOUT: a checkout (or `git archive`) of github.com/e2b-dev/E2B holding packages/python-sdk/tests.
-# Env: E2B_SDK_VERSION (default: the checkout's packages/python-sdk/pyproject.toml), SUITES ("sync async"),
+# E2B_CHECKOUT: a checkout (or `git archive`) of github.com/e2b-dev/E2B holding packages/python-sdk/tests and, for
+# `js`, packages/js-sdk.
+# Env: E2B_SDK_VERSION (the Python SDK; default: the checkout's pyproject.toml), E2B_JS_SDK_VERSION (an npm release
+# the JS tests import instead of the checkout's SDK source; vitest.config.mts), SUITES ("sync async js"),
 # WORK (a new temporary folder by default; kept), TEST_TIMEOUT_S (180).
-# Prints one table of the server-facing tests that failed, each expected (with why, expected.tsv) or not, and
-# exits 1 if one was not expected.
+# Prints one table of the server-facing tests that failed, each expected (with why: expected.tsv, expected-js.tsv)
+# or not, and exits 1 if one was not expected.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../../../.." && pwd)
 e2b=$(cd "${1:?usage: run.sh E2B_CHECKOUT}" && pwd)
 sdk="$e2b/packages/python-sdk"
+js="$e2b/packages/js-sdk"
+suites=${SUITES:-sync async js}
 [ -d "$sdk/tests" ] || { echo "no $sdk/tests: not a checkout of e2b-dev/E2B" >&2; exit 2; }
+case " $suites " in *" js "*) [ -d "$js/tests" ] || { echo "no $js/tests (SUITES has js)" >&2; exit 2; } ;; esac
 version=${E2B_SDK_VERSION:-$(sed -n 's/^version = "\(.*\)"/\1/p' "$sdk/pyproject.toml" | head -1)}
+js_version=none
+[ -f "$js/package.json" ] && js_version=$(node -p "require('$js/package.json').version")
+js_version=${E2B_JS_SDK_VERSION:-$js_version}
 work=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/e2b-suite.XXXXXX")}
 mkdir -p "$work"
 log() { printf '[e2b-suite] %s\n' "$*" >&2; }
-log "SDK $version, work folder $work"
+log "Python SDK $version, JS SDK $js_version, work folder $work"
 
 log "building the server and the guest agent"
 (cd "$root" && cargo build -q -p agentenv-server --bins -p agentenv-guest)
@@ -36,19 +44,53 @@ done
 [ -n "$key" ] || { echo "the server did not answer within 30 min ($work/server.log)" >&2; exit 2; }
 log "server on 127.0.0.1:$port"
 
-if [ ! -x "$work/venv/bin/python" ]; then
-  python3 -m venv "$work/venv"
-  "$work/venv/bin/pip" install -q "e2b==$version" "pytest>=8,<10" python-dotenv pytest-dotenv \
-    "pytest-asyncio>=1.3,<2" pytest-timeout
-fi
-rm -rf "$work/python-sdk" && cp -r "$sdk" "$work/python-sdk"
+python_suite() {  # $1: sync or async
+  if [ ! -x "$work/venv/bin/python" ]; then
+    python3 -m venv "$work/venv"
+    "$work/venv/bin/pip" install -q "e2b==$version" "pytest>=8,<10" python-dotenv pytest-dotenv \
+      "pytest-asyncio>=1.3,<2" pytest-timeout
+  fi
+  if [ -z "${python_copied:-}" ]; then  # without the checkout's own SDK source, which would shadow the installed one
+    rm -rf "$work/python-sdk" && cp -r "$sdk" "$work/python-sdk" && rm -rf "$work/python-sdk"/e2b*/ && python_copied=1
+  fi
+  (cd "$work/python-sdk" && timeout 5400 "$work/venv/bin/python" -m pytest -o addopts=--import-mode=importlib \
+    -o "timeout=${TEST_TIMEOUT_S:-180}" -p no:cacheprovider -q --junitxml="$work/$1.xml" "tests/$1" \
+    >"$work/$1.log" 2>&1) || true
+}
+
+js_suite() {  # the checkout's package.json with its runtime dependencies and only the test tools the tests import
+  local dir="$work/js-sdk"
+  mkdir -p "$dir" && rm -rf "$dir/src" "$dir/tests" && cp -r "$js/src" "$js/tests" "$js/package.json" "$dir/"
+  node -e 'const fs = require("fs"), p = JSON.parse(fs.readFileSync(process.argv[1])), d = p.devDependencies
+    p.devDependencies = Object.fromEntries(["vitest", "msw", "dotenv", "error-stack-parser-es"].map(k => [k, d[k]]))
+    p.name = "e2b-js-suite"; delete p.scripts; fs.writeFileSync(process.argv[1], JSON.stringify(p, null, 1))' \
+    "$dir/package.json"
+  [ -d "$dir/node_modules" ] || (cd "$dir" && npm install --no-audit --no-fund >"$work/npm.log" 2>&1)
+  if [ -n "${E2B_JS_SDK_VERSION:-}" ]; then
+    (cd "$dir" && npm install --no-audit --no-fund --no-save "e2b@$E2B_JS_SDK_VERSION" >>"$work/npm.log" 2>&1)
+    export E2B_JS_SDK="e2b@$E2B_JS_SDK_VERSION"
+  fi
+  cp "$here/vitest.config.mts" "$dir/" && cp "$here/mswEnv.setup.ts" "$dir/tests/"
+  rm -f "$work/js-vitest.xml" "$work/js.xml"
+  (cd "$dir" && TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-180} timeout 5400 npx vitest run --maxWorkers=1 \
+    --no-file-parallelism --reporter=default --reporter=junit --outputFile.junit="$work/js-vitest.xml" \
+    >"$work/js.log" 2>&1) || true
+  # report.py reads folders from dotted class names, as pytest writes them: tests/sandbox/x.test.ts -> tests.sandbox.x
+  python3 - "$work/js-vitest.xml" "$work/js.xml" <<'PY' || true
+import re, sys, xml.etree.ElementTree as ET
+tree = ET.parse(sys.argv[1])
+for tc in tree.iter("testcase"):
+    tc.set("classname", re.sub(r"\.test\.tsx?$", "", tc.get("classname", "")).replace("/", "."))
+tree.write(sys.argv[2])
+PY
+}
+
 export E2B_API_URL="http://127.0.0.1:$port" E2B_SANDBOX_URL="http://127.0.0.1:$port" E2B_API_KEY="$key"
 xmls=()
-for suite in ${SUITES:-sync async}; do
-  log "tests/$suite"
-  (cd "$work/python-sdk" && timeout 5400 "$work/venv/bin/python" -m pytest -o addopts=--import-mode=importlib \
-    -o "timeout=${TEST_TIMEOUT_S:-180}" -p no:cacheprovider -q --junitxml="$work/$suite.xml" "tests/$suite" \
-    >"$work/$suite.log" 2>&1) || true
+for suite in $suites; do
+  log "$suite"
+  case $suite in js) js_suite ;; *) python_suite "$suite" ;; esac
   xmls+=("$work/$suite.xml")
 done
-python3 "$here/report.py" "$here/expected.tsv" "SDK $version" "${xmls[@]}"
+cat "$here/expected.tsv" "$here/expected-js.tsv" >"$work/expected.tsv"  # Python names start with test_, JS names never
+python3 "$here/report.py" "$work/expected.tsv" "Python SDK $version, JS SDK $js_version" "${xmls[@]}"

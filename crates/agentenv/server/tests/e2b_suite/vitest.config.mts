@@ -1,0 +1,34 @@
+// E2B's JS suite (packages/js-sdk/tests) against agentenv: the folders that talk to the server, the Node projects of
+// E2B's own vitest.config.mts without its browser project (no Playwright here). run.sh copies this file beside the
+// tests. With E2B_JS_SDK set (run.sh installs that npm release as `e2b`), the tests' imports of the SDK's entry
+// points (src, src/index.js, src/errors) load the release; their few imports of internals stay on the checkout.
+import { defineConfig } from 'vitest/config'
+
+const timeout = Number(process.env.TEST_TIMEOUT_S ?? 180) * 1000
+const alias = process.env.E2B_JS_SDK
+  ? [{ find: /^(\.\.\/)+src(\/index\.js|\/errors(\.js)?)?$/, replacement: 'e2b' }]
+  : []
+const node = {
+  globals: false,
+  isolate: true,
+  environment: 'node',
+  testTimeout: timeout,
+  hookTimeout: timeout,
+  setupFiles: ['tests/globalFetchFallback.setup.ts', 'tests/mswEnv.setup.ts'],
+  deps: { interopDefault: true },
+}
+
+export default defineConfig({
+  test: {
+    projects: [
+      {
+        resolve: { alias },
+        test: { ...node, name: 'unit', include: ['tests/{api,sandbox,volume}/**/*.test.ts'] },
+      },
+      {
+        resolve: { alias },
+        test: { ...node, name: 'template', include: ['tests/template/**/*.test.ts'] },
+      },
+    ],
+  },
+})
