@@ -49,8 +49,8 @@ LANGUAGES = {"python": "python3", "bash": "bash"}
 ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash"}
 # Environment variables given at create, as envd keeps them (read once per context).
 ENVS_FILE = os.environ.get("CODE_INTERPRETER_ENVS_FILE", "/run/agentenv/envs.json")
-# Registered in every Python kernel: E2B's `data` (a DataFrame's columns) and `chart` (a matplotlib figure's
-# description) result formats.
+# Run in every Python kernel: E2B's `data` (a DataFrame's columns) and `chart` (a matplotlib figure's
+# description) result formats, plain tracebacks, PIL images shown when saved.
 PYTHON_SETUP = """
 def __k3_setup():
     import sys
@@ -90,6 +90,20 @@ def __k3_setup():
     f = ip.display_formatter
     f.formatters["e2b/data"] = DataFormatter(parent=f)
     f.formatters["e2b/chart"] = ChartFormatter(parent=f)
+    try:  # an image saved to a file is shown too, as in E2B
+        from IPython.display import display
+        from PIL import Image
+
+        save = Image.Image.save
+
+        def save_and_show(self, fp, format=None, **params):
+            if isinstance(fp, str):
+                display(self)
+            return save(self, fp, format, **params)
+
+        Image.Image.save = save_and_show
+    except ImportError:
+        pass
 
 __k3_setup()
 del __k3_setup

@@ -5,8 +5,9 @@
 #   crates/agentenv/server/tests/e2b_suite/run_code_interpreter.sh CHECKOUT
 # CHECKOUT: a checkout (or `git archive`) of github.com/e2b-dev/code-interpreter holding python/tests.
 # Env: CI_SDK_VERSION (e2b-code-interpreter; default: the checkout's python/pyproject.toml), E2B_SDK_VERSION (e2b;
-# default: the version python/poetry.lock pins: newer e2b releases break older code-interpreter SDKs), SUITES ("sync charts timeout async"), WORK (a new temporary folder by default;
-# kept), TEST_TIMEOUT_S (180).
+# default: the version python/poetry.lock pins: newer e2b releases break older code-interpreter SDKs), SUITES
+# ("sync charts images timeout url async"; timeout and url: tests/test_execute_timeout.py, tests/test_sandbox_url.py),
+# WORK (a new temporary folder by default; kept), TEST_TIMEOUT_S (180).
 # Prints one table of the tests that failed, each expected (with why: expected-code-interpreter.tsv) or not, and
 # exits 1 if one was not expected.
 set -euo pipefail
@@ -17,7 +18,7 @@ py="$checkout/python"
 [ -d "$py/tests" ] || { echo "no $py/tests: not a checkout of e2b-dev/code-interpreter" >&2; exit 2; }
 version=${CI_SDK_VERSION:-$(sed -n 's/^version = "\(.*\)"/\1/p' "$py/pyproject.toml" | head -1)}
 e2b_version=${E2B_SDK_VERSION:-$(sed -n '/^name = "e2b"$/{n;s/^version = "\(.*\)"/\1/p}' "$py/poetry.lock")}
-suites=${SUITES:-sync charts timeout async}
+suites=${SUITES:-sync charts images timeout url async}
 work=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/ci-suite.XXXXXX")}
 mkdir -p "$work"
 log() { printf '[ci-suite] %s\n' "$*" >&2; }
@@ -70,7 +71,11 @@ rm -rf "$work/python" && cp -r "$py" "$work/python"
 xmls=()
 for suite in $suites; do
   log "$suite"
-  case $suite in timeout) paths=tests/test_execute_timeout.py ;; *) paths=tests/$suite ;; esac
+  case $suite in
+    timeout) paths=tests/test_execute_timeout.py ;;
+    url) paths=tests/test_sandbox_url.py ;;
+    *) paths=tests/$suite ;;
+  esac
   (cd "$work/python" && timeout 5400 "$work/venv/bin/python" -m pytest -o addopts=--import-mode=importlib \
     -o "timeout=${TEST_TIMEOUT_S:-180}" -p no:cacheprovider -q --junitxml="$work/$suite.xml" $paths \
     >"$work/$suite.log" 2>&1) || true
