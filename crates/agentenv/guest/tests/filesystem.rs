@@ -265,6 +265,42 @@ async fn watch_dir_streams_events() {
     assert_eq!(err["code"], "not_found", "{err}");
 }
 
+/// A change made before GetWatcherEvents is in its answer: E2B's suite writes and polls at once
+/// (test_watch_directory_changes_with_entry_info). Run with the guest on one CPU
+/// (`taskset -c 0 cargo test`) this catches an event held up behind the poll's own handler.
+#[tokio::test]
+async fn a_polled_watcher_has_a_change_made_before_the_poll() {
+    let g = Guest::start(&[]).await;
+    let dir = g.dir.path().join(token());
+    std::fs::create_dir(&dir).unwrap();
+    let (st, v) = g
+        .unary(
+            "/filesystem.Filesystem/CreateWatcher",
+            json!({"path": dir, "includeEntry": true}),
+        )
+        .await;
+    assert_eq!(st, StatusCode::OK, "{v}");
+    let id = v["watcherId"].as_str().unwrap().to_string();
+    for i in 0..100 {
+        let name = format!("{i}.txt");
+        std::fs::write(dir.join(&name), b"x").unwrap();
+        let (st, v) = g
+            .unary(
+                "/filesystem.Filesystem/GetWatcherEvents",
+                json!({"watcherId": id}),
+            )
+            .await;
+        assert_eq!(st, StatusCode::OK, "{v}");
+        let events = v["events"].as_array().cloned().unwrap_or_default();
+        assert!(
+            events
+                .iter()
+                .any(|e| e["name"] == name.as_str() && e["type"] == "EVENT_TYPE_WRITE"),
+            "write {i}: {events:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn polled_watcher_collects_events() {
     let g = Guest::start(&[]).await;
