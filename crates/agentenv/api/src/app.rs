@@ -11,6 +11,7 @@ use crate::conn::TENANT_HEADER;
 use crate::dataplane::{self, Plane};
 use crate::error::ApiError;
 use crate::routes;
+use crate::volume_routes;
 
 pub use crate::state::{AppState, DEFAULT_MAX_UPLOAD_BYTES, MAX_JSON_BYTES, ServerConfig};
 
@@ -76,6 +77,32 @@ fn control_router() -> Router<AppState> {
             "/cluster/snapshots/{id}",
             get(routes::cluster_snapshot).delete(routes::cluster_drop_handoff),
         )
+        .route(
+            "/volumes",
+            get(volume_routes::list).post(volume_routes::create),
+        )
+        .route(
+            "/volumes/{id}",
+            get(volume_routes::get).delete(volume_routes::delete),
+        )
+        .route(
+            "/volumecontent/{id}/path",
+            get(volume_routes::stat)
+                .patch(volume_routes::set_meta)
+                .delete(volume_routes::remove),
+        )
+        .route(
+            "/volumecontent/{id}/dir",
+            get(volume_routes::list_dir).post(volume_routes::make_dir),
+        )
+        .route(
+            "/volumecontent/{id}/file",
+            get(volume_routes::read_file)
+                .put(volume_routes::write_file)
+                .layer(axum::extract::DefaultBodyLimit::max(
+                    volume_routes::MAX_VOLUME_FILE_BYTES,
+                )),
+        )
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/openapi.json", get(crate::openapi::openapi_json))
@@ -93,11 +120,15 @@ async fn refuse_declared_oversize(req: Request, next: Next) -> Response {
         .headers()
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    // COPY archives of template builds are larger than JSON bodies.
-    let upload = req.method() == axum::http::Method::PUT && req.uri().path().contains("/files/");
-    let limit = match upload {
-        true => crate::sandboxes::MAX_BUILD_FILE_BYTES,
-        false => MAX_JSON_BYTES,
+    // COPY archives of template builds and volume files are larger than JSON bodies.
+    let put = req.method() == axum::http::Method::PUT;
+    let path = req.uri().path();
+    let limit = if put && path.contains("/files/") {
+        crate::sandboxes::MAX_BUILD_FILE_BYTES
+    } else if put && path.starts_with("/volumecontent/") {
+        volume_routes::MAX_VOLUME_FILE_BYTES
+    } else {
+        MAX_JSON_BYTES
     };
     if declared.is_some_and(|n| n > limit) {
         return crate::error::ApiError::new(
@@ -142,7 +173,8 @@ async fn dispatch(State(state): State<AppState>, mut req: Request, next: Next) -
 /// Resolves the key (or a gateway's [`TENANT_HEADER`]) to its [`crate::tenants::Tenant`] (put in the
 /// request's extensions) and spends one of its requests (a gateway spent it already).
 async fn require_api_key(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
-    if req.uri().path() == "/health" {
+    // The volume content API authenticates with a volume's token (`volume_routes`).
+    if req.uri().path() == "/health" || req.uri().path().starts_with("/volumecontent/") {
         return next.run(req).await;
     }
     if let Some(asserted) = req.headers().get(TENANT_HEADER) {

@@ -32,6 +32,7 @@ pub mod state;
 mod tenant_tests;
 pub mod upgrade;
 pub mod views;
+pub mod volume_routes;
 
 #[cfg(test)]
 use agentenv_control::fake;

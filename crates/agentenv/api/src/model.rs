@@ -50,6 +50,10 @@ pub struct NewSandbox {
     /// Egress rules.
     #[serde(default)]
     pub network: Option<NetworkConfig>,
+    /// E2B's volume mounts (`[{name, path}]`): not supported yet, so a create that asks for one is
+    /// refused rather than started without it.
+    #[serde(default, rename = "volumeMounts")]
+    pub volume_mounts: Option<Vec<serde_json::Value>>,
 }
 
 /// E2B's `SandboxNetworkConfig`: the egress fields are enforced, the proxy-side ones accepted.

@@ -5,7 +5,7 @@ use axum::response::{IntoResponse, Response};
 use utoipa::OpenApi;
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
 
-use crate::{build_routes, routes};
+use crate::{build_routes, routes, volume_routes};
 
 struct ApiKeyScheme;
 
@@ -15,6 +15,12 @@ impl utoipa::Modify for ApiKeyScheme {
         components.add_security_scheme(
             "ApiKeyAuth",
             SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("X-API-KEY"))),
+        );
+        components.add_security_scheme(
+            "VolumeToken",
+            SecurityScheme::Http(utoipa::openapi::security::Http::new(
+                utoipa::openapi::security::HttpAuthScheme::Bearer,
+            )),
         );
     }
 }
@@ -31,7 +37,10 @@ impl utoipa::Modify for ApiKeyScheme {
         routes::fork, routes::list_templates_v2, routes::set_network, routes::sandbox_metrics,
         build_routes::request_build, build_routes::file_link, build_routes::upload_file,
         build_routes::start_build, build_routes::build_status, build_routes::alias,
-        routes::assign_tags, routes::delete_tags,
+        routes::assign_tags, routes::delete_tags, volume_routes::create, volume_routes::list,
+        volume_routes::get, volume_routes::delete, volume_routes::stat, volume_routes::set_meta,
+        volume_routes::remove, volume_routes::list_dir, volume_routes::make_dir,
+        volume_routes::read_file, volume_routes::write_file,
     ),
     modifiers(&ApiKeyScheme)
 )]

@@ -25,6 +25,7 @@ pub struct AppState {
     /// E2B's sandbox domain: answers name it as `domain`, and a request for
     /// `<port>-<sandbox id>.<domain>` goes to that port of that sandbox (`--sandbox-domain`).
     pub sandbox_domain: Option<String>,
+    pub volumes: Arc<agentenv_control::volumes::Volumes>,
 }
 
 /// What [`AppState::open`] needs.
@@ -43,6 +44,10 @@ impl AppState {
         let metrics = Arc::new(Metrics::new());
         let store = SandboxStore::open(&cfg.state_dir)?;
         // The server's own key is held only to the server-wide quota.
+        let volumes = Arc::new(agentenv_control::volumes::Volumes::open(
+            &cfg.state_dir,
+            &cfg.api_key,
+        )?);
         let keys = Arc::new(KeyRing::open(
             &cfg.state_dir,
             cfg.api_key,
@@ -58,6 +63,7 @@ impl AppState {
             keys,
             max_upload_bytes: cfg.max_upload_bytes,
             sandbox_domain: None,
+            volumes,
         })
     }
 }

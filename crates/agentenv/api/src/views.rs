@@ -49,6 +49,11 @@ pub fn listed(rec: &SandboxRecord) -> ListedSandbox {
 
 /// A create request as the lifecycle takes it: E2B's fields checked, its egress rules parsed.
 pub fn create_request(req: NewSandbox) -> Result<CreateRequest, ApiError> {
+    if req.volume_mounts.as_ref().is_some_and(|m| !m.is_empty()) {
+        return Err(ApiError::bad_request(
+            "mounting volumes into sandboxes is not supported yet; use the volume content API",
+        ));
+    }
     let network = crate::egress::create_policy(req.allow_internet_access, req.network.as_ref())?;
     let network_asked = req.allow_internet_access == Some(true)
         || req.network.as_ref().is_some_and(|n| n.allow_out.is_some());

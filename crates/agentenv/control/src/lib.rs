@@ -24,5 +24,8 @@ pub mod ratelimit;
 pub mod sandboxes;
 pub mod store;
 pub mod tenants;
+#[cfg(test)]
+mod volume_tests;
+pub mod volumes;
 
 pub use sandboxes::{Caller, CreateRequest, LifecycleError, SandboxState, Sandboxes};

@@ -39,6 +39,22 @@ const ELSEWHERE: &[(&str, &str)] = &[
         "/templates/aliases/{}",
         "snapshots_and_templates_are_per_key_and_names_never_collide",
     ),
+    (
+        "/volumes/{}",
+        "volumes_are_per_key_and_their_files_need_their_token",
+    ),
+    (
+        "/volumecontent/{}/path",
+        "volumes_are_per_key_and_their_files_need_their_token",
+    ),
+    (
+        "/volumecontent/{}/dir",
+        "volumes_are_per_key_and_their_files_need_their_token",
+    ),
+    (
+        "/volumecontent/{}/file",
+        "volumes_are_per_key_and_their_files_need_their_token",
+    ),
 ];
 
 /// Every `.route(path, method(handler)...)` of `app.rs`: the path (each `{param}` as `{}`) and its

@@ -17,6 +17,7 @@ use crate::tenants;
 mod matrix;
 mod quotas;
 mod uploads;
+mod volumes;
 
 struct Api {
     app: axum::Router,
