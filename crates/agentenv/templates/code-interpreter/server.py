@@ -161,10 +161,13 @@ class Context:
 
     def restart(self):
         with self.lock:
-            self.kc.stop_channels()
-            self.km.shutdown_kernel(now=True)
-            self.globals = None
-            self._start()
+            self._restart()
+
+    def _restart(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+        self.globals = None
+        self._start()
 
     def shutdown(self):
         try:
@@ -218,6 +221,10 @@ class Context:
             except queue.Empty:
                 if gone():
                     return self._interrupt(msg_id)
+                if not self.km.is_alive():  # e.g. os._exit() or the OOM killer: a new kernel takes over
+                    emit({"type": "error", "name": "DeadKernelError",
+                          "value": "the kernel died; a new one was started (its state is gone)", "traceback": ""})
+                    return self._restart()
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue

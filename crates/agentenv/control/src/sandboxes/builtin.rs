@@ -50,7 +50,10 @@ fn code_interpreter_plan() -> BuildPlan {
             Step::User("root".into()),
             Step::Workdir("/home/user".into()),
         ],
-        start_cmd: Some(format!("{VENV}/bin/python {VENV}/server.py")),
+        // Started again if it dies, as E2B's systemd units do.
+        start_cmd: Some(format!(
+            "sh -c 'while true; do {VENV}/bin/python {VENV}/server.py; sleep 1; done'"
+        )),
         ready_cmd: Some(format!("ss -tuln | grep :{PORT}")),
         ..BuildPlan::default()
     }
@@ -193,7 +196,7 @@ mod tests {
         assert!(
             plan.start_cmd
                 .as_deref()
-                .is_some_and(|c| c.ends_with("server.py"))
+                .is_some_and(|c| c.contains("/server.py;"))
         );
         let tag = plan_tag(&plan);
         assert!(agentenv_vm::valid_id(&tag) && tag.starts_with("builtin-"));

@@ -57,7 +57,7 @@ for _ in $(seq 1 60); do
   case ${out##*$'\n'} in
     201) created=$(sed -n 's/.*"sandboxID": *"\([^"]*\)".*/\1/p' <<<"${out%$'\n'*}"); break ;;
     503) log "building: $(sed 's/\x1b\[[0-9;]*m//g' "$work/server.log" | grep 'template="code-interpreter-v1"' \
-      | tail -1 | sed 's/.*builtin: *\(.\{0,100\}\).*/\1/')" ;;
+      | tail -1 | sed 's/.*builtin: *//; s/ template="code-interpreter-v1".*//' | cut -c1-100)" ;;
     *) echo "create of code-interpreter-v1 answered: $out" >&2; exit 2 ;;
   esac
 done

@@ -147,3 +147,31 @@ def test_charts_and_dataframes_come_as_e2b_describes_them(code_sandbox):
     assert ex.results[0].png
     ex = code_sandbox.run_code(f"import pandas as pd\npd.DataFrame({{'v': {values!r}}})")
     assert ex.results[0].data == {"v": values}
+
+
+def test_a_dead_kernel_is_replaced(code_sandbox):
+    ctx = code_sandbox.create_code_context()
+    code_sandbox.run_code("x = 1", context=ctx)
+    ex = code_sandbox.run_code(f"import os; os._exit({secrets.randbelow(100) + 1})", context=ctx)
+    assert ex.error.name == "DeadKernelError"
+    n = secrets.randbelow(10**6)
+    assert code_sandbox.run_code(f"'x' in dir(), {n}", context=ctx).text == f"(False, {n})"
+    code_sandbox.remove_code_context(ctx)
+
+
+def test_the_server_is_started_again_when_killed(server):
+    sbx = create_when_built(timeout=300)
+    try:
+        n = secrets.randbelow(10**6)
+        sbx.commands.run("pkill -9 -f '^/opt/code-interpreter/bin/python /opt/code-interpreter/server.py'", user="root")
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                assert sbx.run_code(f"{n} + 1", timeout=60).text == str(n + 1)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+    finally:
+        sbx.kill()
