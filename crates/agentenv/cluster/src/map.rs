@@ -324,6 +324,49 @@ impl ClusterStore {
         Ok(swept)
     }
 
+    /// Moves entries of the layout before per-node keys (`sandboxes/<id>`) to `placed/<id>` and
+    /// `sandboxes/<node>/<id>` (keeping a killed entry's lease), each in one transaction; how many
+    /// moved. Gateways run it when they start, so an upgraded cluster keeps its sandboxes.
+    pub async fn migrate_flat_entries(&self) -> Result<usize> {
+        let keys = self.keys();
+        let mut kv = self.client().kv_client();
+        let opts = GetOptions::new().with_prefix();
+        let resp = self
+            .call("list sandboxes", kv.get(keys.sandboxes(), Some(opts)))
+            .await?;
+        let mut moved = 0;
+        for old in resp.kvs() {
+            let key = String::from_utf8_lossy(old.key()).into_owned();
+            let Some(id) = key
+                .strip_prefix(&keys.sandboxes())
+                .filter(|i| !i.contains('/'))
+            else {
+                continue;
+            };
+            let Some(e) = Self::decode_kv::<SandboxEntry>(old) else {
+                continue;
+            };
+            if e.value.sandbox_id != id || !crate::schema::valid_node_id(&e.value.node) {
+                continue;
+            }
+            let put = (old.lease() != 0).then(|| PutOptions::new().with_lease(old.lease()));
+            let txn = Txn::new()
+                .when([
+                    Compare::mod_revision(key.clone(), CompareOp::Equal, old.mod_revision()),
+                    Compare::create_revision(keys.placed(id), CompareOp::Equal, 0),
+                ])
+                .and_then([
+                    TxnOp::put(keys.placed(id), e.value.node.as_bytes().to_vec(), None),
+                    TxnOp::put(keys.sandbox(&e.value.node, id), old.value().to_vec(), put),
+                    TxnOp::delete(key.clone(), None),
+                ]);
+            if self.call("move an entry", kv.txn(txn)).await?.succeeded() {
+                moved += 1;
+            }
+        }
+        Ok(moved)
+    }
+
     /// Marks a sandbox killed while its node is away (the entry then lives [`KILLED_TTL`], so the node
     /// can kill its copy when it returns) and forgets its token.
     pub async fn mark_killed(

@@ -234,3 +234,44 @@ async fn set_state_writes_only_the_named_nodes_live_entries() {
     assert!(s.sandbox("sbx-c").await.unwrap().is_none());
     assert_eq!(s.sandbox_by_token("tok-c").await.unwrap(), None);
 }
+
+#[tokio::test]
+async fn entries_of_the_flat_layout_move_to_their_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_store", dir.path()) else {
+        return;
+    };
+    let s = store(&etcd.endpoint, "/test/c").await;
+    let id = format!("sbx{:08x}", rand::random::<u32>());
+    let entry = SandboxEntry {
+        version: SCHEMA_VERSION,
+        sandbox_id: id.clone(),
+        node: "n7".into(),
+        owner: "default".into(),
+        state: EntryState::Paused,
+        handoff: None,
+        updated_at_ms: 3,
+        token_sha256: None,
+    };
+    let flat = serde_json::to_vec(&entry).unwrap();
+    agentenv_cluster::testing::put_raw(&s, &format!("sandboxes/{id}"), &flat)
+        .await
+        .unwrap();
+    // An entry whose key and id disagree is left alone.
+    agentenv_cluster::testing::put_raw(&s, "sandboxes/other", &flat)
+        .await
+        .unwrap();
+    assert!(
+        s.sandbox(&id).await.unwrap().is_none(),
+        "the flat layout is not read"
+    );
+    assert_eq!(s.migrate_flat_entries().await.unwrap(), 1);
+    assert_eq!(s.migrate_flat_entries().await.unwrap(), 0, "once");
+    assert_eq!(s.sandbox(&id).await.unwrap().unwrap().value, entry);
+    assert_eq!(s.sandboxes().await.unwrap(), vec![entry.clone()]);
+    let paused = s
+        .set_state(&id, Some("n7"), EntryState::Running, None, 4)
+        .await
+        .unwrap();
+    assert!(matches!(paused, StateChange::Written { .. }));
+}

@@ -116,8 +116,16 @@ impl Gateway {
 /// How often a gateway sweeps the sandbox map ([`ClusterStore::sweep`]).
 pub const SWEEP_EVERY: Duration = Duration::from_secs(30);
 
-/// Removes, every [`SWEEP_EVERY`], placements and tokens of sandboxes their nodes released.
+/// Moves entries of the earlier layout once, then removes, every [`SWEEP_EVERY`], placements and
+/// tokens of sandboxes their nodes released.
 async fn sweep(store: ClusterStore) {
+    match store.migrate_flat_entries().await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(moved = n, "moved sandbox entries to the per-node layout"),
+        Err(e) => {
+            tracing::warn!(error = %e, "moving sandbox entries to the per-node layout failed")
+        }
+    }
     let mut every = tokio::time::interval(SWEEP_EVERY);
     loop {
         every.tick().await;
