@@ -89,6 +89,7 @@ impl Sandboxes {
             });
             match ours {
                 Some(n) if *n != format!("{CODE_INTERPRETER}:{tag}") => {
+                    tracing::info!(old = %n, "{CODE_INTERPRETER} is from another plan: rebuilding it in the background");
                     self.builtin_build(caller, plan, tag)?;
                 }
                 _ => {}
@@ -145,7 +146,7 @@ impl Sandboxes {
         let built = self.request_build(caller, CODE_INTERPRETER, &tags, SIZE)?;
         let (t, b) = (built.template_id, built.build_id);
         self.start_build(caller, &t, &b, plan)?;
-        tracing::info!(template = %t, build = %b, "building {CODE_INTERPRETER} on first use");
+        tracing::info!(template = %t, build = %b, "building {CODE_INTERPRETER}");
         running.insert(caller.owner().to_string(), (t.clone(), b.clone()));
         let (me, who, t2, b2) = (self.clone(), caller.clone(), t.clone(), b.clone());
         tokio::spawn(async move {
