@@ -20,11 +20,33 @@ pub(crate) struct Catalog {
 }
 
 impl Catalog {
+    /// The catalog of loaded records. A name that two live snapshots hold (a crash between writing
+    /// one's record and the other's) stays with the newest, and the others' records are rewritten.
     pub(crate) fn new(
         templates: BTreeMap<String, TemplateRecord>,
-        snapshots: BTreeMap<String, SnapshotRecord>,
+        mut snapshots: BTreeMap<String, SnapshotRecord>,
         snapshots_dir: PathBuf,
     ) -> Catalog {
+        let mut newest: BTreeMap<String, (String, String)> = BTreeMap::new();
+        for s in snapshots.values().filter(|s| !s.deleted) {
+            for n in &s.names {
+                let mine = (s.created_at.clone(), s.id.clone());
+                let held = newest.entry(n.clone()).or_insert_with(|| mine.clone());
+                *held = held.clone().max(mine);
+            }
+        }
+        for s in snapshots.values_mut().filter(|s| !s.deleted) {
+            let before = s.names.len();
+            s.names
+                .retain(|n| newest.get(n).is_some_and(|(_, id)| *id == s.id));
+            if s.names.len() != before {
+                tracing::warn!(snapshot = %s.id, "a name another snapshot holds too left it");
+                let path = snapshots_dir.join(&s.id).join("snapshot.json");
+                if let Err(e) = persist::write(&path, &*s) {
+                    tracing::error!(snapshot = %s.id, error = %e, "rewriting a snapshot record");
+                }
+            }
+        }
         Catalog {
             templates: RwLock::new(templates),
             snapshots: RwLock::new(snapshots),
@@ -159,7 +181,8 @@ impl Catalog {
     }
 
     /// Gives live snapshot `id` the (normalized) names `add`, moved from any snapshot holding them,
-    /// and takes `remove` from it. `None` when there is no such snapshot.
+    /// and takes `remove` from it. `None` when there is no such snapshot. Its record is written
+    /// first: a crash before the others' leaves a name twice, which loading settles, never none.
     pub(crate) fn rename(
         &self,
         id: &str,
@@ -170,16 +193,17 @@ impl Catalog {
         if map.get(id).is_none_or(|s| s.deleted) {
             return Ok(None);
         }
-        self.take_names(&mut map, id, &add)?;
         let s = map.get_mut(id).expect("checked above");
         s.names.retain(|n| !remove.contains(n));
-        for n in add {
-            if !s.names.contains(&n) {
-                s.names.push(n);
+        for n in &add {
+            if !s.names.contains(n) {
+                s.names.push(n.clone());
             }
         }
         persist::write(&self.record_path(id), &*s)?;
-        Ok(Some(s.clone()))
+        let out = s.clone();
+        self.take_names(&mut map, id, &add)?;
+        Ok(Some(out))
     }
 
     /// Hides live snapshot `id` (deleted, no names), written before it returns; `None` when there is
@@ -236,6 +260,24 @@ mod tests {
 
     fn on_disk(c: &Catalog, id: &str) -> SnapshotRecord {
         persist::read(&c.record_path(id)).unwrap()
+    }
+
+    #[test]
+    fn a_name_found_twice_at_load_stays_with_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut old = snap("a", &["app:default", "a:1"]);
+        old.created_at = "2026-12-01T00:00:00.000Z".into();
+        let mut new = snap("b", &["app:default"]);
+        new.created_at = "2026-12-02T00:00:00.000Z".into();
+        let mut map = BTreeMap::new();
+        for s in [old, new] {
+            std::fs::create_dir_all(dir.path().join(&s.id)).unwrap();
+            map.insert(s.id.clone(), s);
+        }
+        let c = Catalog::new(BTreeMap::new(), map, dir.path().to_path_buf());
+        assert_eq!(c.snapshot_named("app").unwrap().id, "b");
+        assert_eq!(c.snapshot("a").unwrap().names, ["a:1"]);
+        assert_eq!(on_disk(&c, "a").names, ["a:1"], "settled on disk");
     }
 
     #[test]
