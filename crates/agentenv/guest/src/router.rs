@@ -202,21 +202,8 @@ async fn init(agent: &Agent, req: Request<Incoming>) -> Response<Body> {
 const ENVS_FILE: &str = "/run/agentenv/envs.json";
 
 fn write_envs(envs: &std::collections::HashMap<String, String>) {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let tmp = format!("{ENVS_FILE}.tmp");
-    let r = std::fs::create_dir_all("/run/agentenv")
-        .and_then(|()| {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(&serde_json::to_vec(envs).unwrap_or_default())
-        })
-        .and_then(|()| std::fs::rename(&tmp, ENVS_FILE));
-    if let Err(e) = r {
+    let bytes = serde_json::to_vec(envs).unwrap_or_default();
+    if let Err(e) = k3_common::fsutil::write_atomic(std::path::Path::new(ENVS_FILE), &bytes) {
         tracing::warn!(error = %e, path = ENVS_FILE, "writing the environment failed");
     }
 }
