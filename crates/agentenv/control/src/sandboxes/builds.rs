@@ -22,6 +22,8 @@ mod run;
 
 /// Largest uploaded COPY archive.
 pub const MAX_BUILD_FILE_BYTES: usize = 64 << 20;
+/// Metadata key of a build's sandbox (its value: the template id); such a sandbox ends with a restart.
+pub const BUILD_MARK: &str = "agentenv.build";
 /// Steps of one build.
 pub const MAX_STEPS: usize = 256;
 /// A whole build, steps and ready check included.

@@ -44,8 +44,8 @@ mod snapshots;
 mod tags;
 
 pub use builds::{
-    BuildFailure, BuildPlan, BuildSize, BuildStatus, BuildView, BuiltTemplate, LogEntry, LogLevel,
-    MAX_BUILD_FILE_BYTES, Step,
+    BUILD_MARK, BuildFailure, BuildPlan, BuildSize, BuildStatus, BuildView, BuiltTemplate,
+    LogEntry, LogLevel, MAX_BUILD_FILE_BYTES, Step,
 };
 pub use cluster::{HANDOFF_TENANT, HandoffRecord, NodeLoad, Transition};
 pub use config::{DEFAULT_PAUSED_RETENTION, Deadlines, LifecycleConfig, Quota};

@@ -44,6 +44,15 @@ impl Sandboxes {
             .collect();
         let mut records = HashMap::new();
         for mut rec in stored {
+            // No template build survives a restart: the sandbox of one in flight goes too (its VM
+            // is killed below, as one without a record).
+            if rec.metadata.contains_key(BUILD_MARK) {
+                tracing::warn!(sandbox = %rec.sandbox_id, "dropping the sandbox of a build the restart ended");
+                store
+                    .remove(&rec.sandbox_id)
+                    .map_err(|e| OpenError::State(Box::new(e)))?;
+                continue;
+            }
             match recovered.get(&rec.sandbox_id) {
                 Some(state) => {
                     rec.state = match state {

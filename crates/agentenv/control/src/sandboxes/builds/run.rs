@@ -33,7 +33,7 @@ impl Sandboxes {
                 super::super::CreateRequest {
                     template: base.clone(),
                     timeout_s: Some(BUILD_DEADLINE.as_secs()),
-                    metadata: BTreeMap::from([("agentenv.build".into(), template_id.into())]),
+                    metadata: BTreeMap::from([(BUILD_MARK.into(), template_id.into())]),
                     ..Default::default()
                 },
                 None,
