@@ -62,6 +62,8 @@ const PIDS_MAX: u64 = 512;
 /// Headroom above guest RAM for QEMU itself (TCG's translation cache above all).
 const QEMU_OVERHEAD: u64 = 1 << 30;
 const CPU_PERIOD_US: u64 = 100_000;
+/// Groups younger than this are never swept.
+pub const SWEEP_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl Limits {
     /// Guest RAM plus QEMU's own headroom; one CPU per vCPU plus one for QEMU's I/O threads; I/O on
@@ -258,10 +260,16 @@ impl Hierarchy {
         }
     }
 
-    /// Removes every empty group a previous process left (VMs it lost, or killed as orphans).
+    /// Removes every empty group a previous process left (VMs it lost, or killed as orphans). A group
+    /// made in the last [`SWEEP_MIN_AGE`] stays: another server sharing this hierarchy may be about to
+    /// start its QEMU in it (made before the fork, joined before the exec).
     pub fn sweep(&self) {
         for p in self.parents() {
             for e in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+                let age = e.metadata().and_then(|m| m.modified()).ok();
+                if age.is_none_or(|t| t.elapsed().is_ok_and(|a| a < SWEEP_MIN_AGE)) {
+                    continue;
+                }
                 // rmdir fails on a group that still has processes: those stay.
                 let _ = std::fs::remove_dir(e.path());
             }
@@ -296,6 +304,25 @@ mod tests {
         assert_eq!(l.memory_bytes, (mib << 20) + QEMU_OVERHEAD);
         assert_eq!(l.cpu_quota_us, 300_000);
         assert_eq!(l.pids_max, PIDS_MAX);
+    }
+
+    #[test]
+    fn a_sweep_leaves_groups_made_lately_for_their_qemu() {
+        let root = tempfile::tempdir().unwrap();
+        let base = root.path().join("svc");
+        let h = Hierarchy::V2 { base: base.clone() };
+        let (old, new) = (base.join("agentenv/old-vm"), base.join("agentenv/new-vm"));
+        for d in [&old, &new] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let then = std::time::SystemTime::now() - SWEEP_MIN_AGE * 2;
+        std::fs::File::open(&old)
+            .unwrap()
+            .set_modified(then)
+            .unwrap();
+        h.sweep();
+        assert!(!old.exists(), "a group left long ago goes");
+        assert!(new.exists(), "a group made now may be joined any moment");
     }
 
     #[test]
