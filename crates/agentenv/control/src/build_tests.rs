@@ -289,3 +289,39 @@ async fn a_build_from_an_image_pulls_it_once_into_a_template_of_the_callers() {
         .count();
     assert_eq!(n, 2);
 }
+
+#[tokio::test]
+async fn a_builds_sandbox_ends_with_a_restart() {
+    use crate::backend::{RecoveredVm, VmState};
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), Arc::new(FakeBackend::default())).await;
+    let base = || CreateRequest {
+        template: "base".into(),
+        ..Default::default()
+    };
+    let mut build = base();
+    build
+        .metadata
+        .insert(BUILD_MARK.into(), "some-template".into());
+    let (d, kept) = (
+        s.create(&me(), build, None).await.unwrap(),
+        s.create(&me(), base(), None).await.unwrap(),
+    );
+    drop(s);
+    let fake2 = Arc::new(FakeBackend::default());
+    let rv = |id: &str| RecoveredVm {
+        id: id.into(),
+        template_id: "base".into(),
+        state: Some(VmState::Running),
+        detail: String::new(),
+    };
+    *fake2.recovered.lock().unwrap() = vec![rv(&d.sandbox_id), rv(&kept.sandbox_id)];
+    let s = open(dir.path(), fake2.clone()).await;
+    assert!(
+        s.get(&d.sandbox_id).is_none(),
+        "no build survives a restart"
+    );
+    assert!(s.get(&kept.sandbox_id).is_some());
+    let kills = fake2.kills.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(kills, 1, "the build's VM is killed");
+}

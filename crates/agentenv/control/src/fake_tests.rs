@@ -134,13 +134,8 @@ async fn restart_reconciles_records_with_the_runtime() {
         s.create(&me(), req("base"), None).await.unwrap(),
     );
     s.pause(&me(), &b.sandbox_id).await.unwrap();
-    let mut build = req("base");
-    build
-        .metadata
-        .insert(BUILD_MARK.into(), "some-template".into());
-    let d = s.create(&me(), build, None).await.unwrap();
     drop(s);
-    // The runtime kept a (running) and b (paused), lost c, and has an orphan VM and a build's VM.
+    // The runtime kept a (running) and b (paused), lost c, and has an orphan VM.
     let fake2 = Arc::new(FakeBackend::default());
     let rv = |id: &str, state| RecoveredVm {
         id: id.into(),
@@ -153,18 +148,8 @@ async fn restart_reconciles_records_with_the_runtime() {
         rv(&b.sandbox_id, Some(VmState::Paused)),
         rv(&c.sandbox_id, None),
         rv("orphan", Some(VmState::Running)),
-        rv(&d.sandbox_id, Some(VmState::Running)),
     ];
     let s = open(dir.path(), fake2.clone()).await;
-    assert!(
-        s.get(&d.sandbox_id).is_none(),
-        "a build's sandbox ends with the restart"
-    );
-    assert_eq!(
-        fake2.kills.load(Ordering::SeqCst),
-        2,
-        "the orphan and the build's VM"
-    );
     assert_eq!(s.get(&a.sandbox_id).unwrap().state, SandboxState::Running);
     assert_eq!(s.get(&b.sandbox_id).unwrap().state, SandboxState::Paused);
     assert!(s.get(&c.sandbox_id).is_none());
