@@ -125,7 +125,7 @@ async fn refuse_declared_oversize(req: Request, next: Next) -> Response {
     let path = req.uri().path();
     let limit = if put && path.contains("/files/") {
         crate::sandboxes::MAX_BUILD_FILE_BYTES
-    } else if put && path.starts_with("/volumecontent/") {
+    } else if put && volume_routes::is_content_path(path) {
         volume_routes::MAX_VOLUME_FILE_BYTES
     } else {
         MAX_JSON_BYTES
@@ -174,7 +174,7 @@ async fn dispatch(State(state): State<AppState>, mut req: Request, next: Next) -
 /// request's extensions) and spends one of its requests (a gateway spent it already).
 async fn require_api_key(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     // The volume content API authenticates with a volume's token (`volume_routes`).
-    if req.uri().path() == "/health" || req.uri().path().starts_with("/volumecontent/") {
+    if req.uri().path() == "/health" || volume_routes::is_content_path(req.uri().path()) {
         return next.run(req).await;
     }
     if let Some(asserted) = req.headers().get(TENANT_HEADER) {

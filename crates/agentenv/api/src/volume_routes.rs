@@ -12,7 +12,6 @@ use utoipa::ToSchema;
 
 use crate::error::{ApiError, E2bJson};
 use crate::routes::Who;
-use crate::sandboxes::Caller;
 use crate::state::AppState;
 use agentenv_control::volumes::{Content, EntryStat, Meta, VolumeError};
 
@@ -46,11 +45,9 @@ impl From<VolumeError> for ApiError {
     }
 }
 
-fn owner(who: &Caller) -> &str {
-    match who {
-        Caller::Tenant(t) => t,
-        Caller::Server => agentenv_control::tenants::DEFAULT_TENANT,
-    }
+/// Whether `path` is one of the volume content API's, which answers to a volume's token, not a key.
+pub fn is_content_path(path: &str) -> bool {
+    path.starts_with("/volumecontent/")
 }
 
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -84,7 +81,7 @@ pub async fn create(
     Who(who): Who,
     E2bJson(req): E2bJson<NewVolume>,
 ) -> ApiResult<(StatusCode, Json<VolumeAndToken>)> {
-    let (v, token) = s.volumes.create(owner(&who), &req.name)?;
+    let (v, token) = s.volumes.create(who.owner(), &req.name)?;
     Ok((
         StatusCode::CREATED,
         Json(VolumeAndToken {
@@ -102,7 +99,7 @@ pub async fn create(
 pub async fn list(State(s): State<AppState>, Who(who): Who) -> Json<Vec<VolumeView>> {
     Json(
         s.volumes
-            .list(owner(&who))
+            .list(who.owner())
             .into_iter()
             .map(|v| VolumeView {
                 volume_id: v.volume_id,
@@ -122,7 +119,7 @@ pub async fn get(
     Who(who): Who,
     Path(id): Path<String>,
 ) -> ApiResult<Json<VolumeAndToken>> {
-    let (v, token) = s.volumes.get(owner(&who), &id)?;
+    let (v, token) = s.volumes.get(who.owner(), &id)?;
     Ok(Json(VolumeAndToken {
         volume_id: v.volume_id,
         name: v.name,
@@ -140,7 +137,7 @@ pub async fn delete(
     Who(who): Who,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    s.volumes.delete(owner(&who), &id)?;
+    s.volumes.delete(who.owner(), &id)?;
     Ok(StatusCode::NO_CONTENT)
 }
 

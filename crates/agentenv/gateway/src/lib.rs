@@ -160,7 +160,9 @@ async fn dispatch(State(gw): State<Gateway>, mut req: Request, next: Next) -> Re
 /// The server's key check: the same keys, rate limits and messages.
 async fn require_api_key(State(gw): State<Gateway>, mut req: Request, next: Next) -> Response {
     // The volume content API answers to a volume's token, which the node checks.
-    if req.uri().path() == "/health" || req.uri().path().starts_with("/volumecontent/") {
+    if req.uri().path() == "/health"
+        || agentenv_api::volume_routes::is_content_path(req.uri().path())
+    {
         return next.run(req).await;
     }
     let key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
