@@ -24,8 +24,6 @@ pub mod ratelimit;
 pub mod sandboxes;
 pub mod store;
 pub mod tenants;
-#[cfg(test)]
-mod volume_tests;
 pub mod volumes;
 
 pub use sandboxes::{Caller, CreateRequest, LifecycleError, SandboxState, Sandboxes};

@@ -14,6 +14,7 @@ pub const AGENT_CHANNEL: &str = "agentenv.0";
 
 /// envd's plain HTTP paths.
 pub mod signing;
+pub mod volume;
 
 pub mod paths {
     /// `GET`: 204 once the agent serves.
@@ -33,8 +34,11 @@ pub mod paths {
     /// `POST` [`super::ExecRequest`]: runs a command for the host (template builds), answering with
     /// [`super::ExecEvent`]s, one JSON object per line (agentenv extension).
     pub const EXEC: &str = "/exec";
+    /// `POST`, an upgrade to [`super::volume::UPGRADE`]: the host attaches a volume's channel
+    /// (agentenv extension; [`super::volume`]).
+    pub const VOLUME: &str = "/volume";
     /// Every plain path above.
-    pub const ALL: [&str; 8] = [
+    pub const ALL: [&str; 9] = [
         HEALTH,
         INIT,
         ENVS,
@@ -43,9 +47,10 @@ pub mod paths {
         FILES_COMPOSE,
         SYNC,
         EXEC,
+        VOLUME,
     ];
     /// Paths only the host (runtime) may call; the data-plane proxy refuses them.
-    pub const HOST_ONLY: [&str; 3] = [INIT, SYNC, EXEC];
+    pub const HOST_ONLY: [&str; 4] = [INIT, SYNC, EXEC, VOLUME];
     /// Connect RPC service prefixes (`/process.Process/Start`, ...).
     pub const RPC_PREFIXES: [&str; 2] = ["/process.Process/", "/filesystem.Filesystem/"];
 

@@ -16,6 +16,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::keys;
 
+mod beneath;
+pub mod channel;
+#[cfg(test)]
+mod channel_tests;
+#[cfg(test)]
+mod tests;
+
 /// Volumes one tenant may hold.
 pub const MAX_VOLUMES: usize = 16;
 /// Bytes of files one volume may hold.
