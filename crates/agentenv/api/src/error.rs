@@ -63,7 +63,8 @@ impl From<LifecycleError> for ApiError {
                 StatusCode::NOT_FOUND
             }
             L::AlreadyPaused(_) | L::AlreadyRunning(_) | L::Paused(_) => StatusCode::CONFLICT,
-            L::Invalid(_) => StatusCode::BAD_REQUEST,
+            L::Invalid(_) | L::VolumeNotFound(_) => StatusCode::BAD_REQUEST,
+            L::Mount { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             L::Vm(_) => match e.vm_case() {
                 Some(VmCase::BadRequest) => StatusCode::BAD_REQUEST,
                 Some(VmCase::NoCapacity) => StatusCode::SERVICE_UNAVAILABLE,
@@ -220,6 +221,15 @@ mod tests {
             (L::QuotaExceeded(why()), S::TOO_MANY_REQUESTS),
             (L::StorageFull(why()), S::INSUFFICIENT_STORAGE),
             (L::Building(why()), S::SERVICE_UNAVAILABLE),
+            (L::VolumeNotFound(why()), S::BAD_REQUEST),
+            (
+                L::Mount {
+                    id: "x".into(),
+                    path: "/m".into(),
+                    detail: path.clone(),
+                },
+                S::INTERNAL_SERVER_ERROR,
+            ),
             (
                 L::DeadlineExceeded {
                     op: "pause",

@@ -50,10 +50,16 @@ pub struct NewSandbox {
     /// Egress rules.
     #[serde(default)]
     pub network: Option<NetworkConfig>,
-    /// E2B's volume mounts (`[{name, path}]`): not supported yet, so a create that asks for one is
-    /// refused rather than started without it.
+    /// Volumes (by name) to mount at absolute paths in the sandbox.
     #[serde(default, rename = "volumeMounts")]
-    pub volume_mounts: Option<Vec<serde_json::Value>>,
+    pub volume_mounts: Option<Vec<SandboxVolumeMount>>,
+}
+
+/// E2B's `SandboxVolumeMount`: a volume by name and where it is mounted.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct SandboxVolumeMount {
+    pub name: String,
+    pub path: String,
 }
 
 /// E2B's `SandboxNetworkConfig`: the egress fields are enforced, the proxy-side ones accepted.
@@ -195,6 +201,8 @@ pub struct ListedSandbox {
     pub disk_size_mb: u32,
     pub state: SandboxState,
     pub metadata: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<SandboxVolumeMount>,
 }
 
 /// Answer of `GET /sandboxes/{id}`.

@@ -25,7 +25,6 @@ pub struct AppState {
     /// E2B's sandbox domain: answers name it as `domain`, and a request for
     /// `<port>-<sandbox id>.<domain>` goes to that port of that sandbox (`--sandbox-domain`).
     pub sandbox_domain: Option<String>,
-    pub volumes: Arc<agentenv_control::volumes::Volumes>,
 }
 
 /// What [`AppState::open`] needs.
@@ -54,8 +53,15 @@ impl AppState {
             Default::default(),
             cfg.rate_limit,
         ));
-        let sandboxes =
-            Sandboxes::open(backend, store, metrics.clone(), cfg.lifecycle, keys.clone()).await?;
+        let sandboxes = Sandboxes::open(
+            backend,
+            store,
+            metrics.clone(),
+            cfg.lifecycle,
+            keys.clone(),
+            volumes,
+        )
+        .await?;
         sandboxes.spawn_reaper();
         Ok(AppState {
             sandboxes,
@@ -63,7 +69,6 @@ impl AppState {
             keys,
             max_upload_bytes: cfg.max_upload_bytes,
             sandbox_domain: None,
-            volumes,
         })
     }
 }

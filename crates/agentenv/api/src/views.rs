@@ -44,16 +44,19 @@ pub fn listed(rec: &SandboxRecord) -> ListedSandbox {
         disk_size_mb: rec.disk_mb,
         state: rec.state.into(),
         metadata: rec.metadata.clone(),
+        volume_mounts: rec
+            .volume_mounts
+            .iter()
+            .map(|m| crate::model::SandboxVolumeMount {
+                name: m.name.clone(),
+                path: m.path.clone(),
+            })
+            .collect(),
     }
 }
 
 /// A create request as the lifecycle takes it: E2B's fields checked, its egress rules parsed.
 pub fn create_request(req: NewSandbox) -> Result<CreateRequest, ApiError> {
-    if req.volume_mounts.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(ApiError::bad_request(
-            "mounting volumes into sandboxes is not supported yet; use the volume content API",
-        ));
-    }
     let network = crate::egress::create_policy(req.allow_internet_access, req.network.as_ref())?;
     let network_asked = req.allow_internet_access == Some(true)
         || req.network.as_ref().is_some_and(|n| n.allow_out.is_some());
@@ -74,6 +77,12 @@ pub fn create_request(req: NewSandbox) -> Result<CreateRequest, ApiError> {
         network,
         network_asked,
         public_traffic: req.network.as_ref().and_then(|n| n.allow_public_traffic) != Some(false),
+        volume_mounts: req
+            .volume_mounts
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| (m.name, m.path))
+            .collect(),
     })
 }
 
@@ -296,6 +305,7 @@ mod tests {
             auto_pause_memory: true,
             paused_filesystem: false,
             public_traffic: false,
+            volume_mounts: vec![],
         }
     }
 

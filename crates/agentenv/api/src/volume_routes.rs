@@ -81,7 +81,7 @@ pub async fn create(
     Who(who): Who,
     E2bJson(req): E2bJson<NewVolume>,
 ) -> ApiResult<(StatusCode, Json<VolumeAndToken>)> {
-    let (v, token) = s.volumes.create(who.owner(), &req.name)?;
+    let (v, token) = s.sandboxes.volumes().create(who.owner(), &req.name)?;
     Ok((
         StatusCode::CREATED,
         Json(VolumeAndToken {
@@ -98,7 +98,8 @@ pub async fn create(
     security(("ApiKeyAuth" = [])))]
 pub async fn list(State(s): State<AppState>, Who(who): Who) -> Json<Vec<VolumeView>> {
     Json(
-        s.volumes
+        s.sandboxes
+            .volumes()
             .list(who.owner())
             .into_iter()
             .map(|v| VolumeView {
@@ -119,7 +120,7 @@ pub async fn get(
     Who(who): Who,
     Path(id): Path<String>,
 ) -> ApiResult<Json<VolumeAndToken>> {
-    let (v, token) = s.volumes.get(who.owner(), &id)?;
+    let (v, token) = s.sandboxes.volumes().get(who.owner(), &id)?;
     Ok(Json(VolumeAndToken {
         volume_id: v.volume_id,
         name: v.name,
@@ -137,7 +138,7 @@ pub async fn delete(
     Who(who): Who,
     Path(id): Path<String>,
 ) -> ApiResult<StatusCode> {
-    s.volumes.delete(who.owner(), &id)?;
+    s.sandboxes.volumes().delete(who.owner(), &id)?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -209,7 +210,7 @@ fn content(s: &AppState, id: &str, headers: &HeaderMap) -> ApiResult<Content> {
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    Ok(s.volumes.content(id, bearer)?)
+    Ok(s.sandboxes.volumes().content(id, bearer)?)
 }
 
 /// A content request: the volume's files (its token checked first) and the query.

@@ -3,8 +3,8 @@
 //! stream; the real runtime proves the seams in the QEMU and SDK tests.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::backend::*;
 
@@ -36,6 +36,9 @@ pub struct FakeBackend {
     pub store_failure: Mutex<Option<String>>,
     /// Sandboxes paused without memory, with the environment their last cold boot got.
     pub boots: Mutex<BTreeMap<String, BTreeMap<String, String>>>,
+    /// Answers `open_agent_stream` for running sandboxes (none: not found).
+    #[allow(clippy::type_complexity)]
+    pub agent: Mutex<Option<Arc<dyn Fn(&str) -> AgentStream + Send + Sync>>>,
 }
 
 fn template() -> TemplateInfo {
@@ -190,7 +193,13 @@ impl VmBackend for FakeBackend {
         })
     }
     fn open_agent_stream<'a>(&'a self, id: &'a str) -> BoxFuture<'a, VmResult<AgentStream>> {
-        Box::pin(async move { Err(VmError::SandboxNotFound(id.into())) })
+        Box::pin(async move {
+            let agent = self.agent.lock().unwrap().clone();
+            match (self.state(id), agent) {
+                (Some(VmState::Running), Some(a)) => Ok(a(id)),
+                _ => Err(VmError::SandboxNotFound(id.into())),
+            }
+        })
     }
     fn recover(&self) -> BoxFuture<'_, VmResult<Vec<RecoveredVm>>> {
         Box::pin(async move {

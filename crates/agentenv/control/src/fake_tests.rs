@@ -24,6 +24,7 @@ pub(crate) async fn open_with(
         Arc::new(NoOps),
         cfg,
         Arc::new(ring),
+        Arc::new(crate::volumes::Volumes::open(dir, "key").unwrap()),
     )
     .await
     .unwrap()

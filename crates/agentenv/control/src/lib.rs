@@ -17,6 +17,8 @@ mod build_tests;
 pub mod fake;
 pub mod keys;
 #[cfg(test)]
+mod mount_tests;
+#[cfg(test)]
 mod pause_tests;
 #[cfg(test)]
 mod quota_tests;

@@ -68,6 +68,19 @@ pub struct SandboxRecord {
     /// create said false); records of older servers say no.
     #[serde(default)]
     pub public_traffic: bool,
+    /// Volumes mounted into it (kept attached while it runs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
+}
+
+/// A volume mounted into a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMount {
+    pub volume_id: String,
+    /// The volume's name, as E2B shows mounts.
+    pub name: String,
+    /// Absolute path in the guest.
+    pub path: String,
 }
 
 fn yes() -> bool {
@@ -300,6 +313,15 @@ mod tests {
             auto_pause_memory: rng.random(),
             paused_filesystem: rng.random(),
             public_traffic: rng.random(),
+            volume_mounts: if rng.random() {
+                vec![VolumeMount {
+                    volume_id: format!("v{}", rng.random::<u32>()),
+                    name: "n".into(),
+                    path: "/mnt/v".into(),
+                }]
+            } else {
+                vec![]
+            },
         }
     }
 

@@ -49,6 +49,7 @@ async fn a_lost_pause_and_resume_are_repaired_from_the_cluster_entries() {
         Arc::new(NoOps),
         LifecycleConfig::default(),
         Arc::new(ring),
+        Arc::new(agentenv_control::volumes::Volumes::open(&state, "key").unwrap()),
     )
     .await
     .unwrap();

@@ -37,6 +37,16 @@ pub enum LifecycleError {
     /// A built-in template is being built on first use (or its build failed); a later create gets it.
     #[error("{0}")]
     Building(String),
+    /// A create named a volume its tenant does not have.
+    #[error("volume {0} not found")]
+    VolumeNotFound(String),
+    /// A volume could not be mounted into the sandbox (the guest refused or did not answer).
+    #[error("mounting a volume at {path} in sandbox {id} failed: {detail}")]
+    Mount {
+        id: String,
+        path: String,
+        detail: String,
+    },
     /// A runtime call missed its deadline; the VM was killed and the sandbox is gone.
     #[error("{op} of sandbox {id} missed its {secs:.0} s deadline; the VM was killed")]
     DeadlineExceeded {

@@ -120,7 +120,7 @@ impl Sandboxes {
         tasks
     }
 
-    /// Runs [`Self::expire_due`] and [`Self::reap_dead`] every 500 ms until the process ends.
+    /// Runs [`Self::expire_due`], [`Self::reap_dead`] and `keep_mounts` every 500 ms until the process ends.
     pub fn spawn_reaper(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let this = Arc::downgrade(self);
         tokio::spawn(async move {
@@ -130,6 +130,7 @@ impl Sandboxes {
                 let Some(s) = this.upgrade() else { return };
                 s.expire_due().detach_all();
                 s.reap_dead().detach_all();
+                s.keep_mounts();
             }
         })
     }

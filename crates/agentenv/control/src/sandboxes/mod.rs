@@ -34,6 +34,7 @@ mod config;
 mod error;
 mod expiry;
 mod fork;
+mod mounts;
 mod network;
 mod open;
 mod owners;
@@ -129,6 +130,10 @@ pub struct Sandboxes {
     ring: Arc<KeyRing>,
     /// Template builds (`Template.build`).
     builds: builds::Builds,
+    /// Volumes, for mounts.
+    volumes: Arc<crate::volumes::Volumes>,
+    /// Live volume channels.
+    channels: mounts::Channels,
     /// Where the server's own pauses and resumes are reported (`cluster::Transition`).
     transitions: Mutex<Option<tokio::sync::mpsc::UnboundedSender<Transition>>>,
 }
@@ -207,6 +212,11 @@ impl Sandboxes {
 
     pub fn backend(&self) -> &Arc<dyn VmBackend> {
         &self.backend
+    }
+
+    /// The volumes sandboxes mount (E2B's `/volumes`).
+    pub fn volumes(&self) -> &Arc<crate::volumes::Volumes> {
+        &self.volumes
     }
 
     fn op_lock(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -315,6 +325,7 @@ impl Sandboxes {
                 ..Usage::default()
             },
         )?;
+        let mounts = self.resolve_mounts(&owner, &req.volume_mounts)?;
         let id = keys::generate_sandbox_id();
         let env_vars = req.env_vars;
         let lock = self.op_lock(&id);
@@ -355,9 +366,15 @@ impl Sandboxes {
             auto_pause_memory: !req.auto_pause_filesystem,
             paused_filesystem: false,
             public_traffic: req.public_traffic,
+            volume_mounts: mounts.clone(),
         };
         if let Err(e) = self.put(rec.clone()) {
             let _ = self.backend.kill(&id).await;
+            return Err(e);
+        }
+        if let Err(e) = self.attach_mounts(&id, &mounts).await {
+            let _ = self.backend.kill(&id).await;
+            let _ = self.drop_record(&id);
             return Err(e);
         }
         if let Some(key) = idempotency_key {

@@ -11,6 +11,7 @@ impl Sandboxes {
         metrics: Arc<dyn OpObserver>,
         cfg: LifecycleConfig,
         ring: Arc<KeyRing>,
+        volumes: Arc<crate::volumes::Volumes>,
     ) -> Result<Arc<Self>, OpenError> {
         let state = |e| OpenError::State(Box::new(e));
         let owners = Owners::open(store.state_dir()).map_err(state)?;
@@ -86,6 +87,8 @@ impl Sandboxes {
             backend,
             builds: builds::Builds::new(store.state_dir()),
             transitions: Mutex::new(None),
+            volumes,
+            channels: Arc::default(),
             store,
             metrics,
             cfg,

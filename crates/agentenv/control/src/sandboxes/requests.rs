@@ -40,6 +40,8 @@ pub struct CreateRequest {
     /// Whether the caller asked for a network explicitly (refused where sandboxes get none);
     /// otherwise such a host creates it without one.
     pub network_asked: bool,
+    /// Volumes to mount: (volume name, absolute guest path).
+    pub volume_mounts: Vec<(String, String)>,
 }
 
 /// Where the lifecycle reports how long each backend call took (`op`: create, pause, ...).

@@ -7,10 +7,11 @@
 //! resolved lexically below `data/` (`..` refused) and never through a symlink. Limits: a tenant holds
 //! at most [`MAX_VOLUMES`] volumes of at most [`MAX_VOLUME_BYTES`] each.
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
 
 use serde::{Deserialize, Serialize};
 
@@ -108,6 +109,8 @@ pub struct Volumes {
     token_key: String,
     /// Creates and deletes, one at a time (names stay unique per tenant).
     lock: Mutex<()>,
+    /// Folders open for mounts, one per volume (shared use accounting).
+    mounted: Mutex<HashMap<String, Weak<channel::VolumeDir>>>,
 }
 
 impl Volumes {
@@ -120,6 +123,7 @@ impl Volumes {
             dir,
             token_key,
             lock: Mutex::new(()),
+            mounted: Mutex::default(),
         })
     }
 
@@ -203,6 +207,29 @@ impl Volumes {
             .filter(|v| v.owner == owner)
             .ok_or_else(|| VolumeError::NotFound(id.into()))?;
         Ok((vol, self.token(id)))
+    }
+
+    /// `owner`'s volume named `name`.
+    pub fn by_name(&self, owner: &str, name: &str) -> Result<Volume> {
+        self.all()
+            .into_iter()
+            .find(|v| v.owner == owner && v.name == name)
+            .ok_or_else(|| VolumeError::NotFound(name.into()))
+    }
+
+    /// The folder of volume `id` for a sandbox's channel (one open folder per volume).
+    pub fn mount_dir(&self, id: &str) -> Result<Arc<channel::VolumeDir>> {
+        self.read(id)
+            .ok_or_else(|| VolumeError::NotFound(id.into()))?;
+        let mut m = self.mounted.lock().unwrap_or_else(|e| e.into_inner());
+        m.retain(|_, d| d.strong_count() > 0);
+        if let Some(d) = m.get(id).and_then(Weak::upgrade) {
+            return Ok(d);
+        }
+        let path = self.dir.join(id).join("data");
+        let d = Arc::new(channel::VolumeDir::open(&path).map_err(io("opening", &path))?);
+        m.insert(id.into(), Arc::downgrade(&d));
+        Ok(d)
     }
 
     fn read(&self, id: &str) -> Option<Volume> {
