@@ -171,16 +171,18 @@ async fn volumes_are_per_key_and_their_files_need_their_token() {
     let (st, _) = content(&api.app, t, Method::GET, &file, vec![]).await;
     assert_eq!(st, StatusCode::NOT_FOUND);
 
-    // Mounting into a sandbox is refused, not ignored.
-    let (st, v) = api
-        .call(
-            &a,
-            Method::POST,
-            "/v2/sandboxes",
-            Some(json!({"templateID": "base", "volumeMounts": [{"name": name, "path": "/data"}]})),
-        )
-        .await;
-    assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    // A mount names the tenant's own volumes only, at an absolute path.
+    for (vol, path) in [("not-mine", "/data"), (name.as_str(), "data")] {
+        let (st, v) = api
+            .call(
+                &a,
+                Method::POST,
+                "/v2/sandboxes",
+                Some(json!({"templateID": "base", "volumeMounts": [{"name": vol, "path": path}]})),
+            )
+            .await;
+        assert_eq!(st, StatusCode::BAD_REQUEST, "{v}");
+    }
     let (st, _) = api
         .call(&a, Method::DELETE, &format!("/volumes/{id}"), None)
         .await;

@@ -9,7 +9,6 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
 
@@ -259,15 +258,16 @@ impl Volumes {
         }
         self.read(id)
             .ok_or_else(|| VolumeError::NotFound(id.into()))?;
+        let data = self.dir.join(id).join("data");
         Ok(Content {
-            root: self.dir.join(id).join("data"),
+            root: beneath::Root::open(&data).map_err(io("opening", &data))?,
         })
     }
 }
 
 /// The files of one volume (its content API).
 pub struct Content {
-    root: PathBuf,
+    root: beneath::Root,
 }
 
 /// `path` as components below the root (`/a//b/` is `a/b`); `..` is refused.
@@ -285,37 +285,23 @@ fn components(path: &str) -> Result<Vec<&str>> {
 }
 
 impl Content {
-    /// The host path of `path`, whose parents all are real folders (no symlinks); `display` is its
-    /// normal form (`/a/b`).
-    fn resolve(&self, path: &str) -> Result<(PathBuf, String)> {
+    /// `path` checked: its components and normal form (`/a/b`).
+    fn parts<'p>(&self, path: &'p str) -> Result<(Vec<&'p str>, String)> {
         let parts = components(path)?;
-        let mut host = self.root.clone();
-        for (i, c) in parts.iter().enumerate() {
-            host.push(c);
-            if i + 1 < parts.len() {
-                match std::fs::symlink_metadata(&host) {
-                    Ok(m) if m.is_dir() => {}
-                    Ok(_) => return Err(VolumeError::NotADirectory(display(&parts[..=i]))),
-                    Err(_) => return Err(VolumeError::PathNotFound(display(&parts[..=i]))),
-                }
-            }
-        }
-        Ok((host, display(&parts)))
+        let shown = display(&parts);
+        Ok((parts, shown))
     }
 
-    fn stat_of(&self, host: &Path, shown: &str) -> Result<EntryStat> {
-        let m =
-            std::fs::symlink_metadata(host).map_err(|_| VolumeError::PathNotFound(shown.into()))?;
-        let kind = if m.is_dir() {
-            "directory"
-        } else if m.is_file() {
-            "file"
-        } else if m.file_type().is_symlink() {
-            "symlink"
-        } else {
-            "unknown"
+    fn stat_at(&self, parts: &[&str], shown: &str) -> Result<EntryStat> {
+        let st = self.root.stat(parts).map_err(|e| fail(e, shown, "stat"))?;
+        let kind = match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR => "directory",
+            libc::S_IFREG => "file",
+            libc::S_IFLNK => "symlink",
+            _ => "unknown",
         };
         let name = shown.rsplit('/').next().unwrap_or_default();
+        let ms = |s: i64, n: i64| s * 1000 + n / 1_000_000;
         Ok(EntryStat {
             name: if name.is_empty() {
                 "/".into()
@@ -324,50 +310,52 @@ impl Content {
             },
             kind,
             path: shown.into(),
-            size: if m.is_dir() { 0 } else { m.len() },
-            mode: m.mode() & 0o7777,
-            uid: m.uid(),
-            gid: m.gid(),
-            atime_ms: m.atime() * 1000 + m.atime_nsec() / 1_000_000,
-            mtime_ms: m.mtime() * 1000 + m.mtime_nsec() / 1_000_000,
-            ctime_ms: m.ctime() * 1000 + m.ctime_nsec() / 1_000_000,
+            size: if kind == "directory" {
+                0
+            } else {
+                st.st_size.max(0) as u64
+            },
+            mode: st.st_mode & 0o7777,
+            uid: st.st_uid,
+            gid: st.st_gid,
+            atime_ms: ms(st.st_atime, st.st_atime_nsec),
+            mtime_ms: ms(st.st_mtime, st.st_mtime_nsec),
+            ctime_ms: ms(st.st_ctime, st.st_ctime_nsec),
         })
     }
 
     /// What `path` is.
     pub fn stat(&self, path: &str) -> Result<EntryStat> {
-        let (host, shown) = self.resolve(path)?;
-        self.stat_of(&host, &shown)
+        let (parts, shown) = self.parts(path)?;
+        self.stat_at(&parts, &shown)
     }
 
     /// The entries of folder `path`, `depth` levels down (at least 1).
     pub fn list(&self, path: &str, depth: u32) -> Result<Vec<EntryStat>> {
-        let (host, shown) = self.resolve(path)?;
-        if !self.stat_of(&host, &shown)?.kind.eq("directory") {
+        let (parts, shown) = self.parts(path)?;
+        if self.stat_at(&parts, &shown)?.kind != "directory" {
             return Err(VolumeError::NotADirectory(shown));
         }
         let mut out = vec![];
-        self.walk(&host, &shown, depth.max(1), &mut out)?;
+        self.walk(&parts, depth.max(1), &mut out)?;
         Ok(out)
     }
 
-    fn walk(&self, host: &Path, shown: &str, depth: u32, out: &mut Vec<EntryStat>) -> Result<()> {
-        let mut names: Vec<String> = std::fs::read_dir(host)
-            .map_err(io("listing", host))?
-            .flatten()
-            .filter_map(|e| e.file_name().into_string().ok())
-            .collect();
-        names.sort();
-        for n in names {
-            let (h, s) = (
-                host.join(&n),
-                format!("{}/{n}", shown.trim_end_matches('/')),
-            );
-            let st = self.stat_of(&h, &s)?;
+    fn walk(&self, parts: &[&str], depth: u32, out: &mut Vec<EntryStat>) -> Result<()> {
+        let shown = display(parts);
+        let names = self
+            .root
+            .list(parts)
+            .map_err(|e| fail(e, &shown, "listing"))?;
+        for (n, _) in names {
+            let child: Vec<&str> = parts.iter().copied().chain([n.as_str()]).collect();
+            let Ok(st) = self.stat_at(&child, &display(&child)) else {
+                continue;
+            };
             let dir = st.kind == "directory";
             out.push(st);
             if dir && depth > 1 {
-                self.walk(&h, &s, depth - 1, out)?;
+                self.walk(&child, depth - 1, out)?;
             }
         }
         Ok(())
@@ -375,127 +363,152 @@ impl Content {
 
     /// Makes folder `path` (its parents too with `force`; with `force` an existing folder is fine).
     pub fn mkdir(&self, path: &str, meta: Meta, force: bool) -> Result<EntryStat> {
-        let parts = components(path)?;
+        let (parts, shown) = self.parts(path)?;
         if parts.is_empty() {
             return Err(VolumeError::Exists("/".into()));
         }
         for i in 0..parts.len() {
             let last = i + 1 == parts.len();
-            let (host, shown) = self.resolve(&display(&parts[..=i]))?;
-            match std::fs::symlink_metadata(&host) {
-                Ok(m) if m.is_dir() && (force || !last) => continue,
-                Ok(_) if !last || !force => {
-                    return Err(if last {
-                        VolumeError::Exists(shown)
-                    } else {
-                        VolumeError::NotADirectory(shown)
-                    });
-                }
-                Ok(_) => return Err(VolumeError::Exists(shown)),
-                Err(_) if !last && !force => return Err(VolumeError::PathNotFound(shown)),
+            let (here, at) = (&parts[..=i], display(&parts[..=i]));
+            match self.root.stat(here) {
+                Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR && (force || !last) => {}
+                Ok(_) if !last => return Err(VolumeError::NotADirectory(at)),
+                Ok(_) => return Err(VolumeError::Exists(at)),
+                Err(_) if !last && !force => return Err(VolumeError::PathNotFound(at)),
                 Err(_) => {
-                    std::fs::create_dir(&host).map_err(io("creating", &host))?;
-                    apply(&host, meta, 0o755)?;
+                    let mode = meta.mode.unwrap_or(0o755);
+                    self.root
+                        .mkdir(here, mode)
+                        .map_err(|e| fail(e, &at, "creating"))?;
+                    self.chown(here, &at, meta)?;
                 }
             }
         }
-        self.stat(path)
+        self.stat_at(&parts, &shown)
+    }
+
+    fn chown(&self, parts: &[&str], shown: &str, meta: Meta) -> Result<()> {
+        if meta.uid.is_some() || meta.gid.is_some() {
+            self.root
+                .chown(parts, meta.uid, meta.gid)
+                .map_err(|e| fail(e, shown, "chown"))?;
+        }
+        Ok(())
     }
 
     /// Writes `bytes` to file `path` (its folder must exist); an existing file only with `force`.
     pub fn write(&self, path: &str, bytes: &[u8], meta: Meta, force: bool) -> Result<EntryStat> {
-        let (host, shown) = self.resolve(path)?;
-        if shown == "/" {
+        let (parts, shown) = self.parts(path)?;
+        let Some((_, up)) = parts.split_last() else {
             return Err(VolumeError::IsADirectory(shown));
-        }
-        match std::fs::symlink_metadata(&host) {
-            Ok(m) if m.is_dir() => return Err(VolumeError::IsADirectory(shown)),
+        };
+        let old = match self.root.stat(&parts) {
+            Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {
+                return Err(VolumeError::IsADirectory(shown));
+            }
             Ok(_) if !force => return Err(VolumeError::Exists(shown)),
-            _ => {}
+            Ok(st) => st.st_size.max(0) as u64,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => 0,
+            Err(e) => return Err(fail(e, &shown, "stat")),
+        };
+        match self.root.stat(up) {
+            Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {}
+            Ok(_) => return Err(VolumeError::NotADirectory(display(up))),
+            Err(_) => return Err(VolumeError::PathNotFound(shown)),
         }
-        let parent = host.parent().unwrap_or(&self.root);
-        if !std::fs::symlink_metadata(parent).is_ok_and(|m| m.is_dir()) {
-            return Err(VolumeError::PathNotFound(shown));
-        }
-        let old = std::fs::symlink_metadata(&host).map_or(0, |m| m.len());
-        if used(&self.root) - old + bytes.len() as u64 > MAX_VOLUME_BYTES {
+        if used(&self.root.proc_path()).saturating_sub(old) + bytes.len() as u64 > MAX_VOLUME_BYTES
+        {
             return Err(VolumeError::Full(MAX_VOLUME_BYTES));
         }
-        let tmp = parent.join(format!(".k3-upload-{:016x}", rand::random::<u64>()));
+        let tmp_name = format!(".k3-upload-{:016x}", rand::random::<u64>());
+        let tmp: Vec<&str> = up.iter().copied().chain([tmp_name.as_str()]).collect();
         let written = (|| {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .mode(0o644)
-                .open(&tmp)?;
+            let mut f = self.root.create(&tmp, meta.mode.unwrap_or(0o644), true)?;
             f.write_all(bytes)?;
             f.sync_all()
         })();
-        if let Err(e) = written.map_err(io("writing", &tmp)) {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
+        if let Err(e) = written {
+            let _ = self.root.remove(&tmp, false);
+            return Err(fail(e, &shown, "writing"));
         }
-        apply(&tmp, meta, 0o644)?;
-        std::fs::rename(&tmp, &host).map_err(io("writing", &host))?;
-        self.stat_of(&host, &shown)
+        self.chown(&tmp, &shown, meta)?;
+        self.root
+            .rename(&tmp, &parts, false)
+            .map_err(|e| fail(e, &shown, "writing"))?;
+        self.stat_at(&parts, &shown)
     }
 
     /// The contents of file `path`.
     pub fn read(&self, path: &str) -> Result<std::fs::File> {
-        let (host, shown) = self.resolve(path)?;
-        match std::fs::symlink_metadata(&host) {
-            Ok(m) if m.is_file() => {}
-            _ => return Err(VolumeError::PathNotFound(shown)),
-        }
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&host)
+        let (parts, shown) = self.parts(path)?;
+        self.root
+            .open_file(&parts, false)
             .map_err(|_| VolumeError::PathNotFound(shown))
     }
 
     /// Deletes `path` (a folder with all it holds).
     pub fn remove(&self, path: &str) -> Result<()> {
-        let (host, shown) = self.resolve(path)?;
-        if shown == "/" {
+        let (parts, shown) = self.parts(path)?;
+        if parts.is_empty() {
             return Err(VolumeError::BadPath(path.into()));
         }
-        match std::fs::symlink_metadata(&host) {
-            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&host),
-            Ok(_) => std::fs::remove_file(&host),
-            Err(_) => return Err(VolumeError::PathNotFound(shown)),
+        self.root
+            .stat(&parts)
+            .map_err(|e| fail(e, &shown, "stat"))?;
+        self.remove_at(&parts)
+            .map_err(|e| fail(e, &shown, "deleting"))
+    }
+
+    /// Removes `parts`, depth first, never leaving the volume.
+    fn remove_at(&self, parts: &[&str]) -> std::io::Result<()> {
+        let st = self.root.stat(parts)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+            return self.root.remove(parts, false);
         }
-        .map_err(io("deleting", &host))
+        for (n, _) in self.root.list(parts)? {
+            let child: Vec<&str> = parts.iter().copied().chain([n.as_str()]).collect();
+            self.remove_at(&child)?;
+        }
+        self.root.remove(parts, true)
     }
 
     /// Changes the owner or permissions of `path`.
     pub fn set_meta(&self, path: &str, meta: Meta) -> Result<EntryStat> {
-        let (host, shown) = self.resolve(path)?;
-        let m = std::fs::symlink_metadata(&host)
-            .map_err(|_| VolumeError::PathNotFound(shown.clone()))?;
-        if m.file_type().is_symlink() {
+        let (parts, shown) = self.parts(path)?;
+        let st = self
+            .root
+            .stat(&parts)
+            .map_err(|e| fail(e, &shown, "stat"))?;
+        if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
             // chmod(2) would change what it points to.
             return Err(VolumeError::BadPath(shown));
         }
-        apply(&host, meta, m.mode() & 0o777)?;
-        self.stat_of(&host, &shown)
+        self.root
+            .chmod(&parts, meta.mode.unwrap_or(st.st_mode & 0o777))
+            .map_err(|e| fail(e, &shown, "chmod"))?;
+        self.chown(&parts, &shown, meta)?;
+        self.stat_at(&parts, &shown)
+    }
+}
+
+/// A confined operation's failure on `shown`, as the content API names it.
+fn fail(e: std::io::Error, shown: &str, what: &'static str) -> VolumeError {
+    match e.raw_os_error() {
+        Some(libc::ENOENT) => VolumeError::PathNotFound(shown.into()),
+        // A symlink on the way is refused as a non-folder.
+        Some(libc::ENOTDIR | libc::ELOOP | libc::EXDEV) => VolumeError::NotADirectory(shown.into()),
+        Some(libc::EISDIR) => VolumeError::IsADirectory(shown.into()),
+        Some(libc::EEXIST) => VolumeError::Exists(shown.into()),
+        _ => VolumeError::Io {
+            what,
+            path: shown.into(),
+            source: e,
+        },
     }
 }
 
 fn display(parts: &[&str]) -> String {
     format!("/{}", parts.join("/"))
-}
-
-/// Sets the owner and permission bits `meta` asks for (else `default_mode`).
-fn apply(host: &Path, meta: Meta, default_mode: u32) -> Result<()> {
-    let mode = meta.mode.unwrap_or(default_mode) & 0o777;
-    std::fs::set_permissions(host, std::fs::Permissions::from_mode(mode))
-        .map_err(io("chmod", host))?;
-    if meta.uid.is_some() || meta.gid.is_some() {
-        std::os::unix::fs::lchown(host, meta.uid, meta.gid).map_err(io("chown", host))?;
-    }
-    Ok(())
 }
 
 /// Bytes of the files under `root`.

@@ -131,3 +131,59 @@ fn content_stays_below_the_root_and_follows_e2bs_rules() {
     ));
     assert!(matches!(c.remove("/"), Err(VolumeError::BadPath(_))));
 }
+
+#[test]
+fn a_folder_swapped_for_a_symlink_mid_request_never_leads_out() {
+    let (d, v) = vols();
+    let (vol, t) = v.create("alpha", "race").unwrap();
+    let c = v.content(&vol.volume_id, Some(&t)).unwrap();
+    let outside = d.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    std::fs::write(outside.join("secret"), b"host").unwrap();
+    let data = d.path().join("volumes").join(&vol.volume_id).join("data");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // A guest swaps folder `d` and a symlink `d -> outside` as fast as it can.
+    let swapper = {
+        let (data, outside, stop) = (data.clone(), outside.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let (dir, link) = (data.join("d"), data.join("d.link"));
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::fs::create_dir(&dir);
+                let _ = std::fs::write(dir.join("secret"), b"mine");
+                let _ = std::fs::remove_file(&link);
+                let _ = std::os::unix::fs::symlink(&outside, &link);
+                let _ = std::fs::rename(&link, &dir);
+                let _ = std::fs::remove_file(&dir);
+            }
+        })
+    };
+    for _ in 0..2000 {
+        if let Ok(mut f) = c.read("/d/secret") {
+            let mut got = vec![];
+            std::io::Read::read_to_end(&mut f, &mut got).unwrap();
+            assert_ne!(got, b"host");
+        }
+        let _ = c.write("/d/new", b"x", Meta::default(), true);
+        let _ = c.set_meta(
+            "/d/secret",
+            Meta {
+                mode: Some(0o777),
+                ..Meta::default()
+            },
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    swapper.join().unwrap();
+    let names: Vec<_> = std::fs::read_dir(&outside)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(names, ["secret"]);
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(outside.join("secret"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_ne!(mode & 0o777, 0o777);
+}

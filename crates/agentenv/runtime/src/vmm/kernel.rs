@@ -8,7 +8,7 @@ use std::process::Command;
 use k3_common::cpio::CpioWriter;
 
 /// Modules loaded by the initramfs, in load order (`virtio_ring` before `virtio`).
-pub const MODULES: [&str; 13] = [
+pub const MODULES: [&str; 14] = [
     "virtio_ring",
     "virtio",
     "virtio_mmio",
@@ -22,6 +22,8 @@ pub const MODULES: [&str; 13] = [
     "mbcache",
     "jbd2",
     "ext4",
+    // Volume mounts (the guest agent's FUSE file system).
+    "fuse",
 ];
 
 /// What the guest init becomes after switch_root.
