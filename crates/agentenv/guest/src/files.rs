@@ -202,16 +202,16 @@ async fn upload_multipart(
                 ));
             }
         };
-        let mut sink = Sink::create(user, &dest, limit)?;
+        let mut sink = crate::blocking(|| Sink::create(user, &dest, limit))?;
         let mut field = field;
         while let Some(chunk) = field
             .chunk()
             .await
             .map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))?
         {
-            sink.write(&chunk)?;
+            crate::blocking(|| sink.write(&chunk))?;
         }
-        written.push(sink.finish(meta)?);
+        written.push(crate::blocking(|| sink.finish(meta))?);
     }
     Ok(written)
 }
@@ -225,7 +225,7 @@ async fn upload_raw(
     meta: &Meta,
 ) -> Result<Value, UploadError> {
     let mut stream = body.into_data_stream();
-    let mut sink = Sink::create(user, dest, limit)?;
+    let mut sink = crate::blocking(|| Sink::create(user, dest, limit))?;
     let mut gz = gzip.then(|| flate2::write::GzDecoder::new(Vec::new()));
     while let Some(chunk) = stream
         .try_next()
@@ -233,12 +233,12 @@ async fn upload_raw(
         .map_err(|e| UploadError(StatusCode::BAD_REQUEST, e.to_string()))?
     {
         match gz.as_mut() {
-            None => sink.write(&chunk)?,
+            None => crate::blocking(|| sink.write(&chunk))?,
             Some(d) => {
                 d.write_all(&chunk)
                     .map_err(|e| UploadError(StatusCode::BAD_REQUEST, format!("gzip: {e}")))?;
                 let out = std::mem::take(d.get_mut());
-                sink.write(&out)?;
+                crate::blocking(|| sink.write(&out))?;
             }
         }
     }
@@ -246,9 +246,9 @@ async fn upload_raw(
         let out = d
             .finish()
             .map_err(|e| UploadError(StatusCode::BAD_REQUEST, format!("gzip: {e}")))?;
-        sink.write(&out)?;
+        crate::blocking(|| sink.write(&out))?;
     }
-    sink.finish(meta)
+    crate::blocking(|| sink.finish(meta))
 }
 
 /// An upload's user metadata.

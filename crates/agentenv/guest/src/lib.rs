@@ -12,6 +12,8 @@
 //!   `X-Access-Token` (or a signed `/files` URL); `timestamp` sets the clock when the agent
 //!   runs with `--set-clock` (what `init` starts), e.g. right after a snapshot resume.
 //! - `GET /envs` → the merged env vars; `GET /metrics` → cpu/memory/disk usage JSON.
+//! - `POST /volume` (upgrade `agentenv-volume`) → 101; mounts a volume at the
+//!   `x-agentenv-mount` path (FUSE) and makes the stream its channel ([`volume`]).
 
 pub mod envd;
 pub mod exec;
@@ -27,6 +29,7 @@ pub mod router;
 pub mod rpc;
 pub mod tunnel;
 pub mod users;
+pub mod volume;
 pub mod watch;
 
 use std::collections::HashMap;
@@ -137,5 +140,15 @@ impl Agent {
             .serve_connection(hyper_util::rt::TokioIo::new(io), svc)
             .with_upgrades()
             .await
+    }
+}
+
+/// Runs blocking file I/O without holding up the runtime's other tasks: a path may be on a volume,
+/// whose FUSE requests travel on those tasks (on a runtime of one worker they would wait forever).
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }

@@ -53,6 +53,7 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         (Method::POST, "/files") => crate::files::upload(&agent, req).await,
         (Method::POST, "/init") => init(&agent, req).await,
         (Method::POST, agentenv_envd::paths::EXEC) => crate::exec::exec(&agent, req).await,
+        (Method::POST, agentenv_envd::paths::VOLUME) => volume_attach(req).await,
         (Method::POST, "/sync") => {
             // SAFETY: sync(2) takes no arguments.
             tokio::task::spawn_blocking(|| unsafe { libc::sync() })
@@ -69,6 +70,46 @@ pub async fn handle(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Body>
         }
         (_, p) => http_error(StatusCode::NOT_FOUND, format!("no route for {p}")),
     }
+}
+
+/// `POST /volume` (host only): mounts a volume at the `x-agentenv-mount` path if needed, answers
+/// `101`, and makes the upgraded stream the mount's channel ([`crate::volume`]). A bad path (400)
+/// or a failed mount (500) is answered before any upgrade.
+async fn volume_attach(req: Request<Incoming>) -> Response<Body> {
+    use agentenv_envd::volume::{MOUNT_HEADER, UPGRADE};
+    let header = |name| req.headers().get(name).and_then(|v| v.to_str().ok());
+    if !header(http::header::UPGRADE.as_str()).is_some_and(|u| u.eq_ignore_ascii_case(UPGRADE)) {
+        return http_error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "POST {} takes Upgrade: {UPGRADE}",
+                agentenv_envd::paths::VOLUME
+            ),
+        );
+    }
+    let Some(path) = header(MOUNT_HEADER).map(std::path::PathBuf::from) else {
+        return http_error(StatusCode::BAD_REQUEST, format!("no {MOUNT_HEADER} header"));
+    };
+    let mount = match crate::volume::prepare(&path).await {
+        Ok(m) => m,
+        Err(e) if e.is_bad_path() => return http_error(StatusCode::BAD_REQUEST, e.to_string()),
+        Err(e) => {
+            tracing::warn!(error = %e, "volume mount failed");
+            return http_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+        }
+    };
+    tokio::spawn(async move {
+        match hyper::upgrade::on(req).await {
+            Ok(up) => mount.install(hyper_util::rt::TokioIo::new(up)),
+            Err(e) => tracing::warn!(mount = %path.display(), error = %e, "volume upgrade failed"),
+        }
+    });
+    Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header(http::header::CONNECTION, "Upgrade")
+        .header(http::header::UPGRADE, UPGRADE)
+        .body(full(Bytes::new()))
+        .unwrap_or_else(|_| Response::new(full(Bytes::new())))
 }
 
 /// Verifies a signed `/files` URL ([`agentenv_envd::signing`]).

@@ -68,7 +68,7 @@ pub async fn dispatch(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Bod
             };
             let result = match service {
                 Service::Process => unary_process(&agent, &method, &body).await,
-                Service::Filesystem => unary_fs(&agent, &user, &method, &body),
+                Service::Filesystem => crate::blocking(|| unary_fs(&agent, &user, &method, &body)),
             };
             match result {
                 Ok(v) => json_response(StatusCode::OK, &v),

@@ -184,6 +184,9 @@ impl Volumes {
         let dir = self.dir.join(&id);
         let data = dir.join("data");
         std::fs::create_dir_all(&data).map_err(io("creating", &data))?;
+        // Every user of a sandbox that mounts it may write at its root (its parents stay private).
+        std::fs::set_permissions(&data, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .map_err(io("chmod", &data))?;
         let meta = serde_json::to_vec(&vol).expect("a volume serializes");
         k3_common::fsutil::write_atomic(&dir.join("volume.json"), &meta)
             .map_err(io("writing", &dir))?;

@@ -1,11 +1,14 @@
 """Volumes through the stock SDK's `Volume` (e2b >= 2.4x) against the real server: create, list, the
-content API (files, folders, metadata) with the volume's token, per-key isolation, destroy."""
+content API (files, folders, metadata) with the volume's token, per-key isolation, destroy, and
+volumes mounted into sandboxes (`Sandbox.create(volume_mounts=...)`), across a pause and a fork."""
 
 import os
 import secrets
 import subprocess
 
 import pytest
+
+from conftest import pause
 
 e2b = pytest.importorskip("e2b")
 if not hasattr(e2b, "Volume"):
@@ -55,3 +58,57 @@ def test_a_volume_keeps_files_for_its_key_alone(volume_env):
     finally:
         assert e2b.Volume.destroy(vol.volume_id)
     assert not e2b.Volume.destroy(vol.volume_id)
+
+
+def test_a_mounted_volume_is_shared_by_sandboxes_and_the_content_api(volume_env):
+    from e2b import Sandbox
+
+    vol = e2b.Volume.create(f"mnt-{secrets.token_hex(4)}")
+    boxes = []
+    try:
+        seed = secrets.token_hex(16)
+        vol.write_file("/seed.txt", seed)
+        sbx = Sandbox.create("base", timeout=600, volume_mounts={"/mnt/data": vol})
+        boxes.append(sbx)
+        assert [(m.name, m.path) for m in sbx.get_info().volume_mounts] == [(vol.name, "/mnt/data")]
+        assert sbx.commands.run("cat /mnt/data/seed.txt").stdout == seed
+        # Written in the sandbox (the SDK's files API, a shell as `user`): read through the API.
+        body = secrets.token_bytes(secrets.randbelow(400_000) + 200_000)
+        sbx.files.write("/mnt/data/deep/blob.bin", body)
+        assert vol.read_file("/deep/blob.bin", format="bytes") == body
+        sbx.commands.run("echo -n hi > /mnt/data/deep/u.txt && mv /mnt/data/deep /mnt/data/moved "
+                         "&& ln -s moved/u.txt /mnt/data/link && chmod 640 /mnt/data/moved/u.txt")
+        info = vol.get_info("/moved/u.txt")
+        assert (info.uid, info.mode) == (1000, 0o640)
+        assert sbx.commands.run("cat /mnt/data/link").stdout == "hi"
+        assert sbx.commands.run("sha256sum < /mnt/data/moved/blob.bin").stdout.split()[0] == \
+            __import__("hashlib").sha256(body).hexdigest()
+        # A symlink the guest made is never followed by the server.
+        sbx.commands.run("ln -s /etc /mnt/data/etc")
+        with pytest.raises(e2b.VolumeException):
+            vol.read_file("/etc/passwd")
+
+        # Across a pause and a resume, and into a fork, the mount stays.
+        assert pause(sbx) is not False
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        vol.write_file("/after-pause.txt", "p")
+        assert sbx.commands.run("cat /mnt/data/after-pause.txt").stdout == "p"
+        if hasattr(sbx, "fork"):
+            (fork,) = sbx.fork(count=1)
+            assert not isinstance(fork, Exception), fork
+            boxes.append(fork)
+            fork.commands.run("echo -n f > /mnt/data/from-fork.txt")
+            assert vol.read_file("/from-fork.txt") == "f"
+        # A second sandbox sees the same files.
+        other = Sandbox.create("base", timeout=600, volume_mounts={"/data": vol.name})
+        boxes.append(other)
+        assert other.commands.run("cat /data/moved/u.txt").stdout == "hi"
+        other.commands.run("rm -r /data/moved")
+        assert not vol.exists("/moved")
+    finally:
+        for b in boxes:
+            try:
+                b.kill()
+            except Exception:
+                pass
+        assert e2b.Volume.destroy(vol.volume_id)
