@@ -168,8 +168,12 @@ async fn attach(
         }
     };
     tokio::spawn(async move {
-        if let Err(e) = channel::serve(dir, stream).await {
-            tracing::warn!(sandbox = %key.0, path = %key.1, error = %e, "volume channel ended");
+        match channel::serve(dir, stream).await {
+            // The VM stopped or went: the next attach (if it runs again) replaces the channel.
+            Ok(()) | Err(channel::ChannelError::Io(_)) => {}
+            Err(e) => {
+                tracing::warn!(sandbox = %key.0, path = %key.1, error = %e, "a guest broke its volume channel");
+            }
         }
         drop_key(&channels, &key);
     });

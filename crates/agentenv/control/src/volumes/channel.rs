@@ -179,9 +179,13 @@ impl VolumeDir {
                 exclusive,
             } => {
                 let p = parts!(path);
-                root.create(&refs(&p), mode, exclusive)?;
-                if exclusive {
-                    root.chown(&refs(&p), Some(uid), Some(gid))?;
+                // A new file is the asker's; an existing one (not `exclusive`) stays as it is.
+                match root.create(&refs(&p), mode, true) {
+                    Ok(_) => root.chown(&refs(&p), Some(uid), Some(gid))?,
+                    Err(e) if !exclusive && e.raw_os_error() == Some(libc::EEXIST) => {
+                        root.create(&refs(&p), mode, false)?;
+                    }
+                    Err(e) => return Err(e),
                 }
                 stat(&refs(&p))?
             }

@@ -38,6 +38,17 @@ fn create(v: &VolumeDir, path: &str) -> Response {
 fn random_writes_read_back_and_entries_page() {
     let (d, v) = dir();
     assert!(matches!(create(&v, "/f"), Response::Attr(a) if a.kind == Kind::File && a.uid == 1000));
+    // Opened with O_CREAT but not O_EXCL: a new file is the asker's, an existing one keeps its owner.
+    for (uid, want) in [(7, 7), (8, 7)] {
+        let open = Request::Create {
+            path: "/g".into(),
+            mode: 0o600,
+            uid,
+            gid: uid,
+            exclusive: false,
+        };
+        assert!(matches!(ask(&v, open), Response::Attr(a) if a.uid == want && a.mode == 0o600));
+    }
     let mut model = vec![];
     for _ in 0..40 {
         let off = rand::random::<u32>() as u64 % 300_000;

@@ -70,7 +70,7 @@ def test_a_mounted_volume_is_shared_by_sandboxes_and_the_content_api(volume_env)
         vol.write_file("/seed.txt", seed)
         sbx = Sandbox.create("base", timeout=600, volume_mounts={"/mnt/data": vol})
         boxes.append(sbx)
-        assert [(m.name, m.path) for m in sbx.get_info().volume_mounts] == [(vol.name, "/mnt/data")]
+        assert [(m["name"], m["path"]) for m in sbx.get_info().volume_mounts] == [(vol.name, "/mnt/data")]
         assert sbx.commands.run("cat /mnt/data/seed.txt").stdout == seed
         # Written in the sandbox (the SDK's files API, a shell as `user`): read through the API.
         body = secrets.token_bytes(secrets.randbelow(400_000) + 200_000)
@@ -85,7 +85,7 @@ def test_a_mounted_volume_is_shared_by_sandboxes_and_the_content_api(volume_env)
             __import__("hashlib").sha256(body).hexdigest()
         # A symlink the guest made is never followed by the server.
         sbx.commands.run("ln -s /etc /mnt/data/etc")
-        with pytest.raises(e2b.VolumeException):
+        with pytest.raises(e2b.VolumePathNotFoundException):
             vol.read_file("/etc/passwd")
 
         # Across a pause and a resume, and into a fork, the mount stays.
