@@ -122,6 +122,26 @@ async fn a_mount_is_attached_at_create_and_again_after_its_channel_is_lost() {
     s.keep_mounts();
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     assert!(attached.try_recv().is_err());
+
+    // A sandbox from a memory snapshot holds the snapshot's mounts (its guest has them), and its
+    // own at other paths.
+    let snap = s
+        .snapshot(&Caller::Server, &rec.sandbox_id, None, true)
+        .await
+        .unwrap();
+    s.volumes().create(Caller::Server.owner(), "more").unwrap();
+    let mut ask = req(&[("more", "/mnt/more")]);
+    ask.template = snap.id.clone();
+    let from_snap = s.create(&Caller::Server, ask, None).await.unwrap();
+    let paths: Vec<&str> = from_snap
+        .volume_mounts
+        .iter()
+        .map(|m| m.path.as_str())
+        .collect();
+    assert_eq!(paths, ["/mnt/more", "/mnt/data"]);
+    let mut got: Vec<String> = (0..2).map(|_| attached.try_recv().unwrap().0).collect();
+    got.sort();
+    assert_eq!(got, ["/mnt/data", "/mnt/more"]);
 }
 
 #[tokio::test]

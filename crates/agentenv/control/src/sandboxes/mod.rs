@@ -325,7 +325,7 @@ impl Sandboxes {
                 ..Usage::default()
             },
         )?;
-        let mounts = self.resolve_mounts(&owner, &req.volume_mounts)?;
+        let mounts = self.resolve_mounts(&owner, &req.volume_mounts, &source.mounts)?;
         let id = keys::generate_sandbox_id();
         let env_vars = req.env_vars;
         let lock = self.op_lock(&id);
@@ -401,6 +401,7 @@ impl Sandboxes {
                 vcpus: t.vcpus,
                 memory_mb: u32::try_from(t.memory_mib).unwrap_or(u32::MAX),
                 disk_mb: u32::try_from(t.disk_mib).unwrap_or(u32::MAX),
+                mounts: vec![],
             });
         }
         let snap = match self.find_snapshot(caller, name) {
@@ -422,6 +423,7 @@ impl Sandboxes {
             vcpus: snap.vcpus,
             memory_mb: u32::try_from(snap.memory_mib).unwrap_or(u32::MAX),
             disk_mb,
+            mounts: self.owners.snapshot_mounts(&snap.id),
         })
     }
 
@@ -524,6 +526,8 @@ struct Source {
     vcpus: u32,
     memory_mb: u32,
     disk_mb: u32,
+    /// The mounts a snapshot's guest holds.
+    mounts: Vec<crate::store::VolumeMount>,
 }
 
 #[cfg(test)]

@@ -38,11 +38,13 @@ fn check_path(path: &str) -> Result<()> {
 }
 
 impl Sandboxes {
-    /// `owner`'s volumes for a create's (name, path) pairs.
+    /// `owner`'s volumes for a create's (name, path) pairs, then those a snapshot's guest holds
+    /// (`held`) at other paths whose volumes still are the owner's.
     pub(super) fn resolve_mounts(
         &self,
         owner: &str,
         asks: &[(String, String)],
+        held: &[VolumeMount],
     ) -> Result<Vec<VolumeMount>> {
         if asks.len() > MAX_MOUNTS {
             return Err(LifecycleError::Invalid(format!(
@@ -66,6 +68,12 @@ impl Sandboxes {
                 name: vol.name,
                 path: path.clone(),
             });
+        }
+        for m in held {
+            if out.iter().all(|o| o.path != m.path) && self.volumes.get(owner, &m.volume_id).is_ok()
+            {
+                out.push(m.clone());
+            }
         }
         Ok(out)
     }

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
+use crate::store::VolumeMount;
 use crate::tenants::DEFAULT_TENANT;
 
 #[derive(Debug, Default, Clone, Serialize, Deserialize)]
@@ -16,6 +17,9 @@ struct OwnerFile {
     snapshots: BTreeMap<String, String>,
     #[serde(default)]
     templates: BTreeMap<String, String>,
+    /// Volumes mounted in the sandbox a memory snapshot was taken of (its guest holds the mounts).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    snapshot_mounts: BTreeMap<String, Vec<VolumeMount>>,
 }
 
 /// The owner map.
@@ -85,6 +89,22 @@ impl Owners {
         })
     }
 
+    pub(super) fn set_snapshot_mounts(
+        &self,
+        id: &str,
+        mounts: &[VolumeMount],
+    ) -> std::io::Result<()> {
+        self.edit(|f| {
+            f.snapshot_mounts.insert(id.into(), mounts.to_vec());
+        })
+    }
+
+    /// The mounts the guest of snapshot `id` holds.
+    pub(super) fn snapshot_mounts(&self, id: &str) -> Vec<VolumeMount> {
+        let map = self.map.lock().expect("owners");
+        map.snapshot_mounts.get(id).cloned().unwrap_or_default()
+    }
+
     pub(super) fn set_template(&self, id: &str, owner: &str) -> std::io::Result<()> {
         self.edit(|f| {
             f.templates.insert(id.into(), owner.into());
@@ -94,6 +114,7 @@ impl Owners {
     pub(super) fn forget_snapshot(&self, id: &str) -> std::io::Result<()> {
         self.edit(|f| {
             f.snapshots.remove(id);
+            f.snapshot_mounts.remove(id);
         })
     }
 
@@ -112,6 +133,7 @@ impl Owners {
     ) -> std::io::Result<()> {
         self.edit(|f| {
             f.snapshots.retain(|id, _| snapshots.contains(id));
+            f.snapshot_mounts.retain(|id, _| snapshots.contains(id));
             f.templates.retain(|id, _| templates.contains(id));
         })
     }
@@ -128,14 +150,23 @@ mod tests {
         let sid = format!("snap-{}", rand::random::<u32>());
         o.set_snapshot(&sid, "alpha").unwrap();
         o.set_template("tpl", "beta").unwrap();
+        let m = VolumeMount {
+            volume_id: "v1".into(),
+            name: "data".into(),
+            path: "/mnt/data".into(),
+        };
+        o.set_snapshot_mounts(&sid, std::slice::from_ref(&m))
+            .unwrap();
         let o = Owners::open(dir.path()).unwrap();
         assert_eq!(o.snapshot_owner(&sid), "alpha");
+        assert_eq!(o.snapshot_mounts(&sid), [m]);
         assert_eq!(o.snapshot_owner("snap-old"), DEFAULT_TENANT);
         assert_eq!(o.template_owner("tpl").as_deref(), Some("beta"));
         assert_eq!(o.template_owner("base"), None);
         o.retain(&HashSet::new(), &HashSet::from(["tpl".to_string()]))
             .unwrap();
         assert_eq!(o.snapshot_owner(&sid), DEFAULT_TENANT);
+        assert!(o.snapshot_mounts(&sid).is_empty());
         std::fs::write(dir.path().join("server/owners.json"), b"{oops").unwrap();
         let o = Owners::open(dir.path()).unwrap();
         assert_eq!(o.template_owner("tpl"), None);

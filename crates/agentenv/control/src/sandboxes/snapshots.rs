@@ -30,7 +30,8 @@ impl Sandboxes {
         names: &[String],
         memory: bool,
     ) -> Result<SnapshotInfo> {
-        let owner = self.get_as(caller, id)?.owner;
+        let rec = self.get_as(caller, id)?;
+        let (owner, mounts) = (rec.owner, rec.volume_mounts);
         let names = names
             .iter()
             .map(|n| tenants::scoped_name(&owner, n).map_err(LifecycleError::Invalid))
@@ -57,6 +58,11 @@ impl Sandboxes {
         };
         // The owner is written first: a crash after it leaves only an entry that the next start drops.
         self.owners.set_snapshot(&sid, &owner).map_err(internal)?;
+        if memory && !mounts.is_empty() {
+            self.owners
+                .set_snapshot_mounts(&sid, &mounts)
+                .map_err(internal)?;
+        }
         let r = self
             .within(
                 "snapshot",
