@@ -267,10 +267,24 @@ impl Root {
             tv_nsec: libc::UTIME_OMIT,
         };
         let ts = [atime.unwrap_or(omit), mtime.unwrap_or(omit)];
-        let fd = self.open_at(&Self::rel(parts)?, libc::O_PATH, 0)?;
-        let path = cstr(&format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
-        // SAFETY: C string and two timespecs; the descriptor pins the inode.
-        check(unsafe { libc::utimensat(libc::AT_FDCWD, path.as_ptr(), ts.as_ptr(), 0) })
+        if parts.is_empty() {
+            let fd = self.open_at(&Self::rel(parts)?, libc::O_PATH, 0)?;
+            let path = cstr(&format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+            // SAFETY: C string and two timespecs; the descriptor pins the inode.
+            return check(unsafe {
+                libc::utimensat(libc::AT_FDCWD, path.as_ptr(), ts.as_ptr(), 0)
+            });
+        }
+        let n = self.node(parts)?;
+        // SAFETY: valid descriptor, C string and two timespecs; a symlink's own times are set.
+        check(unsafe {
+            libc::utimensat(
+                n.dir.as_raw_fd(),
+                n.name.as_ptr(),
+                ts.as_ptr(),
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        })
     }
 
     /// Opens `parts` for `fsync` (a file or a folder).

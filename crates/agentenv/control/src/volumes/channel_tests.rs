@@ -1,7 +1,7 @@
 //! The host's end of volume channels on a real folder: a hostile guest's requests stay inside the
 //! volume and its limit; random writes read back.
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::sync::Arc;
 
 use agentenv_envd::volume::{self, Kind, Request, Response};
@@ -190,7 +190,18 @@ fn a_guest_never_reaches_past_the_volume() {
     assert_eq!(std::fs::read(&outside).unwrap(), b"host only");
     let m = std::fs::metadata(&outside).unwrap();
     assert_eq!(m.permissions().mode() & 0o777, 0o600);
-    // A symlink itself is the guest's to read, and to remove.
+    // A symlink itself is the guest's to read, to date (lutimes: tar does), and to remove.
+    let touch = Request::SetAttr {
+        path: "/s".into(),
+        mode: None,
+        uid: None,
+        gid: None,
+        size: None,
+        atime_ns: Some(7_000_000_000),
+        mtime_ns: Some(9_000_000_000),
+    };
+    assert!(matches!(ask(&v, touch), Response::Attr(a) if a.mtime_ns == 9_000_000_000));
+    assert_ne!(std::fs::metadata(&outside).unwrap().mtime(), 9);
     assert_eq!(
         ask(&v, Request::Readlink { path: "/up".into() }),
         Response::Link("..".into())

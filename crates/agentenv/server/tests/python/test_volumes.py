@@ -112,3 +112,43 @@ def test_a_mounted_volume_is_shared_by_sandboxes_and_the_content_api(volume_env)
             except Exception:
                 pass
         assert e2b.Volume.destroy(vol.volume_id)
+
+
+def test_common_tools_work_on_a_mounted_volume(volume_env):
+    """git, tar, Python's mmap and sqlite3, and a large sequential write, as a user would run them."""
+    from e2b import Sandbox
+
+    vol = e2b.Volume.create(f"tools-{secrets.token_hex(4)}")
+    sbx = None
+    try:
+        sbx = Sandbox.create("base", timeout=600, volume_mounts={"/work": vol})
+        run = lambda cmd: sbx.commands.run(cmd, timeout=300).stdout  # noqa: E731
+        run("cd /work && git init -q repo && cd repo && git config user.email a@b && git config user.name a "
+            "&& echo one > f && git add f && git commit -qm one && echo two >> f && git commit -qam two")
+        assert run("cd /work/repo && git log --format=%s").split() == ["two", "one"]
+        assert run("cd /work/repo && git fsck --strict 2>&1; echo rc=$?").strip().endswith("rc=0")
+        run("mkdir -p /tmp/src/a/b && head -c 300000 /dev/urandom > /tmp/src/a/b/r.bin "
+            "&& ln -s b/r.bin /tmp/src/a/l && tar -C /tmp -cf /tmp/src.tar src && tar -C /work -xf /tmp/src.tar")
+        assert run("cmp /tmp/src/a/b/r.bin /work/src/a/b/r.bin && readlink /work/src/a/l") == "b/r.bin\n"
+        code = ("import mmap, sqlite3\n"
+                "with open('/work/m.bin', 'w+b') as f:\n"
+                "    f.truncate(1 << 20)\n"
+                "    m = mmap.mmap(f.fileno(), 0)\n"
+                "    m[4096:4101] = b'hello'\n"
+                "    m.flush()\n"
+                "    m.close()\n"
+                "db = sqlite3.connect('/work/t.db')\n"
+                "db.execute('create table t (x)')\n"
+                "db.executemany('insert into t values (?)', [(i,) for i in range(1000)])\n"
+                "db.commit()\n"
+                "print(db.execute('select sum(x) from t').fetchone()[0])\n")
+        sbx.files.write("/tmp/t.py", code)
+        assert run("python3 /tmp/t.py").strip() == str(sum(range(1000)))
+        assert vol.read_file("/m.bin", format="bytes")[4096:4101] == b"hello"
+        run("dd if=/dev/zero of=/work/big bs=1M count=24 status=none && sync")
+        assert vol.get_info("/big").size == 24 << 20
+        assert "/work" in run("df -P /work | tail -1")
+    finally:
+        if sbx:
+            sbx.kill()
+        assert e2b.Volume.destroy(vol.volume_id)
