@@ -79,6 +79,15 @@ impl ClusterView {
         self.nodes.iter().map(|n| &n.value).find(|n| n.id == id)
     }
 
+    /// The node that holds volumes (E2B's `/volumes`) and runs the sandboxes that mount them: the
+    /// one with the least id.
+    pub fn volume_node(&self) -> Option<&NodeRecord> {
+        self.nodes
+            .iter()
+            .map(|n| &n.value)
+            .min_by(|a, b| a.id.cmp(&b.id))
+    }
+
     /// The size of sandboxes made from template or snapshot `source`, as a node holding it reports it.
     pub fn size_of(&self, source: &str) -> Option<crate::MachineSize> {
         self.nodes

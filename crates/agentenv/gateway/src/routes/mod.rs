@@ -91,10 +91,26 @@ async fn create(gw: &Gateway, req: Request) -> Result<Response> {
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         })
         .map(str::to_string);
+    let mounts = json
+        .get("volumeMounts")
+        .and_then(|m| m.as_array())
+        .is_some_and(|m| !m.is_empty());
     let mut exclude: Vec<String> = vec![];
     let mut last_refusal = None;
     for _ in 0..CREATE_ATTEMPTS {
         let view = gw.views.view().await?;
+        if mounts {
+            // Volumes live on one node: a sandbox that mounts one runs there.
+            let home = view.volume_node().map(|n| n.id.clone());
+            exclude.extend(
+                view.nodes
+                    .iter()
+                    .map(|n| &n.value.id)
+                    .filter(|id| Some(*id) != home.as_ref() && !exclude.contains(id))
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            );
+        }
         let size = view.size_of(&source).unwrap_or(DEFAULT_SIZE);
         let choice = match place(
             &view.candidates(),
@@ -466,10 +482,7 @@ async fn template_node(State(gw): State<Gateway>, req: Request) -> Response {
         let node = match target {
             Some(n) => n,
             None => view
-                .nodes
-                .iter()
-                .map(|n| &n.value)
-                .min_by(|a, b| a.id.cmp(&b.id))
+                .volume_node()
                 .cloned()
                 .ok_or(GatewayError::NoPlacement(
                     agentenv_cluster::Unplaceable::NoNodes,

@@ -634,6 +634,35 @@ def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
         s.kill()
 
 
+def test_sandboxes_that_mount_a_volume_run_where_it_lives(cluster):
+    import e2b
+
+    if not hasattr(e2b, "Volume"):
+        pytest.skip("this SDK has no Volume")
+    g = cluster.gateways[0]
+    cluster.use(g)
+    os.environ["E2B_VOLUME_API_URL"] = g.url
+    vol = e2b.Volume.create(f"shared-{secrets.token_hex(4)}")
+    made = []
+    try:
+        for i in range(3):
+            cluster.use(cluster.gateways[i % 2])
+            s = e2b.Sandbox.create("base", timeout=300, allow_internet_access=False,
+                                   volume_mounts={"/mnt/v": vol})
+            made.append(s)
+            s.commands.run(f"echo -n {i} > /mnt/v/{i}.txt")
+        # The placement that spreads other sandboxes keeps these on the volume's node.
+        assert len({cluster.node_of(s.sandbox_id).url for s in made}) == 1
+        assert sorted(e.name for e in vol.list("/")) == ["0.txt", "1.txt", "2.txt"]
+        assert made[0].commands.run("cat /mnt/v/2.txt").stdout == "2"
+    finally:
+        cluster.use(g)
+        for s in made:
+            s.kill()
+        e2b.Volume.destroy(vol.volume_id)
+        os.environ.pop("E2B_VOLUME_API_URL", None)
+
+
 def _entry(cluster, sandbox_id):
     """The sandbox's entry in etcd (`placed/<id>` names its node, `sandboxes/<node>/<id>` is the entry;
     through etcd's JSON gateway, as the read-only inspector), or None."""
