@@ -1,9 +1,7 @@
-//! A real FUSE volume mount on this host (root and `/dev/fuse`): `volume::attach` with a duplex
-//! channel whose other end is a small test host serving a temp folder, then std::fs through the
-//! mount, and a reattach while an operation waits.
-
-#[path = "volume_fuse/host.rs"]
-mod host;
+//! The guest's FUSE volume mount and the host's channel end, both real, on this host (root and
+//! `/dev/fuse`): `agentenv_guest::volume::attach` with a duplex channel whose other end is
+//! `agentenv_control::volumes::channel::serve` on a temp folder, then std::fs through the mount, and
+//! a reattach through the agent's `POST /volume` while an operation waits.
 
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -12,6 +10,8 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use agentenv_control::volumes::MAX_VOLUME_BYTES;
+use agentenv_control::volumes::channel::{self, VolumeDir};
 use agentenv_guest::volume::{self, VolumeError};
 use agentenv_guest::{Agent, AgentConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
@@ -35,6 +35,14 @@ fn skip(reason: &str) {
     k3_common::require::skip_part(k3_common::require::Part::Root, TEST, reason);
 }
 
+/// The host's end of a channel to the volume folder `root`.
+fn host(root: &Path, io: DuplexStream) -> impl std::future::Future<Output = ()> + use<> {
+    let dir = std::sync::Arc::new(VolumeDir::open(root).unwrap());
+    async move {
+        let _ = channel::serve(dir, io).await;
+    }
+}
+
 /// A new host for `root` on a fresh channel, attached at `mount`.
 fn attach(
     rt: &tokio::runtime::Runtime,
@@ -42,7 +50,7 @@ fn attach(
     mount: &Path,
 ) -> Result<tokio::task::JoinHandle<()>, VolumeError> {
     let (guest, host_end) = tokio::io::duplex(1 << 20);
-    let server = rt.spawn(host::serve(root.to_path_buf(), host_end));
+    let server = rt.spawn(host(root, host_end));
     rt.block_on(volume::attach(mount, guest))?;
     Ok(server)
 }
@@ -219,7 +227,6 @@ fn a_volume_mount_serves_std_fs_through_its_host() {
         fs::create_dir(m("many")).unwrap_err().raw_os_error(),
         Some(libc::EEXIST)
     );
-    let (total, _) = host::usage(&root).unwrap();
     let c = std::ffi::CString::new(mount.to_str().unwrap()).unwrap();
     // SAFETY: statvfs writes into a zeroed struct we own.
     let st = unsafe {
@@ -227,7 +234,7 @@ fn a_volume_mount_serves_std_fs_through_its_host() {
         assert_eq!(libc::statvfs(c.as_ptr(), &mut st), 0);
         st
     };
-    assert_eq!((st.f_bsize, st.f_blocks), (4096, total / 4096));
+    assert_eq!((st.f_bsize, st.f_blocks), (4096, MAX_VOLUME_BYTES / 4096));
 
     // Reattach: the channel dies, an operation waits, a new channel comes and the op completes.
     server.abort();
@@ -241,7 +248,7 @@ fn a_volume_mount_serves_std_fs_through_its_host() {
     let (head, channel) = rt.block_on(http_attach(&agent, mount.to_str().unwrap()));
     assert!(head.starts_with("http/1.1 101"), "{head}");
     assert!(head.contains("upgrade: agentenv-volume\r\n"), "{head}");
-    rt.spawn(host::serve(root.clone(), channel));
+    rt.spawn(host(&root, channel));
     op.join().unwrap().unwrap();
     assert_eq!(fs::read(h("after")).unwrap(), b"reattached");
     assert_eq!(fs::read(m("after")).unwrap(), b"reattached");
