@@ -29,7 +29,7 @@ log "Python SDK $version, JS SDK $js_version, work folder $work"
 
 . "$here/server.sh"
 start_server
-log "server on 127.0.0.1:$port"
+log "server on $url (sandboxes at <port>-<id>.$SANDBOX_DOMAIN:$port)"
 
 python_suite() {  # $1: sync or async
   if [ ! -x "$work/venv/bin/python" ]; then
@@ -41,7 +41,7 @@ python_suite() {  # $1: sync or async
     rm -rf "$work/python-sdk" && cp -r "$sdk" "$work/python-sdk" && rm -rf "$work/python-sdk"/e2b*/ && python_copied=1
   fi
   (cd "$work/python-sdk" && timeout 5400 "$work/venv/bin/python" -m pytest -o addopts=--import-mode=importlib \
-    -o "timeout=${TEST_TIMEOUT_S:-180}" -p no:cacheprovider -q --junitxml="$work/$1.xml" "tests/$1" \
+    -o "timeout=${TEST_TIMEOUT_S:-180}" -p no:cacheprovider -p names -q --junitxml="$work/$1.xml" "tests/$1" \
     >"$work/$1.log" 2>&1) || true
 }
 
@@ -72,7 +72,6 @@ tree.write(sys.argv[2])
 PY
 }
 
-export E2B_API_URL="http://127.0.0.1:$port" E2B_SANDBOX_URL="http://127.0.0.1:$port" E2B_API_KEY="$key"
 xmls=()
 for suite in $suites; do
   log "$suite"

@@ -34,12 +34,12 @@ sdks=$("$work/venv/bin/pip" list 2>/dev/null | awk '$1 == "e2b" || $1 == "e2b-co
 
 . "$here/server.sh"
 start_server
-log "server on 127.0.0.1:$port; the first create of code-interpreter-v1 builds it (minutes)"
+log "server on $url; the first create of code-interpreter-v1 builds it (minutes)"
 
 # Creates until one succeeds: each waits up to 50 s for the build, then answers 503 while it goes on.
 created=""
 for _ in $(seq 1 60); do
-  out=$(curl -s -w '\n%{http_code}' -X POST "http://127.0.0.1:$port/sandboxes" -H "X-API-Key: $key" \
+  out=$(curl -s --cacert "$SSL_CERT_FILE" -w '\n%{http_code}' -X POST "$url/sandboxes" -H "X-API-Key: $key" \
     -H 'Content-Type: application/json' -d '{"templateID": "code-interpreter-v1", "timeout": 60}')
   case ${out##*$'\n'} in
     201) created=$(sed -n 's/.*"sandboxID": *"\([^"]*\)".*/\1/p' <<<"${out%$'\n'*}"); break ;;
@@ -49,10 +49,9 @@ for _ in $(seq 1 60); do
   esac
 done
 [ -n "$created" ] || { echo "code-interpreter-v1 was not built within an hour ($work/server.log)" >&2; exit 2; }
-curl -s -o /dev/null -X DELETE "http://127.0.0.1:$port/sandboxes/$created" -H "X-API-Key: $key"
+curl -s --cacert "$SSL_CERT_FILE" -o /dev/null -X DELETE "$url/sandboxes/$created" -H "X-API-Key: $key"
 log "code-interpreter-v1 is built"
 
-export E2B_API_URL="http://127.0.0.1:$port" E2B_SANDBOX_URL="http://127.0.0.1:$port" E2B_API_KEY="$key"
 unset E2B_DEBUG
 rm -rf "$work/python" && cp -r "$py" "$work/python"
 xmls=()
@@ -64,7 +63,7 @@ for suite in $suites; do
     *) paths=tests/$suite ;;
   esac
   (cd "$work/python" && timeout 5400 "$work/venv/bin/python" -m pytest -o addopts=--import-mode=importlib \
-    -o "timeout=${TEST_TIMEOUT_S:-180}" -p no:cacheprovider -q --junitxml="$work/$suite.xml" $paths \
+    -o "timeout=${TEST_TIMEOUT_S:-180}" -p no:cacheprovider -p names -q --junitxml="$work/$suite.xml" $paths \
     >"$work/$suite.log" 2>&1) || true
   xmls+=("$work/$suite.xml")
 done
