@@ -69,6 +69,7 @@ pub async fn file_link(
     State(s): State<AppState>,
     Who(who): Who,
     Path((tid, hash)): Path<(String, String)>,
+    conn: Option<axum::Extension<axum::extract::ConnectInfo<crate::conn::Conn>>>,
     h: HeaderMap,
 ) -> ApiResult<(StatusCode, Json<TemplateBuildFileUpload>)> {
     let present = s.sandboxes.build_file_present(&who, &tid, &hash)?;
@@ -77,10 +78,15 @@ pub async fn file_link(
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_graphic()))
         .ok_or_else(|| ApiError::bad_request("a Host header is required"))?;
-    // Behind a TLS proxy the URL stays https.
-    let scheme = match h.get("x-forwarded-proto").and_then(|v| v.to_str().ok()) {
-        Some(p) if p.eq_ignore_ascii_case("https") => "https",
-        _ => "http",
+    // Served over TLS, or behind a TLS proxy, the URL stays https.
+    let forwarded = h
+        .get("x-forwarded-proto")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|p| p.eq_ignore_ascii_case("https"));
+    let scheme = if forwarded || conn.is_some_and(|c| c.0.0.tls) {
+        "https"
+    } else {
+        "http"
     };
     let expires = crate::sandboxes::now_ms() / 1000 + UPLOAD_URL_VALID_S;
     let url = (!present).then(|| {

@@ -30,6 +30,8 @@ pub struct Conn {
     /// The client showed a gateway's certificate (`agentenv_cluster::node_tls::is_gateway`): it may
     /// assert the tenant of its requests ([`TENANT_HEADER`]).
     pub gateway: bool,
+    /// The connection is TLS (`--tls-cert`): URLs the server hands out for it are `https`.
+    pub tls: bool,
     cut: Arc<AtomicBool>,
 }
 
@@ -39,6 +41,7 @@ impl Conn {
         Conn {
             remote,
             gateway: false,
+            tls: false,
             cut: Arc::new(AtomicBool::new(false)),
         }
     }

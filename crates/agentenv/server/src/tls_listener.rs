@@ -52,6 +52,7 @@ impl TlsListener {
                     match tokio::time::timeout(HANDSHAKE_DEADLINE, acceptor.accept(sock)).await {
                         Ok(Ok(s)) => {
                             conn.gateway = agentenv_cluster::node_tls::is_gateway(s.get_ref().1);
+                            conn.tls = true;
                             let _ = tx.send((s, conn)).await;
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),

@@ -31,18 +31,33 @@ async fn a_copy_upload_url_carries_no_key_and_holds_only_for_its_file() {
     };
     let (hash, other) = (hex(64), hex(64));
     let link = format!("/templates/{tid}/files/{hash}");
-    let get_link = || async {
-        let req = Request::builder()
-            .uri(&link)
-            .header("x-api-key", &a)
+    let (link_ref, a_ref, api_ref) = (&link, &a, &api);
+    let get_link_on = move |tls: bool| async move {
+        let mut req = Request::builder()
+            .uri(link_ref)
+            .header("x-api-key", a_ref)
             .header("host", "agentenv.test:3000")
             .body(Body::empty())
             .unwrap();
-        let r = api.app.clone().oneshot(req).await.unwrap();
+        let mut conn = crate::conn::Conn::new(([127, 0, 0, 1], 40000).into());
+        conn.tls = tls;
+        req.extensions_mut()
+            .insert(axum::extract::ConnectInfo(conn));
+        let r = api_ref.app.clone().oneshot(req).await.unwrap();
         let st = r.status();
         let b = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
         (st, serde_json::from_slice::<serde_json::Value>(&b).unwrap())
     };
+    let get_link = || get_link_on(false);
+    // A URL handed out on a TLS connection is https.
+    let (_, v) = get_link_on(true).await;
+    assert!(
+        v["url"]
+            .as_str()
+            .unwrap()
+            .starts_with("https://agentenv.test:3000/"),
+        "{v}"
+    );
     let (st, v) = get_link().await;
     assert_eq!(st, StatusCode::CREATED, "{v}");
     assert!(

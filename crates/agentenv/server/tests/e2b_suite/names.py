@@ -9,7 +9,9 @@ _getaddrinfo = socket.getaddrinfo
 
 
 def _loopback(host, *args, **kw):
-    if _domain and isinstance(host, str) and (host == _domain or host.endswith("." + _domain)):
+    # anyio (async httpx) passes the name IDNA-encoded, as bytes.
+    name = host.decode("ascii", "replace") if isinstance(host, bytes) else host
+    if _domain and isinstance(name, str) and (name == _domain or name.endswith("." + _domain)):
         host = "127.0.0.1"
     return _getaddrinfo(host, *args, **kw)
 
