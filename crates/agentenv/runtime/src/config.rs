@@ -74,12 +74,22 @@ pub struct RuntimeConfig {
     /// Internal address ranges image pulls may reach (`--registry-allow`); by default none
     /// (`agentenv_oci::guard`).
     pub registry_allow: Vec<agentenv_oci::AllowedNet>,
+    /// Size cap in MiB of each QEMU's TCG translation cache (`-accel tcg,tb-size=N`); ignored under KVM.
+    /// `None` (the default): QEMU's own (1 GiB on 64-bit hosts in QEMU 7.2, touched only as guest code
+    /// is translated). Not part of a VM's saved state: snapshots restore under any value. No cap is the
+    /// default because an idle fork's cache holds only ~25 MiB of translated code: 32 MiB changes
+    /// nothing, and smaller caps flush and retranslate on every command (measured on the 2-core TCG
+    /// box, docs/benchmarks.md 2026-12-06: 16 MiB takes PSS per idle fork 50 to 42 MiB with the first
+    /// command after a create +65 %; 4 MiB reaches 28 MiB with fork x8 +57 % and commands 7x slower).
+    pub tcg_tb_mib: Option<u32>,
 }
 
 /// Default of [`RuntimeConfig::max_warm_vms`].
 pub const DEFAULT_MAX_WARM_VMS: usize = 16;
 /// Default of [`RuntimeConfig::warm_idle`]: 10 minutes.
 pub const DEFAULT_WARM_IDLE: std::time::Duration = std::time::Duration::from_secs(600);
+/// Default of [`RuntimeConfig::tcg_tb_mib`].
+pub const DEFAULT_TCG_TB_MIB: Option<u32> = None;
 /// Bound of the default local chunk store.
 pub const DEFAULT_STORE_BYTES: u64 = 32 << 30;
 /// Chunk size of RAM files in a store without a bucket: a guest page. A guest's RAM changes in scattered
@@ -111,6 +121,7 @@ impl RuntimeConfig {
             keep_paused: std::time::Duration::from_secs(30),
             lazy_disks: LazyDiskMode::Auto,
             registry_allow: Vec::new(),
+            tcg_tb_mib: DEFAULT_TCG_TB_MIB,
         }
     }
 }

@@ -273,6 +273,10 @@ struct ServeArgs {
     /// exits at once; the pause is committed to disk either way).
     #[arg(long, default_value_t = 30)]
     keep_paused_s: u64,
+    /// Size cap in MiB of each QEMU's TCG translation cache (`-accel tcg,tb-size=N`; ignored under KVM).
+    /// 0: QEMU's own default (1 GiB in QEMU 7.2). Unset: the runtime's default.
+    #[arg(long, env = "AGENTENV_TCG_TB_MIB")]
+    tcg_tb_mib: Option<u32>,
     /// Join the cluster whose state is in this etcd (comma-separated endpoints): register with a lease
     /// and keep the node's record fresh. Needs `--advertise`.
     #[arg(
@@ -412,6 +416,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         LazyArg::Off => agentenv_runtime::LazyDiskMode::Off,
     };
     cfg.keep_paused = std::time::Duration::from_secs(args.keep_paused_s);
+    if let Some(mib) = args.tcg_tb_mib {
+        cfg.tcg_tb_mib = (mib > 0).then_some(mib);
+    }
     cfg.registry_allow = args
         .registry_allow
         .iter()

@@ -83,12 +83,29 @@ pub async fn probe_kvm(qemu: &Path, kernel: &GuestKernel) -> KvmVerdict {
     }
 }
 
+/// QEMU's `-accel` value for `accel`: under TCG with `tcg_tb_mib`, the translation cache capped at that
+/// many MiB ([`RuntimeConfig::tcg_tb_mib`]); KVM has no translation cache and ignores it.
+pub fn qemu_arg(accel: AccelKind, tcg_tb_mib: Option<u32>) -> String {
+    match (accel, tcg_tb_mib) {
+        (AccelKind::Tcg, Some(mib)) => format!("tcg,tb-size={mib}"),
+        _ => accel.as_str().to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use k3_common::Tier;
     use k3_common::require::skip_or_fail;
 
     use super::*;
+
+    #[test]
+    fn the_tb_size_goes_to_tcg_only() {
+        assert_eq!(qemu_arg(AccelKind::Tcg, None), "tcg");
+        assert_eq!(qemu_arg(AccelKind::Tcg, Some(16)), "tcg,tb-size=16");
+        assert_eq!(qemu_arg(AccelKind::Kvm, Some(16)), "kvm");
+        assert_eq!(qemu_arg(AccelKind::Kvm, None), "kvm");
+    }
 
     /// Auto resolves through the verdict cache: the first choice probes and stores the verdict under
     /// the key of this QEMU and guest kernel, the second reads it back. Under TCG the kvm tier skips

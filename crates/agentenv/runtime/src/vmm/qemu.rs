@@ -35,6 +35,8 @@ const EXIT_DEADLINE: Duration = Duration::from_secs(10);
 pub struct QemuVmm {
     bin: PathBuf,
     accel: AccelKind,
+    /// TCG translation cache cap in MiB (`None`: QEMU's default; unused under KVM).
+    tcg_tb_mib: Option<u32>,
     /// Where each QEMU gets its memory and CPU limits (`None`: this host has no writable cgroups).
     cgroups: Option<Hierarchy>,
     /// Per-VM uids (`None`: QEMU runs as this process, which is not root or was told not to).
@@ -108,6 +110,7 @@ impl QemuVmm {
         QemuVmm {
             bin,
             accel,
+            tcg_tb_mib: None,
             cgroups,
             uids,
             lazy: None,
@@ -119,6 +122,12 @@ impl QemuVmm {
     /// The same, serving disks that end in a lazy disk ([`crate::vmm::lazy`]) through `lazy`'s exports.
     pub fn with_lazy_disks(mut self, lazy: Arc<LazyDisks>) -> QemuVmm {
         self.lazy = Some(lazy);
+        self
+    }
+
+    /// The same, capping each QEMU's TCG translation cache at `mib` MiB (`None`: QEMU's default).
+    pub fn with_tcg_tb_mib(mut self, mib: Option<u32>) -> QemuVmm {
+        self.tcg_tb_mib = mib;
         self
     }
 
@@ -147,7 +156,7 @@ impl QemuVmm {
             "-M".into(),
             "microvm,memory-backend=mem".into(),
             "-accel".into(),
-            self.accel.as_str().into(),
+            crate::vmm::accel::qemu_arg(self.accel, self.tcg_tb_mib),
             "-m".into(),
             format!("{}M", spec.memory_mib),
             "-smp".into(),

@@ -84,6 +84,14 @@ struct Args {
     /// Rounds of the lazy disk bench (one fresh node each).
     #[arg(long, default_value_t = 3)]
     lazy_rounds: usize,
+    /// Cap of each QEMU's TCG translation cache in MiB, as the server's `--tcg-tb-mib` (0: QEMU's
+    /// default; unset: the runtime's default).
+    #[arg(long)]
+    tcg_tb_mib: Option<u32>,
+    /// Run only this many forks of eight (fork x8, its CPU floor, PSS per idle fork), then `--iterations`
+    /// creates with their first command, and print the figures (0: the whole bench).
+    #[arg(long, default_value_t = 0)]
+    forks_only: usize,
 }
 
 struct Http {
@@ -356,6 +364,12 @@ async fn main() -> anyhow::Result<()> {
         cfg.qemu_uids = None;
     }
     cfg.ram_dir = args.ram_dir.clone();
+    if let Some(mib) = args.tcg_tb_mib {
+        cfg.tcg_tb_mib = (mib > 0).then_some(mib);
+    }
+    let tb_label = cfg
+        .tcg_tb_mib
+        .map_or("QEMU's default".to_string(), |m| format!("{m} MiB"));
     // Namespace and veth only: the host routes nothing to the test internet until the default
     // template (whose build fetches from the package mirror) is built.
     let mut internet = match args.network {
@@ -427,6 +441,46 @@ async fn main() -> anyhow::Result<()> {
         });
         report.write(&args.out)?;
         println!("wrote {}", args.out.display());
+        return Ok(());
+    }
+
+    if args.forks_only > 0 {
+        let figures = snapshots::fork_figures(
+            &http,
+            args.forks_only,
+            args.iterations,
+            &warm_rt,
+            &state.path().join("runtime"),
+        )
+        .await?;
+        server.abort();
+        for f in &figures {
+            let s = f.stats.as_ref();
+            println!(
+                "{}: {:.1} {} (p10 {:.1}, p90 {:.1}, n={}) [tb-size: {tb_label}]",
+                f.name,
+                f.value,
+                f.unit,
+                s.map_or(f64::NAN, |s| s.p10),
+                s.map_or(f64::NAN, |s| s.p90),
+                s.map_or(0, |s| s.n),
+            );
+        }
+        report.sections.push(Section {
+            system: "agentenv".into(),
+            tier: args.tier,
+            title: format!(
+                "Forks and first commands, TCG translation cache {tb_label} ({accel_name})"
+            ),
+            machine,
+            figures: figures
+                .into_iter()
+                .map(|f| f.param("accel", accel_name).param("tb-size", &tb_label))
+                .collect(),
+            plots: vec![],
+            notes: side_notes(vec![]),
+        });
+        report.write(&args.out)?;
         return Ok(());
     }
 
@@ -641,6 +695,7 @@ async fn main() -> anyhow::Result<()> {
             format!("backend: QEMU -M microvm, accelerator {accel_name}; create restores the template's base snapshot"),
             format!("default template ready in {template_s:.1} s (built in the run when the cache had none)"),
             format!("QEMU users: {}", if args.no_qemu_uids { "the bench's own (--no-qemu-uids)" } else { "one uid per VM" }),
+            format!("TCG translation cache per QEMU (tb-size): {tb_label}"),
             format!("guest RAM files: {}", args.ram_dir.as_ref().map_or("in the state folder (ext4)".into(), |d| d.display().to_string())),
             format!("network: {}", if args.network { "on (namespace, tap and nftables per sandbox; NAT to the bench's test internet namespace)" } else { "off" }),
             match internet.as_ref() {

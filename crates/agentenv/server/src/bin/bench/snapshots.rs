@@ -45,53 +45,16 @@ pub async fn snapshot_figures(
         kill(id).await?;
     }
     let (mut pss_kib, mut floor, mut over_floor) = (vec![], vec![], vec![]);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let cores = cores();
     for round in 0..3 {
-        let t = Instant::now();
-        let forks = http
-            .json(
-                Method::POST,
-                &format!("/sandboxes/{src}/fork"),
-                json!({"count": 8, "timeout": 600}),
-                201,
-            )
-            .await?;
-        let ids: Vec<(String, String)> = forks
-            .as_array()
-            .context("fork list")?
-            .iter()
-            .map(|f| {
-                let sb = &f["sandbox"];
-                Some((
-                    sb["sandboxID"].as_str()?.to_string(),
-                    sb["envdAccessToken"].as_str()?.to_string(),
-                ))
-            })
-            .collect::<Option<_>>()
-            .context("a fork failed")?;
-        let answered =
-            futures_util::future::join_all(ids.iter().map(|(id, tok)| http.command(id, tok))).await;
-        fork8.push(ms(t));
-        answered.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
-        // The floor: the CPU the eight QEMUs spent from their start to their first answer, over the cores.
-        let cpu: Option<f64> = ids
-            .iter()
-            .map(|(id, _)| qemu_pid(id).and_then(cpu_seconds))
-            .sum();
-        if let Some(cpu) = cpu {
-            let f = cpu / cores * 1000.0;
+        let r = fork_round(http, &src).await?;
+        fork8.push(r.ms);
+        if let Some(f) = r.floor_ms {
             floor.push(f);
-            over_floor.push(fork8[fork8.len() - 1] / f);
+            over_floor.push(r.ms / f);
         }
         if round == 0 {
-            pss_kib = ids
-                .iter()
-                .filter_map(|(id, _)| qemu_pid(id).and_then(pss_kib_of))
-                .map(|k| k as f64)
-                .collect();
-        }
-        for (id, _) in ids {
-            kill(id).await?;
+            pss_kib = r.pss_kib;
         }
     }
     // The first burst finds the pool at its floor; it grows the pool to the burst's size, and the later
@@ -189,6 +152,148 @@ pub async fn snapshot_figures(
             "KiB",
         )
         .param("idle forks in 16 GiB", fit),
+    ])
+}
+
+/// One `fork` of eight: its time until all eight answered a command, and its CPU floor.
+struct ForkRound {
+    ms: f64,
+    /// The CPU the eight QEMUs spent from their start to their first answer, over the cores (`None`
+    /// where a QEMU's stat could not be read).
+    floor_ms: Option<f64>,
+    /// PSS of each fork's QEMU right after its first answer.
+    pss_kib: Vec<f64>,
+}
+
+fn cores() -> f64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
+}
+
+/// Forks `src` eight times, runs a command in each, reads their CPU and PSS, and kills them.
+async fn fork_round(http: &Http, src: &str) -> anyhow::Result<ForkRound> {
+    let t = Instant::now();
+    let forks = http
+        .json(
+            Method::POST,
+            &format!("/sandboxes/{src}/fork"),
+            json!({"count": 8, "timeout": 600}),
+            201,
+        )
+        .await?;
+    let ids: Vec<(String, String)> = forks
+        .as_array()
+        .context("fork list")?
+        .iter()
+        .map(|f| {
+            let sb = &f["sandbox"];
+            Some((
+                sb["sandboxID"].as_str()?.to_string(),
+                sb["envdAccessToken"].as_str()?.to_string(),
+            ))
+        })
+        .collect::<Option<_>>()
+        .context("a fork failed")?;
+    let answered =
+        futures_util::future::join_all(ids.iter().map(|(id, tok)| http.command(id, tok))).await;
+    let took = ms(t);
+    answered.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
+    let cpu: Option<f64> = ids
+        .iter()
+        .map(|(id, _)| qemu_pid(id).and_then(cpu_seconds))
+        .sum();
+    let pss_kib = ids
+        .iter()
+        .filter_map(|(id, _)| qemu_pid(id).and_then(pss_kib_of))
+        .map(|k| k as f64)
+        .collect();
+    for (id, _) in ids {
+        http.kill(&id).await?;
+    }
+    Ok(ForkRound {
+        ms: took,
+        floor_ms: cpu.map(|c| c / cores() * 1000.0),
+        pss_kib,
+    })
+}
+
+/// `--forks-only`: `rounds` forks of eight from one sandbox (fork x8, its CPU floor and the ratio, PSS
+/// per idle fork over every fork), then `creates` creates from `base`, each from a full warm pool, with
+/// the first and second command after it and its QEMU's PSS after them.
+pub async fn fork_figures(
+    http: &Http,
+    rounds: usize,
+    creates: usize,
+    rt: &agentenv_runtime::Runtime,
+    runtime_dir: &std::path::Path,
+) -> anyhow::Result<Vec<Figure>> {
+    let (src, src_token) = http
+        .create(json!({"templateID": "base", "timeout": 600}))
+        .await?;
+    http.command(&src, &src_token).await?;
+    let (mut fork8, mut floor, mut over_floor, mut pss_fork) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        let r = fork_round(http, &src).await?;
+        fork8.push(r.ms);
+        if let Some(f) = r.floor_ms {
+            floor.push(f);
+            over_floor.push(r.ms / f);
+        }
+        pss_fork.extend(r.pss_kib);
+    }
+    http.kill(&src).await?;
+    let (mut create, mut first, mut second, mut pss_create) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..creates {
+        let end = Instant::now() + std::time::Duration::from_secs(60);
+        while rt.warm_ready("base") < 2 && Instant::now() < end {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        let t = Instant::now();
+        let (id, token) = http.create(json!({"templateID": "base"})).await?;
+        create.push(ms(t));
+        let t = Instant::now();
+        http.command(&id, &token).await?;
+        first.push(ms(t));
+        let t = Instant::now();
+        http.command(&id, &token).await?;
+        second.push(ms(t));
+        // A create continues a warm VM, whose command line names its own folder: the record has its pid.
+        let record = runtime_dir.join("sandboxes").join(&id).join("sandbox.json");
+        let pid = std::fs::read(&record)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .and_then(|v| v["phase"]["pid"].as_u64());
+        if let Some(k) = pid.and_then(|p| pss_kib_of(p as u32)) {
+            pss_create.push(k as f64);
+        }
+        http.kill(&id).await?;
+    }
+    Ok(vec![
+        Figure::timing(
+            "fork x8 until all eight answer a command (POST /sandboxes/{id}/fork)",
+            &fork8,
+            "ms",
+        ),
+        Figure::timing("fork x8: its CPU floor", &floor, "ms").param("cores", cores()),
+        Figure::new(
+            "fork x8 over its CPU floor",
+            stats::median(&over_floor),
+            "x",
+            k3_common::report::Better::Lower,
+        )
+        .param("rounds", over_floor.len()),
+        Figure::timing(
+            "PSS per idle fork (QEMU process, smaps_rollup)",
+            &pss_fork,
+            "KiB",
+        ),
+        Figure::timing("create (POST /v2/sandboxes, full warm pool)", &create, "ms"),
+        Figure::timing("first command after create", &first, "ms"),
+        Figure::timing("second command after create", &second, "ms"),
+        Figure::timing(
+            "PSS per created sandbox after two commands",
+            &pss_create,
+            "KiB",
+        ),
     ])
 }
 
