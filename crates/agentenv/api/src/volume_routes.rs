@@ -32,7 +32,7 @@ impl From<VolumeError> for ApiError {
             V::BadName(_) | V::BadPath(_) => StatusCode::BAD_REQUEST,
             V::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             V::Unauthorized => StatusCode::UNAUTHORIZED,
-            V::Full(_) => StatusCode::INSUFFICIENT_STORAGE,
+            V::Full(_) | V::TooManyEntries(_) => StatusCode::INSUFFICIENT_STORAGE,
             V::Io { .. } => {
                 tracing::error!(error = ?e, "volume I/O failed");
                 return ApiError::new(

@@ -53,11 +53,6 @@ impl Root {
         Ok(Root(f.into()))
     }
 
-    /// The folder's path through this process's descriptor (stays right if the folder moves).
-    pub(crate) fn proc_path(&self) -> std::path::PathBuf {
-        format!("/proc/self/fd/{}", self.0.as_raw_fd()).into()
-    }
-
     /// `openat2` below the root; `rel` is `.` for the root itself.
     fn open_at(&self, rel: &CStr, flags: libc::c_int, mode: u32) -> io::Result<OwnedFd> {
         let how = OpenHow {
@@ -291,6 +286,30 @@ impl Root {
     pub(crate) fn open_any(&self, parts: &[&str]) -> io::Result<File> {
         let fd = self.open_at(&Self::rel(parts)?, libc::O_RDONLY | libc::O_NONBLOCK, 0)?;
         Ok(File::from(fd))
+    }
+
+    /// Bytes of the files and the number of entries below the root, counted without leaving it
+    /// (a folder swapped for a symlink meanwhile is skipped); stops once past `max_entries`.
+    pub(crate) fn usage(&self, max_entries: u64) -> (u64, u64) {
+        let (mut bytes, mut entries) = (0u64, 0u64);
+        let mut dirs: Vec<Vec<String>> = vec![vec![]];
+        while let Some(d) = dirs.pop() {
+            let refs: Vec<&str> = d.iter().map(String::as_str).collect();
+            for (name, st) in self.list(&refs).unwrap_or_default() {
+                entries += 1;
+                if entries > max_entries {
+                    return (bytes, entries);
+                }
+                if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                    let mut child = d.clone();
+                    child.push(name);
+                    dirs.push(child);
+                } else {
+                    bytes += st.st_size.max(0) as u64;
+                }
+            }
+        }
+        (bytes, entries)
     }
 
     /// The names in folder `parts`, sorted, each with what it is (not followed).

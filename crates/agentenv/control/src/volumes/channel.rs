@@ -10,11 +10,11 @@ use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use agentenv_envd::volume::{self, Attr, Entry, Kind, Request, Response, Usage};
+use agentenv_envd::volume::{self, Attr, Entry, Kind, Request, Response};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::beneath::Root;
-use super::{MAX_VOLUME_BYTES, components, used};
+use super::{MAX_VOLUME_BYTES, MAX_VOLUME_ENTRIES, components};
 
 /// Longest wait for the rest of a frame once its length arrived, and for an answer to be taken.
 pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
@@ -32,11 +32,18 @@ pub enum ChannelError {
     Deadline(Duration),
 }
 
+/// A volume's measured use.
+struct Usage {
+    bytes: u64,
+    entries: u64,
+    at: Instant,
+}
+
 /// One volume's folder, shared by every channel (sandbox) that mounts it.
 pub struct VolumeDir {
     root: Root,
-    /// Bytes in use and when measured; raised by each write in between.
-    used: Mutex<(u64, Instant)>,
+    /// Bytes and entries in use, and when measured; raised by each change in between.
+    used: Mutex<Usage>,
 }
 
 fn errno(e: io::Error) -> Response {
@@ -81,7 +88,11 @@ impl VolumeDir {
     pub fn open(path: &std::path::Path) -> io::Result<VolumeDir> {
         Ok(VolumeDir {
             root: Root::open(path)?,
-            used: Mutex::new((0, Instant::now() - USAGE_TTL * 2)),
+            used: Mutex::new(Usage {
+                bytes: 0,
+                entries: 0,
+                at: Instant::now() - USAGE_TTL * 2,
+            }),
         })
     }
 
@@ -93,22 +104,31 @@ impl VolumeDir {
         Ok(parts.into_iter().map(str::to_owned).collect())
     }
 
-    /// Takes `growth` more bytes of the volume's limit, or `EDQUOT`.
-    fn reserve(&self, growth: u64) -> io::Result<()> {
+    /// Takes `bytes` more bytes and `entries` more entries of the volume's limits, or `EDQUOT`.
+    fn reserve(&self, bytes: u64, entries: u64) -> io::Result<()> {
         let mut u = self.used.lock().unwrap_or_else(|p| p.into_inner());
-        let stale = u.1.elapsed() > USAGE_TTL;
-        if stale || u.0.saturating_add(growth) > MAX_VOLUME_BYTES {
-            *u = (self.measure(), Instant::now());
+        let over = |u: &Usage| {
+            u.bytes.saturating_add(bytes) > MAX_VOLUME_BYTES
+                || u.entries.saturating_add(entries) > MAX_VOLUME_ENTRIES
+        };
+        if u.at.elapsed() > USAGE_TTL || over(&u) {
+            *u = self.measure();
         }
-        if u.0.saturating_add(growth) > MAX_VOLUME_BYTES {
+        if over(&u) {
             return Err(err(libc::EDQUOT));
         }
-        u.0 += growth;
+        u.bytes += bytes;
+        u.entries += entries;
         Ok(())
     }
 
-    fn measure(&self) -> u64 {
-        used(&self.root.proc_path())
+    fn measure(&self) -> Usage {
+        let (bytes, entries) = self.root.usage(MAX_VOLUME_ENTRIES);
+        Usage {
+            bytes,
+            entries,
+            at: Instant::now(),
+        }
     }
 
     /// Answers one request (blocking file I/O); the data part goes with [`Response::Data`].
@@ -167,7 +187,7 @@ impl VolumeDir {
                 let end = offset
                     .checked_add(data.len() as u64)
                     .ok_or_else(|| err(libc::EFBIG))?;
-                self.reserve(end.saturating_sub(f.metadata()?.len()))?;
+                self.reserve(end.saturating_sub(f.metadata()?.len()), 0)?;
                 f.write_all_at(data, offset)?;
                 Response::Written(data.len() as u32)
             }
@@ -180,6 +200,9 @@ impl VolumeDir {
             } => {
                 let p = parts!(path);
                 // A new file is the asker's; an existing one (not `exclusive`) stays as it is.
+                if root.stat(&refs(&p)).is_err() {
+                    self.reserve(0, 1)?;
+                }
                 match root.create(&refs(&p), mode, true) {
                     Ok(_) => root.chown(&refs(&p), Some(uid), Some(gid))?,
                     Err(e) if !exclusive && e.raw_os_error() == Some(libc::EEXIST) => {
@@ -196,6 +219,7 @@ impl VolumeDir {
                 gid,
             } => {
                 let p = parts!(path);
+                self.reserve(0, 1)?;
                 root.mkdir(&refs(&p), mode)?;
                 root.chown(&refs(&p), Some(uid), Some(gid))?;
                 stat(&refs(&p))?
@@ -210,6 +234,7 @@ impl VolumeDir {
                     return Err(err(libc::EINVAL));
                 }
                 let p = parts!(path);
+                self.reserve(0, 1)?;
                 root.symlink(&refs(&p), &target)?;
                 root.chown(&refs(&p), Some(uid), Some(gid))?;
                 stat(&refs(&p))?
@@ -244,7 +269,7 @@ impl VolumeDir {
                 let p = refs(&p);
                 if let Some(size) = size {
                     let f = root.open_file(&p, true)?;
-                    self.reserve(size.saturating_sub(f.metadata()?.len()))?;
+                    self.reserve(size.saturating_sub(f.metadata()?.len()), 0)?;
                     f.set_len(size)?;
                 }
                 if uid.is_some() || gid.is_some() {
@@ -264,10 +289,11 @@ impl VolumeDir {
             }
             Request::Usage => {
                 let u = self.measure();
-                *self.used.lock().unwrap_or_else(|p| p.into_inner()) = (u, Instant::now());
-                Response::Usage(Usage {
+                let free_bytes = MAX_VOLUME_BYTES.saturating_sub(u.bytes);
+                *self.used.lock().unwrap_or_else(|p| p.into_inner()) = u;
+                Response::Usage(volume::Usage {
                     total_bytes: MAX_VOLUME_BYTES,
-                    free_bytes: MAX_VOLUME_BYTES.saturating_sub(u),
+                    free_bytes,
                 })
             }
         })

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use agentenv_envd::volume::{self, Kind, Request, Response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::MAX_VOLUME_BYTES;
 use super::channel::{VolumeDir, serve};
+use super::{MAX_VOLUME_BYTES, MAX_VOLUME_ENTRIES};
 
 fn dir() -> (tempfile::TempDir, VolumeDir) {
     let d = tempfile::tempdir().unwrap();
@@ -292,4 +292,40 @@ async fn a_channel_answers_in_order_and_ends_on_a_bad_frame() {
         .await
         .unwrap();
     assert!(task.await.unwrap().is_err());
+}
+
+#[test]
+fn a_volume_holds_a_bounded_number_of_entries() {
+    let (d, v) = dir();
+    // Made on the host directly (fast); the guest then asks for one more of each kind.
+    let many = d.path().join("data/many");
+    std::fs::create_dir(&many).unwrap();
+    for i in 0..MAX_VOLUME_ENTRIES - 1 {
+        std::fs::File::create(many.join(i.to_string())).unwrap();
+    }
+    assert_eq!(create(&v, "/one-more"), Response::Errno(libc::EDQUOT));
+    let mkdir = Request::Mkdir {
+        path: "/d".into(),
+        mode: 0o755,
+        uid: 0,
+        gid: 0,
+    };
+    assert_eq!(ask(&v, mkdir), Response::Errno(libc::EDQUOT));
+    // Writing to what exists still works; removing makes room.
+    let w = Request::Write {
+        path: "/many/7".into(),
+        offset: 0,
+    };
+    assert_eq!(v.answer(w, b"ok").0, Response::Written(2));
+    assert_eq!(
+        ask(
+            &v,
+            Request::Unlink {
+                path: "/many/0".into()
+            }
+        ),
+        Response::Done
+    );
+    std::thread::sleep(std::time::Duration::from_millis(2100));
+    assert!(matches!(create(&v, "/one-more"), Response::Attr(_)));
 }

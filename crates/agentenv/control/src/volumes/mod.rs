@@ -27,6 +27,8 @@ mod tests;
 pub const MAX_VOLUMES: usize = 16;
 /// Bytes of files one volume may hold.
 pub const MAX_VOLUME_BYTES: u64 = 2 << 30;
+/// Files, folders and symlinks one volume may hold (bounds every walk and listing of it).
+pub const MAX_VOLUME_ENTRIES: u64 = 100_000;
 
 /// Failures of the volume API, each with what it concerns.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +55,8 @@ pub enum VolumeError {
     IsADirectory(String),
     #[error("the volume would exceed its {0} bytes")]
     Full(u64),
+    #[error("the volume holds its {0} entries already")]
+    TooManyEntries(u64),
     #[error("{what} {}: {source}", path.display())]
     Io {
         what: &'static str,
@@ -379,6 +383,9 @@ impl Content {
                 Ok(_) => return Err(VolumeError::Exists(at)),
                 Err(_) if !last && !force => return Err(VolumeError::PathNotFound(at)),
                 Err(_) => {
+                    if self.root.usage(MAX_VOLUME_ENTRIES).1 >= MAX_VOLUME_ENTRIES {
+                        return Err(VolumeError::TooManyEntries(MAX_VOLUME_ENTRIES));
+                    }
                     let mode = meta.mode.unwrap_or(0o755);
                     self.root
                         .mkdir(here, mode)
@@ -419,8 +426,11 @@ impl Content {
             Ok(_) => return Err(VolumeError::NotADirectory(display(up))),
             Err(_) => return Err(VolumeError::PathNotFound(shown)),
         }
-        if used(&self.root.proc_path()).saturating_sub(old) + bytes.len() as u64 > MAX_VOLUME_BYTES
-        {
+        let (used, entries) = self.root.usage(MAX_VOLUME_ENTRIES);
+        if entries >= MAX_VOLUME_ENTRIES {
+            return Err(VolumeError::TooManyEntries(MAX_VOLUME_ENTRIES));
+        }
+        if used.saturating_sub(old) + bytes.len() as u64 > MAX_VOLUME_BYTES {
             return Err(VolumeError::Full(MAX_VOLUME_BYTES));
         }
         let tmp_name = format!(".k3-upload-{:016x}", rand::random::<u64>());
@@ -512,20 +522,4 @@ fn fail(e: std::io::Error, shown: &str, what: &'static str) -> VolumeError {
 
 fn display(parts: &[&str]) -> String {
     format!("/{}", parts.join("/"))
-}
-
-/// Bytes of the files under `root`.
-fn used(root: &Path) -> u64 {
-    let mut total = 0;
-    let mut dirs = vec![root.to_path_buf()];
-    while let Some(d) = dirs.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            match e.metadata() {
-                Ok(m) if m.is_dir() => dirs.push(e.path()),
-                Ok(m) => total += m.len(),
-                Err(_) => {}
-            }
-        }
-    }
-    total
 }
