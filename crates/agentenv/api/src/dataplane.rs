@@ -362,10 +362,13 @@ async fn forward(
     if let Some(protocol) = upgrade {
         crate::upgrade::keep(&mut parts.headers, protocol);
     }
-    let host = format!(
-        "localhost:{}",
-        port.map_or(ENVD_PORT.to_string(), |p| p.to_string())
-    );
+    let host = match (port, &rec.mask_request_host) {
+        (Some(p), Some(mask)) => mask.replace("${PORT}", &p.to_string()),
+        (p, _) => format!(
+            "localhost:{}",
+            p.map_or(ENVD_PORT.to_string(), |p| p.to_string())
+        ),
+    };
     parts.headers.insert(
         header::HOST,
         header::HeaderValue::from_str(&host).map_err(|e| ApiError::bad_request(e.to_string()))?,

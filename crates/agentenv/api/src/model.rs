@@ -79,7 +79,8 @@ pub struct NetworkConfig {
     /// E2B); false: they need that token (or the envd access token). envd's port always needs a token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allow_public_traffic: Option<bool>,
-    /// Accepted and ignored.
+    /// The `Host` header requests from outside carry to the sandbox's user ports (`${PORT}` stands
+    /// for the port); by default `localhost:<port>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask_request_host: Option<String>,
 }

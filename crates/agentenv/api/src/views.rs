@@ -58,6 +58,18 @@ pub fn listed(rec: &SandboxRecord) -> ListedSandbox {
 /// A create request as the lifecycle takes it: E2B's fields checked, its egress rules parsed.
 pub fn create_request(req: NewSandbox) -> Result<CreateRequest, ApiError> {
     let network = crate::egress::create_policy(req.allow_internet_access, req.network.as_ref())?;
+    let mask_request_host = req
+        .network
+        .as_ref()
+        .and_then(|n| n.mask_request_host.clone())
+        .filter(|m| !m.is_empty());
+    if let Some(m) = &mask_request_host
+        && (m.len() > 255 || !m.bytes().all(|b| b.is_ascii_graphic()))
+    {
+        return Err(ApiError::bad_request(
+            "network.maskRequestHost: at most 255 visible ASCII characters",
+        ));
+    }
     let network_asked = req.allow_internet_access == Some(true)
         || req.network.as_ref().is_some_and(|n| n.allow_out.is_some());
     // `{"enabled": true}`, or `true` as older SDKs send it.
@@ -77,6 +89,7 @@ pub fn create_request(req: NewSandbox) -> Result<CreateRequest, ApiError> {
         network,
         network_asked,
         public_traffic: req.network.as_ref().and_then(|n| n.allow_public_traffic) != Some(false),
+        mask_request_host,
         volume_mounts: req
             .volume_mounts
             .unwrap_or_default()
@@ -125,7 +138,10 @@ pub fn detail(
         envd_access_token: rec.access_token.clone(),
         domain: domain.map(str::to_string),
         allow_internet_access: net.is_some_and(|n| !n.policy.internet_blocked()),
-        network: net.map(crate::egress::view),
+        network: net.map(crate::egress::view).map(|mut n| {
+            n.mask_request_host = rec.mask_request_host.clone();
+            n
+        }),
         lifecycle: Lifecycle {
             auto_resume: rec.auto_resume,
             on_timeout: if rec.auto_pause { "pause" } else { "kill" }.into(),
@@ -305,6 +321,7 @@ mod tests {
             auto_pause_memory: true,
             paused_filesystem: false,
             public_traffic: false,
+            mask_request_host: None,
             volume_mounts: vec![],
         }
     }

@@ -68,6 +68,10 @@ pub struct SandboxRecord {
     /// create said false); records of older servers say no.
     #[serde(default)]
     pub public_traffic: bool,
+    /// The `Host` its user ports see for requests from outside (E2B's `maskRequestHost`, `${PORT}`
+    /// standing for the port); `None`: `localhost:<port>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_request_host: Option<String>,
     /// Volumes mounted into it (kept attached while it runs).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volume_mounts: Vec<VolumeMount>,
@@ -313,6 +317,9 @@ mod tests {
             auto_pause_memory: rng.random(),
             paused_filesystem: rng.random(),
             public_traffic: rng.random(),
+            mask_request_host: rng
+                .random::<bool>()
+                .then(|| "masked.example:${PORT}".to_string()),
             volume_mounts: if rng.random() {
                 vec![VolumeMount {
                     volume_id: format!("v{}", rng.random::<u32>()),

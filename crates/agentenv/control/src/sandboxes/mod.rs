@@ -366,6 +366,7 @@ impl Sandboxes {
             auto_pause_memory: !req.auto_pause_filesystem,
             paused_filesystem: false,
             public_traffic: req.public_traffic,
+            mask_request_host: req.mask_request_host,
             volume_mounts: mounts.clone(),
         };
         if let Err(e) = self.put(rec.clone()) {

@@ -40,6 +40,8 @@ pub struct CreateRequest {
     /// Whether the caller asked for a network explicitly (refused where sandboxes get none);
     /// otherwise such a host creates it without one.
     pub network_asked: bool,
+    /// The `Host` its user ports see (E2B's `maskRequestHost`; `${PORT}` is the port).
+    pub mask_request_host: Option<String>,
     /// Volumes to mount: (volume name, absolute guest path).
     pub volume_mounts: Vec<(String, String)>,
 }

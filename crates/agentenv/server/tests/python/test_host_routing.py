@@ -115,3 +115,40 @@ def test_a_sandbox_without_public_traffic_needs_its_traffic_token(routed):
         assert wrong.status_code == 401
     finally:
         sbx.kill()
+
+
+def test_mask_request_host_sets_the_host_a_sandbox_port_sees(routed):
+    """E2B's `network.maskRequestHost`: requests from outside reach the sandbox's user port with that
+    `Host` (`${PORT}` is the port); without it the port sees `localhost:<port>`."""
+    from e2b import Sandbox
+
+    srv, domain = routed
+    echo = ("import http.server\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        b = self.headers['Host'].encode()\n"
+            "        self.send_response(200); self.send_header('Content-Length', str(len(b))); self.end_headers()\n"
+            "        self.wfile.write(b)\n"
+            "    def log_message(self, *a): pass\n"
+            "import sys; http.server.HTTPServer(('', int(sys.argv[1])), H).serve_forever()\n")
+    for mask in ["custom-host.example.com:${PORT}", None]:
+        body = {"templateID": "base", "timeout": 300}
+        if mask:
+            body["network"] = {"maskRequestHost": mask}
+        created = httpx.post(f"{srv.url}/sandboxes", headers={"X-API-KEY": srv.api_key}, timeout=300, json=body)
+        assert created.status_code == 201, created.text
+        sbx = Sandbox.connect(created.json()["sandboxID"])
+        try:
+            port = 8000 + secrets.randbelow(900)
+            sbx.files.write("/tmp/echo.py", echo)
+            sbx.commands.run(f"python3 /tmp/echo.py {port}", background=True)
+            r = get_until_up(f"http://{sbx.get_host(port)}/")
+            want = f"custom-host.example.com:{port}" if mask else f"localhost:{port}"
+            assert (r.status_code, r.text) == (200, want)
+            detail = httpx.get(f"{srv.url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": srv.api_key}).json()
+            assert (detail.get("network") or {}).get("maskRequestHost") == mask
+        finally:
+            sbx.kill()
+    bad = httpx.post(f"{srv.url}/sandboxes", headers={"X-API-KEY": srv.api_key}, timeout=60,
+                     json={"templateID": "base", "network": {"maskRequestHost": "a b\r\nX: y"}})
+    assert bad.status_code == 400, bad.text
