@@ -202,6 +202,19 @@ pub fn request_ok(headers: &HeaderMap, rec: &SandboxRecord) -> bool {
                 )))
 }
 
+/// The answer to a request [`request_ok`] refused: as E2B, 403 on a user port (its traffic token),
+/// 401 on envd's (its access token).
+pub fn refusal(headers: &HeaderMap) -> ApiError {
+    if user_port(headers) {
+        ApiError::new(
+            axum::http::StatusCode::FORBIDDEN,
+            "missing or wrong E2B-Traffic-Access-Token (or X-Access-Token) for this sandbox",
+        )
+    } else {
+        ApiError::unauthorized("missing or wrong X-Access-Token for this sandbox")
+    }
+}
+
 /// Serves one data-plane request for `plane`.
 pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Response, ApiError> {
     let rec = match &plane {
@@ -211,11 +224,7 @@ pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Respo
                 .get(id)
                 .ok_or_else(|| ApiError::bad_gateway(format!("The sandbox {id} was not found")))?;
             if !request_ok(req.headers(), &rec) {
-                return Err(ApiError::unauthorized(if user_port(req.headers()) {
-                    "missing or wrong E2B-Traffic-Access-Token (or X-Access-Token) for this sandbox"
-                } else {
-                    "missing or wrong X-Access-Token for this sandbox"
-                }));
+                return Err(refusal(req.headers()));
             }
             rec
         }

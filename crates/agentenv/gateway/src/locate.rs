@@ -237,11 +237,9 @@ pub async fn data_plane(
         Err(GatewayError::PausedElsewhere { .. })
             if bad_token.load(std::sync::atomic::Ordering::Relaxed) =>
         {
-            return Err(GatewayError::Api(
-                agentenv_api::error::ApiError::unauthorized(
-                    "missing or wrong X-Access-Token for this sandbox",
-                ),
-            ));
+            return Err(GatewayError::Api(agentenv_api::dataplane::refusal(
+                &headers,
+            )));
         }
         r => r?,
     };

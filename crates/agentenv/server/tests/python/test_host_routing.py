@@ -110,9 +110,9 @@ def test_a_sandbox_without_public_traffic_needs_its_traffic_token(routed):
                 break
             time.sleep(0.5)
         assert r.status_code == 200 and r.text == "private\n", r.text
-        assert httpx.get(url, timeout=30).status_code == 401
+        assert httpx.get(url, timeout=30).status_code == 403  # as E2B: a user port's token is missing
         wrong = httpx.get(url, headers={"E2B-Traffic-Access-Token": "nope"}, timeout=30)
-        assert wrong.status_code == 401
+        assert wrong.status_code == 403
     finally:
         sbx.kill()
 
