@@ -222,7 +222,7 @@ pub async fn serve(state: &AppState, plane: Plane, req: Request) -> Result<Respo
             let rec = state
                 .sandboxes
                 .get(id)
-                .ok_or_else(|| ApiError::bad_gateway(format!("The sandbox {id} was not found")))?;
+                .ok_or_else(|| ApiError::sandbox_gone(id))?;
             if !request_ok(req.headers(), &rec) {
                 return Err(refusal(req.headers()));
             }
@@ -401,7 +401,10 @@ async fn forward(
     if let Some(p) = port {
         open_tunnel(&mut stream, id, p).await?;
     }
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    // Header names as E2B's proxy sends them (`Host:`): servers in the sandbox may read them as is.
+    let (mut sender, conn) = hyper::client::conn::http1::Builder::new()
+        .title_case_headers(true)
+        .handshake(TokioIo::new(stream))
         .await
         .map_err(|e| {
             ApiError::bad_gateway(format!(

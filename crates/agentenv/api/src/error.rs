@@ -14,6 +14,8 @@ use crate::sandboxes::{LifecycleError, VmCase};
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// The sandbox a data-plane error is about (`sandboxId` in the body).
+    pub sandbox_id: Option<String>,
 }
 
 impl ApiError {
@@ -21,6 +23,7 @@ impl ApiError {
         ApiError {
             status,
             message: message.into(),
+            sandbox_id: None,
         }
     }
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -28,6 +31,14 @@ impl ApiError {
     }
     pub fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNAUTHORIZED, message)
+    }
+    /// The data plane's answer for a sandbox that does not run (killed, timed out, unknown), as
+    /// E2B's proxy gives it: 502, `The sandbox was not found` and its id.
+    pub fn sandbox_gone(id: &str) -> Self {
+        ApiError {
+            sandbox_id: Some(id.into()),
+            ..Self::bad_gateway("The sandbox was not found")
+        }
     }
     pub fn not_found(message: impl Into<String>) -> Self {
         Self::new(StatusCode::NOT_FOUND, message)
@@ -48,9 +59,6 @@ impl ApiError {
                 wait.as_millis().max(1)
             ),
         )
-    }
-    pub fn sandbox_not_found(id: &str) -> Self {
-        Self::not_found(format!("sandbox {id} was not found"))
     }
 }
 
@@ -90,6 +98,7 @@ impl IntoResponse for ApiError {
         let body = ErrorBody {
             code: self.status.as_u16(),
             message: self.message,
+            sandbox_id: self.sandbox_id,
         };
         let mut resp = (self.status, axum::Json(body)).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS

@@ -10,6 +10,9 @@ use utoipa::ToSchema;
 pub struct ErrorBody {
     pub code: u16,
     pub message: String,
+    /// The sandbox a data-plane error is about (E2B's proxy names it).
+    #[serde(default, rename = "sandboxId", skip_serializing_if = "Option::is_none")]
+    pub sandbox_id: Option<String>,
 }
 
 /// Body of `POST /v2/sandboxes` and `POST /sandboxes`. Unknown fields are ignored.

@@ -34,8 +34,10 @@ pub fn gateway_response(e: crate::GatewayError, data_plane: bool) -> Response {
         G::Forbidden(_) => StatusCode::FORBIDDEN,
     };
     let message = match &e {
-        G::Api(a) => a.message.clone(),
-        G::SandboxNotFound(id) if data_plane => format!("The sandbox {id} was not found"),
+        G::Api(a) => return a.clone().into_response(),
+        G::SandboxNotFound(id) if data_plane => {
+            return ApiError::sandbox_gone(id).into_response();
+        }
         _ if gone && data_plane => format!("The sandbox was not found: {e}"),
         _ => e.to_string(),
     };

@@ -103,6 +103,7 @@ pub async fn fork(
                     error: Some(ErrorBody {
                         code: e.status.as_u16(),
                         message: e.message,
+                        sandbox_id: e.sandbox_id,
                     }),
                 }
             }
