@@ -17,6 +17,7 @@
 //! Invariant: only this crate knows E2B JSON; HTTP status is decided here (and, for the gateway's own
 //! failures, in `agentenv-gateway`).
 
+pub mod access;
 pub mod app;
 pub mod build_routes;
 pub mod conn;

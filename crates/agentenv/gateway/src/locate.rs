@@ -229,7 +229,7 @@ pub async fn data_plane(
     let headers = req.headers().clone();
     let bad_token = std::sync::atomic::AtomicBool::new(false);
     let may_move = |r: &HandoffRecord| {
-        let ok = by_token || agentenv_api::dataplane::request_ok(&headers, &r.sandbox);
+        let ok = by_token || agentenv_api::access::request_ok(&headers, &r.sandbox);
         bad_token.store(!ok, std::sync::atomic::Ordering::Relaxed);
         r.sandbox.auto_resume && ok
     };
@@ -237,9 +237,7 @@ pub async fn data_plane(
         Err(GatewayError::PausedElsewhere { .. })
             if bad_token.load(std::sync::atomic::Ordering::Relaxed) =>
         {
-            return Err(GatewayError::Api(agentenv_api::dataplane::refusal(
-                &headers,
-            )));
+            return Err(GatewayError::Api(agentenv_api::access::refusal(&headers)));
         }
         r => r?,
     };
