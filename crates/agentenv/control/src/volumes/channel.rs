@@ -96,12 +96,11 @@ impl VolumeDir {
         })
     }
 
-    fn path_of(&self, path: &str) -> io::Result<Vec<String>> {
+    fn path_of<'p>(&self, path: &'p str) -> io::Result<Vec<&'p str>> {
         if path.len() > volume::MAX_PATH {
             return Err(err(libc::ENAMETOOLONG));
         }
-        let parts = components(path).map_err(|_| err(libc::EINVAL))?;
-        Ok(parts.into_iter().map(str::to_owned).collect())
+        components(path).map_err(|_| err(libc::EINVAL))
     }
 
     /// Takes `bytes` more bytes and `entries` more entries of the volume's limits, or `EDQUOT`.
@@ -141,20 +140,11 @@ impl VolumeDir {
     fn run(&self, req: Request, data: &[u8], out: &mut Vec<u8>) -> io::Result<Response> {
         let root = &self.root;
         let stat = |p: &[&str]| root.stat(p).map(|s| Response::Attr(attr(&s)));
-        macro_rules! parts {
-            ($p:expr) => {{
-                let v = self.path_of(&$p)?;
-                v
-            }};
-        }
-        fn refs(v: &[String]) -> Vec<&str> {
-            v.iter().map(String::as_str).collect()
-        }
         Ok(match req {
-            Request::Stat { path } => stat(&refs(&parts!(path)))?,
+            Request::Stat { path } => stat(&self.path_of(&path)?)?,
             Request::List { path, offset } => {
-                let p = parts!(path);
-                let all = root.list(&refs(&p))?;
+                let p = self.path_of(&path)?;
+                let all = root.list(&p)?;
                 Response::Entries(
                     all.into_iter()
                         .skip(usize::try_from(offset).unwrap_or(usize::MAX))
@@ -167,7 +157,7 @@ impl VolumeDir {
                 )
             }
             Request::Read { path, offset, len } => {
-                let f = root.open_file(&refs(&parts!(path)), false)?;
+                let f = root.open_file(&self.path_of(&path)?, false)?;
                 out.resize(len.min(volume::MAX_IO) as usize, 0);
                 let mut got = 0;
                 while got < out.len() {
@@ -183,7 +173,7 @@ impl VolumeDir {
                 if data.len() > volume::MAX_IO as usize {
                     return Err(err(libc::EINVAL));
                 }
-                let f = root.open_file(&refs(&parts!(path)), true)?;
+                let f = root.open_file(&self.path_of(&path)?, true)?;
                 let end = offset
                     .checked_add(data.len() as u64)
                     .ok_or_else(|| err(libc::EFBIG))?;
@@ -198,19 +188,19 @@ impl VolumeDir {
                 gid,
                 exclusive,
             } => {
-                let p = parts!(path);
+                let p = self.path_of(&path)?;
                 // A new file is the asker's; an existing one (not `exclusive`) stays as it is.
-                if root.stat(&refs(&p)).is_err() {
+                if root.stat(&p).is_err() {
                     self.reserve(0, 1)?;
                 }
-                match root.create(&refs(&p), mode, true) {
-                    Ok(_) => root.chown(&refs(&p), Some(uid), Some(gid))?,
+                match root.create(&p, mode, true) {
+                    Ok(_) => root.chown(&p, Some(uid), Some(gid))?,
                     Err(e) if !exclusive && e.raw_os_error() == Some(libc::EEXIST) => {
-                        root.create(&refs(&p), mode, false)?;
+                        root.create(&p, mode, false)?;
                     }
                     Err(e) => return Err(e),
                 }
-                stat(&refs(&p))?
+                stat(&p)?
             }
             Request::Mkdir {
                 path,
@@ -218,11 +208,11 @@ impl VolumeDir {
                 uid,
                 gid,
             } => {
-                let p = parts!(path);
+                let p = self.path_of(&path)?;
                 self.reserve(0, 1)?;
-                root.mkdir(&refs(&p), mode)?;
-                root.chown(&refs(&p), Some(uid), Some(gid))?;
-                stat(&refs(&p))?
+                root.mkdir(&p, mode)?;
+                root.chown(&p, Some(uid), Some(gid))?;
+                stat(&p)?
             }
             Request::Symlink {
                 path,
@@ -233,19 +223,19 @@ impl VolumeDir {
                 if target.is_empty() || target.len() >= volume::MAX_PATH {
                     return Err(err(libc::EINVAL));
                 }
-                let p = parts!(path);
+                let p = self.path_of(&path)?;
                 self.reserve(0, 1)?;
-                root.symlink(&refs(&p), &target)?;
-                root.chown(&refs(&p), Some(uid), Some(gid))?;
-                stat(&refs(&p))?
+                root.symlink(&p, &target)?;
+                root.chown(&p, Some(uid), Some(gid))?;
+                stat(&p)?
             }
-            Request::Readlink { path } => Response::Link(root.readlink(&refs(&parts!(path)))?),
+            Request::Readlink { path } => Response::Link(root.readlink(&self.path_of(&path)?)?),
             Request::Unlink { path } => {
-                root.remove(&refs(&parts!(path)), false)?;
+                root.remove(&self.path_of(&path)?, false)?;
                 Response::Done
             }
             Request::Rmdir { path } => {
-                root.remove(&refs(&parts!(path)), true)?;
+                root.remove(&self.path_of(&path)?, true)?;
                 Response::Done
             }
             Request::Rename {
@@ -253,7 +243,7 @@ impl VolumeDir {
                 to,
                 noreplace,
             } => {
-                root.rename(&refs(&parts!(from)), &refs(&parts!(to)), noreplace)?;
+                root.rename(&self.path_of(&from)?, &self.path_of(&to)?, noreplace)?;
                 Response::Done
             }
             Request::SetAttr {
@@ -265,8 +255,7 @@ impl VolumeDir {
                 atime_ns,
                 mtime_ns,
             } => {
-                let p = parts!(path);
-                let p = refs(&p);
+                let p = self.path_of(&path)?;
                 if let Some(size) = size {
                     let f = root.open_file(&p, true)?;
                     self.reserve(size.saturating_sub(f.metadata()?.len()), 0)?;
@@ -284,7 +273,7 @@ impl VolumeDir {
                 stat(&p)?
             }
             Request::Fsync { path } => {
-                root.open_any(&refs(&parts!(path)))?.sync_all()?;
+                root.open_any(&self.path_of(&path)?)?.sync_all()?;
                 Response::Done
             }
             Request::Usage => {

@@ -236,7 +236,15 @@ impl<H: Host> Fs<H> {
                 if flags & libc::O_TRUNC as u32 != 0 && a.size != 0 {
                     // An existing file opened with O_TRUNC (it appeared meanwhile).
                     a = self.attr(
-                        setattr(p.clone(), None, None, None, Some(0), None, None),
+                        Request::SetAttr {
+                            path: p.clone(),
+                            mode: None,
+                            uid: None,
+                            gid: None,
+                            size: Some(0),
+                            atime_ns: None,
+                            mtime_ns: None,
+                        },
                         dl,
                     )?;
                 }
@@ -345,15 +353,15 @@ impl<H: Host> Fs<H> {
                 None
             })
         };
-        let req = setattr(
-            path.clone(),
-            has(fattr::MODE).then_some(mode & 0o7777),
-            has(fattr::UID).then_some(uid),
-            has(fattr::GID).then_some(gid),
-            has(fattr::SIZE).then_some(size),
-            time(fattr::ATIME_NOW, fattr::ATIME, atime, atimensec)?,
-            time(fattr::MTIME_NOW, fattr::MTIME, mtime, mtimensec)?,
-        );
+        let req = Request::SetAttr {
+            path: path.clone(),
+            mode: has(fattr::MODE).then_some(mode & 0o7777),
+            uid: has(fattr::UID).then_some(uid),
+            gid: has(fattr::GID).then_some(gid),
+            size: has(fattr::SIZE).then_some(size),
+            atime_ns: time(fattr::ATIME_NOW, fattr::ATIME, atime, atimensec)?,
+            mtime_ns: time(fattr::MTIME_NOW, fattr::MTIME, mtime, mtimensec)?,
+        };
         let req = match req {
             Request::SetAttr {
                 mode: None,
@@ -466,25 +474,5 @@ impl<H: Host> Fs<H> {
             self.dirs.insert(fh, page);
         }
         out
-    }
-}
-
-fn setattr(
-    path: String,
-    mode: Option<u32>,
-    uid: Option<u32>,
-    gid: Option<u32>,
-    size: Option<u64>,
-    atime_ns: Option<i64>,
-    mtime_ns: Option<i64>,
-) -> Request {
-    Request::SetAttr {
-        path,
-        mode,
-        uid,
-        gid,
-        size,
-        atime_ns,
-        mtime_ns,
     }
 }
