@@ -15,6 +15,8 @@ pub enum EgressError {
     BadTarget { entry: String, why: &'static str },
     #[error("at most {max} allow_out and deny_out entries")]
     TooManyRules { max: usize },
+    #[error("rules[{domain:?}]: {why}")]
+    BadRule { domain: String, why: String },
 }
 
 /// One `allow_out`/`deny_out` entry.
@@ -127,6 +129,9 @@ pub struct EgressPolicy {
     pub allow_out: Vec<Target>,
     /// `deny_out`; `allow_internet_access=false` is `deny_out = [0.0.0.0/0]`.
     pub deny_out: Vec<Target>,
+    /// E2B's `rules`: headers set on HTTP(S) requests to a domain (the egress proxy's transforms).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rules: Vec<HeaderRule>,
 }
 
 impl EgressPolicy {
@@ -150,7 +155,41 @@ impl EgressPolicy {
         Ok(EgressPolicy {
             allow_out,
             deny_out,
+            rules: Vec::new(),
         })
+    }
+
+    /// This policy with `rules`; more than [`MAX_HEADER_RULES`] are refused.
+    pub fn with_rules(mut self, rules: Vec<HeaderRule>) -> Result<EgressPolicy, EgressError> {
+        if rules.len() > MAX_HEADER_RULES {
+            return Err(EgressError::TooManyRules {
+                max: MAX_HEADER_RULES,
+            });
+        }
+        self.rules = rules;
+        Ok(self)
+    }
+
+    /// Whether a connection to host `name` may go out: an `allow_out` name, else not a `deny_out`
+    /// one and the internet on (for names whose address the policy cannot see, such as the
+    /// sandbox domain, which the host serves itself).
+    pub fn name_allowed(&self, name: &str) -> bool {
+        self.name_verdict(name)
+            .unwrap_or_else(|| !self.internet_blocked())
+    }
+
+    /// The headers the rules set on a request to `name` on `port`, in rule order.
+    pub fn headers_for(&self, name: &str, port: u16) -> Vec<(&str, &str)> {
+        self.rules
+            .iter()
+            .filter(|r| r.port.is_none_or(|p| p == port) && r.domain.matches_name(name))
+            .flat_map(|r| r.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .collect()
+    }
+
+    /// Whether any rule names `name` (on any port).
+    pub fn has_rule_for(&self, name: &str) -> bool {
+        self.rules.iter().any(|r| r.domain.matches_name(name))
     }
 
     /// True when no egress is possible except `allow_out` (deny covers everything).
@@ -170,6 +209,65 @@ impl EgressPolicy {
             .iter()
             .any(|t| t.matches_name(name))
             .then_some(false)
+    }
+}
+
+/// Most entries of `rules`.
+pub const MAX_HEADER_RULES: usize = 64;
+/// Most headers one rule sets.
+pub const MAX_RULE_HEADERS: usize = 32;
+/// Longest header value a rule sets, bytes.
+pub const MAX_HEADER_VALUE: usize = 8192;
+
+/// One entry of E2B's `network.rules`: headers set (replacing any the guest sent) on every HTTP or
+/// HTTPS request to `domain` (a host name or `*.suffix`, optionally `:port`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeaderRule {
+    pub domain: Target,
+    /// Only requests to this port; `None`: any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    pub headers: Vec<(String, String)>,
+}
+
+impl HeaderRule {
+    /// Parses `key` (`host`, `*.suffix`, `host:port`) and checks the headers: names are HTTP
+    /// tokens, values printable without line breaks.
+    pub fn new(key: &str, headers: Vec<(String, String)>) -> Result<HeaderRule, EgressError> {
+        let bad = |why: String| EgressError::BadRule {
+            domain: key.to_string(),
+            why,
+        };
+        let (host, port) = match key.rsplit_once(':') {
+            Some((h, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+                let p: u16 = p.parse().map_err(|_| bad("port out of range".into()))?;
+                (h, Some(p))
+            }
+            _ => (key, None),
+        };
+        let domain = Target::parse(host).map_err(|e| bad(e.to_string()))?;
+        if !matches!(domain, Target::Domain(_)) {
+            return Err(bad("keys are host names, not addresses".into()));
+        }
+        if headers.len() > MAX_RULE_HEADERS {
+            return Err(bad(format!("at most {MAX_RULE_HEADERS} headers")));
+        }
+        for (k, v) in &headers {
+            let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+            if k.is_empty() || k.len() > 256 || !k.bytes().all(token) {
+                return Err(bad(format!("{k:?} is not a header name")));
+            }
+            if v.len() > MAX_HEADER_VALUE
+                || !v.bytes().all(|b| b == b'\t' || (b >= 0x20 && b != 0x7f))
+            {
+                return Err(bad(format!("the value of {k} is not a header value")));
+            }
+        }
+        Ok(HeaderRule {
+            domain,
+            port,
+            headers,
+        })
     }
 }
 
@@ -217,4 +315,55 @@ pub struct Sample {
     pub guest: agentenv_envd::GuestMetrics,
     /// Its network's counters (`None` without a network).
     pub net: Option<NetStats>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(k: &str, v: &str) -> Vec<(String, String)> {
+        vec![(k.to_string(), v.to_string())]
+    }
+
+    #[test]
+    fn header_rules_parse_match_and_refuse_bad_input() {
+        let r = HeaderRule::new("API.example.test:8443", h("X-Token", "a b")).unwrap();
+        assert_eq!(r.port, Some(8443));
+        let w = HeaderRule::new("*.svc.test", h("Authorization", "Bearer t")).unwrap();
+        let p = EgressPolicy::default().with_rules(vec![r, w]).unwrap();
+        assert_eq!(
+            p.headers_for("api.example.test", 8443),
+            vec![("X-Token", "a b")]
+        );
+        assert!(p.headers_for("api.example.test", 443).is_empty());
+        assert_eq!(p.headers_for("a.svc.test", 80).len(), 1);
+        assert!(p.headers_for("svc.test", 80).is_empty());
+        assert!(p.has_rule_for("api.example.test") && !p.has_rule_for("other.test"));
+        for (key, headers) in [
+            ("1.2.3.4", h("A", "b")),
+            ("a.test:99999", h("A", "b")),
+            ("bad name", h("A", "b")),
+            ("a.test", h("Bad Name", "b")),
+            ("a.test", h("A", "line\r\nInjected: yes")),
+            ("a.test", h("A", &"v".repeat(MAX_HEADER_VALUE + 1))),
+        ] {
+            assert!(HeaderRule::new(key, headers).is_err(), "{key}");
+        }
+        let many = (0..=MAX_HEADER_RULES)
+            .map(|i| HeaderRule::new(&format!("h{i}.test"), vec![]).unwrap())
+            .collect();
+        assert!(EgressPolicy::default().with_rules(many).is_err());
+    }
+
+    #[test]
+    fn names_the_policy_cannot_resolve_follow_the_internet_switch() {
+        let d = |s: &str| Target::parse(s).unwrap();
+        let open = EgressPolicy::new(true, vec![], vec![d("*.bad.test")]).unwrap();
+        assert!(open.name_allowed("x.sbx.test") && !open.name_allowed("a.bad.test"));
+        let closed = EgressPolicy::new(false, vec![d("*.sbx.test")], vec![]).unwrap();
+        assert!(closed.name_allowed("x.sbx.test") && !closed.name_allowed("x.other.test"));
+        // An old record without rules still reads.
+        let old: EgressPolicy = serde_json::from_str(r#"{"allow_out":[],"deny_out":[]}"#).unwrap();
+        assert!(old.rules.is_empty());
+    }
 }

@@ -13,7 +13,9 @@ pub mod egress;
 pub mod snapshot;
 pub mod template;
 
-pub use egress::{EgressError, EgressPolicy, NetLimits, NetStats, NetworkInfo, Sample, Target};
+pub use egress::{
+    EgressError, EgressPolicy, HeaderRule, NetLimits, NetStats, NetworkInfo, Sample, Target,
+};
 pub use snapshot::{SnapshotInfo, SnapshotMode, StoredChunks};
 pub use template::{BuildProgress, BuildStep, ImageSource, TemplateInfo, TemplateSpec};
 
