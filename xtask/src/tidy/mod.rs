@@ -22,6 +22,7 @@ const MAX_LINES: usize = 800;
 const ROOMY: &[&str] = &[
     "crates/agentenv/api/",
     "crates/agentenv/control/",
+    "crates/agentenv/egress/",
     "crates/agentenv/gateway/",
     "crates/agentenv/vm/",
 ];

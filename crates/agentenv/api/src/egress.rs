@@ -1,10 +1,50 @@
-//! E2B's network options (`allow_internet_access`, `network.allowOut/denyOut/dnsServers` at create,
-//! `PUT /sandboxes/{id}/network`) as the runtime's egress policy, and back.
+//! E2B's network options (`allow_internet_access`, `network.allowOut/denyOut/dnsServers/rules` at
+//! create, `PUT /sandboxes/{id}/network`) as the runtime's egress policy, and back.
 
-use agentenv_vm::{EgressError, EgressPolicy, NetworkInfo, Target};
+use agentenv_vm::{EgressError, EgressPolicy, HeaderRule, NetworkInfo, Target};
 
 use crate::error::ApiError;
-use crate::model::{NetworkConfig, NetworkUpdate};
+use crate::model::{NetworkConfig, NetworkRule, NetworkRules, NetworkTransform, NetworkUpdate};
+
+/// E2B's `rules` as header rules (a domain's transforms merged, later ones winning).
+fn header_rules(rules: Option<&NetworkRules>) -> Result<Vec<HeaderRule>, EgressError> {
+    rules
+        .into_iter()
+        .flatten()
+        .map(|(domain, list)| {
+            let mut headers: Vec<(String, String)> = Vec::new();
+            let set = list
+                .iter()
+                .filter_map(|r| r.transform.as_ref()?.headers.as_ref())
+                .flatten();
+            for (k, v) in set {
+                headers.retain(|(old, _)| !old.eq_ignore_ascii_case(k));
+                headers.push((k.clone(), v.clone()));
+            }
+            HeaderRule::new(domain, headers)
+        })
+        .collect()
+}
+
+/// The API view of header rules.
+fn rules_view(rules: &[HeaderRule]) -> NetworkRules {
+    rules
+        .iter()
+        .map(|r| {
+            let mut key = String::from(r.domain.clone());
+            if let Some(p) = r.port {
+                key = format!("{key}:{p}");
+            }
+            let headers = r.headers.iter().cloned().collect();
+            let rule = NetworkRule {
+                transform: Some(NetworkTransform {
+                    headers: Some(headers),
+                }),
+            };
+            (key, vec![rule])
+        })
+        .collect()
+}
 
 /// The policy of E2B's fields; a bad entry is a 400 naming it.
 pub fn policy(
@@ -12,6 +52,7 @@ pub fn policy(
     allow_out: Option<&[String]>,
     deny_out: Option<&[String]>,
     dns_servers: Option<&[String]>,
+    rules: Option<&NetworkRules>,
 ) -> Result<EgressPolicy, ApiError> {
     let bad = |e: EgressError| ApiError::bad_request(format!("network: {e}"));
     let targets = |v: &[String]| {
@@ -36,7 +77,9 @@ pub fn policy(
             allow.push(Target::Net { addr, prefix: 32 });
         }
     }
-    EgressPolicy::new(internet.unwrap_or(true), allow, deny).map_err(bad)
+    EgressPolicy::new(internet.unwrap_or(true), allow, deny)
+        .and_then(|p| p.with_rules(header_rules(rules)?))
+        .map_err(bad)
 }
 
 /// The create request's policy.
@@ -49,6 +92,7 @@ pub fn create_policy(
         net.and_then(|n| n.allow_out.as_deref()),
         net.and_then(|n| n.deny_out.as_deref()),
         net.and_then(|n| n.dns_servers.as_deref()),
+        net.and_then(|n| n.rules.as_ref()),
     )
 }
 
@@ -58,6 +102,7 @@ pub fn view(info: &NetworkInfo) -> NetworkConfig {
     NetworkConfig {
         allow_out: Some(list(&info.policy.allow_out)),
         deny_out: Some(list(&info.policy.deny_out)),
+        rules: (!info.policy.rules.is_empty()).then(|| rules_view(&info.policy.rules)),
         ..Default::default()
     }
 }
@@ -69,6 +114,7 @@ pub fn update_policy(req: &NetworkUpdate) -> Result<EgressPolicy, ApiError> {
         req.allow_out.as_deref(),
         req.deny_out.as_deref(),
         req.dns_servers.as_deref(),
+        req.rules.as_ref(),
     )
 }
 
@@ -82,19 +128,33 @@ mod tests {
 
     #[test]
     fn e2b_fields_map_to_a_policy_and_bad_entries_are_400s() {
-        let p = policy(Some(false), Some(&v(&["api.test"])), None, None).unwrap();
+        let p = policy(Some(false), Some(&v(&["api.test"])), None, None, None).unwrap();
         assert!(p.internet_blocked());
         assert_eq!(p.name_verdict("api.test"), Some(true));
-        let p = policy(None, None, Some(&v(&["*.bad.test"])), None).unwrap();
+        let p = policy(None, None, Some(&v(&["*.bad.test"])), None, None).unwrap();
         assert!(
             !p.internet_blocked(),
             "internet is on by default, as in E2B"
         );
         assert_eq!(p.name_verdict("x.bad.test"), Some(false));
         // The named resolvers join allowOut only beside a domain.
-        let p = policy(None, Some(&v(&["a.test"])), None, Some(&v(&["9.9.9.9"]))).unwrap();
+        let p = policy(
+            None,
+            Some(&v(&["a.test"])),
+            None,
+            Some(&v(&["9.9.9.9"])),
+            None,
+        )
+        .unwrap();
         assert!(p.allow_out.contains(&Target::parse("9.9.9.9").unwrap()));
-        let p = policy(None, Some(&v(&["1.2.3.4"])), None, Some(&v(&["9.9.9.9"]))).unwrap();
+        let p = policy(
+            None,
+            Some(&v(&["1.2.3.4"])),
+            None,
+            Some(&v(&["9.9.9.9"])),
+            None,
+        )
+        .unwrap();
         assert_eq!(p.allow_out.len(), 1);
         let many: Vec<String> = (0..=agentenv_vm::egress::MAX_RULES)
             .map(|i| format!("10.0.{}.{}", i / 256, i % 256))
@@ -104,12 +164,45 @@ mod tests {
             (v(&["bad name!"]), vec![]),
             (v(&["a.test"]), v(&["not-an-ip"])),
         ] {
-            let e = policy(None, Some(&allow), None, Some(&dns)).unwrap_err();
+            let e = policy(None, Some(&allow), None, Some(&dns), None).unwrap_err();
             assert_eq!(
                 e.status,
                 axum::http::StatusCode::BAD_REQUEST,
                 "{allow:?} {dns:?}"
             );
+        }
+    }
+
+    #[test]
+    fn e2b_rules_become_header_rules_and_back_and_bad_ones_are_400s() {
+        let rules: NetworkRules = serde_json::from_str(
+            r#"{"api.test:8443": [{"transform": {"headers": {"X-A": "1", "X-B": "2"}}},
+                                   {"transform": {"headers": {"x-a": "3"}}}],
+                "*.svc.test": [{}]}"#,
+        )
+        .unwrap();
+        let p = policy(None, None, None, None, Some(&rules)).unwrap();
+        assert_eq!(
+            p.headers_for("api.test", 8443),
+            vec![("X-B", "2"), ("x-a", "3")]
+        );
+        assert!(p.has_rule_for("a.svc.test"));
+        let info = NetworkInfo {
+            address: std::net::Ipv4Addr::LOCALHOST,
+            policy: p,
+        };
+        let back = view(&info).rules.unwrap();
+        assert_eq!(back.len(), 2);
+        let h = back["api.test:8443"][0].transform.as_ref().unwrap();
+        assert_eq!(h.headers.as_ref().unwrap()["X-B"], "2");
+        for bad in [
+            r#"{"1.2.3.4": [{"transform": {"headers": {"A": "b"}}}]}"#,
+            r#"{"a.test": [{"transform": {"headers": {"A": "b\r\nX: y"}}}]}"#,
+            r#"{"a b": []}"#,
+        ] {
+            let r: NetworkRules = serde_json::from_str(bad).unwrap();
+            let e = policy(None, None, None, None, Some(&r)).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{bad}");
         }
     }
 }

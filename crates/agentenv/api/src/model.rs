@@ -86,6 +86,27 @@ pub struct NetworkConfig {
     /// for the port); by default `localhost:<port>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask_request_host: Option<String>,
+    /// Per-domain transforms (`host`, `*.suffix`, `host:port`) of the sandbox's HTTP and HTTPS
+    /// requests, applied by the egress proxy; a domain listed here is not allowed by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rules: Option<NetworkRules>,
+}
+
+/// E2B's `rules`: domain to its rules.
+pub type NetworkRules = std::collections::BTreeMap<String, Vec<NetworkRule>>;
+
+/// E2B's `SandboxNetworkRule`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct NetworkRule {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transform: Option<NetworkTransform>,
+}
+
+/// E2B's `SandboxNetworkTransform`: headers set (replacing the sandbox's own) on each request.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, ToSchema)]
+pub struct NetworkTransform {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headers: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// One sample of `GET /sandboxes/{id}/metrics` (E2B's `SandboxMetric`, plus the network counters).
@@ -126,6 +147,9 @@ pub struct NetworkUpdate {
     /// `false`: as `denyOut: ["0.0.0.0/0"]`.
     #[serde(default)]
     pub allow_internet_access: Option<bool>,
+    /// Replaces every transform rule (see [`NetworkConfig::rules`]).
+    #[serde(default)]
+    pub rules: Option<NetworkRules>,
 }
 
 /// Answer of create, connect and resume.

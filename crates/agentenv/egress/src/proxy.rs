@@ -62,6 +62,14 @@ pub struct Proxy {
     local: Option<(String, Hairpin)>,
 }
 
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Proxy")
+            .field("local", &self.local_domain())
+            .finish_non_exhaustive()
+    }
+}
+
 #[derive(Debug)]
 struct Mint(Arc<Ca>);
 
@@ -128,12 +136,8 @@ impl Proxy {
 
     /// Whether `name` is under the sandbox domain.
     pub fn is_local(&self, name: &str) -> bool {
-        self.local_domain().is_some_and(|d| {
-            name == d
-                || (name.len() > d.len()
-                    && name.ends_with(d)
-                    && name[..name.len() - d.len()].ends_with('.'))
-        })
+        self.local_domain()
+            .is_some_and(|d| agentenv_vm::egress::in_domain(name, d))
     }
 
     /// Handles one redirected guest connection under `policy`, to its end.

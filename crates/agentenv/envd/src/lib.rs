@@ -128,6 +128,10 @@ pub struct GuestNetwork {
     pub dns: Vec<std::net::Ipv4Addr>,
     /// MAC address, `02:..` (locally administered).
     pub mac: String,
+    /// A CA certificate (PEM) the guest adds to its trust store: the host's egress proxy signs
+    /// with it where it intercepts TLS (transform rules, the sandbox domain).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_pem: Option<String>,
 }
 
 /// The request head that asks envd for a raw tunnel to TCP `port` on the guest's loopback

@@ -105,6 +105,57 @@ pub fn validate(n: &GuestNetwork) -> Result<(), String> {
     if n.dns.len() > 3 {
         return Err("at most 3 dns servers".into());
     }
+    if let Some(pem) = &n.ca_pem
+        && (pem.len() > MAX_CA_PEM || !pem.trim_start().starts_with("-----BEGIN CERTIFICATE-----"))
+    {
+        return Err("caPem is not one PEM certificate".into());
+    }
+    Ok(())
+}
+
+/// Largest CA certificate accepted, bytes.
+const MAX_CA_PEM: usize = 16 * 1024;
+/// Where the host's egress CA is kept (`update-ca-certificates` picks it up too).
+const CA_FILE: &str = "/usr/local/share/ca-certificates/agentenv-egress.crt";
+/// The distribution's bundle most TLS clients read (Debian's).
+const BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// `bundle` with `pem` in it and `old` (an earlier CA of ours) out; `None`: nothing to change.
+fn bundle_with(bundle: &str, old: Option<&str>, pem: &str) -> Option<String> {
+    let mut b = match old {
+        Some(o) if !o.is_empty() && o != pem => bundle.replace(o, ""),
+        _ => bundle.to_string(),
+    };
+    if b.contains(pem) && b.len() == bundle.len() {
+        return None;
+    }
+    if !b.contains(pem) {
+        if !b.is_empty() && !b.ends_with('\n') {
+            b.push('\n');
+        }
+        b.push_str(pem);
+    }
+    Some(b)
+}
+
+/// Adds the host's egress CA to the trust store (a new one replaces the one before).
+fn trust_ca(pem: &str) -> io::Result<()> {
+    let old = std::fs::read_to_string(CA_FILE).ok();
+    if old.as_deref() == Some(pem) {
+        return Ok(());
+    }
+    if let Some(dir) = std::path::Path::new(CA_FILE).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(CA_FILE, pem)?;
+    let Ok(bundle) = std::fs::read_to_string(BUNDLE) else {
+        return Ok(()); // no bundle in this image
+    };
+    if let Some(b) = bundle_with(&bundle, old.as_deref(), pem) {
+        let tmp = format!("{BUNDLE}.agentenv");
+        std::fs::write(&tmp, b)?;
+        std::fs::rename(&tmp, BUNDLE)?;
+    }
     Ok(())
 }
 
@@ -195,12 +246,28 @@ pub fn configure(n: &GuestNetwork) -> io::Result<()> {
     while ioctl(&fd, SIOCDELRT, &mut old, "delete route").is_ok() {}
     ioctl(&fd, SIOCADDRT, &mut rt, "add default route")?;
     let resolv: String = n.dns.iter().map(|d| format!("nameserver {d}\n")).collect();
-    std::fs::write("/etc/resolv.conf", resolv)
+    std::fs::write("/etc/resolv.conf", resolv)?;
+    match &n.ca_pem {
+        Some(pem) => trust_ca(pem),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_egress_ca_joins_the_bundle_once_and_replaces_an_older_one() {
+        let (a, b) = ("-----A-----\n", "-----B-----\n");
+        let base = "-----ROOT1-----\n-----ROOT2-----";
+        let with_a = bundle_with(base, None, a).unwrap();
+        assert_eq!(with_a, format!("{base}\n{a}"));
+        assert_eq!(bundle_with(&with_a, None, a), None);
+        assert_eq!(bundle_with(&with_a, Some(a), a), None);
+        let with_b = bundle_with(&with_a, Some(a), b).unwrap();
+        assert!(with_b.contains(b) && !with_b.contains(a) && with_b.starts_with(base));
+    }
 
     #[test]
     fn macs_and_settings_are_checked() {
@@ -222,8 +289,17 @@ mod tests {
             gateway: Ipv4Addr::new(10, 200, 0, 1),
             dns: vec![Ipv4Addr::new(10, 200, 0, 1)],
             mac: "02:ae:00:00:00:01".into(),
+            ca_pem: None,
         };
         assert!(validate(&n).is_ok());
+        n.ca_pem = Some("not a certificate".into());
+        assert!(validate(&n).is_err());
+        n.ca_pem = Some(format!(
+            "-----BEGIN CERTIFICATE-----\n{}",
+            "A".repeat(MAX_CA_PEM)
+        ));
+        assert!(validate(&n).is_err());
+        n.ca_pem = None;
         n.prefix_len = 31;
         assert!(validate(&n).is_err());
         n.prefix_len = 30;

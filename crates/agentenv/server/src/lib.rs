@@ -2,6 +2,7 @@
 //! ([`runtime_backend`]), a node's HTTPS listener ([`tls_listener`]), and the crates they wire together, re-exported for the binaries and the
 //! integration tests (`tests/`).
 
+pub mod hairpin;
 pub mod runtime_backend;
 pub mod tls_listener;
 

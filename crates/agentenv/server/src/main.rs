@@ -472,6 +472,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let hairpin_app = Arc::new(std::sync::OnceLock::new());
+    let egress = agentenv_server::hairpin::proxy(
+        &state_dir,
+        args.sandbox_domain.as_deref(),
+        hairpin_app.clone(),
+    )?;
     cfg.network = (args.network != NetArg::Off).then(|| agentenv_runtime::net::NetConfig {
         uplink: args.net_uplink,
         dns_upstream: args.net_dns,
@@ -482,6 +488,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         warm: args.net_warm,
         required: args.network == NetArg::On,
         allow_private: args.net_allow_private,
+        egress: Some(egress),
     });
     let cfg_has_bucket = cfg.store.as_ref().is_some_and(|s| s.remote.is_some());
     let runtime = runtime_backend::open_with_default_template(cfg).await?;
@@ -585,7 +592,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let serve = async move {
         // Handlers see each connection (`ConnectInfo<Conn>`), to reset one whose answer was cut.
-        let app = app::app(state).into_make_service_with_connect_info::<agentenv_api::conn::Conn>();
+        let app = app::app(state);
+        let _ = hairpin_app.set(app.clone());
+        let app = app.into_make_service_with_connect_info::<agentenv_api::conn::Conn>();
         match tls {
             Some(cfg) => {
                 let listener = agentenv_server::tls_listener::TlsListener::new(listener, cfg)?;

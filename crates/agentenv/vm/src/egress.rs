@@ -212,6 +212,14 @@ impl EgressPolicy {
     }
 }
 
+/// Whether host `name` is `domain` or under it (both lower case, no port).
+pub fn in_domain(name: &str, domain: &str) -> bool {
+    name == domain
+        || name
+            .strip_suffix(domain)
+            .is_some_and(|head| head.len() > 1 && head.ends_with('.'))
+}
+
 /// Most entries of `rules`.
 pub const MAX_HEADER_RULES: usize = 64;
 /// Most headers one rule sets.
@@ -339,6 +347,8 @@ mod tests {
         assert_eq!(p.headers_for("a.svc.test", 80).len(), 1);
         assert!(p.headers_for("svc.test", 80).is_empty());
         assert!(p.has_rule_for("api.example.test") && !p.has_rule_for("other.test"));
+        assert!(in_domain("8080-a.sbx.test", "sbx.test") && in_domain("sbx.test", "sbx.test"));
+        assert!(!in_domain("xsbx.test", "sbx.test") && !in_domain(".sbx.test", "sbx.test"));
         for (key, headers) in [
             ("1.2.3.4", h("A", "b")),
             ("a.test:99999", h("A", "b")),

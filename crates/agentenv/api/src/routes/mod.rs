@@ -53,7 +53,7 @@ async fn create(
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         })
         .map(str::to_string);
-    // `code-interpreter-v1` is built on its first create. Retries within the SDK's deadline cannot
+    // Built-in templates (`code-interpreter-v1`, `httpbin`) are built on their first create. Retries within the SDK's deadline cannot
     // outlast the build: `Should-Retry: false` lets the client show why at once.
     if let Err(e) = state.sandboxes.ensure_builtin(&who, &req.template).await {
         let mut r = ApiError::from(e).into_response();

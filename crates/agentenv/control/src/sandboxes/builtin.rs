@@ -1,5 +1,7 @@
 //! Templates the server builds itself on first use: `code-interpreter-v1`, the template that
-//! `e2b_code_interpreter` creates by default (its sources: `crates/agentenv/templates/code-interpreter`).
+//! `e2b_code_interpreter` creates by default (its sources: `crates/agentenv/templates/code-interpreter`),
+//! and `httpbin`, an HTTP echo server on port 8080 like the one E2B's SDK tests start as a sidecar
+//! (`crates/agentenv/templates/httpbin`).
 //! A create that names it before the caller's tenant has it starts its build (one at a time per
 //! tenant; its log goes to the server log) and waits for it up to [`FIRST_USE_WAIT`]; past that it
 //! answers 503 saying the build goes on, and a create after the build gets the template at once.
@@ -11,6 +13,9 @@ use super::*;
 
 /// The code interpreter's template name.
 pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
+/// The echo server's template name.
+pub const HTTPBIN: &str = "httpbin";
+const HTTPBIN_PY: &str = include_str!("../../../templates/httpbin/server.py");
 /// How long a create waits for a build it started or found running (E2B's SDKs give a create 60 s).
 pub const FIRST_USE_WAIT: Duration = Duration::from_secs(50);
 /// Our execution server (Jupyter kernels behind E2B's HTTP API on port 49999).
@@ -59,6 +64,52 @@ fn code_interpreter_plan() -> BuildPlan {
     }
 }
 
+/// The build of `httpbin`: `base` with the echo server started as `user`.
+fn httpbin_plan() -> BuildPlan {
+    use base64::Engine as _;
+    let server = base64::engine::general_purpose::STANDARD.encode(HTTPBIN_PY);
+    BuildPlan {
+        steps: vec![Step::Run {
+            cmd: format!(
+                "mkdir -p /opt/httpbin && echo {server} | base64 -d > /opt/httpbin/server.py"
+            ),
+            user: Some("root".to_string()),
+        }],
+        start_cmd: Some(
+            "sh -c 'while true; do python3 /opt/httpbin/server.py 8080; sleep 1; done'".into(),
+        ),
+        ready_cmd: Some("ss -tuln | grep :8080".into()),
+        ..BuildPlan::default()
+    }
+}
+
+/// A template built on first use.
+struct Builtin {
+    name: &'static str,
+    plan: fn() -> BuildPlan,
+    size: BuildSize,
+    /// Its build's rough length under TCG, for the 503 that says to come back.
+    minutes: u32,
+}
+
+const BUILTINS: [Builtin; 2] = [
+    Builtin {
+        name: CODE_INTERPRETER,
+        plan: code_interpreter_plan,
+        size: SIZE,
+        minutes: 5,
+    },
+    Builtin {
+        name: HTTPBIN,
+        plan: httpbin_plan,
+        size: BuildSize {
+            vcpus: None,
+            memory_mib: None,
+        },
+        minutes: 1,
+    },
+];
+
 /// `builtin-` and the plan's digest: the tag that says which plan a build ran.
 fn plan_tag(plan: &BuildPlan) -> String {
     use sha2::Digest as _;
@@ -67,9 +118,11 @@ fn plan_tag(plan: &BuildPlan) -> String {
     format!("builtin-{hex}")
 }
 
-fn is_builtin(name: &str) -> bool {
-    agentenv_vm::normalize_name(name)
-        .is_some_and(|n| n == format!("{CODE_INTERPRETER}:{}", agentenv_vm::DEFAULT_TAG))
+fn builtin(name: &str) -> Option<&'static Builtin> {
+    let n = agentenv_vm::normalize_name(name)?;
+    BUILTINS
+        .iter()
+        .find(|b| n == format!("{}:{}", b.name, agentenv_vm::DEFAULT_TAG))
 }
 
 impl Sandboxes {
@@ -77,26 +130,27 @@ impl Sandboxes {
     /// other names or one already built; else starts its build (or joins the one running) and waits
     /// up to [`FIRST_USE_WAIT`].
     pub async fn ensure_builtin(self: &Arc<Self>, caller: &Caller, name: &str) -> Result<()> {
-        if !is_builtin(name) {
+        let Some(b) = builtin(name) else {
             return Ok(());
-        }
-        let plan = code_interpreter_plan();
+        };
+        let plan = (b.plan)();
         let tag = plan_tag(&plan);
         if let Some(s) = self.find_snapshot(caller, name) {
             let ours = s.names.iter().find(|n| {
-                n.strip_prefix(CODE_INTERPRETER)
+                n.strip_prefix(b.name)
                     .is_some_and(|t| t.starts_with(":builtin-"))
             });
             match ours {
-                Some(n) if *n != format!("{CODE_INTERPRETER}:{tag}") => {
-                    tracing::info!(old = %n, "{CODE_INTERPRETER} is from another plan: rebuilding it in the background");
-                    self.builtin_build(caller, plan, tag)?;
+                Some(n) if *n != format!("{}:{tag}", b.name) => {
+                    tracing::info!(old = %n, "{} is from another plan: rebuilding it in the background", b.name);
+                    self.builtin_build(caller, b, plan, tag)?;
                 }
                 _ => {}
             }
             return Ok(());
         }
-        let (template_id, build_id, started) = self.builtin_build(caller, plan, tag)?;
+        let (template_id, build_id, started) = self.builtin_build(caller, b, plan, tag)?;
+        let name = b.name;
         loop {
             let v = self.build_status(caller, &template_id, &build_id, usize::MAX)?;
             match v.status {
@@ -104,16 +158,17 @@ impl Sandboxes {
                 BuildStatus::Error => {
                     let why = v.failure.map(|f| f.message).unwrap_or_default();
                     return Err(LifecycleError::Building(format!(
-                        "building {CODE_INTERPRETER} on first use failed ({why}); the next create tries again"
+                        "building {name} on first use failed ({why}); the next create tries again"
                     )));
                 }
                 BuildStatus::Waiting | BuildStatus::Building => {}
             }
             if started.elapsed() > FIRST_USE_WAIT {
                 return Err(LifecycleError::Building(format!(
-                    "{CODE_INTERPRETER} is being built on first use ({} s so far; about 5 minutes under \
+                    "{name} is being built on first use ({} s so far; about {} minutes under \
                      TCG, progress in the server log): create it again when the build is done",
-                    started.elapsed().as_secs()
+                    started.elapsed().as_secs(),
+                    b.minutes
                 )));
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -125,6 +180,7 @@ impl Sandboxes {
     fn builtin_build(
         self: &Arc<Self>,
         caller: &Caller,
+        b: &'static Builtin,
         plan: BuildPlan,
         tag: String,
     ) -> Result<(String, String, Instant)> {
@@ -134,27 +190,29 @@ impl Sandboxes {
             .builtin
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some((t, b)) = running.get(caller.owner()) {
+        let key = format!("{}/{}", caller.owner(), b.name);
+        if let Some((t, id)) = running.get(&key) {
             let status = self
-                .build_status(caller, t, b, usize::MAX)
+                .build_status(caller, t, id, usize::MAX)
                 .map(|v| v.status);
             if matches!(status, Ok(BuildStatus::Building | BuildStatus::Waiting)) {
-                return Ok((t.clone(), b.clone(), now));
+                return Ok((t.clone(), id.clone(), now));
             }
         }
         let tags = [agentenv_vm::DEFAULT_TAG.to_string(), tag];
-        let built = self.request_build(caller, CODE_INTERPRETER, &tags, SIZE)?;
-        let (t, b) = (built.template_id, built.build_id);
-        self.start_build(caller, &t, &b, plan)?;
-        tracing::info!(template = %t, build = %b, "building {CODE_INTERPRETER}");
-        running.insert(caller.owner().to_string(), (t.clone(), b.clone()));
-        let (me, who, t2, b2) = (self.clone(), caller.clone(), t.clone(), b.clone());
+        let built = self.request_build(caller, b.name, &tags, b.size)?;
+        let (t, id) = (built.template_id, built.build_id);
+        self.start_build(caller, &t, &id, plan)?;
+        tracing::info!(template = %t, build = %id, "building {}", b.name);
+        running.insert(key, (t.clone(), id.clone()));
+        let name = b.name;
+        let (me, who, t2, b2) = (self.clone(), caller.clone(), t.clone(), id.clone());
         tokio::spawn(async move {
             let mut offset = 0;
             while let Ok(v) = me.build_status(&who, &t2, &b2, offset) {
                 for l in &v.logs {
                     let step = l.step.as_deref().unwrap_or("");
-                    tracing::info!(template = CODE_INTERPRETER, step, "{}", l.message);
+                    tracing::info!(template = name, step, "{}", l.message);
                 }
                 offset += v.logs.len();
                 if !matches!(v.status, BuildStatus::Building | BuildStatus::Waiting) {
@@ -163,7 +221,7 @@ impl Sandboxes {
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         });
-        Ok((t, b, now))
+        Ok((t, id, now))
     }
 }
 
@@ -173,10 +231,13 @@ mod tests {
 
     #[test]
     fn only_the_default_tag_of_the_name_is_built_in() {
-        assert!(is_builtin(CODE_INTERPRETER));
-        assert!(is_builtin("code-interpreter-v1:default"));
-        assert!(!is_builtin("code-interpreter-v1:other"));
-        assert!(!is_builtin("code-interpreter"));
+        let name = |n: &str| builtin(n).map(|b| b.name);
+        assert_eq!(name(CODE_INTERPRETER), Some(CODE_INTERPRETER));
+        assert_eq!(name("code-interpreter-v1:default"), Some(CODE_INTERPRETER));
+        assert_eq!(name("httpbin"), Some(HTTPBIN));
+        assert_eq!(name("code-interpreter-v1:other"), None);
+        assert_eq!(name("code-interpreter"), None);
+        assert_eq!(name("httpbin:v2"), None);
     }
 
     #[test]
@@ -204,5 +265,11 @@ mod tests {
         let mut other = plan.clone();
         other.steps.pop();
         assert_ne!(plan_tag(&other), tag, "the tag follows the plan");
+        let Step::Run { cmd, .. } = &httpbin_plan().steps[0] else {
+            panic!("httpbin's step writes its server");
+        };
+        let b64 = cmd.split("echo ").nth(1).and_then(|c| c.split(' ').next());
+        let decoded = base64::engine::general_purpose::STANDARD.decode(b64.unwrap());
+        assert_eq!(decoded.unwrap(), HTTPBIN_PY.as_bytes());
     }
 }

@@ -107,6 +107,23 @@ pub fn parse_response(msg: &[u8]) -> Option<Answer> {
 const SERVFAIL: u8 = 2;
 const REFUSED: u8 = 5;
 
+/// The answer to `query` for a name of the sandbox domain: `addr` for an A question, no records
+/// for another type; authoritative, TTL 60 s.
+fn local_answer(query: &[u8], addr: Ipv4Addr) -> Option<Vec<u8>> {
+    let (_, end) = name_at(query, 12)?;
+    let q = query.get(..end + 4)?;
+    let a_question = q[end..end + 4] == [0, 1, 0, 1];
+    let mut r = q.to_vec();
+    r[2] = 0x84 | (query[2] & 0x01); // QR, AA, keep RD
+    r[3] = 0x80; // RA
+    r[4..12].copy_from_slice(&[0, 1, 0, a_question as u8, 0, 0, 0, 0]);
+    if a_question {
+        r.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4]);
+        r.extend_from_slice(&addr.octets());
+    }
+    Some(r)
+}
+
 /// An answer to `query` with no records and response code `rcode` (same id and question).
 fn empty_answer(query: &[u8], rcode: u8) -> Vec<u8> {
     let mut r = query.to_vec();
@@ -310,22 +327,32 @@ impl RateLimit {
 
 /// Puts the addresses of `answer` into the set its name's verdict picks (none without a verdict).
 fn learn(a: SlotAddrs, policy: &EgressPolicy, answer: &Answer) {
-    let Some(allow) = policy.name_verdict(&answer.name) else {
-        return;
-    };
-    if answer.addrs.is_empty() {
+    let mut sets = Vec::new();
+    match policy.name_verdict(&answer.name) {
+        Some(true) => sets.push("allow_dns"),
+        Some(false) => sets.push("deny_dns"),
+        None => {}
+    }
+    if policy.has_rule_for(&answer.name) {
+        sets.push("transform_dns");
+    }
+    if answer.addrs.is_empty() || sets.is_empty() {
         return;
     }
-    let set = if allow { "allow_dns" } else { "deny_dns" };
     let elems: Vec<String> = answer
         .addrs
         .iter()
         .map(|(ip, ttl)| format!("{ip} timeout {}s", ttl.clamp(&MIN_TTL_S, &MAX_TTL_S)))
         .collect();
-    let script = format!(
-        "add element inet {TABLE} {set} {{ {} }}\n",
-        elems.join(", ")
-    );
+    let script: String = sets
+        .iter()
+        .map(|set| {
+            format!(
+                "add element inet {TABLE} {set} {{ {} }}\n",
+                elems.join(", ")
+            )
+        })
+        .collect();
     let ns = a.netns();
     if let Err(e) = slot::in_netns(&ns, move || {
         slot::run_tool("nft", &["-f", "-"], &script).map(|_| ())
@@ -337,11 +364,13 @@ fn learn(a: SlotAddrs, policy: &EgressPolicy, answer: &Answer) {
 /// Serves the guest's queries on `sock` until it is dropped (the slot is released): at most
 /// [`QUERY_RATE`] a second (more are dropped) and [`MAX_IN_FLIGHT`] at once (more answer SERVFAIL),
 /// through the host's shared [`Upstream`].
+/// Names under `local` (the sandbox domain) are answered with the gateway, without asking upstream.
 pub fn serve(
     a: SlotAddrs,
     sock: std::net::UdpSocket,
     policy: Arc<RwLock<EgressPolicy>>,
     upstream: Arc<Upstream>,
+    local: Option<Arc<str>>,
 ) -> Result<tokio::task::JoinHandle<()>, std::io::Error> {
     let sock = Arc::new(UdpSocket::from_std(sock)?);
     let in_flight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
@@ -367,9 +396,19 @@ pub fn serve(
                 continue;
             };
             let (sock, policy, upstream) = (sock.clone(), policy.clone(), upstream.clone());
+            let local = local.clone();
             tokio::spawn(async move {
                 let _permit = permit;
                 let p = policy.read().unwrap_or_else(|e| e.into_inner()).clone();
+                if local.is_some_and(|d| agentenv_vm::egress::in_domain(&name, &d)) {
+                    let reply = match p.name_allowed(&name) {
+                        true => local_answer(&query, a.gateway),
+                        false => None,
+                    };
+                    let reply = reply.unwrap_or_else(|| empty_answer(&query, REFUSED));
+                    let _ = sock.send_to(&reply, from).await;
+                    return;
+                }
                 let how = handling(&p, &name);
                 let reply = match how {
                     Handling::Refuse => empty_answer(&query, REFUSED),
@@ -474,6 +513,29 @@ mod tests {
         let open = p(true, &[], &["*.bad.test"]);
         assert_eq!(handling(&open, "x.bad.test"), Handling::ForwardAndRefuse);
         assert_eq!(handling(&open, "fine.test"), Handling::Forward);
+    }
+
+    #[test]
+    fn sandbox_domain_names_answer_with_the_gateway() {
+        let gw = Ipv4Addr::new(10, 200, 7, 1);
+        let q = query(0x4242, "8080-abc.Sbx.test");
+        let r = local_answer(&q, gw).unwrap();
+        assert_eq!(&r[..2], &[0x42, 0x42]);
+        let a = parse_response(&r).unwrap();
+        assert_eq!(a.name, "8080-abc.sbx.test");
+        assert_eq!(a.addrs, vec![(gw, 60)]);
+        let mut aaaa = q.clone();
+        let n = aaaa.len();
+        aaaa[n - 3] = 28;
+        assert!(
+            parse_response(&local_answer(&aaaa, gw).unwrap())
+                .unwrap()
+                .addrs
+                .is_empty()
+        );
+        for cut in 0..q.len() {
+            assert!(local_answer(&q[..cut], gw).is_none(), "{cut}");
+        }
     }
 
     /// A loopback "upstream" that answers each query with its id and question after `delay`, plus
@@ -623,7 +685,7 @@ mod tests {
         guest_side.set_nonblocking(true).unwrap();
         let resolver = guest_side.local_addr().unwrap();
         let policy = Arc::new(RwLock::new(EgressPolicy::default()));
-        let task = serve(SlotAddrs::of(0), guest_side, policy, up.clone()).unwrap();
+        let task = serve(SlotAddrs::of(0), guest_side, policy, up.clone(), None).unwrap();
         let guest = UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let fds = open_fds();
         let sent = 5000u16;

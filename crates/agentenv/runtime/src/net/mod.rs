@@ -8,6 +8,7 @@
 //! veths and the uplink only, never globally.
 
 pub mod dns;
+pub mod intercept;
 pub mod policy;
 pub mod slot;
 pub mod testnet;
@@ -75,6 +76,8 @@ pub struct NetConfig {
     /// Private ranges (CIDRs) sandboxes may reach; by default none of [`policy::PRIVATE`] nor the
     /// uplink's own networks.
     pub allow_private: Vec<String>,
+    /// The egress proxy (transform rules, the sandbox domain); `None`: guests' TCP is only routed.
+    pub egress: Option<Arc<agentenv_egress::Proxy>>,
 }
 
 /// A blocking task that did not finish (panicked or cancelled), as a [`NetError`].
@@ -161,6 +164,10 @@ pub struct Attachment {
     tap: Mutex<Option<Arc<OwnedFd>>>,
     policy: Arc<RwLock<EgressPolicy>>,
     resolver: tokio::task::JoinHandle<()>,
+    /// The egress proxy's accept loop.
+    intercept: Option<tokio::task::JoinHandle<()>>,
+    /// The CA the guest trusts (the egress proxy's), PEM.
+    ca_pem: Option<String>,
     /// The slot's marker while this attachment holds it.
     marker: String,
 }
@@ -174,6 +181,7 @@ impl Attachment {
             gateway: self.addrs.gateway,
             dns: vec![self.addrs.gateway],
             mac: self.addrs.mac(),
+            ca_pem: self.ca_pem.clone(),
         }
     }
     /// The tap for the next QEMU.
@@ -303,6 +311,7 @@ impl Network {
             &EgressPolicy::default(),
             self.cfg.limits,
             &self.blocked,
+            self.cfg.egress.is_some(),
         );
         if let Err(e) = slot::load_rules(&s.addrs, rules) {
             self.forget(s.addrs, &warm);
@@ -359,7 +368,7 @@ impl Network {
                 if policy != EgressPolicy::default() {
                     slot::load_rules(
                         &s.addrs,
-                        policy::ruleset(&s.addrs, &policy, me.cfg.limits, &me.blocked),
+                        policy::ruleset(&s.addrs, &policy, me.cfg.limits, &me.blocked, me.proxy()),
                     )?;
                 }
                 slot::open_tap(&s.addrs)
@@ -386,13 +395,27 @@ impl Network {
         marker: String,
     ) -> Result<Attachment, NetError> {
         let policy = Arc::new(RwLock::new(policy));
-        let resolver = dns::serve(s.addrs, s.dns, policy.clone(), self.upstream.clone())
+        let egress = self.cfg.egress.clone();
+        let local = egress
+            .as_ref()
+            .and_then(|p| p.local_domain())
+            .map(Arc::from);
+        let resolver = dns::serve(s.addrs, s.dns, policy.clone(), self.upstream.clone(), local)
             .map_err(|e| NetError::io("serve resolver", Path::new("udp/53"), e))?;
+        let intercept = match &egress {
+            Some(p) => Some(
+                intercept::serve(s.addrs, s.proxy, policy.clone(), p.clone())
+                    .map_err(|e| NetError::io("serve proxy", Path::new("tcp/proxy"), e))?,
+            ),
+            None => None,
+        };
         Ok(Attachment {
             addrs: s.addrs,
             tap: Mutex::new(tap.map(Arc::new)),
             policy,
             resolver,
+            intercept,
+            ca_pem: egress.map(|p| p.ca().pem().to_owned()),
             marker,
         })
     }
@@ -411,20 +434,26 @@ impl Network {
         let (p, m) = (policy.clone(), mark.clone());
         let dns = tokio::task::spawn_blocking(move || {
             slot::set_marker(index, &m);
-            slot::load_rules(&a, policy::ruleset(&a, &p, me.cfg.limits, &me.blocked))?;
-            slot::bind_resolver(&a)
+            let rules = policy::ruleset(&a, &p, me.cfg.limits, &me.blocked, me.proxy());
+            slot::load_rules(&a, rules)?;
+            slot::bind_sockets(&a)
         })
         .await
         .map_err(|e| joined("adopt", e))??;
-        self.finish_attach(slot::Slot { addrs: a, dns }, None, policy, mark)
+        let s = slot::Slot {
+            addrs: a,
+            dns: dns.0,
+            proxy: dns.1,
+        };
+        self.finish_attach(s, None, policy, mark)
     }
 
     /// Replaces the policy of a running attachment (new connections follow it at once).
     pub async fn update(&self, att: &Attachment, policy: EgressPolicy) -> Result<(), NetError> {
         let (a, limits, p) = (att.addrs, self.cfg.limits, policy.clone());
-        let blocked = self.blocked.clone();
+        let (blocked, proxy) = (self.blocked.clone(), self.proxy());
         tokio::task::spawn_blocking(move || {
-            slot::load_rules(&a, policy::ruleset(&a, &p, limits, &blocked))
+            slot::load_rules(&a, policy::ruleset(&a, &p, limits, &blocked, proxy))
         })
         .await
         .map_err(|e| joined("update", e))??;
@@ -474,6 +503,9 @@ impl Network {
     /// Ends an attachment: its namespace (tap, veth, rules) goes, in the background.
     pub fn release(self: &Arc<Self>, att: Attachment) {
         att.resolver.abort();
+        if let Some(t) = &att.intercept {
+            t.abort();
+        }
         let (a, mark) = (att.addrs, att.marker.clone());
         self.dying
             .lock()
@@ -493,6 +525,10 @@ impl Network {
             })
             .await;
         });
+    }
+
+    fn proxy(&self) -> bool {
+        self.cfg.egress.is_some()
     }
 
     fn warm_marker(&self) -> String {

@@ -9,7 +9,7 @@
 use std::fmt::Write;
 use std::net::Ipv4Addr;
 
-use super::slot::{SANDBOX_NET, SlotAddrs, TAP, VETH};
+use super::slot::{PROXY_PORT, SANDBOX_NET, SlotAddrs, TAP, VETH};
 
 pub use agentenv_vm::egress::{
     EgressError, EgressPolicy, MAX_RULES, NetLimits, PRIVATE, Target, cidr, mask,
@@ -52,12 +52,15 @@ pub use super::slot::TABLE;
 
 /// The complete ruleset of a sandbox namespace, replacing any earlier one in one transaction.
 /// `blocked` (private ranges and the host's LAN, less what the operator allows) is dropped before any
-/// of the sandbox's own rules, so no `allow_out` opens it.
+/// of the sandbox's own rules, so no `allow_out` opens it. With `proxy`, TCP to the gateway (the
+/// sandbox domain) and to the addresses of names a transform rule names (ports 80 and 443) goes to
+/// the egress proxy's listener; the proxy's own connections out meet the same egress chain.
 pub fn ruleset(
     a: &SlotAddrs,
     p: &EgressPolicy,
     limits: NetLimits,
     blocked: &[(Ipv4Addr, u8)],
+    proxy: bool,
 ) -> String {
     let mut s = String::new();
     let set = |s: &mut String, name: &str, elems: &[String]| {
@@ -76,7 +79,7 @@ pub fn ruleset(
     );
     set(&mut s, "allow", &nets(&p.allow_out));
     set(&mut s, "deny", &nets(&p.deny_out));
-    for name in ["allow_dns", "deny_dns"] {
+    for name in ["allow_dns", "deny_dns", "transform_dns"] {
         let _ = writeln!(
             s,
             "  set {name} {{ type ipv4_addr; flags timeout; size 65536; }}"
@@ -95,6 +98,20 @@ pub fn ruleset(
     let rate_in = rate(&format!("iifname \"{VETH}\" oifname \"{TAP}\" "));
     let rate_out = rate("");
     let (gw, guest) = (a.gateway, a.guest);
+    let (to_proxy, redirect) = match proxy {
+        true => (
+            format!("iifname \"{TAP}\" ip daddr {gw} tcp dport {PROXY_PORT} accept\n    "),
+            format!(
+                "  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname \"{TAP}\" ip saddr {guest} ip daddr {gw} meta l4proto tcp redirect to :{PROXY_PORT}
+    iifname \"{TAP}\" ip saddr {guest} ip daddr @transform_dns tcp dport {{ 80, 443 }} redirect to :{PROXY_PORT}
+  }}
+"
+            ),
+        ),
+        false => (String::new(), String::new()),
+    };
     // The guest sends from its own address only (no forged sources), checked before anything else.
     let _ = write!(
         s,
@@ -104,7 +121,11 @@ pub fn ruleset(
     iifname \"{TAP}\" ip saddr != {guest} counter name dropped drop
     ct state established,related accept
     iifname \"{TAP}\" ip daddr {gw} udp dport 53 accept
-    counter name dropped
+    {to_proxy}counter name dropped
+  }}
+{redirect}  chain output {{
+    type filter hook output priority 0; policy accept;
+    oifname \"{VETH}\" meta nfproto ipv4 jump egress
   }}
   chain forward {{
     type filter hook forward priority 0; policy drop;
@@ -249,10 +270,16 @@ pub(crate) mod tests {
         assert!(r.contains(&format!("ip daddr {} udp dport 53", a.gateway)));
         let open = ruleset_open(&a, &EgressPolicy::default(), NetLimits::default());
         assert!(!open.contains("ct count") && !open.contains("limit rate"));
+        // The proxy's redirects come from the guest only; its own connections meet `egress`.
+        assert!(r.contains(&format!(
+            "ip saddr {} ip daddr @transform_dns tcp dport {{ 80, 443 }} redirect to :{PROXY_PORT}",
+            a.guest
+        )));
+        assert!(r.contains("oifname \"veth0\" meta nfproto ipv4 jump egress"));
     }
 
     fn ruleset_open(a: &SlotAddrs, p: &EgressPolicy, l: NetLimits) -> String {
-        ruleset(a, p, l, &[])
+        ruleset(a, p, l, &[], true)
     }
 
     #[test]
@@ -270,7 +297,14 @@ pub(crate) mod tests {
         assert_eq!(subtract(&private, &[n("10.0.0.0/8")]).len(), 3);
         assert_eq!(subtract(&private, &[n("0.0.0.0/0")]), vec![]);
         let a = SlotAddrs::of(3);
-        let r = ruleset(&a, &EgressPolicy::default(), NetLimits::default(), &left);
+        let r = ruleset(
+            &a,
+            &EgressPolicy::default(),
+            NetLimits::default(),
+            &left,
+            false,
+        );
+        assert!(!r.contains("redirect"), "no proxy, no redirect");
         let drop = r
             .find("192.168.0.0/17")
             .expect("blocked ranges in the ruleset");

@@ -9,7 +9,7 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::net::{Ipv4Addr, UdpSocket};
+use std::net::{Ipv4Addr, TcpListener, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -155,7 +155,12 @@ pub struct Slot {
     pub addrs: SlotAddrs,
     /// The guest resolver's socket (`gateway:53` in the namespace).
     pub dns: UdpSocket,
+    /// The egress proxy's listener (`gateway:`[`PROXY_PORT`] in the namespace).
+    pub proxy: TcpListener,
 }
+
+/// Port of the egress proxy's listener on every gateway; the namespace's rules redirect to it.
+pub const PROXY_PORT: u16 = 15001;
 
 /// Where slot markers live: file `<index>` says who holds the slot (see `Network`).
 const OWNERS_DIR: &str = "/run/agentenv-net";
@@ -236,11 +241,15 @@ pub fn create(marker: &str) -> Result<Slot, NetError> {
         in_netns(&ns, move || {
             write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
             let _ = std::fs::write("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1");
-            bind_resolver_here(gw)
+            bind_here(gw)
         })
     });
     match result {
-        Ok(dns) => Ok(Slot { addrs: a, dns }),
+        Ok((dns, proxy)) => Ok(Slot {
+            addrs: a,
+            dns,
+            proxy,
+        }),
         Err(e) => {
             remove_if(index, |m| m == marker);
             Err(e)
@@ -249,18 +258,46 @@ pub fn create(marker: &str) -> Result<Slot, NetError> {
 }
 
 /// The guest resolver's socket, `gw:53`, nonblocking; call inside the slot's namespace.
-fn bind_resolver_here(gw: Ipv4Addr) -> Result<UdpSocket, NetError> {
+fn bind_here(gw: Ipv4Addr) -> Result<(UdpSocket, TcpListener), NetError> {
     let io = |what, e| NetError::io(what, Path::new("udp/53"), e);
     let dns = UdpSocket::bind((gw, 53)).map_err(|e| io("bind resolver", e))?;
     dns.set_nonblocking(true)
         .map_err(|e| io("nonblocking", e))?;
-    Ok(dns)
+    let io = |what, e| NetError::io(what, Path::new("tcp/proxy"), e);
+    let proxy = TcpListener::bind((gw, PROXY_PORT)).map_err(|e| io("bind proxy", e))?;
+    proxy
+        .set_nonblocking(true)
+        .map_err(|e| io("nonblocking", e))?;
+    Ok((dns, proxy))
 }
 
-/// The resolver's socket in slot `a`'s namespace (again, after a restart).
-pub fn bind_resolver(a: &SlotAddrs) -> Result<UdpSocket, NetError> {
+/// The resolver's socket and the proxy's listener in slot `a`'s namespace (again, after a restart).
+pub fn bind_sockets(a: &SlotAddrs) -> Result<(UdpSocket, TcpListener), NetError> {
     let gw = a.gateway;
-    in_netns(&a.netns(), move || bind_resolver_here(gw))
+    in_netns(&a.netns(), move || bind_here(gw))
+}
+
+/// A TCP socket of slot `a`'s namespace (its traffic meets the namespace's egress rules),
+/// non-blocking, not yet connected.
+pub fn tcp_socket(a: &SlotAddrs) -> Result<std::net::TcpStream, NetError> {
+    in_netns(&a.netns(), || {
+        // SAFETY: plain socket(2); the fd is owned at once.
+        let fd = unsafe {
+            libc::socket(
+                libc::AF_INET,
+                libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+                0,
+            )
+        };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(NetError::io("socket", Path::new("tcp"), e));
+        }
+        // SAFETY: `fd` is a fresh socket nobody else owns.
+        Ok(std::net::TcpStream::from(unsafe {
+            OwnedFd::from_raw_fd(fd)
+        }))
+    })
 }
 
 /// Whether slot `index`'s namespace exists on this host.

@@ -6,6 +6,7 @@ always needs the access token and keeps its host-only paths.
 The wildcard DNS name a deployment gives `*.<domain>` is stood in for by resolving `*.sbx.test` to loopback
 inside this process (`conftest.names_to_loopback`); through gateways: test_cluster.py."""
 
+import json
 import os
 import secrets
 import shutil
@@ -154,3 +155,48 @@ def test_mask_request_host_sets_the_host_a_sandbox_port_sees(routed):
     bad = httpx.post(f"{srv.url}/sandboxes", headers={"X-API-KEY": srv.api_key}, timeout=60,
                      json={"templateID": "base", "network": {"maskRequestHost": "a b\r\nX: y"}})
     assert bad.status_code == 400, bad.text
+
+
+def test_a_sandbox_reaches_another_by_its_host_and_rules_set_headers(routed):
+    """Guests resolve the sandbox domain to their gateway, where the egress proxy takes the request to
+    the server's own router (HTTPS ends there under the server's egress CA, which every guest
+    trusts). E2B's `network.rules` set headers on the way: what E2B's `test_firewall_transform` checks
+    against the built-in `httpbin` template."""
+    from e2b import CommandExitException, Sandbox
+
+    srv, domain = routed
+    if not (os.geteuid() == 0 and shutil.which("nft")):
+        pytest.skip("guest networking needs root and nftables")
+    httpbin = Sandbox.create("httpbin", timeout=300)
+    sandboxes = [httpbin]
+    try:
+        host = httpbin.get_host(8080)
+        name, value = "X-Test-Token", secrets.token_hex(8)
+        rules = {host: [{"transform": {"headers": {name: value}}}]}
+        sbx = Sandbox.create("base", timeout=300, network={"rules": rules})
+        sandboxes.append(sbx)
+        sent = secrets.token_hex(4)
+        for scheme in ["https", "http"]:
+            r = sbx.commands.run(f"curl -sS --max-time 20 -H 'X-Test-Token: {sent}' -H 'X-Mine: {sent}' "
+                                 f"{scheme}://{host}/headers", timeout=60)
+            headers = json.loads(r.stdout)["headers"]
+            assert headers.get(name) == [value], (scheme, headers)
+            assert headers.get("X-Mine") == [sent], "the guest's other headers pass"
+        # The rules are part of the sandbox's network, as the API shows it.
+        detail = httpx.get(f"{srv.url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": srv.api_key}).json()
+        shown = detail["network"]["rules"]
+        assert shown[host][0]["transform"]["headers"] == {name: value}, shown
+        # Without rules the request passes as sent; with the internet off the domain is out of reach.
+        plain = Sandbox.create("base", timeout=300)
+        sandboxes.append(plain)
+        r = plain.commands.run(f"curl -sS --max-time 20 -H 'X-Test-Token: {sent}' https://{host}/headers",
+                               timeout=60)
+        assert json.loads(r.stdout)["headers"].get(name) == [sent]
+        closed = Sandbox.create("base", timeout=300, allow_internet_access=False)
+        sandboxes.append(closed)
+        with pytest.raises(CommandExitException) as e:
+            closed.commands.run(f"curl -sS --max-time 10 https://{host}/headers", timeout=60)
+        assert "resolve" in e.value.stderr, e.value.stderr
+    finally:
+        for s in sandboxes:
+            s.kill()
