@@ -221,6 +221,15 @@ impl Proxy {
                 name.clone(),
             );
             async move {
+                // Every request on the connection is for the name it was intercepted for: the rule's
+                // headers never go to another site of the same server, and the hairpin serves the
+                // sandbox domain only.
+                if request_host(&req).as_deref() != Some(name.as_str()) {
+                    return Ok(refusal(
+                        StatusCode::MISDIRECTED_REQUEST,
+                        &format!("this connection serves {name} only"),
+                    ));
+                }
                 for (k, v) in headers.iter() {
                     req.headers_mut().insert(k.clone(), v.clone());
                 }
@@ -304,13 +313,32 @@ where
     Ok(sender)
 }
 
-fn bad_gateway(e: &EgressError) -> Response<Body> {
-    let body = Full::new(Bytes::from(format!("agentenv egress proxy: {e}\n")))
+/// The host a request names (its URI's authority, else its `Host`), lower case, no port.
+fn request_host<B>(req: &Request<B>) -> Option<String> {
+    let raw = match req.uri().authority() {
+        Some(a) => a.host().to_string(),
+        None => {
+            let h = req.headers().get(hyper::header::HOST)?.to_str().ok()?;
+            match h.rsplit_once(':') {
+                Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host.to_string(),
+                _ => h.to_string(),
+            }
+        }
+    };
+    Some(raw.trim_end_matches('.').to_ascii_lowercase())
+}
+
+fn refusal(status: StatusCode, why: &str) -> Response<Body> {
+    let body = Full::new(Bytes::from(format!("agentenv egress proxy: {why}\n")))
         .map_err(|never| match never {})
         .boxed();
     let mut r = Response::new(body);
-    *r.status_mut() = StatusCode::BAD_GATEWAY;
+    *r.status_mut() = status;
     r
+}
+
+fn bad_gateway(e: &EgressError) -> Response<Body> {
+    refusal(StatusCode::BAD_GATEWAY, &e.to_string())
 }
 
 /// Carries the connection unchanged to its destination.

@@ -189,6 +189,23 @@ async fn guest_get(
     sent_token: &str,
     body: &str,
 ) -> Option<String> {
+    guest_request(proxy, flow, policy, dial, name, name, sent_token, body)
+        .await
+        .map(|(_, text)| text)
+}
+
+/// As [`guest_get`], with `host` as the request's `Host` (TLS still names `name`); the status too.
+#[allow(clippy::too_many_arguments)]
+async fn guest_request(
+    proxy: Arc<Proxy>,
+    flow: Flow,
+    policy: EgressPolicy,
+    dial: Dialer,
+    name: &str,
+    host: &str,
+    sent_token: &str,
+    body: &str,
+) -> Option<(u16, String)> {
     let (guest, proxy_end) = tokio::io::duplex(64 * 1024);
     let task = tokio::spawn(proxy.clone().handle(proxy_end, flow, policy, dial));
     let mut roots = rustls::RootCertStore::empty();
@@ -209,15 +226,16 @@ async fn guest_get(
         .ok()?;
     tokio::spawn(conn);
     let req = Request::post("/echo")
-        .header("host", name)
+        .header("host", host)
         .header("x-test-token", sent_token)
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap();
     let resp = send.send_request(req).await.ok()?;
+    let status = resp.status().as_u16();
     let text = resp.into_body().collect().await.ok()?.to_bytes();
     drop(send);
     let _ = task.await;
-    Some(String::from_utf8_lossy(&text).into_owned())
+    Some((status, String::from_utf8_lossy(&text).into_owned()))
 }
 
 fn rule(key: &str, value: &str) -> HeaderRule {
@@ -317,6 +335,20 @@ async fn the_sandbox_domain_is_served_through_the_hairpin_under_the_policy() {
     )
     .await;
     assert_eq!(got.unwrap(), format!("/echo g {name} {body}"));
+    // A request on that connection for another host (the server's API, say) is refused.
+    let (status, text) = guest_request(
+        proxy.clone(),
+        flow,
+        EgressPolicy::default(),
+        never.clone(),
+        &name,
+        "127.0.0.1:3000",
+        "g",
+        &body,
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 421, "{text}");
     // Internet off, or another name at the gateway: refused.
     let closed = EgressPolicy::new(false, vec![], vec![]).unwrap();
     assert_eq!(
