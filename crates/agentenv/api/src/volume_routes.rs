@@ -33,7 +33,8 @@ impl From<VolumeError> for ApiError {
             V::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             V::Unauthorized => StatusCode::UNAUTHORIZED,
             V::Full(_) | V::TooManyEntries(_) => StatusCode::INSUFFICIENT_STORAGE,
-            V::Io { .. } => {
+            V::Store { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            V::Io { .. } | V::BadManifest { .. } | V::Runtime(_) => {
                 tracing::error!(error = ?e, "volume I/O failed");
                 return ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,

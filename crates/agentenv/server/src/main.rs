@@ -491,6 +491,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         egress: Some(egress),
     });
     let cfg_has_bucket = cfg.store.as_ref().is_some_and(|s| s.remote.is_some());
+    // Volumes in the same bucket, through a chunk store of their own (its own local cache).
+    let volume_store = cfg.store.clone().filter(|_| cfg_has_bucket).map(|mut s| {
+        s.dir = state_dir.join("volumes-chunks");
+        s.max_local_bytes = 1 << 30;
+        // Files start at chunk boundaries: their zero tails compress away.
+        s.compression = agentenv_store::Compression::Zstd { level: 1 };
+        s
+    });
     let runtime = runtime_backend::open_with_default_template(cfg).await?;
     if let Some(why) = runtime.networking_off() {
         tracing::warn!(reason = why, "sandbox networking is off");
@@ -538,6 +546,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )
     .await?;
     state.sandbox_domain = args.sandbox_domain.clone();
+    let volumes = state.sandboxes.volumes().clone();
+    if let Some(c) = volume_store {
+        let store = agentenv_store::ChunkStore::open(c)
+            .await
+            .context("opening the volumes' chunk store")?;
+        volumes.attach_bucket(Arc::new(store))?;
+    }
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => Some(agentenv_cluster::node_tls::server_config(
             cert,
@@ -619,6 +634,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(r) = registration {
         r.leave().await;
     }
+    volumes.flush_all().await;
     closer.close().await;
     tracing::info!("stopped; sandboxes keep running and are recovered on the next start");
     Ok(())

@@ -35,6 +35,7 @@ mod remote;
 mod sparse;
 mod store;
 pub mod testing;
+mod volume_bucket;
 
 pub use chunk::{ChunkId, Compression, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 pub use error::{Result, StoreError};

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 pub mod egress;
 pub mod snapshot;
 pub mod template;
+pub mod volume_bucket;
 
 pub use egress::{
     EgressError, EgressPolicy, HeaderRule, NetLimits, NetStats, NetworkInfo, Sample, Target,

@@ -146,6 +146,11 @@ async fn attach(
     let drop_key = |channels: &Channels, key: &(String, String)| {
         channels.lock().expect("channels").remove(key);
     };
+    // With a bucket, files this node lacks come from there first (not bound by the attach deadline).
+    if let Err(e) = volumes.restore(&volume_id).await {
+        drop_key(&channels, &key);
+        return Err(e.to_string());
+    }
     let opened = async {
         let dir = volumes.mount_dir(&volume_id).map_err(|e| e.to_string())?;
         let mut s = backend

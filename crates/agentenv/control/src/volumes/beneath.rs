@@ -282,6 +282,12 @@ impl Root {
         })
     }
 
+    /// Flushes the file system the root is on (a restored volume, before it appears).
+    pub(crate) fn syncfs(&self) -> io::Result<()> {
+        // SAFETY: valid descriptor.
+        check(unsafe { libc::syncfs(self.0.as_raw_fd()) })
+    }
+
     /// Opens `parts` for `fsync` (a file or a folder).
     pub(crate) fn open_any(&self, parts: &[&str]) -> io::Result<File> {
         let fd = self.open_at(&Self::rel(parts)?, libc::O_RDONLY | libc::O_NONBLOCK, 0)?;

@@ -1,6 +1,6 @@
 //! Volumes (E2B's `/volumes` and its volume content API): named folders of files that belong to one
 //! tenant and outlive sandboxes, kept on this node's disk under `<state>/volumes/<id>/` (`volume.json`,
-//! the files under `data/`).
+//! the files under `data/`). With a bucket, every volume is kept there too (`bucket.rs`, `pack.rs`).
 //!
 //! The content API authenticates with a volume's token (`Authorization: Bearer`), an HMAC of its id
 //! under a key derived from the server's, so it needs no storage and proves nothing else. Paths are
@@ -10,16 +10,20 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use serde::{Deserialize, Serialize};
 
 use crate::keys;
 
 mod beneath;
+pub mod bucket;
+#[cfg(test)]
+mod bucket_tests;
 pub mod channel;
 #[cfg(test)]
 mod channel_tests;
+pub mod pack;
 #[cfg(test)]
 mod tests;
 
@@ -57,6 +61,16 @@ pub enum VolumeError {
     Full(u64),
     #[error("the volume holds its {0} entries already")]
     TooManyEntries(u64),
+    #[error("volume {volume}: bad bucket manifest: {detail}")]
+    BadManifest { volume: String, detail: String },
+    #[error("volume {volume}: {what} in the bucket: {source}")]
+    Store {
+        what: &'static str,
+        volume: String,
+        source: bucket::BucketError,
+    },
+    #[error("volume bucket: {0}")]
+    Runtime(String),
     #[error("{what} {}: {source}", path.display())]
     Io {
         what: &'static str,
@@ -114,6 +128,16 @@ pub struct Volumes {
     lock: Mutex<()>,
     /// Folders open for mounts, one per volume (shared use accounting).
     mounted: Mutex<HashMap<String, Weak<channel::VolumeDir>>>,
+    /// The chunk store's bucket, where there is one (`bucket.rs`).
+    bucket: OnceLock<Arc<bucket::Bucket>>,
+}
+
+/// 1 to 64 of `[a-zA-Z0-9_-]`.
+fn valid_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 impl Volumes {
@@ -127,6 +151,7 @@ impl Volumes {
             token_key,
             lock: Mutex::new(()),
             mounted: Mutex::default(),
+            bucket: OnceLock::new(),
         })
     }
 
@@ -151,19 +176,11 @@ impl Volumes {
 
     /// Makes volume `name` for `owner`; it and its token.
     pub fn create(&self, owner: &str, name: &str) -> Result<(Volume, String)> {
-        let ok = (1..=64).contains(&name.len())
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-        if !ok {
+        if !valid_name(name) {
             return Err(VolumeError::BadName(name.into()));
         }
         let _held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        let mine: Vec<Volume> = self
-            .all()
-            .into_iter()
-            .filter(|v| v.owner == owner)
-            .collect();
+        let mine = self.list(owner);
         if mine.iter().any(|v| v.name == name) {
             return Err(VolumeError::NameTaken(name.into()));
         }
@@ -185,21 +202,30 @@ impl Volumes {
             name: name.into(),
             owner: owner.into(),
         };
-        let dir = self.dir.join(&id);
-        let data = dir.join("data");
+        let data = self.dir.join(&id).join("data");
         std::fs::create_dir_all(&data).map_err(io("creating", &data))?;
         // Every user of a sandbox that mounts it may write at its root (its parents stay private).
         std::fs::set_permissions(&data, std::os::unix::fs::PermissionsExt::from_mode(0o777))
             .map_err(io("chmod", &data))?;
-        let meta = serde_json::to_vec(&vol).expect("a volume serializes");
-        k3_common::fsutil::write_atomic(&dir.join("volume.json"), &meta)
-            .map_err(io("writing", &dir))?;
+        self.write_record(&vol)?;
+        self.touch(&id);
         let token = self.token(&id);
         Ok((vol, token))
     }
 
-    /// `owner`'s volumes, by name.
+    fn write_record(&self, vol: &Volume) -> Result<()> {
+        let dir = self.dir.join(&vol.volume_id);
+        std::fs::create_dir_all(&dir).map_err(io("creating", &dir))?;
+        let meta = serde_json::to_vec(vol).map_err(|e| VolumeError::Runtime(e.to_string()))?;
+        k3_common::fsutil::write_atomic(&dir.join("volume.json"), &meta)
+            .map_err(io("writing", &dir))
+    }
+
+    /// `owner`'s volumes, by name (with a bucket, those it holds too).
     pub fn list(&self, owner: &str) -> Vec<Volume> {
+        if let Err(e) = self.learn(Some(owner), None) {
+            tracing::warn!(error = %e, "volumes in the bucket not listed");
+        }
         self.all()
             .into_iter()
             .filter(|v| v.owner == owner)
@@ -208,6 +234,9 @@ impl Volumes {
 
     /// `owner`'s volume `id` and its token; another tenant's is not found.
     pub fn get(&self, owner: &str, id: &str) -> Result<(Volume, String)> {
+        if self.read(id).is_none() {
+            self.learn(Some(owner), Some(id))?;
+        }
         let vol = self
             .read(id)
             .filter(|v| v.owner == owner)
@@ -217,9 +246,9 @@ impl Volumes {
 
     /// `owner`'s volume named `name`.
     pub fn by_name(&self, owner: &str, name: &str) -> Result<Volume> {
-        self.all()
+        self.list(owner)
             .into_iter()
-            .find(|v| v.owner == owner && v.name == name)
+            .find(|v| v.name == name)
             .ok_or_else(|| VolumeError::NotFound(name.into()))
     }
 
@@ -251,10 +280,12 @@ impl Volumes {
         let _held = self.lock.lock().unwrap_or_else(|e| e.into_inner());
         self.get(owner, id)?;
         let dir = self.dir.join(id);
-        // The record first: a crash midway leaves files no volume lists, removed below next time.
-        let meta = dir.join("volume.json");
-        std::fs::remove_file(&meta).map_err(io("deleting", &meta))?;
-        std::fs::remove_dir_all(&dir).map_err(io("deleting", &dir))
+        // The bucket's copy first, then the record: a crash midway leaves files no volume lists.
+        self.forget(owner, id, || {
+            let meta = dir.join("volume.json");
+            std::fs::remove_file(&meta).map_err(io("deleting", &meta))?;
+            std::fs::remove_dir_all(&dir).map_err(io("deleting", &dir))
+        })
     }
 
     /// The files of volume `id` for a content request with `bearer`: checked before the volume is
@@ -262,6 +293,15 @@ impl Volumes {
     pub fn content(&self, id: &str, bearer: Option<&str>) -> Result<Content> {
         if !bearer.is_some_and(|b| keys::secret_eq(b, &self.token(id))) {
             return Err(VolumeError::Unauthorized);
+        }
+        if self.bucket.get().is_some() {
+            if self.read(id).is_none() {
+                self.learn(None, Some(id))?;
+            }
+            if self.read(id).is_some() && !self.dir.join(id).join("data").is_dir() {
+                self.block(self.restore(id))?;
+            }
+            self.touch(id);
         }
         self.read(id)
             .ok_or_else(|| VolumeError::NotFound(id.into()))?;
