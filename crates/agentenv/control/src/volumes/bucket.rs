@@ -248,6 +248,8 @@ impl Volumes {
             s.last_flush = Some(Instant::now());
             s.dirty = s.dirty.filter(|&(_, last)| last > started);
             s.retry_after = None;
+            tracing::info!(volume = %id, entries = stats.entries, bytes = stats.bytes,
+                chunks_new = stats.chunks_new, "volume flushed to the bucket");
             return Ok(Some(stats));
         }
         let mut st = b.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -471,6 +473,7 @@ impl Volumes {
         let _ = std::fs::remove_file(&tmp);
         let fp = done?;
         self.set_generation(id, generation)?;
+        tracing::info!(volume = %id, generation, "volume restored from the bucket");
         let mut st = b.state.lock().unwrap_or_else(|e| e.into_inner());
         st.entry(id.into()).or_default().fingerprint = Some(fp);
         Ok(())

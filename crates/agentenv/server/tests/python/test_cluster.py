@@ -516,3 +516,51 @@ def test_kill9_of_a_gateway_the_other_serves_on(cluster):
         assert Sandbox.connect(s.sandbox_id).commands.run("echo again").stdout == "again\n"
     finally:
         s.kill()
+
+
+def test_a_volume_outlives_its_node_through_the_bucket(cluster):
+    """With the cluster's bucket, a volume's files are flushed there; when its node is lost (kill -9),
+    the next volume node restores them on first use, and the volume mounts there as before."""
+    import e2b
+
+    if not hasattr(e2b, "Volume"):
+        pytest.skip("this SDK has no Volume")
+    g = cluster.gateways[0]
+    cluster.use(g)
+    os.environ["E2B_VOLUME_API_URL"] = g.url
+    vol = e2b.Volume.create(f"durable-{secrets.token_hex(4)}")
+    files = {f"d{i % 2}/f{i}.bin": secrets.token_bytes(1000 + 7919 * i) for i in range(6)}
+    try:
+        for d in ["d0", "d1"]:
+            vol.make_dir(d)
+        for path, data in files.items():
+            vol.write_file(path, data)
+        home = next(n for n in cluster.nodes if os.path.isdir(os.path.join(n.state_dir, "volumes", vol.volume_id)))
+        def flushed():
+            with open(home.log_path, errors="replace") as f:
+                return any("volume flushed to the bucket" in line and vol.volume_id in line for line in f)
+        _wait("the volume is flushed", flushed)
+        home.proc.send_signal(signal.SIGKILL)
+        home.proc.wait()
+        cluster.wait_nodes(2)
+        # Another node takes the volume from the bucket: listing, reading, mounting.
+        cluster.use(cluster.gateways[1])
+        os.environ["E2B_VOLUME_API_URL"] = cluster.gateways[1].url
+        again = e2b.Volume.connect(vol.volume_id)
+        assert sorted(e.name for e in again.list("/")) == ["d0", "d1"]
+        for path, data in files.items():
+            assert again.read_file(path, format="bytes") == data, path
+        s = e2b.Sandbox.create("base", timeout=300, allow_internet_access=False, volume_mounts={"/mnt/v": again})
+        try:
+            assert cluster.node_of(s.sandbox_id) is not home
+            assert s.commands.run("cat /mnt/v/d1/f1.bin | wc -c").stdout.strip() == str(len(files["d1/f1.bin"]))
+        finally:
+            s.kill()
+    finally:
+        for n in [n for n in cluster.nodes if n.proc.poll() is not None]:
+            n.start()
+        cluster.wait_nodes(3)
+        cluster.use(g)
+        os.environ["E2B_VOLUME_API_URL"] = g.url
+        e2b.Volume.destroy(vol.volume_id)
+        os.environ.pop("E2B_VOLUME_API_URL", None)
