@@ -1,5 +1,6 @@
 """agentenv's code-interpreter server: the HTTP API `e2b_code_interpreter` calls on port 49999, on Jupyter
-kernels (`jupyter_client`; `ipykernel` for Python, `bash_kernel` for bash).
+kernels (`jupyter_client`; `ipykernel` for Python, `bash_kernel` for bash, Deno's own kernel for JavaScript
+and TypeScript).
 
 - `POST /execute` {code, context_id, language, env_vars}: the cell's output as JSON lines (`stdout`, `stderr`,
   `result`, `error`, `number_of_executions`), streamed while it runs. A client that goes away interrupts it.
@@ -9,8 +10,8 @@ kernels (`jupyter_client`; `ipykernel` for Python, `bash_kernel` for bash).
 - `GET /health`.
 
 The agentenv server embeds this file and builds `code-interpreter-v1` with it (control's `builtin.rs`).
-The default Python context's kernel is started before the port opens, so a template snapshot taken once the
-port answers holds a warm kernel.
+The default Python and JavaScript contexts' kernels are started before the port opens, so a template snapshot
+taken once the port answers holds warm kernels.
 """
 
 import datetime
@@ -45,7 +46,7 @@ FORMATS = {
     "e2b/chart": "chart",
 }
 # Language -> kernel name; E2B's short names map onto them.
-LANGUAGES = {"python": "python3", "bash": "bash"}
+LANGUAGES = {"python": "python3", "bash": "bash", "javascript": "deno", "typescript": "deno"}
 ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash"}
 # Environment variables given at create, as envd keeps them (read once per context).
 ENVS_FILE = os.environ.get("CODE_INTERPRETER_ENVS_FILE", "/run/agentenv/envs.json")
@@ -123,6 +124,9 @@ def set_env_code(language, envs):
     """Code that sets (value a str) or removes (None) variables in a kernel of `language`."""
     if language == "python":
         return f"import os as __k3_os\n[__k3_os.environ.pop(__k, None) if __v is None else __k3_os.environ.__setitem__(__k, __v) for __k, __v in {envs!r}.items()]\ndel __k3_os\n"
+    if language in ("javascript", "typescript"):  # process.env is Deno's environment
+        return "".join(f"delete process.env[{json.dumps(k)}];" if v is None else
+                       f"process.env[{json.dumps(k)}] = {json.dumps(v)};" for k, v in envs.items()) + "void 0;"
     return "\n".join(f"unset {k}" if v is None else f"export {k}={shell_quote(v)}" for k, v in envs.items())
 
 
@@ -429,9 +433,10 @@ WARM = "import numpy, matplotlib, matplotlib.pyplot, IPython.display"
 
 
 def main():
-    ctx = CONTEXTS.get(None, "python")  # a warm kernel before the port opens
+    ctx = CONTEXTS.get(None, "python")  # warm kernels before the port opens
     try:
         ctx.silent(WARM)
+        CONTEXTS.get(None, "javascript")
     except Exception as e:  # the server works without them
         print(f"code-interpreter: warm-up failed: {e}", file=sys.stderr, flush=True)
     server = ThreadingHTTPServer(("0.0.0.0", PORT), Handler)

@@ -25,6 +25,12 @@ const PORT: u16 = 49999;
 /// From PyPI at build time, in the guest. `e2b-charts` is E2B's chart extraction (the `chart` result).
 const PACKAGES: &str = "jupyter_client==8.6.3 ipykernel==6.29.5 bash_kernel==0.10.0 \
      matplotlib==3.10.3 pandas==2.2.3 e2b-charts==1.0.0";
+/// Deno (its own Jupyter kernel runs JavaScript and TypeScript), from npm's registry as its npm
+/// package ships it, checked against the registry's SHA-512.
+const DENO_URL: &str =
+    "https://registry.npmjs.org/@deno/linux-x64-glibc/-/linux-x64-glibc-2.9.6.tgz";
+const DENO_SHA512: &str = "de67784ca2c2bb3b0b0e67cea02e4a37b34065ac525643209bae2f83a7e80f4d090400c2a584b6ff942a5dfce09cfe59433de22cff6f05026d120735d7a380a1";
+const DENO_KERNEL: &str = r#"{"argv": ["/opt/deno/deno", "jupyter", "--kernel", "--conn", "{connection_file}"], "display_name": "Deno", "language": "typescript", "env": {"DENO_NO_UPDATE_CHECK": "1", "NO_COLOR": "1"}}"#;
 /// Kernels with numpy, pandas and matplotlib loaded need more than the base's 256 MiB.
 const SIZE: BuildSize = BuildSize {
     vcpus: Some(1),
@@ -36,6 +42,7 @@ const SIZE: BuildSize = BuildSize {
 fn code_interpreter_plan() -> BuildPlan {
     use base64::Engine as _;
     let server = base64::engine::general_purpose::STANDARD.encode(SERVER_PY);
+    let deno_kernel = base64::engine::general_purpose::STANDARD.encode(DENO_KERNEL);
     let root = Some("root".to_string());
     BuildPlan {
         steps: vec![
@@ -45,6 +52,15 @@ fn code_interpreter_plan() -> BuildPlan {
                 cmd: format!(
                     "python3 -m venv {VENV} && {VENV}/bin/pip install --no-compile --no-cache-dir \
                      --progress-bar off {PACKAGES} && {VENV}/bin/python -m bash_kernel.install --sys-prefix"
+                ),
+                user: root.clone(),
+            },
+            Step::Run {
+                cmd: format!(
+                    "mkdir -p /opt/deno {VENV}/share/jupyter/kernels/deno && cd /opt/deno && \
+                     curl -fsSL --retry 3 -o deno.tgz {DENO_URL} && echo '{DENO_SHA512}  deno.tgz' | sha512sum -c - && \
+                     tar xzf deno.tgz --strip-components=1 package/deno && rm deno.tgz && \
+                     echo {deno_kernel} | base64 -d > {VENV}/share/jupyter/kernels/deno/kernel.json"
                 ),
                 user: root.clone(),
             },
@@ -244,8 +260,8 @@ mod tests {
     fn the_plan_carries_the_server_byte_for_byte() {
         use base64::Engine as _;
         let plan = code_interpreter_plan();
-        let Step::Run { cmd, .. } = &plan.steps[1] else {
-            panic!("step 2 writes the server");
+        let Step::Run { cmd, .. } = &plan.steps[2] else {
+            panic!("step 3 writes the server");
         };
         let b64 = cmd
             .strip_prefix("echo ")

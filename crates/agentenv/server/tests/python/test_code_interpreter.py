@@ -118,6 +118,27 @@ def test_bash_keeps_state_and_sees_envs(code_sandbox):
     code_sandbox.remove_code_context(ctx)
 
 
+def test_javascript_and_typescript_run_on_deno(code_sandbox):
+    n, t = secrets.randbelow(10**6), secrets.token_hex(4)
+    # The default JavaScript context is warm from the start, as in E2B.
+    assert "javascript" in [c.language for c in code_sandbox.list_code_contexts()]
+    ctx = code_sandbox.create_code_context(language="js", cwd="/tmp")
+    assert ctx.language == "javascript"
+    code_sandbox.run_code(f"let k3n = {n}", context=ctx)
+    ex = code_sandbox.run_code("console.log(k3n + 1); process.cwd()", context=ctx)
+    assert ex.logs.stdout == [f"{n + 1}\n"] and ex.text == "/tmp"
+    assert code_sandbox.run_code(f"await Promise.resolve('{t}')", context=ctx).text == t
+    ex = code_sandbox.run_code("import { readFileSync } from 'fs'\nconsole.log(typeof readFileSync)", context=ctx)
+    assert ex.logs.stdout == ["function\n"]
+    assert code_sandbox.run_code("process.env.K3_T", context=ctx, envs={"K3_T": t}).text == t
+    assert code_sandbox.run_code("process.env.K3_T ?? 'unset'", context=ctx).text == "unset"
+    ex = code_sandbox.run_code(f"throw new RangeError('{t}')", context=ctx)
+    assert (ex.error.name, ex.error.value) == ("RangeError", t)
+    ex = code_sandbox.run_code(f"const m: number = {n}; console.log(m * 2)", language="ts")
+    assert ex.logs.stdout == [f"{2 * n}\n"]
+    code_sandbox.remove_code_context(ctx)
+
+
 def test_envs_given_at_create_reach_the_kernels(server):
     t = secrets.token_hex(4)
     sbx = create_when_built(timeout=120, envs={"K3_AT_CREATE": t})
@@ -127,6 +148,7 @@ def test_envs_given_at_create_reach_the_kernels(server):
         ex = sbx.run_code("echo $K3_AT_CREATE", language="bash", envs={"K3_AT_CREATE": "x"})
         assert ex.logs.stdout == ["x\n"]
         assert sbx.run_code("echo $K3_AT_CREATE", language="bash").logs.stdout == [f"{t}\n"]
+        assert sbx.run_code("process.env.K3_AT_CREATE", language="js").text == t
     finally:
         sbx.kill()
 
