@@ -1,6 +1,6 @@
 """agentenv's code-interpreter server: the HTTP API `e2b_code_interpreter` calls on port 49999, on Jupyter
 kernels (`jupyter_client`; `ipykernel` for Python, `bash_kernel` for bash, Deno's own kernel for JavaScript
-and TypeScript).
+and TypeScript, IRkernel for R).
 
 - `POST /execute` {code, context_id, language, env_vars}: the cell's output as JSON lines (`stdout`, `stderr`,
   `result`, `error`, `number_of_executions`), streamed while it runs. A client that goes away interrupts it.
@@ -46,7 +46,7 @@ FORMATS = {
     "e2b/chart": "chart",
 }
 # Language -> kernel name; E2B's short names map onto them.
-LANGUAGES = {"python": "python3", "bash": "bash", "javascript": "deno", "typescript": "deno"}
+LANGUAGES = {"python": "python3", "bash": "bash", "javascript": "deno", "typescript": "deno", "r": "ir"}
 ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash"}
 # Environment variables given at create, as envd keeps them (read once per context).
 ENVS_FILE = os.environ.get("CODE_INTERPRETER_ENVS_FILE", "/run/agentenv/envs.json")
@@ -124,6 +124,9 @@ def set_env_code(language, envs):
     """Code that sets (value a str) or removes (None) variables in a kernel of `language`."""
     if language == "python":
         return f"import os as __k3_os\n[__k3_os.environ.pop(__k, None) if __v is None else __k3_os.environ.__setitem__(__k, __v) for __k, __v in {envs!r}.items()]\ndel __k3_os\n"
+    if language == "r":
+        return "".join(f"Sys.unsetenv({json.dumps(k)})\n" if v is None else
+                       f"Sys.setenv({json.dumps(k)} = {json.dumps(v)})\n" for k, v in envs.items())
     if language in ("javascript", "typescript"):  # process.env is Deno's environment
         return "".join(f"delete process.env[{json.dumps(k)}];" if v is None else
                        f"process.env[{json.dumps(k)}] = {json.dumps(v)};" for k, v in envs.items()) + "void 0;"

@@ -31,18 +31,22 @@ const DENO_URL: &str =
     "https://registry.npmjs.org/@deno/linux-x64-glibc/-/linux-x64-glibc-2.9.6.tgz";
 const DENO_SHA512: &str = "de67784ca2c2bb3b0b0e67cea02e4a37b34065ac525643209bae2f83a7e80f4d090400c2a584b6ff942a5dfce09cfe59433de22cff6f05026d120735d7a380a1";
 const DENO_KERNEL: &str = r#"{"argv": ["/opt/deno/deno", "jupyter", "--kernel", "--conn", "{connection_file}"], "display_name": "Deno", "language": "typescript", "env": {"DENO_NO_UPDATE_CHECK": "1", "NO_COLOR": "1"}}"#;
+/// R and IRkernel from Debian (E2B's template takes them from CRAN).
+const R_KERNEL: &str = r#"{"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"], "display_name": "R", "language": "R"}"#;
 /// Kernels with numpy, pandas and matplotlib loaded need more than the base's 256 MiB.
 const SIZE: BuildSize = BuildSize {
     vcpus: Some(1),
     memory_mib: Some(1024),
 };
 
-/// The build of `code-interpreter-v1`: `base`, a venv with Jupyter's Python and bash kernels, and
+/// The build of `code-interpreter-v1`: `base`, a venv with Jupyter's Python and bash kernels, Deno
+/// (JavaScript, TypeScript) and R with IRkernel, and
 /// the server started as root (as E2B's runs) with a warm Python kernel before the snapshot.
 fn code_interpreter_plan() -> BuildPlan {
     use base64::Engine as _;
     let server = base64::engine::general_purpose::STANDARD.encode(SERVER_PY);
     let deno_kernel = base64::engine::general_purpose::STANDARD.encode(DENO_KERNEL);
+    let r_kernel = base64::engine::general_purpose::STANDARD.encode(R_KERNEL);
     let root = Some("root".to_string());
     BuildPlan {
         steps: vec![
@@ -61,6 +65,15 @@ fn code_interpreter_plan() -> BuildPlan {
                      curl -fsSL --retry 3 -o deno.tgz {DENO_URL} && echo '{DENO_SHA512}  deno.tgz' | sha512sum -c - && \
                      tar xzf deno.tgz --strip-components=1 package/deno && rm deno.tgz && \
                      echo {deno_kernel} | base64 -d > {VENV}/share/jupyter/kernels/deno/kernel.json"
+                ),
+                user: root.clone(),
+            },
+            Step::Run {
+                cmd: format!(
+                    "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+                     --no-install-recommends r-base-core r-cran-irkernel && rm -rf /var/lib/apt/lists/* && \
+                     mkdir -p {VENV}/share/jupyter/kernels/ir && \
+                     echo {r_kernel} | base64 -d > {VENV}/share/jupyter/kernels/ir/kernel.json"
                 ),
                 user: root.clone(),
             },
@@ -260,8 +273,8 @@ mod tests {
     fn the_plan_carries_the_server_byte_for_byte() {
         use base64::Engine as _;
         let plan = code_interpreter_plan();
-        let Step::Run { cmd, .. } = &plan.steps[2] else {
-            panic!("step 3 writes the server");
+        let Step::Run { cmd, .. } = &plan.steps[3] else {
+            panic!("step 4 writes the server");
         };
         let b64 = cmd
             .strip_prefix("echo ")

@@ -139,6 +139,25 @@ def test_javascript_and_typescript_run_on_deno(code_sandbox):
     code_sandbox.remove_code_context(ctx)
 
 
+def test_r_runs_on_irkernel(code_sandbox):
+    n, t = secrets.randbelow(10**6), secrets.token_hex(4)
+    ctx = code_sandbox.create_code_context(language="r", cwd="/tmp")
+    assert ctx.language == "r"
+
+    def value(code, **kw):  # IRkernel shows values as display data (so does E2B's R)
+        return code_sandbox.run_code(code, context=ctx, **kw).results[0].text
+
+    code_sandbox.run_code(f"k3n <- {n}", context=ctx)
+    assert value("k3n + 1") == f"[1] {n + 1}"
+    assert code_sandbox.run_code(f'print("{t}")', context=ctx).logs.stdout == [f'[1] "{t}"\n']
+    assert value("getwd()") == '[1] "/tmp"'
+    assert value("Sys.getenv('K3_T')", envs={"K3_T": t}) == f'[1] "{t}"'
+    assert value("Sys.getenv('K3_T', unset = 'none')") == '[1] "none"'
+    err = code_sandbox.run_code(f"stop('{t}')", context=ctx).error
+    assert err is not None and t in err.value, err
+    code_sandbox.remove_code_context(ctx)
+
+
 def test_envs_given_at_create_reach_the_kernels(server):
     t = secrets.token_hex(4)
     sbx = create_when_built(timeout=120, envs={"K3_AT_CREATE": t})
