@@ -70,9 +70,10 @@ impl Ca {
             std::fs::create_dir_all(dir).map_err(|e| io("create", dir, e))?;
             let key = KeyPair::generate().map_err(EgressError::cert)?;
             let cert = ca_params().self_signed(&key).map_err(EgressError::cert)?;
-            write_private(&key_path, &key.serialize_pem())
+            k3_common::fsutil::write_atomic(&key_path, key.serialize_pem().as_bytes())
                 .map_err(|e| io("write", &key_path, e))?;
-            std::fs::write(&pem_path, cert.pem()).map_err(|e| io("write", &pem_path, e))?;
+            k3_common::fsutil::write_atomic(&pem_path, cert.pem().as_bytes())
+                .map_err(|e| io("write", &pem_path, e))?;
         }
         let key_pem = std::fs::read_to_string(&key_path).map_err(|e| io("read", &key_path, e))?;
         let pem = std::fs::read_to_string(&pem_path).map_err(|e| io("read", &pem_path, e))?;
@@ -142,19 +143,4 @@ impl Ca {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<CertifiedKey>>> {
         self.leaves.lock().unwrap_or_else(|e| e.into_inner())
     }
-}
-
-fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(text.as_bytes())?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)
 }

@@ -26,16 +26,18 @@ fn token() -> String {
     format!("t-{n:016x}")
 }
 
+/// A TLS client trusting `roots` only.
+fn client_config(roots: rustls::RootCertStore) -> rustls::ClientConfig {
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth()
+}
+
 /// The bytes a real rustls client opens with for `name`.
 fn client_hello(name: &str) -> Vec<u8> {
-    let roots = rustls::RootCertStore::empty();
-    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    let cfg = client_config(rustls::RootCertStore::empty());
     let sn = ServerName::try_from(name.to_string()).unwrap();
     let mut c = rustls::ClientConnection::new(Arc::new(cfg), sn).unwrap();
     let mut out = Vec::new();
@@ -210,13 +212,7 @@ async fn guest_request(
     let task = tokio::spawn(proxy.clone().handle(proxy_end, flow, policy, dial));
     let mut roots = rustls::RootCertStore::empty();
     roots.add(der(proxy.ca().pem())).unwrap();
-    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    let cfg = client_config(roots);
     let tls = tokio_rustls::TlsConnector::from(Arc::new(cfg))
         .connect(ServerName::try_from(name.to_string()).unwrap(), guest)
         .await
