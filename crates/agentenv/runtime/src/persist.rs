@@ -240,6 +240,29 @@ pub fn write<T: Serialize>(path: &Path, rec: &T) -> Result<(), PersistError> {
     })
 }
 
+/// Writes `rec` as JSON to `path` in place, unflushed: for a file in a folder that is flushed and
+/// committed later as a whole (a capture's `.partial` folder and its rename).
+pub fn write_unsynced<T: Serialize>(path: &Path, rec: &T) -> Result<(), PersistError> {
+    let bytes = serde_json::to_vec_pretty(rec).map_err(|e| PersistError::Json {
+        path: path.to_owned(),
+        source: e,
+    })?;
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(&bytes))
+        .map_err(|e| PersistError::Io {
+            what: "write",
+            path: path.to_owned(),
+            source: e,
+        })
+}
+
 /// Records carrying a format version.
 pub trait Versioned {
     /// The format version stored in the record.

@@ -96,7 +96,7 @@ impl Runtime {
 const RAM_FLUSH_DELAY: Duration = Duration::from_secs(2);
 
 impl Runtime {
-    /// Flushes the RAM file of paused sandbox `id` to the disk after [`RAM_FLUSH_DELAY`] unless it
+    /// Flushes the RAM file and device state of paused sandbox `id` to the disk after [`RAM_FLUSH_DELAY`] unless it
     /// resumed, then records it flushed (while the sandbox is still paused on that file). Until then a
     /// host power loss could tear it: recovery after a reboot cold-boots such a sandbox from its disk. A
     /// runtime dropped meanwhile writes nothing (the next one settles it).
@@ -114,9 +114,12 @@ impl Runtime {
                 }
                 live.record.ram_file.clone()
             };
-            let path = ram.clone();
-            let synced =
-                tokio::task::spawn_blocking(move || std::fs::File::open(&path)?.sync_data()).await;
+            let (path, state) = (ram.clone(), inner.device_state_path(&id));
+            let synced = tokio::task::spawn_blocking(move || {
+                std::fs::File::open(&state)?.sync_all()?;
+                std::fs::File::open(&path)?.sync_data()
+            })
+            .await;
             if let Err(e) = synced.map_err(std::io::Error::other).and_then(|r| r) {
                 tracing::warn!(sandbox = %id, error = %e, "flushing a paused sandbox's RAM file failed");
                 return;

@@ -502,6 +502,17 @@ impl Runtime {
             let tmp = state.with_extension("state.tmp");
             // Saved with the agent connected: see `create` (connect before `cont`).
             vm.save_device_state(&tmp).await?;
+            if !live.record.ram_shared {
+                // The RAM is in this stream: durable before the record says paused. A shared RAM
+                // file and its state are flushed after the answer instead (see below).
+                std::fs::File::open(&tmp)
+                    .and_then(|f| f.sync_all())
+                    .map_err(|e| PauseError::Io {
+                        what: "fsync",
+                        path: tmp.clone(),
+                        source: e,
+                    })?;
+            }
             k3_common::crash::point("runtime:pause:after-save");
             live.agent = None;
             // The RAM file is the paused state: safe from a crash of this process (and of QEMU) once

@@ -264,21 +264,22 @@ impl Runtime {
                 }
                 vm.stop().await?;
                 let t_stop = t0.elapsed();
-                let mut t_state = t_stop;
-                let r = async {
+                // QEMU writes the device state while the files are copied: both need only the VM
+                // stopped, and neither is flushed before it runs on.
+                let state = async {
                     if full {
                         vm.save_device_state(&partial.join("device.state")).await?;
                     }
-                    t_state = t0.elapsed();
-                    k3_common::crash::point("runtime:snapshot:during-capture");
-                    k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
-                    capture_files(inner, &rec, &partial, ram_tmp.as_deref(), !hidden).await
-                }
-                .await;
+                    Ok::<_, SnapshotError>(t0.elapsed())
+                };
+                let files = capture_files(inner, &rec, &partial, ram_tmp.as_deref());
+                let (state, files) = tokio::join!(state, files);
                 let t_files = t0.elapsed();
+                k3_common::crash::point("runtime:snapshot:during-capture");
+                k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
                 let resumed = vm.cont().await;
-                tracing::debug!(?t_stop, ?t_state, ?t_files, t_cont = ?t0.elapsed(), "capture phases");
-                r.and(resumed.map_err(SnapshotError::from))
+                tracing::debug!(?t_stop, t_state = ?state.as_ref().ok(), ?t_files, t_cont = ?t0.elapsed(), "capture phases");
+                state.and(files).and(resumed.map_err(SnapshotError::from))
             }
             None if full && rec.boot_on_resume => Err(SnapshotError::NoMemory(sandbox_id.into())),
             None => {
@@ -287,7 +288,7 @@ impl Runtime {
                     let dst = partial.join("device.state");
                     std::fs::copy(&src, &dst).map_err(io("copy", &src))?;
                 }
-                capture_files(inner, &rec, &partial, ram_tmp.as_deref(), !hidden).await
+                capture_files(inner, &rec, &partial, ram_tmp.as_deref()).await
             }
         };
         let paused_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -330,7 +331,14 @@ impl Runtime {
             envd_version: crate::image::template::ENVD_VERSION.into(),
             boot_id,
         };
-        persist::write(&partial.join("snapshot.json"), &snap)?;
+        persist::write_unsynced(&partial.join("snapshot.json"), &snap)?;
+        // A fork's capture is flushed once its forks run (see `fork`).
+        let files: &[&str] = match (hidden, full) {
+            (true, _) => &["snapshot.json"],
+            (false, true) => &["snapshot.json", "disk.qcow2", "device.state"],
+            (false, false) => &["snapshot.json", "disk.qcow2"],
+        };
+        flush_files(&partial, files).await?;
         k3_common::crash::point("runtime:snapshot:before-rename");
         std::fs::rename(&partial, &final_dir).map_err(io("rename", &partial))?;
         // The commit is the rename: make it durable before the snapshot is reported.
@@ -635,15 +643,12 @@ impl Runtime {
     }
 }
 
-/// Copies the sandbox's disk (and RAM into `ram_out`) into `partial`; `durable`: the disk is flushed
-/// before returning. The RAM copy is not: it becomes durable through the chunk store, and a capture
-/// whose host went down before that is not restored with memory (see [`load_all`]).
+/// Copies the sandbox's disk (and RAM into `ram_out`) into `partial`, unflushed.
 async fn capture_files(
     inner: &Inner,
     rec: &VmRecord,
     partial: &Path,
     ram_out: Option<&Path>,
-    durable: bool,
 ) -> Result<(), SnapshotError> {
     let disk = inner.spec_of(rec).disk;
     let disk_out = partial.join("disk.qcow2");
@@ -652,14 +657,10 @@ async fn capture_files(
         let t = Instant::now();
         fsops::sparse_copy(&disk, &disk_out)?;
         let t_disk = t.elapsed();
-        if durable {
-            std::fs::File::open(&disk_out)?.sync_all()?;
-        }
-        let t_sync = t.elapsed();
         if let Some((src, dst)) = ram {
             fsops::sparse_copy(&src, &dst)?;
         }
-        tracing::debug!(?t_disk, ?t_sync, t_ram = ?t.elapsed(), "capture files");
+        tracing::debug!(?t_disk, t_ram = ?t.elapsed(), "capture files");
         Ok(())
     })
     .await
@@ -670,6 +671,33 @@ async fn capture_files(
         path: partial.to_owned(),
         source,
     })
+}
+
+/// Flushes `names` in folder `dir` and the folder itself, each on its own thread so that the
+/// filesystem commits them together. A capture's RAM copy is not flushed: it becomes durable through the chunk store, and a
+/// capture whose host went down before that is not restored with memory (see [`load_all`]).
+async fn flush_files(dir: &Path, names: &[&str]) -> Result<(), SnapshotError> {
+    let flushes: Vec<_> = names
+        .iter()
+        .map(|name| dir.join(name))
+        .chain([dir.to_owned()])
+        .map(|path| {
+            let p = path.clone();
+            let h = tokio::task::spawn_blocking(move || std::fs::File::open(&p)?.sync_all());
+            (path, h)
+        })
+        .collect();
+    for (path, h) in flushes {
+        h.await
+            .map_err(std::io::Error::other)
+            .and_then(|r| r)
+            .map_err(|source| SnapshotError::Io {
+                what: "fsync",
+                path,
+                source,
+            })?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -137,7 +137,7 @@ pub trait Pausable {
 /// Save the device state of a stopped VM; guest RAM stays in its shared RAM file.
 pub trait Snapshottable: Pausable {
     /// Writes the device state to `path` (x-ignore-shared: shared RAM stays in [`VmSpec::ram_file`],
-    /// private RAM goes into the stream). The VM must be stopped.
+    /// private RAM goes into the stream), unflushed. The VM must be stopped.
     fn save_device_state<'a>(&'a self, path: &'a Path) -> BoxFuture<'a, Result<(), VmmError>>;
 }
 

@@ -714,8 +714,6 @@ impl Snapshottable for QemuVm {
             q.execute("migrate", Some(json!({"uri": "fd:snapfd"})))
                 .await?;
             q.wait_migration(MIGRATION_DEADLINE).await?;
-            drop(q);
-            file.sync_all().map_err(|e| io("fsync", e))?;
             Ok(())
         })
     }

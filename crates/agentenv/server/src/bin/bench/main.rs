@@ -613,7 +613,8 @@ async fn main() -> anyhow::Result<()> {
                 &create,
                 "ms",
             )
-            .baseline("runtime.create without HTTP, same run", direct_med, true),
+            .baseline("runtime.create without HTTP, same run", direct_med, true)
+            .baseline("issue #31: keep (29bb2c3 on this box)", 20.4, false),
             "target on this TCG box",
             150.0,
         ),
@@ -624,7 +625,11 @@ async fn main() -> anyhow::Result<()> {
         ),
         anchor(
             anchor(
-                Figure::timing("pause (POST /sandboxes/{id}/pause)", &pause, "ms"),
+                Figure::timing("pause (POST /sandboxes/{id}/pause)", &pause, "ms").baseline(
+                    "issue #31 goal",
+                    20.0,
+                    false,
+                ),
                 "target on this TCG box",
                 100.0,
             ),
@@ -636,7 +641,8 @@ async fn main() -> anyhow::Result<()> {
                 "resume (POST /v2/sandboxes/{id}/connect, paused)",
                 &resume,
                 "ms",
-            ),
+            )
+            .baseline("issue #31: keep (29bb2c3 on this box)", 15.0, false),
             "public AgentENV claim: resume from snapshot (Firecracker on KVM)",
             50.0,
         ),

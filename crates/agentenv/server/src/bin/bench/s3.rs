@@ -146,7 +146,8 @@ pub async fn cold_restore(
             "first command in a sandbox restored from S3 with a cold cache (create + command)",
             &first_cmd,
             "ms",
-        ),
+        )
+        .baseline("issue #31 goal", 1000.0, false),
     ]))
 }
 
