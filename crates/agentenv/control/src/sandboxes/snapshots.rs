@@ -30,6 +30,7 @@ impl Sandboxes {
         names: &[String],
         memory: bool,
     ) -> Result<SnapshotInfo> {
+        let t0 = std::time::Instant::now();
         let rec = self.get_as(caller, id)?;
         let (owner, mounts) = (rec.owner, rec.volume_mounts);
         let names = names
@@ -63,6 +64,7 @@ impl Sandboxes {
                 .set_snapshot_mounts(&sid, &mounts)
                 .map_err(internal)?;
         }
+        let t_owner = t0.elapsed();
         let r = self
             .within(
                 "snapshot",
@@ -75,10 +77,12 @@ impl Sandboxes {
             let _ = self.owners.forget_snapshot(&sid);
         }
         let info = r?;
+        let t_backend = t0.elapsed();
         if let Err(e) = self.check_stored(&owner) {
             self.undo_snapshot(&sid, &holders);
             return Err(e);
         }
+        tracing::debug!(?t_owner, ?t_backend, t_checked = ?t0.elapsed(), "snapshot phases");
         Ok(self.as_seen_by(&owner, info))
     }
 

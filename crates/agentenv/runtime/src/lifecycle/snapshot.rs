@@ -256,6 +256,11 @@ impl Runtime {
             Some(_) => p.with_extension("mem.partial"),
             None => partial.join("ram.mem"),
         });
+        let disk_copy = (inner.spec_of(&rec).disk, partial.join("disk.qcow2"));
+        let ram_copy: Vec<_> = ram_tmp
+            .iter()
+            .map(|t| (rec.ram_file.clone(), t.clone()))
+            .collect();
         let t0 = Instant::now();
         let captured = match &live.vm {
             Some(vm) => {
@@ -264,22 +269,25 @@ impl Runtime {
                 }
                 vm.stop().await?;
                 let t_stop = t0.elapsed();
-                // QEMU writes the device state while the files are copied: both need only the VM
-                // stopped, and neither is flushed before it runs on.
+                // The disk before the device state (whose migration ends by closing it); the RAM while
+                // QEMU writes the state. Neither is flushed before the VM runs on.
+                let disk = copy_files(vec![disk_copy.clone()], &partial).await;
+                let t_disk = t0.elapsed();
                 let state = async {
                     if full {
                         vm.save_device_state(&partial.join("device.state")).await?;
                     }
                     Ok::<_, SnapshotError>(t0.elapsed())
                 };
-                let files = capture_files(inner, &rec, &partial, ram_tmp.as_deref());
-                let (state, files) = tokio::join!(state, files);
+                let (state, ram) = tokio::join!(state, copy_files(ram_copy.clone(), &partial));
                 let t_files = t0.elapsed();
                 k3_common::crash::point("runtime:snapshot:during-capture");
                 k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
                 let resumed = vm.cont().await;
-                tracing::debug!(?t_stop, t_state = ?state.as_ref().ok(), ?t_files, t_cont = ?t0.elapsed(), "capture phases");
-                state.and(files).and(resumed.map_err(SnapshotError::from))
+                tracing::debug!(?t_stop, ?t_disk, t_state = ?state.as_ref().ok(), ?t_files, t_cont = ?t0.elapsed(), "capture phases");
+                disk.and(state.map(drop))
+                    .and(ram)
+                    .and(resumed.map_err(SnapshotError::from))
             }
             None if full && rec.boot_on_resume => Err(SnapshotError::NoMemory(sandbox_id.into())),
             None => {
@@ -288,7 +296,8 @@ impl Runtime {
                     let dst = partial.join("device.state");
                     std::fs::copy(&src, &dst).map_err(io("copy", &src))?;
                 }
-                capture_files(inner, &rec, &partial, ram_tmp.as_deref()).await
+                let all = std::iter::once(disk_copy).chain(ram_copy).collect();
+                copy_files(all, &partial).await
             }
         };
         let paused_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -338,11 +347,14 @@ impl Runtime {
             (false, true) => &["snapshot.json", "disk.qcow2", "device.state"],
             (false, false) => &["snapshot.json", "disk.qcow2"],
         };
+        let t1 = Instant::now();
         flush_files(&partial, files).await?;
+        let t_flush = t1.elapsed();
         k3_common::crash::point("runtime:snapshot:before-rename");
         std::fs::rename(&partial, &final_dir).map_err(io("rename", &partial))?;
         // The commit is the rename: make it durable before the snapshot is reported.
         k3_common::fsutil::sync_dir(&inner.snapshots_dir()).map_err(io("fsync", &final_dir))?;
+        tracing::debug!(?t_flush, t_commit = ?t1.elapsed(), "capture committed");
         inner.catalog.put_snapshot(snap.clone())?;
         // A fork's capture is made durable and stored once its forks run (see `fork`).
         if !hidden {
@@ -643,24 +655,12 @@ impl Runtime {
     }
 }
 
-/// Copies the sandbox's disk (and RAM into `ram_out`) into `partial`, unflushed.
-async fn capture_files(
-    inner: &Inner,
-    rec: &VmRecord,
-    partial: &Path,
-    ram_out: Option<&Path>,
-) -> Result<(), SnapshotError> {
-    let disk = inner.spec_of(rec).disk;
-    let disk_out = partial.join("disk.qcow2");
-    let ram = ram_out.map(|o| (rec.ram_file.clone(), o.to_owned()));
+/// Copies each `(from, to)` sparsely, unflushed, for the capture in `partial`.
+async fn copy_files(pairs: Vec<(PathBuf, PathBuf)>, partial: &Path) -> Result<(), SnapshotError> {
     let r = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-        let t = Instant::now();
-        fsops::sparse_copy(&disk, &disk_out)?;
-        let t_disk = t.elapsed();
-        if let Some((src, dst)) = ram {
-            fsops::sparse_copy(&src, &dst)?;
+        for (from, to) in pairs {
+            fsops::sparse_copy(&from, &to)?;
         }
-        tracing::debug!(?t_disk, t_ram = ?t.elapsed(), "capture files");
         Ok(())
     })
     .await
