@@ -34,7 +34,7 @@ pub struct IngestStats {
     pub chunks_zero: u64,
     /// Wall time.
     pub elapsed: Duration,
-    /// Part of it spent making chunks and manifest durable (syncfs, manifest writes).
+    /// Part of it spent making chunks and manifest durable (chunk fsyncs, manifest writes).
     pub elapsed_commit: Duration,
 }
 
@@ -210,7 +210,7 @@ impl ChunkStore {
             stats.bytes_new += n as u64;
             if !local {
                 let stored = chunk::encode(data, compression);
-                if let Err(e) = self.inner.dir.write_chunk(&id, &stored) {
+                if let Err(e) = self.inner.dir.write_chunk(&id, &stored, true) {
                     undo(&protected);
                     return Err(e);
                 }

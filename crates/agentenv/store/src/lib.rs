@@ -19,7 +19,7 @@
 //!   QEMU starts from a disk that this node does not hold whole.
 //!
 //! Invariants: a chunk file or object appears only complete (temp + rename) and is verified against its
-//! hash on every read; a manifest is written only after its chunks are durable (syncfs, bucket puts), and
+//! hash on every read; a manifest is written only after its new chunk files are durable (`LocalDir::sync`, bucket puts), and
 //! a materialized file appears only complete (temp + fsync + rename). Every remote call has a deadline.
 //!
 //! Boundary: this crate knows files and bytes only; it knows nothing of sandboxes, QEMU or HTTP.

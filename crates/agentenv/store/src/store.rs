@@ -202,9 +202,7 @@ impl ChunkStore {
             return Err(StoreError::Config("remote_concurrency is 0".into()));
         }
         let remote = cfg.remote.as_ref().map(Remote::new).transpose()?;
-        let dir = LocalDir {
-            root: cfg.dir.clone(),
-        };
+        let dir = LocalDir::new(cfg.dir.clone());
         let d = dir.clone();
         let lock_wait = cfg.lock_wait;
         let (lock, index) = blocking("open", move || {
@@ -287,7 +285,7 @@ impl ChunkStore {
 
     /// Stores a fetched or ingested chunk locally (already verified) and keeps the bound.
     pub(crate) fn cache_chunk(&self, id: &ChunkId, stored: &[u8]) -> Result<()> {
-        self.inner.dir.write_chunk(id, stored)?;
+        self.inner.dir.write_chunk(id, stored, false)?;
         self.index().insert(*id, stored.len() as u64);
         self.evict();
         Ok(())
