@@ -326,7 +326,8 @@ def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
         s.kill()
 
 
-def test_sandboxes_that_mount_a_volume_run_where_it_lives(cluster):
+def new_volume(cluster, prefix):
+    """A new volume through the first gateway (the SDK, that gateway and the volume)."""
     import e2b
 
     if not hasattr(e2b, "Volume"):
@@ -334,7 +335,11 @@ def test_sandboxes_that_mount_a_volume_run_where_it_lives(cluster):
     g = cluster.gateways[0]
     cluster.use(g)
     os.environ["E2B_VOLUME_API_URL"] = g.url
-    vol = e2b.Volume.create(f"shared-{secrets.token_hex(4)}")
+    return e2b, g, e2b.Volume.create(f"{prefix}-{secrets.token_hex(4)}")
+
+
+def test_sandboxes_that_mount_a_volume_run_where_it_lives(cluster):
+    e2b, g, vol = new_volume(cluster, "shared")
     made = []
     try:
         for i in range(3):
@@ -521,14 +526,7 @@ def test_kill9_of_a_gateway_the_other_serves_on(cluster):
 def test_a_volume_outlives_its_node_through_the_bucket(cluster):
     """With the cluster's bucket, a volume's files are flushed there; when its node is lost (kill -9),
     the next volume node restores them on first use, and the volume mounts there as before."""
-    import e2b
-
-    if not hasattr(e2b, "Volume"):
-        pytest.skip("this SDK has no Volume")
-    g = cluster.gateways[0]
-    cluster.use(g)
-    os.environ["E2B_VOLUME_API_URL"] = g.url
-    vol = e2b.Volume.create(f"durable-{secrets.token_hex(4)}")
+    e2b, g, vol = new_volume(cluster, "durable")
     files = {f"d{i % 2}/f{i}.bin": secrets.token_bytes(1000 + 7919 * i) for i in range(6)}
     try:
         for d in ["d0", "d1"]:
