@@ -229,10 +229,7 @@ pub fn read<T: for<'de> Deserialize<'de> + Versioned>(path: &Path) -> Result<T, 
 
 /// Writes `rec` to `path` atomically (temp file, fsync, rename).
 pub fn write<T: Serialize>(path: &Path, rec: &T) -> Result<(), PersistError> {
-    let bytes = serde_json::to_vec_pretty(rec).map_err(|e| PersistError::Json {
-        path: path.to_owned(),
-        source: e,
-    })?;
+    let bytes = json(path, rec)?;
     k3_common::fsutil::write_atomic(path, &bytes).map_err(|e| PersistError::Io {
         what: "write",
         path: path.to_owned(),
@@ -243,10 +240,7 @@ pub fn write<T: Serialize>(path: &Path, rec: &T) -> Result<(), PersistError> {
 /// Writes `rec` as JSON to `path` in place, unflushed: for a file in a folder that is flushed and
 /// committed later as a whole (a capture's `.partial` folder and its rename).
 pub fn write_unsynced<T: Serialize>(path: &Path, rec: &T) -> Result<(), PersistError> {
-    let bytes = serde_json::to_vec_pretty(rec).map_err(|e| PersistError::Json {
-        path: path.to_owned(),
-        source: e,
-    })?;
+    let bytes = json(path, rec)?;
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
@@ -261,6 +255,14 @@ pub fn write_unsynced<T: Serialize>(path: &Path, rec: &T) -> Result<(), PersistE
             path: path.to_owned(),
             source: e,
         })
+}
+
+/// `rec` as the JSON written to `path`.
+fn json<T: Serialize>(path: &Path, rec: &T) -> Result<Vec<u8>, PersistError> {
+    serde_json::to_vec_pretty(rec).map_err(|e| PersistError::Json {
+        path: path.to_owned(),
+        source: e,
+    })
 }
 
 /// Records carrying a format version.

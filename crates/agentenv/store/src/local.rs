@@ -182,10 +182,6 @@ impl LocalDir {
     pub(crate) fn sync(&self) -> Result<()> {
         let _one = self.syncing.lock().unwrap_or_else(|e| e.into_inner());
         let files = std::mem::take(&mut *self.unsynced.lock().unwrap_or_else(|e| e.into_inner()));
-        let dirs: BTreeSet<PathBuf> = files
-            .iter()
-            .filter_map(|f| f.parent().map(PathBuf::from))
-            .collect();
         let next = AtomicU64::new(0);
         let flush = |list: &[PathBuf]| -> Result<()> {
             loop {
@@ -213,9 +209,14 @@ impl LocalDir {
                 }
             }
         }
+        // The journal commit covers the renames; elsewhere each folder is flushed too.
         let dirs: Vec<PathBuf> = match self.batch {
             true => vec![],
-            false => dirs.into_iter().collect(),
+            false => {
+                let set: BTreeSet<&std::path::Path> =
+                    files.iter().filter_map(|f| f.parent()).collect();
+                set.into_iter().map(PathBuf::from).collect()
+            }
         };
         let r = [&files, &dirs].into_iter().try_for_each(|list| {
             next.store(0, Ordering::Relaxed);

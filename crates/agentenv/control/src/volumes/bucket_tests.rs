@@ -14,8 +14,11 @@ use crate::volumes::*;
 
 const KEY: &str = "server-key-for-volume-tests";
 
-fn bucket(tag: &str) -> String {
-    format!("k3-vol-{tag}-{}", rand::random::<u32>())
+/// A folder, SeaweedFS in it, and a new bucket's name; `None` (the test skips) without SeaweedFS.
+fn bucket_or_skip(tag: &str) -> Option<(tempfile::TempDir, Weed, String)> {
+    let dir = tempfile::tempdir().unwrap();
+    let weed = weed_or_skip(&format!("volume {tag}"), dir.path())?;
+    Some((dir, weed, format!("k3-vol-{tag}-{}", rand::random::<u32>())))
 }
 
 /// A node: its own state folder and chunk cache, the bucket `b`.
@@ -77,11 +80,9 @@ fn data(state: &Path, id: &str) -> PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wiped_node_restores_every_flushed_volume_from_the_bucket() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(weed) = weed_or_skip("volume restore", dir.path()) else {
+    let Some((dir, weed, b)) = bucket_or_skip("restore") else {
         return;
     };
-    let b = bucket("restore");
     let state = dir.path().join("node");
     let (v, _store) = node(&weed, &b, &state).await;
     let (vol, token) = v.create("alpha", "work").unwrap();
@@ -168,11 +169,9 @@ async fn a_wiped_node_restores_every_flushed_volume_from_the_bucket() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_flush_uploads_only_the_changed_chunks() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(weed) = weed_or_skip("volume incremental", dir.path()) else {
+    let Some((dir, weed, b)) = bucket_or_skip("incr") else {
         return;
     };
-    let b = bucket("incr");
     let state = dir.path().join("node");
     let (v, _store) = node(&weed, &b, &state).await;
     let (vol, token) = v.create("alpha", "incr").unwrap();
@@ -258,11 +257,9 @@ fn names(root: &Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_manifests_are_refused_before_anything_is_written() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(weed) = weed_or_skip("volume hostile", dir.path()) else {
+    let Some((dir, weed, b)) = bucket_or_skip("hostile") else {
         return;
     };
-    let b = bucket("hostile");
     let (v, store) = node(&weed, &b, &dir.path().join("a")).await;
     let (vol, token) = v.create("alpha", "target").unwrap();
     v.content(&vol.volume_id, Some(&token))
@@ -392,11 +389,9 @@ async fn hostile_manifests_are_refused_before_anything_is_written() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn content_api_writes_reach_the_bucket_by_themselves() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(weed) = weed_or_skip("volume tick", dir.path()) else {
+    let Some((dir, weed, b)) = bucket_or_skip("tick") else {
         return;
     };
-    let b = bucket("tick");
     let (v, store) = node_with(weed.remote(&b), &dir.path().join("a"), bucket::TICK).await;
     let (vol, token) = v.create("alpha", "auto").unwrap();
     let body = random(5000);
@@ -468,11 +463,9 @@ async fn manifest_when(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_is_flushed_when_its_last_mount_goes() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(weed) = weed_or_skip("volume unmount", dir.path()) else {
+    let Some((dir, weed, b)) = bucket_or_skip("unmount") else {
         return;
     };
-    let b = bucket("unmount");
     let state = dir.path().join("a");
     let tick = Duration::from_millis(200);
     let (v, store) = node_with(weed.remote(&b), &state, tick).await;
