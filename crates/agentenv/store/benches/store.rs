@@ -282,6 +282,7 @@ async fn s3_restore(input: &Path, work: &Path, reps: usize) -> Option<String> {
         let r = b.materialize(&m, &out).await.unwrap();
         down.push(t0.elapsed());
         down_b = r.bytes_fetched_remote;
+        b.settle().await;
         let _ = std::fs::remove_file(out);
     }
     let (u, d) = (median(up), median(down));

@@ -11,7 +11,7 @@ use crate::chunk::{self, ChunkId, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use crate::error::{Result, StoreError};
 use crate::manifest::{MANIFEST_VERSION, Manifest};
 use crate::sparse;
-use crate::store::{ChunkStore, blocking, chunk_key};
+use crate::store::{ChunkStore, blocking, chunk_key, in_background};
 
 /// What one [`ChunkStore::ingest`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -57,34 +57,6 @@ struct Scanned {
     protected: Vec<ChunkId>,
     /// Chunks to upload.
     upload: Vec<ChunkId>,
-}
-
-/// Runs `f` on a thread of its own at a lower CPU priority (nice +10): hashing and writing a snapshot's
-/// chunks yields the cores to the sandboxes and API calls running meanwhile.
-async fn in_background<T: Send + 'static>(
-    what: &'static str,
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<T> {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name(format!("store-{what}"))
-        .spawn(move || {
-            // SAFETY: plain syscalls on this thread's own id.
-            unsafe {
-                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-                libc::setpriority(libc::PRIO_PROCESS, tid, (now + 10).min(19));
-            }
-            let _ = tx.send(f());
-        })
-        .map_err(|e| StoreError::Worker {
-            what,
-            detail: e.to_string(),
-        })?;
-    rx.await.map_err(|_| StoreError::Worker {
-        what,
-        detail: "the worker thread ended without an answer".into(),
-    })?
 }
 
 impl ChunkStore {

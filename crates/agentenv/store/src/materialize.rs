@@ -57,7 +57,8 @@ fn write_at_all(
 impl ChunkStore {
     /// Writes the file `m` describes to `dest`: zero chunks stay holes, local chunks are read and verified,
     /// missing ones are fetched from the bucket (at most [`crate::StoreConfig::remote_concurrency`] at
-    /// once), verified and cached. The file appears under `dest` only when complete and fsynced.
+    /// once) and verified. The file appears under `dest` only when complete and fsynced. Fetched chunks
+    /// enter the local cache in the background, after the return ([`ChunkStore::settle`] waits for them).
     pub async fn materialize(&self, m: &Manifest, dest: &Path) -> Result<MaterializeStats> {
         let t0 = Instant::now();
         let mut by_id: BTreeMap<ChunkId, Vec<u64>> = BTreeMap::new();
@@ -98,6 +99,7 @@ impl ChunkStore {
             Ok((stats, missing))
         })
         .await?;
+        let mut fetched = Vec::with_capacity(missing.len());
         if !missing.is_empty() {
             let tp: PathBuf = tmp.path.clone();
             let mut s = futures_util::stream::iter(missing)
@@ -111,7 +113,7 @@ impl ChunkStore {
                 write_at_all(&file, &tp, m, &by_id[&id], &data)?;
                 stats.bytes_fetched_remote += stored.len() as u64;
                 stats.chunks_remote += 1;
-                self.cache_chunk(&id, &stored)?;
+                fetched.push((id, stored));
             }
         }
         let d = dest.to_owned();
@@ -119,6 +121,7 @@ impl ChunkStore {
             tmp.commit(&file, &d).map_err(StoreError::io("commit", &d))
         })
         .await?;
+        self.cache_later(fetched).await;
         stats.elapsed = t0.elapsed();
         Ok(stats)
     }

@@ -113,6 +113,8 @@ pub(crate) struct Inner {
     pub(crate) dir: LocalDir,
     pub(crate) remote: Option<Remote>,
     pub(crate) index: Mutex<Index>,
+    /// Held (shared) by each background cache write; [`ChunkStore::settle`] takes it whole.
+    caching: Arc<tokio::sync::RwLock<()>>,
     _lock: std::fs::File,
 }
 
@@ -126,6 +128,34 @@ pub(crate) async fn blocking<T: Send + 'static>(
             what,
             detail: e.to_string(),
         })?
+}
+
+/// Runs `f` on a thread of its own at a lower CPU priority (nice +10): hashing and writing a snapshot's
+/// chunks yields the cores to the sandboxes and API calls running meanwhile.
+pub(crate) async fn in_background<T: Send + 'static>(
+    what: &'static str,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("store-{what}"))
+        .spawn(move || {
+            // SAFETY: plain syscalls on this thread's own id.
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+                libc::setpriority(libc::PRIO_PROCESS, tid, (now + 10).min(19));
+            }
+            let _ = tx.send(f());
+        })
+        .map_err(|e| StoreError::Worker {
+            what,
+            detail: e.to_string(),
+        })?;
+    rx.await.map_err(|_| StoreError::Worker {
+        what,
+        detail: "the worker thread ended without an answer".into(),
+    })?
 }
 
 pub(crate) fn chunk_key(id: &ChunkId) -> String {
@@ -239,6 +269,7 @@ impl ChunkStore {
                 dir,
                 remote,
                 index: Mutex::new(index),
+                caching: Arc::default(),
                 _lock: lock,
             }),
         })
@@ -289,6 +320,35 @@ impl ChunkStore {
         self.index().insert(*id, stored.len() as u64);
         self.evict();
         Ok(())
+    }
+
+    /// Writes fetched chunks into the local cache on a low-priority thread, off the caller's path (a
+    /// restore's first command should not wait for thousands of small files). Best effort: a failure
+    /// only costs a later fetch.
+    pub(crate) async fn cache_later(&self, chunks: Vec<(ChunkId, Bytes)>) {
+        if chunks.is_empty() {
+            return;
+        }
+        let guard = self.inner.caching.clone().read_owned().await;
+        let me = self.clone();
+        tokio::spawn(async move {
+            let n = chunks.len();
+            let r = in_background("cache", move || {
+                chunks
+                    .iter()
+                    .try_for_each(|(id, stored)| me.cache_chunk(id, stored))
+            })
+            .await;
+            if let Err(e) = r {
+                tracing::warn!(chunks = n, error = %e, "caching fetched chunks failed");
+            }
+            drop(guard);
+        });
+    }
+
+    /// Waits until the fetched chunks of every earlier [`ChunkStore::materialize`] are in the local cache.
+    pub async fn settle(&self) {
+        drop(self.inner.caching.write().await);
     }
 
     /// The raw bytes of chunk `id`: local if present, else fetched from the remote and cached. Verified.

@@ -77,6 +77,8 @@ async fn a_second_server_with_a_cold_cache_finds_and_restores_a_snapshot() {
         (r1.bytes_local, r1.bytes_fetched_remote),
         (0, st1.bytes_uploaded)
     );
+    // Fetched chunks enter B's cache after the return.
+    bs.settle().await;
     let r2 = bs.materialize(&m, &out).await.unwrap();
     assert_eq!(
         (r2.bytes_fetched_remote, r2.bytes_local),
@@ -135,6 +137,7 @@ async fn the_cache_stays_within_its_bound_keeps_pinned_chunks_and_refetches_the_
     let r = store.materialize(&ms[0].0, &out).await.unwrap();
     assert!(r.bytes_fetched_remote > 0);
     assert_eq!(file_hash(&out), file_hash(&ms[0].1));
+    store.settle().await;
     assert!(store.local_stats().bytes <= 8 * MIB);
     assert!(pinned.chunks.iter().all(|(_, c)| store.has_local(c)));
 }

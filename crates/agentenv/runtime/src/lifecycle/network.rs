@@ -216,6 +216,8 @@ impl Runtime {
         if let Some(net) = &self.inner.net {
             net.drain();
         }
+        // Chunks fetched by imports enter the cache in the background; they hold the store's folder lock.
+        self.inner.store.settle().await;
     }
 
     /// Deletes network slots of this state folder that no known sandbox holds (left by a crash).

@@ -126,9 +126,10 @@ pub async fn cold_restore(
         if out.trim() != "16777216" {
             bail!("the restored guest lost its tmpfs file: {out:?}");
         }
-        fetched.push((dir_bytes(&state.join("runtime/chunks")) - before) as f64);
         b.http.kill(&nid).await?;
+        // Stopping waits for the fetched chunks to enter the cache.
         b.stop().await;
+        fetched.push((dir_bytes(&state.join("runtime/chunks")) - before) as f64);
         let _ = std::fs::remove_dir_all(&state);
     }
     let mib = |v: &[f64]| k3_common::stats::median(v) / f64::from(1 << 20);
