@@ -1,17 +1,16 @@
 //! Ingest: a file into chunks and a manifest, storing only chunks the store does not hold yet.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
-
 use crate::chunk::{self, ChunkId, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use crate::error::{Result, StoreError};
-use crate::manifest::{MANIFEST_VERSION, Manifest};
+use crate::manifest::{Loc, MANIFEST_VERSION, Manifest};
+use crate::pack::Place;
 use crate::sparse;
-use crate::store::{ChunkStore, blocking, chunk_key, in_background};
+use crate::store::{ChunkStore, blocking, in_background};
 
 /// What one [`ChunkStore::ingest`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -93,23 +92,11 @@ impl ChunkStore {
             store: self,
             ids: protected,
         };
-        if let Some(r) = &self.inner.remote {
-            let mut s = futures_util::stream::iter(upload)
-                .map(|id| async move {
-                    let stored = self.inner.dir.read_chunk(&id)?.ok_or_else(|| {
-                        StoreError::MissingChunk {
-                            id: id.to_hex(),
-                            detail: "written by this ingest, gone before upload".into(),
-                        }
-                    })?;
-                    let n = stored.len() as u64;
-                    r.put(&chunk_key(&id), stored.into()).await?;
-                    Ok::<u64, StoreError>(n)
-                })
-                .buffer_unordered(self.inner.cfg.remote_concurrency);
-            while let Some(n) = s.next().await {
-                stats.bytes_uploaded += n?;
-            }
+        let mut manifest = manifest;
+        if self.inner.remote.is_some() {
+            let (placed, n) = self.upload_packs(&upload).await?;
+            stats.bytes_uploaded = n;
+            self.place_chunks(&mut manifest, &placed);
         }
         let t_commit = Instant::now();
         self.commit_manifest(&manifest).await?;
@@ -119,6 +106,29 @@ impl ChunkStore {
         blocking("evict", move || Ok(me.evict())).await?;
         stats.elapsed = t0.elapsed();
         Ok((manifest, stats))
+    }
+
+    /// Records where each chunk of `m` lies: uploaded now (`placed`) or by an earlier manifest.
+    fn place_chunks(&self, m: &mut Manifest, placed: &HashMap<ChunkId, Place>) {
+        let ix = self.index();
+        let mut packs: HashMap<ChunkId, u32> = HashMap::new();
+        let at: Vec<Option<Loc>> = m
+            .chunks
+            .iter()
+            .map(|(_, c)| {
+                let (pack, off, n) = placed.get(c).copied().or_else(|| ix.place(c))?;
+                let next = packs.len() as u32;
+                let k = *packs.entry(pack).or_insert(next);
+                Some(Loc(k, off, n))
+            })
+            .collect();
+        if packs.is_empty() {
+            return;
+        }
+        let mut order: Vec<(ChunkId, u32)> = packs.into_iter().collect();
+        order.sort_by_key(|&(_, k)| k);
+        m.packs = order.into_iter().map(|(p, _)| p).collect();
+        m.at = at;
     }
 
     fn scan_and_store(&self, path: &Path, cs: u64) -> Result<Scanned> {
@@ -203,6 +213,8 @@ impl ChunkStore {
             len,
             chunk_size: cs as u32,
             chunks,
+            packs: vec![],
+            at: vec![],
         };
         Ok(Scanned {
             manifest,

@@ -4,7 +4,7 @@
 //! Layout: `chunks/<2 hex>/<64 hex>` (stored encoding), `meta/<key with '/' as '%'>`,
 //! `pins/<manifest hex>@<holder>`, `tmp/` (temp files; emptied on open), `LOCK` (flock: one process per folder).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -327,6 +327,8 @@ pub(crate) struct Index {
     pinned: HashMap<ChunkId, u32>,
     /// Chunks of running ingests (not yet covered by a manifest).
     protected: HashMap<ChunkId, u32>,
+    /// Where known manifests place chunks in bucket packs: `(pack, offset, stored length)`.
+    placed: HashMap<ChunkId, (ChunkId, u64, u32)>,
 }
 
 fn bump(map: &mut HashMap<ChunkId, u32>, id: ChunkId, up: bool) {
@@ -398,6 +400,7 @@ impl Index {
         for c in distinct(&m) {
             bump(&mut self.refs, c, true);
         }
+        self.add_places(&m, None);
         if self.pins.contains_key(&id) {
             for c in distinct(&m) {
                 bump(&mut self.pinned, c, true);
@@ -407,11 +410,50 @@ impl Index {
     }
 
     pub(crate) fn remove_manifest(&mut self, id: &ManifestId) {
-        if let Some(m) = self.manifests.remove(id) {
-            for c in distinct(&m) {
-                bump(&mut self.refs, c, false);
+        let Some(m) = self.manifests.remove(id) else {
+            return;
+        };
+        for c in distinct(&m) {
+            bump(&mut self.refs, c, false);
+        }
+        // A place may have come from this manifest's packs, which gc may now delete: take it from
+        // the manifests left.
+        let mut redo = HashSet::new();
+        for &(_, c) in &m.chunks {
+            if self.placed.get(&c).is_some_and(|p| m.packs.contains(&p.0)) {
+                self.placed.remove(&c);
+                if self.refs.contains_key(&c) {
+                    redo.insert(c);
+                }
             }
         }
+        if !redo.is_empty() {
+            let left: Vec<Arc<Manifest>> = self.manifests.values().cloned().collect();
+            for m in left {
+                self.add_places(&m, Some(&redo));
+            }
+        }
+    }
+
+    fn add_places(&mut self, m: &Manifest, only: Option<&HashSet<ChunkId>>) {
+        for (i, &(_, c)) in m.chunks.iter().enumerate() {
+            if only.is_some_and(|o| !o.contains(&c)) {
+                continue;
+            }
+            if let Some(p) = m.place(i) {
+                self.placed.entry(c).or_insert(p);
+            }
+        }
+    }
+
+    /// Where a known manifest places chunk `id` in a bucket pack.
+    pub(crate) fn place(&self, id: &ChunkId) -> Option<(ChunkId, u64, u32)> {
+        self.placed.get(id).copied()
+    }
+
+    /// Stored length of a local chunk.
+    pub(crate) fn stored_len(&self, id: &ChunkId) -> Option<u64> {
+        self.chunks.get(id).map(|e| e.stored_len)
     }
 
     /// Adds a pin; the manifest's chunks count as pinned once per manifest, however many holders.
@@ -513,6 +555,14 @@ impl Index {
             .collect()
     }
 
+    /// Union of the bucket packs of every known manifest.
+    pub(crate) fn referenced_packs(&self) -> HashSet<ChunkId> {
+        self.manifests
+            .values()
+            .flat_map(|m| m.packs.iter().copied())
+            .collect()
+    }
+
     /// Union of the chunk ids of every known manifest.
     pub(crate) fn referenced_set(&self) -> std::collections::HashSet<ChunkId> {
         self.refs.keys().copied().collect()
@@ -522,7 +572,7 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::MANIFEST_VERSION;
+    use crate::manifest::{Loc, MANIFEST_VERSION};
 
     #[test]
     fn batch_flushes_only_where_one_journal_commits_everything() {
@@ -590,6 +640,8 @@ mod tests {
             len: 1 << 20,
             chunk_size: 1 << 16,
             chunks: vec![(0, id(1)), (1, id(2))],
+            packs: vec![],
+            at: vec![],
         };
         let mid = m.id();
         ix.add_manifest(mid, Arc::new(m));
@@ -611,5 +663,36 @@ mod tests {
         assert_eq!(v, vec![id(6), id(7), id(8), id(9), id(0)]);
         assert!(ix.has(&id(1)) && ix.has(&id(2)));
         assert_eq!(ix.total_bytes(), 200);
+    }
+
+    #[test]
+    fn a_place_outlives_the_manifest_it_came_from_only_through_another_manifest() {
+        let mut ix = Index::default();
+        let (c, other) = (id(rand::random()), id(rand::random()));
+        let (p1, p2) = (id(rand::random()), id(rand::random()));
+        let m = |pack: ChunkId, off: u64| Manifest {
+            version: MANIFEST_VERSION,
+            len: 1 << 17,
+            chunk_size: 1 << 16,
+            chunks: vec![(0, c), (1, other)],
+            packs: vec![pack],
+            at: vec![Some(Loc(0, off, 100)), None],
+        };
+        let (m1, m2) = (m(p1, 0), m(p2, 4096));
+        let (i1, i2) = (m1.id(), m2.id());
+        ix.add_manifest(i1, Arc::new(m1));
+        ix.add_manifest(i2, Arc::new(m2));
+        assert_eq!(ix.place(&c), Some((p1, 0, 100)));
+        assert_eq!(ix.place(&other), None, "a chunk of its own has no place");
+        ix.remove_manifest(&i1);
+        assert_eq!(
+            ix.place(&c),
+            Some((p2, 4096, 100)),
+            "p1 may be collected now"
+        );
+        assert_eq!(ix.referenced_packs(), HashSet::from([p2]));
+        ix.remove_manifest(&i2);
+        assert_eq!(ix.place(&c), None);
+        assert!(ix.referenced_packs().is_empty());
     }
 }

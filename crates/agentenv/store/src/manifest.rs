@@ -38,6 +38,10 @@ impl fmt::Debug for ManifestId {
     }
 }
 
+/// Where a chunk's stored bytes lie in the bucket: `(index into Manifest::packs, offset, stored length)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Loc(pub u32, pub u64, pub u32);
+
 /// One stored file: its length, chunk size and the ids of its non-zero chunks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -49,6 +53,13 @@ pub struct Manifest {
     pub chunk_size: u32,
     /// `(chunk index, id)` of every non-zero chunk, by increasing index.
     pub chunks: Vec<(u64, ChunkId)>,
+    /// Bucket packs (objects `packs/<BLAKE3 of the pack>`, stored chunks back to back) holding chunks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub packs: Vec<ChunkId>,
+    /// Parallel to `chunks` when not empty: each chunk's place in a pack, `None` for a chunk stored as
+    /// its own object `chunks/<id>` (the layout before packs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub at: Vec<Option<Loc>>,
 }
 
 impl Manifest {
@@ -95,7 +106,30 @@ impl Manifest {
             }
             prev = Some(idx);
         }
+        if !self.at.is_empty() && self.at.len() != self.chunks.len() {
+            return Err(format!(
+                "{} places for {} chunks",
+                self.at.len(),
+                self.chunks.len()
+            ));
+        }
+        let max = MAX_CHUNK_SIZE as u32 + 1;
+        for Loc(p, _, n) in self.at.iter().flatten() {
+            if *p as usize >= self.packs.len() || *n == 0 || *n > max {
+                return Err(format!(
+                    "pack place ({p}, {n}) of {} packs",
+                    self.packs.len()
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Where chunk `i` of [`Manifest::chunks`] lies: `(pack, offset, stored length)`; `None` when it is
+    /// an object of its own.
+    pub fn place(&self, i: usize) -> Option<(ChunkId, u64, u32)> {
+        let Loc(p, off, n) = (*self.at.get(i)?)?;
+        Some((self.packs[p as usize], off, n))
     }
 
     /// Number of chunk slots (data and zero) covering [`Manifest::len`].
@@ -140,6 +174,8 @@ mod tests {
                 (0, ChunkId::of(&rand::random::<[u8; 8]>())),
                 (10, ChunkId::of(b"tail")),
             ],
+            packs: vec![],
+            at: vec![],
         };
         let (id, bytes) = (m.id(), m.to_bytes());
         assert_eq!(Manifest::from_bytes(&id, &bytes).unwrap(), m);
@@ -155,5 +191,40 @@ mod tests {
         };
         let id2 = out_of_range.id();
         assert!(Manifest::from_bytes(&id2, &out_of_range.to_bytes()).is_err());
+    }
+
+    #[test]
+    fn pack_places_round_trip_and_a_place_outside_the_packs_is_refused() {
+        let pack = ChunkId::of(&rand::random::<[u8; 8]>());
+        let off = rand::random_range(0..1u64 << 30);
+        let m = Manifest {
+            version: MANIFEST_VERSION,
+            len: 3 << 16,
+            chunk_size: 1 << 16,
+            chunks: vec![(0, ChunkId::of(b"a")), (2, ChunkId::of(b"b"))],
+            packs: vec![pack],
+            at: vec![None, Some(Loc(0, off, 1000))],
+        };
+        let back = Manifest::from_bytes(&m.id(), &m.to_bytes()).unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.place(0), None);
+        assert_eq!(back.place(1), Some((pack, off, 1000)));
+        for at in [
+            vec![Some(Loc(1, 0, 10)), None],
+            vec![None],
+            vec![None, Some(Loc(0, 0, 0))],
+        ] {
+            let bad = Manifest { at, ..m.clone() };
+            assert!(
+                Manifest::from_bytes(&bad.id(), &bad.to_bytes()).is_err(),
+                "{bad:?}"
+            );
+        }
+        let old = Manifest {
+            packs: vec![],
+            at: vec![],
+            ..m
+        };
+        assert!(!String::from_utf8(old.to_bytes()).unwrap().contains("packs"));
     }
 }

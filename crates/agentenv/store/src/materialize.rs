@@ -1,6 +1,6 @@
 //! Materialize: a manifest back into a sparse file, atomically, fetching missing chunks concurrently.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use futures_util::StreamExt;
 use crate::chunk::{self, ChunkId};
 use crate::error::{Result, StoreError};
 use crate::manifest::Manifest;
+use crate::pack::{self, Place};
 use crate::sparse::TempBeside;
 use crate::store::{ChunkStore, blocking};
 
@@ -27,6 +28,8 @@ pub struct MaterializeStats {
     pub chunks_local: u64,
     /// Distinct chunks fetched.
     pub chunks_remote: u64,
+    /// Requests to the bucket (a range of a pack, or a chunk stored as its own object).
+    pub requests_remote: u64,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -52,6 +55,12 @@ fn write_at_all(
         n += len as u64;
     }
     Ok(n)
+}
+
+/// One request of a restore.
+enum Read {
+    Span(pack::Span),
+    Own(ChunkId),
 }
 
 impl ChunkStore {
@@ -102,18 +111,34 @@ impl ChunkStore {
         let mut fetched = Vec::with_capacity(missing.len());
         if !missing.is_empty() {
             let tp: PathBuf = tmp.path.clone();
-            let mut s = futures_util::stream::iter(missing)
-                .map(|id| async move {
-                    let (data, stored) = self.fetch_chunk(&id).await?;
-                    Ok::<_, StoreError>((id, data, stored))
+            let places: HashMap<ChunkId, Place> = (0..m.chunks.len())
+                .filter_map(|i| Some((m.chunks[i].1, m.place(i)?)))
+                .collect();
+            let (placed, own): (Vec<ChunkId>, Vec<ChunkId>) =
+                missing.into_iter().partition(|id| places.contains_key(id));
+            let reads = pack::spans(placed.into_iter().map(|id| (id, places[&id])).collect())
+                .into_iter()
+                .map(Read::Span)
+                .chain(own.into_iter().map(Read::Own));
+            let mut s = futures_util::stream::iter(reads)
+                .map(|r| async move {
+                    match r {
+                        Read::Span(span) => self.fetch_span(&span).await,
+                        Read::Own(id) => {
+                            let (data, stored) = self.fetch_chunk(&id).await?;
+                            Ok(vec![(id, data, stored)])
+                        }
+                    }
                 })
                 .buffer_unordered(self.inner.cfg.remote_concurrency);
             while let Some(r) = s.next().await {
-                let (id, data, stored) = r?;
-                write_at_all(&file, &tp, m, &by_id[&id], &data)?;
-                stats.bytes_fetched_remote += stored.len() as u64;
-                stats.chunks_remote += 1;
-                fetched.push((id, stored));
+                stats.requests_remote += 1;
+                for (id, data, stored) in r? {
+                    write_at_all(&file, &tp, m, &by_id[&id], &data)?;
+                    stats.bytes_fetched_remote += stored.len() as u64;
+                    stats.chunks_remote += 1;
+                    fetched.push((id, stored));
+                }
             }
         }
         let d = dest.to_owned();

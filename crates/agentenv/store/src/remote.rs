@@ -239,6 +239,23 @@ impl Remote {
         Ok(r)
     }
 
+    /// Bytes `range` of an object; `Ok(None)` when the object does not exist.
+    pub(crate) async fn get_range(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+    ) -> Result<Option<Bytes>> {
+        let p = self.path(key);
+        self.timed("get range", key, async {
+            match self.store.get_range(&p, range).await {
+                Ok(b) => Ok(Some(b)),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(e),
+            }
+        })
+        .await
+    }
+
     pub(crate) async fn delete(&self, key: &str) -> Result<()> {
         let p = self.path(key);
         self.timed("delete", key, async {

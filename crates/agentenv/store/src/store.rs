@@ -85,8 +85,10 @@ pub struct GcStats {
     pub local_chunks: usize,
     /// Their stored bytes.
     pub local_bytes: u64,
-    /// Remote chunk objects removed.
+    /// Remote chunk objects removed (the layout before packs).
     pub remote_chunks: usize,
+    /// Remote packs removed.
+    pub remote_packs: usize,
 }
 
 /// What [`ChunkStore::verify`] found.
@@ -378,6 +380,17 @@ impl ChunkStore {
 
     /// Fetches and verifies a chunk from the remote: `(raw, stored)`.
     pub(crate) async fn fetch_chunk(&self, id: &ChunkId) -> Result<(Vec<u8>, Bytes)> {
+        let place = self.index().place(id);
+        if let Some((pack, off, n)) = place {
+            let span = crate::pack::Span {
+                pack,
+                start: off,
+                end: off + u64::from(n),
+                chunks: vec![(*id, off, n)],
+            };
+            let (_, raw, stored) = self.fetch_span(&span).await?.remove(0);
+            return Ok((raw, stored));
+        }
         let Some(r) = &self.inner.remote else {
             return Err(StoreError::MissingChunk {
                 id: id.to_hex(),
@@ -615,8 +628,8 @@ impl ChunkStore {
         .await
     }
 
-    /// Removes chunks no manifest references: local chunk files, and with a remote, chunk objects older
-    /// than [`StoreConfig::remote_gc_grace`] that no manifest in the bucket references.
+    /// Removes chunks no manifest references: local chunk files, and with a remote, chunk objects and
+    /// packs older than [`StoreConfig::remote_gc_grace`] that no manifest in the bucket references.
     pub async fn gc(&self) -> Result<GcStats> {
         let mut stats = GcStats::default();
         let gone = self.index().take_unreferenced();
@@ -643,6 +656,16 @@ impl ChunkStore {
             if !referenced.contains(&id) && now - l.modified_s >= grace {
                 r.delete(&l.key).await?;
                 stats.remote_chunks += 1;
+            }
+        }
+        let packs = self.index().referenced_packs();
+        for l in r.list("packs/").await? {
+            let Some(id) = l.key.strip_prefix("packs/").and_then(ChunkId::from_hex) else {
+                continue;
+            };
+            if !packs.contains(&id) && now - l.modified_s >= grace {
+                r.delete(&l.key).await?;
+                stats.remote_packs += 1;
             }
         }
         Ok(stats)

@@ -24,6 +24,17 @@ fn raw_bucket(weed: &agentenv_store::testing::Weed, b: &str) -> object_store::aw
         .unwrap()
 }
 
+/// Objects under `prefix/`.
+async fn count(raw: &object_store::aws::AmazonS3, prefix: &str) -> usize {
+    let mut n = 0;
+    let mut l = raw.list(Some(&object_store::path::Path::from(prefix)));
+    while let Some(o) = futures_util::StreamExt::next(&mut l).await {
+        o.unwrap();
+        n += 1;
+    }
+    n
+}
+
 fn bucket(tag: &str, s: u64) -> String {
     format!("k3-{tag}-{}", s % 1_000_000_000)
 }
@@ -77,6 +88,9 @@ async fn a_second_server_with_a_cold_cache_finds_and_restores_a_snapshot() {
         (r1.bytes_local, r1.bytes_fetched_remote),
         (0, st1.bytes_uploaded)
     );
+    // Packs of at most 4 MiB, each read whole: one request per pack.
+    assert_eq!(r1.requests_remote as usize, m.packs.len(), "{r1:?}");
+    assert!(m.packs.len() as u64 <= st1.bytes_uploaded.div_ceil(4 * MIB) + 1);
     // Fetched chunks enter B's cache after the return.
     bs.settle().await;
     let r2 = bs.materialize(&m, &out).await.unwrap();
@@ -159,12 +173,14 @@ async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
     let (mf, _) = a.ingest(&f).await.unwrap();
     let (mg, _) = a.ingest(&g).await.unwrap();
 
-    // Tamper with one of f's objects behind the store's back.
+    // Tamper with one of f's chunks inside its pack, behind the store's back.
     let raw = raw_bucket(&weed, &b);
-    let victim = mf.chunks[(s % 64) as usize].1;
-    let key = object_store::path::Path::from(format!("chunks/{}", victim.to_hex()));
+    let k = (s % 64) as usize;
+    let victim = mf.chunks[k].1;
+    let (pack, off, n) = mf.place(k).expect("an uploaded chunk has a place");
+    let key = object_store::path::Path::from(format!("packs/{}", pack.to_hex()));
     let mut bytes = raw.get(&key).await.unwrap().bytes().await.unwrap().to_vec();
-    bytes[1 + (s as usize % 65536)] ^= 0x80;
+    bytes[(off + 1 + s % u64::from(n - 1)) as usize] ^= 0x80;
     raw.put(&key, bytes.into()).await.unwrap();
 
     let cold = ChunkStore::open(
@@ -183,14 +199,13 @@ async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
 
     a.delete_manifest(&mf.id()).await.unwrap();
     let st = a.gc().await.unwrap();
-    assert_eq!(st.remote_chunks, mf.chunks.len(), "{st:?}");
-    let mut left = 0;
-    let mut l = raw.list(Some(&object_store::path::Path::from("chunks")));
-    while let Some(o) = futures_util::StreamExt::next(&mut l).await {
-        o.unwrap();
-        left += 1;
-    }
-    assert_eq!(left, mg.chunks.len());
+    assert_eq!(
+        (st.remote_chunks, st.remote_packs),
+        (0, mf.packs.len()),
+        "{st:?}"
+    );
+    assert_eq!(count(&raw, "packs").await, mg.packs.len());
+    assert_eq!(count(&raw, "chunks").await, 0);
     let cold = ChunkStore::open(
         StoreConfig::local(dir.path().join("c"), 1 << 40).with_remote(weed.remote(&b)),
     )
@@ -253,4 +268,49 @@ async fn metadata_written_without_the_mac_key_reads_as_absent() {
         assert_eq!(peer.get_meta(forged).await.unwrap(), None, "{forged}");
     }
     assert!(peer.get_meta("snapshots/x").await.unwrap().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_version_reuses_the_packs_of_the_old_which_gc_keeps_while_it_is_referenced() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(weed) = common::weed("s3-packs", dir.path()) else {
+        return;
+    };
+    let s = seed("s3-packs");
+    let b = bucket("packs", s);
+    let mut cfg = StoreConfig::local(dir.path().join("a"), 1 << 40).with_remote(weed.remote(&b));
+    cfg.remote_gc_grace = Duration::ZERO;
+    let a = ChunkStore::open(cfg).await.unwrap();
+    let f = dir.path().join("f");
+    sparse_file(&f, 12 * MIB, &[(0, 12 * MIB as usize)], s);
+    let (m1, st1) = a.ingest(&f).await.unwrap();
+    let change = rand::random_range(0..12 * MIB - 70_000);
+    overwrite(&f, change, 70_000, s + 1);
+    let (m2, st2) = a.ingest(&f).await.unwrap();
+    assert!(st2.bytes_uploaded < st1.bytes_uploaded / 8, "{st2:?}");
+    assert!(
+        m1.packs.iter().all(|p| m2.packs.contains(p)),
+        "the new version points into the old packs"
+    );
+    assert_eq!(m2.packs.len(), m1.packs.len() + 1);
+
+    a.delete_manifest(&m1.id()).await.unwrap();
+    let st = a.gc().await.unwrap();
+    assert_eq!(st.remote_packs, 0, "{st:?}");
+    let raw = raw_bucket(&weed, &b);
+    assert_eq!(count(&raw, "packs").await, m2.packs.len());
+    let cold = ChunkStore::open(
+        StoreConfig::local(dir.path().join("b"), 1 << 40).with_remote(weed.remote(&b)),
+    )
+    .await
+    .unwrap();
+    let out = dir.path().join("out");
+    let r = cold.materialize(&m2, &out).await.unwrap();
+    assert_eq!(file_hash(&out), file_hash(&f));
+    assert!(r.requests_remote as usize <= m2.packs.len() + 2, "{r:?}");
+
+    a.delete_manifest(&m2.id()).await.unwrap();
+    let st = a.gc().await.unwrap();
+    assert_eq!(st.remote_packs, m2.packs.len(), "{st:?}");
+    assert_eq!(count(&raw, "packs").await, 0);
 }
