@@ -1,6 +1,7 @@
-//! Bucket packs: an ingest uploads its new chunks back to back in objects of up to [`PACK_BYTES`]
-//! (`packs/<BLAKE3 of the object>`), and a cold restore reads them in a few large ranges instead of one
-//! request per chunk. Manifests record each chunk's place ([`crate::manifest::Loc`]).
+//! The bucket's chunk layout. Packs: an ingest uploads its new chunks back to back in objects of up to
+//! [`PACK_BYTES`] (`packs/<BLAKE3 of the object>`), and a cold restore reads them in a few large ranges
+//! instead of one request per chunk. Manifests record each chunk's place ([`crate::manifest::Loc`]); chunks without one
+//! are objects of their own (`chunks/<id>`, the layout before packs).
 
 use std::collections::HashMap;
 
@@ -9,7 +10,7 @@ use futures_util::StreamExt;
 
 use crate::chunk::{self, ChunkId};
 use crate::error::{Result, StoreError};
-use crate::store::{ChunkStore, blocking};
+use crate::store::{ChunkStore, blocking, chunk_key};
 
 /// The most bytes of one pack, and of one range read.
 pub(crate) const PACK_BYTES: u64 = 4 << 20;
@@ -122,6 +123,34 @@ impl ChunkStore {
             uploaded += n;
         }
         Ok((placed, uploaded))
+    }
+
+    /// Fetches and verifies a chunk from the remote: `(raw, stored)`.
+    pub(crate) async fn fetch_chunk(&self, id: &ChunkId) -> Result<(Vec<u8>, Bytes)> {
+        let place = self.index().place(id);
+        if let Some((pack, off, n)) = place {
+            let span = Span {
+                pack,
+                start: off,
+                end: off + u64::from(n),
+                chunks: vec![(*id, off, n)],
+            };
+            let (_, raw, stored) = self.fetch_span(&span).await?.remove(0);
+            return Ok((raw, stored));
+        }
+        let Some(r) = &self.inner.remote else {
+            return Err(StoreError::MissingChunk {
+                id: id.to_hex(),
+                detail: "not local and no remote configured".into(),
+            });
+        };
+        let key = chunk_key(id);
+        let stored = r.get(&key).await?.ok_or_else(|| StoreError::MissingChunk {
+            id: id.to_hex(),
+            detail: "not local and not in the remote".into(),
+        })?;
+        let data = chunk::decode(id, &stored, &format_args!("remote {key}"))?;
+        Ok((data, stored))
     }
 
     /// Reads one span and verifies each chunk in it.

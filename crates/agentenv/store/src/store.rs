@@ -378,34 +378,6 @@ impl ChunkStore {
         Ok(data)
     }
 
-    /// Fetches and verifies a chunk from the remote: `(raw, stored)`.
-    pub(crate) async fn fetch_chunk(&self, id: &ChunkId) -> Result<(Vec<u8>, Bytes)> {
-        let place = self.index().place(id);
-        if let Some((pack, off, n)) = place {
-            let span = crate::pack::Span {
-                pack,
-                start: off,
-                end: off + u64::from(n),
-                chunks: vec![(*id, off, n)],
-            };
-            let (_, raw, stored) = self.fetch_span(&span).await?.remove(0);
-            return Ok((raw, stored));
-        }
-        let Some(r) = &self.inner.remote else {
-            return Err(StoreError::MissingChunk {
-                id: id.to_hex(),
-                detail: "not local and no remote configured".into(),
-            });
-        };
-        let key = chunk_key(id);
-        let stored = r.get(&key).await?.ok_or_else(|| StoreError::MissingChunk {
-            id: id.to_hex(),
-            detail: "not local and not in the remote".into(),
-        })?;
-        let data = chunk::decode(id, &stored, &format_args!("remote {key}"))?;
-        Ok((data, stored))
-    }
-
     /// Stores a metadata blob under `key` (remote first, then locally), replacing an older one.
     /// The MAC key of metadata blobs: the remote's ([`RemoteConfig::meta_key`]); none without a remote.
     fn meta_key(&self) -> Option<&[u8; 32]> {
