@@ -504,7 +504,7 @@ impl Runtime {
             for (name, path) in files {
                 let mut attempt = 1;
                 let ingested = loop {
-                    // Page chunks only without a bucket: with one, each chunk is a request on a restore.
+                    // Page chunks only without a bucket (see `RAM_CHUNK_BYTES`).
                     let r = match name {
                         "ram.mem" if store.config().remote.is_none() => {
                             store
