@@ -67,7 +67,8 @@ impl ChunkStore {
     /// Writes the file `m` describes to `dest`: zero chunks stay holes, local chunks are read and verified,
     /// missing ones are fetched from the bucket (at most [`crate::StoreConfig::remote_concurrency`] at
     /// once) and verified. The file appears under `dest` only when complete and fsynced. Fetched chunks
-    /// enter the local cache in the background, after the return ([`ChunkStore::settle`] waits for them).
+    /// enter the local cache in the background, read back from the file after the return
+    /// ([`ChunkStore::settle`] waits for them).
     pub async fn materialize(&self, m: &Manifest, dest: &Path) -> Result<MaterializeStats> {
         let t0 = Instant::now();
         let mut by_id: BTreeMap<ChunkId, Vec<u64>> = BTreeMap::new();
@@ -75,7 +76,14 @@ impl ChunkStore {
             by_id.entry(id).or_default().push(i);
         }
         let tmp = TempBeside::new(dest);
-        let file = std::fs::File::create(&tmp.path).map_err(StoreError::io("create", &tmp.path))?;
+        // Readable too: the background cache reads fetched chunks back from it.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp.path)
+            .map_err(StoreError::io("create", &tmp.path))?;
         file.set_len(m.len)
             .map_err(StoreError::io("truncate", &tmp.path))?;
         let file = Arc::new(file);
@@ -137,16 +145,18 @@ impl ChunkStore {
                     write_at_all(&file, &tp, m, &by_id[&id], &data)?;
                     stats.bytes_fetched_remote += stored.len() as u64;
                     stats.chunks_remote += 1;
-                    fetched.push((id, stored));
+                    let (off, len) = m.chunk_range(by_id[&id][0]);
+                    fetched.push((id, off, len));
                 }
             }
         }
         let d = dest.to_owned();
+        let kept = file.clone();
         blocking("commit", move || {
             tmp.commit(&file, &d).map_err(StoreError::io("commit", &d))
         })
         .await?;
-        self.cache_later(fetched).await;
+        self.cache_later(kept, fetched).await;
         stats.elapsed = t0.elapsed();
         Ok(stats)
     }

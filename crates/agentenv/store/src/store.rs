@@ -324,10 +324,15 @@ impl ChunkStore {
         Ok(())
     }
 
-    /// Writes fetched chunks into the local cache on a low-priority thread, off the caller's path (a
-    /// restore's first command should not wait for thousands of small files). Best effort: a failure
-    /// only costs a later fetch.
-    pub(crate) async fn cache_later(&self, chunks: Vec<(ChunkId, Bytes)>) {
+    /// Copies chunks of a file just written into the local cache on a low-priority thread, off the
+    /// caller's path (a restore's first command should not wait for thousands of small files): each
+    /// `(id, offset, length)` is read back from `file` and kept only if it still hashes to `id`. Holds no
+    /// chunk bytes meanwhile. Best effort: a failure only costs a later fetch.
+    pub(crate) async fn cache_later(
+        &self,
+        file: Arc<std::fs::File>,
+        chunks: Vec<(ChunkId, u64, usize)>,
+    ) {
         if chunks.is_empty() {
             return;
         }
@@ -336,9 +341,21 @@ impl ChunkStore {
         tokio::spawn(async move {
             let n = chunks.len();
             let r = in_background("cache", move || {
-                chunks
-                    .iter()
-                    .try_for_each(|(id, stored)| me.cache_chunk(id, stored))
+                use std::os::unix::fs::FileExt;
+                let mut buf = Vec::new();
+                for (id, off, len) in chunks {
+                    buf.resize(len, 0);
+                    file.read_exact_at(&mut buf, off)
+                        .map_err(|e| StoreError::Worker {
+                            what: "cache",
+                            detail: format!("read back at {off}: {e}"),
+                        })?;
+                    if ChunkId::of(&buf) != id {
+                        continue; // changed since: the caller owns the file now
+                    }
+                    me.cache_chunk(&id, &chunk::encode(&buf, me.inner.cfg.compression))?;
+                }
+                Ok(())
             })
             .await;
             if let Err(e) = r {
