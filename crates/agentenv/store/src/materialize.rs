@@ -152,12 +152,15 @@ impl ChunkStore {
         }
         let d = dest.to_owned();
         let kept = file.clone();
+        let t_commit = Instant::now();
         blocking("commit", move || {
             tmp.commit(&file, &d).map_err(StoreError::io("commit", &d))
         })
         .await?;
+        let commit = t_commit.elapsed();
         self.cache_later(kept, fetched).await;
         stats.elapsed = t0.elapsed();
+        tracing::debug!(dest = %dest.display(), ?stats, ?commit, "materialized");
         Ok(stats)
     }
 }
