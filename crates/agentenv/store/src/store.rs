@@ -634,29 +634,34 @@ impl ChunkStore {
             self.manifest(&id).await?;
         }
         let referenced = self.index().referenced_set();
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64);
-        let grace = self.inner.cfg.remote_gc_grace.as_secs() as i64;
-        for l in r.list("chunks/").await? {
-            let Some(id) = l.key.strip_prefix("chunks/").and_then(ChunkId::from_hex) else {
-                continue;
-            };
-            if !referenced.contains(&id) && now - l.modified_s >= grace {
-                r.delete(&l.key).await?;
-                stats.remote_chunks += 1;
-            }
-        }
         let packs = self.index().referenced_packs();
-        for l in r.list("packs/").await? {
-            let Some(id) = l.key.strip_prefix("packs/").and_then(ChunkId::from_hex) else {
-                continue;
-            };
-            if !packs.contains(&id) && now - l.modified_s >= grace {
-                r.delete(&l.key).await?;
-                stats.remote_packs += 1;
-            }
-        }
+        let grace = self.inner.cfg.remote_gc_grace;
+        stats.remote_chunks = sweep(r, "chunks/", &referenced, grace).await?;
+        stats.remote_packs = sweep(r, "packs/", &packs, grace).await?;
         Ok(stats)
     }
+}
+
+/// Deletes the objects `<prefix><id>` whose id is not in `live` and that are older than `grace`; returns
+/// how many.
+async fn sweep(
+    r: &Remote,
+    prefix: &str,
+    live: &std::collections::HashSet<ChunkId>,
+    grace: Duration,
+) -> Result<usize> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    let mut n = 0;
+    for l in r.list(prefix).await? {
+        let Some(id) = l.key.strip_prefix(prefix).and_then(ChunkId::from_hex) else {
+            continue;
+        };
+        if !live.contains(&id) && now - l.modified_s >= grace.as_secs() as i64 {
+            r.delete(&l.key).await?;
+            n += 1;
+        }
+    }
+    Ok(n)
 }
