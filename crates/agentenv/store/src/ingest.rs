@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::chunk::{self, ChunkId, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 use crate::error::{Result, StoreError};
-use crate::manifest::{Loc, MANIFEST_VERSION, Manifest};
-use crate::pack::Place;
+use crate::manifest::{Loc, MANIFEST_VERSION, Manifest, Place};
 use crate::sparse;
 use crate::store::{ChunkStore, blocking, in_background};
 

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::chunk::ChunkId;
 use crate::error::{Result, StoreError};
-use crate::manifest::{Manifest, ManifestId};
+use crate::manifest::{Manifest, ManifestId, Place};
 
 /// Paths of one store folder, and the chunk files written since the last [`LocalDir::sync`].
 #[derive(Debug, Clone)]
@@ -328,7 +328,7 @@ pub(crate) struct Index {
     /// Chunks of running ingests (not yet covered by a manifest).
     protected: HashMap<ChunkId, u32>,
     /// Where known manifests place chunks in bucket packs: `(pack, offset, stored length)`.
-    placed: HashMap<ChunkId, (ChunkId, u64, u32)>,
+    placed: HashMap<ChunkId, Place>,
 }
 
 fn bump(map: &mut HashMap<ChunkId, u32>, id: ChunkId, up: bool) {
@@ -447,7 +447,7 @@ impl Index {
     }
 
     /// Where a known manifest places chunk `id` in a bucket pack.
-    pub(crate) fn place(&self, id: &ChunkId) -> Option<(ChunkId, u64, u32)> {
+    pub(crate) fn place(&self, id: &ChunkId) -> Option<Place> {
         self.placed.get(id).copied()
     }
 

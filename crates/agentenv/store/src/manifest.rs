@@ -38,6 +38,9 @@ impl fmt::Debug for ManifestId {
     }
 }
 
+/// A chunk's place in the bucket: `(pack, offset, stored length)`.
+pub type Place = (ChunkId, u64, u32);
+
 /// Where a chunk's stored bytes lie in the bucket: `(index into Manifest::packs, offset, stored length)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Loc(pub u32, pub u64, pub u32);
@@ -127,7 +130,7 @@ impl Manifest {
 
     /// Where chunk `i` of [`Manifest::chunks`] lies: `(pack, offset, stored length)`; `None` when it is
     /// an object of its own.
-    pub fn place(&self, i: usize) -> Option<(ChunkId, u64, u32)> {
+    pub fn place(&self, i: usize) -> Option<Place> {
         let Loc(p, off, n) = (*self.at.get(i)?)?;
         Some((self.packs[p as usize], off, n))
     }

@@ -10,8 +10,8 @@ use futures_util::StreamExt;
 
 use crate::chunk::{self, ChunkId};
 use crate::error::{Result, StoreError};
-use crate::manifest::Manifest;
-use crate::pack::{self, Place};
+use crate::manifest::{Manifest, Place};
+use crate::pack;
 use crate::sparse::TempBeside;
 use crate::store::{ChunkStore, blocking};
 

@@ -10,13 +10,11 @@ use futures_util::StreamExt;
 
 use crate::chunk::{self, ChunkId};
 use crate::error::{Result, StoreError};
+use crate::manifest::Place;
 use crate::store::{ChunkStore, blocking, chunk_key};
 
 /// The most bytes of one pack, and of one range read.
 pub(crate) const PACK_BYTES: u64 = 4 << 20;
-
-/// A chunk's place in the bucket: `(pack, offset, stored length)`.
-pub(crate) type Place = (ChunkId, u64, u32);
 
 pub(crate) fn pack_key(pack: &ChunkId) -> String {
     format!("packs/{}", pack.to_hex())

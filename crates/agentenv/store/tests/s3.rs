@@ -35,6 +35,20 @@ async fn count(raw: &object_store::aws::AmazonS3, prefix: &str) -> usize {
     n
 }
 
+/// A store in `path` on bucket `b` of `weed`; its remote gc spares nothing for age when `gc_now`.
+async fn open(
+    path: &std::path::Path,
+    weed: &agentenv_store::testing::Weed,
+    b: &str,
+    gc_now: bool,
+) -> ChunkStore {
+    let mut cfg = StoreConfig::local(path, 1 << 40).with_remote(weed.remote(b));
+    if gc_now {
+        cfg.remote_gc_grace = Duration::ZERO;
+    }
+    ChunkStore::open(cfg).await.unwrap()
+}
+
 fn bucket(tag: &str, s: u64) -> String {
     format!("k3-{tag}-{}", s % 1_000_000_000)
 }
@@ -67,11 +81,7 @@ async fn a_second_server_with_a_cold_cache_finds_and_restores_a_snapshot() {
         .unwrap();
 
     // Server B: its own empty folder, the same bucket.
-    let bs = ChunkStore::open(
-        StoreConfig::local(dir.path().join("b"), 1 << 40).with_remote(weed.remote(&b)),
-    )
-    .await
-    .unwrap();
+    let bs = open(&dir.path().join("b"), &weed, &b, false).await;
     assert_eq!(
         bs.list_meta("snapshots/").await.unwrap(),
         ["snapshots/snap-1"]
@@ -164,9 +174,7 @@ async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
     };
     let s = seed("s3-tamper");
     let b = bucket("tamper", s);
-    let mut cfg = StoreConfig::local(dir.path().join("a"), 1 << 40).with_remote(weed.remote(&b));
-    cfg.remote_gc_grace = Duration::ZERO;
-    let a = ChunkStore::open(cfg).await.unwrap();
+    let a = open(&dir.path().join("a"), &weed, &b, true).await;
     let (f, g) = (dir.path().join("f"), dir.path().join("g"));
     sparse_file(&f, 4 * MIB, &[(0, 4 * MIB as usize)], s);
     sparse_file(&g, 2 * MIB, &[(0, 2 * MIB as usize)], s + 1);
@@ -183,11 +191,7 @@ async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
     bytes[(off + 1 + s % u64::from(n - 1)) as usize] ^= 0x80;
     raw.put(&key, bytes.into()).await.unwrap();
 
-    let cold = ChunkStore::open(
-        StoreConfig::local(dir.path().join("b"), 1 << 40).with_remote(weed.remote(&b)),
-    )
-    .await
-    .unwrap();
+    let cold = open(&dir.path().join("b"), &weed, &b, false).await;
     let out = dir.path().join("out");
     let err = cold.materialize(&mf, &out).await.unwrap_err();
     assert!(
@@ -206,11 +210,7 @@ async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
     );
     assert_eq!(count(&raw, "packs").await, mg.packs.len());
     assert_eq!(count(&raw, "chunks").await, 0);
-    let cold = ChunkStore::open(
-        StoreConfig::local(dir.path().join("c"), 1 << 40).with_remote(weed.remote(&b)),
-    )
-    .await
-    .unwrap();
+    let cold = open(&dir.path().join("c"), &weed, &b, false).await;
     cold.materialize(&mg, &out).await.unwrap();
     assert_eq!(file_hash(&out), file_hash(&g));
 }
@@ -278,9 +278,7 @@ async fn a_new_version_reuses_the_packs_of_the_old_which_gc_keeps_while_it_is_re
     };
     let s = seed("s3-packs");
     let b = bucket("packs", s);
-    let mut cfg = StoreConfig::local(dir.path().join("a"), 1 << 40).with_remote(weed.remote(&b));
-    cfg.remote_gc_grace = Duration::ZERO;
-    let a = ChunkStore::open(cfg).await.unwrap();
+    let a = open(&dir.path().join("a"), &weed, &b, true).await;
     let f = dir.path().join("f");
     sparse_file(&f, 12 * MIB, &[(0, 12 * MIB as usize)], s);
     let (m1, st1) = a.ingest(&f).await.unwrap();
@@ -299,11 +297,7 @@ async fn a_new_version_reuses_the_packs_of_the_old_which_gc_keeps_while_it_is_re
     assert_eq!(st.remote_packs, 0, "{st:?}");
     let raw = raw_bucket(&weed, &b);
     assert_eq!(count(&raw, "packs").await, m2.packs.len());
-    let cold = ChunkStore::open(
-        StoreConfig::local(dir.path().join("b"), 1 << 40).with_remote(weed.remote(&b)),
-    )
-    .await
-    .unwrap();
+    let cold = open(&dir.path().join("b"), &weed, &b, false).await;
     let out = dir.path().join("out");
     let r = cold.materialize(&m2, &out).await.unwrap();
     assert_eq!(file_hash(&out), file_hash(&f));
