@@ -76,12 +76,14 @@ fn steps(fast: bool) -> Vec<Step> {
             vec![],
         ));
     }
-    // `cargo test` already ran the SDK suite with the newest e2b; run it again with the oldest supported one.
+    // `cargo test` already ran the SDK suite with the newest e2b; run it again with the oldest supported
+    // one, on the files whose calls depend on the SDK's version (`K3_E2B_FLOOR`, conftest.py).
+    // `--workspace` keeps the tests step's features, so its test binary is reused, not rebuilt.
     if let Ok(python) = std::env::var("K3_E2B_FLOOR_PYTHON") {
         steps.push(Step::Cmd(
             "e2b SDK 2.7 (floor)",
-            s(&[&c, "test", "-p", "agentenv-server", "--test", "python_sdk"]),
-            vec![("PYTHON", python)],
+            s(&[&c, "test", "--workspace", "--test", "python_sdk"]),
+            vec![("PYTHON", python), ("K3_E2B_FLOOR", "1".into())],
         ));
     }
     steps

@@ -28,6 +28,8 @@ fn pytest(args: &[String], env: &[(&str, String)]) {
         .unwrap_or_default();
     let status = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
         .args(["-m", "pytest", "-x", "-v", "-rfE", "-p", "no:cacheprovider"])
+        // The slowest tests, at the end of the log: where CI's time goes.
+        .arg("--durations=25")
         .args(&pick)
         .args(args)
         .env("AGENTENV_BIN", env!("CARGO_BIN_EXE_agentenv"))

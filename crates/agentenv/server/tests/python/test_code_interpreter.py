@@ -5,6 +5,7 @@ bash kernel, errors with tracebacks, envs (at create and per call), timeouts tha
 create/list/restart/remove."""
 
 import base64
+import os
 import secrets
 import socket
 import time
@@ -29,11 +30,25 @@ def create_when_built(**kw):
 
 
 @pytest.fixture(scope="module")
-def code_sandbox(server):
+def ci_server(code_interpreter_server, server):
+    """The server this module's SDK calls go to (`E2B_*` while it runs): the code interpreter's own (conftest.py)."""
     try:  # the build's pip install needs PyPI
         socket.create_connection(("pypi.org", 443), timeout=10).close()
     except OSError as e:
         pytest.skip(f"PyPI is unreachable from this host ({e}): code-interpreter-v1 cannot be built")
+    srv = code_interpreter_server or server
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=srv.api_key)
+    yield srv
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def code_sandbox(ci_server):
     sbx = create_when_built(timeout=600)
     yield sbx
     sbx.kill()
@@ -158,7 +173,7 @@ def test_r_runs_on_irkernel(code_sandbox):
     code_sandbox.remove_code_context(ctx)
 
 
-def test_envs_given_at_create_reach_the_kernels(server):
+def test_envs_given_at_create_reach_the_kernels(ci_server):
     t = secrets.token_hex(4)
     sbx = create_when_built(timeout=120, envs={"K3_AT_CREATE": t})
     try:
@@ -200,7 +215,7 @@ def test_a_dead_kernel_is_replaced(code_sandbox):
     code_sandbox.remove_code_context(ctx)
 
 
-def test_the_server_is_started_again_when_killed(server):
+def test_the_server_is_started_again_when_killed(ci_server):
     sbx = create_when_built(timeout=300)
     try:
         n = secrets.randbelow(10**6)
