@@ -6,6 +6,7 @@ Environment:
   AGENTENV_ACCEL      auto | kvm | tcg (default auto: KVM only where a probe guest boots)
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -132,6 +133,31 @@ class Server:
                 return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
         except OSError:
             return "(no log)"
+
+
+SDK_ENV = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")
+
+
+@contextlib.contextmanager
+def env_restored(*names):
+    """Gives this process's environment variables `names` back as they were when it exits."""
+    saved = {k: os.environ.get(k) for k in names}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def sdk_env(srv):
+    """The SDK's calls without connection options go to `srv` while in effect."""
+    with env_restored(*SDK_ENV):
+        os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=srv.api_key)
+        yield srv
 
 
 def _binary():

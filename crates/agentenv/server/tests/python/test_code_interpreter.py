@@ -5,12 +5,13 @@ bash kernel, errors with tracebacks, envs (at create and per call), timeouts tha
 create/list/restart/remove."""
 
 import base64
-import os
 import secrets
 import socket
 import time
 
 import pytest
+
+from conftest import sdk_env
 
 ci = pytest.importorskip("e2b_code_interpreter")
 from e2b_code_interpreter.charts import ChartType  # noqa: E402
@@ -36,15 +37,8 @@ def ci_server(code_interpreter_server, server):
         socket.create_connection(("pypi.org", 443), timeout=10).close()
     except OSError as e:
         pytest.skip(f"PyPI is unreachable from this host ({e}): code-interpreter-v1 cannot be built")
-    srv = code_interpreter_server or server
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=srv.api_key)
-    yield srv
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with sdk_env(code_interpreter_server or server) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

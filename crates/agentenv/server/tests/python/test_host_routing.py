@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from conftest import Server, names_to_loopback
+from conftest import Server, names_to_loopback, sdk_env
 
 DOMAIN_NAME = "sbx.test"
 
@@ -28,19 +28,11 @@ def routed(server):
     domain = f"{DOMAIN_NAME}:{srv.port}"
     srv.extra_args += ["--sandbox-domain", domain.upper()]
     srv.start()
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=srv.api_key)
     try:
-        with names_to_loopback(DOMAIN_NAME):
+        with sdk_env(srv), names_to_loopback(DOMAIN_NAME):
             yield srv, domain
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        srv.stop()
-        shutil.rmtree(state, ignore_errors=True)
+        srv.close()
 
 
 def get_until_up(url, **kw):

@@ -14,11 +14,10 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-import uuid
 
 import pytest
 
-from conftest import Server
+from conftest import Server, sdk_env
 
 PREFIX = os.environ.get("K3_TESTNET_PREFIX", "")
 WEB = f"{PREFIX}.10"  # allowed.test, www.allowed.test
@@ -131,28 +130,12 @@ def net():
     srv.start()
     srv.inet = inet
     # SDK calls that take no connection options (e2b 2.7's beta_pause) read these.
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    os.environ.update({"E2B_API_URL": f"http://127.0.0.1:{srv.port}",
-                       "E2B_SANDBOX_URL": f"http://127.0.0.1:{srv.port}", "E2B_API_KEY": srv.api_key})
-    yield srv
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with sdk_env(srv):
+        yield srv
     try:
-        from e2b import Sandbox, SandboxQuery, SandboxState
-
-        pager = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING, SandboxState.PAUSED]),
-                             **conn(srv))
-        while pager.has_next:
-            for info in pager.next_items():
-                Sandbox.kill(info.sandbox_id, **conn(srv))
+        srv.close()
     finally:
-        srv.stop()
         inet.down()
-        print(srv.log_tail(80))
-        shutil.rmtree(state, ignore_errors=True)
 
 
 def conn(srv):
