@@ -284,7 +284,9 @@ class Cluster:
         return {n["url"] for n in nodes}
 
     def wait_nodes(self, n, gw=None):
-        _wait(f"{n} nodes registered", lambda: len(self.live_nodes(gw)) == n)
+        """Until `gw` (else every running gateway: each has its own view of the nodes) lists `n` nodes."""
+        gws = [gw] if gw else [g for g in self.gateways if g.proc and g.proc.poll() is None]
+        _wait(f"{n} nodes registered", lambda: all(len(self.live_nodes(g)) == n for g in gws))
 
     def node_of(self, sandbox_id):
         """The node (Server) whose own API has the sandbox."""
