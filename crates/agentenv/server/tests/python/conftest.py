@@ -14,7 +14,6 @@ import socket
 import ssl
 import subprocess
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,8 +33,8 @@ _code_interpreter = {"selected": False}
 
 
 def pytest_collection_modifyitems(config, items):
-    """The code interpreter's tests run last, on a server of their own that starts with the session and builds
-    their template (minutes under TCG) while the other files run."""
+    """The code interpreter's tests run last, on a server of their own that builds their template (minutes under
+    TCG)."""
     last = [i for i in items if i.path.name == CODE_INTERPRETER_FILE]
     if last:
         items[:] = [i for i in items if i.path.name != CODE_INTERPRETER_FILE] + last
@@ -179,12 +178,10 @@ def server():
     srv.close()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def code_interpreter_server():
-    """The code interpreter's server (None when its tests are not selected, or cannot build their template): started
-    with the session, its first create of `code-interpreter-v1` starts the template's build (the create answers 503
-    while it runs) so the build overlaps the other files. Its own server: no other test's fuzzing, restarts or kills
-    reach the build's sandbox."""
+    """The code interpreter's server (None when its tests are not selected, or cannot build their template): the
+    first create of `code-interpreter-v1` builds it there, out of reach of other tests' fuzzing, restarts and kills."""
     wanted = _code_interpreter["selected"]
     try:
         if wanted:
@@ -198,14 +195,6 @@ def code_interpreter_server():
         return
     srv = Server(_binary(), tempfile.mkdtemp(prefix="agentenv-pytest-ci-"))
     srv.start()
-
-    def start_build():
-        try:
-            srv.request("POST", "/sandboxes", json.dumps({"templateID": "code-interpreter-v1", "timeout": 60}).encode(), 120)
-        except OSError as e:  # the module's first create starts it then
-            print(f"starting the code interpreter's build: {e}")
-
-    threading.Thread(target=start_build, daemon=True).start()
     yield srv
     srv.close()
 
