@@ -29,7 +29,6 @@ if os.environ.get("K3_E2B_FLOOR") == "1":
     collect_ignore = ["test_cluster.py", "test_default_template.py"]
 
 CODE_INTERPRETER_FILE = "test_code_interpreter.py"
-_code_interpreter = {"selected": False}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,7 +37,6 @@ def pytest_collection_modifyitems(config, items):
     last = [i for i in items if i.path.name == CODE_INTERPRETER_FILE]
     if last:
         items[:] = [i for i in items if i.path.name != CODE_INTERPRETER_FILE] + last
-        _code_interpreter["selected"] = True
 
 
 def _free_port() -> int:
@@ -159,42 +157,17 @@ def sdk_env(srv):
         yield srv
 
 
-def _binary():
+@pytest.fixture(scope="session")
+def server():
     binary = os.environ.get("AGENTENV_BIN")
     if not binary:
         pytest.fail("AGENTENV_BIN is not set: run through `cargo test -p agentenv-server --test python_sdk`")
-    return binary
-
-
-@pytest.fixture(scope="session")
-def server():
-    srv = Server(_binary(), tempfile.mkdtemp(prefix="agentenv-pytest-"))
+    srv = Server(binary, tempfile.mkdtemp(prefix="agentenv-pytest-"))
     srv.start()
     os.environ["E2B_API_URL"] = srv.url
     os.environ["E2B_SANDBOX_URL"] = srv.url
     os.environ["E2B_API_KEY"] = srv.api_key
     os.environ.pop("E2B_DEBUG", None)
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(scope="session")
-def code_interpreter_server():
-    """The code interpreter's server (None when its tests are not selected, or cannot build their template): the
-    first create of `code-interpreter-v1` builds it there, out of reach of other tests' fuzzing, restarts and kills."""
-    wanted = _code_interpreter["selected"]
-    try:
-        if wanted:
-            import e2b_code_interpreter  # noqa: F401
-
-            socket.create_connection(("pypi.org", 443), timeout=10).close()  # the build's pip install needs PyPI
-    except (ImportError, OSError):
-        wanted = False
-    if not wanted:
-        yield None
-        return
-    srv = Server(_binary(), tempfile.mkdtemp(prefix="agentenv-pytest-ci-"))
-    srv.start()
     yield srv
     srv.close()
 

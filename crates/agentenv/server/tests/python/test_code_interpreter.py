@@ -5,13 +5,15 @@ bash kernel, errors with tracebacks, envs (at create and per call), timeouts tha
 create/list/restart/remove."""
 
 import base64
+import os
 import secrets
 import socket
+import tempfile
 import time
 
 import pytest
 
-from conftest import sdk_env
+from conftest import Server, sdk_env
 
 ci = pytest.importorskip("e2b_code_interpreter")
 from e2b_code_interpreter.charts import ChartType  # noqa: E402
@@ -31,14 +33,20 @@ def create_when_built(**kw):
 
 
 @pytest.fixture(scope="module")
-def ci_server(code_interpreter_server, server):
-    """The server this module's SDK calls go to (`E2B_*` while it runs): the code interpreter's own (conftest.py)."""
+def ci_server():
+    """A server of this module's own, where the SDK's calls go while it runs: the first create builds
+    `code-interpreter-v1` there, out of reach of other tests' fuzzing, restarts and kills."""
     try:  # the build's pip install needs PyPI
         socket.create_connection(("pypi.org", 443), timeout=10).close()
     except OSError as e:
         pytest.skip(f"PyPI is unreachable from this host ({e}): code-interpreter-v1 cannot be built")
-    with sdk_env(code_interpreter_server or server) as srv:
-        yield srv
+    srv = Server(os.environ["AGENTENV_BIN"], tempfile.mkdtemp(prefix="agentenv-pytest-ci-"))
+    srv.start()
+    try:
+        with sdk_env(srv):
+            yield srv
+    finally:
+        srv.close()
 
 
 @pytest.fixture(scope="module")
