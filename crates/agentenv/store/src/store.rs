@@ -306,21 +306,31 @@ impl ChunkStore {
     /// Evicts least recently used chunks (see [`StoreConfig::max_local_bytes`]) until within the bound or
     /// nothing more may go. Returns the number of chunks removed.
     pub fn evict(&self) -> usize {
-        let has_remote = self.inner.remote.is_some();
-        let victims = self
-            .index()
-            .evict_to(self.inner.cfg.max_local_bytes, has_remote);
-        for id in &victims {
-            let _ = std::fs::remove_file(self.inner.dir.chunk_path(id));
-        }
-        victims.len()
+        let victims = self.evict_locked(&mut self.index());
+        self.remove_chunk_files(&victims)
     }
 
-    /// Stores a fetched or ingested chunk locally (already verified) and keeps the bound.
+    fn evict_locked(&self, ix: &mut Index) -> Vec<ChunkId> {
+        ix.evict_to(self.inner.cfg.max_local_bytes, self.inner.remote.is_some())
+    }
+
+    fn remove_chunk_files(&self, ids: &[ChunkId]) -> usize {
+        for id in ids {
+            let _ = std::fs::remove_file(self.inner.dir.chunk_path(id));
+        }
+        ids.len()
+    }
+
+    /// Stores a fetched chunk locally (already verified). Insertion and eviction share one lock, so no
+    /// reader of the index sees the cache over its bound.
     pub(crate) fn cache_chunk(&self, id: &ChunkId, stored: &[u8]) -> Result<()> {
         self.inner.dir.write_chunk(id, stored, false)?;
-        self.index().insert(*id, stored.len() as u64);
-        self.evict();
+        let victims = {
+            let mut ix = self.index();
+            ix.insert(*id, stored.len() as u64);
+            self.evict_locked(&mut ix)
+        };
+        self.remove_chunk_files(&victims);
         Ok(())
     }
 

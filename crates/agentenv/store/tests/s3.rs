@@ -167,6 +167,57 @@ async fn the_cache_stays_within_its_bound_keeps_pinned_chunks_and_refetches_the_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_fetches_never_show_the_cache_over_its_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(weed) = common::weed("s3-race", dir.path()) else {
+        return;
+    };
+    let s = seed("s3-race");
+    let b = bucket("race", s);
+    let a = open(&dir.path().join("a"), &weed, &b, false).await;
+    let f = dir.path().join("f");
+    sparse_file(&f, 16 * MIB, &[(0, 16 * MIB as usize)], s);
+    let (m, _) = a.ingest(&f).await.unwrap();
+    let cold = ChunkStore::open(
+        StoreConfig::local(dir.path().join("b"), 2 * MIB).with_remote(weed.remote(&b)),
+    )
+    .await
+    .unwrap();
+    cold.manifest(&m.id()).await.unwrap();
+    let ids: Vec<_> = m.chunks.iter().map(|(_, c)| *c).collect();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (cold, done) = (cold.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut worst = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                worst = worst.max(cold.local_stats().bytes);
+            }
+            worst
+        })
+    };
+    let mut tasks = Vec::new();
+    for part in ids.chunks(ids.len().div_ceil(4)) {
+        let (cold, part) = (cold.clone(), part.to_vec());
+        tasks.push(tokio::spawn(async move {
+            for id in part {
+                cold.chunk(&id).await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let worst = sampler.join().unwrap();
+    assert!(
+        worst > 0 && worst <= 2 * MIB,
+        "peak {worst} bytes, bound {}",
+        2 * MIB
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tampered_remote_chunk_is_refused_and_gc_removes_orphans() {
     let dir = tempfile::tempdir().unwrap();
     let Some(weed) = common::weed("s3-tamper", dir.path()) else {
