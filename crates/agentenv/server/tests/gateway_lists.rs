@@ -1,6 +1,7 @@
 //! The gateway's merged list against a real etcd and two stand-in nodes (small HTTP servers that page
 //! their sandboxes as `GET /v2/sandboxes` does): paging through the gateway yields every sandbox of
-//! both nodes once, in start-time order, and a sandbox the map puts on another node is left out.
+//! both nodes once, in start-time order, and a sandbox the map puts on another node is left out. A paused
+//! sandbox whose node is down but still registered is answered from its handoff record.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -191,4 +192,93 @@ async fn paging_through_the_gateway_merges_both_nodes_in_order() {
     for r in regs {
         r.leave().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_sandbox_on_a_down_but_registered_node_is_answered_from_its_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(etcd) = agentenv_cluster::testing::etcd_or_skip("gateway_down", dir.path()) else {
+        return;
+    };
+    let store = ClusterStore::connect(
+        std::slice::from_ref(&etcd.endpoint),
+        "/t/down",
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap();
+    // A port nothing listens on: the node died, its lease has not run out yet.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let reg = agentenv_cluster::testing::register(&store, node("gone", &dead))
+        .await
+        .unwrap();
+    let token = format!("{:016x}", rand::random::<u64>());
+    let entry = |id: &str, state, handoff| SandboxEntry {
+        version: SCHEMA_VERSION,
+        sandbox_id: id.into(),
+        node: "gone".into(),
+        owner: "default".into(),
+        state,
+        handoff,
+        updated_at_ms: 0,
+        token_sha256: None,
+    };
+    let record = serde_json::json!({"sandbox": {
+        "version": 1, "sandbox_id": "p1", "template_id": "base", "alias": null,
+        "metadata": {"k": token}, "env_vars": {}, "started_at_ms": 1000, "end_at_ms": 2000,
+        "state": "running", "auto_pause": true, "auto_resume": false, "access_token": "t",
+        "cpu_count": 2, "memory_mb": 512, "disk_mb": 1024, "envd_version": "0.2.0"},
+        "network": null});
+    let handoff = agentenv_cluster::Handoff {
+        snapshot_id: "snap".into(),
+        record,
+    };
+    assert!(
+        store
+            .insert_sandbox(&entry("p1", EntryState::Paused, Some(handoff)), "t")
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .insert_sandbox(&entry("r1", EntryState::Running, None), "t")
+            .await
+            .unwrap()
+    );
+    let key = agentenv_server::keys::generate_api_key();
+    let ring = Arc::new(agentenv_server::tenants::KeyRing::open(
+        dir.path(),
+        key.clone(),
+        Default::default(),
+        None,
+    ));
+    let gw = agentenv_server::gateway::Gateway::new(store, ring, key.clone(), None);
+    let base = serve(agentenv_server::gateway::app(gw)).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let get = |id: &str| {
+        hyper::Request::get(format!("{base}/sandboxes/{id}"))
+            .header("x-api-key", &key)
+            .body(Default::default())
+            .unwrap()
+    };
+    let resp = client.request(get("p1")).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let info: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(info["state"], "paused", "{info}");
+    assert_eq!(info["metadata"]["k"], token.as_str(), "{info}");
+    // A running one there is unreachable, said as such.
+    let resp = client.request(get("r1")).await.unwrap();
+    assert_eq!(resp.status(), 502);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let err: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(
+        err["message"].as_str().unwrap().contains("unreachable"),
+        "{err}"
+    );
+    reg.leave().await;
 }

@@ -245,6 +245,26 @@ async fn insert_entry(
 }
 
 /// `/sandboxes/{id}/...` and `/v2/sandboxes/{id}/...`: to the sandbox's node.
+/// The info of sandbox `id` from its entry's handoff record, when it is paused with one.
+async fn paused_detail(gw: &Gateway, id: &str) -> Result<Option<Response>> {
+    let Some(entry) = gw.store.sandbox(id).await? else {
+        return Ok(None);
+    };
+    if !matches!(entry.value.state, EntryState::Paused | EntryState::Moving) {
+        return Ok(None);
+    }
+    let Some(rec) = entry.value.handoff.as_ref().and_then(|h| {
+        serde_json::from_value::<agentenv_control::sandboxes::HandoffRecord>(h.record.clone()).ok()
+    }) else {
+        return Ok(None);
+    };
+    let mut sandbox = rec.sandbox;
+    sandbox.state = agentenv_control::sandboxes::SandboxState::Paused;
+    Ok(Some(
+        axum::Json(agentenv_api::views::detail(&sandbox, None, None)).into_response(),
+    ))
+}
+
 async fn by_id(State(gw): State<Gateway>, req: Request) -> Response {
     by_id_inner(&gw, req)
         .await
@@ -260,6 +280,7 @@ async fn by_id_inner(gw: &Gateway, req: Request) -> Result<Response> {
     let (id, action) = (id.to_string(), action.to_string());
     let method = req.method().clone();
     let resumes = method == Method::POST && matches!(action.as_str(), "connect" | "resume");
+    let info = method == Method::GET && action.is_empty();
     let node = match running_node(gw, &id, Some(&tenant.name), |_| resumes).await {
         Ok(n) => n,
         // Killing a sandbox whose node is away: gone for clients now; the node kills its copy when
@@ -273,27 +294,19 @@ async fn by_id_inner(gw: &Gateway, req: Request) -> Result<Response> {
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
         // Its info, from the handoff record: paused, resumable elsewhere.
-        Err(GatewayError::PausedElsewhere { .. }) if method == Method::GET && action.is_empty() => {
-            let entry = gw
-                .store
-                .sandbox(&id)
-                .await?
-                .ok_or_else(|| GatewayError::SandboxNotFound(id.clone()))?;
-            let rec: agentenv_control::sandboxes::HandoffRecord = entry
-                .value
-                .handoff
-                .as_ref()
-                .and_then(|h| serde_json::from_value(h.record.clone()).ok())
-                .ok_or_else(|| GatewayError::SandboxNotFound(id.clone()))?;
-            let mut sandbox = rec.sandbox;
-            sandbox.state = agentenv_control::sandboxes::SandboxState::Paused;
-            return Ok(
-                axum::Json(agentenv_api::views::detail(&sandbox, None, None)).into_response(),
-            );
+        Err(e @ GatewayError::PausedElsewhere { .. }) if info => {
+            return paused_detail(gw, &id).await?.ok_or(e);
         }
         Err(e) => return Err(e),
     };
-    let resp = proxy::forward(&gw.http, &node.id, &node.url, req, CONTROL_DEADLINE).await?;
+    let resp = match proxy::forward(&gw.http, &node.id, &node.url, req, CONTROL_DEADLINE).await {
+        // Its node is down but still holds its lease (no takeover yet): a paused sandbox's info still
+        // comes from its handoff record.
+        Err(e @ GatewayError::Node { .. }) if info => {
+            return paused_detail(gw, &id).await?.ok_or(e);
+        }
+        r => r?,
+    };
     let status = resp.status();
     match (method, action.as_str()) {
         (Method::POST, "pause") if status == StatusCode::NO_CONTENT => {

@@ -276,17 +276,19 @@ class Cluster:
             g.start()
         for g in self.gateways:
             _wait("gateway answers", lambda: _http("GET", f"{g.url}/health")[0] == 204, 30)
-        self.wait_nodes(3)
+        self.wait_nodes()
 
     def live_nodes(self, gw=None):
         status, nodes = _http("GET", f"{(gw or self.gateways[0]).url}/cluster/nodes", self.key)
         assert status == 200, nodes
         return {n["url"] for n in nodes}
 
-    def wait_nodes(self, n, gw=None):
-        """Until `gw` (else every running gateway: each has its own view of the nodes) lists `n` nodes."""
-        gws = [gw] if gw else [g for g in self.gateways if g.proc and g.proc.poll() is None]
-        _wait(f"{n} nodes registered", lambda: all(len(self.live_nodes(g)) == n for g in gws))
+    def wait_nodes(self):
+        """Until every running gateway (each has its own view) lists exactly the running nodes: a count
+        alone can match while a killed node is still listed and a live one re-registers."""
+        gws = [g for g in self.gateways if g.proc and g.proc.poll() is None]
+        want = {n.url for n in self.nodes if n.proc and n.proc.poll() is None}
+        _wait(f"the gateways list {sorted(want)}", lambda: all(self.live_nodes(g) == want for g in gws))
 
     def node_of(self, sandbox_id):
         """The node (Server) whose own API has the sandbox."""

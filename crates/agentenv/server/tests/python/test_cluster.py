@@ -317,7 +317,7 @@ def test_etcd_briefly_unavailable_fails_cleanly_then_recovers(cluster):
         cluster.etcd.start()
         _wait("the gateway serves again", lambda: _http("GET", f"{g}/sandboxes/{s.sandbox_id}", cluster.key)[0] == 200)
         assert s.commands.run("echo back").stdout == "back\n"
-        cluster.wait_nodes(3)
+        cluster.wait_nodes()
     finally:
         s.kill()
 
@@ -420,7 +420,7 @@ def test_a_node_keeps_auto_pause_and_auto_resume_in_the_cluster(cluster):
 
         node.proc.send_signal(signal.SIGKILL)
         node.proc.wait()
-        cluster.wait_nodes(2)
+        cluster.wait_nodes()
         status, info = _http("GET", f"{g1.url}/sandboxes/{sid}", cluster.key)
         assert status == 200 and info["state"] == "paused", info
         # Security: data-plane traffic without its token neither reaches nor moves it.
@@ -434,7 +434,7 @@ def test_a_node_keeps_auto_pause_and_auto_resume_in_the_cluster(cluster):
         assert cluster.node_of(sid) is not node
         assert _entry(cluster, sid)["state"] == "running"
         node.start()
-        cluster.wait_nodes(3)
+        cluster.wait_nodes()
         _wait("the returning node drops its copy of the moved sandbox",
               lambda: _http("GET", f"{node.url}/sandboxes/{sid}", node.api_key)[0] == 404)
     finally:
@@ -456,7 +456,7 @@ def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(clus
 
     node.proc.send_signal(signal.SIGKILL)
     node.proc.wait()
-    cluster.wait_nodes(2)
+    cluster.wait_nodes()
     # Until someone resumes it, it is listed and shown paused (from its handoff record).
     status, info = _http("GET", f"{cluster.gateways[1].url}/sandboxes/{paused.sandbox_id}", cluster.key)
     assert status == 200 and info["state"] == "paused", info
@@ -479,7 +479,7 @@ def test_kill9_of_a_node_moves_its_paused_sandbox_and_loses_its_running_one(clus
     # The node comes back (the lost one's QEMU outlived the kill -9): its copy of the moved sandbox and
     # the sandbox killed meanwhile go; the gateway keeps routing to the new node.
     node.start()
-    cluster.wait_nodes(3)
+    cluster.wait_nodes()
     _wait("the returning node drops its copy of the moved sandbox",
           lambda: _http("GET", f"{node.url}/sandboxes/{paused.sandbox_id}", node.api_key)[0] == 404)
     _wait("the returning node kills the sandbox killed while it was away",
@@ -536,7 +536,7 @@ def test_a_volume_outlives_its_node_through_the_bucket(cluster):
         _wait("the volume is flushed", flushed)
         home.proc.send_signal(signal.SIGKILL)
         home.proc.wait()
-        cluster.wait_nodes(2)
+        cluster.wait_nodes()
         # Another node takes the volume from the bucket: listing, reading, mounting.
         cluster.use(cluster.gateways[1])
         os.environ["E2B_VOLUME_API_URL"] = cluster.gateways[1].url
@@ -553,7 +553,7 @@ def test_a_volume_outlives_its_node_through_the_bucket(cluster):
     finally:
         for n in [n for n in cluster.nodes if n.proc.poll() is not None]:
             n.start()
-        cluster.wait_nodes(3)
+        cluster.wait_nodes()
         cluster.use(g)
         os.environ["E2B_VOLUME_API_URL"] = g.url
         e2b.Volume.destroy(vol.volume_id)
