@@ -82,6 +82,11 @@ pub struct RuntimeConfig {
     /// box, docs/benchmarks.md 2026-12-06: 16 MiB takes PSS per idle fork 50 to 42 MiB with the first
     /// command after a create +65 %; 4 MiB reaches 28 MiB with fork x8 +57 % and commands 7x slower).
     pub tcg_tb_mib: Option<u32>,
+    /// Lets the host's KSM merge identical pages of the VMs: guest RAM (the memory backend's `merge`)
+    /// and QEMU's own memory (`PR_SET_MEMORY_MERGE`, Linux 6.4+). Off by default, and then guest RAM is
+    /// marked unmergeable (QEMU's default merges it): merged pages across tenants are a timing side
+    /// channel. Takes effect only where the host runs KSM (`/sys/kernel/mm/ksm/run` = 1).
+    pub mem_merge: bool,
 }
 
 /// Default of [`RuntimeConfig::max_warm_vms`].
@@ -122,6 +127,7 @@ impl RuntimeConfig {
             lazy_disks: LazyDiskMode::Auto,
             registry_allow: Vec::new(),
             tcg_tb_mib: DEFAULT_TCG_TB_MIB,
+            mem_merge: false,
         }
     }
 }

@@ -186,6 +186,7 @@ impl Runtime {
         let vmm: Arc<dyn Vmm> = Arc::new(
             qemu::QemuVmm::new(cfg.qemu_bin.clone(), accel, cfg.qemu_uids)
                 .with_tcg_tb_mib(cfg.tcg_tb_mib)
+                .with_mem_merge(cfg.mem_merge)
                 .with_lazy_disks(lazy.clone()),
         );
         let (net, net_off) = match &cfg.network {

@@ -146,6 +146,41 @@ fn ram_file(state: &Path, id: &str) -> PathBuf {
     PathBuf::from(record(state, id)["ram_file"].as_str().unwrap())
 }
 
+/// Whether KSM may merge sandbox `id`'s guest RAM (its mapping's `mg` flag; the kernel merges only
+/// private mappings, so a fork's) and the rest of its QEMU (`ksm_merge_any`; `None` on kernels without it).
+fn mergeable(state: &Path, id: &str) -> (bool, Option<bool>) {
+    let pid = record(state, id)["phase"]["pid"].as_u64().unwrap();
+    let name = ram_file(state, id).file_name().unwrap().to_owned();
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    // "start-end perms offset dev inode [path]", then its fields, the last being VmFlags.
+    let header = |l: &str| {
+        let mut t = l.split_whitespace();
+        t.next().is_some_and(|a| a.contains('-')) && t.next().is_some_and(|p| p.len() == 4)
+    };
+    let mut in_ram = false;
+    let mut ram = None;
+    for l in smaps.lines() {
+        if let Some(flags) = l.strip_prefix("VmFlags:") {
+            if in_ram {
+                ram = Some(flags.split_whitespace().any(|f| f == "mg"));
+            }
+            in_ram = false;
+        } else if header(l) {
+            in_ram = l.contains("/memfd:agentenv-ram")
+                || Path::new(l.split_whitespace().last().unwrap_or_default()).file_name()
+                    == Some(name.as_os_str());
+        }
+    }
+    let any = std::fs::read_to_string(format!("/proc/{pid}/ksm_stat"))
+        .ok()
+        .and_then(|k| {
+            k.lines()
+                .find_map(|l| l.strip_prefix("ksm_merge_any:"))
+                .map(|v| v.trim() == "yes")
+        });
+    (ram.expect("guest RAM mapping in smaps"), any)
+}
+
 /// Opens `path` for reading, then for appending, as `uid`:`gid` in a helper process; both must fail
 /// with EACCES.
 fn assert_denied(uid: u32, gid: u32, path: &Path) {
@@ -365,6 +400,9 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
             "the fork does not map its capture's RAM memfd"
         );
     }
+    // KSM may not merge its pages with others': merged pages across tenants are a timing side channel.
+    let (ram, any) = mergeable(s, "uf");
+    assert!(!ram && any != Some(true), "a fork's memory is mergeable");
     // The fork's memory writes stay its own.
     let before = std::fs::read(&fork_ram).unwrap();
     run(
@@ -549,4 +587,32 @@ async fn a_qemu_of_an_older_version_is_adopted_then_confined() {
     // The old QEMU exited at the pause (the runtime saw it a zombie); reap it.
     let _ = qemu.wait();
     assert!(common::qemu_pids_under(s).is_empty(), "no QEMU left");
+}
+
+/// KSM (issue 31): with `mem_merge` the operator lets the host merge a VM's guest RAM and QEMU's own
+/// memory (denser forks where KSM runs); without it (above) neither is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operator_can_let_ksm_merge_the_vms_pages() {
+    let state = StateDir::new();
+    let s = state.path();
+    let rt = runtime_with(s, |c| {
+        c.mem_merge = true;
+        c.warm_vms = 0;
+    })
+    .await;
+    let id = format!("mg-{}", &token()[..8]);
+    rt.create(spec(&id)).await.expect("create");
+    let fork = format!("{id}-f");
+    let forks = rt
+        .fork(&id, std::slice::from_ref(&fork))
+        .await
+        .expect("fork");
+    forks[0].as_ref().expect("the fork");
+    assert_eq!(run(&rt, &fork, "echo up").await, ("up\n".to_string(), 0));
+    let (ram, any) = mergeable(s, &fork);
+    assert!(ram, "the fork's guest RAM is not mergeable");
+    assert_ne!(any, Some(false), "QEMU's own memory is not mergeable");
+    for x in [&fork, &id] {
+        rt.kill(x).await.unwrap();
+    }
 }

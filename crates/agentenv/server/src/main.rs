@@ -277,6 +277,11 @@ struct ServeArgs {
     /// 0: QEMU's own default (1 GiB in QEMU 7.2). Unset: the runtime's default.
     #[arg(long, env = "AGENTENV_TCG_TB_MIB")]
     tcg_tb_mib: Option<u32>,
+    /// Let the host's KSM merge identical pages of the VMs (guest RAM and QEMU's own memory): denser
+    /// forks where `/sys/kernel/mm/ksm/run` is 1. Off by default: merged pages across tenants are a
+    /// timing side channel, so guest RAM is then marked unmergeable.
+    #[arg(long, env = "AGENTENV_MEM_MERGE")]
+    mem_merge: bool,
     /// Join the cluster whose state is in this etcd (comma-separated endpoints): register with a lease
     /// and keep the node's record fresh. Needs `--advertise`.
     #[arg(
@@ -419,6 +424,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(mib) = args.tcg_tb_mib {
         cfg.tcg_tb_mib = (mib > 0).then_some(mib);
     }
+    cfg.mem_merge = args.mem_merge;
     cfg.registry_allow = args
         .registry_allow
         .iter()

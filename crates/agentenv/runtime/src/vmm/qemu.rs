@@ -31,12 +31,25 @@ const RESTORE_DEADLINE: Duration = Duration::from_secs(60);
 /// Longest wait for a QEMU process to exit after `quit` or SIGKILL.
 const EXIT_DEADLINE: Duration = Duration::from_secs(10);
 
+/// prctl(2) option of Linux 6.4+: every mapping of the process, now and after exec, is KSM-mergeable.
+const PR_SET_MEMORY_MERGE: libc::c_int = 67;
+/// Its query.
+const PR_GET_MEMORY_MERGE: libc::c_int = 68;
+
+/// Whether this kernel knows [`PR_SET_MEMORY_MERGE`].
+fn merge_any_supported() -> bool {
+    // SAFETY: a query with no pointers.
+    unsafe { libc::prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0) >= 0 }
+}
+
 /// QEMU `-M microvm` with RAM in a shared memory-backend-file.
 pub struct QemuVmm {
     bin: PathBuf,
     accel: AccelKind,
     /// TCG translation cache cap in MiB (`None`: QEMU's default; unused under KVM).
     tcg_tb_mib: Option<u32>,
+    /// KSM may merge its pages ([`crate::RuntimeConfig::mem_merge`]).
+    mem_merge: bool,
     /// Where each QEMU gets its memory and CPU limits (`None`: this host has no writable cgroups).
     cgroups: Option<Hierarchy>,
     /// Per-VM uids (`None`: QEMU runs as this process, which is not root or was told not to).
@@ -111,6 +124,7 @@ impl QemuVmm {
             bin,
             accel,
             tcg_tb_mib: None,
+            mem_merge: false,
             cgroups,
             uids,
             lazy: None,
@@ -128,6 +142,25 @@ impl QemuVmm {
     /// The same, capping each QEMU's TCG translation cache at `mib` MiB (`None`: QEMU's default).
     pub fn with_tcg_tb_mib(mut self, mib: Option<u32>) -> QemuVmm {
         self.tcg_tb_mib = mib;
+        self
+    }
+
+    /// The same, letting the host's KSM merge the VMs' pages (guest RAM and QEMU's own) when `on`;
+    /// otherwise guest RAM is marked unmergeable.
+    pub fn with_mem_merge(mut self, on: bool) -> QemuVmm {
+        if on {
+            if !merge_any_supported() {
+                tracing::warn!(
+                    "this kernel cannot merge a whole process (PR_SET_MEMORY_MERGE, Linux 6.4+): only guest RAM is mergeable"
+                );
+            }
+            if !std::fs::read_to_string("/sys/kernel/mm/ksm/run").is_ok_and(|r| r.trim() == "1") {
+                tracing::warn!(
+                    "mem_merge is on but the host's KSM is not running (/sys/kernel/mm/ksm/run): nothing is merged until it is"
+                );
+            }
+        }
+        self.mem_merge = on;
         self
     }
 
@@ -176,13 +209,18 @@ impl QemuVmm {
             "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
             "-object".into(),
             format!(
-                "memory-backend-file,id=mem,size={}M,mem-path={},{}",
+                "memory-backend-file,id=mem,size={}M,mem-path={},{},{}",
                 spec.memory_mib,
                 f.ram,
                 match (spec.ram_shared, self.private_ro_ram) {
                     (true, _) => "share=on",
                     (false, true) => "share=off,readonly=on,rom=off",
                     (false, false) => "share=off",
+                },
+                if self.mem_merge {
+                    "merge=on"
+                } else {
+                    "merge=off"
                 }
             ),
             "-kernel".into(),
@@ -330,11 +368,16 @@ impl QemuVmm {
             }
             None => None,
         };
-        // SAFETY: the closure only calls fcntl(2), write(2), unshare(2), mount(2) and the set*id
-        // calls on descriptors this process holds open and strings prepared above.
+        let merge = self.mem_merge;
+        // SAFETY: the closure only calls fcntl(2), prctl(2), write(2), unshare(2), mount(2) and the
+        // set*id calls on descriptors this process holds open and strings prepared above.
         unsafe {
             cmd.pre_exec(move || {
                 crate::vmm::launch::inherit_in_child(&fds)?;
+                if merge {
+                    // Best effort (checked at startup): an older kernel merges only guest RAM.
+                    libc::prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0);
+                }
                 match &confine {
                     Some((jail, uid, gid)) => {
                         crate::vmm::launch::confine_in_child(&procs_fds, jail, *uid, *gid)

@@ -92,6 +92,13 @@ struct Args {
     /// creates with their first command, and print the figures (0: the whole bench).
     #[arg(long, default_value_t = 0)]
     forks_only: usize,
+    /// With `--forks-only`: seconds each round's forks stay idle before a second PSS reading (what
+    /// the host's KSM merged meanwhile; see `--mem-merge`).
+    #[arg(long, default_value_t = 0)]
+    settle_s: u64,
+    /// Let the host's KSM merge the VMs' pages, as the server's `--mem-merge`.
+    #[arg(long)]
+    mem_merge: bool,
 }
 
 struct Http {
@@ -367,6 +374,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(mib) = args.tcg_tb_mib {
         cfg.tcg_tb_mib = (mib > 0).then_some(mib);
     }
+    cfg.mem_merge = args.mem_merge;
     let tb_label = cfg
         .tcg_tb_mib
         .map_or("QEMU's default".to_string(), |m| format!("{m} MiB"));
@@ -448,6 +456,7 @@ async fn main() -> anyhow::Result<()> {
         let figures = snapshots::fork_figures(
             &http,
             args.forks_only,
+            std::time::Duration::from_secs(args.settle_s),
             args.iterations,
             &warm_rt,
             &state.path().join("runtime"),

@@ -1,7 +1,7 @@
 //! Snapshot, fork, create-from-snapshot and concurrent-create figures, the incremental snapshot, and PSS
 //! per idle fork, through the E2B API.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hyper::Method;
@@ -47,7 +47,7 @@ pub async fn snapshot_figures(
     let (mut pss_kib, mut floor, mut over_floor) = (vec![], vec![], vec![]);
     let cores = cores();
     for round in 0..3 {
-        let r = fork_round(http, &src).await?;
+        let r = fork_round(http, &src, Duration::ZERO).await?;
         fork8.push(r.ms);
         if let Some(f) = r.floor_ms {
             floor.push(f);
@@ -186,14 +186,17 @@ struct ForkRound {
     floor_ms: Option<f64>,
     /// PSS of each fork's QEMU right after its first answer.
     pss_kib: Vec<f64>,
+    /// The same after the round's settle time (empty without one).
+    pss_settled_kib: Vec<f64>,
 }
 
 fn cores() -> f64 {
     std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
 }
 
-/// Forks `src` eight times, runs a command in each, reads their CPU and PSS, and kills them.
-async fn fork_round(http: &Http, src: &str) -> anyhow::Result<ForkRound> {
+/// Forks `src` eight times, runs a command in each, reads their CPU and PSS (again after `settle`, when
+/// not zero: what the host's KSM merged meanwhile), and kills them.
+async fn fork_round(http: &Http, src: &str, settle: Duration) -> anyhow::Result<ForkRound> {
     let t = Instant::now();
     let forks = http
         .json(
@@ -224,11 +227,18 @@ async fn fork_round(http: &Http, src: &str) -> anyhow::Result<ForkRound> {
         .iter()
         .map(|(id, _)| qemu_pid(id).and_then(cpu_seconds))
         .sum();
-    let pss_kib = ids
-        .iter()
-        .filter_map(|(id, _)| qemu_pid(id).and_then(pss_kib_of))
-        .map(|k| k as f64)
-        .collect();
+    let pss = || -> Vec<f64> {
+        ids.iter()
+            .filter_map(|(id, _)| qemu_pid(id).and_then(pss_kib_of))
+            .map(|k| k as f64)
+            .collect()
+    };
+    let pss_kib = pss();
+    let mut pss_settled_kib = vec![];
+    if !settle.is_zero() {
+        tokio::time::sleep(settle).await;
+        pss_settled_kib = pss();
+    }
     for (id, _) in ids {
         http.kill(&id).await?;
     }
@@ -236,15 +246,18 @@ async fn fork_round(http: &Http, src: &str) -> anyhow::Result<ForkRound> {
         ms: took,
         floor_ms: cpu.map(|c| c / cores() * 1000.0),
         pss_kib,
+        pss_settled_kib,
     })
 }
 
 /// `--forks-only`: `rounds` forks of eight from one sandbox (fork x8, its CPU floor and the ratio, PSS
 /// per idle fork over every fork), then `creates` creates from `base`, each from a full warm pool, with
-/// the first and second command after it and its QEMU's PSS after them.
+/// the first and second command after it and its QEMU's PSS after them. With `settle`, each round's
+/// forks stay idle that long before a second PSS reading.
 pub async fn fork_figures(
     http: &Http,
     rounds: usize,
+    settle: Duration,
     creates: usize,
     rt: &agentenv_runtime::Runtime,
     runtime_dir: &std::path::Path,
@@ -254,14 +267,16 @@ pub async fn fork_figures(
         .await?;
     http.command(&src, &src_token).await?;
     let (mut fork8, mut floor, mut over_floor, mut pss_fork) = (vec![], vec![], vec![], vec![]);
+    let mut pss_settled = vec![];
     for _ in 0..rounds {
-        let r = fork_round(http, &src).await?;
+        let r = fork_round(http, &src, settle).await?;
         fork8.push(r.ms);
         if let Some(f) = r.floor_ms {
             floor.push(f);
             over_floor.push(r.ms / f);
         }
         pss_fork.extend(r.pss_kib);
+        pss_settled.extend(r.pss_settled_kib);
     }
     http.kill(&src).await?;
     let (mut create, mut first, mut second, mut pss_create) = (vec![], vec![], vec![], vec![]);
@@ -290,7 +305,7 @@ pub async fn fork_figures(
         }
         http.kill(&id).await?;
     }
-    Ok(vec![
+    let mut figures = vec![
         Figure::timing(
             "fork x8 until all eight answer a command (POST /sandboxes/{id}/fork)",
             &fork8,
@@ -317,7 +332,18 @@ pub async fn fork_figures(
             &pss_create,
             "KiB",
         ),
-    ])
+    ];
+    if !settle.is_zero() {
+        figures.push(
+            Figure::timing(
+                "PSS per idle fork after it settled (QEMU process, smaps_rollup)",
+                &pss_settled,
+                "KiB",
+            )
+            .param("settle_s", settle.as_secs()),
+        );
+    }
+    Ok(figures)
 }
 
 /// A fresh sandbox's first snapshot (its data bytes) and, after the guest wrote 1 MiB of random data to
