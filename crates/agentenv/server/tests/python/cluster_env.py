@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 
 from pki import GATEWAY_NAME, Pki
-from conftest import Server
+from conftest import Server, http_json
 
 TTL_S = 3  # node lease TTL: a killed node leaves the cluster this long after its last refresh
 WAIT_S = 120  # longest wait for any state change below
@@ -123,26 +123,9 @@ _TRUST = {"ctx": None}
 
 
 def _http(method, url, key=None, body=None, headers=None, timeout=60):
-    """(status, parsed JSON or None) of one request (an https:// one checked against the cluster's CA)."""
-    h = dict(headers or {})
-    if key:
-        h["X-API-Key"] = key
-    data = None
-    if body is not None:
-        data = json.dumps(body).encode()
-        h["Content-Type"] = "application/json"
-    req = urllib.request.Request(url, data=data, method=method, headers=h)
-    try:
-        ctx = _TRUST["ctx"] if url.startswith("https://") else None
-        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
-            raw = r.read()
-            return r.status, (json.loads(raw) if raw else None)
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, raw.decode(errors="replace")
+    """[`http_json`], an https:// URL checked against the cluster's CA."""
+    ctx = _TRUST["ctx"] if url.startswith("https://") else None
+    return http_json(method, url, key, body, headers, timeout, ctx)
 
 
 class Cluster:
@@ -240,16 +223,8 @@ class Cluster:
         gateway refuses one once auth is on); the user is the token's."""
         ctx = ssl.create_default_context(cafile=self.pki.ca)
         ctx.load_cert_chain(*self.pki.issue("json-client", "/O=k3-test"))
-        h = {"Content-Type": "application/json"}
-        if token:
-            h["Authorization"] = token
-        req = urllib.request.Request(f"{self.etcd_url}{path}", data=json.dumps(body).encode(),
-                                     method="POST", headers=h)
-        try:
-            with urllib.request.urlopen(req, timeout=30, context=ctx) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode(errors="replace")
+        return http_json("POST", f"{self.etcd_url}{path}", body=body,
+                         headers={"Authorization": token} if token else None, timeout=30, context=ctx)
 
     def start(self):
         self.etcd.start()

@@ -45,6 +45,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_json(method, url, key=None, body=None, headers=None, timeout=60, context=None):
+    """(status, parsed JSON or None; an error body that is not JSON as text) of one request; `body` is sent as
+    JSON, `context` checks an https:// server."""
+    h = dict(headers or {})
+    if key:
+        h["X-API-Key"] = key
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        h["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, data=data, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
+            raw = r.read()
+            return r.status, (json.loads(raw) if raw else None)
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, raw.decode(errors="replace")
+
+
 class Server:
     """One agentenv process on a fixed port and state folder; restartable."""
 
@@ -103,14 +126,7 @@ class Server:
 
     def request(self, method: str, path: str, body=None, timeout: float = 60):
         """`method path` with the server's key; (status, parsed JSON body or None)."""
-        req = urllib.request.Request(f"{self.url}{path}", data=body, method=method,
-                                     headers={"X-API-KEY": self.api_key, "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout, context=self.ssl) as r:
-                raw = r.read()
-                return r.status, (json.loads(raw) if raw else None)
-        except urllib.error.HTTPError as e:
-            return e.code, None
+        return http_json(method, f"{self.url}{path}", self.api_key, body, timeout=timeout, context=self.ssl)
 
     def close(self):
         """Kills every sandbox left over, stops the server and removes its state folder (a template's images,
