@@ -16,7 +16,8 @@
 //!   `root 0700`/`0600`.
 //!
 //! Every `-add-fd` carries the real path as its `opaque` string, so the command line still names the
-//! VM's folder (recovery finds a sandbox's QEMU by it).
+//! VM's folder (recovery finds a sandbox's QEMU by it: [`process_runs_vm`]). The steps a forked child
+//! takes before exec (cgroups, namespaces, uid, KSM) are here too.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
@@ -281,6 +282,59 @@ pub unsafe fn inherit_in_child(fds: &[RawFd]) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// True when `pid` is alive (not a zombie) and its command line names this VM's folder (its QMP
+/// socket for older versions, its console log's `-add-fd` now).
+pub fn process_runs_vm(pid: u32, spec: &VmSpec) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let needle = format!("{}/", spec.dir.display());
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    cmdline.contains(&needle) && !is_zombie(pid)
+}
+
+/// True when `pid` is gone or a zombie.
+pub fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(true)
+}
+
+/// prctl(2) option of Linux 6.4+: every mapping of the process, now and after exec, is KSM-mergeable.
+const PR_SET_MEMORY_MERGE: libc::c_int = 67;
+/// Its query.
+const PR_GET_MEMORY_MERGE: libc::c_int = 68;
+
+/// Logs why `mem_merge` will merge less than asked on this host: a kernel without
+/// [`PR_SET_MEMORY_MERGE`] (guest RAM only), or KSM not running (nothing).
+pub fn warn_where_merging_is_off() {
+    // SAFETY: a query with no pointers.
+    if unsafe { libc::prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0) } < 0 {
+        tracing::warn!(
+            "this kernel cannot merge a whole process (PR_SET_MEMORY_MERGE, Linux 6.4+): only guest RAM is mergeable"
+        );
+    }
+    if !std::fs::read_to_string("/sys/kernel/mm/ksm/run").is_ok_and(|r| r.trim() == "1") {
+        tracing::warn!(
+            "mem_merge is on but the host's KSM is not running (/sys/kernel/mm/ksm/run): nothing is merged until it is"
+        );
+    }
+}
+
+/// Makes the whole process KSM-mergeable, across exec. Best effort ([`warn_where_merging_is_off`] told
+/// at startup): an older kernel merges only guest RAM.
+///
+/// # Safety
+/// For `pre_exec`: one prctl(2) with no pointers.
+pub unsafe fn merge_any_in_child() {
+    // SAFETY: as above.
+    unsafe { libc::prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) };
 }
 
 /// For `pre_exec` of a root runtime's QEMU: joins its cgroups (writes `0` to each `cgroup.procs`

@@ -13,7 +13,7 @@ use tokio::sync::Mutex;
 use crate::config::AccelKind;
 use crate::vmm::cgroup::{Hierarchy, Limits, disk_of};
 use crate::vmm::jail::Jail;
-use crate::vmm::launch::{LazyBacking, Owner, VmFiles};
+use crate::vmm::launch::{self, LazyBacking, Owner, VmFiles};
 use crate::vmm::lazy::{Export, LazyDisks};
 use crate::vmm::qmp::QmpClient;
 use crate::vmm::uid::{Lease, UidPool, UidRange};
@@ -30,17 +30,6 @@ const MIGRATION_DEADLINE: Duration = Duration::from_secs(120);
 const RESTORE_DEADLINE: Duration = Duration::from_secs(60);
 /// Longest wait for a QEMU process to exit after `quit` or SIGKILL.
 const EXIT_DEADLINE: Duration = Duration::from_secs(10);
-
-/// prctl(2) option of Linux 6.4+: every mapping of the process, now and after exec, is KSM-mergeable.
-const PR_SET_MEMORY_MERGE: libc::c_int = 67;
-/// Its query.
-const PR_GET_MEMORY_MERGE: libc::c_int = 68;
-
-/// Whether this kernel knows [`PR_SET_MEMORY_MERGE`].
-fn merge_any_supported() -> bool {
-    // SAFETY: a query with no pointers.
-    unsafe { libc::prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0) >= 0 }
-}
 
 /// QEMU `-M microvm` with RAM in a shared memory-backend-file.
 pub struct QemuVmm {
@@ -149,16 +138,7 @@ impl QemuVmm {
     /// otherwise guest RAM is marked unmergeable.
     pub fn with_mem_merge(mut self, on: bool) -> QemuVmm {
         if on {
-            if !merge_any_supported() {
-                tracing::warn!(
-                    "this kernel cannot merge a whole process (PR_SET_MEMORY_MERGE, Linux 6.4+): only guest RAM is mergeable"
-                );
-            }
-            if !std::fs::read_to_string("/sys/kernel/mm/ksm/run").is_ok_and(|r| r.trim() == "1") {
-                tracing::warn!(
-                    "mem_merge is on but the host's KSM is not running (/sys/kernel/mm/ksm/run): nothing is merged until it is"
-                );
-            }
+            launch::warn_where_merging_is_off();
         }
         self.mem_merge = on;
         self
@@ -375,8 +355,7 @@ impl QemuVmm {
             cmd.pre_exec(move || {
                 crate::vmm::launch::inherit_in_child(&fds)?;
                 if merge {
-                    // Best effort (checked at startup): an older kernel merges only guest RAM.
-                    libc::prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0);
+                    launch::merge_any_in_child();
                 }
                 match &confine {
                     Some((jail, uid, gid)) => {
@@ -560,7 +539,7 @@ impl Vmm for QemuVmm {
         pid: u32,
     ) -> BoxFuture<'a, Result<Box<dyn VmInstance>, VmmError>> {
         Box::pin(async move {
-            if !process_runs_vm(pid, spec) {
+            if !launch::process_runs_vm(pid, spec) {
                 return Err(VmmError::NotRunning { pid });
             }
             let qmp = QmpClient::connect(&spec.qmp_socket(), Duration::from_secs(2)).await?;
@@ -594,27 +573,6 @@ impl Vmm for QemuVmm {
             }) as Box<dyn VmInstance>)
         })
     }
-}
-
-/// True when `pid` is alive (not a zombie) and its command line names this VM's folder (its QMP
-/// socket for older versions, its console log's `-add-fd` now).
-pub fn process_runs_vm(pid: u32, spec: &VmSpec) -> bool {
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return false;
-    };
-    let needle = format!("{}/", spec.dir.display());
-    let cmdline = String::from_utf8_lossy(&cmdline);
-    cmdline.contains(&needle) && !is_zombie(pid)
-}
-
-fn is_zombie(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(true)
 }
 
 /// Standard output of `bin args` (empty when it cannot run). With `-object memory-backend-file,help`, a
@@ -688,7 +646,7 @@ impl QemuVm {
                 return;
             }
             while std::path::Path::new(&format!("/proc/{}", self.pid)).exists()
-                && !is_zombie(self.pid)
+                && !launch::is_zombie(self.pid)
             {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
@@ -764,7 +722,7 @@ impl Snapshottable for QemuVm {
 
 impl VmInstance for QemuVm {
     fn alive(&self) -> bool {
-        process_runs_vm(self.pid, &self.spec)
+        launch::process_runs_vm(self.pid, &self.spec)
     }
 
     fn pid(&self) -> u32 {
