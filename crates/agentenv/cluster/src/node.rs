@@ -104,6 +104,11 @@ async fn refresh(store: &ClusterStore, id: i64, report: &Report) -> bool {
             tracing::warn!("the node's lease expired; registering again");
             false
         }
+        // etcd answers a keepalive of a forgotten lease with TTL 0, which the client reports as this.
+        Ok(Err(etcd_client::Error::LeaseKeepAliveError(m))) if m.contains("lease not found") => {
+            tracing::warn!("the node's lease expired; registering again");
+            false
+        }
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "etcd keepalive failed; retrying");
             true

@@ -148,6 +148,40 @@ async fn claims_registration_and_an_etcd_outage() {
     .await;
 }
 
+/// A node whose lease etcd forgot (it missed the TTL under load, or etcd lost it) registers again under a
+/// new one instead of keeping the dead lease alive forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_lease_is_gone_registers_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(etcd) = etcd_or_skip("etcd_store", dir.path()) else {
+        return;
+    };
+    let s = store(&etcd.endpoint, "/test/rejoin").await;
+    let report: agentenv_cluster::node::Report = Arc::new(|| node("n1"));
+    let reg = Registration::start(
+        s.clone(),
+        Duration::from_secs(6),
+        Duration::from_millis(300),
+        report,
+    )
+    .await
+    .unwrap();
+    let first = s.view().await.unwrap().nodes[0].create_revision;
+    let mut raw = etcd_client::Client::connect([etcd.endpoint.as_str()], None)
+        .await
+        .unwrap();
+    for l in raw.leases().await.unwrap().leases() {
+        raw.lease_revoke(l.id()).await.unwrap();
+    }
+    eventually("the node registers again under a new lease", || async {
+        s.view()
+            .await
+            .is_ok_and(|v| v.nodes.len() == 1 && v.nodes[0].create_revision > first)
+    })
+    .await;
+    reg.leave().await;
+}
+
 #[tokio::test]
 async fn set_state_writes_only_the_named_nodes_live_entries() {
     let dir = tempfile::tempdir().unwrap();
