@@ -5,15 +5,12 @@ bash kernel, errors with tracebacks, envs (at create and per call), timeouts tha
 create/list/restart/remove."""
 
 import base64
-import os
 import secrets
-import socket
-import tempfile
 import time
 
 import pytest
 
-from conftest import Server, sdk_env
+from conftest import sdk_env
 
 ci = pytest.importorskip("e2b_code_interpreter")
 from e2b_code_interpreter.charts import ChartType  # noqa: E402
@@ -33,20 +30,10 @@ def create_when_built(**kw):
 
 
 @pytest.fixture(scope="module")
-def ci_server():
-    """A server of this module's own, where the SDK's calls go while it runs: the first create builds
-    `code-interpreter-v1` there, out of reach of other tests' fuzzing, restarts and kills."""
-    try:  # the build's pip install needs PyPI
-        socket.create_connection(("pypi.org", 443), timeout=10).close()
-    except OSError as e:
-        pytest.skip(f"PyPI is unreachable from this host ({e}): code-interpreter-v1 cannot be built")
-    srv = Server(os.environ["AGENTENV_BIN"], tempfile.mkdtemp(prefix="agentenv-pytest-ci-"))
-    srv.start()
-    try:
-        with sdk_env(srv):
-            yield srv
-    finally:
-        srv.close()
+def ci_server(code_interpreter_server):
+    """The session's code interpreter server (conftest), where the SDK's calls go while this module runs."""
+    with sdk_env(code_interpreter_server):
+        yield code_interpreter_server
 
 
 @pytest.fixture(scope="module")
