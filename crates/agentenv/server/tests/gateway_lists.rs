@@ -71,6 +71,28 @@ async fn serve(router: axum::Router) -> String {
 
 use agentenv_cluster::testing::idle_node as node;
 
+/// A gateway over `store` (its state in `dir`), served on loopback: its URL and the server's key.
+async fn gateway(dir: &std::path::Path, store: ClusterStore) -> (String, String) {
+    let key = agentenv_server::keys::generate_api_key();
+    let ring = Arc::new(agentenv_server::tenants::KeyRing::open(
+        dir,
+        key.clone(),
+        Default::default(),
+        None,
+    ));
+    let gw = agentenv_server::gateway::Gateway::new(store, ring, key.clone(), None);
+    (serve(agentenv_server::gateway::app(gw)).await, key)
+}
+
+type Client = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<bytes::Bytes>,
+>;
+
+fn client() -> Client {
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paging_through_the_gateway_merges_both_nodes_in_order() {
     let dir = tempfile::tempdir().unwrap();
@@ -140,18 +162,9 @@ async fn paging_through_the_gateway_merges_both_nodes_in_order() {
     };
     assert!(store.insert_sandbox(&moved, "t").await.unwrap());
 
-    let key = agentenv_server::keys::generate_api_key();
-    let ring = Arc::new(agentenv_server::tenants::KeyRing::open(
-        dir.path(),
-        key.clone(),
-        Default::default(),
-        None,
-    ));
-    let gw = agentenv_server::gateway::Gateway::new(store, ring, key.clone(), None);
-    let base = serve(agentenv_server::gateway::app(gw)).await;
+    let (base, key) = gateway(dir.path(), store).await;
 
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let client = client();
     let want = ["a1", "b2", "a3", "b4", "a5", "b6", "a7", "b8", "b9"];
     for order in ["", "&order=asc"] {
         let mut seen = vec![];
@@ -248,17 +261,8 @@ async fn a_paused_sandbox_on_a_down_but_registered_node_is_answered_from_its_rec
             .await
             .unwrap()
     );
-    let key = agentenv_server::keys::generate_api_key();
-    let ring = Arc::new(agentenv_server::tenants::KeyRing::open(
-        dir.path(),
-        key.clone(),
-        Default::default(),
-        None,
-    ));
-    let gw = agentenv_server::gateway::Gateway::new(store, ring, key.clone(), None);
-    let base = serve(agentenv_server::gateway::app(gw)).await;
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let (base, key) = gateway(dir.path(), store).await;
+    let client = client();
     let get = |id: &str| {
         hyper::Request::get(format!("{base}/sandboxes/{id}"))
             .header("x-api-key", &key)
