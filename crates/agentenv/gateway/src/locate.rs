@@ -107,7 +107,8 @@ pub async fn running_node(
     })
 }
 
-fn handoff_record(e: &SandboxEntry) -> Result<HandoffRecord, GatewayError> {
+/// The handoff record of entry `e` (a paused sandbox's, for another node to continue it).
+pub(crate) fn handoff_record(e: &SandboxEntry) -> Result<HandoffRecord, GatewayError> {
     let h = e.handoff.as_ref().ok_or_else(|| GatewayError::Takeover {
         id: e.sandbox_id.clone(),
         why: "no handoff snapshot".into(),

@@ -73,10 +73,7 @@ pub(super) async fn list(gw: &Gateway, req: Request) -> Result<Response> {
         .iter()
         .filter(|e| v2 && want_paused && e.owner == *tenant.name && !live.contains(&e.node))
     {
-        let Some(h) = &e.handoff else { continue };
-        let Ok(rec) =
-            serde_json::from_value::<agentenv_control::sandboxes::HandoffRecord>(h.record.clone())
-        else {
+        let Ok(rec) = super::handoff_record(e) else {
             continue;
         };
         let meta_ok = q

@@ -11,7 +11,7 @@ use axum::http::{HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{any, get};
 
-use super::locate::{running_node, token_hash};
+use super::locate::{handoff_record, running_node, token_hash};
 use super::{CONTROL_DEADLINE, Gateway, GatewayError, proxy};
 use agentenv_api::app::MAX_JSON_BYTES;
 use agentenv_api::error::ApiError;
@@ -244,7 +244,6 @@ async fn insert_entry(
     }
 }
 
-/// `/sandboxes/{id}/...` and `/v2/sandboxes/{id}/...`: to the sandbox's node.
 /// The info of sandbox `id` from its entry's handoff record, when it is paused with one.
 async fn paused_detail(gw: &Gateway, id: &str) -> Result<Option<Response>> {
     let Some(entry) = gw.store.sandbox(id).await? else {
@@ -253,9 +252,7 @@ async fn paused_detail(gw: &Gateway, id: &str) -> Result<Option<Response>> {
     if !matches!(entry.value.state, EntryState::Paused | EntryState::Moving) {
         return Ok(None);
     }
-    let Some(rec) = entry.value.handoff.as_ref().and_then(|h| {
-        serde_json::from_value::<agentenv_control::sandboxes::HandoffRecord>(h.record.clone()).ok()
-    }) else {
+    let Ok(rec) = handoff_record(&entry.value) else {
         return Ok(None);
     };
     let mut sandbox = rec.sandbox;
@@ -265,6 +262,7 @@ async fn paused_detail(gw: &Gateway, id: &str) -> Result<Option<Response>> {
     ))
 }
 
+/// `/sandboxes/{id}/...` and `/v2/sandboxes/{id}/...`: to the sandbox's node.
 async fn by_id(State(gw): State<Gateway>, req: Request) -> Response {
     by_id_inner(&gw, req)
         .await

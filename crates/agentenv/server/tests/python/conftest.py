@@ -174,12 +174,16 @@ def sdk_env(srv):
         yield srv
 
 
-@pytest.fixture(scope="session")
-def server():
+def _binary():
     binary = os.environ.get("AGENTENV_BIN")
     if not binary:
         pytest.fail("AGENTENV_BIN is not set: run through `cargo test -p agentenv-server --test python_sdk`")
-    srv = Server(binary, tempfile.mkdtemp(prefix="agentenv-pytest-"))
+    return binary
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = Server(_binary(), tempfile.mkdtemp(prefix="agentenv-pytest-"))
     srv.start()
     os.environ["E2B_API_URL"] = srv.url
     os.environ["E2B_SANDBOX_URL"] = srv.url
@@ -197,7 +201,7 @@ def code_interpreter_server():
         socket.create_connection(("pypi.org", 443), timeout=10).close()
     except OSError as e:
         pytest.skip(f"PyPI is unreachable from this host ({e}): code-interpreter-v1 cannot be built")
-    srv = Server(os.environ["AGENTENV_BIN"], tempfile.mkdtemp(prefix="agentenv-pytest-ci-"))
+    srv = Server(_binary(), tempfile.mkdtemp(prefix="agentenv-pytest-ci-"))
     srv.start()
 
     def start_build():
