@@ -79,30 +79,32 @@ pub(crate) struct Inner {
     pub(crate) lazy: Arc<lazy::LazyDisks>,
 }
 
-/// Every 2 s, rotates the serial console log of each sandbox above [`vmm::CONSOLE_LOG_MAX`]
-/// (a guest that prints without end fills no disk). Ends with the runtime.
+/// Every 2 s, rotates the serial console log and QEMU's own log of each VM above
+/// [`vmm::CONSOLE_LOG_MAX`] (a guest that prints, or makes QEMU complain, without end fills no disk).
+/// Ends with the runtime.
 fn spawn_console_rotation(inner: std::sync::Weak<Inner>) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(2));
         loop {
             tick.tick().await;
             let Some(inner) = inner.upgrade() else { return };
-            let ids = inner.sandboxes.ids();
-            for id in ids {
-                let log = inner.sandbox_dir(&id).join(vmm::CONSOLE_LOG);
-                if let Err(e) = vmm::rotate_console_log(&log, vmm::CONSOLE_LOG_MAX) {
-                    tracing::warn!(sandbox = %id, error = %e, "console log rotation failed");
-                }
-            }
-            // Sandboxes on warm VMs keep their console in the VM's folder.
-            for e in std::fs::read_dir(inner.warm.dir())
+            let sandboxes = inner
+                .sandboxes
+                .ids()
+                .into_iter()
+                .map(|id| inner.sandbox_dir(&id));
+            // Sandboxes on warm VMs keep their logs in the VM's folder.
+            let warm = std::fs::read_dir(inner.warm.dir())
                 .into_iter()
                 .flatten()
                 .flatten()
-            {
-                let log = e.path().join(vmm::CONSOLE_LOG);
-                if let Err(e) = vmm::rotate_console_log(&log, vmm::CONSOLE_LOG_MAX) {
-                    tracing::warn!(log = %log.display(), error = %e, "console log rotation failed");
+                .map(|e| e.path());
+            for dir in sandboxes.chain(warm) {
+                for name in [vmm::CONSOLE_LOG, vmm::QEMU_LOG] {
+                    let log = dir.join(name);
+                    if let Err(e) = vmm::rotate_console_log(&log, vmm::CONSOLE_LOG_MAX) {
+                        tracing::warn!(log = %log.display(), error = %e, "log rotation failed");
+                    }
                 }
             }
         }

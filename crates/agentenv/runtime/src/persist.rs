@@ -56,6 +56,10 @@ pub struct MachineRecord {
     /// QEMU `-cpu` model (machines recorded before have none: QEMU's default, `qemu64`).
     #[serde(default)]
     pub cpu: Option<String>,
+    /// A virtio-balloon device with free page reporting: pages the guest frees go back to the host
+    /// (machines recorded before have none).
+    #[serde(default)]
+    pub free_page_reporting: bool,
 }
 
 impl MachineRecord {
@@ -81,6 +85,7 @@ impl MachineRecord {
             nic: self.nic,
             tap: None,
             cpu: self.cpu.clone(),
+            free_page_reporting: self.free_page_reporting,
         }
     }
 }
@@ -304,6 +309,7 @@ mod tests {
                 memory_mib: 256,
                 nic: true,
                 cpu: None,
+                free_page_reporting: rand::random(),
             },
             ram_file: "/r.mem".into(),
             ram_shared: true,
@@ -325,5 +331,33 @@ mod tests {
             read::<VmRecord>(&path),
             Err(PersistError::Version { .. })
         ));
+    }
+
+    #[test]
+    fn machines_recorded_before_free_page_reporting_have_no_balloon() {
+        let m = MachineRecord {
+            kernel: "/k".into(),
+            initrd: "/i".into(),
+            cmdline: "console=ttyS0".into(),
+            vcpus: rand::random_range(1..4),
+            memory_mib: 256,
+            nic: true,
+            cpu: None,
+            free_page_reporting: true,
+        };
+        let mut old = serde_json::to_value(&m).unwrap();
+        old.as_object_mut().unwrap().remove("free_page_reporting");
+        let old: MachineRecord = serde_json::from_value(old).unwrap();
+        assert!(!old.free_page_reporting);
+        let spec = |m: &MachineRecord| {
+            m.spec(
+                Path::new("/d"),
+                Path::new("/r"),
+                Path::new("/x"),
+                DiskFormat::Qcow2,
+            )
+        };
+        assert!(!spec(&old).free_page_reporting);
+        assert!(spec(&m).free_page_reporting);
     }
 }

@@ -51,6 +51,7 @@ pub(crate) async fn build(
         memory_mib: spec.memory_mib,
         nic: true,
         cpu: Some(cpu_model(inner.vmm.accel()).into()),
+        free_page_reporting: true,
     };
     let image = match &spec.from_image {
         Some(src) => Some(resolve_image(src, &inner.cfg.registry_allow).await?),
@@ -356,6 +357,7 @@ impl Hash for MachineRecord {
             self.memory_mib,
             self.nic,
             &self.cpu,
+            self.free_page_reporting,
         )
             .hash(state);
     }

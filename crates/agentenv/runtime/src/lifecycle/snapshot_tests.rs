@@ -28,6 +28,7 @@ pub(crate) fn record(dir: &Path, boot: Option<&str>) -> SnapshotRecord {
             memory_mib: 256,
             nic: false,
             cpu: None,
+            free_page_reporting: false,
         },
         disk: dir.join("disk.qcow2"),
         ram: Some(dir.join("ram.mem")),

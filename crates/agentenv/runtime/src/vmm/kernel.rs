@@ -8,7 +8,7 @@ use std::process::Command;
 use k3_common::cpio::CpioWriter;
 
 /// Modules loaded by the initramfs, in load order (`virtio_ring` before `virtio`).
-pub const MODULES: [&str; 14] = [
+pub const MODULES: [&str; 15] = [
     "virtio_ring",
     "virtio",
     "virtio_mmio",
@@ -24,6 +24,8 @@ pub const MODULES: [&str; 14] = [
     "ext4",
     // Volume mounts (the guest agent's FUSE file system).
     "fuse",
+    // Free page reporting (virtio-balloon).
+    "virtio_balloon",
 ];
 
 /// What the guest init becomes after switch_root.

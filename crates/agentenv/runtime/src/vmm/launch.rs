@@ -614,6 +614,7 @@ mod tests {
             nic: false,
             tap: None,
             cpu: None,
+            free_page_reporting: false,
         };
         let socks = dir.path().join("nbd");
         std::fs::create_dir(&socks).unwrap();

@@ -64,6 +64,8 @@ pub struct VmSpec {
     pub tap: Option<std::sync::Arc<std::os::fd::OwnedFd>>,
     /// QEMU `-cpu` model; `None`: QEMU's default.
     pub cpu: Option<String>,
+    /// A virtio-balloon device with free page reporting (machine shape, as `nic`).
+    pub free_page_reporting: bool,
 }
 
 impl VmSpec {
@@ -207,6 +209,8 @@ pub const SOCKET_DIR: &str = "qemu";
 pub const JAIL_DIR: &str = "root";
 /// File name of a VM's serial console log, in its folder.
 pub const CONSOLE_LOG: &str = "console.log";
+/// File name of QEMU's own log (its stderr), in a VM's folder.
+pub const QEMU_LOG: &str = "qemu.log";
 /// A console log above this many bytes is rotated (the previous part is kept as `console.log.1`).
 pub const CONSOLE_LOG_MAX: u64 = 4 << 20;
 
@@ -290,6 +294,7 @@ mod socket_tests {
             nic: false,
             tap: None,
             cpu: None,
+            free_page_reporting: false,
         }
     }
 

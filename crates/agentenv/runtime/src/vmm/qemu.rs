@@ -226,6 +226,12 @@ impl QemuVmm {
             "-device".into(),
             format!("virtserialport,chardev=agent,name={AGENT_PORT_NAME}"),
         ]);
+        if spec.free_page_reporting {
+            a.extend([
+                "-device".into(),
+                "virtio-balloon-device,free-page-reporting=on".into(),
+            ]);
+        }
         if spec.nic {
             let device = match &spec.tap {
                 Some(tap) => {
@@ -287,8 +293,9 @@ impl QemuVmm {
             let _ = std::fs::remove_file(spec.dir.join(old));
         }
         let (lazy, exports): (Vec<_>, Vec<_>) = self.exports(spec).await?.into_iter().unzip();
-        // QEMU before 8.2 opens a private RAM file for writing: a VM uid gets a sealed memfd of it.
-        let ram_via_memfd = owner.is_some() && !self.private_ro_ram;
+        // QEMU before 8.2 opens a private RAM file for writing, and its discards (free page reporting)
+        // punch holes into the file itself: the VM gets a sealed memfd of it instead.
+        let ram_via_memfd = !self.private_ro_ram;
         let files = VmFiles::open(spec, owner, &lazy, ram_via_memfd)?;
         for sock in [spec.qmp_socket(), spec.agent_socket()] {
             let len = sock.as_os_str().len();
@@ -296,7 +303,7 @@ impl QemuVmm {
                 return Err(VmmError::SocketPath { path: sock, len });
             }
         }
-        let log_path = spec.dir.join("qemu.log");
+        let log_path = spec.dir.join(crate::vmm::QEMU_LOG);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
