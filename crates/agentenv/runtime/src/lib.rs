@@ -334,4 +334,13 @@ impl Runtime {
         }
         Some(state)
     }
+
+    /// Bytes sandbox `id`'s RAM file holds on disk (holes, such as pages the guest freed and reported,
+    /// excluded; for a sandbox mapping a snapshot's RAM copy-on-write, that snapshot's), or `None` if
+    /// unknown.
+    pub async fn ram_file_bytes(&self, id: &str) -> Option<u64> {
+        let slot = self.inner.sandboxes.get(id)?;
+        let ram = slot.live.lock().await.record.ram_file.clone();
+        Some(fsops::allocated_bytes(&ram))
+    }
 }

@@ -95,6 +95,7 @@ pub async fn snapshot_figures(
         }
     }
     let (inc_first, inc_second) = incremental(http, &create).await?;
+    let (held_before, held_peak, held_after) = freed(http, rt, &create).await?;
     for id in &snap_ids {
         http.send(Method::DELETE, &format!("/templates/{id}"), &[], vec![])
             .await?;
@@ -168,6 +169,14 @@ pub async fn snapshot_figures(
         .param("first snapshot data bytes", inc_first as f64)
         .param("second snapshot new bytes", inc_second as f64)
         .baseline("issue #8 target", 10.0, false),
+        Figure::new(
+            "RAM file a sandbox keeps of 64 MiB its guest wrote and freed (free page reporting, 20 s at most)",
+            held_after - held_before,
+            "MiB",
+            k3_common::report::Better::Lower,
+        )
+        .param("RAM file before, MiB", held_before.round())
+        .param("with the 64 MiB written, MiB", held_peak.round()),
         Figure::timing(
             "PSS per idle fork (QEMU process, smaps_rollup)",
             &pss_kib,
@@ -401,6 +410,40 @@ where
     let (second_new, _) = snap(id.clone()).await?;
     http.kill(&id).await?;
     Ok((first_data, second_new))
+}
+
+/// MiB a new sandbox's RAM file holds before its guest writes 64 MiB, with them written, and once the
+/// guest freed them and reported that (at most 20 s).
+async fn freed<F, Fut>(
+    http: &Http,
+    rt: &agentenv_runtime::Runtime,
+    create: &F,
+) -> anyhow::Result<(f64, f64, f64)>
+where
+    F: Fn(&'static str) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<(String, String)>>,
+{
+    let (id, token) = create("base").await?;
+    let held = || async {
+        let b = rt
+            .ram_file_bytes(&id)
+            .await
+            .context("the sandbox's RAM file")?;
+        Ok::<_, anyhow::Error>(b as f64 / (1 << 20) as f64)
+    };
+    let before = held().await?;
+    http.run(&id, &token, "head -c 67108864 /dev/urandom > /dev/shm/x")
+        .await?;
+    let peak = held().await?;
+    http.run(&id, &token, "rm /dev/shm/x").await?;
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut after = held().await?;
+    while after > before + 4.0 && Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        after = held().await?;
+    }
+    http.kill(&id).await?;
+    Ok((before, peak, after))
 }
 
 /// The QEMU process whose command line names sandbox `id`.
