@@ -1,5 +1,6 @@
 //! Crash consistency: the real server process is SIGKILLed at each step of create, pause, resume,
-//! snapshot, fork and kill (crash points, `K3_CRASH_AT`, debug builds), then restarted. Afterwards
+//! snapshot, fork and kill (crash points, `K3_CRASH_AT`, debug builds), then restarted; a QEMU is
+//! SIGKILLed mid-pause, mid-snapshot and after a fork's capture (`K3_KILL_VM_AT`). Afterwards
 //! every sandbox is running and answers commands, or paused, or gone; no QEMU is left that no running
 //! sandbox owns; nothing half-written is listed; and a snapshot taken before all this still restores.
 
@@ -472,6 +473,71 @@ async fn qemu_kill_9_mid_snapshot_and_fork_leaves_a_consistent_state() {
     assert_eq!(out.trim(), secret);
     s.api
         .call(Method::DELETE, &format!("/sandboxes/{c}"), None)
+        .await;
+    s.close().await;
+    assert!(
+        common::qemu_pids_under(dir).is_empty(),
+        "QEMU left after the test"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_kill_9_mid_pause_leaves_a_consistent_state() {
+    let Some(dir) = debug_build_state_dir("VM kill points") else {
+        return;
+    };
+    let dir = dir.path();
+    // QEMU dies once the device state is saved: the pause commits (the RAM file and the state are the
+    // paused sandbox), and the resume restores them, memory included.
+    let s = start_with(dir, None, Some("runtime:pause:after-save")).await;
+    let (a, token) = create(&s.api, "base").await;
+    let secret = format!("{:x}", rand::random::<u64>());
+    let (_, code) = s
+        .api
+        .run(&a, &token, &format!("echo {secret} > /dev/shm/mem"))
+        .await
+        .unwrap();
+    assert_eq!(code, 0);
+    let r = s.api.call(Method::POST, &sandbox_path(&a, "pause"), None).await;
+    assert!(r.status.is_success(), "{:?}", r.json());
+    let (_, paused) = check_consistent(&s.api, dir, "QEMU killed after its state was saved").await;
+    assert_eq!(paused.len(), 1, "{paused:?}");
+    let r = s
+        .api
+        .call(
+            Method::POST,
+            &sandbox_path(&a, "connect"),
+            Some(json!({"timeout": 300})),
+        )
+        .await;
+    assert!(r.status.is_success(), "{:?}", r.json());
+    let (out, _) = s.api.run(&a, &token, "cat /dev/shm/mem").await.unwrap();
+    assert_eq!(out.trim(), secret, "memory after the resume");
+
+    // QEMU dies right after it stopped: the pause fails with a message, and the sandbox is soon gone.
+    s.stop();
+    let s = start_with(dir, None, Some("runtime:pause:after-stop")).await;
+    let (b, _) = create(&s.api, "base").await;
+    let r = s.api.call(Method::POST, &sandbox_path(&b, "pause"), None).await;
+    assert!(r.status.is_server_error(), "{:?}", r.json());
+    assert!(r.json()["message"].as_str().is_some_and(|m| !m.is_empty()));
+    let mut status = StatusCode::OK;
+    for _ in 0..50 {
+        status = s
+            .api
+            .call(Method::GET, &format!("/sandboxes/{b}"), None)
+            .await
+            .status;
+        if status == StatusCode::NOT_FOUND {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(status, StatusCode::NOT_FOUND, "the killed sandbox is gone");
+    let (running, _) = check_consistent(&s.api, dir, "QEMU killed mid-pause").await;
+    assert_eq!(running.len(), 1, "{running:?}");
+    s.api
+        .call(Method::DELETE, &format!("/sandboxes/{a}"), None)
         .await;
     s.close().await;
     assert!(

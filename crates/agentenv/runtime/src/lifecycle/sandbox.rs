@@ -498,6 +498,7 @@ impl Runtime {
         let (ram_before, link) = (live.record.ram_file.clone(), live.agent.clone());
         let r = async {
             vm.stop().await?;
+            k3_common::crash::kill_vm_point("runtime:pause:after-stop", vm.pid());
             let state = self.inner.device_state_path(id);
             let tmp = state.with_extension("state.tmp");
             // Saved with the agent connected: see `create` (connect before `cont`).
@@ -514,6 +515,7 @@ impl Runtime {
                     })?;
             }
             k3_common::crash::point("runtime:pause:after-save");
+            k3_common::crash::kill_vm_point("runtime:pause:after-save", vm.pid());
             live.agent = None;
             // The RAM file is the paused state: safe from a crash of this process (and of QEMU) once
             // the record says paused; flushed to the disk after the answer
