@@ -241,33 +241,25 @@ impl Runtime {
                 Err(_) => p.to_path_buf(),
             }
         };
+        for (name, path) in rec.files() {
+            let hex = shared.stored.manifests.get(name).ok_or_else(|| {
+                SnapshotError::NotFound(format!("{} ({name} is not in the chunk store)", src.id))
+            })?;
+            let mid = agentenv_store::ManifestId::from_hex(hex)
+                .ok_or_else(|| SnapshotError::NotFound(format!("{} (bad manifest id)", src.id)))?;
+            let target = now(&path);
+            let err = store_err("restore from the chunk store", &target);
+            let m = self.inner.store.manifest(&mid).await.map_err(&err)?;
+            self.inner
+                .store
+                .materialize(&m, &target)
+                .await
+                .map_err(&err)?;
+        }
         let disk = now(&rec.disk);
-        // All files at once; the disk is pointed at this machine's backing file while the RAM arrives.
-        let files = rec.files().into_iter().map(|(name, path)| {
-            let (target, disk) = (now(&path), disk.clone());
-            async move {
-                let hex = shared.stored.manifests.get(name).ok_or_else(|| {
-                    SnapshotError::NotFound(format!("{} ({name} is not in the chunk store)", src.id))
-                })?;
-                let mid = agentenv_store::ManifestId::from_hex(hex).ok_or_else(|| {
-                    SnapshotError::NotFound(format!("{} (bad manifest id)", src.id))
-                })?;
-                let err = store_err("restore from the chunk store", &target);
-                let m = self.inner.store.manifest(&mid).await.map_err(&err)?;
-                self.inner
-                    .store
-                    .materialize(&m, &target)
-                    .await
-                    .map_err(&err)?;
-                if target == disk {
-                    fsops::rebase_unsafe(&self.inner.cfg.qemu_img_bin, backing, &disk)
-                        .await
-                        .map_err(io("rebase", &disk))?;
-                }
-                Ok::<_, SnapshotError>(())
-            }
-        });
-        futures_util::future::try_join_all(files).await?;
+        fsops::rebase_unsafe(&self.inner.cfg.qemu_img_bin, backing, &disk)
+            .await
+            .map_err(io("rebase", &disk))?;
         let chunks = serde_json::to_vec_pretty(&shared.stored).expect("chunks serialize");
         k3_common::fsutil::write_atomic(&partial.join(CHUNKS_FILE), &chunks)
             .map_err(io("write", partial))?;
