@@ -498,7 +498,10 @@ async fn qemu_kill_9_mid_pause_leaves_a_consistent_state() {
         .await
         .unwrap();
     assert_eq!(code, 0);
-    let r = s.api.call(Method::POST, &sandbox_path(&a, "pause"), None).await;
+    let r = s
+        .api
+        .call(Method::POST, &sandbox_path(&a, "pause"), None)
+        .await;
     assert!(r.status.is_success(), "{:?}", r.json());
     let (_, paused) = check_consistent(&s.api, dir, "QEMU killed after its state was saved").await;
     assert_eq!(paused.len(), 1, "{paused:?}");
@@ -518,7 +521,10 @@ async fn qemu_kill_9_mid_pause_leaves_a_consistent_state() {
     s.stop();
     let s = start_with(dir, None, Some("runtime:pause:after-stop")).await;
     let (b, _) = create(&s.api, "base").await;
-    let r = s.api.call(Method::POST, &sandbox_path(&b, "pause"), None).await;
+    let r = s
+        .api
+        .call(Method::POST, &sandbox_path(&b, "pause"), None)
+        .await;
     assert!(r.status.is_server_error(), "{:?}", r.json());
     assert!(r.json()["message"].as_str().is_some_and(|m| !m.is_empty()));
     let mut status = StatusCode::OK;

@@ -424,6 +424,7 @@ impl Runtime {
     ) -> Result<SandboxVm, CreateError> {
         let inner = &self.inner;
         let id = &spec.sandbox_id;
+        let t0 = std::time::Instant::now();
         live.record.vm_dir = Some(w.dir.clone());
         live.record.ram_file = w.ram_file.clone();
         live.record.ram_shared = w.ram_shared;
@@ -445,16 +446,21 @@ impl Runtime {
                     source,
                 })?;
         }
+        let t_net = t0.elapsed();
         persist::write(&inner.record_path(id), &live.record)?;
+        let t_record = t0.elapsed();
         if let Some(vm) = &live.vm {
+            vm.set_background(false);
             vm.cont().await?;
         }
+        let t_cont = t0.elapsed();
         agent::init(
             &w.link,
             &spec.env_vars,
             live.net.as_ref().map(|n| n.guest()),
         )
         .await?;
+        tracing::debug!(sandbox = %id, ?t_net, ?t_record, ?t_cont, t_init = ?t0.elapsed(), "warm VM taken");
         live.agent = Some(w.link);
         Ok(image.vm(id))
     }

@@ -170,6 +170,28 @@ pub(crate) struct WarmPool {
 /// How long a warm VM's first answer may take.
 const WARM_DEADLINE: Duration = Duration::from_secs(60);
 
+/// Runs `true` through envd's shell as a claim's first command will run its own, so that under TCG
+/// that command finds the guest's exec and shell paths translated. Best effort: a warm VM whose
+/// guest cannot is kept.
+async fn warm_shell(link: &AgentLink) {
+    let req = agentenv_envd::ExecRequest {
+        cmd: "true".into(),
+        user: "user".into(),
+        cwd: None,
+        envs: Default::default(),
+        timeout_ms: 10_000,
+        stdin_b64: None,
+        background: false,
+    };
+    let r = match link.open().await {
+        Ok(s) => agent::exec_on(s, &req, Duration::from_secs(10), |_| {}).await,
+        Err(e) => Err(e.into()),
+    };
+    if let Err(e) = r {
+        tracing::debug!(error = %e, "warming the guest's shell failed");
+    }
+}
+
 impl WarmPool {
     /// A pool keeping `per_image` VMs per recently used image, up to `max_per_image` while creates come
     /// in bursts, and `max_total` in all.
@@ -492,6 +514,7 @@ impl Runtime {
             }
             let restored = inner.vmm.restore(&spec, &state).await?;
             let vm = restored.vm;
+            vm.set_background(true);
             let warmed = async {
                 vm.cont().await?;
                 let sock = spec.agent_socket();
@@ -513,6 +536,11 @@ impl Runtime {
                     probe,
                 )
                 .await?;
+                // A template's pool only: a snapshot's VMs are made for restores in a row, where the
+                // shell's translation would cost more CPU than it saves (measured).
+                if image.parent.is_none() {
+                    warm_shell(&link).await;
+                }
                 vm.stop().await?;
                 Ok::<_, CreateError>(link)
             }

@@ -260,6 +260,22 @@ impl Hierarchy {
         }
     }
 
+    /// Gives VM `vm`'s CPU group a background weight (a tenth of the default) or the default back:
+    /// warm VMs preparing for the pool then yield the cores to the VMs and requests that run.
+    pub fn set_background(&self, vm: &str, background: bool) -> std::io::Result<()> {
+        let (file, value) = match (self, background) {
+            (Hierarchy::V2 { .. }, true) => ("cpu.weight", 10),
+            (Hierarchy::V2 { .. }, false) => ("cpu.weight", 100),
+            (Hierarchy::V1 { .. }, true) => ("cpu.shares", 102),
+            (Hierarchy::V1 { .. }, false) => ("cpu.shares", 1024),
+        };
+        let dir = match self {
+            Hierarchy::V2 { .. } => self.groups(vm).swap_remove(0),
+            Hierarchy::V1 { cpu, .. } => cpu.join("agentenv").join(vm),
+        };
+        std::fs::write(dir.join(file), value.to_string())
+    }
+
     /// Removes every empty group a previous process left (VMs it lost, or killed as orphans). A group
     /// made in the last [`SWEEP_MIN_AGE`] stays: another server sharing this hierarchy may be about to
     /// start its QEMU in it (made before the fork, joined before the exec).
@@ -323,6 +339,41 @@ mod tests {
         h.sweep();
         assert!(!old.exists(), "a group left long ago goes");
         assert!(new.exists(), "a group made now may be joined any moment");
+    }
+
+    #[test]
+    fn background_groups_get_a_tenth_of_the_default_cpu_weight() {
+        let root = tempfile::tempdir().unwrap();
+        let vm = format!("w{}", rand::random::<u16>());
+        let v2 = Hierarchy::V2 {
+            base: root.path().join("svc"),
+        };
+        let v1 = Hierarchy::V1 {
+            memory: root.path().join("memory"),
+            cpu: root.path().join("cpu"),
+            pids: None,
+            blkio: None,
+        };
+        let v2_file = root
+            .path()
+            .join("svc/agentenv")
+            .join(&vm)
+            .join("cpu.weight");
+        let v1_file = root
+            .path()
+            .join("cpu/agentenv")
+            .join(&vm)
+            .join("cpu.shares");
+        for (h, file, low, default) in
+            [(&v2, &v2_file, "10", "100"), (&v1, &v1_file, "102", "1024")]
+        {
+            std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+            h.set_background(&vm, true).unwrap();
+            assert_eq!(std::fs::read_to_string(file).unwrap(), low);
+            h.set_background(&vm, false).unwrap();
+            assert_eq!(std::fs::read_to_string(file).unwrap(), default);
+        }
+        assert!(v2.set_background("no-such-vm", true).is_err());
     }
 
     #[test]

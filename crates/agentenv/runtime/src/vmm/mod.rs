@@ -155,6 +155,9 @@ pub trait VmInstance: Snapshottable + Send + Sync {
     fn kill(&self) -> BoxFuture<'_, Result<(), VmmError>>;
     /// Whether the VMM process still runs (false once it died or was killed from outside).
     fn alive(&self) -> bool;
+    /// Runs the VMM at a background CPU weight, or at the default again (best effort: a VMM without
+    /// a CPU group of its own keeps its weight).
+    fn set_background(&self, _background: bool) {}
 }
 
 /// A restored, still stopped VM and its connected agent channel.

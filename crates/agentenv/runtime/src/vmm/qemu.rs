@@ -732,6 +732,14 @@ impl VmInstance for QemuVm {
         launch::process_runs_vm(self.pid, &self.spec)
     }
 
+    fn set_background(&self, background: bool) {
+        if let (Some(h), Some(_)) = (&self.cgroups, self.uid)
+            && let Err(e) = h.set_background(&vm_name(&self.spec), background)
+        {
+            tracing::warn!(pid = self.pid, error = %e, "setting the VM's CPU weight failed");
+        }
+    }
+
     fn pid(&self) -> u32 {
         self.pid
     }
