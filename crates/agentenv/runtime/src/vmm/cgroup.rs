@@ -309,6 +309,13 @@ fn writable(dir: &Path) -> bool {
     unsafe { libc::access(c.as_ptr(), libc::W_OK) == 0 }
 }
 
+/// The cgroup name of a VM: its folder's name (the sandbox id, or a template build's folder).
+pub fn vm_name(spec: &crate::vmm::VmSpec) -> String {
+    spec.dir
+        .file_name()
+        .map_or_else(|| "vm".into(), |n| n.to_string_lossy().into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::Mutex;
 
 use crate::config::AccelKind;
-use crate::vmm::cgroup::{Hierarchy, Limits, disk_of};
+use crate::vmm::cgroup::{self, Hierarchy, Limits, disk_of};
 use crate::vmm::jail::Jail;
 use crate::vmm::launch::{self, LazyBacking, Owner, VmFiles};
 use crate::vmm::lazy::{Export, LazyDisks};
@@ -329,13 +329,14 @@ impl QemuVmm {
         // A root runtime's QEMU is in its cgroups and an empty network namespace before it execs, and
         // is not started where that fails.
         let procs = match (owner, &self.cgroups) {
-            (Some(_), Some(h)) => h
-                .prepare(&vm_name(spec), limits)
-                .map_err(|e| VmmError::Io {
-                    what: "cgroup",
-                    path: spec.dir.clone(),
-                    source: e,
-                })?,
+            (Some(_), Some(h)) => {
+                h.prepare(&cgroup::vm_name(spec), limits)
+                    .map_err(|e| VmmError::Io {
+                        what: "cgroup",
+                        path: spec.dir.clone(),
+                        source: e,
+                    })?
+            }
             _ => Vec::new(),
         };
         let procs_fds: Vec<_> = {
@@ -383,7 +384,7 @@ impl QemuVmm {
         let pid = child.id().unwrap_or(0);
         if owner.is_none()
             && let Some(h) = &self.cgroups
-            && let Err(e) = h.confine(&vm_name(spec), pid, limits)
+            && let Err(e) = h.confine(&cgroup::vm_name(spec), pid, limits)
         {
             tracing::warn!(pid, error = %e, "QEMU runs without its cgroup limits");
         }
@@ -615,20 +616,13 @@ struct QemuVm {
     _exports: Vec<Arc<Export>>,
 }
 
-/// The cgroup name of a VM: its folder's name (the sandbox id, or a template build's folder).
-pub fn vm_name(spec: &VmSpec) -> String {
-    spec.dir
-        .file_name()
-        .map_or_else(|| "vm".into(), |n| n.to_string_lossy().into_owned())
-}
-
 impl QemuVm {
     /// Waits up to `limit` for the process to exit (then drops its cgroup, takes its RAM file back and
     /// frees its uid); true when it did.
     async fn wait_exit(&self, limit: Duration) -> bool {
         let exited = self.wait_exit_only(limit).await;
         if exited && let Some(h) = &self.cgroups {
-            h.release(&vm_name(&self.spec));
+            h.release(&cgroup::vm_name(&self.spec));
         }
         if exited
             && let (Some(uid), Some(pool)) = (self.uid, &self.pool)
@@ -734,7 +728,7 @@ impl VmInstance for QemuVm {
 
     fn set_background(&self, background: bool) {
         if let (Some(h), Some(_)) = (&self.cgroups, self.uid)
-            && let Err(e) = h.set_background(&vm_name(&self.spec), background)
+            && let Err(e) = h.set_background(&cgroup::vm_name(&self.spec), background)
         {
             tracing::warn!(pid = self.pid, error = %e, "setting the VM's CPU weight failed");
         }
