@@ -336,6 +336,25 @@ async fn kill_9_at_every_step_leaves_a_consistent_state() {
     );
 }
 
+/// `GET /sandboxes/{id}`'s status once it is `want`, or the last one after 5 s.
+async fn status_within_5s(api: &Api, id: &str, want: StatusCode) -> StatusCode {
+    let mut status = api
+        .call(Method::GET, &format!("/sandboxes/{id}"), None)
+        .await
+        .status;
+    for _ in 0..50 {
+        if status == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        status = api
+            .call(Method::GET, &format!("/sandboxes/{id}"), None)
+            .await
+            .status;
+    }
+    status
+}
+
 /// Creates a sandbox from `template`; returns its id and access token.
 async fn create(api: &Api, template: &str) -> (String, String) {
     let r = api
@@ -438,19 +457,11 @@ async fn qemu_kill_9_mid_snapshot_and_fork_leaves_a_consistent_state() {
         assert_eq!(out.trim(), secret, "fork {id}");
     }
     // The reaper notices the dead source within a few ticks.
-    let mut status = StatusCode::OK;
-    for _ in 0..50 {
-        status = s
-            .api
-            .call(Method::GET, &format!("/sandboxes/{b}"), None)
-            .await
-            .status;
-        if status == StatusCode::NOT_FOUND {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(status, StatusCode::NOT_FOUND, "the killed source is gone");
+    assert_eq!(
+        status_within_5s(&s.api, &b, StatusCode::NOT_FOUND).await,
+        StatusCode::NOT_FOUND,
+        "the killed source is gone"
+    );
     let (running, _) = check_consistent(&s.api, dir, "QEMU killed after a fork's capture").await;
     assert_eq!(running.len(), 2, "{running:?}");
 
@@ -527,19 +538,11 @@ async fn qemu_kill_9_mid_pause_leaves_a_consistent_state() {
         .await;
     assert!(r.status.is_server_error(), "{:?}", r.json());
     assert!(r.json()["message"].as_str().is_some_and(|m| !m.is_empty()));
-    let mut status = StatusCode::OK;
-    for _ in 0..50 {
-        status = s
-            .api
-            .call(Method::GET, &format!("/sandboxes/{b}"), None)
-            .await
-            .status;
-        if status == StatusCode::NOT_FOUND {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert_eq!(status, StatusCode::NOT_FOUND, "the killed sandbox is gone");
+    assert_eq!(
+        status_within_5s(&s.api, &b, StatusCode::NOT_FOUND).await,
+        StatusCode::NOT_FOUND,
+        "the killed sandbox is gone"
+    );
     let (running, _) = check_consistent(&s.api, dir, "QEMU killed mid-pause").await;
     assert_eq!(running.len(), 1, "{running:?}");
     s.api
