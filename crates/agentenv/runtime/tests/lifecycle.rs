@@ -132,11 +132,10 @@ async fn warm_vms_serve_creates_as_distinct_machines() {
     // The create left warm VMs behind (made in the background, one at a time).
     let vms = state.path().join("vms");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    while common::qemu_pids_under(&vms).len() < 2 {
+    while rt.warm_ready("base") < 2 {
         assert!(std::time::Instant::now() < deadline, "no warm VMs made");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let mut seen = Vec::new();
     let mut ids = vec![first];
     for i in 0..2 {
