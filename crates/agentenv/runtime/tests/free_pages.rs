@@ -4,18 +4,13 @@
 
 mod common;
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use agentenv_runtime::SnapshotMode;
+use agentenv_runtime::fsops::allocated_bytes as allocated;
 use common::{StateDir, run, runtime, runtime_with, spec, token};
 use sha2::Digest;
-
-/// Bytes allocated to `path` on disk (holes excluded).
-fn allocated(path: &Path) -> u64 {
-    std::fs::metadata(path).unwrap().blocks() * 512
-}
 
 /// The RAM file of sandbox `id` from its record.
 fn ram_file(state: &Path, id: &str) -> PathBuf {

@@ -303,14 +303,7 @@ async fn kill_9_at_every_step_leaves_a_consistent_state() {
             "{point}: {running:?} {paused:?}"
         );
         if after == Some("paused") {
-            let r = s
-                .api
-                .call(
-                    Method::POST,
-                    &sandbox_path(&a, "connect"),
-                    Some(json!({"timeout": 300})),
-                )
-                .await;
+            let r = resume(&s.api, &a).await;
             assert_eq!(
                 r.status,
                 StatusCode::CREATED,
@@ -334,6 +327,16 @@ async fn kill_9_at_every_step_leaves_a_consistent_state() {
         common::qemu_pids_under(dir).is_empty(),
         "QEMU left after the test"
     );
+}
+
+/// `POST /sandboxes/{id}/connect`: resumes a paused sandbox.
+async fn resume(api: &Api, id: &str) -> common::Resp {
+    api.call(
+        Method::POST,
+        &sandbox_path(id, "connect"),
+        Some(json!({"timeout": 300})),
+    )
+    .await
 }
 
 /// `GET /sandboxes/{id}`'s status once it is `want`, or the last one after 5 s.
@@ -516,14 +519,7 @@ async fn qemu_kill_9_mid_pause_leaves_a_consistent_state() {
     assert!(r.status.is_success(), "{:?}", r.json());
     let (_, paused) = check_consistent(&s.api, dir, "QEMU killed after its state was saved").await;
     assert_eq!(paused.len(), 1, "{paused:?}");
-    let r = s
-        .api
-        .call(
-            Method::POST,
-            &sandbox_path(&a, "connect"),
-            Some(json!({"timeout": 300})),
-        )
-        .await;
+    let r = resume(&s.api, &a).await;
     assert!(r.status.is_success(), "{:?}", r.json());
     let (out, _) = s.api.run(&a, &token, "cat /dev/shm/mem").await.unwrap();
     assert_eq!(out.trim(), secret, "memory after the resume");

@@ -263,16 +263,11 @@ impl Hierarchy {
     /// Gives VM `vm`'s CPU group a background weight (a tenth of the default) or the default back:
     /// warm VMs preparing for the pool then yield the cores to the VMs and requests that run.
     pub fn set_background(&self, vm: &str, background: bool) -> std::io::Result<()> {
-        let (file, value) = match (self, background) {
-            (Hierarchy::V2 { .. }, true) => ("cpu.weight", 10),
-            (Hierarchy::V2 { .. }, false) => ("cpu.weight", 100),
-            (Hierarchy::V1 { .. }, true) => ("cpu.shares", 102),
-            (Hierarchy::V1 { .. }, false) => ("cpu.shares", 1024),
+        let (dir, file, default) = match self {
+            Hierarchy::V2 { .. } => (self.groups(vm).swap_remove(0), "cpu.weight", 100),
+            Hierarchy::V1 { cpu, .. } => (cpu.join("agentenv").join(vm), "cpu.shares", 1024),
         };
-        let dir = match self {
-            Hierarchy::V2 { .. } => self.groups(vm).swap_remove(0),
-            Hierarchy::V1 { cpu, .. } => cpu.join("agentenv").join(vm),
-        };
+        let value = if background { default / 10 } else { default };
         std::fs::write(dir.join(file), value.to_string())
     }
 
