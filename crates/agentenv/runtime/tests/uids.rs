@@ -122,6 +122,11 @@ fn in_its_own_view(state: &Path, id: &str, pid: u64) {
         seen(Path::new("/usr/bin")) && seen(Path::new("/dev/null")),
         "{id}: an empty view"
     );
+    // QEMU's uid can walk its folders (the loader reads `/etc/ld.so.cache`).
+    for d in ["/etc", "/dev"] {
+        let mode = std::fs::metadata(inside(Path::new(d))).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o755, "{id}: {d} has mode {mode:o}");
+    }
     let mounts = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap();
     let proc_line = mounts
         .lines()

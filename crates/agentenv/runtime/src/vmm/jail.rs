@@ -157,8 +157,10 @@ impl Jail {
             let inert = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC; // no suid, devices or exec
             let tmpfs = Some(c"tmpfs");
             mount(tmpfs, &self.root, tmpfs, inert, Some(c"mode=0755,size=64k"))?;
+            // chmod: the runtime's umask (0077) would leave `/etc` and `/dev` closed to QEMU's uid.
             for d in &self.dirs {
                 check(libc::mkdir(d.as_ptr(), 0o755))?;
+                check(libc::chmod(d.as_ptr(), 0o755))?;
             }
             for f in &self.files {
                 let fd = libc::open(
