@@ -1,5 +1,6 @@
 //! Shared parts of k3-stack: small facts owned once.
 //!
+//! - [`background`]: threads that yield the cores (nice +10).
 //! - [`device`]: CUDA device detection (feature `cuda`, dynamically loaded) and peer/link discovery.
 //! - [`cuda`]: the CUDA driver error helper (feature `cuda`).
 //! - [`kvm`]: whether `/dev/kvm` really boots a guest, or only TCG works; the accelerator enum and the
@@ -14,6 +15,7 @@
 //!
 //! Invariant: without the `cuda` feature this crate pulls no CUDA crate (agentenv depends on it so).
 
+pub mod background;
 pub mod cpio;
 pub mod crash;
 #[cfg(feature = "cuda")]

@@ -140,7 +140,8 @@ fn overlay_bytes(size: u64, backing: &[u8], format: &str) -> std::io::Result<Vec
     Ok(out)
 }
 
-fn write_overlay(base: &Path, overlay: &Path) -> std::io::Result<()> {
+/// [`create_overlay`] on the calling thread.
+pub(crate) fn write_overlay(base: &Path, overlay: &Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let format = image_format(base)?;
     let size = virtual_size(base, format)?;

@@ -86,6 +86,7 @@ impl MachineRecord {
             tap: None,
             cpu: self.cpu.clone(),
             free_page_reporting: self.free_page_reporting,
+            background: false,
         }
     }
 }

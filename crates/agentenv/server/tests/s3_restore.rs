@@ -4,11 +4,12 @@
 
 mod common;
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::TestServer;
 use hyper::{Method, StatusCode};
-use serde_json::json;
+use serde_json::{Value, json};
 
 fn store(
     dir: &std::path::Path,
@@ -135,6 +136,45 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
     );
     let r = create_from(&api_b, "never-stored").await;
     assert_eq!(r.status, StatusCode::NOT_FOUND, "{:?}", r.json());
+
+    // The imported RAM copy is not flushed: its record names this boot. After a host restart (here a
+    // record naming another boot) the copy goes and is made again from the chunks on first use.
+    let rec_path = dir_b
+        .path()
+        .join(format!("runtime/snapshots/{snap}/snapshot.json"));
+    let mut rec: Value = serde_json::from_slice(&std::fs::read(&rec_path).unwrap()).unwrap();
+    assert_eq!(
+        rec["boot_id"].as_str(),
+        k3_common::machine::boot_id().as_deref(),
+        "{rec}"
+    );
+    let ram = PathBuf::from(rec["ram"].as_str().unwrap());
+    assert!(ram.exists());
+    b.close().await;
+    rec["boot_id"] = json!("a-boot-before");
+    std::fs::write(&rec_path, rec.to_string()).unwrap();
+    let b = TestServer::start_with_store(
+        dir_b.path(),
+        true,
+        Some(store(dir_b.path(), &weed, &bucket)),
+    )
+    .await;
+    let api_b = b.client();
+    assert!(!ram.exists(), "a RAM copy that may be torn is kept");
+    let r = create_from(&api_b, &name).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json());
+    let (nid, ntoken) = (
+        r.json()["sandboxID"].as_str().unwrap().to_string(),
+        r.json()["envdAccessToken"].as_str().unwrap().to_string(),
+    );
+    let (out, code) = api_b
+        .run(&nid, &ntoken, "cat /dev/shm/ram.txt")
+        .await
+        .unwrap();
+    assert_eq!((out.trim(), code), (secret.as_str(), 0), "after a restart");
+    api_b
+        .call(Method::DELETE, &format!("/sandboxes/{nid}"), None)
+        .await;
     // Deleted on B: neither B (which may still keep the files) nor a third server imports it again.
     let r = api_b
         .call(Method::DELETE, &format!("/templates/{snap}"), None)

@@ -42,6 +42,6 @@ pub use chunk::{ChunkId, Compression, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 pub use error::{Result, StoreError};
 pub use ingest::IngestStats;
 pub use manifest::{Loc, MANIFEST_VERSION, Manifest, ManifestId, Place};
-pub use materialize::MaterializeStats;
+pub use materialize::{Durability, MaterializeStats};
 pub use remote::{RemoteConfig, meta_key_from_secret};
 pub use store::{ChunkStore, GcStats, LocalStats, MANIFEST_PREFIX, StoreConfig, VerifyReport};

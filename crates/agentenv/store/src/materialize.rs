@@ -57,6 +57,16 @@ fn write_at_all(
     Ok(n)
 }
 
+/// What a materialized file survives once [`ChunkStore::materialize_with`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Flushed (fsync of the file and its folder): a host crash too.
+    Flushed,
+    /// Renamed into place without a flush: a crash of the process only. For a copy the caller can make
+    /// again from the chunks, marked so that it is after a host restart.
+    ThisBoot,
+}
+
 /// One request of a restore.
 enum Read {
     Span(pack::Span),
@@ -70,6 +80,16 @@ impl ChunkStore {
     /// enter the local cache in the background, read back from the file after the return
     /// ([`ChunkStore::settle`] waits for them).
     pub async fn materialize(&self, m: &Manifest, dest: &Path) -> Result<MaterializeStats> {
+        self.materialize_with(m, dest, Durability::Flushed).await
+    }
+
+    /// [`ChunkStore::materialize`], with the file's [`Durability`] chosen by the caller.
+    pub async fn materialize_with(
+        &self,
+        m: &Manifest,
+        dest: &Path,
+        durability: Durability,
+    ) -> Result<MaterializeStats> {
         let t0 = Instant::now();
         let mut by_id: BTreeMap<ChunkId, Vec<u64>> = BTreeMap::new();
         for &(i, id) in &m.chunks {
@@ -154,7 +174,11 @@ impl ChunkStore {
         let kept = file.clone();
         let t_commit = Instant::now();
         blocking("commit", move || {
-            tmp.commit(&file, &d).map_err(StoreError::io("commit", &d))
+            match durability {
+                Durability::Flushed => tmp.commit(&file, &d),
+                Durability::ThisBoot => tmp.commit_unflushed(&d),
+            }
+            .map_err(StoreError::io("commit", &d))
         })
         .await?;
         let commit = t_commit.elapsed();

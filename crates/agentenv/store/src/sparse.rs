@@ -73,13 +73,19 @@ impl TempBeside {
     }
 
     /// fsync, rename over `dest`, fsync the folder.
-    pub(crate) fn commit(mut self, f: &std::fs::File, dest: &Path) -> std::io::Result<()> {
+    pub(crate) fn commit(self, f: &std::fs::File, dest: &Path) -> std::io::Result<()> {
         f.sync_all()?;
-        std::fs::rename(&self.path, dest)?;
-        self.armed = false;
+        self.commit_unflushed(dest)?;
         if let Ok(d) = std::fs::File::open(dest.parent().unwrap_or(Path::new("."))) {
             let _ = d.sync_all();
         }
+        Ok(())
+    }
+
+    /// Rename over `dest` only: whole after a crash of the process, maybe torn after one of the host.
+    pub(crate) fn commit_unflushed(mut self, dest: &Path) -> std::io::Result<()> {
+        std::fs::rename(&self.path, dest)?;
+        self.armed = false;
         Ok(())
     }
 }

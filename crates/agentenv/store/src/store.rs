@@ -139,21 +139,13 @@ pub(crate) async fn in_background<T: Send + 'static>(
     f: impl FnOnce() -> Result<T> + Send + 'static,
 ) -> Result<T> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name(format!("store-{what}"))
-        .spawn(move || {
-            // SAFETY: plain syscalls on this thread's own id.
-            unsafe {
-                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-                let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-                libc::setpriority(libc::PRIO_PROCESS, tid, (now + 10).min(19));
-            }
-            let _ = tx.send(f());
-        })
-        .map_err(|e| StoreError::Worker {
-            what,
-            detail: e.to_string(),
-        })?;
+    k3_common::background::spawn(format!("store-{what}"), move || {
+        let _ = tx.send(f());
+    })
+    .map_err(|e| StoreError::Worker {
+        what,
+        detail: e.to_string(),
+    })?;
     rx.await.map_err(|_| StoreError::Worker {
         what,
         detail: "the worker thread ended without an answer".into(),

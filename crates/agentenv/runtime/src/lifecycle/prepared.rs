@@ -136,7 +136,7 @@ impl Prepared {
         };
         let (ram, dst) = (key.ram.as_deref(), entry.ram.as_deref());
         if let Err((_, e)) = self
-            .make_files(&key.disk, ram.zip(dst), &entry.overlay)
+            .make_files(&key.disk, ram.zip(dst), &entry.overlay, true)
             .await
         {
             remove(&entry);
@@ -146,16 +146,17 @@ impl Prepared {
     }
 
     /// Puts an overlay on `disk` at `overlay` and, for images started from a copy of their RAM
-    /// (`ram`: source and destination), that copy: a ready entry renamed into place, else made now.
-    /// On failure: what failed, with its error.
+    /// (`ram`: source and destination), that copy: a ready entry renamed into place, else made now
+    /// (`background`: as the refill makes them). On failure: what failed, with its error.
     pub(crate) async fn place(
         &self,
         disk: &Path,
         ram: Option<(&Path, &Path)>,
         overlay: &Path,
+        background: bool,
     ) -> Result<(), (&'static str, std::io::Error)> {
         let Some(ready) = self.take(disk, ram.map(|(src, _)| src)) else {
-            return self.make_files(disk, ram, overlay).await;
+            return self.make_files(disk, ram, overlay, background).await;
         };
         std::fs::rename(&ready.overlay, overlay).map_err(|e| ("overlay", e))?;
         if let (Some(r), Some((_, dst))) = (&ready.ram, ram) {
@@ -164,13 +165,35 @@ impl Prepared {
         Ok(())
     }
 
-    /// The overlay (`qemu-img`) and the sparse RAM copy, made at once.
+    /// The overlay and the sparse RAM copy, made at once; `background` (files for later creates): on a
+    /// thread that yields the cores to the sandboxes running meanwhile.
     async fn make_files(
         &self,
         disk: &Path,
         ram: Option<(&Path, &Path)>,
         overlay: &Path,
+        background: bool,
     ) -> Result<(), (&'static str, std::io::Error)> {
+        if background {
+            let (disk, overlay) = (disk.to_owned(), overlay.to_owned());
+            let ram = ram.map(|(s, d)| (s.to_owned(), d.to_owned()));
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            k3_common::background::spawn("agentenv-prepare".into(), move || {
+                let r = fsops::write_overlay(&disk, &overlay)
+                    .map_err(|e| ("overlay", e))
+                    .and_then(|()| match ram {
+                        Some((src, dst)) => fsops::sparse_copy(&src, &dst)
+                            .map(|_| ())
+                            .map_err(|e| ("RAM copy", e)),
+                        None => Ok(()),
+                    });
+                let _ = tx.send(r);
+            })
+            .map_err(|e| ("worker thread", e))?;
+            return rx
+                .await
+                .unwrap_or_else(|e| Err(("worker thread", std::io::Error::other(e))));
+        }
         let ram = ram.map(|(s, d)| (s.to_owned(), d.to_owned()));
         let copy = tokio::task::spawn_blocking(move || match ram {
             Some((src, dst)) => fsops::sparse_copy(&src, &dst).map(|_| ()),

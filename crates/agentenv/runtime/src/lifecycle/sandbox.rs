@@ -344,7 +344,7 @@ impl Runtime {
         let copy = image.ram_copied().map(|src| (src, ram.as_path()));
         inner
             .prepared
-            .place(&image.disk, copy, &vm_spec.disk)
+            .place(&image.disk, copy, &vm_spec.disk, false)
             .await
             .map_err(|(what, source)| CreateError::Io {
                 what,

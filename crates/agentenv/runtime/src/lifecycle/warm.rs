@@ -497,10 +497,12 @@ impl Runtime {
                     .machine
                     .spec(&dir, &ram_file, &dir.join("disk.qcow2"), DiskFormat::Qcow2);
             spec.ram_shared = ram_shared;
+            // It prepares beside the sandboxes running (its QEMU's start included) and yields to them.
+            spec.background = true;
             let copy = image.ram_copied().map(|src| (src, ram_file.as_path()));
             inner
                 .prepared
-                .place(&image.disk, copy, &spec.disk)
+                .place(&image.disk, copy, &spec.disk, true)
                 .await
                 .map_err(|(what, source)| CreateError::Io {
                     what,
@@ -514,7 +516,6 @@ impl Runtime {
             }
             let restored = inner.vmm.restore(&spec, &state).await?;
             let vm = restored.vm;
-            vm.set_background(true);
             let warmed = async {
                 vm.cont().await?;
                 let sock = spec.agent_socket();

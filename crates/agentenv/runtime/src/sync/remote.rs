@@ -226,12 +226,18 @@ impl Runtime {
             .ram
             .as_ref()
             .map(|_| self.inner.snapshot_ram(&src.id, final_dir));
+        // The RAM copy is not flushed (its chunks are stored): after a host restart it is made again
+        // on first use (`lifecycle::snapshot::after_host_restart`).
+        let boot_id = ram_final
+            .is_some()
+            .then(k3_common::machine::boot_id)
+            .flatten();
         let rec = SnapshotRecord {
             disk: in_dir("disk.qcow2"),
             state: src.state.as_ref().map(|_| in_dir("device.state")),
             ram: ram_final.clone(),
             deleted: false,
-            boot_id: None,
+            boot_id: boot_id.clone(),
             ..src.clone()
         };
         // Where each file goes now: inside `partial`, except a RAM file kept in the RAM folder.
@@ -250,9 +256,13 @@ impl Runtime {
             let target = now(&path);
             let err = store_err("restore from the chunk store", &target);
             let m = self.inner.store.manifest(&mid).await.map_err(&err)?;
+            let durability = match (name, &boot_id) {
+                ("ram.mem", Some(_)) => agentenv_store::Durability::ThisBoot,
+                _ => agentenv_store::Durability::Flushed,
+            };
             self.inner
                 .store
-                .materialize(&m, &target)
+                .materialize_with(&m, &target, durability)
                 .await
                 .map_err(&err)?;
         }

@@ -18,6 +18,8 @@ pub struct Limits {
     /// The disk its files are on: QEMU's own reads and writes there are held to [`IO_BPS`] and
     /// [`IO_IOPS`] each way (the guest's disk is throttled below that by QEMU itself).
     pub io: Option<Disk>,
+    /// A background CPU weight ([`Hierarchy::set_background`]) from the start.
+    pub background: bool,
 }
 
 /// A whole block device (`major:minor`), as cgroups' I/O limits name it.
@@ -74,6 +76,7 @@ impl Limits {
             cpu_quota_us: (u64::from(vcpus) + 1) * CPU_PERIOD_US,
             pids_max: PIDS_MAX,
             io: disk,
+            background: false,
         }
     }
 }
@@ -208,6 +211,8 @@ impl Hierarchy {
                     "cpu.max",
                     format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
                 )?;
+                let (file, weight) = self.weight(limits.background);
+                write(g, file, weight.to_string())?;
                 if pids {
                     write(g, "pids.max", limits.pids_max.to_string())?;
                 }
@@ -233,6 +238,8 @@ impl Hierarchy {
                 write(&m, "memory.limit_in_bytes", limits.memory_bytes.to_string())?;
                 write(&c, "cpu.cfs_period_us", CPU_PERIOD_US.to_string())?;
                 write(&c, "cpu.cfs_quota_us", limits.cpu_quota_us.to_string())?;
+                let (file, weight) = self.weight(limits.background);
+                write(&c, file, weight.to_string())?;
                 let mut files = vec![procs(&m)?, procs(&c)?];
                 if let Some(p) = pids {
                     let p = group(p)?;
@@ -263,12 +270,21 @@ impl Hierarchy {
     /// Gives VM `vm`'s CPU group a background weight (a tenth of the default) or the default back:
     /// warm VMs preparing for the pool then yield the cores to the VMs and requests that run.
     pub fn set_background(&self, vm: &str, background: bool) -> std::io::Result<()> {
-        let (dir, file, default) = match self {
-            Hierarchy::V2 { .. } => (self.groups(vm).swap_remove(0), "cpu.weight", 100),
-            Hierarchy::V1 { cpu, .. } => (cpu.join("agentenv").join(vm), "cpu.shares", 1024),
+        let dir = match self {
+            Hierarchy::V2 { .. } => self.groups(vm).swap_remove(0),
+            Hierarchy::V1 { cpu, .. } => cpu.join("agentenv").join(vm),
         };
-        let value = if background { default / 10 } else { default };
+        let (file, value) = self.weight(background);
         std::fs::write(dir.join(file), value.to_string())
+    }
+
+    /// The CPU weight file and its value: the default, or a tenth of it in the background.
+    fn weight(&self, background: bool) -> (&'static str, u32) {
+        let (file, default) = match self {
+            Hierarchy::V2 { .. } => ("cpu.weight", 100),
+            Hierarchy::V1 { .. } => ("cpu.shares", 1024),
+        };
+        (file, if background { default / 10 } else { default })
     }
 
     /// Removes every empty group a previous process left (VMs it lost, or killed as orphans). A group
@@ -344,7 +360,7 @@ mod tests {
     }
 
     #[test]
-    fn background_groups_get_a_tenth_of_the_default_cpu_weight() {
+    fn background_groups_get_a_tenth_of_the_default_cpu_weight_from_the_start_or_later() {
         let root = tempfile::tempdir().unwrap();
         let vm = format!("w{}", rand::random::<u16>());
         let v2 = Hierarchy::V2 {
@@ -376,6 +392,23 @@ mod tests {
             assert_eq!(std::fs::read_to_string(file).unwrap(), default);
         }
         assert!(v2.set_background("no-such-vm", true).is_err());
+        // A warm VM's group starts in the background; another VM's with the default.
+        for background in [true, false] {
+            let vm = format!("p{}", rand::random::<u32>());
+            let c = root.path().join("cpu/agentenv").join(&vm);
+            let m = root.path().join("memory/agentenv").join(&vm);
+            for d in [&c, &m] {
+                std::fs::create_dir_all(d).unwrap();
+                std::fs::write(d.join("cgroup.procs"), "").unwrap();
+            }
+            let limits = Limits {
+                background,
+                ..Limits::for_vm(256, 1, None)
+            };
+            assert_eq!(v1.prepare(&vm, limits).unwrap().len(), 2);
+            let want = if background { "102" } else { "1024" };
+            assert_eq!(std::fs::read_to_string(c.join("cpu.shares")).unwrap(), want);
+        }
     }
 
     #[test]

@@ -615,6 +615,7 @@ mod tests {
             tap: None,
             cpu: None,
             free_page_reporting: false,
+            background: false,
         };
         let socks = dir.path().join("nbd");
         std::fs::create_dir(&socks).unwrap();

@@ -66,6 +66,8 @@ pub struct VmSpec {
     pub cpu: Option<String>,
     /// A virtio-balloon device with free page reporting (machine shape, as `nic`).
     pub free_page_reporting: bool,
+    /// Starts at a background CPU weight (a warm VM for the pool), until [`VmInstance::set_background`].
+    pub background: bool,
 }
 
 impl VmSpec {
@@ -298,6 +300,7 @@ mod socket_tests {
             tap: None,
             cpu: None,
             free_page_reporting: false,
+            background: false,
         }
     }
 

@@ -325,7 +325,10 @@ impl QemuVmm {
             use std::os::fd::AsRawFd;
             fds.push(tap.as_raw_fd());
         }
-        let limits = Limits::for_vm(spec.memory_mib, spec.vcpus, disk_of(&spec.dir));
+        let limits = Limits {
+            background: spec.background,
+            ..Limits::for_vm(spec.memory_mib, spec.vcpus, disk_of(&spec.dir))
+        };
         // A root runtime's QEMU is in its cgroups and an empty network namespace before it execs, and
         // is not started where that fails.
         let procs = match (owner, &self.cgroups) {
