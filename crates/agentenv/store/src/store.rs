@@ -117,6 +117,8 @@ pub(crate) struct Inner {
     pub(crate) index: Mutex<Index>,
     /// Held (shared) by each background cache write; [`ChunkStore::settle`] takes it whole.
     caching: Arc<tokio::sync::RwLock<()>>,
+    /// Bumped by [`ChunkStore::settle`]: cache writes waiting out [`CACHE_DELAY`] start at once.
+    hurry: tokio::sync::watch::Sender<u64>,
     _lock: std::fs::File,
 }
 
@@ -131,6 +133,10 @@ pub(crate) async fn blocking<T: Send + 'static>(
             detail: e.to_string(),
         })?
 }
+
+/// How long fetched chunks wait before they enter the local cache: the restore that fetched them and its
+/// first commands run meanwhile (measured: creating thousands of chunk files slowed them down).
+pub(crate) const CACHE_DELAY: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Runs `f` on a thread of its own at a lower CPU priority (nice +10): hashing and writing a snapshot's
 /// chunks yields the cores to the sandboxes and API calls running meanwhile.
@@ -264,6 +270,7 @@ impl ChunkStore {
                 remote,
                 index: Mutex::new(index),
                 caching: Arc::default(),
+                hurry: tokio::sync::watch::Sender::new(0),
                 _lock: lock,
             }),
         })
@@ -327,9 +334,10 @@ impl ChunkStore {
     }
 
     /// Copies chunks of a file just written into the local cache on a low-priority thread, off the
-    /// caller's path (a restore's first command should not wait for thousands of small files): each
-    /// `(id, offset, length)` is read back from `file` and kept only if it still hashes to `id`. Holds no
-    /// chunk bytes meanwhile. Best effort: a failure only costs a later fetch.
+    /// caller's path (a restore's first command should not wait for thousands of small files), after
+    /// [`CACHE_DELAY`] (nor share the cores with them): each `(id, offset, length)` is read back from
+    /// `file` and kept only if it still hashes to `id`. Holds no chunk bytes meanwhile. Best effort: a
+    /// failure only costs a later fetch.
     pub(crate) async fn cache_later(
         &self,
         file: Arc<std::fs::File>,
@@ -339,9 +347,14 @@ impl ChunkStore {
             return;
         }
         let guard = self.inner.caching.clone().read_owned().await;
+        let mut hurry = self.inner.hurry.subscribe();
         let me = self.clone();
         tokio::spawn(async move {
             let n = chunks.len();
+            tokio::select! {
+                () = tokio::time::sleep(CACHE_DELAY) => {}
+                _ = hurry.changed() => {}
+            }
             let r = in_background("cache", move || {
                 use std::os::unix::fs::FileExt;
                 let mut buf = Vec::new();
@@ -369,6 +382,7 @@ impl ChunkStore {
 
     /// Waits until the fetched chunks of every earlier [`ChunkStore::materialize`] are in the local cache.
     pub async fn settle(&self) {
+        self.inner.hurry.send_modify(|g| *g += 1);
         drop(self.inner.caching.write().await);
     }
 
