@@ -150,7 +150,9 @@ impl ChunkStore {
         // Protections are taken as chunks are seen; on error the guard in the caller never exists, so undo here.
         let undo = |protected: &Vec<ChunkId>| self.index().protect(protected, false);
         let mut since_evict = 0u32;
+        let mut pacer = k3_common::background::Pacer::default();
         for idx in idxs {
+            pacer.pace();
             let off = idx * cs;
             let n = (len - off).min(cs) as usize;
             let data = &mut buf[..n];

@@ -358,7 +358,9 @@ impl ChunkStore {
             let r = in_background("cache", move || {
                 use std::os::unix::fs::FileExt;
                 let mut buf = Vec::new();
+                let mut pacer = k3_common::background::Pacer::default();
                 for (id, off, len) in chunks {
+                    pacer.pace();
                     buf.resize(len, 0);
                     file.read_exact_at(&mut buf, off)
                         .map_err(|e| StoreError::Worker {

@@ -317,6 +317,8 @@ impl Runtime {
             move |source| CreateError::Io { what, path, source }
         };
         let t0 = std::time::Instant::now();
+        // Background work (ingests, cache fills) pauses until the sandbox answers.
+        let _fg = k3_common::background::foreground();
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         persist::write(&inner.record_path(id), &live.record)?;
         let t_record = t0.elapsed();

@@ -267,6 +267,8 @@ impl Runtime {
                 if !full && let Some(link) = &live.agent {
                     agent::sync(link).await?;
                 }
+                // Background work (ingests, cache fills) pauses while the VM is stopped.
+                let fg = k3_common::background::foreground();
                 vm.stop().await?;
                 let t_stop = t0.elapsed();
                 // The disk before the device state (whose migration ends by closing it); the RAM while
@@ -284,6 +286,7 @@ impl Runtime {
                 k3_common::crash::point("runtime:snapshot:during-capture");
                 k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
                 let resumed = vm.cont().await;
+                drop(fg);
                 tracing::debug!(?t_stop, ?t_disk, t_state = ?state.as_ref().ok(), ?t_files, t_cont = ?t0.elapsed(), "capture phases");
                 disk.and(state.map(drop))
                     .and(ram)
