@@ -25,6 +25,15 @@ fn store(
     c
 }
 
+/// A server on `dir` with the default template and a chunk store in `bucket`.
+async fn node(
+    dir: &std::path::Path,
+    weed: &agentenv_store::testing::Weed,
+    bucket: &str,
+) -> TestServer {
+    TestServer::start_with_store(dir, true, Some(store(dir, weed, bucket))).await
+}
+
 /// `POST /v2/sandboxes` from `source` (a template, or a snapshot id or name).
 async fn create_from(api: &common::Api, source: &str) -> common::Resp {
     api.call(
@@ -44,12 +53,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
     };
     let bucket = format!("k3-{:x}", rand::random::<u32>());
     let (dir_a, dir_b) = (common::state_dir(), common::state_dir());
-    let a = TestServer::start_with_store(
-        dir_a.path(),
-        true,
-        Some(store(dir_a.path(), &weed, &bucket)),
-    )
-    .await;
+    let a = node(dir_a.path(), &weed, &bucket).await;
     let api_a = a.client();
     let r = create_from(&api_a, "base").await;
     assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.json());
@@ -99,12 +103,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
     a.close().await;
 
     // Server B has its own state folder and an empty cache; only the bucket is shared.
-    let b = TestServer::start_with_store(
-        dir_b.path(),
-        true,
-        Some(store(dir_b.path(), &weed, &bucket)),
-    )
-    .await;
+    let b = node(dir_b.path(), &weed, &bucket).await;
     let api_b = b.client();
     let listed = api_b.call(Method::GET, "/snapshots", None).await.json();
     assert!(
@@ -153,12 +152,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
     b.close().await;
     rec["boot_id"] = json!("a-boot-before");
     std::fs::write(&rec_path, rec.to_string()).unwrap();
-    let b = TestServer::start_with_store(
-        dir_b.path(),
-        true,
-        Some(store(dir_b.path(), &weed, &bucket)),
-    )
-    .await;
+    let b = node(dir_b.path(), &weed, &bucket).await;
     let api_b = b.client();
     assert!(!ram.exists(), "a RAM copy that may be torn is kept");
     let r = create_from(&api_b, &name).await;
@@ -192,12 +186,7 @@ async fn a_snapshot_taken_on_one_server_starts_on_another() {
     b.close().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let dir_c = common::state_dir();
-    let c = TestServer::start_with_store(
-        dir_c.path(),
-        true,
-        Some(store(dir_c.path(), &weed, &bucket)),
-    )
-    .await;
+    let c = node(dir_c.path(), &weed, &bucket).await;
     let r = create_from(&c.client(), &name).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND, "C: {:?}", r.json());
     c.close().await;

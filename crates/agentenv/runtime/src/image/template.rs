@@ -400,7 +400,7 @@ fn build_lock(path: &Path) -> Result<k3_common::fsutil::FileLock, TemplateError>
 
 /// SIGKILLs every QEMU whose command line names a folder under `dir`.
 fn kill_vms_under(dir: &Path) -> usize {
-    let pids = crate::vmm::qemu::vm_processes_under(dir);
+    let pids = crate::vmm::vm_processes_under(dir);
     for (pid, _) in &pids {
         // SAFETY: kill(2) of a QEMU this runtime's cache folder names.
         unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };

@@ -58,7 +58,7 @@ impl Runtime {
         self.remove_stale_warm(&held, &keep_pids);
         // After the warm VMs' folders are gone, so that their slots count as stale.
         self.remove_stale_nets();
-        for (pid, id) in crate::vmm::qemu::vm_processes_under(&dir) {
+        for (pid, id) in crate::vmm::vm_processes_under(&dir) {
             let slot = self.inner.sandboxes.get(&id);
             // A busy slot belongs to an operation of this process (for example a create in flight).
             let busy = slot.is_some_and(|s| s.live.try_lock().is_err());

@@ -581,7 +581,7 @@ impl Runtime {
     /// removes every `vms/` folder no sandbox holds (`held`): what a previous process left.
     pub(crate) fn remove_stale_warm(&self, held: &HashSet<PathBuf>, keep_pids: &[u32]) {
         let pool = &self.inner.warm;
-        for (pid, name) in crate::vmm::qemu::vm_processes_under(&pool.dir) {
+        for (pid, name) in crate::vmm::vm_processes_under(&pool.dir) {
             let dir = pool.dir.join(&name);
             if !keep_pids.contains(&pid) && !pool.is_pooled(&dir) {
                 tracing::warn!(pid, dir = %dir.display(), "killing a QEMU left by a previous run");

@@ -280,6 +280,29 @@ mod console_tests {
     }
 }
 
+/// Live QEMU processes whose command line names a sandbox folder under `dir`: (pid, sandbox id).
+pub(crate) fn vm_processes_under(dir: &Path) -> Vec<(u32, String)> {
+    let needle = format!("{}/", dir.display());
+    let me = std::process::id();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me)
+        .filter_map(|pid| {
+            let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let c = String::from_utf8_lossy(&c);
+            if !c.contains("qemu-system") {
+                return None;
+            }
+            let at = c.find(&needle)? + needle.len();
+            let id: String = c[at..].chars().take_while(|ch| *ch != '/').collect();
+            Some((pid, id))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod socket_tests {
     use super::*;
