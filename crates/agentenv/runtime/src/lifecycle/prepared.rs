@@ -165,8 +165,8 @@ impl Prepared {
         Ok(())
     }
 
-    /// The overlay and the sparse RAM copy, made at once; `background` (files for later creates): on a
-    /// thread that yields the cores to the sandboxes running meanwhile.
+    /// The overlay, then the sparse RAM copy; `background` (files for later creates): on a thread that
+    /// yields the cores to the sandboxes running meanwhile.
     async fn make_files(
         &self,
         disk: &Path,
@@ -174,37 +174,21 @@ impl Prepared {
         overlay: &Path,
         background: bool,
     ) -> Result<(), (&'static str, std::io::Error)> {
-        if background {
-            let (disk, overlay) = (disk.to_owned(), overlay.to_owned());
-            let ram = ram.map(|(s, d)| (s.to_owned(), d.to_owned()));
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            k3_common::background::spawn("agentenv-prepare".into(), move || {
-                let r = fsops::write_overlay(&disk, &overlay)
-                    .map_err(|e| ("overlay", e))
-                    .and_then(|()| match ram {
-                        Some((src, dst)) => fsops::sparse_copy(&src, &dst)
-                            .map(|_| ())
-                            .map_err(|e| ("RAM copy", e)),
-                        None => Ok(()),
-                    });
-                let _ = tx.send(r);
-            })
-            .map_err(|e| ("worker thread", e))?;
-            return rx
-                .await
-                .unwrap_or_else(|e| Err(("worker thread", std::io::Error::other(e))));
-        }
+        let (disk, overlay) = (disk.to_owned(), overlay.to_owned());
         let ram = ram.map(|(s, d)| (s.to_owned(), d.to_owned()));
-        let copy = tokio::task::spawn_blocking(move || match ram {
-            Some((src, dst)) => fsops::sparse_copy(&src, &dst).map(|_| ()),
-            None => Ok(()),
-        });
-        let (copied, overlaid) = tokio::join!(copy, fsops::create_overlay(disk, overlay));
-        overlaid.map_err(|e| ("overlay", e))?;
-        copied
-            .map_err(std::io::Error::other)
-            .and_then(|r| r)
-            .map_err(|e| ("RAM copy", e))
+        let work = move || write_files(&disk, ram, &overlay);
+        let worker = |e| ("worker thread", std::io::Error::other(e));
+        if !background {
+            return tokio::task::spawn_blocking(work)
+                .await
+                .unwrap_or_else(|e| Err(worker(e.to_string())));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        k3_common::background::spawn("agentenv-prepare".into(), move || {
+            let _ = tx.send(work());
+        })
+        .map_err(|e| ("worker thread", e))?;
+        rx.await.unwrap_or_else(|e| Err(worker(e.to_string())))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Vec<Entry>>> {
@@ -226,6 +210,19 @@ pub(crate) fn dir_tag(state_dir: &Path) -> String {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     state_dir.hash(&mut h);
     format!("{:08x}", h.finish() as u32)
+}
+
+/// [`Prepared::make_files`] on the calling thread.
+fn write_files(
+    disk: &Path,
+    ram: Option<(PathBuf, PathBuf)>,
+    overlay: &Path,
+) -> Result<(), (&'static str, std::io::Error)> {
+    fsops::write_overlay(disk, overlay).map_err(|e| ("overlay", e))?;
+    if let Some((src, dst)) = ram {
+        fsops::sparse_copy(&src, &dst).map_err(|e| ("RAM copy", e))?;
+    }
+    Ok(())
 }
 
 fn remove(e: &Entry) {

@@ -39,7 +39,7 @@ fn cstr(p: &Path) -> io::Result<CString> {
 }
 
 /// The absolute path of `bin` (searched on `PATH` when it has no `/`).
-fn resolve(bin: &Path) -> io::Result<PathBuf> {
+pub(crate) fn resolve(bin: &Path) -> io::Result<PathBuf> {
     let found = if bin.components().count() > 1 {
         Some(bin.to_path_buf())
     } else {

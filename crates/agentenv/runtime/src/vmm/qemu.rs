@@ -62,11 +62,8 @@ impl QemuVmm {
     /// A backend running `bin` with `accel`, confining each QEMU to a cgroup where the host allows it,
     /// and, when this process is root, starting each QEMU as a uid of its own from `uids`.
     pub fn new(bin: PathBuf, accel: AccelKind, uids: Option<UidRange>) -> QemuVmm {
-        // Found on `PATH` once, not by every spawn's exec.
-        let bin = match bin.to_str() {
-            Some(name) if !name.contains('/') => k3_common::fsutil::which(name).unwrap_or(bin),
-            _ => bin,
-        };
+        // Found on `PATH` once, not by every spawn (its exec and its jail's plan).
+        let bin = crate::vmm::jail::resolve(&bin).unwrap_or(bin);
         let uids = match uids {
             Some(r) if crate::vmm::uid::running_as_root() => {
                 let gid = crate::vmm::uid::vm_gid(&r, accel == AccelKind::Kvm);
