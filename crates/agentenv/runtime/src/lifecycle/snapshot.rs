@@ -251,11 +251,20 @@ impl Runtime {
         let rec = live.record.clone();
         let full = mode == SnapshotMode::Full;
         let ram_out = (full && rec.ram_shared).then(|| inner.snapshot_ram(snapshot_id, &final_dir));
+        // A fork's capture goes straight into the memfd its forks map: no file, no second copy.
+        let mem =
+            match hidden && ram_out.is_some() && inner.vmm.cow_ram() && inner.vmm.ram_via_memfd() {
+                true => Some(crate::vmm::launch::ram_memfd()?),
+                false => None,
+            };
         // Without a RAM folder the RAM sits in the snapshot folder and moves with its rename.
-        let ram_tmp = ram_out.as_ref().map(|p| match inner.cfg.ram_dir {
-            Some(_) => p.with_extension("mem.partial"),
-            None => partial.join("ram.mem"),
-        });
+        let ram_tmp = ram_out
+            .as_ref()
+            .filter(|_| mem.is_none())
+            .map(|p| match inner.cfg.ram_dir {
+                Some(_) => p.with_extension("mem.partial"),
+                None => partial.join("ram.mem"),
+            });
         let disk_copy = (inner.spec_of(&rec).disk, partial.join("disk.qcow2"));
         let ram_copy: Vec<_> = ram_tmp
             .iter()
@@ -281,7 +290,11 @@ impl Runtime {
                     }
                     Ok::<_, SnapshotError>(t0.elapsed())
                 };
-                let (state, ram) = tokio::join!(state, copy_files(ram_copy.clone(), &partial));
+                let (state, ram, mem) = tokio::join!(
+                    state,
+                    copy_files(ram_copy.clone(), &partial),
+                    copy_into(&rec.ram_file, mem)
+                );
                 let t_files = t0.elapsed();
                 k3_common::crash::point("runtime:snapshot:during-capture");
                 k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
@@ -291,6 +304,7 @@ impl Runtime {
                 disk.and(state.map(drop))
                     .and(ram)
                     .and(resumed.map_err(SnapshotError::from))
+                    .and(mem)
             }
             None if full && rec.boot_on_resume => Err(SnapshotError::NoMemory(sandbox_id.into())),
             None => {
@@ -300,19 +314,28 @@ impl Runtime {
                     std::fs::copy(&src, &dst).map_err(io("copy", &src))?;
                 }
                 let all = std::iter::once(disk_copy).chain(ram_copy).collect();
-                copy_files(all, &partial).await
+                copy_files(all, &partial)
+                    .await
+                    .and(copy_into(&rec.ram_file, mem).await)
             }
         };
         let paused_ms = t0.elapsed().as_secs_f64() * 1e3;
         drop(live);
-        if let Err(e) = captured {
-            let _ = std::fs::remove_dir_all(&partial);
-            if let Some(t) = &ram_tmp {
-                let _ = std::fs::remove_file(t);
+        let mem = match captured {
+            Ok(mem) => mem,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&partial);
+                if let Some(t) = &ram_tmp {
+                    let _ = std::fs::remove_file(t);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         let mut bytes = fsops::allocated_bytes(&partial.join("disk.qcow2"));
+        if let Some(m) = &mem {
+            use std::os::unix::fs::MetadataExt;
+            bytes += m.metadata().map_or(0, |m| m.blocks() * 512);
+        }
         if full {
             bytes += fsops::allocated_bytes(&partial.join("device.state"));
         }
@@ -358,6 +381,9 @@ impl Runtime {
         // The commit is the rename: make it durable before the snapshot is reported.
         k3_common::fsutil::sync_dir(&inner.snapshots_dir()).map_err(io("fsync", &final_dir))?;
         tracing::debug!(?t_flush, t_commit = ?t1.elapsed(), "capture committed");
+        if let (Some(mem), Some(out)) = (mem, &snap.ram) {
+            crate::vmm::launch::register_ram_base(out, mem)?;
+        }
         inner.catalog.put_snapshot(snap.clone())?;
         // A fork's capture is made durable and stored once its forks run (see `fork`).
         if !hidden {
@@ -489,7 +515,12 @@ impl Runtime {
         let dir = self.inner.snapshots_dir().join(&rec.id);
         tokio::spawn(async move {
             let t0 = Instant::now();
-            let files = rec.files();
+            // A fork's RAM capture lives only in its forks' memfd: nothing restores it later.
+            let files: Vec<_> = rec
+                .files()
+                .into_iter()
+                .filter(|(n, p)| !(*n == "ram.mem" && crate::vmm::launch::registered_ram_base(p)))
+                .collect();
             if sync {
                 let paths: Vec<PathBuf> = files.iter().map(|(_, p)| p.clone()).collect();
                 let synced = tokio::task::spawn_blocking(move || {
@@ -627,6 +658,7 @@ impl Runtime {
                 // The record goes first: a crash mid-removal leaves no record pointing at missing files.
                 let _ = std::fs::remove_file(dir.join("snapshot.json"));
                 if let Some(r) = &s.ram {
+                    crate::vmm::launch::forget_ram_base(r);
                     let _ = std::fs::remove_file(r);
                 }
                 self.release_chunks(&s.id, &dir);
@@ -656,6 +688,29 @@ impl Runtime {
             let _ = store.delete_meta(&key).await;
         });
     }
+}
+
+/// Copies RAM file `from` into `mem` (a fresh memfd), if any, sparsely.
+async fn copy_into(
+    from: &Path,
+    mem: Option<std::fs::File>,
+) -> Result<Option<std::fs::File>, SnapshotError> {
+    let Some(mem) = mem else { return Ok(None) };
+    let from = from.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let src = std::fs::File::open(&from)?;
+        crate::sparse::copy_files(&src, &mem)?;
+        Ok::<_, std::io::Error>(mem)
+    })
+    .await
+    .map_err(std::io::Error::other)
+    .and_then(|r| r)
+    .map(Some)
+    .map_err(|source| SnapshotError::Io {
+        what: "copy",
+        path: PathBuf::from("a fork's RAM capture"),
+        source,
+    })
 }
 
 /// Copies each `(from, to)` sparsely, unflushed, for the capture in `partial`.

@@ -446,8 +446,9 @@ fn qcow2_backing(path: &Path) -> std::io::Result<Option<PathBuf>> {
 
 /// Identity of a file's content: device, inode, size, modification time.
 type FileKey = (u64, u64, u64, i64, i64);
-/// Files made into sealed memfds, newest first.
-type Sealed = Vec<(PathBuf, FileKey, Arc<File>)>;
+/// Files made into sealed memfds, newest first. `None`: a capture made straight into the memfd
+/// ([`register_ram_base`]), served by path until [`forget_ram_base`] and never evicted.
+type Sealed = Vec<(PathBuf, Option<FileKey>, Arc<File>)>;
 
 /// `path` as a sealed memfd (no writes, no size change, ever), made once per file and process.
 /// Its inode is a memfd's (mode 0777): any VM uid may reopen it through `/proc/self/fd`, none can change
@@ -461,14 +462,63 @@ pub fn boot_file(path: &Path) -> Result<Arc<File>, VmmError> {
 /// memory while kept; VMs that map one hold it on their own).
 pub const RAM_BASES_KEPT: usize = 4;
 
+static RAM_BASES: Mutex<Sealed> = Mutex::new(Vec::new());
+
 /// A private RAM file (a snapshot's, mapped copy-on-write by its forks) as a sealed memfd, made once
 /// and mapped by every VM restored from it, so their untouched pages are one copy in memory. QEMU older
 /// than 8.2 opens a `share=off` RAM file for writing, which a VM uid may not do to the snapshot's file
 /// (root's, `0640`), but may to a memfd whose seals refuse every write and size change; its private
 /// mapping still takes the guest's writes. Holes stay holes.
 pub fn ram_base(path: &Path) -> Result<Arc<File>, VmmError> {
-    static CACHE: Mutex<Sealed> = Mutex::new(Vec::new());
-    sealed_copy(path, c"agentenv-ram", &CACHE, RAM_BASES_KEPT)
+    sealed_copy(path, c"agentenv-ram", &RAM_BASES, RAM_BASES_KEPT)
+}
+
+/// An empty memfd for a RAM capture that [`register_ram_base`] then serves.
+pub fn ram_memfd() -> Result<File, VmmError> {
+    new_memfd(c"agentenv-ram", Path::new("a RAM capture"))
+}
+
+/// Seals `mem` (a capture of the RAM file `path` names, which need not exist) and serves it as
+/// `path`'s [`ram_base`] until [`forget_ram_base`]: forks map the capture without a second copy.
+pub fn register_ram_base(path: &Path, mem: File) -> Result<Arc<File>, VmmError> {
+    seal(&mem, path)?;
+    let mem = Arc::new(mem);
+    let mut cache = RAM_BASES.lock().unwrap_or_else(|e| e.into_inner());
+    cache.retain(|(p, _, _)| p != path);
+    cache.insert(0, (path.to_owned(), None, mem.clone()));
+    Ok(mem)
+}
+
+/// Whether `path` is served from a registered capture (its file may not exist).
+pub fn registered_ram_base(path: &Path) -> bool {
+    let cache = RAM_BASES.lock().unwrap_or_else(|e| e.into_inner());
+    cache.iter().any(|(p, k, _)| p == path && k.is_none())
+}
+
+/// Stops serving `path` from a registered capture (VMs that map it keep their mapping).
+pub fn forget_ram_base(path: &Path) {
+    let mut cache = RAM_BASES.lock().unwrap_or_else(|e| e.into_inner());
+    cache.retain(|(p, k, _)| !(p == path && k.is_none()));
+}
+
+fn new_memfd(name: &std::ffi::CStr, what: &Path) -> Result<File, VmmError> {
+    // SAFETY: memfd_create with a NUL-terminated name; the fd is owned by the File below.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(io("memfd_create for", what)(std::io::Error::last_os_error()));
+    }
+    // SAFETY: fd was just created and is owned by nobody else.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+fn seal(mem: &File, what: &Path) -> Result<(), VmmError> {
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on the memfd owned by `mem`.
+    if unsafe { libc::fcntl(mem.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(io("seal", what)(std::io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 fn sealed_copy(
@@ -477,9 +527,15 @@ fn sealed_copy(
     cache: &Mutex<Sealed>,
     keep: usize,
 ) -> Result<Arc<File>, VmmError> {
+    {
+        let cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, _, f)) = cache.iter().find(|(p, k, _)| p == path && k.is_none()) {
+            return Ok(f.clone());
+        }
+    }
     let src = File::open(path).map_err(io("open", path))?;
     let m = src.metadata().map_err(io("stat", path))?;
-    let key = (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec());
+    let key = Some((m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec()));
     let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(i) = cache.iter().position(|(p, k, _)| p == path && *k == key) {
         let hit = cache.remove(i);
@@ -487,24 +543,18 @@ fn sealed_copy(
         cache.insert(0, hit);
         return Ok(f);
     }
-    // SAFETY: memfd_create with a NUL-terminated name; the fd is owned by the File below.
-    let fd =
-        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-    if fd < 0 {
-        return Err(io("memfd_create for", path)(std::io::Error::last_os_error()));
-    }
-    // SAFETY: fd was just created and is owned by nobody else.
-    let mem = unsafe { File::from_raw_fd(fd) };
+    let mem = new_memfd(name, path)?;
     crate::sparse::copy_files(&src, &mem).map_err(io("copy", path))?;
-    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
-    // SAFETY: fcntl on the memfd owned by `mem`.
-    if unsafe { libc::fcntl(mem.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
-        return Err(io("seal", path)(std::io::Error::last_os_error()));
-    }
+    seal(&mem, path)?;
     let mem = Arc::new(mem);
     cache.retain(|(p, _, _)| p != path);
     cache.insert(0, (path.to_owned(), key, mem.clone()));
-    cache.truncate(keep);
+    // Registered captures are not counted and never evicted.
+    while cache.iter().filter(|(_, k, _)| k.is_some()).count() > keep {
+        if let Some(i) = cache.iter().rposition(|(_, k, _)| k.is_some()) {
+            cache.remove(i);
+        }
+    }
     Ok(mem)
 }
 
@@ -651,6 +701,7 @@ mod tests {
     #[test]
     fn ram_bases_are_sealed_sparse_copies_kept_for_the_newest_files() {
         use std::os::unix::fs::FileExt;
+        let _turn = RAM_BASES_TEST.lock().unwrap_or_else(|e| e.into_inner());
         let dir = tempfile::tempdir().unwrap();
         let mk = |i: usize| {
             let p = dir.path().join(format!("ram{i}.mem"));
@@ -682,6 +733,39 @@ mod tests {
             !Arc::ptr_eq(&a, &ram_base(&first).unwrap()),
             "an evicted file is made again"
         );
+    }
+
+    /// The RAM base cache is process-wide: its tests take turns.
+    static RAM_BASES_TEST: Mutex<()> = Mutex::new(());
+
+    #[test]
+    fn a_registered_capture_is_served_without_its_file_until_forgotten() {
+        use std::os::unix::fs::FileExt;
+        let _turn = RAM_BASES_TEST.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("capture.mem");
+        let mem = ram_memfd().unwrap();
+        let data: Vec<u8> = (0..8192).map(|_| rand::random::<u8>()).collect();
+        mem.write_all_at(&data, 1 << 20).unwrap();
+        let reg = register_ram_base(&path, mem).unwrap();
+        assert!(registered_ram_base(&path));
+        let link = format!("/proc/self/fd/{}", reg.as_raw_fd());
+        let w = File::options().write(true).open(&link).unwrap();
+        assert!(w.write_all_at(b"x", 0).is_err(), "the capture is sealed");
+        // Other files made into bases do not evict it.
+        for i in 0..=RAM_BASES_KEPT {
+            let p = dir.path().join(format!("other{i}.mem"));
+            std::fs::write(&p, rand::random::<[u8; 4096]>()).unwrap();
+            ram_base(&p).unwrap();
+        }
+        let got = ram_base(&path).unwrap();
+        assert!(Arc::ptr_eq(&got, &reg), "served by path, no file needed");
+        let mut back = vec![0u8; data.len()];
+        got.read_exact_at(&mut back, 1 << 20).unwrap();
+        assert_eq!(back, data);
+        forget_ram_base(&path);
+        assert!(!registered_ram_base(&path));
+        assert!(ram_base(&path).is_err(), "forgotten, and there is no file");
     }
 
     #[test]

@@ -184,6 +184,11 @@ pub trait Vmm: Send + Sync {
     fn cow_ram(&self) -> bool {
         !self.per_vm_uids()
     }
+    /// Whether private RAM reaches a VM as [`launch::ram_base`]'s memfd (so a capture registered there
+    /// needs no file).
+    fn ram_via_memfd(&self) -> bool {
+        false
+    }
     /// The VMM's version: saved states of one version may not load into another, so template builds
     /// are cached per version.
     fn version(&self) -> &str {

@@ -297,7 +297,7 @@ impl QemuVmm {
         let (lazy, exports): (Vec<_>, Vec<_>) = self.exports(spec).await?.into_iter().unzip();
         // QEMU before 8.2 opens a private RAM file for writing, and its discards (free page reporting)
         // punch holes into the file itself: the VM gets a sealed memfd of it instead.
-        let ram_via_memfd = !self.private_ro_ram;
+        let ram_via_memfd = self.ram_via_memfd();
         let files = VmFiles::open(spec, owner, &lazy, ram_via_memfd)?;
         for sock in [spec.qmp_socket(), spec.agent_socket()] {
             let len = sock.as_os_str().len();
@@ -440,6 +440,10 @@ impl Vmm for QemuVmm {
     fn cow_ram(&self) -> bool {
         // With uids of their own, QEMUs before 8.2 map a sealed memfd of the file (`launch::ram_base`).
         true
+    }
+
+    fn ram_via_memfd(&self) -> bool {
+        !self.private_ro_ram
     }
 
     fn version(&self) -> &str {
