@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -28,10 +29,16 @@ fn capture_sums(state: &Path) -> Vec<(PathBuf, Vec<u8>)> {
         .unwrap()
         .flatten()
         .map(|e| e.path().join("ram.mem"))
-        .filter(|p| p.exists())
-        .map(|p| {
-            let sum = sha2::Sha256::digest(std::fs::read(&p).unwrap()).to_vec();
-            (p, sum)
+        .filter_map(|p| {
+            // A fork's capture may live only in the memfd its forks map.
+            let bytes = match agentenv_runtime::vmm::launch::registered_ram_base(&p) {
+                true => {
+                    let m = agentenv_runtime::vmm::launch::ram_base(&p).unwrap();
+                    std::fs::read(format!("/proc/self/fd/{}", m.as_raw_fd())).unwrap()
+                }
+                false => std::fs::read(&p).ok()?,
+            };
+            Some((p, sha2::Sha256::digest(bytes).to_vec()))
         })
         .collect();
     sums.sort();

@@ -367,7 +367,8 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
 
     // Snapshot and fork: the fork maps its capture's RAM copy-on-write, so forks share its pages: QEMU
     // 8.2+ the file itself (`readonly=on,rom=off`), root's, which it can read but not write; an older
-    // QEMU (which opens a private RAM file for writing) a sealed memfd of it (`launch::ram_base`).
+    // QEMU (which opens a private RAM file for writing) the sealed memfd the capture was made into
+    // (`launch::register_ram_base`: no file).
     let snap = rt
         .snapshot("ub", "snap-ub", &[], SnapshotMode::Full)
         .await
@@ -387,29 +388,33 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
         "{}",
         fork_ram.display()
     );
-    assert_eq!(
-        mode_and_owner(&fork_ram).1,
-        0,
-        "the capture's RAM stays root's"
-    );
-    assert_opens(uf, range.gid, &fork_ram, "4>>", false);
-    if qemu_maps_read_only_files_private() {
-        assert_eq!(mode_and_owner(&fork_ram), (0o640, 0));
+    let memfd;
+    let capture = if qemu_maps_read_only_files_private() {
+        assert_eq!(
+            mode_and_owner(&fork_ram),
+            (0o640, 0),
+            "the capture's RAM stays root's"
+        );
         assert_eq!(std::fs::metadata(&fork_ram).unwrap().gid(), range.gid);
+        assert_opens(uf, range.gid, &fork_ram, "4>>", false);
         assert_opens(uf, range.gid, &fork_ram, "4<", true);
+        fork_ram.clone()
     } else {
+        assert!(!fork_ram.exists(), "a fork's capture has no RAM file");
         let pid = record(s, "uf")["phase"]["pid"].as_u64().unwrap();
         let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
         assert!(
             maps.contains("/memfd:agentenv-ram"),
             "the fork does not map its capture's RAM memfd"
         );
-    }
+        memfd = agentenv_runtime::vmm::launch::ram_base(&fork_ram).expect("the capture's memfd");
+        PathBuf::from(format!("/proc/self/fd/{}", memfd.as_raw_fd()))
+    };
     // KSM may not merge its pages with others': merged pages across tenants are a timing side channel.
     let (ram, any) = mergeable(s, "uf");
     assert!(!ram && any != Some(true), "a fork's memory is mergeable");
     // The fork's memory writes stay its own.
-    let before = std::fs::read(&fork_ram).unwrap();
+    let before = std::fs::read(&capture).unwrap();
     run(
         &rt,
         "uf",
@@ -417,8 +422,8 @@ async fn each_qemu_runs_as_a_uid_of_its_own() {
     )
     .await;
     assert!(
-        std::fs::read(&fork_ram).unwrap() == before,
-        "a fork's memory write reached its capture's RAM file"
+        std::fs::read(&capture).unwrap() == before,
+        "a fork's memory write reached its capture"
     );
     theirs.extend([
         s.join("snapshots").join(&snap.id).join("disk.qcow2"),
