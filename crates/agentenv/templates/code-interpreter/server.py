@@ -48,6 +48,11 @@ FORMATS = {
 # Language -> kernel name; E2B's short names map onto them.
 LANGUAGES = {"python": "python3", "bash": "bash", "javascript": "deno", "typescript": "deno", "r": "ir"}
 ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash"}
+# Deno publishes a cell's result from a promise it does not wait for, under whichever request came last, so
+# the result can trail the cell's idle status. A silent fence cell after it takes one more turn of Deno's
+# event loop; what either cell publishes until the fence is idle belongs to the cell.
+TRAILING_RESULTS = {"javascript", "typescript"}
+FENCE = "await new Promise((r) => setTimeout(r, 0))"
 # Environment variables given at create, as envd keeps them (read once per context).
 ENVS_FILE = os.environ.get("CODE_INTERPRETER_ENVS_FILE", "/run/agentenv/envs.json")
 # Run in every Python kernel: E2B's `data` (a DataFrame's columns) and `chart` (a matplotlib figure's
@@ -222,18 +227,20 @@ class Context:
 
     def _run(self, code, emit, gone):
         msg_id = self.kc.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        ours, until = {msg_id}, msg_id
         while True:
             try:
                 msg = self.kc.get_iopub_msg(timeout=0.2)
             except queue.Empty:
                 if gone():
-                    return self._interrupt(msg_id)
+                    return self._interrupt(until)
                 if not self.km.is_alive():  # e.g. os._exit() or the OOM killer: a new kernel takes over
                     emit({"type": "error", "name": "DeadKernelError",
                           "value": "the kernel died; a new one was started (its state is gone)", "traceback": ""})
                     return self._restart()
                 continue
-            if msg["parent_header"].get("msg_id") != msg_id:
+            parent = msg["parent_header"].get("msg_id")
+            if parent not in ours:
                 continue
             kind, c = msg["msg_type"], msg["content"]
             if kind == "stream":
@@ -242,12 +249,15 @@ class Context:
                 emit(result_line(c.get("data", {}), kind == "execute_result"))
             elif kind == "error":
                 emit({"type": "error", "name": c["ename"], "value": c["evalue"], "traceback": "\n".join(c["traceback"])})
-            elif kind == "execute_input":
+            elif kind == "execute_input" and parent == msg_id:
                 emit({"type": "number_of_executions", "execution_count": c["execution_count"]})
-            elif kind == "status" and c["execution_state"] == "idle":
-                return
+            elif kind == "status" and c["execution_state"] == "idle" and parent == until:
+                if until != msg_id or self.language not in TRAILING_RESULTS:
+                    return
+                until = self.kc.execute(FENCE, silent=True, store_history=False, allow_stdin=False)
+                ours.add(until)
             if gone():
-                return self._interrupt(msg_id)
+                return self._interrupt(until)
 
 
 def result_line(data, is_main):
