@@ -696,10 +696,10 @@ async fn copy_into(
     mem: Option<std::fs::File>,
 ) -> Result<Option<std::fs::File>, SnapshotError> {
     let Some(mem) = mem else { return Ok(None) };
-    let from = from.to_owned();
+    let path = from.to_owned();
+    let from = path.clone();
     tokio::task::spawn_blocking(move || {
-        let src = std::fs::File::open(&from)?;
-        crate::sparse::copy_files(&src, &mem)?;
+        crate::sparse::copy_files(&std::fs::File::open(&from)?, &mem)?;
         Ok::<_, std::io::Error>(mem)
     })
     .await
@@ -707,8 +707,8 @@ async fn copy_into(
     .and_then(|r| r)
     .map(Some)
     .map_err(|source| SnapshotError::Io {
-        what: "copy",
-        path: PathBuf::from("a fork's RAM capture"),
+        what: "copy into a memfd",
+        path,
         source,
     })
 }

@@ -527,16 +527,13 @@ fn sealed_copy(
     cache: &Mutex<Sealed>,
     keep: usize,
 ) -> Result<Arc<File>, VmmError> {
-    {
-        let cache = cache.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, _, f)) = cache.iter().find(|(p, k, _)| p == path && k.is_none()) {
-            return Ok(f.clone());
-        }
+    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, _, f)) = cache.iter().find(|(p, k, _)| p == path && k.is_none()) {
+        return Ok(f.clone());
     }
     let src = File::open(path).map_err(io("open", path))?;
     let m = src.metadata().map_err(io("stat", path))?;
     let key = Some((m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec()));
-    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(i) = cache.iter().position(|(p, k, _)| p == path && *k == key) {
         let hit = cache.remove(i);
         let f = hit.2.clone();
@@ -550,11 +547,11 @@ fn sealed_copy(
     cache.retain(|(p, _, _)| p != path);
     cache.insert(0, (path.to_owned(), key, mem.clone()));
     // Registered captures are not counted and never evicted.
-    while cache.iter().filter(|(_, k, _)| k.is_some()).count() > keep {
-        if let Some(i) = cache.iter().rposition(|(_, k, _)| k.is_some()) {
-            cache.remove(i);
-        }
-    }
+    let mut kept = 0;
+    cache.retain(|(_, k, _)| {
+        kept += usize::from(k.is_some());
+        k.is_none() || kept <= keep
+    });
     Ok(mem)
 }
 
