@@ -1,6 +1,6 @@
 """agentenv's code-interpreter server: the HTTP API `e2b_code_interpreter` calls on port 49999, on Jupyter
 kernels (`jupyter_client`; `ipykernel` for Python, `bash_kernel` for bash, Deno's own kernel for JavaScript
-and TypeScript, IRkernel for R).
+and TypeScript, IRkernel for R), and Java on JShell (`K3JShell.java`, a JVM per context).
 
 - `POST /execute` {code, context_id, language, env_vars}: the cell's output as JSON lines (`stdout`, `stderr`,
   `result`, `error`, `number_of_executions`), streamed while it runs. A client that goes away interrupts it.
@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import select
+import subprocess
 import sys
 import threading
 import time
@@ -46,13 +47,19 @@ FORMATS = {
     "e2b/chart": "chart",
 }
 # Language -> kernel name; E2B's short names map onto them.
-LANGUAGES = {"python": "python3", "bash": "bash", "javascript": "deno", "typescript": "deno", "r": "ir"}
+LANGUAGES = {"python": "python3", "bash": "bash", "javascript": "deno", "typescript": "deno", "r": "ir", "java": None}
 ALIASES = {"js": "javascript", "ts": "typescript", "sh": "bash"}
 # Deno publishes a cell's result from a promise it does not wait for, under whichever request came last, so
 # the result can trail the cell's idle status. A silent fence cell after it takes one more turn of Deno's
 # event loop; what either cell publishes until the fence is idle belongs to the cell.
 TRAILING_RESULTS = {"javascript", "typescript"}
 FENCE = "await new Promise((r) => setTimeout(r, 0))"
+# Java: K3JShell's classes beside this file, in a JVM sized for a small guest (C1 only, serial GC, a heap
+# that gives memory back: ~80 MiB resident once warm, not ~115).
+JAVA = os.environ.get("CODE_INTERPRETER_JAVA", "java")
+JAVA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "java")
+JAVA_OPTS = ["-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xss512k", "-Xmn8m", "-XX:ReservedCodeCacheSize=32m",
+             "-XX:MinHeapFreeRatio=10", "-XX:MaxHeapFreeRatio=20", "-XX:-UsePerfData", "-Djava.awt.headless=true"]
 # Environment variables given at create, as envd keeps them (read once per context).
 ENVS_FILE = os.environ.get("CODE_INTERPRETER_ENVS_FILE", "/run/agentenv/envs.json")
 # Run in every Python kernel: E2B's `data` (a DataFrame's columns) and `chart` (a matplotlib figure's
@@ -125,8 +132,22 @@ def shell_quote(v):
     return "'" + v.replace("'", "'\\''") + "'"
 
 
+def java_string(v):
+    """A Java string literal of `v` (octal escapes: javac reads `\\u` escapes before it reads literals)."""
+    out = []
+    for c in v:
+        if c in '"\\':
+            out.append("\\" + c)
+        elif ord(c) < 0x20 or c == "\x7f":
+            out.append("\\%03o" % ord(c))
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 def set_env_code(language, envs):
-    """Code that sets (value a str) or removes (None) variables in a kernel of `language`."""
+    """Code that sets (value a str) or removes (None) variables in a kernel of `language` (Java: system
+    properties, as E2B's Java kernel keeps them)."""
     if language == "python":
         return f"import os as __k3_os\n[__k3_os.environ.pop(__k, None) if __v is None else __k3_os.environ.__setitem__(__k, __v) for __k, __v in {envs!r}.items()]\ndel __k3_os\n"
     if language == "r":
@@ -135,6 +156,9 @@ def set_env_code(language, envs):
     if language in ("javascript", "typescript"):  # process.env is Deno's environment
         return "".join(f"delete process.env[{json.dumps(k)}];" if v is None else
                        f"process.env[{json.dumps(k)}] = {json.dumps(v)};" for k, v in envs.items()) + "void 0;"
+    if language == "java":
+        return "".join(f"System.clearProperty({java_string(k)});" if v is None else
+                       f"System.setProperty({java_string(k)}, {java_string(v)});" for k, v in envs.items())
     return "\n".join(f"unset {k}" if v is None else f"export {k}={shell_quote(v)}" for k, v in envs.items())
 
 
@@ -260,6 +284,103 @@ class Context:
                 return self._interrupt(until)
 
 
+class JavaContext(Context):
+    """A Java context: JShell in a JVM of its own (`K3JShell.java`), spoken to over its stdin and stdout."""
+
+    def _start(self):
+        self.proc = subprocess.Popen([JAVA, *JAVA_OPTS, "-cp", JAVA_DIR, "K3JShell"], cwd=self.cwd,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        self.replies = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.replies), daemon=True).start()
+        self.count = 0
+        if self._reply(KERNEL_READY_S) != {"type": "ready"}:
+            self.shutdown()
+            raise RuntimeError("the Java kernel did not start")
+
+    @staticmethod
+    def _read(out, replies):
+        for line in out:
+            try:
+                replies.put(json.loads(line))
+            except ValueError:
+                break
+        replies.put(None)  # the JVM is gone
+
+    def _reply(self, timeout):
+        try:
+            return self.replies.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _send(self, line, code=b""):
+        try:
+            self.proc.stdin.write(line + code)
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # the JVM is gone: its reader says so
+
+    def _exec(self, code, silent):
+        data = code.encode()
+        self._send(b"EXEC %d %d\n" % (int(silent), len(data)), data)
+
+    def _restart(self):
+        self.shutdown()
+        self.globals = None
+        self._start()
+
+    def shutdown(self):
+        self.proc.kill()
+        self.proc.wait()
+
+    def silent(self, code):
+        self._exec(code, True)
+        deadline = time.monotonic() + KERNEL_READY_S
+        while time.monotonic() < deadline:
+            msg = self._reply(deadline - time.monotonic())
+            if msg is None:
+                self.replies.put(None)  # for the next cell, which restarts the JVM
+                return
+            if msg["type"] == "done":
+                return
+
+    def _interrupt(self, msg_id=None):
+        self._send(b"STOP\n")
+        deadline = time.monotonic() + KERNEL_READY_S
+        while time.monotonic() < deadline:
+            msg = self._reply(1)
+            if msg is None and self.proc.poll() is not None:
+                return self._restart()
+            if msg is not None and msg["type"] == "done":
+                return
+
+    def _run(self, code, emit, gone):
+        self._exec(code, False)
+        self.count += 1
+        emit({"type": "number_of_executions", "execution_count": self.count})
+        while True:
+            try:
+                msg = self.replies.get(timeout=0.2)
+            except queue.Empty:
+                if gone():
+                    return self._interrupt()
+                continue
+            if msg is None:  # e.g. System.exit() or the OOM killer: a new JVM takes over
+                emit({"type": "error", "name": "DeadKernelError",
+                      "value": "the kernel died; a new one was started (its state is gone)", "traceback": ""})
+                return self._restart()
+            kind = msg["type"]
+            if kind in ("stdout", "stderr"):
+                emit({"type": kind, "text": msg["text"], "timestamp": now()})
+            elif kind == "result":
+                emit({"type": "result", "is_main_result": True, "text": msg["text"]})
+            elif kind == "error":
+                emit({"type": "error", "name": msg["name"], "value": msg["value"], "traceback": msg["traceback"]})
+            elif kind == "done":
+                return
+            if gone():
+                return self._interrupt()
+
+
 def result_line(data, is_main):
     """A `result` line from a Jupyter MIME bundle, as E2B's server writes it."""
     result = {"type": "result", "is_main_result": is_main}
@@ -294,7 +415,7 @@ class Contexts:
         language = normalize_language(language)
         if language not in LANGUAGES:
             raise ValueError(f"language {language!r} is not supported (supported: {', '.join(LANGUAGES)})")
-        ctx = Context(language, cwd or DEFAULT_CWD)
+        ctx = (JavaContext if language == "java" else Context)(language, cwd or DEFAULT_CWD)
         with self.lock:
             self.all[ctx.id] = ctx
         return ctx

@@ -31,6 +31,9 @@ const DENO_URL: &str =
     "https://registry.npmjs.org/@deno/linux-x64-glibc/-/linux-x64-glibc-2.9.6.tgz";
 const DENO_SHA512: &str = "de67784ca2c2bb3b0b0e67cea02e4a37b34065ac525643209bae2f83a7e80f4d090400c2a584b6ff942a5dfce09cfe59433de22cff6f05026d120735d7a380a1";
 const DENO_KERNEL: &str = r#"{"argv": ["/opt/deno/deno", "jupyter", "--kernel", "--conn", "{connection_file}"], "display_name": "Deno", "language": "typescript", "env": {"DENO_NO_UPDATE_CHECK": "1", "NO_COLOR": "1"}}"#;
+/// Java: JShell in a JVM per context, driven by our `K3JShell` (E2B's template runs IJava, which only
+/// GitHub publishes); the JDK from Debian.
+const K3JSHELL_JAVA: &str = include_str!("../../../templates/code-interpreter/K3JShell.java");
 /// R and IRkernel from Debian (E2B's template takes them from CRAN).
 const R_KERNEL: &str = r#"{"argv": ["R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"], "display_name": "R", "language": "R"}"#;
 /// Kernels with numpy, pandas and matplotlib loaded need more than the base's 256 MiB.
@@ -40,13 +43,14 @@ const SIZE: BuildSize = BuildSize {
 };
 
 /// The build of `code-interpreter-v1`: `base`, a venv with Jupyter's Python and bash kernels, Deno
-/// (JavaScript, TypeScript) and R with IRkernel, and
+/// (JavaScript, TypeScript), R with IRkernel, a JDK with `K3JShell` (Java), and
 /// the server started as root (as E2B's runs) with a warm Python kernel before the snapshot.
 fn code_interpreter_plan() -> BuildPlan {
     use base64::Engine as _;
     let server = base64::engine::general_purpose::STANDARD.encode(SERVER_PY);
     let deno_kernel = base64::engine::general_purpose::STANDARD.encode(DENO_KERNEL);
     let r_kernel = base64::engine::general_purpose::STANDARD.encode(R_KERNEL);
+    let jshell = base64::engine::general_purpose::STANDARD.encode(K3JSHELL_JAVA);
     let root = Some("root".to_string());
     BuildPlan {
         steps: vec![
@@ -71,9 +75,17 @@ fn code_interpreter_plan() -> BuildPlan {
             Step::Run {
                 cmd: format!(
                     "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-                     --no-install-recommends r-base-core r-cran-irkernel && rm -rf /var/lib/apt/lists/* && \
+                     --no-install-recommends r-base-core r-cran-irkernel openjdk-17-jdk-headless && \
+                     rm -rf /var/lib/apt/lists/* && \
                      mkdir -p {VENV}/share/jupyter/kernels/ir && \
                      echo {r_kernel} | base64 -d > {VENV}/share/jupyter/kernels/ir/kernel.json"
+                ),
+                user: root.clone(),
+            },
+            Step::Run {
+                cmd: format!(
+                    "mkdir -p {VENV}/java && cd {VENV}/java && echo {jshell} | base64 -d > K3JShell.java && \
+                     javac -J-XX:TieredStopAtLevel=1 -J-XX:+UseSerialGC K3JShell.java"
                 ),
                 user: root.clone(),
             },
@@ -270,20 +282,24 @@ mod tests {
     }
 
     #[test]
-    fn the_plan_carries_the_server_byte_for_byte() {
+    fn the_plan_carries_the_server_and_k3jshell_byte_for_byte() {
         use base64::Engine as _;
         let plan = code_interpreter_plan();
-        let Step::Run { cmd, .. } = &plan.steps[3] else {
-            panic!("step 4 writes the server");
+        let carried = |step: usize| {
+            let Step::Run { cmd, .. } = &plan.steps[step] else {
+                panic!("step {step} runs a command");
+            };
+            let b64 = cmd
+                .split("echo ")
+                .nth(1)
+                .and_then(|c| c.split(' ').next())
+                .expect("echo <base64>");
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .expect("base64")
         };
-        let b64 = cmd
-            .strip_prefix("echo ")
-            .and_then(|c| c.split(' ').next())
-            .expect("echo <base64>");
-        let decoded = base64::engine::general_purpose::STANDARD
-            .decode(b64)
-            .expect("base64");
-        assert_eq!(decoded, SERVER_PY.as_bytes());
+        assert_eq!(carried(3), K3JSHELL_JAVA.as_bytes());
+        assert_eq!(carried(4), SERVER_PY.as_bytes());
         assert!(
             plan.start_cmd
                 .as_deref()

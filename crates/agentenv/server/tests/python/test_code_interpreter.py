@@ -1,8 +1,8 @@
 """Issues 17 and 30: `e2b_code_interpreter`, unchanged, against `code-interpreter-v1`, which the server builds on
 its first create (from crates/agentenv/templates/code-interpreter): state kept per context, streamed output, rich
 results (PNG and E2B's `chart` from matplotlib, a DataFrame's `data`, HTML, JSON), strings as E2B gives them, the
-bash kernel, errors with tracebacks, envs (at create and per call), timeouts that interrupt the kernel, and context
-create/list/restart/remove."""
+bash, JavaScript/TypeScript (Deno), R and Java (JShell) kernels, errors with tracebacks, envs (at create and per
+call), timeouts that interrupt the kernel, and context create/list/restart/remove."""
 
 import base64
 import secrets
@@ -159,6 +159,34 @@ def test_r_runs_on_irkernel(code_sandbox):
     assert value("Sys.getenv('K3_T', unset = 'none')") == '[1] "none"'
     err = code_sandbox.run_code(f"stop('{t}')", context=ctx).error
     assert err is not None and t in err.value, err
+    code_sandbox.remove_code_context(ctx)
+
+
+def test_java_runs_on_jshell(code_sandbox):
+    n, t = secrets.randbelow(10**6), secrets.token_hex(4)
+    ctx = code_sandbox.create_code_context(language="java", cwd="/tmp")
+    assert ctx.language == "java"
+    code_sandbox.run_code(f"int k3n = {n};\nString k3s = \"{t}\";", context=ctx)
+    ex = code_sandbox.run_code('System.out.println(k3n + 1);\nk3s + "!"', context=ctx)
+    # println's text and its line end come apart, as from E2B's Java kernel (its suite checks the first).
+    assert ex.logs.stdout == [f"{n + 1}", "\n"] and ex.text == f"{t}!"
+    assert code_sandbox.run_code('System.getProperty("user.dir")', context=ctx).text == "/tmp"
+    # E2B's Java kernel keeps envs as system properties.
+    tricky = f'{t} "q" \\ \\u0022 é\tend'  # javac reads \\u escapes before string literals
+    assert code_sandbox.run_code('System.getProperty("K3_T")', context=ctx, envs={"K3_T": tricky}).text == tricky
+    assert code_sandbox.run_code('System.getProperty("K3_T", "unset")', context=ctx).text == "unset"
+    ex = code_sandbox.run_code(f'throw new IllegalStateException("{t}")', context=ctx)
+    assert (ex.error.name, ex.error.value) == ("IllegalStateException", t)
+    assert "java.lang.IllegalStateException" in ex.error.traceback
+    ex = code_sandbox.run_code("int broken = ;", context=ctx)
+    assert ex.error.name == "CompilationException" and ex.results == []
+    # A cell past its timeout is stopped and the context keeps its state.
+    with pytest.raises(ci.TimeoutException):
+        code_sandbox.run_code("while (true) { k3n++; }", context=ctx, timeout=5)
+    assert int(code_sandbox.run_code("k3n", context=ctx).text) > n
+    ex = code_sandbox.run_code("System.exit(1)", context=ctx)
+    assert ex.error.name == "DeadKernelError"
+    assert code_sandbox.run_code("List.of(1, 2).size()", context=ctx).text == "2"
     code_sandbox.remove_code_context(ctx)
 
 
