@@ -3,6 +3,7 @@ import java.io.DataInputStream;
 import java.io.FileDescriptor;
 import java.io.FileOutputStream;
 import java.io.IOException;
+import java.io.InputStream;
 import java.io.OutputStream;
 import java.io.PrintStream;
 import java.nio.charset.StandardCharsets;
@@ -45,6 +46,8 @@ public final class K3JShell {
     private record Cell(boolean silent, String code) {}
 
     public static void main(String[] args) throws Exception {
+        InputStream requests = System.in;
+        System.setIn(InputStream.nullInputStream()); // code that reads stdin reads no requests
         System.setOut(new Printer(new Stream("stdout")));
         System.setErr(new Printer(new Stream("stderr")));
         JShell js = JShell.builder()
@@ -53,7 +56,7 @@ public final class K3JShell {
                 .err(System.err)
                 .build();
         LinkedBlockingQueue<Cell> cells = new LinkedBlockingQueue<>();
-        Thread reader = new Thread(() -> read(js, cells), "k3-requests");
+        Thread reader = new Thread(() -> read(requests, js, cells), "k3-requests");
         reader.setDaemon(true);
         reader.start();
         for (String pkg : IMPORTS) {
@@ -79,8 +82,8 @@ public final class K3JShell {
     }
 
     /** Requests from stdin; a STOP stops the running cell at once, EOF ends the process. */
-    private static void read(JShell js, LinkedBlockingQueue<Cell> cells) {
-        DataInputStream in = new DataInputStream(System.in);
+    private static void read(InputStream requests, JShell js, LinkedBlockingQueue<Cell> cells) {
+        DataInputStream in = new DataInputStream(requests);
         try {
             while (true) {
                 String line = line(in);
