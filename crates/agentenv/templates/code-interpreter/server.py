@@ -536,6 +536,8 @@ class Handler(BaseHTTPRequestHandler):
             ctx = CONTEXTS.get(req.get("context_id"), req.get("language"))
         except ValueError as e:
             return self.fail(400, str(e))
+        except Exception as e:  # the language's default kernel did not start
+            return self.fail(500, f"starting the kernel failed: {e}")
         if ctx is None:
             return self.fail(404, f"context {req.get('context_id')} not found")
         self.send_response(200)
