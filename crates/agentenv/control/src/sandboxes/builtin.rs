@@ -138,7 +138,7 @@ const BUILTINS: [Builtin; 2] = [
         name: CODE_INTERPRETER,
         plan: code_interpreter_plan,
         size: SIZE,
-        minutes: 5,
+        minutes: 6,
     },
     Builtin {
         name: HTTPBIN,
