@@ -60,6 +60,9 @@ JAVA = os.environ.get("CODE_INTERPRETER_JAVA", "java")
 JAVA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "java")
 JAVA_OPTS = ["-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xss512k", "-Xmn8m", "-XX:ReservedCodeCacheSize=32m",
              "-XX:MinHeapFreeRatio=10", "-XX:MaxHeapFreeRatio=20", "-XX:-UsePerfData", "-Djava.awt.headless=true"]
+# What a cell whose kernel died gets (a new kernel takes over).
+DEAD_KERNEL = {"type": "error", "name": "DeadKernelError",
+               "value": "the kernel died; a new one was started (its state is gone)", "traceback": ""}
 # Environment variables given at create, as envd keeps them (read once per context).
 ENVS_FILE = os.environ.get("CODE_INTERPRETER_ENVS_FILE", "/run/agentenv/envs.json")
 # Run in every Python kernel: E2B's `data` (a DataFrame's columns) and `chart` (a matplotlib figure's
@@ -200,8 +203,7 @@ class Context:
             self._restart()
 
     def _restart(self):
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        self.shutdown()
         self.globals = None
         self._start()
 
@@ -259,8 +261,7 @@ class Context:
                 if gone():
                     return self._interrupt(until)
                 if not self.km.is_alive():  # e.g. os._exit() or the OOM killer: a new kernel takes over
-                    emit({"type": "error", "name": "DeadKernelError",
-                          "value": "the kernel died; a new one was started (its state is gone)", "traceback": ""})
+                    emit(DEAD_KERNEL)
                     return self._restart()
                 continue
             parent = msg["parent_header"].get("msg_id")
@@ -291,7 +292,8 @@ class JavaContext(Context):
         self.proc = subprocess.Popen([JAVA, *JAVA_OPTS, "-cp", JAVA_DIR, "K3JShell"], cwd=self.cwd,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
         self.replies = queue.Queue()
-        threading.Thread(target=self._read, args=(self.proc.stdout, self.replies), daemon=True).start()
+        self.reader = threading.Thread(target=self._read, args=(self.proc.stdout, self.replies), daemon=True)
+        self.reader.start()
         self.count = 0
         if self._reply(KERNEL_READY_S) != {"type": "ready"}:
             self.shutdown()
@@ -304,13 +306,21 @@ class JavaContext(Context):
                 replies.put(json.loads(line))
             except ValueError:
                 break
-        replies.put(None)  # the JVM is gone
 
     def _reply(self, timeout):
-        try:
-            return self.replies.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """The JVM's next reply, or None after `timeout` or once the JVM is gone and all it wrote is read."""
+        deadline = time.monotonic() + timeout
+        while not self._dead():
+            try:
+                return self.replies.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    return None
+        return None
+
+    def _dead(self):
+        """The JVM closed its stdout (the reader has queued all of it) and every reply was taken."""
+        return not self.reader.is_alive() and self.replies.empty()
 
     def _send(self, line, code=b""):
         try:
@@ -323,11 +333,6 @@ class JavaContext(Context):
         data = code.encode()
         self._send(b"EXEC %d %d\n" % (int(silent), len(data)), data)
 
-    def _restart(self):
-        self.shutdown()
-        self.globals = None
-        self._start()
-
     def shutdown(self):
         self.proc.kill()
         self.proc.wait()
@@ -337,10 +342,7 @@ class JavaContext(Context):
         deadline = time.monotonic() + KERNEL_READY_S
         while time.monotonic() < deadline:
             msg = self._reply(deadline - time.monotonic())
-            if msg is None:
-                self.replies.put(None)  # for the next cell, which restarts the JVM
-                return
-            if msg["type"] == "done":
+            if msg is None or msg["type"] == "done":
                 return
 
     def _interrupt(self, msg_id=None):
@@ -348,7 +350,7 @@ class JavaContext(Context):
         deadline = time.monotonic() + KERNEL_READY_S
         while time.monotonic() < deadline:
             msg = self._reply(1)
-            if msg is None and self.proc.poll() is not None:
+            if msg is None and self._dead():
                 return self._restart()
             if msg is not None and msg["type"] == "done":
                 return
@@ -363,18 +365,17 @@ class JavaContext(Context):
             except queue.Empty:
                 if gone():
                     return self._interrupt()
+                if self._dead():  # e.g. System.exit() or the OOM killer: a new JVM takes over
+                    emit(DEAD_KERNEL)
+                    return self._restart()
                 continue
-            if msg is None:  # e.g. System.exit() or the OOM killer: a new JVM takes over
-                emit({"type": "error", "name": "DeadKernelError",
-                      "value": "the kernel died; a new one was started (its state is gone)", "traceback": ""})
-                return self._restart()
             kind = msg["type"]
             if kind in ("stdout", "stderr"):
                 emit({"type": kind, "text": msg["text"], "timestamp": now()})
             elif kind == "result":
                 emit({"type": "result", "is_main_result": True, "text": msg["text"]})
-            elif kind == "error":
-                emit({"type": "error", "name": msg["name"], "value": msg["value"], "traceback": msg["traceback"]})
+            elif kind == "error":  # already in the server's shape
+                emit(msg)
             elif kind == "done":
                 return
             if gone():
