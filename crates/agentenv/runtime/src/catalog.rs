@@ -3,9 +3,9 @@
 //! imports from the shared store one at a time. Records are written through (`snapshot.json` in
 //! `<snapshots>/<id>/`) before a change is visible.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use agentenv_vm::normalize_name;
 
@@ -17,6 +17,8 @@ pub(crate) struct Catalog {
     /// `<state>/snapshots`: one folder per snapshot.
     snapshots_dir: PathBuf,
     imports: tokio::sync::Mutex<()>,
+    /// Snapshots deleted here since start: the shared store may list one until its delete lands there.
+    deleted: Mutex<BTreeSet<String>>,
 }
 
 impl Catalog {
@@ -52,6 +54,7 @@ impl Catalog {
             snapshots: RwLock::new(snapshots),
             snapshots_dir,
             imports: tokio::sync::Mutex::new(()),
+            deleted: Mutex::new(BTreeSet::new()),
         }
     }
 
@@ -216,7 +219,19 @@ impl Catalog {
         s.deleted = true;
         s.names.clear();
         persist::write(&self.record_path(id), &*s)?;
+        self.deleted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_string());
         Ok(Some(s.clone()))
+    }
+
+    /// Whether snapshot `id` was deleted here since start (its record may be gone already).
+    pub(crate) fn deleted_here(&self, id: &str) -> bool {
+        self.deleted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(id)
     }
 
     /// Takes out the deleted snapshots that neither `needed` nor a snapshot's parent names; their
@@ -345,5 +360,10 @@ mod tests {
             .collect();
         assert_eq!(gone, ["p"]);
         assert!(c.live_snapshots().is_empty());
+        assert!(c.snapshot_any("p").is_none(), "its record is collected");
+        assert!(
+            c.deleted_here("p") && c.deleted_here("c") && !c.deleted_here("x"),
+            "an import must not bring it back"
+        );
     }
 }

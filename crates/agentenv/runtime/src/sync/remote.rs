@@ -87,12 +87,14 @@ impl Runtime {
     async fn find_shared(&self, id_or_name: &str) -> Result<Option<SharedSnapshot>, SnapshotError> {
         let store = &self.inner.store;
         let here = Path::new(id_or_name);
-        // One this machine knows (deleted ones included) is never imported over its own record.
+        // One this machine knows (deleted ones included, also once their record is collected) is never
+        // imported over its own record.
         let parse = |bytes: Vec<u8>| -> Option<SharedSnapshot> {
             serde_json::from_slice::<SharedSnapshot>(&bytes)
                 .ok()
                 .filter(|s| !s.record.deleted && valid_id(&s.record.id))
                 .filter(|s| self.snapshot_record_any(&s.record.id).is_none())
+                .filter(|s| !self.inner.catalog.deleted_here(&s.record.id))
         };
         if valid_id(id_or_name)
             && let Some(b) = store
