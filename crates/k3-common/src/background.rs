@@ -1,7 +1,7 @@
 //! Work that yields the cores: a thread of its own at a lower CPU priority (nice +10), for what runs
 //! beside the requests and sandboxes a user waits on (chunk ingests, files prepared for later creates),
 //! and a [`Pacer`] through which such a thread also pauses while a [`foreground`] section runs (a
-//! snapshot's capture while its VM is stopped), up to [`MAX_PAUSE`] at a time.
+//! snapshot's capture until it is committed), up to [`MAX_PAUSE`] at a time.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};

@@ -77,6 +77,9 @@ pub(crate) struct Inner {
     pub(crate) warm: warm::WarmPool,
     /// NBD exports of lazily served disks.
     pub(crate) lazy: Arc<lazy::LazyDisks>,
+    /// Snapshots are stored as chunks one at a time: a burst of snapshots does not become a burst of
+    /// hashing threads that, together, outweigh the requests their lower priority yields to.
+    pub(crate) ingests: tokio::sync::Semaphore,
 }
 
 /// Every 2 s, rotates the serial console log and QEMU's own log of each VM above
@@ -236,6 +239,7 @@ impl Runtime {
             prepared,
             warm,
             lazy,
+            ingests: tokio::sync::Semaphore::new(1),
         });
         spawn_console_rotation(Arc::downgrade(&inner));
         Ok(Runtime { inner })

@@ -244,6 +244,8 @@ impl Runtime {
             move |source| SnapshotError::Io { what, path, source }
         };
         std::fs::create_dir_all(&partial).map_err(io("create", &partial))?;
+        // Background work (ingests, cache fills) pauses until the capture is committed.
+        let _fg = k3_common::background::foreground();
         let live = slot.live.lock().await;
         if live.gone {
             return Err(SnapshotError::SandboxNotFound(sandbox_id.into()));
@@ -276,22 +278,20 @@ impl Runtime {
                 if !full && let Some(link) = &live.agent {
                     agent::sync(link).await?;
                 }
-                // Background work (ingests, cache fills) pauses while the VM is stopped.
-                let fg = k3_common::background::foreground();
                 vm.stop().await?;
                 let t_stop = t0.elapsed();
-                // The disk before the device state (whose migration ends by closing it); the RAM while
-                // QEMU writes the state. Neither is flushed before the VM runs on.
-                let disk = copy_files(vec![disk_copy.clone()], &partial).await;
-                let t_disk = t0.elapsed();
-                let state = async {
+                // The disk, then the device state (whose migration ends by closing the disk); the RAM
+                // meanwhile. None is flushed before the VM runs on.
+                let disk_then_state = async {
+                    copy_files(vec![disk_copy.clone()], &partial).await?;
+                    let t_disk = t0.elapsed();
                     if full {
                         vm.save_device_state(&partial.join("device.state")).await?;
                     }
-                    Ok::<_, SnapshotError>(t0.elapsed())
+                    Ok::<_, SnapshotError>((t_disk, t0.elapsed()))
                 };
-                let (state, ram, mem) = tokio::join!(
-                    state,
+                let (disk_state, ram, mem) = tokio::join!(
+                    disk_then_state,
                     copy_files(ram_copy.clone(), &partial),
                     copy_into(&rec.ram_file, mem)
                 );
@@ -299,9 +299,9 @@ impl Runtime {
                 k3_common::crash::point("runtime:snapshot:during-capture");
                 k3_common::crash::kill_vm_point("runtime:snapshot:during-capture", vm.pid());
                 let resumed = vm.cont().await;
-                drop(fg);
-                tracing::debug!(?t_stop, ?t_disk, t_state = ?state.as_ref().ok(), ?t_files, t_cont = ?t0.elapsed(), "capture phases");
-                disk.and(state.map(drop))
+                tracing::debug!(?t_stop, t_disk_state = ?disk_state.as_ref().ok(), ?t_files, t_cont = ?t0.elapsed(), "capture phases");
+                disk_state
+                    .map(drop)
                     .and(ram)
                     .and(resumed.map_err(SnapshotError::from))
                     .and(mem)
@@ -514,6 +514,9 @@ impl Runtime {
             .map(|t| crate::sync::remote::template_build(&t));
         let dir = self.inner.snapshots_dir().join(&rec.id);
         tokio::spawn(async move {
+            let Ok(_one_at_a_time) = inner.ingests.acquire().await else {
+                return;
+            };
             let t0 = Instant::now();
             // A fork's RAM capture lives only in its forks' memfd: nothing restores it later.
             let files: Vec<_> = rec
