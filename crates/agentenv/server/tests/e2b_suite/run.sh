@@ -62,14 +62,7 @@ js_suite() {  # the checkout's package.json with its runtime dependencies and on
   (cd "$dir" && TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-180} timeout 5400 npx vitest run --maxWorkers=1 \
     --no-file-parallelism --reporter=default --reporter=junit --outputFile.junit="$work/js-vitest.xml" \
     >"$work/js.log" 2>&1) || true
-  # report.py reads folders from dotted class names, as pytest writes them: tests/sandbox/x.test.ts -> tests.sandbox.x
-  python3 - "$work/js-vitest.xml" "$work/js.xml" <<'PY' || true
-import re, sys, xml.etree.ElementTree as ET
-tree = ET.parse(sys.argv[1])
-for tc in tree.iter("testcase"):
-    tc.set("classname", re.sub(r"\.test\.tsx?$", "", tc.get("classname", "")).replace("/", "."))
-tree.write(sys.argv[2])
-PY
+  vitest_xml "$work/js-vitest.xml" "$work/js.xml"
 }
 
 xmls=()

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# E2B's code-interpreter SDK suite (Python) against `code-interpreter-v1` on a fresh agentenv server, which builds
-# the template on its first create. Fetches nothing at run time but packages from PyPI (the SDK, pytest; the
-# template's own packages inside its build).
+# E2B's code-interpreter SDK suites (Python and JavaScript) against `code-interpreter-v1` on a fresh agentenv
+# server, which builds the template on its first create. Fetches nothing at run time but packages: from PyPI (the
+# SDK, pytest; the template's own packages inside its build) and from npm (the JS SDK's `e2b`, vitest).
 #   crates/agentenv/server/tests/e2b_suite/run_code_interpreter.sh CHECKOUT
-# CHECKOUT: a checkout (or `git archive`) of github.com/e2b-dev/code-interpreter holding python/tests.
+# CHECKOUT: a checkout (or `git archive`) of github.com/e2b-dev/code-interpreter holding python/tests and, for
+# `js`, js/ (its SDK source runs against the `e2b` release its package.json allows).
 # Env: CI_SDK_VERSION (e2b-code-interpreter; default: the checkout's python/pyproject.toml), E2B_SDK_VERSION (e2b;
 # default: the version python/poetry.lock pins: newer e2b releases break older code-interpreter SDKs), SUITES
-# ("sync charts images timeout url async"; timeout and url: tests/test_execute_timeout.py, tests/test_sandbox_url.py),
+# ("sync charts images timeout url async js"; timeout and url: tests/test_execute_timeout.py,
+# tests/test_sandbox_url.py; js: js/tests one file at a time, as a Java test alone takes 15-20 s under TCG),
 # WORK (a new temporary folder by default; kept), TEST_TIMEOUT_S (180).
 # Prints one table of the tests that failed, each expected (with why: expected-code-interpreter.tsv) or not, and
 # exits 1 if one was not expected.
@@ -18,19 +20,23 @@ py="$checkout/python"
 [ -d "$py/tests" ] || { echo "no $py/tests: not a checkout of e2b-dev/code-interpreter" >&2; exit 2; }
 version=${CI_SDK_VERSION:-$(sed -n 's/^version = "\(.*\)"/\1/p' "$py/pyproject.toml" | head -1)}
 e2b_version=${E2B_SDK_VERSION:-$(sed -n '/^name = "e2b"$/{n;s/^version = "\(.*\)"/\1/p}' "$py/poetry.lock")}
-suites=${SUITES:-sync charts images timeout url async}
+suites=${SUITES:-sync charts images timeout url async js}
+case " $suites " in *" js "*) [ -d "$checkout/js/tests" ] || { echo "no $checkout/js/tests (SUITES has js)" >&2; exit 2; } ;; esac
 work=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/ci-suite.XXXXXX")}
 mkdir -p "$work"
 log() { printf '[ci-suite] %s\n' "$*" >&2; }
 log "e2b-code-interpreter $version, work folder $work"
 
-if [ ! -x "$work/venv/bin/python" ]; then
-  python3 -m venv "$work/venv"
-  "$work/venv/bin/pip" install -q "e2b-code-interpreter==$version" ${e2b_version:+"e2b==$e2b_version"} \
-    "pytest>=8,<10" python-dotenv pytest-dotenv "pytest-asyncio>=1.3,<2" pytest-timeout
+sdks=""
+if [ "$suites" != js ]; then
+  if [ ! -x "$work/venv/bin/python" ]; then
+    python3 -m venv "$work/venv"
+    "$work/venv/bin/pip" install -q "e2b-code-interpreter==$version" ${e2b_version:+"e2b==$e2b_version"} \
+      "pytest>=8,<10" python-dotenv pytest-dotenv "pytest-asyncio>=1.3,<2" pytest-timeout
+  fi
+  sdks=$("$work/venv/bin/pip" list 2>/dev/null | awk '$1 == "e2b" || $1 == "e2b-code-interpreter" {print $1 " " $2}' \
+    | paste -sd, -)
 fi
-sdks=$("$work/venv/bin/pip" list 2>/dev/null | awk '$1 == "e2b" || $1 == "e2b-code-interpreter" {print $1 " " $2}' \
-  | paste -sd, -)
 
 . "$here/server.sh"
 start_server
@@ -54,9 +60,29 @@ log "code-interpreter-v1 is built"
 
 unset E2B_DEBUG
 rm -rf "$work/python" && cp -r "$py" "$work/python"
+js_suite() {  # the checkout's package.json with its runtime dependencies and only the test tools the tests import
+  local dir="$work/js"
+  mkdir -p "$dir" && rm -rf "$dir/src" "$dir/tests"
+  cp -r "$checkout/js/src" "$checkout/js/tests" "$checkout/js/package.json" "$checkout/js/vitest.config.mts" "$dir/"
+  node -e 'const fs = require("fs"), p = JSON.parse(fs.readFileSync(process.argv[1])), d = p.devDependencies
+    p.devDependencies = Object.fromEntries(["vitest", "dotenv"].map(k => [k, d[k]]))
+    p.name = "ci-js-suite"; delete p.scripts; delete p.packageManager; fs.writeFileSync(process.argv[1], JSON.stringify(p, null, 1))' \
+    "$dir/package.json"
+  [ -d "$dir/node_modules" ] || (cd "$dir" && npm install --no-audit --no-fund >"$work/npm.log" 2>&1)
+  local ms=$((${TEST_TIMEOUT_S:-180} * 1000))
+  rm -f "$work/js-vitest.xml" "$work/js.xml"
+  (cd "$dir" && timeout 5400 npx vitest run --maxWorkers=1 --no-file-parallelism --testTimeout=$ms \
+    --hookTimeout=$ms --reporter=default --reporter=junit --outputFile.junit="$work/js-vitest.xml" \
+    >"$work/js.log" 2>&1) || true
+  vitest_xml "$work/js-vitest.xml" "$work/js.xml"
+  sdks="${sdks:+$sdks, }@e2b/code-interpreter $(node -p "require('$dir/package.json').version") on e2b \
+$(node -p "require('$dir/node_modules/e2b/package.json').version")"
+}
+
 xmls=()
 for suite in $suites; do
   log "$suite"
+  if [ "$suite" = js ]; then js_suite; xmls+=("$work/js.xml"); continue; fi
   case $suite in
     timeout) paths=tests/test_execute_timeout.py ;;
     url) paths=tests/test_sandbox_url.py ;;

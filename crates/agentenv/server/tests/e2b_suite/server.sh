@@ -4,7 +4,8 @@
 # name resolved to loopback inside the test processes (names.py for pytest, names.cjs for node). Sets
 # server (its pid, killed on exit), port, key (its API key) and url, and exports what the SDKs and the
 # tests' own HTTP clients need (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY, SSL_CERT_FILE,
-# NODE_EXTRA_CA_CERTS, NODE_OPTIONS, PYTHONPATH). Needs root, work, here and log.
+# NODE_EXTRA_CA_CERTS, NODE_OPTIONS, PYTHONPATH). Needs root, work, here and log. vitest_xml turns vitest's
+# JUnit file into the shape report.py reads.
 SANDBOX_DOMAIN=sbx.test
 
 make_tls() {  # $1: folder; a CA and a server certificate for 127.0.0.1, sbx.test and *.sbx.test
@@ -42,4 +43,14 @@ start_server() {
   export E2B_API_URL="$url" E2B_SANDBOX_URL="$url" E2B_API_KEY="$key" SSL_CERT_FILE="$work/tls/ca.pem" \
     NODE_EXTRA_CA_CERTS="$work/tls/ca.pem" NODE_OPTIONS="--require $here/names.cjs ${NODE_OPTIONS:-}" \
     PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" E2B_SUITE_DOMAIN="$SANDBOX_DOMAIN"
+}
+
+vitest_xml() {  # $1: vitest's JUnit file, $2: out; folders as pytest writes them: tests/sandbox/x.test.ts -> tests.sandbox.x
+  python3 - "$1" "$2" <<'PY' || true
+import re, sys, xml.etree.ElementTree as ET
+tree = ET.parse(sys.argv[1])
+for tc in tree.iter("testcase"):
+    tc.set("classname", re.sub(r"\.test\.tsx?$", "", tc.get("classname", "")).replace("/", "."))
+tree.write(sys.argv[2])
+PY
 }
