@@ -17,7 +17,7 @@ pub(crate) struct Catalog {
     /// `<state>/snapshots`: one folder per snapshot.
     snapshots_dir: PathBuf,
     imports: tokio::sync::Mutex<()>,
-    /// Snapshots deleted here since start: the shared store may list one until its delete lands there.
+    /// Snapshots deleted here whose delete has not landed in the shared store, which lists them until then.
     deleted: Mutex<BTreeSet<String>>,
 }
 
@@ -226,12 +226,23 @@ impl Catalog {
         Ok(Some(s.clone()))
     }
 
-    /// Whether snapshot `id` was deleted here since start (its record may be gone already).
+    /// Whether snapshot `id` was deleted here and the shared store may still list it (its record may be
+    /// gone already).
     pub(crate) fn deleted_here(&self, id: &str) -> bool {
         self.deleted
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains(id)
+    }
+
+    /// Snapshot `id`'s delete reached the shared store. Waits for a running import, which may have read
+    /// the store before.
+    pub(crate) async fn delete_landed(&self, id: &str) {
+        let _no_import = self.imports.lock().await;
+        self.deleted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
     }
 
     /// Takes out the deleted snapshots that neither `needed` nor a snapshot's parent names; their

@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-/// Copies only the data extents of `src` into a new `dst` of the same length (holes stay holes),
-/// with `SEEK_DATA`/`SEEK_HOLE` and `copy_file_range`.
+/// Copies only the data of `src` into a new `dst` of the same length: holes and all-zero pages stay
+/// holes ([`crate::sparse::copy_files`]). Returns the bytes written.
 pub fn sparse_copy(src: &Path, dst: &Path) -> std::io::Result<u64> {
     let from = std::fs::File::open(src)?;
     let to = std::fs::OpenOptions::new()

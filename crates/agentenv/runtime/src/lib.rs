@@ -79,7 +79,7 @@ pub(crate) struct Inner {
     pub(crate) lazy: Arc<lazy::LazyDisks>,
     /// Snapshots are stored as chunks one at a time: a burst of snapshots does not become a burst of
     /// hashing threads that, together, outweigh the requests their lower priority yields to.
-    pub(crate) ingests: tokio::sync::Semaphore,
+    pub(crate) ingests: tokio::sync::Mutex<()>,
 }
 
 /// Every 2 s, rotates the serial console log and QEMU's own log of each VM above
@@ -239,7 +239,7 @@ impl Runtime {
             prepared,
             warm,
             lazy,
-            ingests: tokio::sync::Semaphore::new(1),
+            ingests: tokio::sync::Mutex::new(()),
         });
         spawn_console_rotation(Arc::downgrade(&inner));
         Ok(Runtime { inner })

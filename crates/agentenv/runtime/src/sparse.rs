@@ -1,11 +1,13 @@
 //! Sparse copies between open files: only the data extents (`SEEK_DATA`/`SEEK_HOLE`), and in them only
 //! the pages that are not all zero (a guest's RAM file holds many: its kernel's zeroed memory). The copy
 //! reads the same bytes as its source; a page left out is a hole. Reads and writes go through one buffer:
-//! on this kind of host, mapping the source costs more in page-table work than the copy it saves. A
-//! leaf: used by [`crate::fsops`] and by the VM launcher's memfds.
+//! on this kind of host, mapping the source costs more in page-table work than the copy it saves. The
+//! extents and the zero test are the chunk store's, which leaves out the same. Used by [`crate::fsops`]
+//! and by the VM launcher's memfds.
 
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
+
+use agentenv_store::{data_ranges, is_zero};
 
 /// The unit in which zero pages are left out.
 const PAGE: usize = 4096;
@@ -17,28 +19,12 @@ const BUF: usize = 1 << 20;
 pub fn copy_files(from: &std::fs::File, to: &std::fs::File) -> std::io::Result<u64> {
     let len = from.metadata()?.len();
     to.set_len(len)?;
-    let fi = from.as_raw_fd();
     let mut buf = vec![0u8; BUF];
-    let mut pos: i64 = 0;
     let mut copied = 0u64;
-    while (pos as u64) < len {
-        // SAFETY: plain lseek on an owned fd.
-        let data = unsafe { libc::lseek(fi, pos, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break; // no data after pos
-            }
-            return Err(e);
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fi, data, libc::SEEK_HOLE) };
-        if hole < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let mut at = data as u64;
-        while at < hole as u64 {
-            let want = ((hole as u64 - at) as usize).min(BUF);
+    for (data, end) in data_ranges(from, len)? {
+        let mut at = data;
+        while at < end {
+            let want = ((end - at) as usize).min(BUF);
             let n = from.read_at(&mut buf[..want], at)?;
             if n == 0 {
                 break; // the source shrank: it ends here
@@ -46,7 +32,6 @@ pub fn copy_files(from: &std::fs::File, to: &std::fs::File) -> std::io::Result<u
             copied += write_nonzero(to, &buf[..n], at)?;
             at += n as u64;
         }
-        pos = hole;
     }
     Ok(copied)
 }
@@ -72,17 +57,10 @@ fn write_nonzero(to: &std::fs::File, b: &[u8], off: u64) -> std::io::Result<u64>
     Ok(written)
 }
 
-/// Whether `b` is all zero bytes (64 at a time, which the compiler turns into vector ORs).
-fn is_zero(b: &[u8]) -> bool {
-    let mut chunks = b.chunks_exact(64);
-    chunks.all(|c| c.iter().fold(0u8, |a, &x| a | x) == 0)
-        && chunks.remainder().iter().all(|&x| x == 0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::{FileExt, MetadataExt};
+    use std::os::unix::fs::MetadataExt;
 
     /// A file of random pages, written zero pages, holes and a partial last page; its expected bytes.
     fn source(dir: &std::path::Path) -> (std::fs::File, Vec<u8>) {

@@ -38,10 +38,11 @@ mod store;
 pub mod testing;
 mod volume_bucket;
 
-pub use chunk::{ChunkId, Compression, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
+pub use chunk::{ChunkId, Compression, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, is_zero};
 pub use error::{Result, StoreError};
 pub use ingest::IngestStats;
 pub use manifest::{Loc, MANIFEST_VERSION, Manifest, ManifestId, Place};
 pub use materialize::{Durability, MaterializeStats};
 pub use remote::{RemoteConfig, meta_key_from_secret};
+pub use sparse::data_ranges;
 pub use store::{ChunkStore, GcStats, LocalStats, MANIFEST_PREFIX, StoreConfig, VerifyReport};

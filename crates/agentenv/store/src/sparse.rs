@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 /// `(start, end)` byte ranges of `f` that may hold data; holes are left out. Filesystems without
 /// `SEEK_DATA` report the whole file.
-pub(crate) fn data_ranges(f: &std::fs::File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
+pub fn data_ranges(f: &std::fs::File, len: u64) -> std::io::Result<Vec<(u64, u64)>> {
     let fd = f.as_raw_fd();
     let mut out = Vec::new();
     let mut pos: i64 = 0;

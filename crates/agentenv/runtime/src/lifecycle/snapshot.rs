@@ -430,9 +430,12 @@ impl Runtime {
         self.inner.warm.forget(&s.image().disk, &self.inner);
         // Other machines sharing the store must not import it any more.
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let (store, key) = (self.inner.store.clone(), crate::sync::remote::meta_key(id));
+            let (inner, id) = (self.inner.clone(), id.to_string());
             handle.spawn(async move {
-                let _ = store.delete_meta(&key).await;
+                let key = crate::sync::remote::meta_key(&id);
+                if inner.store.delete_meta(&key).await.is_ok() {
+                    inner.catalog.delete_landed(&id).await;
+                }
             });
         }
         self.collect_snapshots();
@@ -501,7 +504,8 @@ impl Runtime {
             .collect())
     }
 
-    /// Stores a committed snapshot's files as chunks in the background (the capture itself stays short):
+    /// Stores a committed snapshot's files as chunks in the background, one snapshot at a time (the capture
+    /// itself stays short):
     /// only chunks no earlier file had are written; `chunks.json` appears when all are durable. `sync`:
     /// the files are flushed to disk first (a fork's capture skips that on its critical path).
     fn spawn_ingest(&self, rec: SnapshotRecord, sync: bool) {
@@ -514,9 +518,7 @@ impl Runtime {
             .map(|t| crate::sync::remote::template_build(&t));
         let dir = self.inner.snapshots_dir().join(&rec.id);
         tokio::spawn(async move {
-            let Ok(_one_at_a_time) = inner.ingests.acquire().await else {
-                return;
-            };
+            let _one_at_a_time = inner.ingests.lock().await;
             let t0 = Instant::now();
             // A fork's RAM capture lives only in its forks' memfd: nothing restores it later.
             let files: Vec<_> = rec

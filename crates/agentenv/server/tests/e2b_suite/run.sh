@@ -45,24 +45,15 @@ python_suite() {  # $1: sync or async
     >"$work/$1.log" 2>&1) || true
 }
 
-js_suite() {  # the checkout's package.json with its runtime dependencies and only the test tools the tests import
+js_suite() {
   local dir="$work/js-sdk"
-  mkdir -p "$dir" && rm -rf "$dir/src" "$dir/tests" && cp -r "$js/src" "$js/tests" "$js/package.json" "$dir/"
-  node -e 'const fs = require("fs"), p = JSON.parse(fs.readFileSync(process.argv[1])), d = p.devDependencies
-    p.devDependencies = Object.fromEntries(["vitest", "msw", "dotenv", "error-stack-parser-es"].map(k => [k, d[k]]))
-    p.name = "e2b-js-suite"; delete p.scripts; fs.writeFileSync(process.argv[1], JSON.stringify(p, null, 1))' \
-    "$dir/package.json"
-  [ -d "$dir/node_modules" ] || (cd "$dir" && npm install --no-audit --no-fund >"$work/npm.log" 2>&1)
+  js_project "$js" "$dir" e2b-js-suite "vitest msw dotenv error-stack-parser-es" src tests package.json
   if [ -n "${E2B_JS_SDK_VERSION:-}" ]; then
     (cd "$dir" && npm install --no-audit --no-fund --no-save "e2b@$E2B_JS_SDK_VERSION" >>"$work/npm.log" 2>&1)
     export E2B_JS_SDK="e2b@$E2B_JS_SDK_VERSION"
   fi
   cp "$here/vitest.config.mts" "$dir/" && cp "$here/mswEnv.setup.ts" "$dir/tests/"
-  rm -f "$work/js-vitest.xml" "$work/js.xml"
-  (cd "$dir" && TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-180} timeout 5400 npx vitest run --maxWorkers=1 \
-    --no-file-parallelism --reporter=default --reporter=junit --outputFile.junit="$work/js-vitest.xml" \
-    >"$work/js.log" 2>&1) || true
-  vitest_xml "$work/js-vitest.xml" "$work/js.xml"
+  TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-180} vitest_run "$dir"
 }
 
 xmls=()

@@ -60,21 +60,10 @@ log "code-interpreter-v1 is built"
 
 unset E2B_DEBUG
 rm -rf "$work/python" && cp -r "$py" "$work/python"
-js_suite() {  # the checkout's package.json with its runtime dependencies and only the test tools the tests import
-  local dir="$work/js"
-  mkdir -p "$dir" && rm -rf "$dir/src" "$dir/tests"
-  cp -r "$checkout/js/src" "$checkout/js/tests" "$checkout/js/package.json" "$checkout/js/vitest.config.mts" "$dir/"
-  node -e 'const fs = require("fs"), p = JSON.parse(fs.readFileSync(process.argv[1])), d = p.devDependencies
-    p.devDependencies = Object.fromEntries(["vitest", "dotenv"].map(k => [k, d[k]]))
-    p.name = "ci-js-suite"; delete p.scripts; delete p.packageManager; fs.writeFileSync(process.argv[1], JSON.stringify(p, null, 1))' \
-    "$dir/package.json"
-  [ -d "$dir/node_modules" ] || (cd "$dir" && npm install --no-audit --no-fund >"$work/npm.log" 2>&1)
-  local ms=$((${TEST_TIMEOUT_S:-180} * 1000))
-  rm -f "$work/js-vitest.xml" "$work/js.xml"
-  (cd "$dir" && timeout 5400 npx vitest run --maxWorkers=1 --no-file-parallelism --testTimeout=$ms \
-    --hookTimeout=$ms --reporter=default --reporter=junit --outputFile.junit="$work/js-vitest.xml" \
-    >"$work/js.log" 2>&1) || true
-  vitest_xml "$work/js-vitest.xml" "$work/js.xml"
+js_suite() {
+  local dir="$work/js" ms=$((${TEST_TIMEOUT_S:-180} * 1000))
+  js_project "$checkout/js" "$dir" ci-js-suite "vitest dotenv" src tests package.json vitest.config.mts
+  vitest_run "$dir" --testTimeout=$ms --hookTimeout=$ms
   sdks="${sdks:+$sdks, }@e2b/code-interpreter $(node -p "require('$dir/package.json').version") on e2b \
 $(node -p "require('$dir/node_modules/e2b/package.json').version")"
 }

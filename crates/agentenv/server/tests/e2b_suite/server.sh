@@ -4,8 +4,8 @@
 # name resolved to loopback inside the test processes (names.py for pytest, names.cjs for node). Sets
 # server (its pid, killed on exit), port, key (its API key) and url, and exports what the SDKs and the
 # tests' own HTTP clients need (E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY, SSL_CERT_FILE,
-# NODE_EXTRA_CA_CERTS, NODE_OPTIONS, PYTHONPATH). Needs root, work, here and log. vitest_xml turns vitest's
-# JUnit file into the shape report.py reads.
+# NODE_EXTRA_CA_CERTS, NODE_OPTIONS, PYTHONPATH). Needs root, work, here and log. js_project and vitest_run set
+# up and run a JS suite for report.py.
 SANDBOX_DOMAIN=sbx.test
 
 make_tls() {  # $1: folder; a CA and a server certificate for 127.0.0.1, sbx.test and *.sbx.test
@@ -45,8 +45,25 @@ start_server() {
     PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" E2B_SUITE_DOMAIN="$SANDBOX_DOMAIN"
 }
 
-vitest_xml() {  # $1: vitest's JUnit file, $2: out; folders as pytest writes them: tests/sandbox/x.test.ts -> tests.sandbox.x
-  python3 - "$1" "$2" <<'PY' || true
+js_project() {  # $1: source folder, $2: work folder, $3: package name, $4: dev dependencies kept, rest: what to copy
+  # The source's package.json with its runtime dependencies and only the test tools the tests import, installed once.
+  local src=$1 dir=$2 name=$3 keep=$4
+  shift 4
+  mkdir -p "$dir" && for f in "$@"; do rm -rf "${dir:?}/$f" && cp -r "$src/$f" "$dir/"; done
+  node -e 'const fs = require("fs"), [file, name, ...keep] = process.argv.slice(1)
+    const p = JSON.parse(fs.readFileSync(file)), d = p.devDependencies
+    p.devDependencies = Object.fromEntries(keep.map(k => [k, d[k]]))
+    p.name = name; delete p.scripts; delete p.packageManager; fs.writeFileSync(file, JSON.stringify(p, null, 1))' \
+    "$dir/package.json" "$name" $keep
+  [ -d "$dir/node_modules" ] || (cd "$dir" && npm install --no-audit --no-fund >"$work/npm.log" 2>&1)
+}
+
+vitest_run() {  # $1: project folder, rest: vitest options; one file at a time, into $work/js.log and $work/js.xml
+  rm -f "$work/js-vitest.xml" "$work/js.xml"
+  (cd "$1" && shift && timeout 5400 npx vitest run --maxWorkers=1 --no-file-parallelism --reporter=default \
+    --reporter=junit --outputFile.junit="$work/js-vitest.xml" "$@" >"$work/js.log" 2>&1) || true
+  # report.py reads folders as pytest writes them: tests/sandbox/x.test.ts -> tests.sandbox.x
+  python3 - "$work/js-vitest.xml" "$work/js.xml" <<'PY' || true
 import re, sys, xml.etree.ElementTree as ET
 tree = ET.parse(sys.argv[1])
 for tc in tree.iter("testcase"):
