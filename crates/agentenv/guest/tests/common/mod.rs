@@ -65,13 +65,14 @@ impl Guest {
             dir,
             mux,
         };
+        // The socket file appears at bind, before the agent listens: ready once a connect succeeds.
         for _ in 0..500 {
-            if g.sock.exists() {
+            if tokio::net::UnixStream::connect(&g.sock).await.is_ok() {
                 return g;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        panic!("agentenv-guest did not create {}", g.sock.display());
+        panic!("agentenv-guest did not listen on {}", g.sock.display());
     }
 
     /// Sends one request on a fresh connection; returns status, headers and the body.
